@@ -1,0 +1,1 @@
+"""megapipe.kernels: token permute/unpermute kernels (Triton) with a plain-torch reference."""

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv and install megapipe with its test extras.
+# TORCH_SPEC pins torch (default: the CPU build torch==2.13.0). For a CUDA build, e.g.:
+#   TORCH_SPEC="torch==2.13.0" PIP_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh
+# or TORCH_SPEC=skip to keep a torch that is already in the environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip setuptools
+if [ "$TORCH_SPEC" != "skip" ]; then
+  $PIP install -q "$TORCH_SPEC"
+fi
+$PIP install -q -e ".[test,triton]"

@@ -1,0 +1,167 @@
+"""The rank layout of the PP x DP (x EP folded into DP) grid, and its process groups.
+
+Layout (Megatron order, data-parallel fastest, pipeline outermost)::
+
+    rank     = pp_rank * dp + dp_rank
+    ep_rank  = dp_rank % ep           # position inside the expert-parallel block
+    edp_rank = dp_rank // ep          # which replica of the experts (expert-data-parallel)
+
+- PP group: the ``pp`` ranks with the same ``dp_rank`` (stride ``dp``); pipeline p2p runs here.
+- DP group: the ``dp`` consecutive ranks with the same ``pp_rank``; dense gradients reduce here.
+- EP group: ``ep`` consecutive ranks inside a DP group; the token all-to-all runs here, so it
+  stays on the fastest links when ranks are packed onto nodes in order.
+- Expert-DP group: the ``dp // ep`` ranks of a DP group with the same ``ep_rank`` (stride
+  ``ep``); they hold the same experts, so expert gradients reduce here.
+
+Example pp=2, dp=4, ep=2 (8 ranks): PP [0,4] [1,5] [2,6] [3,7]; DP [0,1,2,3] [4,5,6,7];
+EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
+
+``rank_layout`` is a pure function (tested without processes); ``create_groups`` calls
+``dist.new_group`` for every group in the same order on every rank, as torch requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megapipe.parallel.config import ParallelConfig
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """Where one global rank sits in the grid."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    expert_dp_rank: int
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Which global ranks form each PP, DP, EP and expert-DP group (in creation order)."""
+
+    config: ParallelConfig
+    pp_groups: Groups
+    dp_groups: Groups
+    ep_groups: Groups
+    expert_dp_groups: Groups
+
+    def coordinates(self, rank: int) -> RankCoordinates:
+        world = self.config.world_size
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank={rank!r} is outside the world of {world} ranks")
+        pp_rank, dp_rank = divmod(rank, self.config.dp)
+        edp_rank, ep_rank = divmod(dp_rank, self.config.ep)
+        return RankCoordinates(rank, pp_rank, dp_rank, ep_rank, edp_rank)
+
+    def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The four groups (by name) that contain ``rank``."""
+        self.coordinates(rank)
+        return {
+            name: next(g for g in getattr(self, f"{name}_groups") if rank in g)
+            for name in ("pp", "dp", "ep", "expert_dp")
+        }
+
+
+def rank_layout(config: ParallelConfig) -> RankLayout:
+    """The rank layout of ``config`` (see the module docstring); pure, no processes needed."""
+    pp, dp, ep = config.pp, config.dp, config.ep
+
+    def rank(pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * dp + dp_rank
+
+    pp_groups = tuple(tuple(rank(p, d) for p in range(pp)) for d in range(dp))
+    dp_groups = tuple(tuple(rank(p, d) for d in range(dp)) for p in range(pp))
+    ep_groups = tuple(
+        tuple(rank(p, block * ep + e) for e in range(ep))
+        for p in range(pp)
+        for block in range(dp // ep)
+    )
+    expert_dp_groups = tuple(
+        tuple(rank(p, block * ep + e) for block in range(dp // ep))
+        for p in range(pp)
+        for e in range(ep)
+    )
+    return RankLayout(config, pp_groups, dp_groups, ep_groups, expert_dp_groups)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups, their global ranks, and its grid coordinates.
+
+    ``pp_ranks[i]`` is the global rank of pipeline position i, which p2p send/recv need.
+    """
+
+    config: ParallelConfig
+    layout: RankLayout
+    coordinates: RankCoordinates
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    expert_dp: dist.ProcessGroup
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    ep_ranks: tuple[int, ...]
+    expert_dp_ranks: tuple[int, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.coordinates.rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinates.pp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinates.dp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        return self.coordinates.ep_rank
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.coordinates.expert_dp_rank
+
+
+def create_groups(config: ParallelConfig, backend: str | None = None) -> ProcessGroups:
+    """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
+
+    Must be called on every rank of an initialised default group, with the same config; the
+    world size is checked first, so a mismatch fails before any group is created.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "create_groups needs an initialised default process group; call "
+            "megapipe.parallel.launch.init_distributed() first"
+        )
+    config.check_world_size(dist.get_world_size())
+    layout = rank_layout(config)
+    me = dist.get_rank()
+    mine: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+    for name in ("pp", "dp", "ep", "expert_dp"):
+        for ranks in getattr(layout, f"{name}_groups"):
+            # every rank creates every group, in the same order; only members keep theirs
+            group = dist.new_group(list(ranks), backend=backend)
+            if me in ranks:
+                mine[name] = (group, ranks)
+    return ProcessGroups(
+        config=config,
+        layout=layout,
+        coordinates=layout.coordinates(me),
+        pp=mine["pp"][0],
+        dp=mine["dp"][0],
+        ep=mine["ep"][0],
+        expert_dp=mine["expert_dp"][0],
+        pp_ranks=mine["pp"][1],
+        dp_ranks=mine["dp"][1],
+        ep_ranks=mine["ep"][1],
+        expert_dp_ranks=mine["expert_dp"][1],
+    )

@@ -1,0 +1,114 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapipe.parallel.config import ParallelConfig
+from megapipe.parallel.groups import create_groups, rank_layout
+
+
+def _grids(max_world: int = 8):
+    for pp in range(1, max_world + 1):
+        for dp in range(1, max_world // pp + 1):
+            for ep in range(1, dp + 1):
+                if dp % ep == 0:
+                    yield ParallelConfig(pp, dp, ep)
+
+
+def test_example_layout_pp2_dp4_ep2():
+    layout = rank_layout(ParallelConfig(pp=2, dp=4, ep=2))
+    assert layout.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.dp_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert layout.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    c = layout.coordinates(6)
+    assert (c.pp_rank, c.dp_rank, c.ep_rank, c.expert_dp_rank) == (1, 2, 0, 1)
+    assert layout.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7), "expert_dp": (4, 6)}
+
+
+@pytest.mark.parametrize("config", list(_grids()), ids=str)
+def test_layout_invariants(config):
+    layout = rank_layout(config)
+    world = set(range(config.world_size))
+    sizes = {"pp": config.pp, "dp": config.dp, "ep": config.ep, "expert_dp": config.dp // config.ep}
+    for name, size in sizes.items():
+        groups = getattr(layout, f"{name}_groups")
+        flat = [r for g in groups for r in g]
+        assert sorted(flat) == sorted(world), f"{name} groups must partition the world"
+        assert all(len(g) == size for g in groups), name
+    for rank in world:
+        c = layout.coordinates(rank)
+        mine = layout.groups_of(rank)
+        assert mine["pp"][c.pp_rank] == rank and mine["dp"][c.dp_rank] == rank
+        assert mine["ep"][c.ep_rank] == rank and mine["expert_dp"][c.expert_dp_rank] == rank
+        # PP peers share the data-parallel position; EP and expert-DP live inside the DP group
+        assert all(layout.coordinates(r).dp_rank == c.dp_rank for r in mine["pp"])
+        assert set(mine["ep"]) <= set(mine["dp"]) and set(mine["expert_dp"]) <= set(mine["dp"])
+        # expert-DP peers hold the same experts: same EP position, one per EP block
+        assert all(layout.coordinates(r).ep_rank == c.ep_rank for r in mine["expert_dp"])
+        assert set(mine["ep"]) & set(mine["expert_dp"]) == {rank}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(pp=0, dp=1), "pp must be >= 1, got pp=0"),
+        (dict(pp=1, dp=-2), "dp must be >= 1, got dp=-2"),
+        (dict(pp=1, dp=2, ep=0), "ep must be >= 1, got ep=0"),
+        (dict(pp=1, dp=6, ep=4), "ep=4 must divide dp=6"),
+    ],
+)
+def test_bad_sizes_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def test_bad_types_and_world_rejected():
+    with pytest.raises(TypeError, match="pp must be an int, got 2.0"):
+        ParallelConfig(pp=2.0, dp=1)
+    with pytest.raises(TypeError, match="ep must be an int, got True"):
+        ParallelConfig(pp=1, dp=1, ep=True)
+    with pytest.raises(ValueError, match="world_size=6 is not divisible by pp=4"):
+        ParallelConfig.from_world_size(6, pp=4)
+    assert ParallelConfig.from_world_size(8, pp=2, ep=2) == ParallelConfig(2, 4, 2)
+    with pytest.raises(ValueError, match="world_size=8 does not match pp x dp = 2 x 2 = 4"):
+        ParallelConfig(2, 2).check_world_size(8)
+    with pytest.raises(ValueError, match="rank=8 is outside the world of 8 ranks"):
+        rank_layout(ParallelConfig(2, 4)).coordinates(8)
+
+
+def _sum_over_groups(configs):
+    """For each config: build the groups and all-reduce the global rank over each of them."""
+    out = []
+    for config in configs:
+        groups = create_groups(config)
+        sums = {}
+        for name in ("pp", "dp", "ep", "expert_dp"):
+            t = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(t, group=getattr(groups, name))
+            sums[name] = (t.item(), getattr(groups, f"{name}_ranks"))
+        out.append((groups.coordinates, sums))
+    return out
+
+
+def _create_with_wrong_world():
+    try:
+        create_groups(ParallelConfig(pp=2, dp=4))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_create_groups_all_reduces_over_layout(rank_pools):
+    configs = [ParallelConfig(2, 2, 2), ParallelConfig(1, 4, 2), ParallelConfig(4, 1, 1)]
+    results = rank_pools(4).run(_sum_over_groups, configs)
+    for rank, per_config in enumerate(results):
+        for config, (coords, sums) in zip(configs, per_config):
+            layout = rank_layout(config)
+            assert coords == layout.coordinates(rank)
+            for name, ranks in layout.groups_of(rank).items():
+                assert sums[name] == (float(sum(ranks)), ranks), (config, rank, name)
+
+
+def test_create_groups_rejects_wrong_world_before_any_group(rank_pools):
+    messages = rank_pools(4).run(_create_with_wrong_world)
+    assert all("world_size=4 does not match pp x dp = 2 x 4 = 8" in m for m in messages)

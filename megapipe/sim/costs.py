@@ -1,0 +1,140 @@
+"""The cost model of the schedule simulator: how long each piece of a pipeline step takes.
+
+Durations are in arbitrary time units (the trace writer reads one unit as one millisecond).
+``forward``, ``backward`` and ``weight`` are the costs of one stage (model chunk) for one
+microbatch: F, B (full backward) and W (weight-gradient backward), so the input-gradient
+backward costs I = B - W. Each F and each B (or I) of a stage runs ``moe_layers`` MoE layers;
+every layer sends its tokens out (dispatch all-to-all) and back (combine all-to-all) once in the
+forward and once in the backward. Communication is free by default, which is the setting of the
+closed-form bubble formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..schedule.ir import Kind
+
+
+def _check_duration(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"cost {name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"cost {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-chunk durations, per-stage multipliers, P2P latency and all-to-all segments.
+
+    - ``forward``, ``backward``, ``weight``: F, B and W of one stage and one microbatch (W <= B).
+    - ``stage_multipliers``: compute of stage s is scaled by ``stage_multipliers[s]`` (e.g. a
+      first stage that also holds the embedding); empty means 1 for every stage.
+      Communication is not scaled.
+    - ``p2p_latency``: delay between a stage finishing and the next stage (on another rank) being
+      able to use its output; a hand-off between two stages of one rank is immediate.
+    - ``dispatch``, ``combine``: duration of one dispatch and one combine all-to-all of one MoE
+      layer, the same in the forward and (as the transposed exchange) in the backward.
+    - ``moe_layers``: MoE layers per stage; the compute of a step is split evenly across them.
+      0 means a dense model: no all-to-all at all.
+    - ``attention_share``: the part of a layer's compute spent before the dispatch (attention
+      and router); the rest is the experts. Backward compute is split the same way. 0.5 by
+      default: in large MoE models (DeepSeek-V3) attention and expert compute are comparable.
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    weight: float = 1.0
+    stage_multipliers: tuple[float, ...] = ()
+    p2p_latency: float = 0.0
+    dispatch: float = 0.0
+    combine: float = 0.0
+    moe_layers: int = 1
+    attention_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_multipliers", tuple(self.stage_multipliers))
+        for name in ("forward", "backward", "weight", "p2p_latency", "dispatch", "combine"):
+            _check_duration(name, getattr(self, name))
+        if self.weight > self.backward:
+            raise ValueError(
+                f"cost weight (W={self.weight}) must not exceed backward (B={self.backward}): "
+                "W is the weight-gradient part of the full backward, I = B - W"
+            )
+        for stage, mult in enumerate(self.stage_multipliers):
+            _check_duration(f"stage_multipliers[{stage}]", mult)
+            if mult == 0:
+                raise ValueError(f"cost stage_multipliers[{stage}] must be > 0, got {mult!r}")
+        if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int):
+            raise ValueError(f"moe_layers must be an integer, got {self.moe_layers!r}")
+        if self.moe_layers < 0:
+            raise ValueError(f"moe_layers must be >= 0, got {self.moe_layers}")
+        _check_duration("attention_share", self.attention_share)
+        if self.attention_share > 1:
+            raise ValueError(
+                f"attention_share must lie in [0, 1], got {self.attention_share!r}"
+            )
+
+    @property
+    def input_grad(self) -> float:
+        """I = B - W: the input-gradient backward of one stage."""
+        return self.backward - self.weight
+
+    @property
+    def has_comm(self) -> bool:
+        """Whether any all-to-all takes time."""
+        return self.moe_layers > 0 and (self.dispatch > 0 or self.combine > 0)
+
+    def check_stages(self, num_stages: int) -> None:
+        """Raise if per-stage multipliers are given but do not cover ``num_stages`` stages."""
+        if self.stage_multipliers and len(self.stage_multipliers) != num_stages:
+            raise ValueError(
+                f"{len(self.stage_multipliers)} stage multipliers given for a schedule of "
+                f"{num_stages} stages; give one per stage or none"
+            )
+
+    def multiplier(self, stage: int) -> float:
+        return self.stage_multipliers[stage] if self.stage_multipliers else 1.0
+
+    def compute(self, kind: Kind, stage: int) -> float:
+        """The compute time of a plain F, B, I or W action of ``stage``."""
+        base = {
+            Kind.F: self.forward,
+            Kind.B: self.backward,
+            Kind.I: self.input_grad,
+            Kind.W: self.weight,
+        }.get(kind)
+        if base is None:
+            raise ValueError(f"no compute cost for a {kind.value} action")
+        return base * self.multiplier(stage)
+
+    @classmethod
+    def from_text(cls, text: str, **fields) -> "Costs":
+        """Parse ``"F,B,W"`` or ``"F,B,W,A2A"`` (A2A: every dispatch and combine duration)."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"costs must be F,B,W or F,B,W,A2A (numbers), got {text!r}")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"costs must be F,B,W or F,B,W,A2A (numbers), got {text!r}") from None
+        forward, backward, weight = values[:3]
+        if len(values) == 4:
+            fields.setdefault("dispatch", values[3])
+            fields.setdefault("combine", values[3])
+        return cls(forward=forward, backward=backward, weight=weight, **fields)
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. for a picture's title."""
+        text = f"F={self.forward:g} B={self.backward:g} W={self.weight:g}"
+        if self.has_comm:
+            text += (
+                f" dispatch={self.dispatch:g} combine={self.combine:g}"
+                f" x{self.moe_layers} MoE layers"
+            )
+        else:
+            text += " (free all-to-all)"
+        if self.p2p_latency:
+            text += f" p2p={self.p2p_latency:g}"
+        return text

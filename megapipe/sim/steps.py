@@ -1,0 +1,145 @@
+"""Timing of one pipeline step on one rank: a plain F/B/I/W or an OVERLAP of two microbatches.
+
+A rank has one compute stream and one communication stream. Each MoE layer's forward is
+attention (and router) compute, the dispatch all-to-all, expert compute and the combine
+all-to-all, one after the other; its backward runs the same four pieces in reverse (combine,
+experts, dispatch, attention). Outside an OVERLAP every piece waits for the one before it, so
+the all-to-all is exposed. Inside an OVERLAP the forward of one microbatch (layers 0..L-1) is
+paired with the backward of another (layers L-1..0) layer by layer, as in DESIGN.md and
+Megatron's combined 1F1B:
+
+    compute stream:  attention-F | experts-B  | experts-F   | attention-B
+    comm stream:     combine-B   | dispatch-F | dispatch-B  | combine-F
+
+so each all-to-all runs beside compute of the other microbatch. With free communication the
+OVERLAP takes exactly F + B (DualPipe's F&B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedule.ir import Action, Kind
+from .costs import Costs
+
+COMPUTE = "compute"
+COMM = "comm"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One timed piece of an action on one stream of a rank.
+
+    ``part`` is ``attention``, ``experts``, ``dispatch``, ``combine`` or, for an action without
+    MoE layers (or a W), ``compute``. ``action`` is the plain F/B/I/W the piece belongs to.
+    """
+
+    stream: str
+    part: str
+    action: Action
+    layer: int | None
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class _Op:
+    stream: str
+    part: str
+    action: Action
+    layer: int | None
+    duration: float
+    deps: tuple[int, ...]
+
+
+def _layer_forward(action: Action, layer: int, compute: float, costs: Costs, first: int) -> list[_Op]:
+    """The four pieces of one layer's forward, chained; ``first`` is the index of the first."""
+    attention = compute * costs.attention_share
+    return [
+        _Op(COMPUTE, "attention", action, layer, attention, (first - 1,) if first else ()),
+        _Op(COMM, "dispatch", action, layer, costs.dispatch, (first,)),
+        _Op(COMPUTE, "experts", action, layer, compute - attention, (first + 1,)),
+        _Op(COMM, "combine", action, layer, costs.combine, (first + 2,)),
+    ]
+
+
+def _layer_backward(action: Action, layer: int, compute: float, costs: Costs, first: int) -> list[_Op]:
+    attention = compute * costs.attention_share
+    return [
+        _Op(COMM, "combine", action, layer, costs.combine, (first - 1,) if first else ()),
+        _Op(COMPUTE, "experts", action, layer, compute - attention, (first,)),
+        _Op(COMM, "dispatch", action, layer, costs.dispatch, (first + 1,)),
+        _Op(COMPUTE, "attention", action, layer, attention, (first + 2,)),
+    ]
+
+
+def _plain_ops(action: Action, costs: Costs) -> list[_Op]:
+    compute = costs.compute(action.kind, action.stage)
+    layers = costs.moe_layers
+    if action.kind is Kind.W or layers == 0:
+        return [_Op(COMPUTE, "compute", action, None, compute, ())]
+    per_layer = compute / layers
+    ops: list[_Op] = []
+    for i in range(layers):
+        if action.kind is Kind.F:
+            ops += _layer_forward(action, i, per_layer, costs, len(ops))
+        else:
+            ops += _layer_backward(action, layers - 1 - i, per_layer, costs, len(ops))
+    return ops
+
+
+def _overlap_ops(forward: Action, backward: Action, costs: Costs) -> list[_Op]:
+    """Forward layer k paired with backward layer L-1-k, pieces in the order of the docstring."""
+    f_compute = costs.compute(Kind.F, forward.stage)
+    b_compute = costs.compute(backward.kind, backward.stage)
+    layers = costs.moe_layers
+    if layers == 0:
+        return [
+            _Op(COMPUTE, "compute", forward, None, f_compute, ()),
+            _Op(COMPUTE, "compute", backward, None, b_compute, ()),
+        ]
+    f_layer, b_layer = f_compute / layers, b_compute / layers
+    f_attn, b_attn = f_layer * costs.attention_share, b_layer * costs.attention_share
+    ops: list[_Op] = []
+    f_prev: tuple[int, ...] = ()  # previous forward piece (the combine of the layer before)
+    b_prev: tuple[int, ...] = ()
+    for k in range(layers):
+        fl, bl = k, layers - 1 - k
+        n = len(ops)
+        ops += [
+            _Op(COMPUTE, "attention", forward, fl, f_attn, f_prev),  # n
+            _Op(COMM, "combine", backward, bl, costs.combine, b_prev),  # n+1
+            _Op(COMPUTE, "experts", backward, bl, b_layer - b_attn, (n + 1,)),  # n+2
+            _Op(COMM, "dispatch", forward, fl, costs.dispatch, (n,)),  # n+3
+            _Op(COMPUTE, "experts", forward, fl, f_layer - f_attn, (n + 3,)),  # n+4
+            _Op(COMM, "dispatch", backward, bl, costs.dispatch, (n + 2,)),  # n+5
+            _Op(COMPUTE, "attention", backward, bl, b_attn, (n + 5,)),  # n+6
+            _Op(COMM, "combine", forward, fl, costs.combine, (n + 4,)),  # n+7
+        ]
+        f_prev, b_prev = (n + 7,), (n + 6,)
+    return ops
+
+
+def _run(ops: list[_Op], start: float) -> tuple[Segment, ...]:
+    """Start each piece when its stream is free and the piece it depends on has ended."""
+    free = {COMPUTE: start, COMM: start}
+    ends: list[float] = []
+    segments = []
+    for op in ops:
+        begin = max([free[op.stream]] + [ends[d] for d in op.deps])
+        end = begin + op.duration
+        free[op.stream] = end
+        ends.append(end)
+        segments.append(Segment(op.stream, op.part, op.action, op.layer, begin, end))
+    return tuple(segments)
+
+
+def time_step(action: Action, start: float, costs: Costs) -> tuple[Segment, ...]:
+    """The timed pieces of a compute action started at ``start`` on an otherwise idle rank."""
+    if action.kind is Kind.OVERLAP:
+        return _run(_overlap_ops(action.forward, action.backward, costs), start)
+    return _run(_plain_ops(action, costs), start)

@@ -1,0 +1,87 @@
+"""Plain-torch token permute and unpermute: the reference the Triton kernels are tested against.
+
+Routing is described by two index tensors (built by ``megapipe.moe.dispatcher``):
+
+- ``row_slot [n]``: for each permuted row, the flat routing slot ``token * k + j`` it came from;
+- ``token_slots [t, k]``: for each token and each of its k choices, the permuted row holding it,
+  or -1 when that choice was dropped (capacity factor).
+
+``permute_tokens`` gathers token rows into permuted order; ``unpermute_tokens`` sums each token's
+rows weighted by its router probabilities. Both are written as gathers over the k choices of a
+token, summed in the order j = 0..k-1 in float32, so there are no atomics and the result is
+deterministic (the Triton kernels use the same order). Backward is explicit for the same reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gather_sum_slots(
+    rows: torch.Tensor, token_slots: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * rows[token_slots[t, j]] over valid slots, in float32."""
+    num_tokens, top_k = token_slots.shape
+    out = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    rows32 = rows.float()
+    for j in range(top_k):
+        slot = token_slots[:, j]
+        valid = slot >= 0
+        picked = rows32.index_select(0, slot.clamp(min=0))
+        if weights is not None:
+            picked = picked * weights[:, j : j + 1].float()
+        out = out + torch.where(valid.unsqueeze(1), picked, torch.zeros((), device=rows.device))
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, row_slot, token_slots):  # type: ignore[override]
+        ctx.save_for_backward(token_slots)
+        ctx.tokens_dtype = tokens.dtype
+        top_k = token_slots.shape[1]
+        return tokens.index_select(0, torch.div(row_slot, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad_rows):  # type: ignore[override]
+        (token_slots,) = ctx.saved_tensors
+        grad_tokens = _gather_sum_slots(grad_rows, token_slots, None)
+        return grad_tokens.to(ctx.tokens_dtype), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, probs, row_slot, token_slots):  # type: ignore[override]
+        ctx.save_for_backward(rows, probs, row_slot, token_slots)
+        return _gather_sum_slots(rows, token_slots, probs).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        rows, probs, row_slot, token_slots = ctx.saved_tensors
+        top_k = token_slots.shape[1]
+        token_of_row = torch.div(row_slot, top_k, rounding_mode="floor")
+        grad_out32 = grad_out.float()
+        grad_of_row = grad_out32.index_select(0, token_of_row)
+        prob_of_row = probs.reshape(-1).float().index_select(0, row_slot)
+        grad_rows = (grad_of_row * prob_of_row.unsqueeze(1)).to(rows.dtype)
+        grad_probs = None
+        if ctx.needs_input_grad[1]:
+            per_row = (grad_of_row * rows.float()).sum(dim=1)
+            flat = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
+            flat = flat.index_copy(0, row_slot, per_row)  # each slot has at most one row
+            grad_probs = flat.view_as(probs).to(probs.dtype)
+        return grad_rows, grad_probs, None, None
+
+
+def permute_tokens(
+    tokens: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """Gather ``tokens [t, h]`` into permuted rows ``[n, h]``: row r is token row_slot[r] // k."""
+    return _Permute.apply(tokens, row_slot, token_slots)
+
+
+def unpermute_tokens(
+    rows: torch.Tensor, probs: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """Sum permuted ``rows [n, h]`` back per token, weighted by ``probs [t, k]``: ``[t, h]``."""
+    return _Unpermute.apply(rows, probs, row_slot, token_slots)

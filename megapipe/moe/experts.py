@@ -1,0 +1,84 @@
+"""Expert MLPs: the SwiGLU feed-forward, grouped over the experts held by this rank.
+
+``GroupedExperts`` stores the local experts' weights stacked ([L, h, F], [L, h, F], [L, F, h]),
+each expert drawn from its own generator keyed by (seed, layer index, global expert index), so
+any EP size builds the same experts. Forward runs one SwiGLU per local expert on its contiguous
+slice of expert-major tokens (a deterministic loop; every expert runs, even on zero tokens, so
+every expert weight always gets a gradient, zeros when idle).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.moe.seeding import seeded_normal
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` with weights [h, F], [h, F], [F, h]."""
+    return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class SwiGLUMLP(nn.Module):
+    """A dense SwiGLU MLP (the shared expert), initialised from (seed, *keys)."""
+
+    def __init__(
+        self, hidden_size: int, ffn_hidden_size: int, seed: int, *keys: int | str, init_std: float = 0.02
+    ) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "gate"))
+        self.w_up = nn.Parameter(seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "up"))
+        self.w_down = nn.Parameter(seeded_normal((ffn_hidden_size, hidden_size), init_std, seed, *keys, "down"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.w_gate, self.w_up, self.w_down)
+
+
+class GroupedExperts(nn.Module):
+    """The experts ``first_expert .. first_expert + num_local_experts - 1`` of one MoE layer."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_local_experts: int,
+        first_expert: int,
+        seed: int = 0,
+        layer_index: int = 0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.first_expert = first_expert
+        experts = range(first_expert, first_expert + num_local_experts)
+
+        def stacked(shape: tuple[int, int], name: str) -> nn.Parameter:
+            weights = [seeded_normal(shape, init_std, seed, "expert", layer_index, e, name) for e in experts]
+            param = nn.Parameter(torch.stack(weights))
+            param.expert_parallel = True  # reduced over the expert-data-parallel group
+            return param
+
+        self.w_gate = stacked((hidden_size, ffn_hidden_size), "gate")
+        self.w_up = stacked((hidden_size, ffn_hidden_size), "up")
+        self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i."""
+        if len(tokens_per_expert) != self.num_local_experts:
+            raise ValueError(
+                f"tokens_per_expert has {len(tokens_per_expert)} entries, expected one per local "
+                f"expert ({self.num_local_experts})"
+            )
+        if sum(tokens_per_expert) != tokens.shape[0]:
+            raise ValueError(
+                f"tokens_per_expert sums to {sum(tokens_per_expert)} but there are {tokens.shape[0]} rows"
+            )
+        chunks = torch.split(tokens, list(tokens_per_expert), dim=0)
+        outputs = [
+            swiglu(chunk, self.w_gate[i], self.w_up[i], self.w_down[i]) for i, chunk in enumerate(chunks)
+        ]
+        return torch.cat(outputs, dim=0)

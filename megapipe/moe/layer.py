@@ -1,0 +1,222 @@
+"""The MoE layer, written as a node plan so the overlap engine can interleave it.
+
+``MoELayer.node_plan()`` returns five nodes. Each node fn takes ``(state, tensors)`` and reads
+only its own *trailing* tensors; any leading tensors (e.g. a residual a model layer prepends)
+pass through unchanged, in front (``pass_leading``). Own tensors, in order:
+
+| node     | kind    | reads                    | returns                          |
+|----------|---------|--------------------------|----------------------------------|
+| route    | compute | (x,)                     | (*shared, probs, rows)           |
+| dispatch | comm    | (rows,)                  | (expert_rows,)                   |
+| experts  | compute | (expert_rows,)           | (expert_out,)                    |
+| combine  | comm    | (expert_out,)            | (rows_out,)                      |
+| finish   | compute | (*shared, probs, rows_out) | (y,)                           |
+
+``x`` is ``[b, s, h]`` or ``[t, h]``; ``y`` has the shape of ``x``. ``shared`` is ``(tokens,)``
+(x flattened to [t, h], the shared expert's input, kept for finish) when the config has a shared
+expert, else empty. ``probs [t, k]`` are the router's combine weights, ``rows [n, h]`` the tokens
+permuted into expert order (local experts of EP rank 0 first). Routing indices and split sizes
+are written into the ``LayerState`` by route and dispatch and read by later nodes.
+
+The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is attached to
+``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
+with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.kernels import permute_tokens, unpermute_tokens
+from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
+from megapipe.moe.dispatcher import TokenDispatcher, plan_permutation
+from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
+from megapipe.moe.link import EmulatedLink
+from megapipe.moe.router import SCORE_FUNCTIONS, Router
+from megapipe.overlap.plan import LayerState, Node, NodeFn, NodeKind, run_nodes
+
+
+@dataclass
+class MoEConfig:
+    """Shape and behaviour of one MoE layer (see README "MoE layer")."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # per expert
+    score_function: str = "softmax"  # "softmax" | "sigmoid"
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None  # None: dropless
+    shared_expert_intermediate_size: int | None = None
+    link: EmulatedLink | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_experts", "top_k", "ffn_hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}"
+            )
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(
+                f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}"
+            )
+        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
+            raise ValueError(
+                f"MoEConfig aux_loss_coeff={self.aux_loss_coeff} and z_loss_coeff="
+                f"{self.z_loss_coeff} must be >= 0"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 or None (dropless)"
+            )
+        if self.shared_expert_intermediate_size is not None and self.shared_expert_intermediate_size < 1:
+            raise ValueError(
+                f"MoEConfig.shared_expert_intermediate_size={self.shared_expert_intermediate_size} "
+                "must be >= 1 or None"
+            )
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Rows each expert keeps for ``num_tokens`` local tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+
+def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
+    """Wrap a node fn reading exactly ``num_own`` tensors so leading extras pass through."""
+
+    def wrapped(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if len(tensors) < num_own:
+            raise ValueError(f"node needs {num_own} trailing tensors, got {len(tensors)}")
+        split = len(tensors) - num_own
+        return tuple(tensors[:split]) + tuple(fn(state, tuple(tensors[split:])))
+
+    return wrapped
+
+
+class MoELayer(nn.Module):
+    """Router, token dispatcher, grouped SwiGLU experts and optional shared expert."""
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        ep_group: dist.ProcessGroup | None = None,
+        layer_index: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        self.dispatcher = TokenDispatcher(config.num_experts, ep_group, config.link)
+        self.router = Router(
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            config.score_function,
+            seed=seed,
+            layer_index=layer_index,
+            init_std=config.init_std,
+        )
+        local = self.dispatcher.num_local_experts
+        self.experts = GroupedExperts(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            num_local_experts=local,
+            first_expert=self.dispatcher.ep_rank * local,
+            seed=seed,
+            layer_index=layer_index,
+            init_std=config.init_std,
+        )
+        self.shared_expert: SwiGLUMLP | None = None
+        if config.shared_expert_intermediate_size is not None:
+            self.shared_expert = SwiGLUMLP(
+                config.hidden_size,
+                config.shared_expert_intermediate_size,
+                seed,
+                "shared_expert",
+                layer_index,
+                init_std=config.init_std,
+            )
+        self.aux_loss_scale = 1.0
+        self.aux_loss_log = AuxLossLog()
+
+    def describe(self) -> str:
+        """One line for logs and outputs: experts, EP size, and whether the emulated link is on."""
+        c = self.config
+        return f"MoE layer {self.layer_index}: {c.num_experts} experts top-{c.top_k} {c.score_function}, {self.dispatcher.describe()}"
+
+    @property
+    def num_shared(self) -> int:
+        return 0 if self.shared_expert is None else 1
+
+    def node_plan(self) -> list[Node]:
+        shared = self.num_shared
+        return [
+            Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
+            Node("dispatch", NodeKind.COMM, pass_leading(self._dispatch, 1)),
+            Node("experts", NodeKind.COMPUTE, pass_leading(self._experts, 1)),
+            Node("combine", NodeKind.COMM, pass_leading(self._combine, 1)),
+            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, shared + 2)),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_nodes(self.node_plan(), (x,))[0]
+
+    def _route(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (x,) = tensors
+        hidden = self.config.hidden_size
+        if x.dim() not in (2, 3) or x.shape[-1] != hidden:
+            raise ValueError(
+                f"MoE layer input has shape {tuple(x.shape)}; expected [b, s, {hidden}] or [t, {hidden}]"
+            )
+        tokens = x.reshape(-1, hidden)
+        if tokens.shape[0] == 0:
+            raise ValueError(
+                f"MoE layer {self.layer_index} got an empty microbatch (input shape {tuple(x.shape)})"
+            )
+        routed = self.router(tokens)
+        capacity = self.config.capacity(tokens.shape[0])
+        row_slot, token_slots, tokens_per_expert = plan_permutation(
+            routed.indices, self.config.num_experts, capacity
+        )
+        rows = permute_tokens(tokens, row_slot, token_slots)
+        c = self.config
+        aux = c.aux_loss_coeff * routed.load_balancing_loss + c.z_loss_coeff * routed.z_loss
+        self.aux_loss_log.record(aux)
+        if (c.aux_loss_coeff > 0 or c.z_loss_coeff > 0) and aux.requires_grad:
+            rows = attach_aux_loss(rows, aux, self.aux_loss_scale)
+        state.input_shape = x.shape
+        state.row_slot = row_slot
+        state.token_slots = token_slots
+        state.tokens_per_expert = tokens_per_expert
+        shared = (tokens,) if self.shared_expert is not None else ()
+        return shared + (routed.probs, rows)
+
+    def _dispatch(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (rows,) = tensors
+        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(rows, state.tokens_per_expert)
+        return (expert_rows,)
+
+    def _experts(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (expert_rows,) = tensors
+        return (self.experts(expert_rows, state.dispatch_plan.tokens_per_local_expert),)
+
+    def _combine(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (expert_out,) = tensors
+        return (self.dispatcher.combine(expert_out, state.dispatch_plan),)
+
+    def _finish(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        *shared, probs, rows = tensors
+        out = unpermute_tokens(rows, probs, state.row_slot, state.token_slots)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(shared[0])
+        return (out.reshape(state.input_shape),)

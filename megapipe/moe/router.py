@@ -1,0 +1,100 @@
+"""The MoE router: scores tokens against experts, picks the top k, and computes the auxiliary
+losses that keep experts balanced.
+
+Scoring (``score_function``):
+- ``"softmax"``: softmax over all experts, top k of those probabilities used as combine weights
+  without renormalisation (Switch/GShard style, so the router still learns when k = 1);
+- ``"sigmoid"``: per-expert sigmoid scores, top k, weights normalised to sum to 1 per token
+  (DeepSeek-V3 style).
+
+Auxiliary losses (unweighted here; the layer applies the coefficients):
+- load balancing (Switch): ``E * sum_e f_e * P_e`` with f_e the fraction of the t*k routing
+  choices that picked expert e and P_e the mean score of e (sigmoid scores are first normalised
+  per token); equals 1 when routing is uniform;
+- z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, keeping logits small.
+Scores and losses are computed in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapipe.moe.seeding import seeded_normal
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+@dataclass
+class RouterOutput:
+    """What the router decides for ``t`` tokens."""
+
+    probs: torch.Tensor  # [t, k] float32 combine weights (differentiable)
+    indices: torch.Tensor  # [t, k] int64 expert of each choice
+    load_balancing_loss: torch.Tensor  # scalar, unweighted, differentiable
+    z_loss: torch.Tensor  # scalar, unweighted, differentiable
+
+
+def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch load-balancing loss from per-token expert scores ``[t, E]`` (rows sum to 1)."""
+    num_tokens, top_k = indices.shape
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
+    counts = counts.index_add(
+        0, indices.reshape(-1), torch.ones(indices.numel(), device=scores.device)
+    )
+    fraction_routed = counts / (num_tokens * top_k)
+    mean_score = scores.mean(dim=0)
+    return num_experts * (fraction_routed * mean_score).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean of logsumexp(logits)^2 over tokens."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """Linear scoring of tokens ``[t, h]`` against ``num_experts`` experts, then top-k."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        score_function: str = "softmax",
+        seed: int = 0,
+        layer_index: int = 0,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if score_function not in SCORE_FUNCTIONS:
+            raise ValueError(
+                f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}"
+            )
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_function = score_function
+        self.weight = nn.Parameter(
+            seeded_normal((num_experts, hidden_size), init_std, seed, "router", layer_index)
+        )
+
+    def forward(self, tokens: torch.Tensor) -> RouterOutput:
+        logits = torch.nn.functional.linear(tokens.float(), self.weight.float())
+        if self.score_function == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs, indices = torch.topk(scores, self.top_k, dim=-1)
+            balance_scores = scores
+        else:
+            scores = torch.sigmoid(logits)
+            top_scores, indices = torch.topk(scores, self.top_k, dim=-1)
+            probs = top_scores / top_scores.sum(dim=-1, keepdim=True)
+            balance_scores = scores / scores.sum(dim=-1, keepdim=True)
+        return RouterOutput(
+            probs=probs,
+            indices=indices,
+            load_balancing_loss=load_balancing_loss(balance_scores, indices, self.num_experts),
+            z_loss=z_loss(logits),
+        )

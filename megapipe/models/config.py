@@ -1,0 +1,78 @@
+"""GPTConfig: the reference MoE GPT's sizes, with tiny defaults so tests run in milliseconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """A byte-level GPT whose layers ``first_k_dense_layers..`` are MoE (DeepSeek style).
+
+    Layer l (global index) is MoE when ``l >= first_k_dense_layers`` and
+    ``(l - first_k_dense_layers) % moe_layer_freq == 0``; the others use a dense SwiGLU MLP of
+    ``ffn_hidden_size``. ``num_experts=0`` makes every layer dense.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 32
+    num_layers: int = 4
+    num_heads: int = 4
+    seq_length: int = 16
+    ffn_hidden_size: int = 64
+    num_experts: int = 4
+    moe_top_k: int = 2
+    moe_ffn_hidden_size: int = 32
+    first_k_dense_layers: int = 1
+    moe_layer_freq: int = 1
+    moe_score_function: str = "softmax"
+    moe_aux_loss_coeff: float = 1e-2
+    moe_z_loss_coeff: float = 1e-3
+    moe_capacity_factor: float | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length",
+                    "ffn_hidden_size", "moe_ffn_hidden_size", "moe_layer_freq")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
+                f"num_heads={self.num_heads}"
+            )
+        if self.first_k_dense_layers < 0:
+            raise ValueError(
+                f"GPTConfig.first_k_dense_layers must be >= 0, got {self.first_k_dense_layers}"
+            )
+        if self.num_experts < 0:
+            raise ValueError(f"GPTConfig.num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0 and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(
+                f"GPTConfig.moe_top_k={self.moe_top_k} must lie in [1, num_experts="
+                f"{self.num_experts}]"
+            )
+        if self.moe_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"GPTConfig.moe_score_function={self.moe_score_function!r} must be 'softmax' "
+                "or 'sigmoid'"
+            )
+        if self.init_std <= 0:
+            raise ValueError(f"GPTConfig.init_std must be > 0, got {self.init_std}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has an MoE FFN (otherwise a dense SwiGLU MLP)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} outside [0, num_layers={self.num_layers})")
+        if self.num_experts == 0 or layer < self.first_k_dense_layers:
+            return False
+        return (layer - self.first_k_dense_layers) % self.moe_layer_freq == 0

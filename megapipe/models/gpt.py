@@ -1,0 +1,217 @@
+"""The reference MoE GPT, written as node plans so the overlap engine can interleave its layers.
+
+A transformer layer is pre-norm: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``. A dense layer
+(the first ``first_k_dense_layers``, DeepSeek style) is one compute node. An MoE layer is five
+nodes that reuse ``MoELayer``'s own node functions with the residual ``h`` riding along as a
+leading tensor::
+
+    attention   (compute)  (x,)          -> h = x + attn(norm(x)); MoE route of norm(h)
+    dispatch    (comm)     (h, ...)      -> (h, ...)      MoE dispatch all-to-all
+    experts     (compute)  (h, ...)      -> (h, ...)      MoE local experts
+    combine     (comm)     (h, ...)      -> (h, ...)      MoE combine all-to-all
+    finish      (compute)  (h, ...)      -> (h + moe_out,)
+
+``forward`` of every layer and of ``GPTStage`` just runs these plans, so there is one copy of the
+forward code. Every parameter is drawn from a generator keyed by (seed, global layer or expert
+index, name), so any stage split and any EP size rebuild the single-process model's weights.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.models.config import GPTConfig
+from megapipe.moe.experts import SwiGLUMLP
+from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
+
+Plan = list[Node]
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention via ``scaled_dot_product_attention`` (no biases)."""
+
+    def __init__(self, config: GPTConfig, layer_index: int) -> None:
+        super().__init__()
+        h, std, seed = config.hidden_size, config.init_std, config.seed
+        self.num_heads = config.num_heads
+        self.w_qkv = nn.Parameter(seeded_normal((3 * h, h), std, seed, "attention", layer_index, "qkv"))
+        self.w_out = nn.Parameter(seeded_normal((h, h), std, seed, "attention", layer_index, "out"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = F.linear(x, self.w_qkv).view(b, s, 3, self.num_heads, h // self.num_heads).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return F.linear(y.transpose(1, 2).reshape(b, s, h), self.w_out)
+
+
+def _build_moe_layer(config: GPTConfig, layer_index: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    try:
+        from megapipe.moe.layer import MoELayer
+    except ImportError as err:
+        raise NotImplementedError(
+            f"layer {layer_index} is an MoE layer but megapipe.moe.layer is not available ({err}); "
+            "set GPTConfig.first_k_dense_layers=num_layers for a dense model"
+        ) from err
+    return MoELayer(config.moe_config(), ep_group=ep_group, layer_index=layer_index, seed=config.seed)
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm layer with a dense SwiGLU MLP or an MoE FFN, described by ``node_plan``."""
+
+    def __init__(self, config: GPTConfig, layer_index: int, ep_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = CausalSelfAttention(config, layer_index)
+        self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.is_moe = config.is_moe_layer(layer_index)
+        if self.is_moe:
+            self.moe = _build_moe_layer(config, layer_index, ep_group)
+        else:
+            self.mlp = SwiGLUMLP(
+                config.hidden_size, config.ffn_hidden_size, config.seed, "dense_mlp", layer_index,
+                init_std=config.init_std,
+            )
+
+    def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.attention_norm(x))
+
+    def _dense(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (x,) = inputs
+        h = self._attention_block(x)
+        return (h + self.mlp(self.ffn_norm(h)),)
+
+    def node_plan(self) -> Plan:
+        """``[layer]`` for a dense layer; ``[attention, dispatch, experts, combine, finish]`` for MoE."""
+        name = f"layer{self.layer_index}"
+        if not self.is_moe:
+            return [Node(name, NodeKind.COMPUTE, self._dense)]
+        route, dispatch, experts, combine, finish = self.moe.node_plan()
+
+        def attention(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            (x,) = inputs
+            h = self._attention_block(x)
+            return route.fn(state, (h, self.ffn_norm(h)))
+
+        def finish_with_residual(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            h, moe_out = finish.fn(state, inputs)
+            return (h + moe_out,)
+
+        return [
+            Node(f"{name}.attention", NodeKind.COMPUTE, attention),
+            Node(f"{name}.dispatch", dispatch.kind, dispatch.fn),
+            Node(f"{name}.experts", experts.kind, experts.fn),
+            Node(f"{name}.combine", combine.kind, combine.fn),
+            Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_nodes(self.node_plan(), (x,))[0]
+
+
+class Embedding(nn.Module):
+    """Token plus learned absolute position embedding: int64 ids [b, s] -> hidden [b, s, h]."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        h, std, seed = config.hidden_size, config.init_std, config.seed
+        self.tokens = nn.Parameter(seeded_normal((config.vocab_size, h), std, seed, "embedding", "tokens"))
+        self.positions = nn.Parameter(seeded_normal((config.seq_length, h), std, seed, "embedding", "positions"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64 or ids.dim() != 2:
+            raise ValueError(
+                f"the first stage takes int64 token ids [batch, seq], got {ids.dtype} of shape "
+                f"{tuple(ids.shape)}"
+            )
+        if ids.shape[1] > self.config.seq_length:
+            raise ValueError(
+                f"sequence length {ids.shape[1]} exceeds GPTConfig.seq_length="
+                f"{self.config.seq_length}"
+            )
+        return F.embedding(ids, self.tokens) + self.positions[: ids.shape[1]]
+
+
+class OutputHead(nn.Module):
+    """Final RMSNorm and the (untied) output projection to vocabulary logits."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.weight = nn.Parameter(
+            seeded_normal((config.vocab_size, config.hidden_size), config.init_std, config.seed, "head")
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.weight)
+
+
+def _single_node(name: str, module: nn.Module) -> Plan:
+    def fn(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (x,) = inputs
+        return (module(x),)
+
+    return [Node(name, NodeKind.COMPUTE, fn)]
+
+
+class GPTStage(nn.Module):
+    """One model part: embedding (first part), the layers ``layer_indices``, head (last part).
+
+    Parameter names use global layer indices (``layers.3.attention.w_qkv``), so the state dict
+    of every stage is a slice of the single-process model's.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        layer_indices: Sequence[int],
+        is_first: bool,
+        is_last: bool,
+        ep_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_indices = tuple(layer_indices)
+        self.is_first = is_first
+        self.is_last = is_last
+        self.embedding = Embedding(config) if is_first else None
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
+        )
+        self.head = OutputHead(config) if is_last else None
+
+    def layer_plans(self) -> list[Plan]:
+        """Node plans in execution order: embedding, each layer, final norm + head."""
+        plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
+        plans += [layer.node_plan() for layer in self.layers.values()]
+        if self.head is not None:
+            plans.append(_single_node("head", self.head))
+        return plans
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE layers of this stage (the executor sets their ``aux_loss_scale``)."""
+        return [layer.moe for layer in self.layers.values() if layer.is_moe]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits (last stage)."""
+        if self.embedding is None and (not x.is_floating_point() or x.dim() != 3):
+            raise ValueError(
+                f"a stage after the first takes float hidden states [batch, seq, "
+                f"{self.config.hidden_size}], got {x.dtype} of shape {tuple(x.shape)}"
+            )
+        values = (x,)
+        for plan in self.layer_plans():
+            values = run_nodes(plan, values)
+        return values[0]
+
+
+def gpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy (the MoE auxiliary losses enter through backward, not here)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))

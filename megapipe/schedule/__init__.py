@@ -1,1 +1,19 @@
-"""megapipe.schedule"""
+"""megapipe.schedule: pipeline schedules as data (pure Python, no torch.distributed)."""
+
+from .errors import ScheduleError
+from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv
+from .registry import SCHEDULES, build_schedule
+from .validate import validate
+
+__all__ = [
+    "Action",
+    "Kind",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "build_schedule",
+    "parse_action",
+    "read_csv",
+    "validate",
+    "write_csv",
+]

@@ -1,0 +1,183 @@
+"""Schedules by name: ``build_schedule`` checks the request, then calls the family's generator.
+
+| name             | stages per rank (vpp)      | placement | microbatches M                    |
+|------------------|----------------------------|-----------|-----------------------------------|
+| gpipe            | 1                          | loop      | any M >= 1                        |
+| 1f1b             | 1 (pp=1: no pipelining)    | loop      | any M >= 1                        |
+| interleaved-1f1b | any vpp >= 1 (1 = 1f1b)    | loop      | vpp > 1: Megatron's group rule    |
+| looped-bfs       | any vpp >= 1               | loop      | any M >= 1                        |
+| zb1p             | any vpp >= 1               | loop      | vpp > 1: Megatron's group rule    |
+| zbv              | 2 (fixed)                  | V         | any M >= 1                        |
+| dualpipev        | 2 (fixed)                  | V         | M >= 2 pp                         |
+| dualpipe         | 2 (fixed, bidirectional)   | mirrored  | pp even, M even, M >= 2 pp        |
+
+Megatron's group rule (interleaved-1f1b and zb1p with vpp > 1): with g =
+``microbatch_group_size_per_vp_stage`` (an option, default pp), pp <= g <= M, and M % g is 0 or
+at least pp. A smaller group sends a microbatch to its next chunk before it has left the last
+rank, which stalls the pipeline (and deadlocks interleaved 1F1B's order). With the default g = pp
+this means M is a multiple of pp; a larger g admits other M. ``overlap=True`` asks for
+OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule goes through
+``megapipe.schedule.overlap.apply_overlap``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .dualpipe import dualpipe, dualpipev
+from .errors import ScheduleError
+from .interleaved import interleaved_1f1b, looped_bfs
+from .ir import Schedule
+from .simple import gpipe, one_f_one_b
+from .zero_bubble import zb1p, zbv
+
+GROUP_OPTION = "microbatch_group_size_per_vp_stage"
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """What a schedule accepts: its fixed vpp (None: any), options, and microbatch constraints."""
+
+    build: Callable[..., Schedule]
+    fixed_vpp: int | None = None
+    options: tuple[str, ...] = ()
+    native_overlap: bool = False
+    even_pp: bool = False
+    even_microbatches: bool = False
+    min_microbatches: Callable[[int, int], int] = lambda pp, vpp: 1
+    min_reason: str = ""
+    megatron_groups: bool = False
+
+
+_RULES: dict[str, _Rules] = {
+    "gpipe": _Rules(lambda pp, m, vpp, overlap, **o: gpipe(pp, m), fixed_vpp=1),
+    "1f1b": _Rules(lambda pp, m, vpp, overlap, **o: one_f_one_b(pp, m), fixed_vpp=1),
+    "interleaved-1f1b": _Rules(
+        lambda pp, m, vpp, overlap, **o: interleaved_1f1b(pp, m, vpp, **o),
+        options=(GROUP_OPTION,),
+        megatron_groups=True,
+    ),
+    "looped-bfs": _Rules(lambda pp, m, vpp, overlap, **o: looped_bfs(pp, m, vpp)),
+    "zb1p": _Rules(
+        lambda pp, m, vpp, overlap, **o: zb1p(pp, m, vpp, **o),
+        options=(GROUP_OPTION,),
+        megatron_groups=True,
+    ),
+    "zbv": _Rules(lambda pp, m, vpp, overlap, **o: zbv(pp, m), fixed_vpp=2),
+    "dualpipev": _Rules(
+        lambda pp, m, vpp, overlap, **o: dualpipev(pp, m, overlap),
+        fixed_vpp=2,
+        native_overlap=True,
+        min_microbatches=lambda pp, vpp: 2 * pp,
+        min_reason="DualPipeV needs at least as many microbatches as stages (2 pp)",
+    ),
+    "dualpipe": _Rules(
+        lambda pp, m, vpp, overlap, **o: dualpipe(pp, m, overlap),
+        fixed_vpp=2,
+        native_overlap=True,
+        even_pp=True,
+        even_microbatches=True,
+        min_microbatches=lambda pp, vpp: 2 * pp,
+        min_reason="DualPipe needs at least pp microbatches in each direction",
+    ),
+}
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "looped-bfs": looped_bfs,
+    "zb1p": zb1p,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
+    "dualpipe": dualpipe,
+}
+"""Schedule name -> the generator of its family (see each generator for its arguments)."""
+
+
+def build_schedule(
+    name: str,
+    pp: int,
+    num_microbatches: int,
+    vpp: int = 1,
+    overlap: bool = False,
+    **options: int,
+) -> Schedule:
+    """The schedule ``name`` for ``pp`` ranks and ``num_microbatches`` microbatches.
+
+    ``vpp`` is the number of stages per rank for the schedules that let it vary (interleaved-1f1b,
+    looped-bfs, zb1p); gpipe and 1f1b take vpp=1; zbv, dualpipev and dualpipe always hold two
+    stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
+    ``ScheduleError`` before anything is built; the module docstring lists every constraint.
+    """
+    rules = _RULES.get(name)
+    if rules is None:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    _check_request(name, rules, pp, num_microbatches, vpp, options)
+    native = rules.native_overlap
+    schedule = rules.build(pp, num_microbatches, vpp, overlap, **options)
+    schedule = schedule.replace_actions(
+        schedule.actions,
+        options={**schedule.options, "vpp": rules.fixed_vpp or vpp, "overlap": overlap, **options},
+    )
+    if overlap and not native:
+        from .overlap import apply_overlap
+
+        schedule = apply_overlap(schedule)
+    return schedule
+
+
+def _check_request(
+    name: str, rules: _Rules, pp: int, num_microbatches: int, vpp: int, options: dict
+) -> None:
+    for label, value in (("pp", pp), ("num_microbatches", num_microbatches), ("vpp", vpp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name}: {label} must be a positive integer, got {value!r}")
+    unknown = sorted(set(options) - set(rules.options))
+    if unknown:
+        accepted = ", ".join(rules.options) or "none"
+        raise ScheduleError(f"{name}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
+    if rules.fixed_vpp == 1 and vpp != 1:
+        raise ScheduleError(
+            f"{name} runs one stage per rank, got vpp={vpp}; use interleaved-1f1b, looped-bfs or "
+            f"zb1p for vpp > 1"
+        )
+    if rules.fixed_vpp == 2 and vpp not in (1, 2):
+        raise ScheduleError(f"{name} always holds 2 stages per rank; vpp={vpp} is not possible")
+    if rules.even_pp and pp % 2:
+        raise ScheduleError(f"{name} needs an even pp (ranks pair up as mirrors), got pp={pp}")
+    if rules.even_microbatches and num_microbatches % 2:
+        raise ScheduleError(
+            f"{name} needs an even number of microbatches (half enter from each end), "
+            f"got {num_microbatches}"
+        )
+    least = rules.min_microbatches(pp, vpp)
+    if num_microbatches < least:
+        raise ScheduleError(
+            f"{name} with pp={pp}, vpp={vpp} needs at least {least} microbatches, got "
+            f"{num_microbatches}: {rules.min_reason}"
+        )
+    if rules.megatron_groups and vpp > 1:
+        _check_groups(name, pp, num_microbatches, options.get(GROUP_OPTION, pp))
+
+
+def _check_groups(name: str, pp: int, num_microbatches: int, group: object) -> None:
+    """Megatron's rule for the microbatch groups of an interleaved order (see module docstring)."""
+    if not isinstance(group, int) or isinstance(group, bool) or group < pp:
+        raise ScheduleError(
+            f"{name}: {GROUP_OPTION} must be an integer >= pp={pp}, got {group!r} (a smaller "
+            f"group sends a microbatch to its next chunk before it has left the last rank)"
+        )
+    if group > num_microbatches:
+        raise ScheduleError(
+            f"{name} with pp={pp} needs at least {GROUP_OPTION}={group} microbatches (one full "
+            f"group per chunk), got {num_microbatches}"
+        )
+    last = num_microbatches % group
+    if 0 < last < pp:
+        raise ScheduleError(
+            f"{name}: the last microbatch group would hold {num_microbatches} % {group} = {last} "
+            f"microbatches, fewer than pp={pp}; use a multiple of {group} microbatches or a "
+            f"{GROUP_OPTION} that leaves 0 or at least pp"
+        )

@@ -1,0 +1,278 @@
+"""Checks of a lowered schedule: channel order, and a simulated run under batched p2p (NCCL).
+
+The model (INTERFACES.md), read the strict way NCCL needs:
+
+* each rank runs its list in order; a maximal run of consecutive SEND/RECV actions is posted as
+  one batch (``batch_isend_irecv``) without waiting;
+* a rank's batches complete one after another, in the order posted (one p2p stream), so a batch
+  is *active* once posted and all earlier batches of its rank completed;
+* a SEND and its RECV complete together once both of their batches are active; a batch
+  completes when all of its ops have;
+* a computation that needs a received tensor waits for the batch holding its RECV; one that
+  needs a tensor made on its own rank needs that computation earlier in the list; a SEND needs
+  the computation that makes its tensor earlier in the list.
+
+SENDs and RECVs match per ordered pair of ranks in the order posted, so the k-th SEND from rank
+a to rank b pairs with the k-th RECV on b from a; ``check_channel_order`` checks that these are
+the same tensor. ``check_runs`` then simulates and names the stuck ranks if the run cannot end.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .deps import (
+    Product,
+    describe_product,
+    message_of_comm,
+    needs_of,
+    peer_rank,
+    product_of,
+    rank_of_product,
+    received_message,
+)
+from .errors import ScheduleError
+from .ir import COMM_KINDS, Kind, Schedule
+
+# (rank, index in the rank's list) of a comm action.
+Slot = tuple[int, int]
+
+
+def check_channel_order(lowered: Schedule) -> dict[Slot, Slot]:
+    """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
+
+    Returns the matching: each comm action's slot mapped to its partner's slot. Raises
+    ``ScheduleError`` naming the rank and action for a SEND or RECV on the wrong rank or without
+    a peer, a message sent within one rank, a missing partner, or two orders that disagree.
+    """
+    sends: dict[tuple[int, int], list[Slot]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[Slot]] = defaultdict(list)
+    for rank, row in enumerate(lowered.actions):
+        for index, action in enumerate(row):
+            if action.kind not in COMM_KINDS:
+                continue
+            if not 0 <= action.stage < lowered.num_stages:
+                raise ScheduleError(f"stage {action.stage} does not exist", rank, action)
+            if lowered.stage_to_rank[action.stage] != rank:
+                raise ScheduleError(
+                    f"stage {action.stage} is placed on rank {lowered.stage_to_rank[action.stage]}",
+                    rank, action,
+                )
+            try:
+                peer = peer_rank(lowered, action)
+            except ValueError as err:
+                raise ScheduleError(str(err), rank, action) from None
+            if peer == rank:
+                raise ScheduleError(
+                    "both stages are on this rank: the tensor is handed over locally, not sent",
+                    rank, action,
+                )
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                sends[(rank, peer)].append((rank, index))
+            else:
+                recvs[(peer, rank)].append((rank, index))
+
+    def at(slot: Slot):
+        return lowered.actions[slot[0]][slot[1]]
+
+    matching: dict[Slot, Slot] = {}
+    for src, dst in sorted(set(sends) | set(recvs)):
+        out, into = sends[(src, dst)], recvs[(src, dst)]
+        for k in range(max(len(out), len(into))):
+            if k >= len(out):
+                raise ScheduleError(
+                    f"receives from rank {src}, but rank {src} sends only {len(out)} tensors to "
+                    f"rank {dst}: a SEND is missing", dst, at(into[k]),
+                )
+            if k >= len(into):
+                raise ScheduleError(
+                    f"sends to rank {dst}, but rank {dst} receives only {len(into)} tensors from "
+                    f"rank {src}: a RECV is missing", src, at(out[k]),
+                )
+            send, recv = at(out[k]), at(into[k])
+            if message_of_comm(lowered, send) != message_of_comm(lowered, recv):
+                raise ScheduleError(
+                    f"is message {k} from rank {src} to rank {dst}, but rank {src} sends {send} "
+                    f"there: RECVs must come in the order of the SENDs (NCCL matches p2p in order)",
+                    dst, recv,
+                )
+            matching[out[k]] = into[k]
+            matching[into[k]] = out[k]
+    return matching
+
+
+@dataclass
+class _RankState:
+    """Where one rank is in the simulated run."""
+
+    items: list  # ("compute", index) or ("batch", [indices])
+    batch_of: dict[int, int] = field(default_factory=dict)  # comm index -> batch number
+    batches: list[list[int]] = field(default_factory=list)
+    cursor: int = 0
+    posted: int = 0
+    completed: int = 0
+    made: set = field(default_factory=set)
+    received: set = field(default_factory=set)
+
+    def active(self, batch: int) -> bool:
+        return batch == self.completed and batch < self.posted
+
+    @property
+    def finished(self) -> bool:
+        return self.cursor == len(self.items) and self.completed == len(self.batches)
+
+
+def _split_batches(row) -> _RankState:
+    state = _RankState(items=[])
+    for index, action in enumerate(row):
+        if action.kind in COMM_KINDS:
+            if not state.items or state.items[-1][0] != "batch":
+                state.items.append(("batch", []))
+                state.batches.append(state.items[-1][1])
+            state.items[-1][1].append(index)
+            state.batch_of[index] = len(state.batches) - 1
+        else:
+            state.items.append(("compute", index))
+    return state
+
+
+def _sent_product(lowered: Schedule, action) -> Product:
+    kind, stage, mb = message_of_comm(lowered, action)
+    return ("F" if kind == "F" else "G", stage, mb)
+
+
+def _ready(lowered: Schedule, rank: int, state: _RankState, action) -> bool:
+    for comp in action.computations():
+        for need in needs_of(lowered, comp):
+            if rank_of_product(lowered, need) == rank:
+                if need not in state.made:
+                    return False
+            elif received_message(lowered, comp) not in state.received:
+                return False
+    return True
+
+
+def check_runs(lowered: Schedule) -> None:
+    """Simulate ``lowered`` under the batched p2p model; raise ``ScheduleError`` if it deadlocks.
+
+    The error names every stuck rank, the action it waits at and what that action waits for.
+    """
+    matching = check_channel_order(lowered)
+    states = [_split_batches(row) for row in lowered.actions]
+    done: set[Slot] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, state in enumerate(states):
+            row = lowered.actions[rank]
+            while state.cursor < len(state.items):
+                kind, what = state.items[state.cursor]
+                if kind == "batch":
+                    for index in what:
+                        action = row[index]
+                        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                            product = _sent_product(lowered, action)
+                            if product not in state.made:
+                                raise ScheduleError(
+                                    f"sends the result of {describe_product(lowered, product)} "
+                                    "before this rank computes it",
+                                    rank, action,
+                                )
+                    state.posted += 1
+                elif _ready(lowered, rank, state, row[what]):
+                    state.made.update(product_of(c) for c in row[what].computations())
+                else:
+                    break
+                state.cursor += 1
+                progressed = True
+        for rank, state in enumerate(states):
+            while state.active(state.completed):
+                batch = state.batches[state.completed]
+                for index in batch:
+                    if (rank, index) in done:
+                        continue
+                    peer, peer_index = matching[(rank, index)]
+                    if states[peer].active(states[peer].batch_of[peer_index]):
+                        done.add((rank, index))
+                        done.add((peer, peer_index))
+                if not all((rank, index) in done for index in batch):
+                    break
+                for index in batch:
+                    action = lowered.actions[rank][index]
+                    if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                        state.received.add(message_of_comm(lowered, action))
+                state.completed += 1
+                progressed = True
+    stuck = [rank for rank, state in enumerate(states) if not state.finished]
+    if stuck:
+        waits = "; ".join(_describe_wait(lowered, states, matching, rank) for rank in stuck)
+        raise ScheduleError(f"the lowered schedule deadlocks, stuck ranks {stuck}: {waits}")
+
+
+def _describe_wait(
+    lowered: Schedule, states: list[_RankState], matching: dict[Slot, Slot], rank: int
+) -> str:
+    """What a stuck rank waits for, in words."""
+    state = states[rank]
+    row = lowered.actions[rank]
+    head = _describe_head_batch(lowered, states, matching, rank)
+    if state.cursor == len(state.items):
+        return f"rank {rank} ran its list but its batch {head}"
+    action = row[state.items[state.cursor][1]]
+    reasons = []
+    for comp in action.computations():
+        for need in needs_of(lowered, comp):
+            if rank_of_product(lowered, need) == rank:
+                if need not in state.made:
+                    reasons.append(
+                        f"{describe_product(lowered, need)}, which comes later on this rank"
+                    )
+                continue
+            message = received_message(lowered, comp)
+            if message in state.received:
+                continue
+            recv_index = next(
+                (i for i, a in enumerate(row)
+                 if a.kind in (Kind.RECV_F, Kind.RECV_B) and message_of_comm(lowered, a) == message),
+                None,
+            )
+            if recv_index is None:
+                reasons.append(f"a RECV of {describe_product(lowered, need)} that is never posted")
+            elif state.batch_of[recv_index] >= state.posted:
+                reasons.append(f"{row[recv_index]}, which is posted only after it")
+            else:
+                reasons.append(f"{row[recv_index]}, whose batch waits: {head}")
+    return f"rank {rank} at {action} waits for " + ", ".join(reasons)
+
+
+def _describe_head_batch(
+    lowered: Schedule, states: list[_RankState], matching: dict[Slot, Slot], rank: int
+) -> str:
+    state = states[rank]
+    if state.completed >= len(state.batches):
+        return "(none pending)"
+    batch = state.batches[state.completed]
+    row = lowered.actions[rank]
+    ops = " ".join(str(row[i]) for i in batch)
+    if state.completed >= state.posted:
+        return f"[{ops}] is not posted yet"
+    pending = []
+    for index in batch:
+        partner = _partner_text(lowered, states, matching[(rank, index)])
+        if partner:
+            pending.append(partner)
+    return f"[{ops}] waits for " + ", ".join(pending)
+
+
+def _partner_text(lowered: Schedule, states: list[_RankState], partner_slot: Slot) -> str:
+    """Why the partner of a pending op is not active yet ("" if it is)."""
+    peer, peer_index = partner_slot
+    peer_state = states[peer]
+    peer_batch = peer_state.batch_of[peer_index]
+    if peer_state.active(peer_batch) or peer_batch < peer_state.completed:
+        return ""
+    partner = lowered.actions[peer][peer_index]
+    if peer_batch >= peer_state.posted:
+        return f"rank {peer} to post {partner}"
+    return f"rank {peer}'s earlier batches to complete before its {partner}"

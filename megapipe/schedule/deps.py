@@ -1,0 +1,197 @@
+"""What each computation needs and what it hands on: the dependency rules of a schedule.
+
+A forward F(s, i) needs the output of F(s-1, i); a backward B or I of (s, i) needs its own
+forward's activations and the input gradient of stage s+1 (on a last stage, the loss, computed by
+its own forward); a W needs the I of the same stage and microbatch. When producer and consumer sit
+on different ranks the tensor travels as a message, named by the sending side: ``("F", s, i)`` is
+F(s, i)'s output, ``("B", s, i)`` stage s's input gradient of microbatch i.
+
+``lockstep`` runs a compute-only schedule in rounds (every rank runs its next action once what it
+needs finished in an earlier round). The overlap pass uses it to find pairs that wait on each
+other; lowering uses its rounds to decide where a receive is posted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule
+
+# What a computation leaves behind for others: ("F" | "G" | "W", stage, microbatch), "G" being the
+# input gradient (made by B or I alike).
+Product = tuple[str, int, int]
+# A tensor that travels between ranks, named by its sender: ("F" | "B", sending stage, microbatch).
+Message = tuple[str, int, int]
+
+
+def product_of(comp: Action) -> Product:
+    """What a plain computation produces (B and I both produce the input gradient "G")."""
+    if comp.kind is Kind.F:
+        return ("F", comp.stage, comp.microbatch)
+    if comp.kind in BACKWARD_KINDS:
+        return ("G", comp.stage, comp.microbatch)
+    if comp.kind is Kind.W:
+        return ("W", comp.stage, comp.microbatch)
+    raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
+
+
+def needs_of(schedule: Schedule, comp: Action) -> list[Product]:
+    """The products a plain computation needs, wherever they are made."""
+    stage, mb = comp.stage, comp.microbatch
+    if comp.kind is Kind.F:
+        before = schedule.prev_stage(stage)
+        return [] if before is None else [("F", before, mb)]
+    if comp.kind in BACKWARD_KINDS:
+        after = schedule.next_stage(stage)
+        own = ("F", stage, mb)
+        return [own] if after is None else [own, ("G", after, mb)]
+    if comp.kind is Kind.W:
+        return [("G", stage, mb)]
+    raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
+
+
+def rank_of_product(schedule: Schedule, product: Product) -> int:
+    return schedule.stage_to_rank[product[1]]
+
+
+def sent_message(schedule: Schedule, comp: Action) -> Message | None:
+    """The message a computation's result becomes, or None if its consumer is on the same rank."""
+    here = schedule.stage_to_rank[comp.stage]
+    if comp.kind is Kind.F:
+        target = schedule.next_stage(comp.stage)
+        kind = "F"
+    elif comp.kind in BACKWARD_KINDS:
+        target = schedule.prev_stage(comp.stage)
+        kind = "B"
+    else:
+        return None
+    if target is None or schedule.stage_to_rank[target] == here:
+        return None
+    return (kind, comp.stage, comp.microbatch)
+
+
+def received_message(schedule: Schedule, comp: Action) -> Message | None:
+    """The message a computation must receive from another rank, or None."""
+    here = schedule.stage_to_rank[comp.stage]
+    if comp.kind is Kind.F:
+        source = schedule.prev_stage(comp.stage)
+        kind = "F"
+    elif comp.kind in BACKWARD_KINDS:
+        source = schedule.next_stage(comp.stage)
+        kind = "B"
+    else:
+        return None
+    if source is None or schedule.stage_to_rank[source] == here:
+        return None
+    return (kind, source, comp.microbatch)
+
+
+def message_of_comm(schedule: Schedule, action: Action) -> Message:
+    """The message a SEND or RECV action carries (named by the sending stage)."""
+    stage, mb = action.stage, action.microbatch
+    if action.kind is Kind.SEND_F:
+        return ("F", stage, mb)
+    if action.kind is Kind.SEND_B:
+        return ("B", stage, mb)
+    if action.kind is Kind.RECV_F:
+        source = schedule.prev_stage(stage)
+        return ("F", -1 if source is None else source, mb)
+    if action.kind is Kind.RECV_B:
+        source = schedule.next_stage(stage)
+        return ("B", -1 if source is None else source, mb)
+    raise ValueError(f"{action} is not a SEND or RECV action")
+
+
+def send_action(message: Message) -> Action:
+    kind, stage, mb = message
+    return Action(stage, Kind.SEND_F if kind == "F" else Kind.SEND_B, mb)
+
+
+def recv_action(schedule: Schedule, message: Message) -> Action:
+    """The RECV that takes ``message`` in, written with the receiving stage as torch does."""
+    kind, stage, mb = message
+    if kind == "F":
+        return Action(schedule.next_stage(stage), Kind.RECV_F, mb)
+    return Action(schedule.prev_stage(stage), Kind.RECV_B, mb)
+
+
+def peer_rank(schedule: Schedule, action: Action) -> int:
+    """The rank on the other end of a SEND or RECV (an error if there is none)."""
+    stage = action.stage
+    if action.kind in (Kind.SEND_F, Kind.RECV_B):
+        other = schedule.next_stage(stage)
+    elif action.kind in (Kind.SEND_B, Kind.RECV_F):
+        other = schedule.prev_stage(stage)
+    else:
+        raise ValueError(f"{action} is not a SEND or RECV action")
+    if other is None:
+        raise ValueError(f"{action} has no peer: stage {stage} is at the end of its pipeline")
+    return schedule.stage_to_rank[other]
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    """A lockstep run: ``rounds[r][k]`` is the round in which rank r ran its k-th action.
+
+    ``stuck`` maps each rank that could not finish to the index of the action it waits at
+    (empty when the run finished); rounds after a stuck index are -1.
+    """
+
+    rounds: tuple[tuple[int, ...], ...]
+    stuck: dict
+
+    def position_after(self, rank: int, round_: int) -> int:
+        """How many of rank's actions had finished by the end of ``round_``."""
+        return sum(1 for r in self.rounds[rank] if 0 <= r <= round_)
+
+
+def lockstep(schedule: Schedule) -> Lockstep:
+    """Run a compute-only schedule in rounds of one action per rank.
+
+    In each round, every rank runs its next action if each product it needs was made in an
+    earlier round (on any rank). A product needed from the same rank but made later in its list
+    can never come, so such a rank is reported stuck like one in a cycle of waits.
+    """
+    rows = schedule.actions
+    for rank, row in enumerate(rows):
+        for action in row:
+            if action.kind in COMM_KINDS:
+                raise ValueError(
+                    f"lockstep runs compute-only schedules; rank {rank} holds {action}"
+                )
+    made: dict[Product, int] = {}
+    rounds = [[-1] * len(row) for row in rows]
+    cursor = [0] * len(rows)
+    round_ = 0
+    while True:
+        ran = []
+        for rank, row in enumerate(rows):
+            if cursor[rank] >= len(row):
+                continue
+            comps = row[cursor[rank]].computations()
+            if all(made.get(need, round_) < round_ for c in comps for need in needs_of(schedule, c)):
+                ran.append(rank)
+        if not ran:
+            break
+        for rank in ran:
+            for comp in rows[rank][cursor[rank]].computations():
+                made[product_of(comp)] = round_
+            rounds[rank][cursor[rank]] = round_
+            cursor[rank] += 1
+        round_ += 1
+    stuck = {rank: cursor[rank] for rank, row in enumerate(rows) if cursor[rank] < len(row)}
+    return Lockstep(tuple(tuple(r) for r in rounds), stuck)
+
+
+def missing_needs(schedule: Schedule, action: Action, made: set[Product] | dict) -> list[Product]:
+    """The products an action (an OVERLAP's halves included) needs that are not in ``made``."""
+    return [
+        need for comp in action.computations() for need in needs_of(schedule, comp)
+        if need not in made
+    ]
+
+
+def describe_product(schedule: Schedule, product: Product) -> str:
+    kind, stage, mb = product
+    text = {"F": f"{stage}F{mb}", "G": f"{stage}B/I{mb}", "W": f"{stage}W{mb}"}[kind]
+    return f"{text} (rank {schedule.stage_to_rank[stage]})"

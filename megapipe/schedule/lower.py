@@ -1,0 +1,94 @@
+"""Lowering: add SEND_F / RECV_F / SEND_B / RECV_B to a compute-only schedule.
+
+Conventions are torch.distributed.pipelining's (see INTERFACES.md): ``sSEND_Fi`` follows F(s, i)
+on its rank, ``sRECV_Fi`` precedes F(s, i); ``sSEND_Bi`` follows the B or I of (s, i) and
+``sRECV_Bi`` precedes it. Stages on the same rank hand tensors over locally, without messages.
+An OVERLAP needs its forward's input and its backward's output gradient before it and sends both
+results after it.
+
+Where things go:
+
+* a SEND right after the computation that makes its tensor (it cannot go earlier);
+* a RECV as early as it is useful, and no earlier: the compute schedule is run in lockstep
+  (``deps.lockstep``), and each RECV is placed at the point of the receiver's list that the
+  receiver has reached by the round in which the matching SEND is posted. The transfer then
+  overlaps every computation the receiver runs between that point and the consumer.
+
+Both sides order a channel's messages by lockstep round, so for every pair of ranks the RECVs on
+the receiver come in the order of the SENDs on the sender (NCCL matches p2p in order). A run of
+consecutive comm actions is one batch; within one, RECVs follow SENDs, sorted by their sender's
+order. This placement cannot deadlock under the batched model of ``check_runs``: a batch holds
+only messages sent in rounds before the receiver's next computation, and (by induction on the
+round) every message of round t completes once every rank has run its rounds up to t.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+from .comm_check import check_channel_order, check_runs
+from .deps import Message, lockstep, received_message, recv_action, send_action, sent_message
+from .errors import ScheduleError
+from .ir import Action, Schedule
+
+__all__ = ["lower", "check_runs", "check_channel_order"]
+
+
+def lower(schedule: Schedule) -> Schedule:
+    """``schedule`` with SEND/RECV actions added (see the module docstring for where)."""
+    rows = schedule.actions
+    for rank, row in enumerate(rows):
+        for action in row:
+            if not action.is_compute:
+                raise ScheduleError("the schedule is lowered already", rank, action)
+    run = lockstep(schedule)
+    if run.stuck:
+        waits = "; ".join(f"rank {r} at {rows[r][k]}" for r, k in sorted(run.stuck.items()))
+        rank, index = next(iter(sorted(run.stuck.items())))
+        raise ScheduleError(
+            f"cannot lower: the ranks wait on each other before any communication ({waits})",
+            rank, rows[rank][index],
+        )
+
+    sends: list[list[list[Action]]] = [[[] for _ in range(len(row) + 1)] for row in rows]
+    # The round and the sender's (rank, order) of every message, to place and sort its RECV.
+    sent: dict[Message, tuple[int, int, int]] = {}
+    for rank, row in enumerate(rows):
+        order = 0
+        for index, action in enumerate(row):
+            for comp in action.computations():
+                message = sent_message(schedule, comp)
+                if message is None:
+                    continue
+                sends[rank][index + 1].append(send_action(message))
+                sent[message] = (run.rounds[rank][index], rank, order)
+                order += 1
+
+    recvs: list[list[list[tuple[tuple[int, int, int], Action]]]] = [
+        [[] for _ in range(len(row) + 1)] for row in rows
+    ]
+    for rank, row in enumerate(rows):
+        for index, action in enumerate(row):
+            for comp in action.computations():
+                message = received_message(schedule, comp)
+                if message is None:
+                    continue
+                if message not in sent:
+                    raise ScheduleError(
+                        f"needs {message[1]}{message[0]}{message[2]}'s result, which no rank "
+                        "computes", rank, action,
+                    )
+                key = sent[message]
+                slot = bisect_right(run.rounds[rank], key[0])
+                recvs[rank][slot].append((key, recv_action(schedule, message)))
+
+    lowered = []
+    for rank, row in enumerate(rows):
+        out: list[Action] = []
+        for slot in range(len(row) + 1):
+            out.extend(sends[rank][slot])
+            out.extend(action for _, action in sorted(recvs[rank][slot], key=lambda kv: kv[0]))
+            if slot < len(row):
+                out.append(row[slot])
+        lowered.append(out)
+    return schedule.replace_actions(lowered)

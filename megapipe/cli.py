@@ -1,0 +1,126 @@
+"""The ``megapipe`` command. One subcommand per job, one function per subcommand.
+
+``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap]`` builds a schedule, prints it as a
+rank-by-step grid with its simulated metrics, and optionally writes it as CSV (torch's format),
+a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .schedule.errors import ScheduleError
+
+
+class _UsageError(Exception):
+    """A bad argument: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing the usage block, so errors stay one line."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_schedule_command(subparsers) -> None:
+    from .schedule.registry import SCHEDULES
+
+    p = subparsers.add_parser(
+        "schedule",
+        help="print a pipeline schedule and its simulated bubble",
+        description="Build a pipeline schedule, print it as a rank-by-step grid and simulate it.",
+    )
+    p.add_argument("name", help=f"schedule name: {', '.join(SCHEDULES)}")
+    p.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
+    p.add_argument("--vpp", type=_positive_int, default=None,
+                   help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)")
+    p.add_argument("-m", "--num-microbatches", type=_positive_int, required=True,
+                   dest="num_microbatches", help="microbatches per step")
+    p.add_argument("--overlap", action="store_true",
+                   help="pair forwards with backwards (OVERLAP) to hide the all-to-all")
+    p.add_argument("--costs", default="1,2,1", metavar="F,B,W[,A2A]",
+                   help="per-stage costs of forward, full backward and weight-gradient backward, "
+                        "and optionally of each all-to-all (default 1,2,1: free all-to-all)")
+    p.add_argument("--moe-layers", type=int, default=1,
+                   help="MoE layers per stage, each with a dispatch and a combine (default 1)")
+    p.add_argument("--p2p-latency", type=float, default=0.0, help="stage-to-stage latency")
+    p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
+    p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
+    p.set_defaults(run=run_schedule_command)
+
+
+def run_schedule_command(args: argparse.Namespace) -> int:
+    """``megapipe schedule``: build, print, simulate, and write the requested files."""
+    from .schedule.ir import write_csv
+    from .schedule.registry import build_schedule
+    from .sim.costs import Costs
+    from .sim.simulate import simulate
+
+    costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
+    extra = {} if args.vpp is None else {"vpp": args.vpp}
+    schedule = build_schedule(
+        args.name, args.pp, args.num_microbatches, overlap=args.overlap, **extra
+    )
+    result = simulate(schedule, costs)
+    vpp = schedule.options.get("vpp", args.vpp or 1)
+    title = (
+        f"{args.name}{' + overlap' if args.overlap else ''}: pp={args.pp} vpp={vpp} "
+        f"microbatches={args.num_microbatches}"
+    )
+    print(title)
+    print(schedule.format_grid())
+    print()
+    print(f"simulated with {costs.describe()}")
+    print(result.summary())
+    if args.csv:
+        write_csv(schedule, args.csv)
+        print(f"wrote {args.csv}")
+    if args.png:
+        from .sim.draw import draw_timeline
+
+        draw_timeline(result, args.png, title=title, stage_to_rank=schedule.stage_to_rank)
+        print(f"wrote {args.png}")
+    if args.trace:
+        from .sim.trace import write_trace
+
+        write_trace(result, args.trace)
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; each subcommand registers itself with ``set_defaults(run=...)``."""
+    parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers.required = True
+    _add_schedule_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``megapipe`` command; returns the exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except (_UsageError, ScheduleError, ValueError, OSError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"megapipe: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

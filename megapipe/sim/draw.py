@@ -1,0 +1,181 @@
+"""PNG timeline of a simulated run: ranks top to bottom, time left to right.
+
+One colour per action kind (F, B, I, W); later stages of a rank (virtual pipeline chunks) are
+drawn in a lighter shade of the same colour. Each box carries its microbatch number. An OVERLAP
+is one outlined box split in two halves: its forward on top, its backward below. When the
+all-to-all costs time, a thin strip under each rank shows it: grey where it runs beside compute
+(hidden), red where the rank waits for it (exposed).
+"""
+
+from __future__ import annotations
+
+from ..schedule.ir import Action, Kind
+from .simulate import SimResult
+from .steps import COMM, COMPUTE
+
+_COLOURS = {
+    Kind.F: "#1f5fbf",  # blue
+    Kind.B: "#e07b00",  # orange
+    Kind.I: "#0f8f8f",  # teal
+    Kind.W: "#3a9a3a",  # green
+}
+_NAMES = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad"}
+_EXPOSED = "#d62728"
+_HIDDEN = "#b0b0b0"
+
+
+def _lighten(colour: str, amount: float) -> tuple[float, float, float]:
+    rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    return tuple(c + (1 - c) * amount for c in rgb)
+
+
+def _subtract(start: float, end: float, cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of [start, end) outside every interval of ``cover``."""
+    parts, cursor = [], start
+    for c_start, c_end in cover:
+        if c_end <= cursor or c_start >= end:
+            continue
+        if c_start > cursor:
+            parts.append((cursor, c_start))
+        cursor = max(cursor, c_end)
+    if cursor < end:
+        parts.append((cursor, end))
+    return parts
+
+
+def _title(result: SimResult, title: str | None) -> str:
+    head = title or result.name or "schedule"
+    metrics = (
+        f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%}   "
+        f"peak in flight {max(result.peak_in_flight, default=0)}"
+    )
+    if sum(result.comm):
+        metrics += f"   exposed all-to-all {result.exposed_comm_fraction:.1%}"
+    return f"{head}\n{metrics}\ncosts: {result.costs.describe()}"
+
+
+def draw_timeline(
+    result: SimResult, path: str, title: str | None = None, stage_to_rank: tuple[int, ...] = ()
+) -> None:
+    """Write the timeline of ``result`` as a PNG to ``path``.
+
+    ``title`` defaults to the schedule's name; the metrics are always added below it.
+    ``stage_to_rank`` (the schedule's placement) lets later stages of a rank get lighter shades;
+    without it the shades are inferred from the stages each rank runs.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    pp = result.pp
+    local_chunk = _local_chunks(result, stage_to_rank)
+    chunks = max(local_chunk.values(), default=0) + 1
+    show_comm = sum(result.comm) > 0
+    per_rank = max((len(result.actions_of(r)) for r in range(pp)), default=1)
+    width = min(max(10.0, 0.42 * per_rank + 2.5), 40.0)
+    height = 2.0 + 0.75 * pp
+    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
+    span = result.makespan or 1.0
+    axes_width_in = width * 0.86
+    box_h = 0.62 if show_comm else 0.8
+    top = -box_h / 2  # box of rank r spans r + top .. r + top + box_h
+
+    def shade(action: Action) -> tuple[float, float, float]:
+        amount = 0.45 * local_chunk.get(action.stage, 0) / max(chunks - 1, 1)
+        return _lighten(_COLOURS[action.kind], amount)
+
+    def label(x0: float, x1: float, y: float, h: float, text: str, fill) -> None:
+        box_in = (x1 - x0) / span * axes_width_in
+        size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), h * 0.75 * 72 * 0.75)
+        luminance = 0.3 * fill[0] + 0.59 * fill[1] + 0.11 * fill[2]
+        if size >= 4.5:
+            ax.text((x0 + x1) / 2, y + h / 2, text, ha="center", va="center", fontsize=size,
+                    color="black" if luminance > 0.6 else "white", fontweight="bold")
+
+    seen: set[tuple[Kind, int]] = set()
+    any_overlap = False
+    for timed in result.timeline:
+        y = timed.rank + top
+        if timed.action.kind is Kind.OVERLAP:
+            any_overlap = True
+            half_h = box_h / 2
+            for i, half in enumerate(timed.action.computations()):
+                seen.add((half.kind, local_chunk.get(half.stage, 0)))
+                ax.add_patch(Rectangle((timed.start, y + i * half_h), timed.end - timed.start,
+                                       half_h, facecolor=shade(half), edgecolor="white",
+                                       linewidth=0.4))
+                label(timed.start, timed.end, y + i * half_h, half_h, str(half.microbatch),
+                      shade(half))
+            ax.add_patch(Rectangle((timed.start, y), timed.end - timed.start, box_h,
+                                   fill=False, edgecolor="black", linewidth=1.4))
+        else:
+            seen.add((timed.action.kind, local_chunk.get(timed.action.stage, 0)))
+            ax.add_patch(Rectangle((timed.start, y), timed.end - timed.start, box_h,
+                                   facecolor=shade(timed.action), edgecolor="white",
+                                   linewidth=0.6))
+            label(timed.start, timed.end, y, box_h, str(timed.action.microbatch),
+                  shade(timed.action))
+    if show_comm:
+        _draw_comm(ax, result, top + box_h + 0.04, 0.16, Rectangle)
+
+    ax.set_xlim(0, span)
+    ax.set_ylim(pp - 0.5, -0.5)
+    ax.set_yticks(range(pp))
+    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
+    ax.set_xlabel("time (cost units);  numbers in boxes: microbatch")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(_title(result, title), fontsize=10, loc="left")
+
+    handles = []
+    for kind in _COLOURS:
+        for chunk in range(chunks):
+            if (kind, chunk) in seen:
+                probe = Action(_first_stage(local_chunk, chunk), kind, 0)
+                name = _NAMES[kind] + (f", chunk {chunk}" if chunks > 1 else "")
+                handles.append(Patch(facecolor=shade(probe), label=name))
+    if any_overlap:
+        handles.append(Patch(fill=False, edgecolor="black", linewidth=1.4,
+                             label="OVERLAP (F top, B/I below)"))
+    if show_comm:
+        handles.append(Patch(facecolor=_HIDDEN, label="all-to-all hidden"))
+        handles.append(Patch(facecolor=_EXPOSED, label="all-to-all exposed"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
+              ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _first_stage(local_chunk: dict[int, int], chunk: int) -> int:
+    return min(s for s, c in local_chunk.items() if c == chunk)
+
+
+def _local_chunks(result: SimResult, stage_to_rank: tuple[int, ...]) -> dict[int, int]:
+    """Stage -> its index among the stages of its rank (0 for the first)."""
+    stages_by_rank: dict[int, set[int]] = {}
+    if stage_to_rank:
+        for stage, rank in enumerate(stage_to_rank):
+            stages_by_rank.setdefault(rank, set()).add(stage)
+    else:
+        for timed in result.timeline:
+            for comp in timed.action.computations():
+                stages_by_rank.setdefault(timed.rank, set()).add(comp.stage)
+    return {s: i for stages in stages_by_rank.values() for i, s in enumerate(sorted(stages))}
+
+
+def _draw_comm(ax, result: SimResult, offset: float, height: float, rectangle) -> None:
+    """The all-to-all strip of each rank: grey where hidden, red where the rank waits on it."""
+    for rank in range(result.pp):
+        segments = [s for t in result.actions_of(rank) for s in t.segments if s.end > s.start]
+        compute = sorted((s.start, s.end) for s in segments if s.stream == COMPUTE)
+        for seg in segments:
+            if seg.stream != COMM:
+                continue
+            ax.add_patch(rectangle((seg.start, rank + offset), seg.end - seg.start, height,
+                                   facecolor=_HIDDEN, linewidth=0))
+            for x0, x1 in _subtract(seg.start, seg.end, compute):
+                ax.add_patch(rectangle((x0, rank + offset), x1 - x0, height,
+                                       facecolor=_EXPOSED, linewidth=0))
+

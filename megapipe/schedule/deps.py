@@ -134,15 +134,13 @@ class Lockstep:
     """A lockstep run: ``rounds[r][k]`` is the round in which rank r ran its k-th action.
 
     ``stuck`` maps each rank that could not finish to the index of the action it waits at
-    (empty when the run finished); rounds after a stuck index are -1.
+    (empty when the run finished); rounds after a stuck index are -1. ``made`` maps each
+    product made to its round.
     """
 
     rounds: tuple[tuple[int, ...], ...]
     stuck: dict
-
-    def position_after(self, rank: int, round_: int) -> int:
-        """How many of rank's actions had finished by the end of ``round_``."""
-        return sum(1 for r in self.rounds[rank] if 0 <= r <= round_)
+    made: dict
 
 
 def lockstep(schedule: Schedule) -> Lockstep:
@@ -180,7 +178,7 @@ def lockstep(schedule: Schedule) -> Lockstep:
             cursor[rank] += 1
         round_ += 1
     stuck = {rank: cursor[rank] for rank, row in enumerate(rows) if cursor[rank] < len(row)}
-    return Lockstep(tuple(tuple(r) for r in rounds), stuck)
+    return Lockstep(tuple(tuple(r) for r in rounds), stuck, made)
 
 
 def missing_needs(schedule: Schedule, action: Action, made: set[Product] | dict) -> list[Product]:

@@ -22,13 +22,15 @@ get no pairs.
 
 Fusing two actions into one can make ranks wait on each other in a cycle (a pair needing, through
 another rank, the output of its own other half). The pass therefore runs the paired schedule in
-lockstep (``deps.lockstep``) and splits again every pair at which a rank is stuck, until it runs
-through. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged.
+lockstep (``deps.lockstep``) and, while ranks are stuck, splits the stuck pairs whose backward
+could run alone (or, if none could, every stuck pair) until it runs through; each split restores
+that rank's original order there, and the original order ran. Schedules that already hold
+OVERLAP actions (DualPipe, DualPipeV) pass unchanged.
 """
 
 from __future__ import annotations
 
-from .deps import lockstep
+from .deps import lockstep, missing_needs
 from .errors import ScheduleError
 from .ir import BACKWARD_KINDS, Action, Kind, Schedule
 
@@ -107,19 +109,27 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         run = lockstep(combined)
         if not run.stuck:
             break
-        split = False
-        for rank, index in run.stuck.items():
-            pair = assembled[rank][1].get(index)
-            if pair is not None:
-                pairs[rank].remove(pair)
-                split = True
-        if not split:
+        stuck_pairs = {
+            rank: assembled[rank][1][index]
+            for rank, index in run.stuck.items()
+            if index in assembled[rank][1]
+        }
+        if not stuck_pairs:
             # Only reachable if an unpaired action blocks; the original ran, so report it plainly.
             rank, index = next(iter(run.stuck.items()))
             raise ScheduleError(
                 "the paired schedule cannot run and no pair is to blame (overlap pass bug)",
                 rank, combined.actions[rank][index],
             )
+        # A pair whose backward could run alone is one that waits only for its forward's input:
+        # splitting it lets the backward go first, as it did before pairing, and the cycle opens.
+        # If no pair is like that, split every stuck pair (the original order runs).
+        blocking = {
+            rank: pair for rank, pair in stuck_pairs.items()
+            if not missing_needs(schedule, rows[rank][pair[0]], run.made)
+        }
+        for rank, pair in (blocking or stuck_pairs).items():
+            pairs[rank].remove(pair)
     options = dict(schedule.options)
     options["overlap"] = True
     return combined.replace_actions(combined.actions, options=options)

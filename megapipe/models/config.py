@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megapipe.moe.layer import MoEConfig
+from megapipe.moe.link import EmulatedLink
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -11,7 +14,8 @@ class GPTConfig:
 
     Layer l (global index) is MoE when ``l >= first_k_dense_layers`` and
     ``(l - first_k_dense_layers) % moe_layer_freq == 0``; the others use a dense SwiGLU MLP of
-    ``ffn_hidden_size``. ``num_experts=0`` makes every layer dense.
+    ``ffn_hidden_size``. ``num_experts=0`` makes every layer dense. The ``moe_*`` fields map
+    onto ``megapipe.moe.MoEConfig`` (``moe_config()``).
     """
 
     vocab_size: int = 256
@@ -30,6 +34,7 @@ class GPTConfig:
     moe_z_loss_coeff: float = 1e-3
     moe_capacity_factor: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_link: EmulatedLink | None = None  # emulated interconnect for the A2A (CPU overlap studies)
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
@@ -76,3 +81,21 @@ class GPTConfig:
         if self.num_experts == 0 or layer < self.first_k_dense_layers:
             return False
         return (layer - self.first_k_dense_layers) % self.moe_layer_freq == 0
+
+    def moe_config(self) -> MoEConfig:
+        """The MoE layer config of this model's MoE layers."""
+        if self.num_experts == 0:
+            raise ValueError("GPTConfig.num_experts=0: this model has no MoE layers")
+        return MoEConfig(
+            hidden_size=self.hidden_size,
+            num_experts=self.num_experts,
+            top_k=self.moe_top_k,
+            ffn_hidden_size=self.moe_ffn_hidden_size,
+            score_function=self.moe_score_function,
+            aux_loss_coeff=self.moe_aux_loss_coeff,
+            z_loss_coeff=self.moe_z_loss_coeff,
+            capacity_factor=self.moe_capacity_factor,
+            shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            link=self.moe_link,
+            init_std=self.init_std,
+        )

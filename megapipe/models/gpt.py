@@ -27,6 +27,7 @@ from torch import nn
 
 from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
+from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 
@@ -50,17 +51,6 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y.transpose(1, 2).reshape(b, s, h), self.w_out)
 
 
-def _build_moe_layer(config: GPTConfig, layer_index: int, ep_group: dist.ProcessGroup | None) -> nn.Module:
-    try:
-        from megapipe.moe.layer import MoELayer
-    except ImportError as err:
-        raise NotImplementedError(
-            f"layer {layer_index} is an MoE layer but megapipe.moe.layer is not available ({err}); "
-            "set GPTConfig.first_k_dense_layers=num_layers for a dense model"
-        ) from err
-    return MoELayer(config.moe_config(), ep_group=ep_group, layer_index=layer_index, seed=config.seed)
-
-
 class TransformerLayer(nn.Module):
     """One pre-norm layer with a dense SwiGLU MLP or an MoE FFN, described by ``node_plan``."""
 
@@ -72,7 +62,9 @@ class TransformerLayer(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_index)
         if self.is_moe:
-            self.moe = _build_moe_layer(config, layer_index, ep_group)
+            self.moe = MoELayer(
+                config.moe_config(), ep_group=ep_group, layer_index=layer_index, seed=config.seed
+            )
         else:
             self.mlp = SwiGLUMLP(
                 config.hidden_size, config.ffn_hidden_size, config.seed, "dense_mlp", layer_index,
@@ -195,7 +187,7 @@ class GPTStage(nn.Module):
             plans.append(_single_node("head", self.head))
         return plans
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """The MoE layers of this stage (the executor sets their ``aux_loss_scale``)."""
         return [layer.moe for layer in self.layers.values() if layer.is_moe]
 

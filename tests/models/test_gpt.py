@@ -7,6 +7,11 @@ from megapipe.models.split import build_stage, stage_ids_of_rank
 from megapipe.overlap.plan import NodeKind, run_nodes
 
 DENSE = GPTConfig(num_layers=6, first_k_dense_layers=6)
+MOE = GPTConfig(num_layers=6, first_k_dense_layers=1, moe_layer_freq=2)  # MoE layers 1, 3, 5
+MOE_SHARED = GPTConfig(
+    num_layers=4, moe_score_function="sigmoid", moe_shared_expert_intermediate_size=16, moe_top_k=1
+)
+CONFIGS = pytest.mark.parametrize("config", [DENSE, MOE, MOE_SHARED], ids=["dense", "moe", "moe_shared"])
 
 
 def _batch(config, batch=3, seed=1):
@@ -32,7 +37,7 @@ def _pipeline_loss_and_grads(stages, tokens, labels):
     return loss.item(), named
 
 
-@pytest.mark.parametrize("config", [DENSE], ids=["dense"])
+@CONFIGS
 @pytest.mark.parametrize("num_parts", [1, 2, 4])
 def test_split_model_has_same_weights_loss_and_grads(config, num_parts):
     tokens, labels = _batch(config)
@@ -51,9 +56,10 @@ def test_split_model_has_same_weights_loss_and_grads(config, num_parts):
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@CONFIGS
 @pytest.mark.parametrize("placement", ["loop", "v"])
-def test_stages_gathered_by_placement_give_the_same_loss(placement):
-    config, pp, num_stages = DENSE, 2, 4
+def test_stages_gathered_by_placement_give_the_same_loss(config, placement):
+    pp, num_stages = 2, 4
     tokens, labels = _batch(config)
     owned = {}
     for rank in range(pp):
@@ -66,7 +72,7 @@ def test_stages_gathered_by_placement_give_the_same_loss(placement):
     assert gpt_loss(x, labels).item() == gpt_loss(build_stage(config, 0, 1)(tokens), labels).item()
 
 
-@pytest.mark.parametrize("config", [DENSE], ids=["dense"])
+@CONFIGS
 def test_layer_plans_in_order_equal_forward(config):
     tokens, _ = _batch(config)
     for part in range(2):
@@ -111,3 +117,12 @@ def test_bad_inputs_and_configs_rejected():
         GPTConfig(moe_top_k=5)
     with pytest.raises(ValueError, match="model_part=2 outside"):
         build_stage(DENSE, 2, 2)
+
+
+def test_moe_layout_follows_config():
+    stage = build_stage(MOE, 0, 1)
+    assert [layer.is_moe for layer in stage.layers.values()] == [False, True, False, True, False, True]
+    assert [m.layer_index for m in stage.moe_layers()] == [1, 3, 5]
+    # experts are keyed by global layer index: a later stage holds the same layer-5 experts
+    last = build_stage(MOE, 1, 2)
+    assert torch.equal(last.layers["5"].moe.experts.w_gate, stage.layers["5"].moe.experts.w_gate)

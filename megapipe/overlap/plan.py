@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from types import SimpleNamespace
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -34,9 +34,13 @@ NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ..
 
 @dataclass(frozen=True)
 class Node:
+    """One step of a layer. ``group``: the process group a comm node drives (optional); the
+    co-scheduler checks that each group is driven from one stream only."""
+
     name: str
     kind: NodeKind
     fn: NodeFn
+    group: Any = None
 
 
 @runtime_checkable

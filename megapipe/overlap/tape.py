@@ -1,0 +1,365 @@
+"""The tape: a stage's forward recorded node by node, and its backward driven node by node.
+
+``record_forward(layer_plans, inputs)`` runs each layer's nodes in order. Every node boundary
+detaches the tensors (a fresh leaf that requires grad exactly when the original did), so each
+node owns a small autograd graph of its own. ``run_backward(tape, grads)`` then walks the nodes
+last first: ``torch.autograd.backward(node outputs, their gradients)`` accumulates parameter
+gradients into ``.grad`` as ordinary autograd would and leaves the gradients of the node's
+inputs in the inputs' ``.grad``; those are the gradients of the previous node's outputs. Each
+node's tensors are dropped as soon as its backward has run.
+
+Why: the co-scheduler must run the backward of one node (say the combine all-to-all) on one
+stream while the forward of another microbatch's node runs on another; explicit node-sized
+graphs make that possible, and because the nodes perform exactly the operations of
+``run_nodes`` the results are bitwise equal to plain autograd over the same plan.
+
+Layer boundaries: ``record_layer`` returns the layer's outputs as fresh leaves too. A model
+that runs its layers through a ``TapeRunner`` may apply ordinary torch ops between layers
+("glue"); their backward runs when the next layer's input gradients are known.
+
+Caveats, all shared with the bitwise guarantee:
+- Anything that needs a gradient must flow through the node tuples. A tensor that a node leaves
+  in the ``LayerState`` is cut off from autograd; the state is for metadata (indices, sizes).
+- Gradients that meet at one tensor are summed by autograd. With two contributions the sum is
+  the same whatever the order; a tensor used by three or more nodes may differ in the last bit
+  from plain autograd, so pass such a tensor through the nodes and use it at most twice.
+- A tensor that needs grad and feeds several layers from outside (not via the previous layer's
+  outputs) must be a leaf: its graph can be walked only once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from megapipe.overlap.plan import LayerState, Node
+
+Values = tuple[Any, ...]
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def detach_boundary(values: Sequence[Any]) -> Values:
+    """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            leaf = v.detach()
+            if v.requires_grad:
+                leaf.requires_grad_(True)
+            out.append(leaf)
+        else:
+            out.append(v)
+    return tuple(out)
+
+
+def _check_values(values: Any, where: str) -> Values:
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"{where} must return a tuple of tensors, got {type(values).__name__}")
+    return tuple(values)
+
+
+@dataclass
+class NodeRecord:
+    """One node of one microbatch: its detached inputs and its outputs (the graph's roots)."""
+
+    node: Node
+    inputs: Values | None = None
+    outputs: Values | None = None
+    pending_grads: Grads | None = None  # its outputs' gradients, once known
+
+    @property
+    def live(self) -> bool:
+        return self.outputs is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = list(self.inputs or ()) + list(self.outputs or ())
+        return [t for t in held if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class LayerRecord:
+    """One layer of one microbatch: the inputs it was given, its nodes, its returned outputs."""
+
+    index: int
+    nodes: list[NodeRecord]
+    state: LayerState
+    given_inputs: Values
+    outputs: Values | None = None  # the fresh leaves handed to the caller
+    next_forward: int = 0  # index of the next node whose forward runs
+    next_backward: int = -1  # index of the next node whose backward runs (last first)
+
+    @property
+    def recorded(self) -> bool:
+        return self.next_forward == len(self.nodes)
+
+    @property
+    def backward_done(self) -> bool:
+        return self.recorded and self.next_backward < 0
+
+
+def node_backward(record: NodeRecord, grads: Sequence[torch.Tensor | None]) -> Grads:
+    """Run one node's backward with the gradients of its outputs; return its input gradients.
+
+    Outputs that need no gradient, or whose gradient is None (unused downstream, or of an
+    integer tensor), are left out, exactly as autograd leaves them out. The node's tensors are
+    released afterwards.
+    """
+    if not record.live:
+        raise RuntimeError(f"node {record.node.name!r}: backward already ran (or forward never did)")
+    outputs = record.outputs
+    assert outputs is not None and record.inputs is not None
+    if len(grads) != len(outputs):
+        raise ValueError(
+            f"node {record.node.name!r} has {len(outputs)} outputs but got {len(grads)} gradients"
+        )
+    roots, root_grads = [], []
+    for out, grad in zip(outputs, grads):
+        if grad is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+            continue
+        roots.append(out)
+        root_grads.append(grad)
+    if roots:
+        torch.autograd.backward(roots, root_grads)
+    input_grads = tuple(
+        x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in record.inputs
+    )
+    record.inputs = None
+    record.outputs = None
+    return input_grads
+
+
+class Tape:
+    """What a stage's backward needs: the layer records of one microbatch, in forward order.
+
+    Build it with ``record_forward`` (or ``record_layer`` per layer / a ``TapeRunner``); walk it
+    back with ``run_backward`` or, node by node, with ``begin_layer_backward`` and
+    ``backward_step`` (the co-scheduler does that).
+    """
+
+    def __init__(self, route_input_grads: bool = True) -> None:
+        self.layers: list[LayerRecord] = []
+        # gradients of the first layer's inputs, once its backward ran
+        self.input_grads: Grads | None = None
+        # whether those also flow on into the inputs' own graph / .grad (as plain autograd would)
+        self.route_input_grads = route_input_grads
+        self._pending_grads: Grads | None = None  # gradients of the layer next to go backward
+
+    # ---- forward -------------------------------------------------------------------------
+    def begin_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> LayerRecord:
+        """Start recording a layer of ``nodes`` on ``inputs``; run it with ``forward_step``."""
+        if self.layers and not self.layers[-1].recorded:
+            raise RuntimeError(
+                f"layer {self.layers[-1].index} is still being recorded; finish it before the next"
+            )
+        nodes = list(nodes)
+        if not nodes or not all(isinstance(n, Node) for n in nodes):
+            raise TypeError(f"a layer plan must be a non-empty list of Node, got {nodes!r}")
+        inputs = _check_values(inputs, "layer inputs")
+        layer = LayerRecord(
+            index=len(self.layers),
+            nodes=[NodeRecord(n) for n in nodes],
+            state=LayerState(),
+            given_inputs=inputs,
+        )
+        layer.nodes[0].inputs = detach_boundary(inputs)
+        self.layers.append(layer)
+        return layer
+
+    def forward_step(self, layer: LayerRecord) -> NodeRecord:
+        """Run the next node of ``layer``; after its last node the layer's outputs are set."""
+        if layer.recorded:
+            raise RuntimeError(f"layer {layer.index}: all nodes already ran forward")
+        record = layer.nodes[layer.next_forward]
+        assert record.inputs is not None
+        outputs = _check_values(
+            record.node.fn(layer.state, record.inputs), f"node {record.node.name!r}"
+        )
+        record.outputs = outputs
+        layer.next_forward += 1
+        if layer.next_forward < len(layer.nodes):
+            layer.nodes[layer.next_forward].inputs = detach_boundary(outputs)
+        else:
+            layer.outputs = detach_boundary(outputs)
+            layer.next_backward = len(layer.nodes) - 1
+        return record
+
+    def record_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> Values:
+        """Record a whole layer; return its outputs as fresh leaves."""
+        layer = self.begin_layer(nodes, inputs)
+        while not layer.recorded:
+            self.forward_step(layer)
+        assert layer.outputs is not None
+        return layer.outputs
+
+    @property
+    def outputs(self) -> Values:
+        if not self.layers or not self.layers[-1].recorded:
+            raise RuntimeError("the tape holds no finished layer")
+        assert self.layers[-1].outputs is not None
+        return self.layers[-1].outputs
+
+    # ---- backward ------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def remaining_backward_layers(self) -> int:
+        return sum(1 for layer in self.layers if not layer.backward_done)
+
+    def begin_layer_backward(
+        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+    ) -> LayerRecord:
+        """Take the last layer whose backward has not run; ``grads`` are its outputs' gradients.
+
+        ``grads`` is needed for the first layer to go backward (the tape's outputs); later
+        layers get theirs from the layer after them. ``None`` for the first reads the
+        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` is
+        the ``WeightGradQueue`` (or None) that deferrable ops of this layer read from its state.
+        """
+        pending = [layer for layer in self.layers if not layer.backward_done]
+        if not pending:
+            raise RuntimeError("every layer of the tape already ran backward")
+        layer = pending[-1]
+        if not layer.recorded:
+            raise RuntimeError(f"layer {layer.index} was never finished forward")
+        assert layer.outputs is not None
+        if grads is None:
+            grads = self._pending_grads
+        if grads is None:
+            if layer is not self.layers[-1]:
+                raise RuntimeError(f"layer {layer.index}: no gradients for its outputs")
+            grads = tuple(
+                o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
+                for o in layer.outputs
+            )
+        if len(grads) != len(layer.outputs):
+            raise ValueError(
+                f"layer {layer.index} has {len(layer.outputs)} outputs but got {len(grads)} gradients"
+            )
+        self._pending_grads = None
+        layer.outputs = None  # the leaves handed out are no longer needed
+        layer.nodes[-1].pending_grads = tuple(grads)
+        layer.state.wgrad_queue = wgrad
+        return layer
+
+    def backward_step(self, layer: LayerRecord) -> NodeRecord:
+        """Run the backward of the next node of ``layer`` (last node first)."""
+        if layer.next_backward < 0:
+            raise RuntimeError(f"layer {layer.index}: every node already ran backward")
+        record = layer.nodes[layer.next_backward]
+        grads, record.pending_grads = record.pending_grads, None
+        assert grads is not None
+        input_grads = node_backward(record, grads)
+        layer.next_backward -= 1
+        if layer.next_backward >= 0:
+            layer.nodes[layer.next_backward].pending_grads = input_grads
+        else:
+            self._finish_layer_backward(layer, input_grads)
+        return record
+
+    def _finish_layer_backward(self, layer: LayerRecord, input_grads: Grads) -> None:
+        """Route the gradients of the layer's given inputs to where they came from."""
+        given = layer.given_inputs
+        layer.given_inputs = ()
+        layer.state = LayerState()
+        previous = self.layers[layer.index - 1] if layer.index > 0 else None
+        prev_outputs = previous.outputs if previous is not None else None
+        direct: dict[int, torch.Tensor] = {}
+        roots, root_grads = [], []
+        for value, grad in zip(given, input_grads):
+            if grad is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
+                continue
+            position = _position(prev_outputs, value)
+            if position is not None and position not in direct:
+                direct[position] = grad
+            else:
+                roots.append(value)
+                root_grads.append(grad)
+        if previous is None:
+            self.input_grads = input_grads
+            if roots and self.route_input_grads:
+                torch.autograd.backward(roots, root_grads)
+            return
+        if roots:  # glue between layers, or a tensor given twice
+            torch.autograd.backward(roots, root_grads)
+        assert prev_outputs is not None
+        grads: list[torch.Tensor | None] = []
+        for i, out in enumerate(prev_outputs):
+            g = direct.get(i)
+            if isinstance(out, torch.Tensor) and out.grad is not None:
+                g = out.grad if g is None else g + out.grad
+            grads.append(g)
+        self._pending_grads = tuple(grads)
+
+    def backward_layer(
+        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+    ) -> None:
+        """Run the backward of the last pending layer, all its nodes in order."""
+        layer = self.begin_layer_backward(grads, wgrad)
+        while layer.next_backward >= 0:
+            self.backward_step(layer)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def live_tensors(self) -> int:
+        """How many node-boundary tensors the tape still holds (each keeps its graph alive)."""
+        return sum(len(r.tensors()) for layer in self.layers for r in layer.nodes)
+
+    def live_nodes(self) -> int:
+        """How many nodes still hold their graph (recorded, backward not yet run)."""
+        return sum(1 for layer in self.layers for r in layer.nodes if r.live)
+
+
+def _position(values: Values | None, tensor: torch.Tensor) -> int | None:
+    if values is None:
+        return None
+    for i, v in enumerate(values):
+        if v is tensor:
+            return i
+    return None
+
+
+def record_forward(layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any]) -> tuple[Values, Tape]:
+    """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
+
+    ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
+    (their ``.grad`` is not touched).
+    """
+    tape = Tape(route_input_grads=False)
+    values = _check_values(inputs, "stage inputs")
+    for plan in layer_plans:
+        values = tape.record_layer(plan, values)
+    return values, tape
+
+
+def run_backward(
+    tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+) -> Grads:
+    """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
+
+    ``grad_outputs`` are the gradients of the tape's outputs (None: read the outputs' ``.grad``,
+    e.g. after ``loss.backward()`` on them). ``wgrad`` (a ``WeightGradQueue``) defers the weight
+    gradients of ops that support it into the queue; the caller flushes the queue.
+    """
+    grads = grad_outputs
+    while tape.remaining_backward_layers():
+        tape.backward_layer(grads, wgrad)
+        grads = None
+    if tape.input_grads is None:
+        raise RuntimeError("the tape's first layer never ran backward")
+    return tape.input_grads
+
+
+class TapeRunner:
+    """Records the layers a model runs through ``run_layer`` (e.g. ``GPTStage.node_runner``).
+
+    Gradients of tensors that enter the first layer flow on into them (their graph, or their
+    ``.grad`` for leaves) as plain autograd would, and ``run_backward`` also returns them.
+    """
+
+    def __init__(self) -> None:
+        self.tape = Tape(route_input_grads=True)
+
+    def run_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> Values:
+        return self.tape.record_layer(nodes, inputs)

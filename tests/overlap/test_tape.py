@@ -1,0 +1,183 @@
+"""The tape: node-by-node forward/backward gives the bits of plain autograd over run_nodes."""
+
+import copy
+
+import pytest
+import torch
+
+from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
+from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
+from megapipe.overlap.wgrad import WeightGradQueue
+
+from overlap_toys import toy_stack
+
+
+def _plain(layers, x, grad_out):
+    x = x.clone().requires_grad_(True)
+    out = x
+    for layer in layers:
+        out = run_nodes(layer.node_plan(), (out,))[0]
+    out.backward(grad_out)
+    return out.detach(), x.grad
+
+
+def _grads(module):
+    return [p.grad.clone() if p.grad is not None else None for p in module.parameters()]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kinds", ["m", "dmm", "mdm"])
+@pytest.mark.parametrize("defer", [False, True])
+def test_tape_matches_plain_autograd_bitwise(kinds, defer):
+    ref = toy_stack(kinds, hidden=8)
+    layers = copy.deepcopy(ref)
+    torch.manual_seed(0)
+    for _ in range(2):  # two microbatches: gradients accumulate
+        x = torch.randn(6, 8)
+        g = torch.randn(6, 8)
+        out_ref, gx_ref = _plain(ref, x, g)
+        x_in = x.clone().requires_grad_(True)
+        outs, tape = record_forward([layer.node_plan() for layer in layers], (x_in,))
+        assert torch.equal(outs[0], out_ref)
+        queue = WeightGradQueue() if defer else None
+        (gx,) = run_backward(tape, (g,), wgrad=queue)
+        if defer:
+            assert len(queue) == 2 * kinds.count("m")  # two grouped matmuls per MoE layer
+            queue.run()
+        assert x_in.grad is None  # record_forward leaves the caller's tensor alone
+        assert torch.equal(gx, gx_ref)
+        assert tape.live_tensors() == 0 and tape.live_nodes() == 0
+    _assert_same(_grads(layers), _grads(ref))
+
+
+def test_tape_frees_each_node_as_its_backward_runs():
+    layers = toy_stack("mm", hidden=8)
+    outs, tape = record_forward([layer.node_plan() for layer in layers], (torch.randn(4, 8, requires_grad=True),))
+    assert tape.live_nodes() == 10
+    live = [tape.live_tensors()]
+    tape.begin_layer_backward((torch.ones(4, 8),))
+    layer = tape.layers[-1]
+    while layer.next_backward >= 0:
+        tape.backward_step(layer)
+        live.append(tape.live_tensors())
+    assert all(a > b for a, b in zip(live, live[1:]))  # strictly decreasing
+    assert tape.live_nodes() == 5
+    run_backward(tape)
+    assert tape.live_tensors() == 0
+
+
+def _split_node(state, t):
+    (x,) = t
+    return (x, torch.arange(x.shape[0]), (x * 2).detach(), x * 3)
+
+
+def _join_node(state, t):
+    x, idx, frozen, y = t
+    return (x[idx] + frozen + y * y,)  # x reaches the output twice: passed through, then used
+
+
+def test_passthrough_int_and_no_grad_outputs_and_unused_outputs():
+    plan = [Node("split", NodeKind.COMPUTE, _split_node), Node("join", NodeKind.COMPUTE, _join_node)]
+    x = torch.randn(5, 3)
+    ref = x.clone().requires_grad_(True)
+    run_nodes(plan, (ref,))[0].sum().backward()
+    x_in = x.clone().requires_grad_(True)
+    outs, tape = record_forward([plan], (x_in,))
+    outs[0].sum().backward()  # loss on the returned leaves, then grads read from their .grad
+    (gx,) = run_backward(tape)
+    assert torch.equal(gx, ref.grad)
+
+
+def test_int_stage_input_has_no_grad():
+    emb = torch.nn.Embedding(10, 4)
+    plan = [Node("embed", NodeKind.COMPUTE, lambda s, t: (emb(t[0]),))]
+    tokens = torch.tensor([1, 2, 3])
+    outs, tape = record_forward([plan], (tokens,))
+    (gt,) = run_backward(tape, (torch.ones(3, 4),))
+    assert gt is None
+    assert torch.equal(emb.weight.grad.sum(0), torch.full((4,), 3.0))
+
+
+def test_runner_with_glue_between_layers_matches_plain():
+    ref = toy_stack("mdm", hidden=8)
+    layers = copy.deepcopy(ref)
+    x = torch.randn(6, 8)
+
+    def forward(mods, run, x):
+        out = x
+        for i, layer in enumerate(mods):
+            out = run(layer.node_plan(), (out * 1.5 if i == 1 else out,))[0]  # glue before layer 1
+        return out
+
+    xr = x.clone().requires_grad_(True)
+    forward(ref, lambda p, v: run_nodes(p, v), xr).square().sum().backward()
+    runner = TapeRunner()
+    xt = x.clone().requires_grad_(True)
+    out = forward(layers, runner.run_layer, xt)
+    out.square().sum().backward()
+    (gx,) = run_backward(runner.tape)
+    assert torch.equal(gx, xr.grad)
+    assert torch.equal(xt.grad, xr.grad)  # the runner routes input grads on, like autograd
+    _assert_same(_grads(layers), _grads(ref))
+
+
+def test_bad_plans_and_misuse_are_named():
+    tape = Tape()
+    with pytest.raises(TypeError, match="list of Node"):
+        tape.begin_layer([], (torch.ones(1),))
+    plan = [Node("bad", NodeKind.COMPUTE, lambda s, t: t[0] * 2)]
+    with pytest.raises(TypeError, match="node 'bad' must return a tuple"):
+        record_forward([plan], (torch.ones(2),))
+    good = [Node("ok", NodeKind.COMPUTE, lambda s, t: (t[0] * 2,))]
+    _, tape = record_forward([good], (torch.ones(2, requires_grad=True),))
+    with pytest.raises(ValueError, match="1 outputs but got 2 gradients"):
+        run_backward(tape, (torch.ones(2), torch.ones(2)))
+    run_backward(tape, (torch.ones(2),))
+    with pytest.raises(RuntimeError, match="already ran backward"):
+        tape.begin_layer_backward((torch.ones(2),))
+
+
+def test_state_is_per_layer_and_per_microbatch():
+    seen = []
+
+    def write(state: LayerState, t):
+        state.rows = t[0].shape[0]
+        return t
+
+    def read(state: LayerState, t):
+        seen.append(state.rows)
+        return (t[0] + 1,)
+
+    plan = [Node("w", NodeKind.COMPUTE, write), Node("r", NodeKind.COMPUTE, read)]
+    record_forward([plan, plan], (torch.ones(3),))
+    record_forward([plan], (torch.ones(5),))
+    assert seen == [3, 3, 5]
+
+
+@pytest.mark.parametrize("shared", [None, 12])
+def test_tape_matches_plain_autograd_on_the_moe_layer(shared):
+    from megapipe.moe.layer import MoEConfig, MoELayer
+
+    cfg = MoEConfig(
+        hidden_size=8, num_experts=4, top_k=2, ffn_hidden_size=16, aux_loss_coeff=0.01,
+        z_loss_coeff=0.001, shared_expert_intermediate_size=shared,
+    )
+    ref = torch.nn.ModuleList([MoELayer(cfg, layer_index=i, seed=3) for i in range(2)])
+    layers = copy.deepcopy(ref)
+    torch.manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2, 5, 8)
+        g = torch.randn(2, 5, 8)
+        out_ref, gx_ref = _plain(ref, x, g)
+        outs, tape = record_forward([layer.node_plan() for layer in layers], (x.clone().requires_grad_(True),))
+        assert torch.equal(outs[0], out_ref)
+        (gx,) = run_backward(tape, (g,))
+        assert torch.equal(gx, gx_ref)
+    _assert_same(_grads(layers), _grads(ref))

@@ -4,8 +4,6 @@ from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv
 from .lower import check_runs, lower
 from .overlap import apply_overlap
-from .lower import check_runs, lower
-from .overlap import apply_overlap
 from .registry import SCHEDULES, build_schedule
 from .validate import validate
 
@@ -16,10 +14,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "apply_overlap",
-    "apply_overlap",
     "build_schedule",
-    "check_runs",
-    "lower",
     "check_runs",
     "lower",
     "parse_action",

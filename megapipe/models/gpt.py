@@ -32,6 +32,7 @@ from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 
 Plan = list[Node]
+Tensors = tuple[torch.Tensor, ...]
 
 
 class CausalSelfAttention(nn.Module):
@@ -41,20 +42,24 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         h, std, seed = config.hidden_size, config.init_std, config.seed
         self.num_heads = config.num_heads
-        self.w_qkv = nn.Parameter(seeded_normal((3 * h, h), std, seed, "attention", layer_index, "qkv"))
-        self.w_out = nn.Parameter(seeded_normal((h, h), std, seed, "attention", layer_index, "out"))
+        keys = ("attention", layer_index)
+        self.w_qkv = nn.Parameter(seeded_normal((3 * h, h), std, seed, *keys, "qkv"))
+        self.w_out = nn.Parameter(seeded_normal((h, h), std, seed, *keys, "out"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = F.linear(x, self.w_qkv).view(b, s, 3, self.num_heads, h // self.num_heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        qkv = F.linear(x, self.w_qkv).view(b, s, 3, self.num_heads, h // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.linear(y.transpose(1, 2).reshape(b, s, h), self.w_out)
 
 
 class TransformerLayer(nn.Module):
     """One pre-norm layer with a dense SwiGLU MLP or an MoE FFN, described by ``node_plan``."""
 
-    def __init__(self, config: GPTConfig, layer_index: int, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, config: GPTConfig, layer_index: int, ep_group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
@@ -74,24 +79,24 @@ class TransformerLayer(nn.Module):
     def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attention(self.attention_norm(x))
 
-    def _dense(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _dense(self, state: LayerState, inputs: Tensors) -> Tensors:
         (x,) = inputs
         h = self._attention_block(x)
         return (h + self.mlp(self.ffn_norm(h)),)
 
     def node_plan(self) -> Plan:
-        """``[layer]`` for a dense layer; ``[attention, dispatch, experts, combine, finish]`` for MoE."""
+        """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             return [Node(name, NodeKind.COMPUTE, self._dense)]
         route, dispatch, experts, combine, finish = self.moe.node_plan()
 
-        def attention(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        def attention(state: LayerState, inputs: Tensors) -> Tensors:
             (x,) = inputs
             h = self._attention_block(x)
             return route.fn(state, (h, self.ffn_norm(h)))
 
-        def finish_with_residual(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        def finish_with_residual(state: LayerState, inputs: Tensors) -> Tensors:
             h, moe_out = finish.fn(state, inputs)
             return (h + moe_out,)
 
@@ -114,8 +119,9 @@ class Embedding(nn.Module):
         super().__init__()
         self.config = config
         h, std, seed = config.hidden_size, config.init_std, config.seed
-        self.tokens = nn.Parameter(seeded_normal((config.vocab_size, h), std, seed, "embedding", "tokens"))
-        self.positions = nn.Parameter(seeded_normal((config.seq_length, h), std, seed, "embedding", "positions"))
+        vocab, seq = config.vocab_size, config.seq_length
+        self.tokens = nn.Parameter(seeded_normal((vocab, h), std, seed, "embedding", "tokens"))
+        self.positions = nn.Parameter(seeded_normal((seq, h), std, seed, "embedding", "positions"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype != torch.int64 or ids.dim() != 2:
@@ -137,16 +143,15 @@ class OutputHead(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.weight = nn.Parameter(
-            seeded_normal((config.vocab_size, config.hidden_size), config.init_std, config.seed, "head")
-        )
+        shape = (config.vocab_size, config.hidden_size)
+        self.weight = nn.Parameter(seeded_normal(shape, config.init_std, config.seed, "head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.norm(x), self.weight)
 
 
 def _single_node(name: str, module: nn.Module) -> Plan:
-    def fn(state: LayerState, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def fn(state: LayerState, inputs: Tensors) -> Tensors:
         (x,) = inputs
         return (module(x),)
 

@@ -24,8 +24,9 @@ def split_layers(
     num_layers: int, num_parts: int, input_weight: int = 1, output_weight: int = 1
 ) -> list[range]:
     """Global layer indices of each part, lighter first and last parts (ranges may be empty)."""
-    for name, value, low in (("num_layers", num_layers, 0), ("num_parts", num_parts, 1),
-                             ("input_weight", input_weight, 0), ("output_weight", output_weight, 0)):
+    checks = (("num_layers", num_layers, 0), ("num_parts", num_parts, 1),
+              ("input_weight", input_weight, 0), ("output_weight", output_weight, 0))
+    for name, value, low in checks:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     load = [0] * num_parts
@@ -46,14 +47,18 @@ def split_layers(
     return ranges
 
 
-def stage_ids_of_rank(pp_rank: int, pp: int, num_stages: int, placement: str = "loop") -> list[int]:
+def stage_ids_of_rank(
+    pp_rank: int, pp: int, num_stages: int, placement: str = "loop"
+) -> list[int]:
     """The stages rank ``pp_rank`` holds, in increasing order, under loop or V placement."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} must be one of {sorted(PLACEMENTS)}")
     if pp < 1 or num_stages % pp != 0:
         raise ValueError(f"num_stages={num_stages} must be a positive multiple of pp={pp}")
     if placement == "v" and num_stages % (2 * pp) != 0:
-        raise ValueError(f"V placement needs num_stages={num_stages} to be a multiple of 2*pp={2 * pp}")
+        raise ValueError(
+            f"V placement needs num_stages={num_stages} to be a multiple of 2*pp={2 * pp}"
+        )
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank={pp_rank} outside [0, pp={pp})")
     stage_to_rank = PLACEMENTS[placement](pp, num_stages)

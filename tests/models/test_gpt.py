@@ -89,7 +89,8 @@ def test_layer_plans_in_order_equal_forward(config):
         for layer in stage.layers.values():
             kinds = [node.kind for node in layer.node_plan()]
             if layer.is_moe:
-                assert kinds == [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
+                compute, comm = NodeKind.COMPUTE, NodeKind.COMM
+                assert kinds == [compute, comm, compute, comm, compute]
             else:
                 assert kinds == [NodeKind.COMPUTE]
 

@@ -6,9 +6,9 @@ its own forward); a W needs the I of the same stage and microbatch. When produce
 on different ranks the tensor travels as a message, named by the sending side: ``("F", s, i)`` is
 F(s, i)'s output, ``("B", s, i)`` stage s's input gradient of microbatch i.
 
-``lockstep`` runs a compute-only schedule in rounds (every rank runs its next action once what it
-needs finished in an earlier round). The overlap pass uses it to find pairs that wait on each
-other; lowering uses its rounds to decide where a receive is posted.
+``timeline`` runs a compute-only schedule with given durations (each rank runs its list in order,
+each action once what it needs is made). The overlap pass uses it to find pairs that wait on each
+other; lowering uses its times to decide where a receive is posted.
 """
 
 from __future__ import annotations
@@ -129,56 +129,75 @@ def peer_rank(schedule: Schedule, action: Action) -> int:
     return schedule.stage_to_rank[other]
 
 
-@dataclass(frozen=True)
-class Lockstep:
-    """A lockstep run: ``rounds[r][k]`` is the round in which rank r ran its k-th action.
+# Relative durations used when none are given: a backward costs two forwards, and I and W one
+# each (the usual F=1, B=2, W=1 of the zero-bubble and DualPipe papers). An OVERLAP costs the
+# sum of its halves unless ``Kind.OVERLAP`` is given.
+DEFAULT_DURATIONS: dict[Kind, float] = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, Kind.W: 1.0}
 
-    ``stuck`` maps each rank that could not finish to the index of the action it waits at
-    (empty when the run finished); rounds after a stuck index are -1. ``made`` maps each
-    product made to its round.
+
+@dataclass(frozen=True)
+class Timeline:
+    """A run of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's k-th action.
+
+    ``stuck`` maps each rank that could not finish to the index of the action it waits at (empty
+    when the run finished); times from a stuck index on are -1. ``made`` maps each product made to
+    the time it was made.
     """
 
-    rounds: tuple[tuple[int, ...], ...]
+    start: tuple[tuple[float, ...], ...]
+    end: tuple[tuple[float, ...], ...]
     stuck: dict
     made: dict
 
 
-def lockstep(schedule: Schedule) -> Lockstep:
-    """Run a compute-only schedule in rounds of one action per rank.
+def _duration(action: Action, durations: dict) -> float:
+    if action.kind is Kind.OVERLAP and Kind.OVERLAP in durations:
+        return durations[Kind.OVERLAP]
+    return sum(durations[c.kind] for c in action.computations())
 
-    In each round, every rank runs its next action if each product it needs was made in an
-    earlier round (on any rank). A product needed from the same rank but made later in its list
-    can never come, so such a rank is reported stuck like one in a cycle of waits.
+
+def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:
+    """Run a compute-only schedule: each rank runs its list in order, each action starting once
+    its rank is free and every product it needs is made (on any rank).
+
+    A product needed from the same rank but made later in its list can never come, so such a
+    rank is reported stuck like one in a cycle of waits. ``durations`` maps F, B, I, W (and
+    optionally OVERLAP) to positive numbers; default ``DEFAULT_DURATIONS``.
     """
+    durations = dict(DEFAULT_DURATIONS if durations is None else durations)
+    for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+        value = durations.get(kind)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"durations[{kind.value}] must be a positive number, got {value!r}")
     rows = schedule.actions
     for rank, row in enumerate(rows):
         for action in row:
             if action.kind in COMM_KINDS:
-                raise ValueError(
-                    f"lockstep runs compute-only schedules; rank {rank} holds {action}"
-                )
-    made: dict[Product, int] = {}
-    rounds = [[-1] * len(row) for row in rows]
+                raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
+    made: dict[Product, float] = {}
+    start = [[-1.0] * len(row) for row in rows]
+    end = [[-1.0] * len(row) for row in rows]
     cursor = [0] * len(rows)
-    round_ = 0
-    while True:
-        ran = []
+    free = [0.0] * len(rows)
+    progressed = True
+    while progressed:
+        progressed = False
         for rank, row in enumerate(rows):
-            if cursor[rank] >= len(row):
-                continue
-            comps = row[cursor[rank]].computations()
-            if all(made.get(need, round_) < round_ for c in comps for need in needs_of(schedule, c)):
-                ran.append(rank)
-        if not ran:
-            break
-        for rank in ran:
-            for comp in rows[rank][cursor[rank]].computations():
-                made[product_of(comp)] = round_
-            rounds[rank][cursor[rank]] = round_
-            cursor[rank] += 1
-        round_ += 1
+            while cursor[rank] < len(row):
+                action = row[cursor[rank]]
+                needs = [n for c in action.computations() for n in needs_of(schedule, c)]
+                if any(n not in made for n in needs):
+                    break
+                begin = max([free[rank]] + [made[n] for n in needs])
+                finish = begin + _duration(action, durations)
+                for comp in action.computations():
+                    made[product_of(comp)] = finish
+                start[rank][cursor[rank]], end[rank][cursor[rank]] = begin, finish
+                free[rank] = finish
+                cursor[rank] += 1
+                progressed = True
     stuck = {rank: cursor[rank] for rank, row in enumerate(rows) if cursor[rank] < len(row)}
-    return Lockstep(tuple(tuple(r) for r in rounds), stuck, made)
+    return Timeline(tuple(map(tuple, start)), tuple(map(tuple, end)), stuck, made)
 
 
 def missing_needs(schedule: Schedule, action: Action, made: set[Product] | dict) -> list[Product]:

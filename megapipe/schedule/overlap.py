@@ -21,8 +21,8 @@ W actions stay where they were). Schedules with no forward after a backward (GPi
 get no pairs.
 
 Fusing two actions into one can make ranks wait on each other in a cycle (a pair needing, through
-another rank, the output of its own other half). The pass therefore runs the paired schedule in
-lockstep (``deps.lockstep``) and, while ranks are stuck, splits the stuck pairs whose backward
+another rank, the output of its own other half). The pass therefore runs the paired schedule
+(``deps.timeline``) and, while ranks are stuck, splits the stuck pairs whose backward
 could run alone (or, if none could, every stuck pair) until it runs through; each split restores
 that rank's original order there, and the original order ran. Schedules that already hold
 OVERLAP actions (DualPipe, DualPipeV) pass unchanged.
@@ -30,7 +30,7 @@ OVERLAP actions (DualPipe, DualPipeV) pass unchanged.
 
 from __future__ import annotations
 
-from .deps import lockstep, missing_needs
+from .deps import missing_needs, timeline
 from .errors import ScheduleError
 from .ir import BACKWARD_KINDS, Action, Kind, Schedule
 
@@ -94,7 +94,7 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         raise ScheduleError(
             "the overlap pass takes a compute-only schedule; pair before lowering (SEND/RECV)"
         )
-    original = lockstep(schedule)
+    original = timeline(schedule)
     if original.stuck:
         rank, index = next(iter(original.stuck.items()))
         raise ScheduleError(
@@ -106,7 +106,7 @@ def apply_overlap(schedule: Schedule) -> Schedule:
     while True:
         assembled = [assemble(row, rank_pairs) for row, rank_pairs in zip(rows, pairs)]
         combined = schedule.replace_actions([out for out, _ in assembled])
-        run = lockstep(combined)
+        run = timeline(combined)
         if not run.stuck:
             break
         stuck_pairs = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megapipe.schedule import ScheduleError, build_schedule, check_runs, lower
-from megapipe.schedule.deps import lockstep, message_of_comm, received_message, sent_message
+from megapipe.schedule.deps import message_of_comm, received_message, sent_message, timeline
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv
 from megapipe.schedule.lower import check_channel_order
 
@@ -78,18 +78,24 @@ def test_sends_follow_producers_and_recvs_precede_consumers():
                     assert index[str(Action(comp.stage, kind, comp.microbatch))] < i
 
 
-def test_recvs_posted_when_sent_in_lockstep():
-    # Each RECV sits where the receiver is when, running in lockstep, the sender posts the SEND:
-    # ahead of its consumer by every computation in between.
-    schedule = build_schedule("interleaved-1f1b", 4, 8, vpp=2)
-    run = lockstep(schedule)
-    lowered = lower(schedule)
-    sent_round = {}
+@pytest.mark.parametrize("durations", [None, {Kind.F: 1, Kind.B: 1, Kind.I: 1, Kind.W: 1},
+                                       {Kind.F: 1, Kind.B: 3, Kind.I: 2, Kind.W: 1, Kind.OVERLAP: 3}])
+@pytest.mark.parametrize("name, vpp, overlap", [("interleaved-1f1b", 2, False),
+                                                ("interleaved-1f1b", 2, True), ("zbv", 2, True)])
+def test_recvs_posted_when_the_data_is_sent(name, vpp, overlap, durations):
+    # Each RECV sits before the receiver's first action that starts once the SEND is posted on
+    # the timeline: never delaying an earlier action, and ahead of its consumer by everything
+    # that runs in between.
+    schedule = build_schedule(name, 4, 8, vpp=vpp, overlap=overlap)
+    run = timeline(schedule, durations)
+    lowered = lower(schedule, durations)
+    check_runs(lowered)
+    sent_at = {}
     for rank, row in enumerate(schedule.actions):
         for k, action in enumerate(row):
             for comp in action.computations():
                 if sent_message(schedule, comp):
-                    sent_round[sent_message(schedule, comp)] = run.rounds[rank][k]
+                    sent_at[sent_message(schedule, comp)] = run.end[rank][k]
     leads = []
     for rank, row in enumerate(lowered.actions):
         computed = 0
@@ -97,13 +103,18 @@ def test_recvs_posted_when_sent_in_lockstep():
             if action.is_compute:
                 computed += 1
             elif action.kind in (Kind.RECV_F, Kind.RECV_B):
-                done_by_then = sum(1 for r in run.rounds[rank] if r <= sent_round[message_of_comm(lowered, action)])
-                assert computed == done_by_then
+                sent = sent_at[message_of_comm(lowered, action)]
+                assert computed == sum(1 for t in run.start[rank] if t < sent)
                 consumer = next(j for j, a in enumerate(row[i:]) if a.is_compute and any(
                     received_message(lowered, c) == message_of_comm(lowered, action)
                     for c in a.computations()))
                 leads.append(sum(1 for a in row[i:i + consumer] if a.is_compute))
-    assert max(leads) >= 2  # some transfers overlap two or more computations
+    assert max(leads) >= 1  # some transfers overlap computation on the receiver
+
+
+def test_durations_must_be_positive():
+    with pytest.raises(ScheduleError, match=r"durations\[B\] must be a positive number, got 0"):
+        lower(build_schedule("1f1b", 2, 2), {Kind.F: 1, Kind.B: 0, Kind.I: 1, Kind.W: 1})
 
 
 @pytest.mark.parametrize("name, vpp", [("interleaved-1f1b", 2), ("dualpipe", 2), ("zbv", 2)])

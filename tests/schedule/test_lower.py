@@ -239,3 +239,15 @@ def test_spread_covers_every_registered_schedule():
     from megapipe.schedule import SCHEDULES
 
     assert {name for name, *_ in SPREAD} == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("name, pp, vpp, m", [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8),
+                                              ("interleaved-1f1b", 4, 2, 8), ("looped-bfs", 2, 2, 4),
+                                              ("zb1p", 4, 2, 8), ("zbv", 4, 2, 8), ("dualpipev", 4, 2, 8)])
+def test_lowered_schedules_run_in_torch_simulator(name, pp, vpp, m):
+    # torch.distributed.pipelining's own dry run (blocking RECVs, no OVERLAP) as a second opinion.
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    lowered = lower(build_schedule(name, pp, m, vpp=vpp))
+    order = {r: [schedules._Action.from_str(str(a)) for a in row]
+             for r, row in enumerate(lowered.actions)}
+    schedules._simulate_comms_compute(order, lambda s: lowered.stage_to_rank[s], lowered.num_stages)

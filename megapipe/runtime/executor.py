@@ -1,0 +1,434 @@
+"""PipelineExecutor: runs one rank's part of a lowered schedule on its real stages.
+
+The executor walks this rank's action list once per step. Each maximal run of consecutive comm
+actions is posted as one batch (``p2p.PipelineP2P``) when reached; a compute action first waits
+for the batches that hold the tensors it consumes, then calls the stage's ``StageWorker``.
+Tensors between two stages of the same rank are handed over locally. After the last action the
+outstanding sends are completed, DualPipe's mirrored gradients summed and data-parallel
+gradients averaged (``grad_sync``).
+
+Everything is checked before the first action runs: the stages must be exactly those the
+placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
+that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward steps
+(under ``torch.no_grad``) lowered on their own, so it stores no activation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.parallel.groups import ProcessGroups
+from megapipe.runtime.grad_sync import all_reduce_grads, sum_mirrored_grads
+from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, TensorSpec
+from megapipe.runtime.steps import ForwardFn, StageWorker, module_forward
+from megapipe.schedule.ir import Action, Kind, Schedule
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
+
+
+@dataclass
+class StepResult:
+    """Per-microbatch losses computed on this rank (its last stages), and the stash peak."""
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)  # what loss_fn returned beyond the loss
+    peak_live_activations: int = 0
+
+
+def is_lowered(schedule: Schedule) -> bool:
+    return any(not a.is_compute for row in schedule.actions for a in row)
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The schedule's forward steps (and their sends/receives) in their original order."""
+    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    rows = []
+    for row in schedule.actions:
+        out = []
+        for action in row:
+            if action.kind is Kind.OVERLAP:
+                out.append(action.forward)
+            elif action.kind in keep:
+                out.append(action)
+        rows.append(out)
+    return schedule.replace_actions(rows)
+
+
+def _lower(schedule: Schedule) -> Schedule:
+    from megapipe.schedule.lower import lower
+
+    return lower(schedule)
+
+
+def in_flight_limit(schedule: Schedule, pp_rank: int) -> int:
+    """The most microbatches a rank's action list holds between a forward and its last backward."""
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for action in schedule.actions[pp_rank]:
+        for comp in action.computations():
+            key = (comp.stage, comp.microbatch)
+            if comp.kind is Kind.F:
+                live.add(key)
+                peak = max(peak, len(live))
+            elif comp.kind in (Kind.B, Kind.W):  # after I the stash still holds W's part
+                live.discard(key)
+    return peak
+
+
+@dataclass
+class _StepState:
+    """Tensors in transit during one step, keyed by (stage, microbatch)."""
+
+    forward_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    grad_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    to_send_forward: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    to_send_backward: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    pending: dict[tuple[Kind, int, int], PostedBatch] = field(default_factory=dict)
+    sends: list[PostedBatch] = field(default_factory=list)
+    result: StepResult = field(default_factory=StepResult)
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` on this rank's ``stages`` ({stage id: module}).
+
+    ``schedule`` is a compute-only schedule (lowered here) or an already lowered one.
+    ``groups`` gives the pipeline rank, the PP group for p2p and the DP/expert-DP groups for the
+    gradient all-reduce; without it the pipeline spans the default group (rank = global rank).
+    ``spec`` declares what each stage sends forward: one ``TensorSpec`` for every boundary, or a
+    function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
+    gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
+    ``timeout`` (seconds) bounds every wait for a peer.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, nn.Module],
+        *,
+        spec: TensorSpec | SpecFn | None = None,
+        loss_fn: LossFn | None = None,
+        groups: ProcessGroups | None = None,
+        forward_fn: ForwardFn = module_forward,
+        timeout: float = 300.0,
+        pp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.schedule = schedule
+        self.groups = groups
+        if groups is not None:
+            self.pp_rank = groups.pp_rank
+            self.pp_ranks = groups.pp_ranks
+            self.pp_group = groups.pp
+        elif schedule.pp == 1:
+            self.pp_rank, self.pp_ranks, self.pp_group = 0, (0,), None
+        else:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    f"a {schedule.pp}-rank pipeline needs torch.distributed initialised "
+                    "(or pass groups=create_groups(...))"
+                )
+            group = pp_group
+            self.pp_rank = dist.get_rank(group) if group is not None else dist.get_rank()
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            if size != schedule.pp:
+                raise ValueError(
+                    f"the schedule has pp={schedule.pp} ranks but the pipeline group has {size}"
+                )
+            self.pp_ranks = tuple(
+                dist.get_global_rank(group, r) if group is not None else r for r in range(size)
+            )
+            self.pp_group = group
+        self._check_stages(stages)
+        self.stages = dict(stages)
+        self.loss_fn = loss_fn
+        if isinstance(spec, TensorSpec):
+            fixed = spec
+            spec = lambda stage, microbatch: fixed  # noqa: E731
+        self.spec = spec
+        self.timeout = timeout
+        self.workers = {s: StageWorker(s, m, forward_fn) for s, m in self.stages.items()}
+        if is_lowered(schedule):
+            self.lowered = schedule
+        else:
+            self.lowered = _lower(schedule) if schedule.pp > 1 else schedule
+        forward = forward_only_schedule(self.lowered)
+        self.lowered_forward_only = forward
+        self.actions = self.lowered.actions[self.pp_rank]
+        self.forward_only_actions = forward.actions[self.pp_rank]
+        self._needs_comm = any(not a.is_compute for a in self.actions)
+        if self._needs_comm and spec is None:
+            raise ValueError(
+                "spec is required when stages talk across ranks: pass TensorSpec(shape, dtype) "
+                "of the activation each stage sends forward, or spec(stage, microbatch)"
+            )
+        self._p2p: PipelineP2P | None = None
+        self._overlap_warned = False
+
+    # ------------------------------------------------------------------ checks
+    def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
+        expected = self.schedule.stages_of_rank(self.pp_rank)
+        got = sorted(stages)
+        if len(got) != len(expected):
+            raise ValueError(
+                f"rank {self.pp_rank}: the schedule {self.schedule.name!r} places "
+                f"{len(expected)} chunk(s) on this rank (stages {expected}), got {len(got)} "
+                f"(stages {got})"
+            )
+        if got != expected:
+            raise ValueError(
+                f"rank {self.pp_rank}: stages {got} do not match the placement of schedule "
+                f"{self.schedule.name!r}, which puts stages {expected} on this rank "
+                f"(stage_to_rank={list(self.schedule.stage_to_rank)})"
+            )
+        for stage, module in stages.items():
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"stage {stage} must be an nn.Module, got {type(module).__name__}")
+
+    def _check_inputs(self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None) -> None:
+        m = self.schedule.num_microbatches
+        needs_inputs = any(self.schedule.is_first_stage(s) for s in self.stages)
+        needs_targets = any(self.schedule.is_last_stage(s) for s in self.stages)
+        for name, values, needed in (
+            ("microbatches", microbatches, needs_inputs),
+            ("targets", targets, needs_targets and self.loss_fn is not None),
+        ):
+            if not needed:
+                continue
+            if values is None:
+                raise ValueError(
+                    f"rank {self.pp_rank} holds a {'first' if name == 'microbatches' else 'last'} "
+                    f"stage, so step() needs {name} (one per microbatch, {m} in all)"
+                )
+            if len(values) != m:
+                raise ValueError(
+                    f"got {len(values)} {name} but the schedule {self.schedule.name!r} was built "
+                    f"for num_microbatches={m}; rebuild the schedule for {len(values)} microbatches"
+                )
+
+    # ------------------------------------------------------------------ step
+    def step(
+        self,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        forward_only: bool = False,
+    ) -> StepResult:
+        """Run one step over all microbatches: forward and backward, or forward only.
+
+        ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
+        last stage's (needed only on ranks holding those stages). Gradients accumulate into
+        ``.grad`` (zero them between steps); after a training step they are synchronised.
+        """
+        self._check_inputs(microbatches, targets)
+        self._set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
+        actions = self.forward_only_actions if forward_only else self.actions
+        state = _StepState()
+        try:
+            index = 0
+            while index < len(actions):
+                action = actions[index]
+                if action.is_compute:
+                    self._run_compute(action, state, microbatches, targets, forward_only)
+                    index += 1
+                    continue
+                end = index
+                while end < len(actions) and not actions[end].is_compute:
+                    end += 1
+                self._post(actions[index:end], state)
+                index = end
+            for batch in state.sends:
+                batch.wait()
+        finally:
+            for worker in self.workers.values():
+                worker.clear()
+        if not forward_only:
+            if self.schedule.bidirectional:
+                sum_mirrored_grads(
+                    self.schedule, self.pp_rank, self.stages, self.pp_group, self.pp_ranks
+                )
+            if self.groups is not None:
+                all_reduce_grads(self.stages, self.groups)
+        return state.result
+
+    def _set_aux_loss_scale(self, scale: float) -> None:
+        for module in self.stages.values():
+            for sub in module.modules():
+                if hasattr(sub, "aux_loss_scale"):
+                    sub.aux_loss_scale = scale
+
+    # ------------------------------------------------------------------ comm
+    def _channel(self) -> PipelineP2P:
+        if self._p2p is None:
+            assert self.spec is not None
+            self._p2p = PipelineP2P(
+                self.pp_group, self.pp_ranks, self.schedule.stage_to_rank, self.spec, self.timeout
+            )
+        return self._p2p
+
+    def _post(self, actions: Sequence[Action], state: _StepState) -> None:
+        p2p = self._channel()
+        sched = self.schedule
+        ops: list[CommOp] = []
+        receives: list[tuple[Kind, int, int, torch.Tensor]] = []
+        for action in actions:
+            s, i, kind = action.stage, action.microbatch, action.kind
+            if kind is Kind.SEND_F:
+                tensor = state.to_send_forward.pop((s, i), None)
+                if tensor is None:
+                    raise RuntimeError(f"rank {self.pp_rank}: {action} before F({s},{i}) produced it")
+                self.spec(s, i).check(tensor, f"rank {self.pp_rank}, {action}")
+                ops.append(CommOp(action, p2p.peer_of(action, sched.next_stage(s)), tensor))
+            elif kind is Kind.SEND_B:
+                tensor = state.to_send_backward.pop((s, i), None)
+                if tensor is None:
+                    raise RuntimeError(f"rank {self.pp_rank}: {action} before the backward of ({s},{i})")
+                prev = sched.prev_stage(s)
+                self.spec(prev, i).check(tensor, f"rank {self.pp_rank}, {action}")
+                ops.append(CommOp(action, p2p.peer_of(action, prev), tensor))
+            elif kind is Kind.RECV_F:
+                prev = sched.prev_stage(s)
+                buffer = p2p.receive_buffer(action, prev)
+                ops.append(CommOp(action, p2p.peer_of(action, prev), buffer))
+                receives.append((Kind.RECV_F, s, i, buffer))
+            elif kind is Kind.RECV_B:
+                buffer = p2p.receive_buffer(action, s)
+                ops.append(CommOp(action, p2p.peer_of(action, sched.next_stage(s)), buffer))
+                receives.append((Kind.RECV_B, s, i, buffer))
+            else:
+                raise ValueError(f"rank {self.pp_rank}: {action} is not a comm action")
+        batch = p2p.post(ops)
+        for kind, s, i, buffer in receives:
+            state.pending[(kind, s, i)] = batch
+            target = state.forward_inputs if kind is Kind.RECV_F else state.grad_outputs
+            target[(s, i)] = buffer
+        if any(op.is_send for op in ops):
+            state.sends.append(batch)
+            # drop completed sends so their tensors can be freed early
+            state.sends = [b for b in state.sends if not b.is_completed()]
+
+    def _wait_for(self, kind: Kind, stage: int, microbatch: int, state: _StepState) -> None:
+        batch = state.pending.pop((kind, stage, microbatch), None)
+        if batch is not None:
+            batch.wait()
+
+    # ------------------------------------------------------------------ compute
+    def _run_compute(
+        self,
+        action: Action,
+        state: _StepState,
+        microbatches: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        forward_only: bool,
+    ) -> None:
+        if action.kind is Kind.OVERLAP:
+            self._run_overlap(action, state, microbatches, targets, forward_only)
+        elif action.kind is Kind.F:
+            self._forward(action, state, microbatches, targets, forward_only)
+        elif action.kind in (Kind.B, Kind.I):
+            self._backward(action, state)
+        elif action.kind is Kind.W:
+            self.workers[action.stage].backward_weight(action.microbatch)
+        else:
+            raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
+
+    def _run_overlap(
+        self,
+        action: Action,
+        state: _StepState,
+        microbatches: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        forward_only: bool,
+    ) -> None:
+        """An OVERLAP action: its forward, then its backward (sequentially, same operations)."""
+        self._forward(action.forward, state, microbatches, targets, forward_only)
+        self._backward(action.backward, state)
+
+    def _forward(
+        self,
+        action: Action,
+        state: _StepState,
+        microbatches: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        forward_only: bool,
+    ) -> None:
+        s, i = action.stage, action.microbatch
+        sched = self.schedule
+        if sched.is_first_stage(s):
+            assert microbatches is not None
+            stage_input = microbatches[i]
+        else:
+            self._wait_for(Kind.RECV_F, s, i, state)
+            stage_input = state.forward_inputs.pop((s, i), None)
+            if stage_input is None:
+                raise RuntimeError(
+                    f"rank {self.pp_rank}: {action} has no input (no RECV_F and no local stage "
+                    f"{sched.prev_stage(s)} forward before it)"
+                )
+        worker = self.workers[s]
+        output = worker.forward(i, stage_input, keep_graph=not forward_only)
+        nxt = sched.next_stage(s)
+        if nxt is None:
+            self._finish_last_stage(worker, i, output, targets, forward_only, state)
+        elif sched.stage_to_rank[nxt] == self.pp_rank:
+            state.forward_inputs[(nxt, i)] = output.detach()
+        else:
+            state.to_send_forward[(s, i)] = output.detach()
+        live = sum(w.live_activations for w in self.workers.values())
+        state.result.peak_live_activations = max(state.result.peak_live_activations, live)
+
+    def _finish_last_stage(
+        self,
+        worker: StageWorker,
+        microbatch: int,
+        output: torch.Tensor,
+        targets: Sequence[Any] | None,
+        forward_only: bool,
+        state: _StepState,
+    ) -> None:
+        if self.loss_fn is None:
+            state.result.outputs[microbatch] = output.detach()
+            if not forward_only:
+                raise ValueError("training needs loss_fn on the last stage")
+            return
+        assert targets is not None
+        if forward_only:
+            with torch.no_grad():
+                loss = self.loss_fn(output, targets[microbatch])
+        else:
+            loss = self.loss_fn(output, targets[microbatch])
+            worker.attach_loss(microbatch, loss / self.schedule.num_microbatches)
+        state.result.losses[microbatch] = loss.detach()
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        s, i = action.stage, action.microbatch
+        sched = self.schedule
+        grad_output = None
+        if not sched.is_last_stage(s):
+            self._wait_for(Kind.RECV_B, s, i, state)
+            grad_output = state.grad_outputs.pop((s, i), None)
+            if grad_output is None:
+                raise RuntimeError(
+                    f"rank {self.pp_rank}: {action} has no output gradient (no RECV_B and no "
+                    f"local stage {sched.next_stage(s)} backward before it)"
+                )
+        worker = self.workers[s]
+        if action.kind is Kind.B:
+            grad_input = worker.backward(i, grad_output)
+        else:
+            grad_input = worker.backward_input(i, grad_output)
+        prev = sched.prev_stage(s)
+        if prev is None:
+            return
+        if grad_input is None:
+            raise RuntimeError(
+                f"rank {self.pp_rank}: stage {s} produced no input gradient for {action}; its "
+                "input must be a floating-point tensor that the output depends on"
+            )
+        if sched.stage_to_rank[prev] == self.pp_rank:
+            state.grad_outputs[(prev, i)] = grad_input
+        else:
+            state.to_send_backward[(s, i)] = grad_input

@@ -1,0 +1,195 @@
+"""Rank-side code for the executor tests: run a pipeline configuration and its reference.
+
+Every function here runs inside the ranks of a ``RankPool`` (module-level, so it can be sent to
+them). A configuration with ``pp * dp`` ranks uses ranks ``[0, pp*dp)`` of the pool; its process
+groups are built over those ranks only (``new_group(..., use_local_synchronization=True)``), so
+many configurations run in one pool of 8 processes without restarting torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megapipe.models.config import GPTConfig
+from megapipe.models.gpt import gpt_loss
+from megapipe.models.split import build_stage
+from megapipe.parallel.config import ParallelConfig
+from megapipe.parallel.groups import ProcessGroups, rank_layout
+from megapipe.runtime.executor import PipelineExecutor, in_flight_limit
+from megapipe.runtime.p2p import TensorSpec
+from megapipe.schedule import build_schedule
+
+MICRO_BATCH = 2
+CONFIG = GPTConfig(
+    vocab_size=64,
+    hidden_size=16,
+    num_layers=6,
+    num_heads=2,
+    seq_length=8,
+    ffn_hidden_size=32,
+    num_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden_size=16,
+    first_k_dense_layers=1,
+)
+LR = 0.5
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline configuration of the test matrix."""
+
+    schedule: str
+    pp: int
+    vpp: int = 1
+    ep: int = 1
+    dp: int = 1
+    microbatches: int = 4
+    overlap: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    def __str__(self) -> str:
+        flag = "+overlap" if self.overlap else ""
+        return (
+            f"{self.schedule}{flag}(pp={self.pp},vpp={self.vpp},ep={self.ep},dp={self.dp},"
+            f"M={self.microbatches})"
+        )
+
+
+def subworld_groups(config: ParallelConfig, cache: dict) -> ProcessGroups:
+    """``create_groups`` for the first ``config.world_size`` ranks of a larger pool."""
+    if config in cache:
+        return cache[config]
+    layout = rank_layout(config)
+    me = dist.get_rank()
+    mine = {}
+    for name in ("pp", "dp", "ep", "expert_dp"):
+        for ranks in getattr(layout, f"{name}_groups"):
+            if me in ranks:
+                group = dist.new_group(list(ranks), use_local_synchronization=True)
+                mine[name] = (group, ranks)
+    groups = ProcessGroups(
+        config=config,
+        layout=layout,
+        coordinates=layout.coordinates(me),
+        pp=mine["pp"][0],
+        dp=mine["dp"][0],
+        ep=mine["ep"][0],
+        expert_dp=mine["expert_dp"][0],
+        pp_ranks=mine["pp"][1],
+        dp_ranks=mine["dp"][1],
+        ep_ranks=mine["ep"][1],
+        expert_dp_ranks=mine["expert_dp"][1],
+    )
+    cache[config] = groups
+    return groups
+
+
+def microbatch(dp_rank: int, index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels of one microbatch, a pure function of where and when it runs."""
+    g = torch.Generator().manual_seed(1000 * step + 100 * dp_rank + index)
+    ids = torch.randint(0, CONFIG.vocab_size, (MICRO_BATCH, CONFIG.seq_length + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _sgd(params) -> None:
+    with torch.no_grad():
+        for p in params:
+            p -= LR * p.grad
+            p.grad = None
+
+
+def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """The unsplit model on one process over every DP rank's microbatches: per step, the losses
+    (in (dp_rank, microbatch) order) and every parameter's gradient."""
+    model = build_stage(CONFIG, 0, 1)
+    total = case.dp * case.microbatches
+    for layer in model.moe_layers():
+        layer.aux_loss_scale = 1.0 / total
+    out = []
+    for step in range(steps):
+        losses = []
+        for d in range(case.dp):
+            for i in range(case.microbatches):
+                tokens, labels = microbatch(d, i, step)
+                loss = gpt_loss(model(tokens), labels)
+                (loss / total).backward()
+                losses.append(loss.item())
+        out.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        _sgd(model.parameters())
+    return out
+
+
+def build_pipeline(case: Case, cache: dict, timeout: float = 60.0):
+    """This rank's schedule, stages and executor for ``case``."""
+    config = ParallelConfig(pp=case.pp, dp=case.dp, ep=case.ep)
+    groups = subworld_groups(config, cache)
+    schedule = build_schedule(
+        case.schedule, case.pp, case.microbatches, vpp=case.vpp, overlap=case.overlap
+    )
+    ep_group = groups.ep if case.ep > 1 else None
+    stages = {
+        s: build_stage(CONFIG, schedule.model_part(s), schedule.stages_per_pipeline, ep_group)
+        for s in schedule.stages_of_rank(groups.pp_rank)
+    }
+    executor = PipelineExecutor(
+        schedule,
+        stages,
+        spec=TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size)),
+        loss_fn=gpt_loss,
+        groups=groups,
+        timeout=timeout,
+    )
+    return groups, schedule, stages, executor
+
+
+def pipeline_run(case: Case, steps: int, cache: dict) -> dict | None:
+    """Train ``steps`` steps of ``case``; per step the losses and this rank's gradients."""
+    if dist.get_rank() >= case.world:
+        return None
+    groups, schedule, stages, executor = build_pipeline(case, cache)
+    per_step = []
+    peak = 0
+    for step in range(steps):
+        data = [microbatch(groups.dp_rank, i, step) for i in range(case.microbatches)]
+        result = executor.step([d[0] for d in data], [d[1] for d in data])
+        peak = max(peak, result.peak_live_activations)
+        grads = {}
+        for s, module in stages.items():
+            for name, p in module.named_parameters():
+                grads[(s, name)] = p.grad.clone()
+        per_step.append(({i: v.item() for i, v in result.losses.items()}, grads))
+        _sgd([p for m in stages.values() for p in m.parameters()])
+    experts = {
+        (s, n): bool(getattr(p, "expert_parallel", False))
+        for s, m in stages.items()
+        for n, p in m.named_parameters()
+    }
+    return {
+        "dp_rank": groups.dp_rank,
+        "ep_rank": groups.ep_rank,
+        "steps": per_step,
+        "experts": experts,
+        "peak": peak,
+        "limit": in_flight_limit(executor.lowered, groups.pp_rank),
+    }
+
+
+def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
+    """Run every case (its pipeline on its ranks; its reference on rank 0), in one task."""
+    cache: dict = {}
+    out = []
+    for case in cases:
+        result = pipeline_run(case, steps, cache)
+        if dist.get_rank() == 0:
+            assert result is not None
+            result["reference"] = reference_run(case, steps)
+        out.append(result)
+        dist.barrier()
+    return out

@@ -119,16 +119,16 @@ def _check_counts(schedule: Schedule) -> dict[tuple[int, int], dict[Kind, Positi
             rank = schedule.stage_to_rank[stage]
             if Kind.F not in kinds:
                 missing = Kind.F
+            elif Kind.W in kinds and Kind.I not in kinds:
+                missing = Kind.I
             elif Kind.B not in kinds and Kind.I not in kinds:
                 missing = Kind.B
             elif Kind.I in kinds and Kind.W not in kinds:
                 missing = Kind.W
-            elif Kind.W in kinds and Kind.I not in kinds:
-                missing = Kind.I
             else:
                 continue
             raise ScheduleError(
-                f"missing: each stage runs one F and one B (or one I and one W) per microbatch",
+                "missing: each stage runs one F and one B (or one I and one W) per microbatch",
                 rank, Action(stage, missing, mb),
             )
     return seen

@@ -234,7 +234,8 @@ def _describe_wait(
                 continue
             recv_index = next(
                 (i for i, a in enumerate(row)
-                 if a.kind in (Kind.RECV_F, Kind.RECV_B) and message_of_comm(lowered, a) == message),
+                 if a.kind in (Kind.RECV_F, Kind.RECV_B)
+                 and message_of_comm(lowered, a) == message),
                 None,
             )
             if recv_index is None:

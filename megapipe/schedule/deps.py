@@ -173,7 +173,9 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     for rank, row in enumerate(rows):
         for action in row:
             if action.kind in COMM_KINDS:
-                raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
+                raise ValueError(
+                    f"timeline runs compute-only schedules; rank {rank} holds {action}"
+                )
     made: dict[Product, float] = {}
     start = [[-1.0] * len(row) for row in rows]
     end = [[-1.0] * len(row) for row in rows]

@@ -6,7 +6,9 @@ import pytest
 
 from megapipe.schedule import ScheduleError, build_schedule, check_runs, lower
 from megapipe.schedule.deps import message_of_comm, received_message, sent_message, timeline
-from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv
+from megapipe.schedule.ir import (
+    COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
+)
 from megapipe.schedule.lower import check_channel_order
 
 # (name, pp, vpp, microbatches): a spread over every registered schedule, including odd pp,
@@ -78,8 +80,11 @@ def test_sends_follow_producers_and_recvs_precede_consumers():
                     assert index[str(Action(comp.stage, kind, comp.microbatch))] < i
 
 
-@pytest.mark.parametrize("durations", [None, {Kind.F: 1, Kind.B: 1, Kind.I: 1, Kind.W: 1},
-                                       {Kind.F: 1, Kind.B: 3, Kind.I: 2, Kind.W: 1, Kind.OVERLAP: 3}])
+UNIT = {Kind.F: 1, Kind.B: 1, Kind.I: 1, Kind.W: 1}
+SLOW_BACKWARD = {Kind.F: 1, Kind.B: 3, Kind.I: 2, Kind.W: 1, Kind.OVERLAP: 3}
+
+
+@pytest.mark.parametrize("durations", [None, UNIT, SLOW_BACKWARD])
 @pytest.mark.parametrize("name, vpp, overlap", [("interleaved-1f1b", 2, False),
                                                 ("interleaved-1f1b", 2, True), ("zbv", 2, True)])
 def test_recvs_posted_when_the_data_is_sent(name, vpp, overlap, durations):
@@ -184,12 +189,14 @@ def test_nccl_head_of_line_deadlock_is_caught():
 
 def test_recv_after_its_consumer_is_caught():
     broken = two_rank_schedule("0F0 0SEND_F0 0RECV_B0 0B0\n1F0 1RECV_F0 1B0 1SEND_B0")
-    with pytest.raises(ScheduleError, match=r"rank 1 at 1F0 waits for 1RECV_F0, which is posted only after it"):
+    expected = r"rank 1 at 1F0 waits for 1RECV_F0, which is posted only after it"
+    with pytest.raises(ScheduleError, match=expected):
         check_runs(broken)
 
 
 def test_compute_only_schedule_has_no_recvs():
-    with pytest.raises(ScheduleError, match=r"rank 1 at 1F0 waits for a RECV of 0F0 \(rank 0\) that is never posted"):
+    expected = r"rank 1 at 1F0 waits for a RECV of 0F0 \(rank 0\) that is never posted"
+    with pytest.raises(ScheduleError, match=expected):
         check_runs(build_schedule("1f1b", 2, 2))
 
 
@@ -205,13 +212,15 @@ def test_comm_inside_one_rank_is_caught():
     row = list(lowered.actions[1])
     row.insert(row.index(parse_action("1F0")) + 1, parse_action("1SEND_F0"))
     broken = lowered.replace_actions([lowered.actions[0], row])
-    with pytest.raises(ScheduleError, match=r"rank 1, action 1SEND_F0: both stages are on this rank"):
+    expected = r"rank 1, action 1SEND_F0: both stages are on this rank"
+    with pytest.raises(ScheduleError, match=expected):
         check_runs(broken)
 
 
 def test_comm_on_wrong_rank_or_without_peer_is_caught():
     lowered = lower(build_schedule("1f1b", 2, 1))
-    with pytest.raises(ScheduleError, match=r"rank 0, action 1RECV_F0: stage 1 is placed on rank 1"):
+    expected = r"rank 0, action 1RECV_F0: stage 1 is placed on rank 1"
+    with pytest.raises(ScheduleError, match=expected):
         check_runs(lowered.replace_actions([list(lowered.actions[0]) + [parse_action("1RECV_F0")],
                                             lowered.actions[1]]))
     with pytest.raises(ScheduleError, match=r"rank 1, action 1SEND_F0: .*no peer"):
@@ -241,9 +250,10 @@ def test_spread_covers_every_registered_schedule():
     assert {name for name, *_ in SPREAD} == set(SCHEDULES)
 
 
-@pytest.mark.parametrize("name, pp, vpp, m", [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8),
-                                              ("interleaved-1f1b", 4, 2, 8), ("looped-bfs", 2, 2, 4),
-                                              ("zb1p", 4, 2, 8), ("zbv", 4, 2, 8), ("dualpipev", 4, 2, 8)])
+@pytest.mark.parametrize("name, pp, vpp, m", [
+    ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("interleaved-1f1b", 4, 2, 8), ("looped-bfs", 2, 2, 4),
+    ("zb1p", 4, 2, 8), ("zbv", 4, 2, 8), ("dualpipev", 4, 2, 8),
+])
 def test_lowered_schedules_run_in_torch_simulator(name, pp, vpp, m):
     # torch.distributed.pipelining's own dry run (blocking RECVs, no OVERLAP) as a second opinion.
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")

@@ -86,8 +86,9 @@ def test_plain_1f1b_pairs_every_steady_step(pp, m):
         assert [str(a) for a in row] == expected
 
 
-@pytest.mark.parametrize("name, pp, vpp, m", [("zb1p", 2, 2, 4), ("zb1p", 4, 2, 8), ("zb1p", 3, 1, 6),
-                                              ("zbv", 2, 2, 4), ("zbv", 4, 2, 8)])
+@pytest.mark.parametrize("name, pp, vpp, m", [
+    ("zb1p", 2, 2, 4), ("zb1p", 4, 2, 8), ("zb1p", 3, 1, 6), ("zbv", 2, 2, 4), ("zbv", 4, 2, 8),
+])
 def test_zero_bubble_pairs_forward_with_input_backward(name, pp, vpp, m):
     base = build_schedule(name, pp, m, vpp=vpp)
     combined = build_schedule(name, pp, m, vpp=vpp, overlap=True)
@@ -99,7 +100,9 @@ def test_zero_bubble_pairs_forward_with_input_backward(name, pp, vpp, m):
         assert peak_in_flight(new) <= peak_in_flight(old) + 1
         # W actions keep their order relative to the backwards (only forwards move).
         keep = {Kind.I, Kind.W}
-        assert [c for c in flatten(new) if c.kind in keep] == [c for c in flatten(old) if c.kind in keep]
+        assert [c for c in flatten(new) if c.kind in keep] == [
+            c for c in flatten(old) if c.kind in keep
+        ]
         # Every I that had a forward next (W's aside) is paired.
         expected_pairs = sum(
             1 for i, a in enumerate(old) if a.kind is Kind.I

@@ -8,6 +8,7 @@ a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and e
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -63,6 +64,15 @@ def _add_schedule_command(subparsers) -> None:
     p.set_defaults(run=run_schedule_command)
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Fail before any work if an output file cannot be created where asked."""
+    if path is None:
+        return
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"--{flag} {path}: folder {folder!r} does not exist")
+
+
 def run_schedule_command(args: argparse.Namespace) -> int:
     """``megapipe schedule``: build, print, simulate, and write the requested files."""
     from .schedule.ir import write_csv
@@ -70,6 +80,8 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     from .sim.costs import Costs
     from .sim.simulate import simulate
 
+    for flag in ("csv", "png", "trace"):
+        _check_output(flag, getattr(args, flag))
     costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     schedule = build_schedule(

@@ -54,7 +54,12 @@ class Costs:
     attention_share: float = 0.5
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage_multipliers", tuple(self.stage_multipliers))
+        try:
+            object.__setattr__(self, "stage_multipliers", tuple(self.stage_multipliers))
+        except TypeError:
+            raise ValueError(
+                f"stage_multipliers must be a sequence of numbers, got {self.stage_multipliers!r}"
+            ) from None
         for name in ("forward", "backward", "weight", "p2p_latency", "dispatch", "combine"):
             _check_duration(name, getattr(self, name))
         if self.weight > self.backward:

@@ -9,6 +9,8 @@ all-to-all costs time, a thin strip under each rank shows it: grey where it runs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..schedule.ir import Action, Kind
 from .simulate import SimResult
 from .steps import COMM, COMPUTE
@@ -54,6 +56,17 @@ def _title(result: SimResult, title: str | None) -> str:
     return f"{head}\n{metrics}\ncosts: {result.costs.describe()}"
 
 
+@dataclass
+class _Box:
+    x: float
+    y: float
+    width: float
+    height: float
+    face: object  # a colour, or "none"
+    edge: str = "white"
+    line: float = 0.5
+
+
 def draw_timeline(
     result: SimResult, path: str, title: str | None = None, stage_to_rank: tuple[int, ...] = ()
 ) -> None:
@@ -67,6 +80,7 @@ def draw_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch, Rectangle
 
     pp = result.pp
@@ -80,45 +94,44 @@ def draw_timeline(
     span = result.makespan or 1.0
     axes_width_in = width * 0.86
     box_h = 0.62 if show_comm else 0.8
-    top = -box_h / 2  # box of rank r spans r + top .. r + top + box_h
+    top = -box_h / 2  # the boxes of rank r span r + top .. r + top + box_h
 
     def shade(action: Action) -> tuple[float, float, float]:
         amount = 0.45 * local_chunk.get(action.stage, 0) / max(chunks - 1, 1)
         return _lighten(_COLOURS[action.kind], amount)
 
-    def label(x0: float, x1: float, y: float, h: float, text: str, fill) -> None:
-        box_in = (x1 - x0) / span * axes_width_in
-        size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), h * 0.75 * 72 * 0.75)
-        luminance = 0.3 * fill[0] + 0.59 * fill[1] + 0.11 * fill[2]
+    def label(box: _Box, text: str) -> None:
+        box_in = box.width / span * axes_width_in
+        size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), box.height * 0.75 * 72 * 0.75)
+        luminance = 0.3 * box.face[0] + 0.59 * box.face[1] + 0.11 * box.face[2]
         if size >= 4.5:
-            ax.text((x0 + x1) / 2, y + h / 2, text, ha="center", va="center", fontsize=size,
-                    color="black" if luminance > 0.6 else "white", fontweight="bold")
+            ax.text(box.x + box.width / 2, box.y + box.height / 2, text, ha="center",
+                    va="center", fontsize=size, fontweight="bold",
+                    color="black" if luminance > 0.6 else "white")
 
+    boxes: list[_Box] = []
     seen: set[tuple[Kind, int]] = set()
     any_overlap = False
     for timed in result.timeline:
-        y = timed.rank + top
-        if timed.action.kind is Kind.OVERLAP:
-            any_overlap = True
-            half_h = box_h / 2
-            for i, half in enumerate(timed.action.computations()):
-                seen.add((half.kind, local_chunk.get(half.stage, 0)))
-                ax.add_patch(Rectangle((timed.start, y + i * half_h), timed.end - timed.start,
-                                       half_h, facecolor=shade(half), edgecolor="white",
-                                       linewidth=0.4))
-                label(timed.start, timed.end, y + i * half_h, half_h, str(half.microbatch),
-                      shade(half))
-            ax.add_patch(Rectangle((timed.start, y), timed.end - timed.start, box_h,
-                                   fill=False, edgecolor="black", linewidth=1.4))
-        else:
-            seen.add((timed.action.kind, local_chunk.get(timed.action.stage, 0)))
-            ax.add_patch(Rectangle((timed.start, y), timed.end - timed.start, box_h,
-                                   facecolor=shade(timed.action), edgecolor="white",
-                                   linewidth=0.6))
-            label(timed.start, timed.end, y, box_h, str(timed.action.microbatch),
-                  shade(timed.action))
+        y, length = timed.rank + top, timed.end - timed.start
+        halves = timed.action.computations()
+        any_overlap |= len(halves) > 1
+        for i, half in enumerate(halves):
+            seen.add((half.kind, local_chunk.get(half.stage, 0)))
+            h = box_h / len(halves)
+            box = _Box(timed.start, y + i * h, length, h, shade(half))
+            boxes.append(box)
+            label(box, str(half.microbatch))
+        if len(halves) > 1:
+            boxes.append(_Box(timed.start, y, length, box_h, "none", "black", 1.4))
     if show_comm:
-        _draw_comm(ax, result, top + box_h + 0.04, 0.16, Rectangle)
+        boxes += _comm_boxes(result, top + box_h + 0.04, 0.16)
+    ax.add_collection(PatchCollection(
+        [Rectangle((b.x, b.y), b.width, b.height) for b in boxes],
+        facecolors=[b.face for b in boxes],
+        edgecolors=[b.edge for b in boxes],
+        linewidths=[b.line for b in boxes],
+    ))
 
     ax.set_xlim(0, span)
     ax.set_ylim(pp - 0.5, -0.5)
@@ -165,17 +178,17 @@ def _local_chunks(result: SimResult, stage_to_rank: tuple[int, ...]) -> dict[int
     return {s: i for stages in stages_by_rank.values() for i, s in enumerate(sorted(stages))}
 
 
-def _draw_comm(ax, result: SimResult, offset: float, height: float, rectangle) -> None:
+def _comm_boxes(result: SimResult, offset: float, height: float) -> list[_Box]:
     """The all-to-all strip of each rank: grey where hidden, red where the rank waits on it."""
+    boxes = []
     for rank in range(result.pp):
         segments = [s for t in result.actions_of(rank) for s in t.segments if s.end > s.start]
         compute = sorted((s.start, s.end) for s in segments if s.stream == COMPUTE)
         for seg in segments:
             if seg.stream != COMM:
                 continue
-            ax.add_patch(rectangle((seg.start, rank + offset), seg.end - seg.start, height,
-                                   facecolor=_HIDDEN, linewidth=0))
+            y = rank + offset
+            boxes.append(_Box(seg.start, y, seg.end - seg.start, height, _HIDDEN, "none", 0))
             for x0, x1 in _subtract(seg.start, seg.end, compute):
-                ax.add_patch(rectangle((x0, rank + offset), x1 - x0, height,
-                                       facecolor=_EXPOSED, linewidth=0))
-
+                boxes.append(_Box(x0, y, x1 - x0, height, _EXPOSED, "none", 0))
+    return boxes

@@ -1,0 +1,73 @@
+"""The ``megapipe`` command: grid and metrics printed, files written, one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megapipe.cli import main
+from megapipe.schedule.ir import read_csv
+from megapipe.schedule.registry import build_schedule
+
+
+def test_schedule_prints_grid_and_metrics(capsys):
+    assert main(["schedule", "interleaved-1f1b", "--pp", "4", "--vpp", "2", "-m", "8",
+                 "--overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved-1f1b + overlap: pp=4 vpp=2 microbatches=8" in out
+    assert "step  rank 0" in out and "(0F7;4B0)OVERLAP_F_B" in out
+    assert "makespan          57" in out
+    assert "bubble per rank   9 9 9 9" in out  # (pp-1)(F+B) with the default costs 1,2,1
+
+
+def test_costs_with_all_to_all(capsys):
+    assert main(["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "1,2,1,0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "exposed a2a frac  100.0%" in out
+    assert "dispatch=0.5 combine=0.5" in out
+
+
+def test_csv_and_trace_are_written(tmp_path, capsys):
+    """(The PNG is tested in tests/sim; drawing costs seconds.)"""
+    csv, trace = tmp_path / "s.csv", tmp_path / "s.json"
+    assert main(["schedule", "zb1p", "--pp", "2", "--vpp", "2", "-m", "4", "--csv", str(csv),
+                 "--trace", str(trace)]) == 0
+    loaded = read_csv(str(csv))
+    assert loaded.actions == build_schedule("zb1p", 2, 4, vpp=2).actions
+    assert trace.read_text().startswith('{"traceEvents"')
+    assert f"wrote {csv}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["schedule", "nope", "--pp", "2", "-m", "4"], "unknown schedule 'nope'"),
+        (["schedule", "dualpipe", "--pp", "3", "-m", "8"], "needs an even pp"),
+        (["schedule", "1f1b", "--pp", "0", "-m", "4"], "expected a positive integer, got 0"),
+        (["schedule", "1f1b", "--pp", "2"], "required: -m/--num-microbatches"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "1,2,3"], "must not exceed"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "a"], "F,B,W or F,B,W,A2A"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--moe-layers", "-1"], "moe_layers"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--png", "/nonexistent/x.png"],
+         "folder '/nonexistent' does not exist"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_arguments_give_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megapipe: error: ")
+    assert message in lines[0]
+
+
+def test_entry_point_runs_as_a_process():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megapipe.cli", "schedule", "1f1b", "--pp", "2", "-m", "x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "megapipe: error: argument -m/--num-microbatches: expected a positive integer, got 'x'"
+    ]

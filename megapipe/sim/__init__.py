@@ -1,1 +1,9 @@
-"""megapipe.sim"""
+"""megapipe.sim: cost model and event simulation of a Schedule; PNG timelines and Chrome traces."""
+
+from .costs import Costs
+from .draw import draw_timeline
+from .simulate import SimResult, TimedAction, simulate
+from .steps import Segment
+from .trace import write_trace
+
+__all__ = ["Costs", "Segment", "SimResult", "TimedAction", "draw_timeline", "simulate", "write_trace"]

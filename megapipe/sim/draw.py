@@ -80,8 +80,8 @@ def draw_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PatchCollection
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
 
     pp = result.pp
     local_chunk = _local_chunks(result, stage_to_rank)
@@ -126,8 +126,9 @@ def draw_timeline(
             boxes.append(_Box(timed.start, y, length, box_h, "none", "black", 1.4))
     if show_comm:
         boxes += _comm_boxes(result, top + box_h + 0.04, 0.16)
-    ax.add_collection(PatchCollection(
-        [Rectangle((b.x, b.y), b.width, b.height) for b in boxes],
+    ax.add_collection(PolyCollection(
+        [[(b.x, b.y), (b.x + b.width, b.y), (b.x + b.width, b.y + b.height), (b.x, b.y + b.height)]
+         for b in boxes],
         facecolors=[b.face for b in boxes],
         edgecolors=[b.edge for b in boxes],
         linewidths=[b.line for b in boxes],

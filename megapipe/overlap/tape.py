@@ -244,8 +244,9 @@ class Tape:
         layer.state.wgrad_queue = wgrad
         return layer
 
-    def backward_step(self, layer: LayerRecord) -> NodeRecord:
-        """Run the backward of the next node of ``layer`` (last node first)."""
+    def backward_step(self, layer: LayerRecord) -> Grads:
+        """Run the backward of the next node of ``layer`` (last node first); return the
+        gradients of that node's inputs."""
         if layer.next_backward < 0:
             raise RuntimeError(f"layer {layer.index}: every node already ran backward")
         record = layer.nodes[layer.next_backward]
@@ -257,7 +258,7 @@ class Tape:
             layer.nodes[layer.next_backward].pending_grads = input_grads
         else:
             self._finish_layer_backward(layer, input_grads)
-        return record
+        return input_grads
 
     def _finish_layer_backward(self, layer: LayerRecord, input_grads: Grads) -> None:
         """Route the gradients of the layer's given inputs to where they came from."""

@@ -69,6 +69,21 @@ class _Roll(torch.autograd.Function):
         return out, None
 
 
+class Sleep(torch.autograd.Function):
+    """Identity that sleeps in forward and in backward: compute of a known duration."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad.clone(), None
+
+
 class ToyMoE(nn.Module):
     """A MoE-shaped layer of five nodes on ``x [t, h]`` (t divisible by the group size)."""
 
@@ -80,6 +95,7 @@ class ToyMoE(nn.Module):
         seed: int = 0,
         sleep_s: float = 0.0,
         compute_repeats: int = 1,
+        compute_sleep_s: float = 0.0,
     ) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
@@ -90,6 +106,7 @@ class ToyMoE(nn.Module):
         self.group = group
         self.sleep_s = sleep_s
         self.compute_repeats = compute_repeats  # extra matmuls so compute takes measurable time
+        self.compute_sleep_s = compute_sleep_s  # attention and experts last this long (F and B)
 
     def node_plan(self) -> list[Node]:
         return [
@@ -103,6 +120,8 @@ class ToyMoE(nn.Module):
     def _burn(self, y: torch.Tensor) -> torch.Tensor:
         for _ in range(self.compute_repeats - 1):
             y = torch.tanh(y @ self.attn) * 0.5 + y * 0.5
+        if self.compute_sleep_s:
+            y = Sleep.apply(y, self.compute_sleep_s)
         return y
 
     def _attention(self, state: LayerState, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,301 @@
+"""The co-scheduler: one microbatch's forward beside another's backward, node by node.
+
+Forward layer k of microbatch i runs beside backward layer Nb-1-k of microbatch j (the
+backward walks its tape last layer first). Inside a pair of layers the nodes are issued in
+*slots*: a comm node of one microbatch on the communication stream beside a compute node of the
+other on the compute stream. The rule, applied to the next node of each side:
+
+- one side's next node is comm and the other's is compute: run them together;
+- otherwise (both compute, both comm, or one side finished): run the backward's node alone
+  (or the forward's, once the backward side is done).
+
+For two MoE layers (attention -> dispatch -> experts -> combine -> finish) this yields exactly
+Megatron's combined-1F1B order:
+
+| slot | communication stream | compute stream                              |
+|------|----------------------|---------------------------------------------|
+| 1    |                      | B finish                                    |
+| 2    | B combine            | F attention                                 |
+| 3    | F dispatch           | B experts                                   |
+| 4    | B dispatch           | F experts, then deferred weight gradients   |
+| 5    | F combine            | B attention                                 |
+| 6    |                      | F finish                                    |
+
+A dense layer (one compute node) pairs with nothing, so dense layers run without overlap, and
+so do leftover layers when the two chunks differ in depth. Whenever a backward comm node is in
+flight, the queued deferred weight gradients (``delay_wgrad_compute``) run on the compute stream
+beside it; whatever is left runs in ``finish``.
+
+Each slot ends with a join (the compute stream waits for the comm node's event, the comm stream
+for the compute stream's), because the next slot's nodes consume what this slot produced. The
+two sides of a slot belong to different microbatches, so they share no data; the operations are
+exactly those of the sequential path (forward via the tape, backward via the tape), so results
+are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megapipe.overlap.plan import Node, NodeKind
+from megapipe.overlap.streams import Event, Stream, Streams
+from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
+from megapipe.overlap.trace import NodeTrace
+from megapipe.overlap.wgrad import WeightGradQueue
+
+
+class _Walk:
+    """One microbatch's progress through one layer, forward (F) or backward (B)."""
+
+    def __init__(self, tape: Tape, layer: LayerRecord, direction: str, microbatch: int | None) -> None:
+        self.tape = tape
+        self.layer = layer
+        self.direction = direction
+        self.microbatch = microbatch
+
+    @property
+    def node(self) -> Node | None:
+        """The node whose step runs next (None: this side of the layer is done)."""
+        layer = self.layer
+        if self.direction == "F":
+            return None if layer.recorded else layer.nodes[layer.next_forward].node
+        return None if layer.next_backward < 0 else layer.nodes[layer.next_backward].node
+
+    def pending_inputs(self) -> Any:
+        """What the next step reads that an earlier step produced."""
+        layer = self.layer
+        if self.direction == "F":
+            return layer.nodes[layer.next_forward].inputs
+        return layer.nodes[layer.next_backward].pending_grads
+
+    def step(self) -> Any:
+        """Run the next node's forward (returns its outputs) or backward (its input grads)."""
+        if self.direction == "F":
+            return self.tape.forward_step(self.layer).outputs
+        return self.tape.backward_step(self.layer)
+
+
+def _whole_layer_fn(layer: Callable[..., Any]) -> Callable[[Any, tuple], tuple]:
+    def run(state: Any, tensors: tuple) -> tuple:
+        out = layer(*tensors)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    return run
+
+
+class CombinedRunner:
+    """Runs a forward layer by layer (``run_layer``) beside the backward of another microbatch.
+
+    Construct it with the backward half (a ``Tape`` and the gradients of its outputs, or None
+    for a forward alone), drive the forward through ``run_layer`` (directly, or from a model's
+    own forward as its ``node_runner``), then call ``finish()``: it runs the backward layers
+    that had no forward partner, applies the deferred weight gradients, waits for both streams
+    and returns the gradients of the backward tape's inputs. The forward is recorded on
+    ``self.tape`` for its own backward later.
+    """
+
+    def __init__(
+        self,
+        streams: Streams,
+        bwd_tape: Tape | None = None,
+        bwd_grads: Sequence[torch.Tensor | None] | None = None,
+        *,
+        delay_wgrad_compute: bool = False,
+        wgrad: WeightGradQueue | None = None,
+        trace: NodeTrace | None = None,
+        fwd_microbatch: int | None = None,
+        bwd_microbatch: int | None = None,
+        route_input_grads: bool = True,
+    ) -> None:
+        self.streams = streams
+        self.tape = Tape(route_input_grads=route_input_grads)
+        self.bwd_tape = bwd_tape
+        self._bwd_grads = None if bwd_grads is None else tuple(bwd_grads)
+        self._bwd_started = False
+        self.wgrad = wgrad if wgrad is not None else (WeightGradQueue() if delay_wgrad_compute else None)
+        self.trace = trace
+        self.fwd_microbatch = fwd_microbatch
+        self.bwd_microbatch = bwd_microbatch
+        self.warned_types: set[type] = set()  # layer types already warned about (once each)
+        self._finished = False
+        self._last_bwd_layer = -1
+
+    # ---- public --------------------------------------------------------------------------
+    def plan_of(self, layer: Any) -> list[Node]:
+        """The node plan of ``layer``: a list of Nodes as is, ``layer.node_plan()``, or, for a
+        layer that does not follow the node protocol, the whole layer as one compute node
+        (it then runs F and B one after the other; warned once per layer type)."""
+        if isinstance(layer, (list, tuple)) and layer and all(isinstance(n, Node) for n in layer):
+            return list(layer)
+        node_plan = getattr(layer, "node_plan", None)
+        if callable(node_plan):
+            plan = node_plan()
+            if isinstance(plan, (list, tuple)) and plan and all(isinstance(n, Node) for n in plan):
+                return list(plan)
+        if not callable(layer):
+            raise TypeError(
+                f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "
+                f"got {type(layer).__name__}"
+            )
+        kind = type(layer)
+        if kind not in self.warned_types:
+            self.warned_types.add(kind)
+            warnings.warn(
+                f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
+                "list of Node); its forward and backward run one after the other, without "
+                "overlap",
+                stacklevel=3,
+            )
+        return [Node(kind.__name__, NodeKind.COMPUTE, _whole_layer_fn(layer))]
+
+    def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:
+        """Record one forward layer, co-scheduled with the next pending backward layer."""
+        if self._finished:
+            raise RuntimeError("CombinedRunner.run_layer after finish()")
+        f_layer = self.tape.begin_layer(self.plan_of(layer), tuple(inputs))
+        forward = _Walk(self.tape, f_layer, "F", self.fwd_microbatch)
+        self._interleave(forward, self._next_backward())
+        assert f_layer.outputs is not None
+        return f_layer.outputs
+
+    def finish(self) -> Grads | None:
+        """Run the leftover backward layers and the deferred weight gradients; wait for both
+        streams. Returns the gradients of the backward tape's inputs (None without one)."""
+        if self._finished:
+            raise RuntimeError("CombinedRunner.finish() called twice")
+        self._finished = True
+        try:
+            while (backward := self._next_backward()) is not None:
+                self._interleave(None, backward)
+            if self.wgrad is not None and len(self.wgrad):
+                self.streams.compute.submit(self._flush_wgrad, self._last_bwd_layer)
+        finally:
+            self.streams.synchronize()
+        if self.bwd_tape is None:
+            return None
+        return self.bwd_tape.input_grads
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def _next_backward(self) -> _Walk | None:
+        tape = self.bwd_tape
+        if tape is None or tape.remaining_backward_layers() == 0:
+            return None
+        grads = None if self._bwd_started else self._bwd_grads
+        self._bwd_started = True
+        layer = tape.begin_layer_backward(grads, wgrad=self.wgrad)
+        self._last_bwd_layer = layer.index
+        return _Walk(tape, layer, "B", self.bwd_microbatch)
+
+    def _interleave(self, forward: _Walk | None, backward: _Walk | None) -> None:
+        while True:
+            f = forward.node if forward is not None else None
+            b = backward.node if backward is not None else None
+            if f is None and b is None:
+                return
+            if f is not None and b is not None and f.kind != b.kind:
+                comm, compute = (forward, backward) if f.kind == NodeKind.COMM else (backward, forward)
+                self._slot(comm, compute)
+            elif b is not None:
+                self._alone(backward)
+            else:
+                self._alone(forward)
+
+    def _alone(self, walk: _Walk) -> None:
+        node = walk.node
+        assert node is not None
+        if node.kind == NodeKind.COMM:
+            self._slot(walk, None)
+        else:
+            self.streams.compute.submit(self._traced(walk, self.streams.compute))
+
+    def _slot(self, comm: _Walk, compute: _Walk | None) -> None:
+        """``comm``'s next node on the comm stream beside ``compute``'s next node, then join."""
+        streams = self.streams
+        node = comm.node
+        assert node is not None
+        streams.claim(node.group, streams.comm)
+        streams.comm.wait_event(streams.compute.record_event())
+        streams.comm.hold(comm.pending_inputs())
+        event = streams.comm.submit(self._traced(comm, streams.comm))
+        try:
+            if compute is not None:
+                streams.compute.submit(self._traced(compute, streams.compute))
+            if comm.direction == "B" and self.wgrad is not None and len(self.wgrad):
+                streams.compute.submit(self._flush_wgrad, comm.layer.index)
+        except BaseException:
+            _quietly_wait(event)  # never leave the comm thread working on a tape we abandon
+            raise
+        streams.compute.wait_event(event)
+        streams.compute.hold(event.value_on(streams.compute))
+
+    def _traced(self, walk: _Walk, stream: Stream) -> Callable[[], Any]:
+        node = walk.node
+        assert node is not None
+        trace, layer_index = self.trace, walk.layer.index
+        if trace is None:
+            return walk.step
+
+        def run() -> Any:
+            with trace.span(walk.microbatch, layer_index, node.name, walk.direction, stream.name, node.kind.value):
+                return walk.step()
+
+        return run
+
+    def _flush_wgrad(self, layer_index: int) -> None:
+        assert self.wgrad is not None
+        if self.trace is None:
+            self.wgrad.run()
+            return
+        with self.trace.span(self.bwd_microbatch, layer_index, "wgrad", "W", self.streams.compute.name, "compute"):
+            self.wgrad.run()
+
+
+def _quietly_wait(event: Event) -> None:
+    try:
+        event.synchronize()
+    except BaseException:  # the caller is already raising the first error
+        pass
+
+
+def combined_step(
+    fwd_plans: Sequence[Any],
+    fwd_inputs: Sequence[Any],
+    bwd_tape: Tape | None,
+    bwd_grads: Sequence[torch.Tensor | None] | None,
+    streams: Streams,
+    *,
+    delay_wgrad_compute: bool = False,
+    wgrad: WeightGradQueue | None = None,
+    trace: NodeTrace | None = None,
+    fwd_microbatch: int | None = None,
+    bwd_microbatch: int | None = None,
+) -> tuple[Values, Tape, Grads | None]:
+    """Forward of ``fwd_plans`` on ``fwd_inputs`` beside the backward of ``bwd_tape``.
+
+    Returns ``(forward outputs, forward tape, gradients of the backward tape's inputs)``; the
+    forward outputs and tape are exactly those ``record_forward`` would give, the gradients
+    those of ``run_backward`` (followed by running the deferred weight gradients).
+    """
+    runner = CombinedRunner(
+        streams,
+        bwd_tape,
+        bwd_grads,
+        delay_wgrad_compute=delay_wgrad_compute,
+        wgrad=wgrad,
+        trace=trace,
+        fwd_microbatch=fwd_microbatch,
+        bwd_microbatch=bwd_microbatch,
+        route_input_grads=False,
+    )
+    values: Values = tuple(fwd_inputs)
+    try:
+        for plan in fwd_plans:
+            values = runner.run_layer(plan, values)
+    except BaseException:
+        _quietly_wait(streams.comm.record_event())
+        raise
+    grads = runner.finish()
+    return values, runner.tape, grads

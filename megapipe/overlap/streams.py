@@ -1,0 +1,300 @@
+"""Streams and events: one interface, a CUDA and a CPU implementation with the same semantics.
+
+A ``Stream`` runs submitted work in submission order; ``submit(fn)`` returns an ``Event`` that
+completes when ``fn``'s work has completed and carries ``fn``'s return value. ``wait_event(e)``
+makes later work on a stream start only after ``e``. ``e.value_on(stream)`` hands the value to
+work on ``stream`` (making it wait first), which is how a tensor crosses from one stream to
+another.
+
+- CUDA (``CudaStream``): ``fn`` runs on the host at once inside ``torch.cuda.stream(...)``, so
+  its kernels queue on that stream; events are ``torch.cuda.Event``; a tensor handed to another
+  stream gets ``record_stream`` so the caching allocator does not reuse its memory early. The
+  communication stream may be created with high priority.
+- CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once and its
+  event is already complete. A communication stream (``WorkerStream``) is one worker thread
+  running submitted work in order; its events are futures. gloo collectives and torch ops
+  release the GIL, so work on the two really runs at the same time.
+
+Rule: a process group is driven from exactly one stream. The co-scheduler runs every comm node
+on the communication stream and ``Streams.claim`` refuses a group already claimed by another
+stream; since every rank issues its comm nodes in the same order on that one stream, the
+collectives match across ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+class Event(ABC):
+    """Completion of some submitted work, with the value its function returned."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block the calling thread until the work is complete (re-raising its error)."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """Whether the work is complete (never blocks)."""
+
+    @abstractmethod
+    def value_on(self, stream: "Stream") -> Any:
+        """The value, made safe for work submitted to ``stream`` from now on."""
+
+
+class Stream(ABC):
+    """An ordered queue of work (see the module docstring)."""
+
+    name: str
+
+    @abstractmethod
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
+        """Run ``fn(*args, **kwargs)`` on this stream after its earlier work."""
+
+    @abstractmethod
+    def wait_event(self, event: Event) -> None:
+        """Work submitted after this call starts only after ``event`` completed."""
+
+    @abstractmethod
+    def record_event(self) -> Event:
+        """An event that completes when all work submitted so far has completed."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until all work submitted so far has completed."""
+        self.record_event().synchronize()
+
+    def hold(self, values: Any) -> None:
+        """The tensors in ``values`` (made on another stream) are used by work on this stream:
+        keep their memory until that work is done (CUDA ``record_stream``; nothing on CPU)."""
+
+    def close(self) -> None:
+        """Release resources (threads); the stream must not be used afterwards."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+# ---- CPU ----------------------------------------------------------------------------------
+
+
+class FutureEvent(Event):
+    """A CPU event: a future set by whichever thread ran the work."""
+
+    def __init__(self, future: Future | None = None, value: Any = None) -> None:
+        if future is None:
+            future = Future()
+            future.set_result(value)
+        self.future = future
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def value_on(self, stream: Stream) -> Any:
+        # whatever the consumer, the value is complete once the future is: block until then
+        return self.future.result()
+
+
+class InlineStream(Stream):
+    """The CPU compute stream: work runs at once on the calling thread."""
+
+    def __init__(self, name: str = "compute") -> None:
+        self.name = name
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
+        return FutureEvent(value=fn(*args, **kwargs))
+
+    def wait_event(self, event: Event) -> None:
+        event.synchronize()
+
+    def record_event(self) -> Event:
+        return FutureEvent()
+
+
+class StreamFailed(RuntimeError):
+    """Work on a stream was skipped because earlier work on it had failed."""
+
+
+class WorkerStream(Stream):
+    """A CPU communication stream: one worker thread runs submitted work in order.
+
+    After a failure every later item fails too (naming the first error), as a CUDA stream
+    stays broken after a fault; the error reaches the host through the events.
+    """
+
+    def __init__(self, name: str = "comm") -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"megapipe-{name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, grad_enabled = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self._failed is not None:
+                future.set_exception(
+                    StreamFailed(f"stream {self.name!r} skipped work after an earlier failure: {self._failed!r}")
+                )
+                continue
+            try:
+                with torch.set_grad_enabled(grad_enabled):
+                    future.set_result(fn())
+            except BaseException as error:  # handed to the host through the future
+                self._failed = error
+                future.set_exception(error)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"stream {self.name!r} is closed")
+        future: Future = Future()
+        self._queue.put((future, lambda: fn(*args, **kwargs), torch.is_grad_enabled()))
+        return FutureEvent(future)
+
+    def wait_event(self, event: Event) -> None:
+        if not event.query():
+            self.submit(event.synchronize)
+
+    def record_event(self) -> Event:
+        return self.submit(lambda: None)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+
+# ---- CUDA ---------------------------------------------------------------------------------
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+class CudaEvent(Event):
+    def __init__(self, event: "torch.cuda.Event", value: Any, producer: "CudaStream") -> None:
+        self.event = event
+        self.value = value
+        self.producer = producer
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def value_on(self, stream: Stream) -> Any:
+        if not isinstance(stream, CudaStream):
+            raise TypeError(f"a CUDA event's value can go only to a CudaStream, not {stream!r}")
+        stream.wait_event(self)
+        if stream.stream != self.producer.stream:
+            stream.hold(self.value)
+        return self.value
+
+
+class CudaStream(Stream):
+    """A CUDA stream; ``fn`` runs on the host at once with this stream current."""
+
+    def __init__(
+        self, name: str, device: torch.device, priority: int = 0, stream: "torch.cuda.Stream | None" = None
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.stream = stream if stream is not None else torch.cuda.Stream(device=device, priority=priority)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
+        with torch.cuda.stream(self.stream):
+            value = fn(*args, **kwargs)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return CudaEvent(event, value, self)
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent):
+            raise TypeError(f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}")
+        self.stream.wait_event(event.event)
+
+    def record_event(self) -> Event:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return CudaEvent(event, None, self)
+
+    def hold(self, values: Any) -> None:
+        for t in _tensors(values):
+            if t.is_cuda:
+                t.record_stream(self.stream)
+
+
+# ---- the pair -----------------------------------------------------------------------------
+
+
+@dataclass
+class Streams:
+    """The compute and communication streams of one process, and which stream owns which group."""
+
+    compute: Stream
+    comm: Stream
+    _owners: dict[int, tuple[Any, str]] = field(default_factory=dict, repr=False)
+
+    def claim(self, group: Any, stream: Stream) -> None:
+        """Record that ``stream`` drives ``group``; refuse if another stream already does."""
+        if group is None:
+            return
+        owner = self._owners.get(id(group))
+        if owner is None:
+            self._owners[id(group)] = (group, stream.name)  # the group is kept so its id stays unique
+        elif owner[1] != stream.name:
+            raise RuntimeError(
+                f"process group {group!r} is driven from stream {owner[1]!r}; it cannot also be "
+                f"driven from {stream.name!r} (collectives would be issued in different orders)"
+            )
+
+    def synchronize(self) -> None:
+        self.comm.synchronize()
+        self.compute.synchronize()
+
+    def close(self) -> None:
+        self.comm.close()
+        self.compute.close()
+
+    def __enter__(self) -> "Streams":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def make_streams(device: torch.device | str = "cpu", high_priority_comm: bool = True) -> Streams:
+    """Compute + communication streams for ``device``.
+
+    CUDA: the compute stream is the device's current stream, the comm stream a new one (high
+    priority unless ``high_priority_comm`` is False). CPU: the calling thread and a worker thread.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"make_streams({device}) needs CUDA, which is not available")
+        priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
+        compute = CudaStream("compute", device, stream=torch.cuda.current_stream(device))
+        return Streams(compute, CudaStream("comm", device, priority=priority))
+    if device.type == "cpu":
+        return Streams(InlineStream("compute"), WorkerStream("comm"))
+    raise ValueError(f"make_streams: device type {device.type!r} is not supported (cpu or cuda)")

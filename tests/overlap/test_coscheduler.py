@@ -1,0 +1,221 @@
+"""The co-scheduler: bitwise equal to the sequential path, the four pairs, real concurrency."""
+
+import copy
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapipe.overlap.coscheduler import CombinedRunner, combined_step
+from megapipe.overlap.plan import Node, NodeKind
+from megapipe.overlap.streams import make_streams
+from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.trace import NodeTrace
+from megapipe.overlap.wgrad import WeightGradQueue
+
+from overlap_toys import ToyOpaque, toy_stack
+
+
+def _grads(*modules):
+    return [p.grad for m in modules for p in m.parameters()]
+
+
+def _equal_lists(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.equal(x, y)
+
+
+def _plans(stack):
+    return [layer.node_plan() for layer in stack]
+
+
+def combined_matches_sequential(fwd_kinds: str, bwd_kinds: str, defer: bool, use_group: bool) -> int:
+    """F(i) on stack A beside B(j) on stack B, against F(i) then B(j); returns #checks."""
+    group = dist.group.WORLD if use_group else None
+    rank = dist.get_rank() if use_group else 0
+    gen = torch.Generator().manual_seed(rank)
+    x_i = torch.randn(6, 8, generator=gen, requires_grad=True)
+    x_j = torch.randn(6, 8, generator=gen, requires_grad=True)
+    g_j = torch.randn(6, 8, generator=gen)
+    g_i = torch.randn(6, 8, generator=gen)
+
+    results = []
+    for combined in (False, True):
+        stack_f = toy_stack(fwd_kinds, group=group, seed=10 + rank)
+        stack_b = toy_stack(bwd_kinds, group=group, seed=20 + rank)
+        _, tape_j = record_forward(_plans(stack_b), (x_j,))
+        if combined:
+            with make_streams("cpu") as streams:
+                out_i, tape_i, gx_j = combined_step(
+                    _plans(stack_f), (x_i,), tape_j, (g_j,), streams, delay_wgrad_compute=defer
+                )
+        else:
+            out_i, tape_i = record_forward(_plans(stack_f), (x_i,))
+            queue = WeightGradQueue() if defer else None
+            gx_j = run_backward(tape_j, (g_j,), wgrad=queue)
+            if queue is not None:
+                queue.run()
+        assert tape_j.live_tensors() == 0
+        mid = _grads(stack_f, stack_b)
+        mid = [None if g is None else g.clone() for g in mid]
+        gx_i = run_backward(tape_i, (g_i,))  # the forward tape of the pair is a working tape
+        results.append((out_i, gx_j, mid, gx_i, _grads(stack_f, stack_b)))
+    seq, comb = results
+    _equal_lists(list(seq[0]), list(comb[0]))
+    _equal_lists(list(seq[1]), list(comb[1]))
+    _equal_lists(seq[2], comb[2])
+    _equal_lists(list(seq[3]), list(comb[3]))
+    _equal_lists(seq[4], comb[4])
+    return len(seq[4])
+
+
+@pytest.mark.parametrize(
+    "fwd_kinds,bwd_kinds,defer",
+    [("mm", "mm", False), ("mm", "mm", True), ("dmm", "mdm", True), ("dm", "mmdm", False), ("mmm", "m", True)],
+)
+def test_combined_step_is_bitwise_sequential_single_process(fwd_kinds, bwd_kinds, defer):
+    assert combined_matches_sequential(fwd_kinds, bwd_kinds, defer, use_group=False) > 0
+
+
+def _combined_on_ranks(cases):
+    return [combined_matches_sequential(*case, use_group=True) for case in cases]
+
+
+def test_combined_step_is_bitwise_sequential_with_all_to_all_on_two_ranks(rank_pools):
+    cases = [("mm", "mm", False), ("mm", "mm", True), ("dmm", "mdmm", True), ("mdm", "dm", False)]
+    assert all(n > 0 for r in rank_pools(2).run(_combined_on_ranks, cases) for n in r)
+
+
+def _pairs_in_trace(trace, layer_pairs):
+    """For each (F layer, B layer): which B/F node ran beside each comm node."""
+    spans = trace.by_start()
+    found = []
+    for comm in [s for s in spans if s.kind == "comm"]:
+        partners = [
+            s for s in spans
+            if s.kind == "compute" and s.direction != comm.direction and s.start < comm.end and comm.start < s.end
+        ]
+        found.append((comm.direction, comm.layer, comm.node, sorted((p.direction, p.layer, p.node) for p in partners)))
+    return found
+
+
+def test_trace_shows_the_four_pairs_in_every_moe_layer():
+    stack = toy_stack("mmm", sleep_s=0.02, compute_sleep_s=0.01)
+    _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
+    trace = NodeTrace()
+    with make_streams("cpu") as streams:
+        combined_step(_plans(stack), (torch.randn(4, 8, requires_grad=True),), tape_j, (torch.ones(4, 8),),
+                      streams, delay_wgrad_compute=True, trace=trace, fwd_microbatch=1, bwd_microbatch=0)
+    found = _pairs_in_trace(trace, None)
+    expected = []
+    for k in range(3):
+        b = 2 - k
+        expected += [
+            ("B", b, "combine", [("F", k, "attention")]),
+            ("F", k, "dispatch", [("B", b, "experts")]),
+            ("B", b, "dispatch", [("F", k, "experts"), ("W", b, "wgrad")]),
+            ("F", k, "combine", [("B", b, "attention")]),
+        ]
+    assert found == expected
+    # issue order of the compute stream within one pair of layers
+    compute = [s.label() for s in trace.by_start() if s.stream == "compute"][:6]
+    assert compute == ["B0.2.finish", "F1.0.attention", "B0.2.experts", "F1.0.experts", "W0.2.wgrad", "B0.2.attention"]
+
+
+def test_dense_and_leftover_layers_run_alone():
+    f_stack, b_stack = toy_stack("dm"), toy_stack("mmd")
+    _, tape_j = record_forward(_plans(b_stack), (torch.randn(4, 8, requires_grad=True),))
+    trace = NodeTrace()
+    with make_streams("cpu") as streams:
+        combined_step(_plans(f_stack), (torch.randn(4, 8),), tape_j, (torch.ones(4, 8),), streams, trace=trace)
+    order = [s.label() for s in trace.by_start()]
+    # F layer 0 (dense) beside B layer 2 (dense): B alone, then F alone
+    assert order[:2] == ["B.2.dense", "F.0.dense"]
+    # B layer 0 is a leftover: its five nodes run alone, last, in backward order
+    assert order[-5:] == ["B.0.finish", "B.0.combine", "B.0.experts", "B.0.dispatch", "B.0.attention"]
+
+
+def test_combined_step_overlaps_comm_with_compute():
+    # every comm node sleeps 40 ms (emulated link), attention and experts 40 ms (F and B)
+    stack = toy_stack("mm", sleep_s=0.04, compute_sleep_s=0.04)
+    _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
+    trace = NodeTrace()
+    with make_streams("cpu") as streams:
+        start = time.perf_counter()
+        combined_step(_plans(stack), (torch.randn(4, 8),), tape_j, (torch.ones(4, 8),), streams, trace=trace)
+        wall = time.perf_counter() - start
+    parts = trace.total("comm") + trace.total("compute")
+    assert parts > 0.6  # 2 layers x 2 microbatches x (2 comm + 2 compute) x 40 ms
+    assert wall < 0.85 * parts, (wall, parts)
+    assert trace.exposed_comm_fraction() < 0.5
+
+
+def test_memory_of_combined_step_is_at_most_sequential():
+    stack = toy_stack("mmm")
+    peaks = []
+    for combined in (False, True):
+        _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
+        full = tape_j.live_tensors()
+        if combined:
+            live = []
+            with make_streams("cpu") as streams:
+                runner = CombinedRunner(streams, tape_j, (torch.ones(4, 8),))
+                x = (torch.randn(4, 8),)
+                for layer in stack:
+                    x = runner.run_layer(layer, x)
+                    live.append(tape_j.live_tensors() + runner.tape.live_tensors())
+                runner.finish()
+            peaks.append(max(live))
+            # the backward tape shrinks layer by layer as the forward tape grows: one microbatch
+            # in flight, not two
+            assert max(live) <= full, (live, full)
+        else:
+            out, tape_i = record_forward(_plans(stack), (torch.randn(4, 8),))
+            peaks.append(tape_j.live_tensors() + tape_i.live_tensors())
+            run_backward(tape_j, (torch.ones(4, 8),))
+        assert tape_j.live_tensors() == 0
+    assert peaks[1] < peaks[0]
+
+
+def test_layer_without_node_protocol_runs_whole_and_warns_once():
+    stack = toy_stack("mo")
+    ref = copy.deepcopy(stack)
+    x = torch.randn(4, 8)
+    with make_streams("cpu") as streams:
+        runner = CombinedRunner(streams)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = x
+                for layer in stack:
+                    out = runner.run_layer(layer, (out,))[0]
+        runner.finish()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "ToyOpaque does not follow the node protocol" in messages[0]
+    assert runner.warned_types == {ToyOpaque}
+    expected = ref[1](ref[0](x))
+    assert torch.equal(out, expected)
+
+
+def test_comm_node_failure_is_raised_and_named():
+    def boom(state, t):
+        raise ValueError("link down")
+
+    plan = [Node("attention", NodeKind.COMPUTE, lambda s, t: (t[0] * 2,)), Node("dispatch", NodeKind.COMM, boom)]
+    with make_streams("cpu") as streams:
+        with pytest.raises(ValueError, match="link down"):
+            combined_step([plan], (torch.ones(2),), None, None, streams)
+
+
+def test_a_group_is_driven_from_one_stream_only():
+    with make_streams("cpu") as streams:
+        group = object()
+        streams.claim(group, streams.comm)
+        streams.claim(group, streams.comm)
+        with pytest.raises(RuntimeError, match="driven from stream 'comm'"):
+            streams.claim(group, streams.compute)

@@ -19,6 +19,7 @@ backward) to its modelled time.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ def _exchange(
     if link is not None:
         own = dist.get_rank(group)
         rows_to_others = sum(input_splits) - input_splits[own]
-        row_bytes = rows[0].numel() * rows.element_size() if rows.dim() > 1 else rows.element_size()
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         link.wait_rest(rows_to_others * row_bytes, started)
     return received
 

@@ -1,0 +1,125 @@
+"""Rank 0's training log: one line per ``--log-interval``, optional TensorBoard, NaN guard.
+
+A line reads::
+
+    iter 20/150 | loss 2.8131 | aux 0.0101 | lr 2.97e-03 | grad norm 0.812 | 5,120 tok/s |
+    step 0.40 s | exposed a2a n/a
+
+Values are averages over the iterations since the last line (tokens/s over their total time).
+The exposed all-to-all fraction is the share of all-to-all time not hidden behind compute, when
+the executor measures it (``None`` prints ``n/a``). A NaN or infinite loss raises
+``NonFiniteLossError`` naming the iteration, on every rank that sees it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+VALUE_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "step_time", "tokens", "exposed_a2a")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+def check_finite_loss(loss: float, iteration: int) -> None:
+    """Raise NonFiniteLossError naming ``iteration`` if ``loss`` is NaN or inf."""
+    if not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"loss is {loss} at iteration {iteration}; stopping (lower --lr, raise "
+            "--lr-warmup-iters, or set --clip-grad)"
+        )
+
+
+def _open_tensorboard(directory: str | None) -> Any:
+    if directory is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=directory)
+
+
+@dataclass
+class TrainingLogger:
+    """Accumulates per-iteration values and prints a line every ``log_interval`` iterations."""
+
+    train_iters: int
+    log_interval: int
+    enabled: bool = True
+    tensorboard_dir: str | None = None
+    write: Callable[[str], None] = print
+    _sums: dict[str, float] = field(default_factory=dict)
+    _counts: dict[str, int] = field(default_factory=dict)
+    _writer: Any = None
+    tensorboard_missing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.tensorboard_dir is not None:
+            self._writer = _open_tensorboard(self.tensorboard_dir)
+            if self._writer is None:
+                self.tensorboard_missing = True
+                self.write(
+                    f"note: --tensorboard-dir {self.tensorboard_dir} ignored: "
+                    "torch.utils.tensorboard needs the 'tensorboard' package"
+                )
+
+    def record(self, iteration: int, **values: float | None) -> str | None:
+        """Add iteration ``iteration``'s values (1-based); returns the line if one was printed."""
+        check_finite_loss(float(values.get("loss", 0.0) or 0.0), iteration)
+        for key, value in values.items():
+            if key not in VALUE_KEYS:
+                raise KeyError(f"unknown log value {key!r}; known: {', '.join(VALUE_KEYS)}")
+            if value is None:
+                continue
+            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            self._counts[key] = self._counts.get(key, 0) + 1
+        if self._writer is not None:
+            for key, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(f"train/{key}", float(value), iteration)
+        if iteration % self.log_interval != 0 and iteration != self.train_iters:
+            return None
+        line = self._format(iteration)
+        self._sums.clear()
+        self._counts.clear()
+        if self.enabled:
+            self.write(line)
+        return line
+
+    def _mean(self, key: str) -> float | None:
+        if not self._counts.get(key):
+            return None
+        return self._sums[key] / self._counts[key]
+
+    def _format(self, iteration: int) -> str:
+        parts = [f"iter {iteration}/{self.train_iters}"]
+        for key, label, fmt in (("loss", "loss", "{:.4f}"), ("aux_loss", "aux", "{:.4f}"),
+                                ("lr", "lr", "{:.2e}"), ("grad_norm", "grad norm", "{:.3f}")):
+            mean = self._mean(key)
+            parts.append(f"{label} {'n/a' if mean is None else fmt.format(mean)}")
+        time_total = self._sums.get("step_time", 0.0)
+        tokens = self._sums.get("tokens", 0.0)
+        parts.append(f"{tokens / time_total:,.0f} tok/s" if time_total > 0 else "n/a tok/s")
+        step = self._mean("step_time")
+        parts.append(f"step {step:.3f} s" if step is not None else "step n/a")
+        exposed = self._mean("exposed_a2a")
+        parts.append(f"exposed a2a {'n/a' if exposed is None else f'{exposed:.0%}'}")
+        return " | ".join(parts)
+
+    def evaluation(self, iteration: int, loss: float) -> str:
+        """Print (and return) the validation line after an evaluation at ``iteration``."""
+        line = f"validation at iter {iteration} | loss {loss:.4f} | ppl {math.exp(min(loss, 50.0)):.2f}"
+        if self._writer is not None:
+            self._writer.add_scalar("valid/loss", loss, iteration)
+        if self.enabled:
+            self.write(line)
+        return line
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megapipe.schedule import ScheduleError, build_schedule, check_runs, lower
 from megapipe.schedule.deps import message_of_comm, received_message, sent_message, timeline
@@ -261,3 +263,16 @@ def test_lowered_schedules_run_in_torch_simulator(name, pp, vpp, m):
     order = {r: [schedules._Action.from_str(str(a)) for a in row]
              for r, row in enumerate(lowered.actions)}
     schedules._simulate_comms_compute(order, lambda s: lowered.stage_to_rank[s], lowered.num_stages)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=st.sampled_from(SPREAD),
+    overlap=st.booleans(),
+    costs=st.tuples(*[st.floats(0.1, 4.0) for _ in range(5)]),
+)
+def test_property_any_durations_lower_deadlock_free(case, overlap, costs):
+    # Durations only move RECVs; the placement stays deadlock-free and order-matched for any.
+    name, pp, vpp, m = case
+    durations = dict(zip((Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP), costs))
+    check_runs(lower(build_schedule(name, pp, m, vpp=vpp, overlap=overlap), durations))

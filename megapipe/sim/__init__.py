@@ -6,4 +6,12 @@ from .simulate import SimResult, TimedAction, simulate
 from .steps import Segment
 from .trace import write_trace
 
-__all__ = ["Costs", "Segment", "SimResult", "TimedAction", "draw_timeline", "simulate", "write_trace"]
+__all__ = [
+    "Costs",
+    "Segment",
+    "SimResult",
+    "TimedAction",
+    "draw_timeline",
+    "simulate",
+    "write_trace",
+]

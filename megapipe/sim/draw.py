@@ -21,7 +21,12 @@ _COLOURS = {
     Kind.I: "#0f8f8f",  # teal
     Kind.W: "#3a9a3a",  # green
 }
-_NAMES = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad"}
+_NAMES = {
+    Kind.F: "F forward",
+    Kind.B: "B backward",
+    Kind.I: "I input grad",
+    Kind.W: "W weight grad",
+}
 _EXPOSED = "#d62728"
 _HIDDEN = "#b0b0b0"
 
@@ -31,7 +36,9 @@ def _lighten(colour: str, amount: float) -> tuple[float, float, float]:
     return tuple(c + (1 - c) * amount for c in rgb)
 
 
-def _subtract(start: float, end: float, cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def _subtract(
+    start: float, end: float, cover: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """The parts of [start, end) outside every interval of ``cover``."""
     parts, cursor = [], start
     for c_start, c_end in cover:

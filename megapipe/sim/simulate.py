@@ -162,7 +162,8 @@ def _check_action(schedule: Schedule, rank: int, action: Action) -> None:
 
 def _half(rank: int, half: Action, segments: tuple[Segment, ...]) -> TimedAction:
     own = [s for s in segments if s.action == half]
-    return TimedAction(rank, half, min(s.start for s in own), max(s.end for s in own), (), tuple(own))
+    start, end = min(s.start for s in own), max(s.end for s in own)
+    return TimedAction(rank, half, start, end, (), tuple(own))
 
 
 def _peak_in_flight(rank_actions: list[TimedAction]) -> int:

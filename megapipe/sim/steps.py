@@ -56,7 +56,9 @@ class _Op:
     deps: tuple[int, ...]
 
 
-def _layer_forward(action: Action, layer: int, compute: float, costs: Costs, first: int) -> list[_Op]:
+def _layer_forward(
+    action: Action, layer: int, compute: float, costs: Costs, first: int
+) -> list[_Op]:
     """The four pieces of one layer's forward, chained; ``first`` is the index of the first."""
     attention = compute * costs.attention_share
     return [
@@ -67,7 +69,9 @@ def _layer_forward(action: Action, layer: int, compute: float, costs: Costs, fir
     ]
 
 
-def _layer_backward(action: Action, layer: int, compute: float, costs: Costs, first: int) -> list[_Op]:
+def _layer_backward(
+    action: Action, layer: int, compute: float, costs: Costs, first: int
+) -> list[_Op]:
     attention = compute * costs.attention_share
     return [
         _Op(COMM, "combine", action, layer, costs.combine, (first - 1,) if first else ()),

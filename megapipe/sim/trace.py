@@ -52,7 +52,8 @@ def trace_events(result: SimResult) -> list[dict]:
         )
         for stream, tid in _TID.items():
             events.append(
-                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": stream}}
+                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                 "args": {"name": stream}}
             )
     for timed in result.timeline:
         nested = bool(timed.halves) or len(timed.segments) > 1

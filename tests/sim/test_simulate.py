@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapipe.schedule.errors import ScheduleError
-from megapipe.schedule.ir import Action, Kind, Schedule, loop_placement, parse_action
+from megapipe.schedule.ir import Kind, Schedule, loop_placement, parse_action
 from megapipe.schedule.registry import build_schedule
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate

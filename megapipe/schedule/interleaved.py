@@ -75,7 +75,7 @@ def interleaved_1f1b(
 
 
 def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
-    """Looped BFS (breadth-first pipeline parallelism, Lamy-Poirier 2022; torch's ScheduleLoopedBFS).
+    """Looped BFS (breadth-first pipelining, Lamy-Poirier 2022; torch's ScheduleLoopedBFS).
 
     Each rank runs all microbatches through its first chunk, then its second, ...; then all
     backwards, last chunk first, microbatches in reverse. Like GPipe per chunk: few, large
@@ -84,10 +84,9 @@ def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
     actions = []
     for rank in range(pp):
         stages = range(rank, pp * vpp, pp)
-        row = [Action(s, Kind.F, mb) for s in stages for mb in range(num_microbatches)]
-        row += [
-            Action(s, Kind.B, mb) for s in reversed(stages) for mb in reversed(range(num_microbatches))
-        ]
+        mbs = range(num_microbatches)
+        row = [Action(s, Kind.F, mb) for s in stages for mb in mbs]
+        row += [Action(s, Kind.B, mb) for s in reversed(stages) for mb in reversed(mbs)]
         actions.append(row)
     return Schedule(
         actions, pp * vpp, num_microbatches, loop_placement(pp, pp * vpp), name="looped-bfs"

@@ -83,7 +83,9 @@ def _check_placement(schedule: Schedule) -> None:
 def _check_pairs(schedule: Schedule) -> None:
     for rank, row in enumerate(schedule.actions):
         for action in row:
-            if action.kind is Kind.OVERLAP and action.forward.microbatch == action.backward.microbatch:
+            if action.kind is not Kind.OVERLAP:
+                continue
+            if action.forward.microbatch == action.backward.microbatch:
                 raise ScheduleError(
                     "the two halves of an OVERLAP must be different microbatches (a backward of "
                     "a microbatch needs its own forward to have finished)",
@@ -214,8 +216,11 @@ def _check_progress(schedule: Schedule) -> None:
     while progressed:
         progressed = False
         for rank, row in enumerate(rows):
-            while cursor[rank] < len(row) and all(ready(c) for c in row[cursor[rank]].computations()):
-                done.update(key(c) for c in row[cursor[rank]].computations())
+            while cursor[rank] < len(row):
+                comps = row[cursor[rank]].computations()
+                if not all(ready(c) for c in comps):
+                    break
+                done.update(key(c) for c in comps)
                 cursor[rank] += 1
                 progressed = True
     stuck = [rank for rank, row in enumerate(rows) if cursor[rank] < len(row)]

@@ -9,13 +9,14 @@ every expert weight always gets a gradient, zeros when idle).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.wgrad import grouped_matmul
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,14 @@ class GroupedExperts(nn.Module):
         self.w_up = stacked((hidden_size, ffn_hidden_size), "up")
         self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
 
-    def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
-        """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i."""
+    def forward(
+        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int], wgrad_source: Any = None
+    ) -> torch.Tensor:
+        """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
+
+        ``wgrad_source`` (the layer's ``LayerState``) lets the overlap engine defer the expert
+        weight gradients (megapipe.overlap.wgrad); None computes them at once.
+        """
         if len(tokens_per_expert) != self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {len(tokens_per_expert)} entries, expected one per local "
@@ -77,8 +84,8 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"tokens_per_expert sums to {sum(tokens_per_expert)} but there are {tokens.shape[0]} rows"
             )
-        chunks = torch.split(tokens, list(tokens_per_expert), dim=0)
-        outputs = [
-            swiglu(chunk, self.w_gate[i], self.w_up[i], self.w_down[i]) for i, chunk in enumerate(chunks)
-        ]
-        return torch.cat(outputs, dim=0)
+        # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
+        # into the WeightGradQueue that ``wgrad_source.wgrad_queue`` names at backward time
+        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, wgrad_source)
+        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, wgrad_source)
+        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, wgrad_source)

@@ -208,7 +208,7 @@ class MoELayer(nn.Module):
 
     def _experts(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
-        return (self.experts(expert_rows, state.dispatch_plan.tokens_per_local_expert),)
+        return (self.experts(expert_rows, state.dispatch_plan.tokens_per_local_expert, wgrad_source=state),)
 
     def _combine(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors

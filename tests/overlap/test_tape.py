@@ -161,8 +161,8 @@ def test_state_is_per_layer_and_per_microbatch():
     assert seen == [3, 3, 5]
 
 
-@pytest.mark.parametrize("shared", [None, 12])
-def test_tape_matches_plain_autograd_on_the_moe_layer(shared):
+@pytest.mark.parametrize("shared,defer", [(None, False), (12, False), (12, True)])
+def test_tape_matches_plain_autograd_on_the_moe_layer(shared, defer):
     from megapipe.moe.layer import MoEConfig, MoELayer
 
     cfg = MoEConfig(
@@ -178,6 +178,10 @@ def test_tape_matches_plain_autograd_on_the_moe_layer(shared):
         out_ref, gx_ref = _plain(ref, x, g)
         outs, tape = record_forward([layer.node_plan() for layer in layers], (x.clone().requires_grad_(True),))
         assert torch.equal(outs[0], out_ref)
-        (gx,) = run_backward(tape, (g,))
+        queue = WeightGradQueue() if defer else None
+        (gx,) = run_backward(tape, (g,), wgrad=queue)
+        if defer:
+            assert len(queue) == 2 * 3  # gate, up and down of the grouped experts, per layer
+            queue.run()
         assert torch.equal(gx, gx_ref)
     _assert_same(_grads(layers), _grads(ref))

@@ -54,8 +54,10 @@ def _subtract(
 
 def _title(result: SimResult, title: str | None) -> str:
     head = title or result.name or "schedule"
+    low, high = min(result.bubble, default=0), max(result.bubble, default=0)
+    per_rank = f"{high:.3g} per rank" if high - low < 1e-9 else f"{low:.3g} to {high:.3g} per rank"
     metrics = (
-        f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%}   "
+        f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%} ({per_rank})   "
         f"peak in flight {max(result.peak_in_flight, default=0)}"
     )
     if sum(result.comm):
@@ -160,8 +162,9 @@ def draw_timeline(
     if any_overlap:
         handles.append(Patch(fill=False, edgecolor="black", linewidth=1.4,
                              label="OVERLAP (F top, B/I below)"))
-    if show_comm:
+    if sum(result.comm) - sum(result.exposed_comm) > 1e-9:
         handles.append(Patch(facecolor=_HIDDEN, label="all-to-all hidden"))
+    if sum(result.exposed_comm) > 1e-9:
         handles.append(Patch(facecolor=_EXPOSED, label="all-to-all exposed"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
               ncol=min(len(handles), 4), fontsize=8, frameon=False)

@@ -216,3 +216,13 @@ def test_matches_longest_path_model(case, f, b, w_share, lat):
     stages = schedule.num_stages // (2 if schedule.bidirectional else 1)
     assert sum(result.busy) == pytest.approx(m * stages * (f + b))
     assert all(x >= -1e-9 for x in result.bubble)
+
+
+def test_overlap_hides_all_to_all_in_a_pipeline():
+    costs = Costs(1, 2, 1, dispatch=0.25, combine=0.25, moe_layers=2)
+    plain = simulate(build_schedule("interleaved-1f1b", 2, 8, vpp=2), costs)
+    paired = simulate(build_schedule("interleaved-1f1b", 2, 8, vpp=2, overlap=True), costs)
+    assert plain.exposed_comm_fraction == 1.0
+    assert paired.comm == plain.comm
+    assert paired.exposed_comm_fraction < 0.5
+    assert paired.makespan < plain.makespan

@@ -17,19 +17,25 @@ from __future__ import annotations
 import torch
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _gather_sum_slots(
     rows: torch.Tensor, token_slots: torch.Tensor, weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """out[t] = sum_j weights[t, j] * rows[token_slots[t, j]] over valid slots, in float32."""
+    """out[t] = sum_j weights[t, j] * rows[token_slots[t, j]] over valid slots, in float32
+    (float64 for float64 inputs)."""
     num_tokens, top_k = token_slots.shape
-    out = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
-    rows32 = rows.float()
+    acc = _accumulate_dtype(rows.dtype)
+    out = torch.zeros(num_tokens, rows.shape[1], dtype=acc, device=rows.device)
+    rows32 = rows.to(acc)
     for j in range(top_k):
         slot = token_slots[:, j]
         valid = slot >= 0
         picked = rows32.index_select(0, slot.clamp(min=0))
         if weights is not None:
-            picked = picked * weights[:, j : j + 1].float()
+            picked = picked * weights[:, j : j + 1].to(acc)
         out = out + torch.where(valid.unsqueeze(1), picked, torch.zeros((), device=rows.device))
     return out
 
@@ -60,14 +66,14 @@ class _Unpermute(torch.autograd.Function):
         rows, probs, row_slot, token_slots = ctx.saved_tensors
         top_k = token_slots.shape[1]
         token_of_row = torch.div(row_slot, top_k, rounding_mode="floor")
-        grad_out32 = grad_out.float()
-        grad_of_row = grad_out32.index_select(0, token_of_row)
-        prob_of_row = probs.reshape(-1).float().index_select(0, row_slot)
+        acc = _accumulate_dtype(torch.promote_types(rows.dtype, probs.dtype))
+        grad_of_row = grad_out.to(acc).index_select(0, token_of_row)
+        prob_of_row = probs.reshape(-1).to(acc).index_select(0, row_slot)
         grad_rows = (grad_of_row * prob_of_row.unsqueeze(1)).to(rows.dtype)
         grad_probs = None
         if ctx.needs_input_grad[1]:
-            per_row = (grad_of_row * rows.float()).sum(dim=1)
-            flat = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
+            per_row = (grad_of_row * rows.to(acc)).sum(dim=1)
+            flat = torch.zeros(probs.numel(), dtype=acc, device=probs.device)
             flat = flat.index_copy(0, row_slot, per_row)  # each slot has at most one row
             grad_probs = flat.view_as(probs).to(probs.dtype)
         return grad_rows, grad_probs, None, None

@@ -157,7 +157,7 @@ def build_parser(prog: str = "megapipe pretrain") -> argparse.ArgumentParser:
     train.add_argument("--min-lr", type=float, default=3e-4)
     train.add_argument("--lr-warmup-iters", type=int, default=10)
     train.add_argument("--lr-decay-iters", type=int, default=None,
-                       help="iterations of decay after warmup ends (default: train-iters)")
+                       help="iteration at which the decay reaches --min-lr (default: train-iters)")
     train.add_argument("--lr-decay-style", default="cosine", choices=None,
                        help=f"one of {', '.join(LR_DECAY_STYLES)}")
     train.add_argument("--weight-decay", type=float, default=0.01)

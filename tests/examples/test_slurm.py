@@ -220,6 +220,7 @@ def submit_and_wait(
 ) -> tuple[str, str]:
     """sbatch ``script`` and wait for it to end; returns (final state, job output)."""
     output = cluster.root / "job-%j.out"
+    cluster = SlurmCluster(cluster.root, env, cluster.processes)
     done = cluster.run(
         "sbatch", "--parsable", "-N", str(len(NODES)), f"--output={output}", *options, str(script)
     )
@@ -257,3 +258,35 @@ def test_slurm_cluster_runs_a_two_node_job(slurm_cluster, tmp_path):
     assert state == "COMPLETED", f"{state}\n{log}\n{slurm_cluster.logs()}"
     for node in NODES:
         assert f"hello from {node}" in log, f"{log}\n{slurm_cluster.logs()}"
+
+
+# A CPU configuration small enough for seconds of training: 2 nodes x 2 processes, pp=2, ep=2.
+CPU_PRETRAIN_ARGS = (
+    "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
+    "--expert-model-parallel-size 2 --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
+    "--ffn-hidden-size 64 --num-experts 4 --moe-ffn-hidden-size 32 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --log-interval 1 "
+    "--eval-interval 4 --eval-iters 1 --lr-warmup-iters 1"
+)
+
+
+def test_sbatch_pretrains_across_two_nodes_and_checkpoints(slurm_cluster, tmp_path):
+    """examples/slurm/pretrain.sbatch, unchanged, on the two-node cluster with a CPU config."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    save = tmp_path / "ckpt"
+    env = dict(
+        slurm_cluster.env,
+        PYTHON=sys.executable,
+        MEGAPIPE_DIR=str(REPO),
+        NPROC_PER_NODE="2",
+        PRETRAIN_ARGS=f"{CPU_PRETRAIN_ARGS} --data-path {data} --save {save}",
+    )
+    state, log = submit_and_wait(slurm_cluster, SBATCH_SCRIPT, env, 150)
+    report = f"job state {state}; job output:\n{log}\n{slurm_cluster.logs()}"
+    assert state == "COMPLETED", report
+    assert "placement: 2 node(s): n1: ranks 0,1; n2: ranks 2,3" in log, report
+    assert "iter 4/4 | loss" in log, report
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4", report
+    shards = list((save / "iter_0000004").glob("*.distcp"))
+    assert len(shards) == 4, f"one shard per rank expected, found {shards}\n{report}"

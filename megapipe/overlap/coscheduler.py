@@ -122,6 +122,7 @@ class CombinedRunner:
         self.warned_types: set[type] = set()  # layer types already warned about (once each)
         self._finished = False
         self._last_bwd_layer = -1
+        self._slot_id = 0  # counts issue slots (recorded in the trace)
 
     # ---- public --------------------------------------------------------------------------
     def plan_of(self, layer: Any) -> list[Node]:
@@ -171,6 +172,7 @@ class CombinedRunner:
             while (backward := self._next_backward()) is not None:
                 self._interleave(None, backward)
             if self.wgrad is not None and len(self.wgrad):
+                self._slot_id += 1
                 self.streams.compute.submit(self._flush_wgrad, self._last_bwd_layer)
         finally:
             self.streams.synchronize()
@@ -209,6 +211,7 @@ class CombinedRunner:
         if node.kind == NodeKind.COMM:
             self._slot(walk, None)
         else:
+            self._slot_id += 1
             self.streams.compute.submit(self._traced(walk, self.streams.compute))
 
     def _slot(self, comm: _Walk, compute: _Walk | None) -> None:
@@ -216,6 +219,7 @@ class CombinedRunner:
         streams = self.streams
         node = comm.node
         assert node is not None
+        self._slot_id += 1
         streams.claim(node.group, streams.comm)
         streams.comm.wait_event(streams.compute.record_event())
         streams.comm.hold(comm.pending_inputs())
@@ -234,12 +238,14 @@ class CombinedRunner:
     def _traced(self, walk: _Walk, stream: Stream) -> Callable[[], Any]:
         node = walk.node
         assert node is not None
-        trace, layer_index = self.trace, walk.layer.index
+        trace, layer_index, slot = self.trace, walk.layer.index, self._slot_id
         if trace is None:
             return walk.step
 
         def run() -> Any:
-            with trace.span(walk.microbatch, layer_index, node.name, walk.direction, stream.name, node.kind.value):
+            with trace.span(
+                walk.microbatch, layer_index, node.name, walk.direction, stream.name, node.kind.value, slot
+            ):
                 return walk.step()
 
         return run
@@ -249,7 +255,9 @@ class CombinedRunner:
         if self.trace is None:
             self.wgrad.run()
             return
-        with self.trace.span(self.bwd_microbatch, layer_index, "wgrad", "W", self.streams.compute.name, "compute"):
+        with self.trace.span(
+            self.bwd_microbatch, layer_index, "wgrad", "W", self.streams.compute.name, "compute", self._slot_id
+        ):
             self.wgrad.run()
 
 

@@ -1,7 +1,7 @@
 """A recorder of the nodes the co-scheduler issued: who ran where, when.
 
 Each span names the microbatch, the layer, the node, the direction (F forward, B backward,
-W deferred weight gradients), the stream, and start/end times (``time.perf_counter``, taken
+W deferred weight gradients), the stream, the co-scheduler's slot, and start/end times (``time.perf_counter``, taken
 around the work on the thread that ran it; on CUDA these are host issue times unless the
 caller synchronizes). Tests read the order; the benchmark reads the exposed-communication
 fraction: the share of communication time during which no compute ran.
@@ -26,6 +26,7 @@ class NodeSpan:
     kind: str  # "compute" or "comm"
     start: float
     end: float
+    slot: int = -1  # spans with the same slot were issued side by side by the co-scheduler
 
     @property
     def duration(self) -> float:
@@ -45,7 +46,14 @@ class NodeTrace:
 
     @contextmanager
     def span(
-        self, microbatch: int | None, layer: int, node: str, direction: str, stream: str, kind: str
+        self,
+        microbatch: int | None,
+        layer: int,
+        node: str,
+        direction: str,
+        stream: str,
+        kind: str,
+        slot: int = -1,
     ) -> Iterator[None]:
         start = self.clock()
         try:
@@ -53,11 +61,18 @@ class NodeTrace:
         finally:
             end = self.clock()
             with self._lock:
-                self.spans.append(NodeSpan(microbatch, layer, node, direction, stream, kind, start, end))
+                self.spans.append(NodeSpan(microbatch, layer, node, direction, stream, kind, start, end, slot))
 
     def clear(self) -> None:
         with self._lock:
             self.spans.clear()
+
+    def slots(self) -> list[list[NodeSpan]]:
+        """Spans grouped by co-scheduler slot, in issue order (what ran beside what)."""
+        groups: dict[int, list[NodeSpan]] = {}
+        for span in self.by_start():
+            groups.setdefault(span.slot, []).append(span)
+        return [groups[k] for k in sorted(groups)]
 
     def by_start(self) -> list[NodeSpan]:
         with self._lock:

@@ -1,0 +1,72 @@
+"""CPU streams: in-order work, events carrying values, waits, failures, grad mode."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megapipe.overlap.streams import InlineStream, StreamFailed, WorkerStream, make_streams
+
+
+def test_worker_stream_runs_in_order_on_its_own_thread():
+    with make_streams("cpu") as streams:
+        seen = []
+        events = [streams.comm.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i) for i in range(5)]
+        assert [e.value_on(streams.compute) for e in events] == list(range(5))
+        assert [i for i, _ in seen] == list(range(5))
+        assert {name for _, name in seen} == {"megapipe-comm"}
+
+
+def test_inline_stream_runs_at_once_and_comm_runs_concurrently():
+    with make_streams("cpu") as streams:
+        assert isinstance(streams.compute, InlineStream) and isinstance(streams.comm, WorkerStream)
+        start = time.perf_counter()
+        event = streams.comm.submit(time.sleep, 0.2)
+        streams.compute.submit(time.sleep, 0.2)
+        streams.compute.wait_event(event)
+        assert event.query()
+        # sequential would be 0.4 s; generous margin for a loaded machine
+        assert time.perf_counter() - start < 0.35
+
+
+def test_wait_event_orders_work_across_streams():
+    with make_streams("cpu") as streams:
+        other = WorkerStream("other")
+        try:
+            seen = []
+            first = other.submit(lambda: (time.sleep(0.05), seen.append("first")))
+            streams.comm.wait_event(first)
+            streams.comm.submit(seen.append, "second")
+            streams.comm.synchronize()
+            assert seen == ["first", "second"]
+        finally:
+            other.close()
+
+
+def test_failure_reaches_the_host_and_poisons_later_work():
+    stream = WorkerStream("comm")
+    try:
+        bad = stream.submit(lambda: 1 / 0)
+        later = stream.submit(lambda: 3)
+        with pytest.raises(ZeroDivisionError):
+            bad.synchronize()
+        with pytest.raises(StreamFailed, match="earlier failure"):
+            later.synchronize()
+    finally:
+        stream.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.submit(lambda: None)
+
+
+def test_worker_uses_the_submitters_grad_mode():
+    with make_streams("cpu") as streams:
+        with torch.no_grad():
+            off = streams.comm.submit(torch.is_grad_enabled)
+        on = streams.comm.submit(torch.is_grad_enabled)
+        assert off.value_on(streams.compute) is False and on.value_on(streams.compute) is True
+
+
+def test_make_streams_rejects_unknown_devices():
+    with pytest.raises(ValueError, match="'meta' is not supported"):
+        make_streams("meta")

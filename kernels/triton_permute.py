@@ -65,7 +65,11 @@ def _unpermute_backward_kernel(
         mask = cols < hidden
         grad = tl.load(grad_out + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         values = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_rows + row * hidden + cols, (grad * weight).to(grad_rows.dtype.element_ty), mask=mask)
+        tl.store(
+            grad_rows + row * hidden + cols,
+            (grad * weight).to(grad_rows.dtype.element_ty),
+            mask=mask,
+        )
         dot = dot + grad * values
     tl.store(grad_probs + slot, tl.sum(dot, axis=0))
 
@@ -74,15 +78,23 @@ def _grid(num_rows: int, hidden: int) -> tuple[int, int]:
     return (num_rows, triton.cdiv(hidden, BLOCK_H))
 
 
-def _sum_slots(rows: torch.Tensor, probs: torch.Tensor | None, token_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _sum_slots(
+    rows: torch.Tensor, probs: torch.Tensor | None, token_slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     num_tokens, top_k = token_slots.shape
     hidden = rows.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=rows.device)
     if num_tokens and hidden:
         weights = probs.contiguous() if probs is not None else token_slots  # unused when absent
         _sum_slots_kernel[_grid(num_tokens, hidden)](
-            rows.contiguous(), weights, token_slots.contiguous(), out, hidden, top_k,
-            HAS_PROBS=probs is not None, BLOCK=BLOCK_H,
+            rows.contiguous(),
+            weights,
+            token_slots.contiguous(),
+            out,
+            hidden,
+            top_k,
+            HAS_PROBS=probs is not None,
+            BLOCK=BLOCK_H,
         )
     return out
 
@@ -95,7 +107,11 @@ class _Permute(torch.autograd.Function):
         out = torch.empty(row_slot.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
         if row_slot.numel() and hidden:
             _permute_kernel[_grid(row_slot.numel(), hidden)](
-                tokens.contiguous(), row_slot.contiguous(), out, hidden, token_slots.shape[1],
+                tokens.contiguous(),
+                row_slot.contiguous(),
+                out,
+                hidden,
+                token_slots.shape[1],
                 BLOCK=BLOCK_H,
             )
         return out
@@ -120,13 +136,22 @@ class _Unpermute(torch.autograd.Function):
         grad_probs = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
         if num_rows and hidden:
             _unpermute_backward_kernel[(num_rows,)](
-                grad_out.contiguous(), rows.contiguous(), probs.contiguous(), row_slot.contiguous(),
-                grad_rows, grad_probs, hidden, probs.shape[1], BLOCK=BLOCK_H,
+                grad_out.contiguous(),
+                rows.contiguous(),
+                probs.contiguous(),
+                row_slot.contiguous(),
+                grad_rows,
+                grad_probs,
+                hidden,
+                probs.shape[1],
+                BLOCK=BLOCK_H,
             )
         return grad_rows, grad_probs.view_as(probs).to(probs.dtype), None, None
 
 
-def permute_tokens(tokens: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def permute_tokens(
+    tokens: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
     """Triton version of ``reference.permute_tokens``."""
     return _Permute.apply(tokens, row_slot, token_slots)
 

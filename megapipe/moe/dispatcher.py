@@ -72,7 +72,11 @@ def _exchange(
     received = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
     started = time.perf_counter()
     dist.all_to_all_single(
-        received, rows, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group
+        received,
+        rows,
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
     )
     if link is not None:
         own = dist.get_rank(group)

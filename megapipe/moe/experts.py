@@ -19,7 +19,9 @@ from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.wgrad import grouped_matmul
 
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
     """``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` with weights [h, F], [h, F], [F, h]."""
     return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
@@ -28,12 +30,23 @@ class SwiGLUMLP(nn.Module):
     """A dense SwiGLU MLP (the shared expert), initialised from (seed, *keys)."""
 
     def __init__(
-        self, hidden_size: int, ffn_hidden_size: int, seed: int, *keys: int | str, init_std: float = 0.02
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        seed: int,
+        *keys: int | str,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        self.w_gate = nn.Parameter(seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "gate"))
-        self.w_up = nn.Parameter(seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "up"))
-        self.w_down = nn.Parameter(seeded_normal((ffn_hidden_size, hidden_size), init_std, seed, *keys, "down"))
+        self.w_gate = nn.Parameter(
+            seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "gate")
+        )
+        self.w_up = nn.Parameter(
+            seeded_normal((hidden_size, ffn_hidden_size), init_std, seed, *keys, "up")
+        )
+        self.w_down = nn.Parameter(
+            seeded_normal((ffn_hidden_size, hidden_size), init_std, seed, *keys, "down")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.w_gate, self.w_up, self.w_down)
@@ -58,7 +71,10 @@ class GroupedExperts(nn.Module):
         experts = range(first_expert, first_expert + num_local_experts)
 
         def stacked(shape: tuple[int, int], name: str) -> nn.Parameter:
-            weights = [seeded_normal(shape, init_std, seed, "expert", layer_index, e, name) for e in experts]
+            weights = [
+                seeded_normal(shape, init_std, seed, "expert", layer_index, e, name)
+                for e in experts
+            ]
             param = nn.Parameter(torch.stack(weights))
             param.expert_parallel = True  # reduced over the expert-data-parallel group
             return param
@@ -82,7 +98,8 @@ class GroupedExperts(nn.Module):
             )
         if sum(tokens_per_expert) != tokens.shape[0]:
             raise ValueError(
-                f"tokens_per_expert sums to {sum(tokens_per_expert)} but there are {tokens.shape[0]} rows"
+                f"tokens_per_expert sums to {sum(tokens_per_expert)} "
+                f"but there are {tokens.shape[0]} rows"
             )
         # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
         # into the WeightGradQueue that ``wgrad_source.wgrad_queue`` names at backward time

@@ -21,6 +21,7 @@ are written into the ``LayerState`` by route and dispatch and read by later node
 The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is attached to
 ``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
 with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``.
+Losses and the capacity are computed over this rank's tokens of the microbatch (no collective).
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 or None (dropless)"
             )
-        if self.shared_expert_intermediate_size is not None and self.shared_expert_intermediate_size < 1:
+        if (
+            self.shared_expert_intermediate_size is not None
+            and self.shared_expert_intermediate_size < 1
+        ):
             raise ValueError(
                 f"MoEConfig.shared_expert_intermediate_size={self.shared_expert_intermediate_size} "
                 "must be >= 1 or None"
@@ -152,7 +156,10 @@ class MoELayer(nn.Module):
     def describe(self) -> str:
         """One line for logs and outputs: experts, EP size, and whether the emulated link is on."""
         c = self.config
-        return f"MoE layer {self.layer_index}: {c.num_experts} experts top-{c.top_k} {c.score_function}, {self.dispatcher.describe()}"
+        return (
+            f"MoE layer {self.layer_index}: {c.num_experts} experts, top-{c.top_k} "
+            f"{c.score_function}, {self.dispatcher.describe()}"
+        )
 
     @property
     def num_shared(self) -> int:
@@ -171,17 +178,21 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]
 
-    def _route(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _route(
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         (x,) = tensors
         hidden = self.config.hidden_size
         if x.dim() not in (2, 3) or x.shape[-1] != hidden:
             raise ValueError(
-                f"MoE layer input has shape {tuple(x.shape)}; expected [b, s, {hidden}] or [t, {hidden}]"
+                f"MoE layer input has shape {tuple(x.shape)}; "
+                f"expected [b, s, {hidden}] or [t, {hidden}]"
             )
         tokens = x.reshape(-1, hidden)
         if tokens.shape[0] == 0:
             raise ValueError(
-                f"MoE layer {self.layer_index} got an empty microbatch (input shape {tuple(x.shape)})"
+                f"MoE layer {self.layer_index} got an empty microbatch "
+                f"(input shape {tuple(x.shape)})"
             )
         routed = self.router(tokens)
         capacity = self.config.capacity(tokens.shape[0])
@@ -201,20 +212,32 @@ class MoELayer(nn.Module):
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
 
-    def _dispatch(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _dispatch(
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
         expert_rows, state.dispatch_plan = self.dispatcher.dispatch(rows, state.tokens_per_expert)
         return (expert_rows,)
 
-    def _experts(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _experts(
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
-        return (self.experts(expert_rows, state.dispatch_plan.tokens_per_local_expert, wgrad_source=state),)
+        return (
+            self.experts(
+                expert_rows, state.dispatch_plan.tokens_per_local_expert, wgrad_source=state
+            ),
+        )
 
-    def _combine(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _combine(
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
         return (self.dispatcher.combine(expert_out, state.dispatch_plan),)
 
-    def _finish(self, state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _finish(
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         *shared, probs, rows = tensors
         out = unpermute_tokens(rows, probs, state.row_slot, state.token_slots)
         if self.shared_expert is not None:

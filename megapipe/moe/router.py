@@ -37,7 +37,9 @@ class RouterOutput:
     z_loss: torch.Tensor  # scalar, unweighted, differentiable
 
 
-def load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(
+    scores: torch.Tensor, indices: torch.Tensor, num_experts: int
+) -> torch.Tensor:
     """Switch load-balancing loss from per-token expert scores ``[t, E]`` (rows sum to 1)."""
     num_tokens, top_k = indices.shape
     counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
@@ -69,9 +71,7 @@ class Router(nn.Module):
     ) -> None:
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
-            raise ValueError(
-                f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}"
-            )
+            raise ValueError(f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts = num_experts

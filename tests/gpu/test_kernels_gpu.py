@@ -43,8 +43,13 @@ def test_moe_layer_on_cuda_matches_cpu():
     from megapipe.moe import MoEConfig, MoELayer
 
     config = MoEConfig(
-        hidden_size=64, num_experts=8, top_k=2, ffn_hidden_size=32, aux_loss_coeff=0.01,
-        shared_expert_intermediate_size=16, init_std=0.1,
+        hidden_size=64,
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=32,
+        aux_loss_coeff=0.01,
+        shared_expert_intermediate_size=16,
+        init_std=0.1,
     )
     cpu = MoELayer(config, layer_index=1, seed=5)
     gpu = MoELayer(config, layer_index=1, seed=5).cuda()

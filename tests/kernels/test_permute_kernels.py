@@ -19,7 +19,9 @@ from megapipe.moe.dispatcher import plan_permutation
 
 def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    indices = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    indices = torch.stack(
+        [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    )
     row_slot, token_slots, _ = plan_permutation(indices, num_experts, capacity)
     probs = torch.rand(num_tokens, top_k, generator=gen)
     return row_slot, token_slots, probs
@@ -45,7 +47,9 @@ def test_reference_matches_naive_loop():
 def test_reference_gradcheck():
     row_slot, token_slots, probs = routing(5, 3, 4, capacity=3, seed=1)
     tokens = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda x: reference.permute_tokens(x, row_slot, token_slots), (tokens,))
+    torch.autograd.gradcheck(
+        lambda x: reference.permute_tokens(x, row_slot, token_slots), (tokens,)
+    )
     rows = torch.randn(row_slot.numel(), 4, dtype=torch.float64, requires_grad=True)
     p = probs.double().requires_grad_()
     torch.autograd.gradcheck(
@@ -62,7 +66,11 @@ def compare_triton_with_reference(device: str) -> list[str]:
     for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
         for t, k, e, capacity, h in cases:
             row_slot, token_slots, probs = routing(t, k, e, capacity, seed=t * h)
-            row_slot, token_slots, probs = row_slot.to(device), token_slots.to(device), probs.to(device)
+            row_slot, token_slots, probs = (
+                row_slot.to(device),
+                token_slots.to(device),
+                probs.to(device),
+            )
             tokens = torch.randn(t, h, device=device).to(dtype)
             grad_rows = torch.randn(row_slot.numel(), h, device=device).to(dtype)
             grad_out = torch.randn(t, h, device=device).to(dtype)
@@ -76,10 +84,19 @@ def compare_triton_with_reference(device: str) -> list[str]:
                 out = module.unpermute_tokens(y, p, row_slot, token_slots)
                 out.backward(grad_out)
                 results[name] = (rows, x.grad, out, y.grad, p.grad)
-            labels = ("permute", "permute grad", "unpermute", "unpermute grad rows", "unpermute grad probs")
+            labels = (
+                "permute",
+                "permute grad",
+                "unpermute",
+                "unpermute grad rows",
+                "unpermute grad probs",
+            )
             for label, a, b in zip(labels, results["triton"], results["reference"]):
                 if a.dtype != b.dtype or a.shape != b.shape:
-                    failures.append(f"{dtype} {(t, k, e, capacity, h)} {label}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+                    failures.append(
+                        f"{dtype} {(t, k, e, capacity, h)} {label}: "
+                        f"{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+                    )
                     continue
                 try:
                     torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)

@@ -42,8 +42,13 @@ CONFIGS = [
     dict(kw=dict(top_k=2, aux_loss_coeff=0.1), hot=6),
     dict(kw=dict(top_k=1), hot=1),
     dict(kw=dict(top_k=2, capacity_factor=0.5, aux_loss_coeff=0.1), hot=3),
-    dict(kw=dict(top_k=3, score_function="sigmoid", shared_expert_intermediate_size=4,
-                 aux_loss_coeff=0.1), starve=0, shape_3d=True),
+    dict(
+        kw=dict(
+            top_k=3, score_function="sigmoid", shared_expert_intermediate_size=4, aux_loss_coeff=0.1
+        ),
+        starve=0,
+        shape_3d=True,
+    ),
 ]
 
 
@@ -81,9 +86,14 @@ def check_ep_matches_single_process(ep: int) -> dict:
     seen_idle_expert = seen_drop = False
     failures: list[str] = []
     for cid, case in enumerate(CONFIGS):
-        config = MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=5, init_std=0.5, **case["kw"])
+        config = MoEConfig(
+            hidden_size=H, num_experts=E, ffn_hidden_size=5, init_std=0.5, **case["kw"]
+        )
         xs = _inputs(cid, world, case.get("shape_3d", False))
-        gs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(r)) for r, x in enumerate(xs)]
+        gs = [
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(r))
+            for r, x in enumerate(xs)
+        ]
         scale = case.get("scale", 1.0)
         ep_layer = MoELayer(config, ep_group=group, layer_index=LAYER, seed=SEED)
         ref_layer = MoELayer(config, ep_group=None, layer_index=LAYER, seed=SEED)
@@ -99,7 +109,9 @@ def check_ep_matches_single_process(ep: int) -> dict:
         for pname, g in grads.items():
             if pname.startswith("experts."):
                 # an expert sees the tokens of every rank in its EP group
-                expected = sum(ref[3][pname] for ref in refs)[ep_rank * local:(ep_rank + 1) * local]
+                expected = sum(ref[3][pname] for ref in refs)[
+                    ep_rank * local : (ep_rank + 1) * local
+                ]
             else:
                 expected = rgrads[pname]
             _close(failures, f"{name} grad {pname}", g, expected)
@@ -161,7 +173,7 @@ def check_emulated_link_sleeps_modelled_time() -> list[str]:
     x = _inputs(5, 2, False)[rank].requires_grad_()
     state = LayerState()
     route, dispatch, *_ = layer.node_plan()
-    (probs, rows) = route.fn(state, (x,))
+    probs, rows = route.fn(state, (x,))
     rows_leaf = rows.detach().requires_grad_()
     started = time.perf_counter()
     (received,) = dispatch.fn(state, (rows_leaf,))

@@ -18,7 +18,7 @@ H = 6
 
 
 def naive_moe(layer: MoELayer, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-    """Per-token loop over routing choices; with a capacity, each expert keeps its earliest tokens."""
+    """Per-token loop over routing choices; with a capacity each expert keeps its first tokens."""
     tokens = x.reshape(-1, H)
     routed = layer.router(tokens)
     ex = layer.experts

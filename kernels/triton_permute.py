@@ -132,7 +132,7 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         rows, probs, row_slot = ctx.saved_tensors
         num_rows, hidden = rows.shape
-        grad_rows = torch.empty_like(rows)
+        grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         grad_probs = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
         if num_rows and hidden:
             _unpermute_backward_kernel[(num_rows,)](

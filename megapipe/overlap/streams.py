@@ -292,7 +292,8 @@ def make_streams(device: torch.device | str = "cpu", high_priority_comm: bool = 
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"make_streams({device}) needs CUDA, which is not available")
-        priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
+        # out-of-range priorities map to the nearest valid one: -1000 means the highest
+        priority = -1000 if high_priority_comm else 0
         compute = CudaStream("compute", device, stream=torch.cuda.current_stream(device))
         return Streams(compute, CudaStream("comm", device, priority=priority))
     if device.type == "cpu":

@@ -123,7 +123,8 @@ def _to(batch: list[Microbatch], device: torch.device) -> tuple[list[torch.Tenso
 
 def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed)."""
-    init_distributed()
+    if not dist.is_initialized():
+        init_distributed()
     rank = dist.get_rank()
     result = TrainResult()
 

@@ -4,13 +4,13 @@
 only its own *trailing* tensors; any leading tensors (e.g. a residual a model layer prepends)
 pass through unchanged, in front (``pass_leading``). Own tensors, in order:
 
-| node     | kind    | reads                    | returns                          |
-|----------|---------|--------------------------|----------------------------------|
-| route    | compute | (x,)                     | (*shared, probs, rows)           |
-| dispatch | comm    | (rows,)                  | (expert_rows,)                   |
-| experts  | compute | (expert_rows,)           | (expert_out,)                    |
-| combine  | comm    | (expert_out,)            | (rows_out,)                      |
-| finish   | compute | (*shared, probs, rows_out) | (y,)                           |
+| node     | kind    | reads                      | returns                 |
+|----------|---------|----------------------------|-------------------------|
+| route    | compute | (x,)                       | (*shared, probs, rows)  |
+| dispatch | comm    | (rows,)                    | (expert_rows,)          |
+| experts  | compute | (expert_rows,)             | (expert_out,)           |
+| combine  | comm    | (expert_out,)              | (rows_out,)             |
+| finish   | compute | (*shared, probs, rows_out) | (y,)                    |
 
 ``x`` is ``[b, s, h]`` or ``[t, h]``; ``y`` has the shape of ``x``. ``shared`` is ``(tokens,)``
 (x flattened to [t, h], the shared expert's input, kept for finish) when the config has a shared

@@ -59,3 +59,19 @@ def run_nodes(
     for node in nodes:
         values = node.fn(state, values)
     return values
+
+
+@runtime_checkable
+class NodeRunner(Protocol):
+    """Runs one layer plan for a model's forward (``model.node_runner``): plainly
+    (``PlainRunner``), recorded on a tape (``TapeRunner``) or co-scheduled with another
+    microbatch's backward (``CombinedRunner``)."""
+
+    def run_layer(self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+
+class PlainRunner:
+    """Runs each layer plan with ordinary autograd (``run_nodes``): the default behaviour."""
+
+    def run_layer(self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return run_nodes(nodes, tuple(inputs))

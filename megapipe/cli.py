@@ -114,12 +114,33 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_pretrain_command(subparsers) -> None:
+    from .runtime.args import build_parser as pretrain_flags
+
+    p = subparsers.add_parser(
+        "pretrain",
+        parents=[pretrain_flags(add_help=False)],
+        help="pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
+        description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
+        "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
+    )
+    p.set_defaults(run=run_pretrain_command)
+
+
+def run_pretrain_command(args: argparse.Namespace) -> int:
+    """``megapipe pretrain``: the train loop of ``megapipe.runtime.pretrain``."""
+    from .runtime.pretrain import main_from_namespace
+
+    return main_from_namespace(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand registers itself with ``set_defaults(run=...)``."""
     parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     _add_schedule_command(subparsers)
+    _add_pretrain_command(subparsers)
     return parser
 
 

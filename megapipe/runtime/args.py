@@ -15,12 +15,13 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-from megapipe.models.config import GPTConfig
-from megapipe.models.split import split_layers
-from megapipe.parallel.config import ParallelConfig
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
+
+if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
+    from megapipe.models.config import GPTConfig
+    from megapipe.parallel.config import ParallelConfig
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 
@@ -100,10 +101,14 @@ class PretrainArgs:
         return "interleaved-1f1b" if self.vpp > 1 else "1f1b"
 
     @property
-    def parallel(self) -> ParallelConfig:
+    def parallel(self) -> "ParallelConfig":
+        from megapipe.parallel.config import ParallelConfig
+
         return ParallelConfig(pp=self.pp, dp=self.dp, ep=self.ep)
 
-    def gpt_config(self) -> GPTConfig:
+    def gpt_config(self) -> "GPTConfig":
+        from megapipe.models.config import GPTConfig
+
         first_dense, freq = parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
         return GPTConfig(
             vocab_size=256,
@@ -126,10 +131,14 @@ class PretrainArgs:
         return dataclasses.replace(self, **changes)
 
 
-def build_parser(prog: str = "megapipe pretrain") -> argparse.ArgumentParser:
-    """The argparse parser with Megatron's flag names (defaults: the built-in CPU demo)."""
+def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argparse.ArgumentParser:
+    """The argparse parser with Megatron's flag names (defaults: the built-in CPU demo).
+
+    ``add_help=False`` gives a parent parser for ``megapipe pretrain``'s subcommand.
+    """
     p = argparse.ArgumentParser(
         prog=prog,
+        add_help=add_help,
         description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
         "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
     )
@@ -254,8 +263,15 @@ def parse_pretrain_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> PretrainArgs:
     """Parse and validate; raises ArgsError (one line) for anything that cannot run."""
-    ns = build_parser().parse_args(argv)
-    values = vars(ns)
+    return args_from_namespace(build_parser().parse_args(argv), env)
+
+
+def args_from_namespace(
+    ns: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> PretrainArgs:
+    """Validated PretrainArgs from a parsed namespace (extra attributes are ignored)."""
+    names = {f.name for f in dataclasses.fields(PretrainArgs)} - {"world_size"}
+    values = {k: v for k, v in vars(ns).items() if k in names}
     values["data_path"] = tuple(values["data_path"])
     launched = launched_world_size(env)
     pp, ep = values["pipeline_model_parallel_size"], values["expert_model_parallel_size"]
@@ -340,6 +356,8 @@ def validate(args: PretrainArgs) -> None:
                                   overlap=args.overlap_moe_expert_parallel_comm)
     except ScheduleError as err:
         raise ArgsError(f"--pipeline-schedule {args.schedule_name}: {err}".splitlines()[0]) from None
+    from megapipe.models.split import split_layers
+
     num_parts = schedule.num_stages // 2 if schedule.bidirectional else schedule.num_stages
     parts = split_layers(args.num_layers, num_parts)
     if any(len(r) == 0 for r in parts[1:-1]):

@@ -10,6 +10,7 @@ It returns the losses so tests can compare runs bitwise.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import socket
@@ -26,7 +27,13 @@ from megapipe.models.split import build_stage
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.parallel.launch import init_distributed
 from megapipe.parallel.testing import free_port
-from megapipe.runtime.args import ArgsError, PretrainArgs, launched_world_size, parse_pretrain_args
+from megapipe.runtime.args import (
+    ArgsError,
+    PretrainArgs,
+    args_from_namespace,
+    launched_world_size,
+    parse_pretrain_args,
+)
 from megapipe.runtime.checkpoint import (
     CheckpointError,
     CheckpointLayout,
@@ -273,12 +280,31 @@ def _run_rank(args: PretrainArgs) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``megapipe pretrain`` / ``examples/pretrain_moe_gpt.py``: validate, launch, train."""
+    """``examples/pretrain_moe_gpt.py``: parse, validate, launch, train; returns the exit code."""
     try:
         args = parse_pretrain_args(argv)
+    except ArgsError as err:
+        print(f"megapipe pretrain: error: {err}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def main_from_namespace(ns: argparse.Namespace) -> int:
+    """``megapipe pretrain`` (the CLI parsed the flags with ``build_parser(add_help=False)``)."""
+    try:
+        args = args_from_namespace(ns)
+    except ArgsError as err:
+        print(f"megapipe pretrain: error: {err}", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+def run(args: PretrainArgs) -> int:
+    """Check a checkpoint to resume from, then train as this rank or start the ranks here."""
+    try:
         if args.load is not None and latest_iteration(args.load) is not None:
             check_layout(args.load, checkpoint_layout(args))
-    except (ArgsError, CheckpointError) as err:
+    except CheckpointError as err:
         print(f"megapipe pretrain: error: {err}", file=sys.stderr)
         return 2
     if launched_world_size() is not None:

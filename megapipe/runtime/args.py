@@ -161,7 +161,7 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=4)
     train.add_argument("--global-batch-size", type=int, default=32)
-    train.add_argument("--train-iters", type=int, default=150)
+    train.add_argument("--train-iters", type=int, default=100)
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--min-lr", type=float, default=3e-4)
     train.add_argument("--lr-warmup-iters", type=int, default=10)

@@ -203,6 +203,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
                             tensorboard_dir=args.tensorboard_dir, write=say)
     tokens_per_iter = args.global_batch_size * args.seq_length
     last_saved = None
+    started = time.perf_counter()
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -235,6 +236,10 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             result.saved.append(_save(args, iteration, stages, optimizer, lr_schedule, batches,
                                       layout, groups, schedule.name))
             say(f"saved checkpoint {result.saved[-1]}")
+        if result.losses:
+            say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
+                f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
+                f"{result.losses[-1]:.4f}")
     finally:
         logger.close()
     return result

@@ -185,3 +185,28 @@ def test_tape_matches_plain_autograd_on_the_moe_layer(shared, defer):
             queue.run()
         assert torch.equal(gx, gx_ref)
     _assert_same(_grads(layers), _grads(ref))
+
+
+def test_gradients_meeting_at_a_residual_used_five_times_sum_in_autograds_order():
+    torch.manual_seed(0)
+    w1, w2, w3 = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+
+    def a(state, t):
+        (x,) = t
+        return (x, torch.sin(x @ w1) + torch.cos(x @ w2))
+
+    def b(state, t):
+        x, y = t
+        return (x, y * 1.5 + torch.tanh(x @ w3))
+
+    def c(state, t):
+        x, y = t
+        return (x * 0.3 + y.exp() * x,)
+
+    plan = [Node("a", NodeKind.COMPUTE, a), Node("b", NodeKind.COMM, b), Node("c", NodeKind.COMPUTE, c)]
+    for _ in range(10):
+        x, g = torch.randn(16, 8), torch.randn(16, 8)
+        ref = x.clone().requires_grad_(True)
+        run_nodes(plan, (ref,))[0].backward(g)
+        (gx,) = run_backward(record_forward([plan], (x.clone().requires_grad_(True),))[1], (g,))
+        assert torch.equal(gx, ref.grad)

@@ -1,8 +1,12 @@
-"""megapipe.overlap: layer node plans, the tape, streams and the co-scheduler (the combined step)."""
+"""megapipe.overlap: node plans, the tape, streams and the co-scheduler (the combined step)."""
 
 from megapipe.overlap.coscheduler import CombinedRunner, combined_step
-from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeLayer, NodeRunner, PlainRunner, run_nodes
-from megapipe.overlap.streams import CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams
+from megapipe.overlap.plan import (
+    LayerState, Node, NodeKind, NodeLayer, NodeRunner, PlainRunner, run_nodes,
+)
+from megapipe.overlap.streams import (
+    CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams,
+)
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.trace import NodeSpan, NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul

@@ -50,7 +50,9 @@ from megapipe.overlap.wgrad import WeightGradQueue
 class _Walk:
     """One microbatch's progress through one layer, forward (F) or backward (B)."""
 
-    def __init__(self, tape: Tape, layer: LayerRecord, direction: str, microbatch: int | None) -> None:
+    def __init__(
+        self, tape: Tape, layer: LayerRecord, direction: str, microbatch: int | None
+    ) -> None:
         self.tape = tape
         self.layer = layer
         self.direction = direction
@@ -115,7 +117,9 @@ class CombinedRunner:
         self.bwd_tape = bwd_tape
         self._bwd_grads = None if bwd_grads is None else tuple(bwd_grads)
         self._bwd_started = False
-        self.wgrad = wgrad if wgrad is not None else (WeightGradQueue() if delay_wgrad_compute else None)
+        if wgrad is None and delay_wgrad_compute:
+            wgrad = WeightGradQueue()
+        self.wgrad = wgrad
         self.trace = trace
         self.fwd_microbatch = fwd_microbatch
         self.bwd_microbatch = bwd_microbatch
@@ -198,8 +202,10 @@ class CombinedRunner:
             if f is None and b is None:
                 return
             if f is not None and b is not None and f.kind != b.kind:
-                comm, compute = (forward, backward) if f.kind == NodeKind.COMM else (backward, forward)
-                self._slot(comm, compute)
+                if f.kind == NodeKind.COMM:
+                    self._slot(forward, backward)
+                else:
+                    self._slot(backward, forward)
             elif b is not None:
                 self._alone(backward)
             else:
@@ -243,8 +249,9 @@ class CombinedRunner:
             return walk.step
 
         def run() -> Any:
+            kind = node.kind.value
             with trace.span(
-                walk.microbatch, layer_index, node.name, walk.direction, stream.name, node.kind.value, slot
+                walk.microbatch, layer_index, node.name, walk.direction, stream.name, kind, slot
             ):
                 return walk.step()
 
@@ -255,8 +262,9 @@ class CombinedRunner:
         if self.trace is None:
             self.wgrad.run()
             return
+        stream = self.streams.compute.name
         with self.trace.span(
-            self.bwd_microbatch, layer_index, "wgrad", "W", self.streams.compute.name, "compute", self._slot_id
+            self.bwd_microbatch, layer_index, "wgrad", "W", stream, "compute", self._slot_id
         ):
             self.wgrad.run()
 

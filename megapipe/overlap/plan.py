@@ -67,11 +67,15 @@ class NodeRunner(Protocol):
     (``PlainRunner``), recorded on a tape (``TapeRunner``) or co-scheduled with another
     microbatch's backward (``CombinedRunner``)."""
 
-    def run_layer(self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    def run_layer(
+        self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]: ...
 
 
 class PlainRunner:
     """Runs each layer plan with ordinary autograd (``run_nodes``): the default behaviour."""
 
-    def run_layer(self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def run_layer(
+        self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         return run_nodes(nodes, tuple(inputs))

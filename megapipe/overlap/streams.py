@@ -148,7 +148,10 @@ class WorkerStream(Stream):
                 continue
             if self._failed is not None:
                 future.set_exception(
-                    StreamFailed(f"stream {self.name!r} skipped work after an earlier failure: {self._failed!r}")
+                    StreamFailed(
+                        f"stream {self.name!r} skipped work after an earlier failure: "
+                        f"{self._failed!r}"
+                    )
                 )
                 continue
             try:
@@ -214,11 +217,17 @@ class CudaStream(Stream):
     """A CUDA stream; ``fn`` runs on the host at once with this stream current."""
 
     def __init__(
-        self, name: str, device: torch.device, priority: int = 0, stream: "torch.cuda.Stream | None" = None
+        self,
+        name: str,
+        device: torch.device,
+        priority: int = 0,
+        stream: "torch.cuda.Stream | None" = None,
     ) -> None:
         self.name = name
         self.device = device
-        self.stream = stream if stream is not None else torch.cuda.Stream(device=device, priority=priority)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device, priority=priority)
+        self.stream = stream
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         with torch.cuda.stream(self.stream):
@@ -229,7 +238,9 @@ class CudaStream(Stream):
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
-            raise TypeError(f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}")
+            raise TypeError(
+                f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}"
+            )
         self.stream.wait_event(event.event)
 
     def record_event(self) -> Event:
@@ -260,7 +271,8 @@ class Streams:
             return
         owner = self._owners.get(id(group))
         if owner is None:
-            self._owners[id(group)] = (group, stream.name)  # the group is kept so its id stays unique
+            # the group itself is kept so that its id stays unique
+            self._owners[id(group)] = (group, stream.name)
         elif owner[1] != stream.name:
             raise RuntimeError(
                 f"process group {group!r} is driven from stream {owner[1]!r}; it cannot also be "

@@ -109,7 +109,9 @@ def node_backward(record: NodeRecord, grads: Sequence[torch.Tensor | None]) -> G
     released afterwards.
     """
     if not record.live:
-        raise RuntimeError(f"node {record.node.name!r}: backward already ran (or forward never did)")
+        raise RuntimeError(
+            f"node {record.node.name!r}: backward already ran (or forward never did)"
+        )
     outputs = record.outputs
     assert outputs is not None and record.inputs is not None
     if len(grads) != len(outputs):
@@ -238,7 +240,8 @@ class Tape:
             )
         if len(grads) != len(layer.outputs):
             raise ValueError(
-                f"layer {layer.index} has {len(layer.outputs)} outputs but got {len(grads)} gradients"
+                f"layer {layer.index} has {len(layer.outputs)} outputs but got "
+                f"{len(grads)} gradients"
             )
         self._pending_grads = None
         layer.outputs = None  # the leaves handed out are no longer needed
@@ -323,7 +326,9 @@ def _position(values: Values | None, tensor: torch.Tensor) -> int | None:
     return None
 
 
-def record_forward(layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any]) -> tuple[Values, Tape]:
+def record_forward(
+    layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any]
+) -> tuple[Values, Tape]:
     """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
 
     ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone

@@ -1,9 +1,9 @@
 """A recorder of the nodes the co-scheduler issued: who ran where, when.
 
 Each span names the microbatch, the layer, the node, the direction (F forward, B backward,
-W deferred weight gradients), the stream, the co-scheduler's slot, and start/end times (``time.perf_counter``, taken
-around the work on the thread that ran it; on CUDA these are host issue times unless the
-caller synchronizes). Tests read the order; the benchmark reads the exposed-communication
+W deferred weight gradients), the stream, the co-scheduler's slot, and start/end times
+(``time.perf_counter``, taken around the work on the thread that ran it; on CUDA these are
+host issue times unless the caller synchronizes). Tests read the order; the benchmark reads the exposed-communication
 fraction: the share of communication time during which no compute ran.
 """
 
@@ -33,7 +33,8 @@ class NodeSpan:
         return self.end - self.start
 
     def label(self) -> str:
-        return f"{self.direction}{'' if self.microbatch is None else self.microbatch}.{self.layer}.{self.node}"
+        microbatch = "" if self.microbatch is None else self.microbatch
+        return f"{self.direction}{microbatch}.{self.layer}.{self.node}"
 
 
 class NodeTrace:
@@ -61,7 +62,9 @@ class NodeTrace:
         finally:
             end = self.clock()
             with self._lock:
-                self.spans.append(NodeSpan(microbatch, layer, node, direction, stream, kind, start, end, slot))
+                self.spans.append(
+                    NodeSpan(microbatch, layer, node, direction, stream, kind, start, end, slot)
+                )
 
     def clear(self) -> None:
         with self._lock:

@@ -91,7 +91,8 @@ class _GroupedMatmul(torch.autograd.Function):
             return grad_x, None, weight_grad(), None
         if weight.grad_fn is not None or not weight.is_leaf:
             raise RuntimeError(
-                "grouped_matmul can defer the weight gradient only for a leaf weight (a Parameter); "
+                "grouped_matmul can defer the weight gradient only for a leaf weight "
+                "(a Parameter); "
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
         queue.put(lambda: accumulate_grad(weight, weight_grad()), name="grouped_matmul")

@@ -139,10 +139,10 @@ def test_dense_and_leftover_layers_run_alone():
 
 def overlapped_step_times(use_group: bool) -> tuple[float, float, float]:
     """(wall time, summed comm + compute time, exposed comm fraction) of one combined step."""
-    # every comm node sleeps 40 ms after its exchange (emulated link); attention and experts
-    # take 40 ms (forward and backward)
+    # every comm node sleeps 60 ms after its exchange (emulated link); attention and experts
+    # take 60 ms (forward and backward): 2 x 4 slots of 60 ms against 16 parts of 60 ms
     group = dist.group.WORLD if use_group else None
-    stack = toy_stack("mm", group=group, sleep_s=0.04, compute_sleep_s=0.04)
+    stack = toy_stack("mm", group=group, sleep_s=0.06, compute_sleep_s=0.06)
     with make_streams("cpu") as streams:
         for _ in range(2):  # the first step warms up (gloo's first exchange from a thread is slow)
             _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
@@ -154,7 +154,7 @@ def overlapped_step_times(use_group: bool) -> tuple[float, float, float]:
 
 
 def _check_overlap(wall, parts, exposed):
-    assert parts > 0.6  # 2 layers x 2 microbatches x (2 comm + 2 compute) x 40 ms
+    assert parts > 0.9  # 2 layers x 2 microbatches x (2 comm + 2 compute) x 60 ms
     assert wall < 0.85 * parts, (wall, parts)
     assert exposed < 0.5
 

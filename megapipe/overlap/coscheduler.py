@@ -31,6 +31,11 @@ for the compute stream's), because the next slot's nodes consume what this slot 
 two sides of a slot belong to different microbatches, so they share no data; the operations are
 exactly those of the sequential path (forward via the tape, backward via the tape), so results
 are bitwise equal.
+
+On CUDA, autograd runs each backward op on the stream its forward op ran on, so a comm node's
+backward overlaps only when its forward also ran on the comm stream (every forward recorded by
+this co-scheduler). A comm node should not block the host (no ``.item()``/``.tolist()`` on GPU
+tensors): on CUDA the host issues both streams' work, and a host wait stalls both.
 """
 
 from __future__ import annotations

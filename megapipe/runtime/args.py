@@ -365,6 +365,11 @@ def validate(args: PretrainArgs) -> None:
             f"--num-layers={args.num_layers} leaves a middle pipeline stage without layers "
             f"({num_parts} model parts for pp={args.pp}, vpp={args.vpp})"
         )
+    if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
+        raise ArgsError(
+            "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (the deferred weight "
+            "gradients fill the combined step's backward all-to-all)"
+        )
     if args.save_interval is not None and args.save is None:
         raise ArgsError("--save-interval needs --save DIR")
     for path in args.data_path:

@@ -100,6 +100,17 @@ class SlurmCluster:
             raise AssertionError(f"daemons exited early: {dead}\n{self.logs()}")
 
     def stop(self) -> None:
+        """Cancel any job still running (so no job step outlives its slurmd), then the daemons."""
+        if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
+            try:
+                self.run("scancel", "--user", "root", "--full", timeout=10)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    if not self.run("squeue", "-h", timeout=10).stdout.strip():
+                        break
+                    time.sleep(0.5)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
         for name, proc in reversed(list(self.processes.items())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -82,6 +82,9 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--pipeline-schedule", "best"], "--pipeline-schedule='best' is unknown"),
     (["--lr-decay-style", "step"], "--lr-decay-style='step' must be one of"),
     (["--pipeline-schedule", "dualpipev", "--global-batch-size", "8"], "at least 4 microbatches"),
+    (["--delay-wgrad-compute", "--no-overlap-moe-expert-parallel-comm"],
+     "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
+    (["--save-interval", "5"], "--save-interval needs --save DIR"),
 ])
 def test_bad_flags_are_one_clear_line(flags, message):
     with pytest.raises(ArgsError) as err:

@@ -51,7 +51,7 @@ from megapipe.runtime.data import (
     validation_batches,
 )
 from megapipe.runtime.executor import PipelineExecutor
-from megapipe.runtime.logging import TrainingLogger, check_finite_loss
+from megapipe.runtime.logging import NonFiniteLossError, TrainingLogger, check_finite_loss
 from megapipe.runtime.optim import (
     LRSchedule,
     build_optimizer,
@@ -277,8 +277,13 @@ def _spawned_rank(local_rank: int, args: PretrainArgs, port: int) -> None:
 
 
 def _run_rank(args: PretrainArgs) -> None:
+    """Train as this rank; a NaN loss (seen by every rank alike) ends it with one line."""
     try:
         train(args)
+    except NonFiniteLossError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megapipe pretrain: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -321,8 +326,13 @@ def run(args: PretrainArgs) -> int:
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_spawned_rank, args=(args, free_port()), nprocs=args.world_size,
-                       join=True, start_method="spawn")
+    try:
+        mp.start_processes(_spawned_rank, args=(args, free_port()), nprocs=args.world_size,
+                           join=True, start_method="spawn")
+    except mp.ProcessExitedException as err:
+        print(f"megapipe pretrain: error: rank {err.error_index} exited with code "
+              f"{err.exit_code}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -3,34 +3,68 @@
 An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backward of microbatch j
 so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
 
-The pass is one rule applied to each rank's list, whatever schedule made it:
+The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
+``e_r`` extra warmup forwards. With ``n(b)`` the forwards that precede backward b (B or I) in the
+original list, the forwards with index below ``n(b) + e_r - 1`` run before b, and if b was
+followed by a forward (W actions aside), forward number ``n(b) + e_r - 1`` is fused with b into
+one pair placed where b was. Forwards keep their order, backwards and W's keep theirs. A pair's
+halves are independent: a backward of microbatch j follows every forward of j, so its partner (a
+later forward) is another microbatch (``pair_is_independent``).
 
-    every backward (B or I) is paired with the forward that comes next on its rank, provided
-    nothing but W actions lie between them; the pair takes the backward's place, so that
-    forward moves one slot earlier (before the backward and those W's).
+Why one extra forward is not always enough. A pair hands both outputs on only when it ends, so a
+hop between two ranks now costs a whole pair. In plain 1F1B with ``e_r = 1`` rank r's pairs are
+``(F_{j+w_r+1}; B_j)`` (``w_r = pp-r-1``): the pair holding B_i on rank r waits for rank r+1's
+pair holding B_i, which waits for rank r's F output that lies in rank r's *previous* pair, so
+adjacent ranks take turns and every step costs two pairs (at pp=8, M=16, F=1, B=2 the bubble
+grows from 21 to 63). With ``e_r`` extras, rank r+1's pair holding B_i needs rank r's pair
+holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per step only if
+``e_r >= e_{r+1} + 1``. The smallest such choice is the *chain* ``e_r = pp - r`` (warmup
+``2(pp-r-1) + 1``: Megatron's interleaved warmup formula plus one). Interleaved 1F1B already
+has that factor 2 in its warmup, and the chunks give slack, so Megatron's ``e_r = 1`` suffices
+there; it also keeps pp=1 at Megatron's exact order ``F0 (F1;B0) ... B(M-1)``.
 
-A forward that follows a backward is always of another microbatch (a backward of microbatch j
-needs the loss of j, so every forward of j precedes it), and a forward never needs a backward,
-so each pair's halves are independent (``pair_is_independent``). Moving each forward one slot
-earlier is Megatron's "+1 warmup": 1F1B's steady state ``F B F B`` becomes ``F (F;B) (F;B)``
-with one more forward in flight, never two more (each forward moves past its own backward only),
-and the last backward of the steady state, followed by no forward, stays alone. With pp=1 this
-gives Megatron's no-pipelining order ``F0 (F1;B0) (F2;B1) ... B(M-1)``; for interleaved 1F1B, its
-combined order with warmup + 1. It works the same for plain 1F1B, ZB1P and ZBV (pairing F with I;
-W actions stay where they were). Schedules with no forward after a backward (GPipe, looped BFS)
-get no pairs.
+The pass therefore tries both candidates, Megatron (``e_r = 1``) and the chain, runs each on
+the dependency timeline (``deps.timeline``, F=1, B=2, I=W=1, a pair the sum of its halves, i.e.
+free communication, the case where pairing gains nothing) and keeps the one that finishes first
+(Megatron on a tie: less memory). Then, while that schedule still finishes later than the
+original, it un-fuses the latest pair on the timeline's critical path into its two halves, run
+one after the other in place (forward first). Un-fusing never delays anything (each half waits
+for no more than the pair did), so every split helps or is neutral; it mostly strikes the last
+microbatches' pairs, whose forwards have no later work to hide behind (ZBV's drain).
 
-Fusing two actions into one can make ranks wait on each other in a cycle (a pair needing, through
-another rank, the output of its own other half). The pass therefore runs the paired schedule
-(``deps.timeline``) and, while ranks are stuck, splits the stuck pairs whose backward
-could run alone (or, if none could, every stuck pair) until it runs through; each split restores
-that rank's original order there, and the original order ran. Schedules that already hold
-OVERLAP actions (DualPipe, DualPipeV) pass unchanged.
+Guarantee (free communication, the timeline above): the overlapped schedule never finishes
+later than the original whenever the refinement reaches the original's makespan, which it does
+for 1f1b, zb1p (vpp 1, 2), zbv and interleaved-1f1b on the configurations the tests sweep; in
+general the result finishes no later than the chosen candidate. With real all-to-all costs the
+pairs hide it and the step gets shorter (tests/sim/test_overlap_gain.py).
+
+Memory: a rank holds at most ``e_r`` more microbatch activations than in the original schedule
+(``peak_in_flight``): +1 with Megatron's choice, ``pp - r`` more with the chain, i.e. plain
+1F1B's peak doubles from ``pp - r`` to ``2(pp - r)``, about what interleaved 1F1B with vpp=2
+holds per microbatch-stage. That is the honest price of pairing a one-chunk pipeline.
+
+Fusing can make ranks wait on each other in a cycle (a pair needing, through another rank, the
+output of its own other half). While the paired schedule is stuck, the stuck pairs whose
+backward could run alone (or, if none could, every stuck pair) are split, their forward going
+back behind the backward; with ``e_r = 1`` that restores the original order, which runs, and a
+chain candidate that stays stuck is dropped. Schedules that already hold OVERLAP actions
+(DualPipe, DualPipeV) pass unchanged; schedules with no forward after a backward (GPipe, looped
+BFS) get no pairs.
 """
 
 from __future__ import annotations
 
-from .deps import missing_needs, timeline
+import math
+from dataclasses import dataclass
+
+from .deps import (
+    DEFAULT_DURATIONS,
+    Timeline,
+    missing_needs,
+    needs_of,
+    product_of,
+    timeline,
+)
 from .errors import ScheduleError
 from .ir import BACKWARD_KINDS, Action, Kind, Schedule
 
@@ -49,36 +83,175 @@ def pair_is_independent(forward: Action, backward: Action) -> bool:
     return forward.microbatch != backward.microbatch
 
 
-def find_pairs(row: tuple[Action, ...]) -> list[Pair]:
-    """Pair each backward with the next forward when only W actions lie between them."""
+@dataclass(frozen=True)
+class Pairing:
+    """One way to pair a schedule: per-rank extra warmup forwards, and which pairs are allowed."""
+
+    name: str
+    extra: tuple[int, ...]
+    cross_stage_only: bool = False
+
+
+def pairing_candidates(schedule: Schedule) -> list[Pairing]:
+    """The pairings the pass tries, least memory first (module docstring)."""
+    pp = schedule.pp
+    candidates = [Pairing("megatron", (1,) * pp)]
+    if any(len(schedule.stages_of_rank(rank)) > 1 for rank in range(pp)):
+        candidates.append(Pairing("cross-stage", (1,) * pp, cross_stage_only=True))
+    chain = tuple(pp - rank for rank in range(pp))
+    if chain != candidates[0].extra:
+        candidates.append(Pairing("chain", chain))
+    return candidates
+
+
+def find_pairs(
+    row: tuple[Action, ...], extra: int = 1, cross_stage_only: bool = False
+) -> list[Pair]:
+    """Pair each backward that a forward follows (W's aside) with forward ``n(b) + extra - 1``."""
+    forwards = [i for i, a in enumerate(row) if a.kind is Kind.F]
     pairs = []
+    seen = 0
     for index, action in enumerate(row):
+        if action.kind is Kind.F:
+            seen += 1
+            continue
         if action.kind not in BACKWARD_KINDS:
             continue
         after = index + 1
         while after < len(row) and row[after].kind is Kind.W:
             after += 1
-        if after < len(row) and row[after].kind is Kind.F:
-            if pair_is_independent(row[after], action):
-                pairs.append((index, after))
+        partner = seen + extra - 1
+        if after < len(row) and row[after].kind is Kind.F and partner < len(forwards):
+            forward = row[forwards[partner]]
+            if cross_stage_only and forward.stage == action.stage:
+                continue
+            if pair_is_independent(forward, action):
+                pairs.append((index, forwards[partner]))
     return pairs
 
 
-def assemble(row: tuple[Action, ...], pairs: list[Pair]) -> tuple[list[Action], dict[int, Pair]]:
-    """The rank's list with ``pairs`` fused; also which pair each new index holds."""
-    forward_of = {b: f for b, f in pairs}
-    moved = set(forward_of.values())
+def assemble(
+    row: tuple[Action, ...], pairs: list[Pair], extra: int = 1
+) -> tuple[list[Action], dict[int, Pair]]:
+    """The rank's list with ``extra`` more forwards ahead and ``pairs`` fused (module docstring);
+    also which pair each new index holds."""
+    forwards = [i for i, a in enumerate(row) if a.kind is Kind.F]
+    partner_of = dict(pairs)
     out: list[Action] = []
     pair_at: dict[int, Pair] = {}
+    ran = seen = 0  # forwards placed in ``out``; forwards before the current action originally
     for index, action in enumerate(row):
-        if index in moved:
+        if action.kind is Kind.F:
+            seen += 1
             continue
-        if index in forward_of:
-            pair_at[len(out)] = (index, forward_of[index])
-            out.append(Action.overlap(row[forward_of[index]], action))
-        else:
-            out.append(action)
+        if action.kind in BACKWARD_KINDS:
+            lead = min(seen + extra - 1, len(forwards))
+            while ran < lead:
+                out.append(row[forwards[ran]])
+                ran += 1
+            partner = partner_of.get(index)
+            if partner is not None and ran < len(forwards) and forwards[ran] == partner:
+                pair_at[len(out)] = (index, partner)
+                out.append(Action.overlap(row[partner], action))
+                ran += 1
+                continue
+        out.append(action)
+    out += [row[i] for i in forwards[ran:]]
     return out, pair_at
+
+
+def makespan(run: Timeline) -> float:
+    """When the last action of a timeline ends."""
+    return max((end for row in run.end for end in row), default=0.0)
+
+
+def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
+    """(rank, index) of the actions on a longest chain of waits ending at the last action.
+
+    Walking back from the action that ends last, each step goes to whatever made the action
+    start when it did: a product from another rank, or else the previous action of its rank.
+    """
+    maker: dict = {}
+    for rank, row in enumerate(schedule.actions):
+        for index, action in enumerate(row):
+            for comp in action.computations():
+                maker[product_of(comp)] = (rank, index)
+    ends = [(row[-1], rank) for rank, row in enumerate(run.end) if row]
+    if not ends:
+        return []
+    rank = max(ends)[1]
+    index = len(schedule.actions[rank]) - 1
+    path = [(rank, index)]
+    while True:
+        start = run.start[rank][index]
+        step = None
+        for comp in schedule.actions[rank][index].computations():
+            for need in needs_of(schedule, comp):
+                other = maker[need]
+                if other[0] != rank and run.end[other[0]][other[1]] == start:
+                    step = other
+        if step is None and index > 0 and run.end[rank][index - 1] == start:
+            step = (rank, index - 1)
+        if step is None:
+            return path[::-1]
+        rank, index = step
+        path.append(step)
+
+
+@dataclass
+class _Attempt:
+    """A pairing being built: the pairs still fused on each rank, and the latest run."""
+
+    pairing: Pairing
+    pairs: list[list[Pair]]
+    combined: Schedule | None = None
+    run: Timeline | None = None
+
+    @property
+    def paired(self) -> int:
+        return sum(map(len, self.pairs))
+
+
+def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
+    """Split pairs of ``attempt`` until its schedule runs and ends by ``target``; False if no
+    split is left that could get there.
+
+    A stuck schedule loses its stuck pairs whose backward could run alone (those wait only for
+    their forward's input, so splitting lets the backward go first as before pairing), or, if
+    none could, every stuck pair. A late one loses the latest pair on the critical path of each
+    rank that has one, latest first, one for each forward's duration it is late (a split saves
+    at most that much on the path). A split puts the forward back behind its backward.
+    """
+    rows, extra = schedule.actions, attempt.pairing.extra
+    shortest_half = DEFAULT_DURATIONS[Kind.F]
+    while True:
+        assembled = [assemble(row, p, e) for row, p, e in zip(rows, attempt.pairs, extra)]
+        attempt.combined = schedule.replace_actions([out for out, _ in assembled])
+        attempt.run = run = timeline(attempt.combined)
+        pair_at = [at for _, at in assembled]
+        if run.stuck and max(extra) > 1:
+            return False  # splits would not lead back to the original order
+        if run.stuck:
+            stuck = {r: pair_at[r][i] for r, i in run.stuck.items() if i in pair_at[r]}
+            blocking = {
+                r: pair for r, pair in stuck.items()
+                if not missing_needs(schedule, rows[r][pair[0]], run.made)
+            }
+            split = list((blocking or stuck).items())
+        elif makespan(run) <= target:
+            return True
+        else:
+            latest: dict[int, int] = {}
+            for r, i in critical_path(attempt.combined, run):
+                if i in pair_at[r]:
+                    latest.pop(r, None)
+                    latest[r] = i  # dict order: by the time its pair runs on the path
+            count = max(1, math.ceil((makespan(run) - target) / shortest_half))
+            split = [(r, pair_at[r][i]) for r, i in list(latest.items())[-count:]]
+        if not split:
+            return False
+        for rank, pair in split:
+            attempt.pairs[rank].remove(pair)
 
 
 def apply_overlap(schedule: Schedule) -> Schedule:
@@ -102,34 +275,36 @@ def apply_overlap(schedule: Schedule) -> Schedule:
             f"(stuck ranks: {sorted(original.stuck)})",
             rank, rows[rank][index],
         )
-    pairs = [find_pairs(row) for row in rows]
-    while True:
-        assembled = [assemble(row, rank_pairs) for row, rank_pairs in zip(rows, pairs)]
-        combined = schedule.replace_actions([out for out, _ in assembled])
-        run = timeline(combined)
-        if not run.stuck:
-            break
-        stuck_pairs = {
-            rank: assembled[rank][1][index]
-            for rank, index in run.stuck.items()
-            if index in assembled[rank][1]
-        }
-        if not stuck_pairs:
-            # Only reachable if an unpaired action blocks; the original ran, so report it plainly.
-            rank, index = next(iter(run.stuck.items()))
-            raise ScheduleError(
-                "the paired schedule cannot run and no pair is to blame (overlap pass bug)",
-                rank, combined.actions[rank][index],
-            )
-        # A pair whose backward could run alone is one that waits only for its forward's input:
-        # splitting it lets the backward go first, as it did before pairing, and the cycle opens.
-        # If no pair is like that, split every stuck pair (the original order runs).
-        blocking = {
-            rank: pair for rank, pair in stuck_pairs.items()
-            if not missing_needs(schedule, rows[rank][pair[0]], run.made)
-        }
-        for rank, pair in (blocking or stuck_pairs).items():
-            pairs[rank].remove(pair)
+    target = makespan(original) + _longest_pair(schedule)
+    settled = []
+    for pairing in pairing_candidates(schedule):
+        pairs = [
+            find_pairs(row, e, pairing.cross_stage_only) for row, e in zip(rows, pairing.extra)
+        ]
+        attempt = _Attempt(pairing, pairs)
+        if not _settle(schedule, attempt, math.inf) or not attempt.paired:
+            continue
+        if makespan(attempt.run) <= target:
+            return _finish(schedule, attempt.combined)
+        settled.append(attempt)
+    # None ends in time as paired: refine the fastest first (most pairs on a tie). Splitting
+    # every pair of an ``e_r = 1`` pairing gives back the original order, so the refinement
+    # always ends in time, in the worst case with no pair left (pairing cannot help then).
+    settled.sort(key=lambda a: (makespan(a.run), -a.paired))
+    for attempt in settled:
+        if _settle(schedule, attempt, target) and attempt.paired:
+            return _finish(schedule, attempt.combined)
+    return _finish(schedule, schedule)
+
+
+def _longest_pair(schedule: Schedule) -> float:
+    """The longest a pair can take on the timeline: F plus the longest backward present."""
+    kinds = {c.kind for row in schedule.actions for a in row for c in a.computations()}
+    backward = max((DEFAULT_DURATIONS[k] for k in kinds & BACKWARD_KINDS), default=0.0)
+    return DEFAULT_DURATIONS[Kind.F] + backward
+
+
+def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     options = dict(schedule.options)
     options["overlap"] = True
     return combined.replace_actions(combined.actions, options=options)

@@ -1,4 +1,5 @@
-"""The overlap pass: Megatron's combined orders, independent pairs, +1 warmup, memory bound."""
+"""The overlap pass: Megatron's combined orders, the chain of extra warmups, the free-communication
+bound, independent pairs, memory bound."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from hypothesis import strategies as st
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, validate
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
+from megapipe.schedule.deps import timeline
 from megapipe.schedule.lower import lower
-from megapipe.schedule.overlap import pair_is_independent, peak_in_flight
+from megapipe.schedule.overlap import (
+    critical_path,
+    makespan,
+    pair_is_independent,
+    pairing_candidates,
+    peak_in_flight,
+)
 
 
 def rows_of(text: str) -> list[list[Action]]:
@@ -43,6 +51,18 @@ def flatten(row) -> list[Action]:
     return [c for a in row for c in a.computations()]
 
 
+def free_makespan(schedule: Schedule) -> float:
+    """Makespan on the dependency timeline with F=1, B=2, I=W=1 and pairs of F + B (or F + I):
+    free communication, where pairing gains nothing."""
+    return makespan(timeline(schedule))
+
+
+def longest_pair(schedule: Schedule) -> float:
+    """F + B if the schedule holds full backwards, else F + I: the fill the pass may add."""
+    kinds = {c.kind for row in schedule.actions for a in row for c in a.computations()}
+    return 3.0 if Kind.B in kinds else 2.0
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 5])
 def test_no_pipelining_is_megatron_order(m):
     combined = build_schedule("1f1b", 1, m, overlap=True)
@@ -74,20 +94,24 @@ def test_interleaved_pairs_independent_and_one_more_warmup(pp, groups):
             ]
 
 
-@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (3, 3)])
-def test_plain_1f1b_pairs_every_steady_step(pp, m):
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (3, 7), (4, 16)])
+def test_plain_1f1b_takes_the_chain_of_extra_warmups(pp, m):
+    # Rank r runs e_r = pp - r extra warmup forwards (2(pp - r) - 1 in all), so that the pair
+    # holding B_i on rank r + 1 never waits for rank r's pair holding B_i's predecessor. (With
+    # very few microbatches, M < 2 pp, Megatron's +1 may already end in time and is kept.)
     combined = build_schedule("1f1b", pp, m, overlap=True)
     validate(combined)
     for rank, row in enumerate(combined.actions):
-        warmup = min(pp - rank, m)
+        warmup = min(2 * (pp - rank) - 1, m)
         expected = [f"{rank}F{i}" for i in range(warmup)]
         expected += [f"({rank}F{i + warmup};{rank}B{i})OVERLAP_F_B" for i in range(m - warmup)]
-        expected += [f"{rank}B{i}" for i in range(m - warmup, m)]
+        expected += [f"{rank}B{i}" for i in range(max(m - warmup, 0), m)]
         assert [str(a) for a in row] == expected
 
 
 @pytest.mark.parametrize("name, pp, vpp, m", [
-    ("zb1p", 2, 2, 4), ("zb1p", 4, 2, 8), ("zb1p", 3, 1, 6), ("zbv", 2, 2, 4), ("zbv", 4, 2, 8),
+    ("zb1p", 2, 2, 4), ("zb1p", 4, 2, 8), ("zb1p", 3, 1, 6), ("zb1p", 4, 1, 16),
+    ("zbv", 2, 2, 4), ("zbv", 4, 2, 8), ("zbv", 4, 2, 16),
 ])
 def test_zero_bubble_pairs_forward_with_input_backward(name, pp, vpp, m):
     base = build_schedule(name, pp, m, vpp=vpp)
@@ -96,19 +120,13 @@ def test_zero_bubble_pairs_forward_with_input_backward(name, pp, vpp, m):
     pairs = pairs_of(combined)
     assert pairs and all(p.backward.kind is Kind.I for p in pairs)
     assert all(pair_is_independent(p.forward, p.backward) for p in pairs)
-    for old, new in zip(base.actions, combined.actions):
-        assert peak_in_flight(new) <= peak_in_flight(old) + 1
-        # W actions keep their order relative to the backwards (only forwards move).
-        keep = {Kind.I, Kind.W}
-        assert [c for c in flatten(new) if c.kind in keep] == [
-            c for c in flatten(old) if c.kind in keep
-        ]
-        # Every I that had a forward next (W's aside) is paired.
-        expected_pairs = sum(
-            1 for i, a in enumerate(old) if a.kind is Kind.I
-            and next((b.kind for b in old[i + 1:] if b.kind is not Kind.W), None) is Kind.F
-        )
-        assert sum(a.kind is Kind.OVERLAP for a in new) == expected_pairs
+    for rank, (old, new) in enumerate(zip(base.actions, combined.actions)):
+        assert peak_in_flight(new) <= peak_in_flight(old) + (pp - rank)
+        # I and W keep their order, forwards keep theirs (forwards only move earlier).
+        for kinds in ({Kind.I, Kind.W}, {Kind.F}):
+            assert [c for c in flatten(new) if c.kind in kinds] == [
+                c for c in flatten(old) if c.kind in kinds
+            ]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "looped-bfs"])
@@ -126,14 +144,15 @@ def test_overlapped_schedules_pass_unchanged(name):
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
 def test_pass_pairs_the_unpaired_dualpipe_orders_too(name):
-    # The generic rule on DualPipe's F/B order (bidirectional, too) finds at least as many pairs
-    # as the hand-written overlapped order, at one more microbatch in flight.
+    # The generic pass also pairs DualPipe's F/B orders (bidirectional, too), within the same
+    # free-communication bound; the hand-written overlapped orders stay the better choice.
     base = build_schedule(name, 4, 8)
     combined = apply_overlap(base)
     validate(combined)
-    assert len(pairs_of(combined)) >= len(pairs_of(build_schedule(name, 4, 8, overlap=True)))
-    for old, new in zip(base.actions, combined.actions):
-        assert peak_in_flight(new) <= peak_in_flight(old) + 1
+    assert len(pairs_of(combined)) >= len(pairs_of(build_schedule(name, 4, 8, overlap=True))) // 2
+    assert free_makespan(combined) <= free_makespan(base) + longest_pair(base)
+    for rank, (old, new) in enumerate(zip(base.actions, combined.actions)):
+        assert peak_in_flight(new) <= peak_in_flight(old) + (4 - rank)
 
 
 def test_pass_is_idempotent():
@@ -191,6 +210,66 @@ def test_property_overlap_valid_independent_and_bounded(case, pp, groups, extra)
         return
     combined = apply_overlap(base)
     validate(combined)  # counts, dependencies, pair independence, and a deadlock-free lowering
-    for old, new in zip(base.actions, combined.actions):
+    assert free_makespan(combined) <= free_makespan(base) + longest_pair(base)
+    for rank, (old, new) in enumerate(zip(base.actions, combined.actions)):
         assert sorted(map(str, flatten(old))) == sorted(map(str, flatten(new)))
-        assert peak_in_flight(new) <= peak_in_flight(old) + 1
+        assert peak_in_flight(new) <= peak_in_flight(old) + (pp - rank)
+
+
+_BOUND_CASES = [
+    (name, vpp, pp, m)
+    for name, vpp in [("1f1b", 1), ("zb1p", 1), ("zb1p", 2), ("zbv", 2), ("interleaved-1f1b", 2)]
+    for pp, m in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]
+]
+
+
+@pytest.mark.parametrize("name, vpp, pp, m", _BOUND_CASES)
+def test_free_communication_costs_at_most_one_pair(name, vpp, pp, m):
+    # The bound the pass guarantees by construction: on the timeline with free communication
+    # the paired schedule ends at most one pair (F + B, or F + I) after the original. For the
+    # one-chunk schedules (chain) and interleaved 1F1B (Megatron's +1) it ends with it.
+    base = build_schedule(name, pp, m, vpp=vpp)
+    combined = build_schedule(name, pp, m, vpp=vpp, overlap=True)
+    assert pairs_of(combined)
+    assert free_makespan(combined) <= free_makespan(base) + longest_pair(base)
+    if name in ("1f1b", "interleaved-1f1b") or (name == "zb1p" and vpp == 1):
+        assert free_makespan(combined) == free_makespan(base)
+    for rank, (old, new) in enumerate(zip(base.actions, combined.actions)):
+        extra = 1 if name == "interleaved-1f1b" or pp == 1 else pp - rank
+        assert peak_in_flight(new) <= peak_in_flight(old) + extra
+
+
+@pytest.mark.parametrize("name, vpp, pp, m", [
+    ("1f1b", 1, 4, 16), ("1f1b", 1, 8, 32), ("zb1p", 1, 4, 16), ("zb1p", 2, 4, 16),
+    ("zbv", 2, 4, 16), ("interleaved-1f1b", 2, 4, 16), ("interleaved-1f1b", 4, 8, 64),
+])
+def test_most_backwards_are_paired_with_enough_microbatches(name, vpp, pp, m):
+    base = build_schedule(name, pp, m, vpp=vpp)
+    combined = build_schedule(name, pp, m, vpp=vpp, overlap=True)
+    backwards = sum(c.kind in (Kind.B, Kind.I) for row in base.actions for c in flatten(row))
+    assert len(pairs_of(combined)) >= 0.6 * backwards
+
+
+def test_megatron_plus_one_beats_the_chain_only_where_the_chunks_give_slack():
+    # Plain 1F1B with Megatron's +1 alternates adjacent ranks (two pairs per step: bubble 21 ->
+    # 63 at pp=8, M=16); the chain needs pp - r extras. Interleaved 1F1B keeps the +1.
+    candidates = [p.name for p in pairing_candidates(build_schedule("1f1b", 8, 16))]
+    assert candidates == ["megatron", "chain"]
+    one_chunk = build_schedule("1f1b", 8, 16, overlap=True)
+    assert [leading_forwards(row) for row in one_chunk.actions] == [
+        2 * (8 - rank) - 1 for rank in range(8)
+    ]
+    interleaved = build_schedule("interleaved-1f1b", 8, 16, vpp=2, overlap=True)
+    assert [leading_forwards(row) for row in interleaved.actions] == [
+        2 * (8 - rank - 1) + 8 + 1 for rank in range(8)
+    ]
+    assert [p.name for p in pairing_candidates(build_schedule("zbv", 4, 8))] == [
+        "megatron", "cross-stage", "chain"
+    ]
+
+
+def test_critical_path_follows_the_waits():
+    schedule = Schedule(rows_of("0F0 0B0\n1F0 1B0"), 2, 1, (0, 1))
+    run = timeline(schedule)
+    assert critical_path(schedule, run) == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    assert makespan(run) == 6.0

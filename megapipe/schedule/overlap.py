@@ -23,33 +23,42 @@ holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per step only if
 has that factor 2 in its warmup, and the chunks give slack, so Megatron's ``e_r = 1`` suffices
 there; it also keeps pp=1 at Megatron's exact order ``F0 (F1;B0) ... B(M-1)``.
 
-The pass therefore tries both candidates, Megatron (``e_r = 1``) and the chain, runs each on
-the dependency timeline (``deps.timeline``, F=1, B=2, I=W=1, a pair the sum of its halves, i.e.
-free communication, the case where pairing gains nothing) and keeps the one that finishes first
-(Megatron on a tie: less memory). Then, while that schedule still finishes later than the
-original, it un-fuses the latest pair on the timeline's critical path into its two halves, run
-one after the other in place (forward first). Un-fusing never delays anything (each half waits
-for no more than the pair did), so every split helps or is neutral; it mostly strikes the last
-microbatches' pairs, whose forwards have no later work to hide behind (ZBV's drain).
+Candidates, least memory first (``pairing_candidates``): *megatron* (``e_r = 1``, every pair),
+*cross-stage* (``e_r = 1``, only pairs of two different stages, offered when a rank holds several
+stages: such a pair on a V rank takes both inputs from one neighbour and feeds the other, so it
+does not ping-pong like a same-stage pair) and the *chain*. Each runs on the dependency timeline
+(``deps.timeline``: F=1, B=2, I=W=1, a pair the sum of its halves, i.e. free communication,
+where pairing gains nothing). The target is the original's makespan plus one pair (F + B, or
+F + I). The first candidate that has pairs and ends by the target is taken (interleaved 1F1B:
+megatron; 1F1B and ZB1P with M >= 2 pp: the chain, which ends exactly with the original; with
+fewer microbatches megatron may already end in time). If none does (ZBV:
+its last microbatches' forwards climb the V through pairs), the fastest is refined: each round
+splits the latest pair on the timeline's critical path of each rank that has one (about one per
+forward-duration of delay), the forward going back behind its backward, until it ends in time.
 
-Guarantee (free communication, the timeline above): the overlapped schedule never finishes
-later than the original whenever the refinement reaches the original's makespan, which it does
-for 1f1b, zb1p (vpp 1, 2), zbv and interleaved-1f1b on the configurations the tests sweep; in
-general the result finishes no later than the chosen candidate. With real all-to-all costs the
-pairs hide it and the step gets shorter (tests/sim/test_overlap_gain.py).
+Guarantee (free communication, the timeline above): the result ends at most one pair after the
+original. Proof for the refinement of an ``e_r = 1`` pairing: splitting every pair gives the
+original order back, and once no pair lies on the critical path that path is a chain of waits
+the original has too (unpaired actions keep their order), so it is no longer than the
+original's makespan; rounds stop at the latest there. If every candidate would lose all its
+pairs, the original schedule is returned unpaired (pairing cannot help then; no registered
+schedule with M >= 2 comes to that).
+With real all-to-all the pairs hide it and the step gets shorter (tests/sim/test_overlap_gain).
 
-Memory: a rank holds at most ``e_r`` more microbatch activations than in the original schedule
-(``peak_in_flight``): +1 with Megatron's choice, ``pp - r`` more with the chain, i.e. plain
-1F1B's peak doubles from ``pp - r`` to ``2(pp - r)``, about what interleaved 1F1B with vpp=2
-holds per microbatch-stage. That is the honest price of pairing a one-chunk pipeline.
+Memory (``peak_in_flight``): a rank holds at most ``e_r`` more microbatch activations than in
+the original schedule: +1 with megatron and cross-stage, ``pp - r`` more with the chain, so
+plain 1F1B's peak doubles from ``pp - r`` to ``2(pp - r)`` stage activations. For comparison,
+Megatron's interleaved 1F1B with vpp=2 holds ``3pp - 1`` half-stage chunks (about ``1.5 pp``
+stage activations) on rank 0. That is the honest price of pairing a one-chunk pipeline.
 
 Fusing can make ranks wait on each other in a cycle (a pair needing, through another rank, the
-output of its own other half). While the paired schedule is stuck, the stuck pairs whose
-backward could run alone (or, if none could, every stuck pair) are split, their forward going
-back behind the backward; with ``e_r = 1`` that restores the original order, which runs, and a
-chain candidate that stays stuck is dropped. Schedules that already hold OVERLAP actions
-(DualPipe, DualPipeV) pass unchanged; schedules with no forward after a backward (GPipe, looped
-BFS) get no pairs.
+output of its own other half). While a paired schedule is stuck, the stuck pairs whose backward
+could run alone (or, if none could, every stuck pair) are split the same way; with
+``e_r = 1`` that ends at the original order, which runs; a chain candidate that is stuck is
+dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged;
+schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
+
+Cost: two to four timeline runs (original, candidates) plus one per refinement round.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ has that factor 2 in its warmup, and the chunks give slack, so Megatron's ``e_r 
 there; it also keeps pp=1 at Megatron's exact order ``F0 (F1;B0) ... B(M-1)``.
 
 Candidates, least memory first (``pairing_candidates``): *megatron* (``e_r = 1``, every pair),
-*cross-stage* (``e_r = 1``, only pairs of two different stages, offered when a rank holds several
-stages: such a pair on a V rank takes both inputs from one neighbour and feeds the other, so it
-does not ping-pong like a same-stage pair) and the *chain*. Each runs on the dependency timeline
+*cross-stage* (``e_r = 1``, only pairs of two different stages, offered when a rank holds stages
+that send to different neighbours, as in V placement: there such a pair takes both inputs from
+one neighbour and feeds the other, so it does not ping-pong like a same-stage pair) and the
+*chain*. Each runs on the dependency timeline
 (``deps.timeline``: F=1, B=2, I=W=1, a pair the sum of its halves, i.e. free communication,
 where pairing gains nothing). The target is the original's makespan plus one pair (F + B, or
 F + I). The first candidate that has pairs and ends by the target is taken (interleaved 1F1B:
@@ -105,12 +106,27 @@ def pairing_candidates(schedule: Schedule) -> list[Pairing]:
     """The pairings the pass tries, least memory first (module docstring)."""
     pp = schedule.pp
     candidates = [Pairing("megatron", (1,) * pp)]
-    if any(len(schedule.stages_of_rank(rank)) > 1 for rank in range(pp)):
+    if _opposite_flows(schedule):
         candidates.append(Pairing("cross-stage", (1,) * pp, cross_stage_only=True))
     chain = tuple(pp - rank for rank in range(pp))
     if chain != candidates[0].extra:
         candidates.append(Pairing("chain", chain))
     return candidates
+
+
+def _opposite_flows(schedule: Schedule) -> bool:
+    """Whether some rank holds two stages whose outputs go to different ranks (V placement,
+    DualPipe): only there can a pair of two stages take both inputs from one side."""
+    for rank in range(schedule.pp):
+        targets = {
+            schedule.stage_to_rank[after]
+            for stage in schedule.stages_of_rank(rank)
+            if (after := schedule.next_stage(stage)) is not None
+            and schedule.stage_to_rank[after] != rank
+        }
+        if len(targets) > 1:
+            return True
+    return False
 
 
 def find_pairs(

@@ -1,9 +1,9 @@
 """Rank-side code for the executor tests: run a pipeline configuration and its reference.
 
 Every function here runs inside the ranks of a ``RankPool`` (module-level, so it can be sent to
-them). A configuration with ``pp * dp`` ranks uses ranks ``[0, pp*dp)`` of the pool; its process
-groups are built over those ranks only (``new_group(..., use_local_synchronization=True)``), so
-many configurations run in one pool of 8 processes without restarting torch.
+them). A configuration with ``pp * dp`` ranks uses ranks ``[0, pp*dp)`` of the pool and process
+groups over those ranks only (``prepare_groups``), so many configurations run in one pool of 8
+processes without restarting torch.
 """
 
 from __future__ import annotations
@@ -62,19 +62,38 @@ class Case:
         )
 
 
-def subworld_groups(config: ParallelConfig, cache: dict) -> ProcessGroups:
+# A pool process keeps its groups for its whole life, one per rank set: every rank of the pool
+# creates every group (torch's rule for new_group), in the same order, before any case runs.
+_GROUPS_BY_RANKS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUP_KINDS = ("pp", "dp", "ep", "expert_dp")
+
+
+def prepare_groups(configs: list[ParallelConfig]) -> None:
+    """Create (once per pool process) the groups of every config, over ranks [0, world)."""
+    needed = sorted(
+        {
+            tuple(ranks)
+            for config in configs
+            for kind in _GROUP_KINDS
+            for ranks in getattr(rank_layout(config), f"{kind}_groups")
+        }
+    )
+    for ranks in needed:
+        if ranks not in _GROUPS_BY_RANKS:
+            _GROUPS_BY_RANKS[ranks] = dist.new_group(list(ranks))
+
+
+def subworld_groups(config: ParallelConfig) -> ProcessGroups:
     """``create_groups`` for the first ``config.world_size`` ranks of a larger pool."""
-    if config in cache:
-        return cache[config]
+    prepare_groups([config])
     layout = rank_layout(config)
     me = dist.get_rank()
     mine = {}
-    for name in ("pp", "dp", "ep", "expert_dp"):
+    for name in _GROUP_KINDS:
         for ranks in getattr(layout, f"{name}_groups"):
             if me in ranks:
-                group = dist.new_group(list(ranks), use_local_synchronization=True)
-                mine[name] = (group, ranks)
-    groups = ProcessGroups(
+                mine[name] = (_GROUPS_BY_RANKS[tuple(ranks)], ranks)
+    return ProcessGroups(
         config=config,
         layout=layout,
         coordinates=layout.coordinates(me),
@@ -87,8 +106,6 @@ def subworld_groups(config: ParallelConfig, cache: dict) -> ProcessGroups:
         ep_ranks=mine["ep"][1],
         expert_dp_ranks=mine["expert_dp"][1],
     )
-    cache[config] = groups
-    return groups
 
 
 def microbatch(dp_rank: int, index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,10 +143,10 @@ def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, t
     return out
 
 
-def build_pipeline(case: Case, cache: dict, timeout: float = 60.0):
+def build_pipeline(case: Case, timeout: float = 20.0):
     """This rank's schedule, stages and executor for ``case``."""
     config = ParallelConfig(pp=case.pp, dp=case.dp, ep=case.ep)
-    groups = subworld_groups(config, cache)
+    groups = subworld_groups(config)
     schedule = build_schedule(
         case.schedule, case.pp, case.microbatches, vpp=case.vpp, overlap=case.overlap
     )
@@ -149,11 +166,11 @@ def build_pipeline(case: Case, cache: dict, timeout: float = 60.0):
     return groups, schedule, stages, executor
 
 
-def pipeline_run(case: Case, steps: int, cache: dict) -> dict | None:
+def pipeline_run(case: Case, steps: int) -> dict | None:
     """Train ``steps`` steps of ``case``; per step the losses and this rank's gradients."""
     if dist.get_rank() >= case.world:
         return None
-    groups, schedule, stages, executor = build_pipeline(case, cache)
+    groups, schedule, stages, executor = build_pipeline(case)
     per_step = []
     peak = 0
     for step in range(steps):
@@ -182,14 +199,21 @@ def pipeline_run(case: Case, steps: int, cache: dict) -> dict | None:
 
 
 def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
-    """Run every case (its pipeline on its ranks; its reference on rank 0), in one task."""
-    cache: dict = {}
+    """Run every case (its pipeline on its ranks; its reference on rank 0), in one task.
+
+    The reference depends only on (dp, microbatches), so rank 0 computes each one once.
+    """
+    prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
+    references: dict[tuple[int, int], list] = {}
     out = []
     for case in cases:
-        result = pipeline_run(case, steps, cache)
+        result = pipeline_run(case, steps)
         if dist.get_rank() == 0:
             assert result is not None
-            result["reference"] = reference_run(case, steps)
+            key = (case.dp, case.microbatches)
+            if key not in references:
+                references[key] = reference_run(case, steps)
+            result["reference"] = references[key]
         out.append(result)
         dist.barrier()
     return out

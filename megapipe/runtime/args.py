@@ -21,6 +21,7 @@ from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
 
 if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
     from megapipe.models.config import GPTConfig
+    from megapipe.moe.link import EmulatedLink
     from megapipe.parallel.config import ParallelConfig
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -71,6 +72,8 @@ class PretrainArgs:
     data_path: tuple[str, ...]
     tensorboard_dir: str | None
     nproc: int | None
+    moe_emulated_link_gbps: float | None
+    moe_emulated_link_latency_us: float
     world_size: int
 
     @property
@@ -124,8 +127,18 @@ class PretrainArgs:
             moe_layer_freq=freq,
             moe_aux_loss_coeff=self.moe_aux_loss_coeff,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
+            moe_link=self.emulated_link(),
             seed=self.seed,
         )
+
+    def emulated_link(self) -> "EmulatedLink | None":
+        """The emulated all-to-all interconnect (CPU overlap studies), or None when off."""
+        if self.moe_emulated_link_gbps is None:
+            return None
+        from megapipe.moe.link import EmulatedLink
+
+        return EmulatedLink(self.moe_emulated_link_gbps * 1e9,
+                            self.moe_emulated_link_latency_us * 1e-6)
 
     def replace(self, **changes: object) -> "PretrainArgs":
         return dataclasses.replace(self, **changes)
@@ -189,6 +202,11 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     par.add_argument("--nproc", type=int, default=None,
                      help="processes to start when not launched by torchrun or srun "
                      "(default: pp x ep)")
+    par.add_argument("--moe-emulated-link-gbps", type=float, default=None,
+                     help="emulate an all-to-all link of this many GB/s (CPU overlap studies; "
+                     "off by default, the log says when it is on)")
+    par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
+                     help="latency per all-to-all of the emulated link, microseconds")
     io = p.add_argument_group("data, checkpoints, logging")
     io.add_argument("--data-path", nargs="+", default=[],
                     help="text files or directories (default: the Python standard library's "
@@ -364,6 +382,12 @@ def validate(args: PretrainArgs) -> None:
         raise ArgsError(
             f"--num-layers={args.num_layers} leaves a middle pipeline stage without layers "
             f"({num_parts} model parts for pp={args.pp}, vpp={args.vpp})"
+        )
+    if args.moe_emulated_link_gbps is not None and not args.moe_emulated_link_gbps > 0:
+        raise ArgsError(f"--moe-emulated-link-gbps={args.moe_emulated_link_gbps} must be > 0")
+    if args.moe_emulated_link_latency_us < 0:
+        raise ArgsError(
+            f"--moe-emulated-link-latency-us={args.moe_emulated_link_latency_us} must be >= 0"
         )
     if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
         raise ArgsError(

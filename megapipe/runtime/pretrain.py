@@ -185,6 +185,9 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
         f"top-{args.moe_router_topk}; {local_params:,} parameters on rank 0; data: {len(files)} "
         f"files, {splits.tokens.numel():,} byte tokens, {splits.num_train:,} train / "
         f"{splits.num_valid:,} validation windows; device {device.type}")
+    link = args.emulated_link()
+    if link is not None:
+        say(link.describe())
     say(_placement_line(args))
 
     iteration = 0

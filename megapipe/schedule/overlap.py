@@ -34,8 +34,8 @@ F + I). The first candidate that has pairs and ends by the target is taken (inte
 megatron; 1F1B and ZB1P with M >= 2 pp: the chain, which ends exactly with the original; with
 fewer microbatches megatron may already end in time). If none does (ZBV:
 its last microbatches' forwards climb the V through pairs), the fastest is refined: each round
-splits the latest pair on the timeline's critical path of each rank that has one (about one per
-forward-duration of delay), the forward going back behind its backward, until it ends in time.
+splits, on each rank, the latest pair on the timeline's critical path (the forward going back
+behind its backward) until it ends in time.
 
 Guarantee (free communication, the timeline above): the result ends at most one pair after the
 original. Proof for the refinement of an ``e_r = 1`` pairing: splitting every pair gives the
@@ -243,12 +243,10 @@ def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
 
     A stuck schedule loses its stuck pairs whose backward could run alone (those wait only for
     their forward's input, so splitting lets the backward go first as before pairing), or, if
-    none could, every stuck pair. A late one loses the latest pair on the critical path of each
-    rank that has one, latest first, one for each forward's duration it is late (a split saves
-    at most that much on the path). A split puts the forward back behind its backward.
+    none could, every stuck pair. A late one loses, on each rank, the latest pair on the
+    critical path. A split puts the forward back behind its backward.
     """
     rows, extra = schedule.actions, attempt.pairing.extra
-    shortest_half = DEFAULT_DURATIONS[Kind.F]
     while True:
         assembled = [assemble(row, p, e) for row, p, e in zip(rows, attempt.pairs, extra)]
         attempt.combined = schedule.replace_actions([out for out, _ in assembled])
@@ -266,13 +264,9 @@ def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
         elif makespan(run) <= target:
             return True
         else:
-            latest: dict[int, int] = {}
-            for r, i in critical_path(attempt.combined, run):
-                if i in pair_at[r]:
-                    latest.pop(r, None)
-                    latest[r] = i  # dict order: by the time its pair runs on the path
-            count = max(1, math.ceil((makespan(run) - target) / shortest_half))
-            split = [(r, pair_at[r][i]) for r, i in list(latest.items())[-count:]]
+            path = critical_path(attempt.combined, run)
+            latest = {r: i for r, i in path if i in pair_at[r]}  # the last one per rank
+            split = [(r, pair_at[r][i]) for r, i in latest.items()]
         if not split:
             return False
         for rank, pair in split:

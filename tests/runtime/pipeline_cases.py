@@ -217,3 +217,93 @@ def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
         out.append(result)
         dist.barrier()
     return out
+
+
+def forward_only_run(case: Case) -> dict | None:
+    """Forward-only evaluation, then a training step on the same data: losses, graph, grads."""
+    prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
+    if dist.get_rank() >= case.world:
+        return None
+    groups, schedule, stages, executor = build_pipeline(case)
+    data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
+    inputs, labels = [d[0] for d in data], [d[1] for d in data]
+    evaluation = executor.step(inputs, labels, forward_only=True)
+    untouched = all(p.grad is None for m in stages.values() for p in m.parameters())
+    training = executor.step(inputs, labels)
+    return {
+        "eval": {i: v.item() for i, v in evaluation.losses.items()},
+        "train": {i: v.item() for i, v in training.losses.items()},
+        "eval_requires_grad": any(v.requires_grad for v in evaluation.losses.values()),
+        "eval_peak": evaluation.peak_live_activations,
+        "train_peak": training.peak_live_activations,
+        "grads_untouched_by_eval": untouched,
+    }
+
+
+def timeout_run(timeout: float) -> str | None:
+    """Rank 1 runs the last stage of a 2-rank 1F1B whose first stage (rank 0) never starts.
+
+    A dedicated group carries the stuck receive, so the pool's other groups stay usable; it is
+    destroyed afterwards. Returns rank 1's error message.
+    """
+    group = dist.new_group([0, 1])  # every pool rank takes part in creating it
+    message = None
+    if dist.get_rank() == 1:
+        from megapipe.runtime.p2p import P2PTimeoutError
+
+        schedule = build_schedule("1f1b", 2, 2)
+        stage = build_stage(CONFIG, 1, 2)
+        executor = PipelineExecutor(
+            schedule,
+            {1: stage},
+            spec=TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size)),
+            loss_fn=gpt_loss,
+            pp_group=group,
+            timeout=timeout,
+        )
+        labels = [microbatch(0, i, 0)[1] for i in range(2)]
+        try:
+            executor.step(targets=labels)
+        except P2PTimeoutError as err:
+            message = str(err)
+    if dist.get_rank() in (0, 1):
+        dist.destroy_process_group(group)
+    dist.barrier()
+    return message
+
+
+def misuse_errors() -> dict[str, str] | None:
+    """The executor's errors for wrong stages, chunk counts, microbatch counts and shapes."""
+    prepare_groups([ParallelConfig(2, 1, 1)])
+    if dist.get_rank() >= 2:
+        return None
+    groups = subworld_groups(ParallelConfig(2, 1, 1))
+    spec = TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size))
+    schedule = build_schedule("interleaved-1f1b", 2, 4, vpp=2)
+    mine = schedule.stages_of_rank(groups.pp_rank)
+    errors = {}
+
+    def capture(name, fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as err:
+            errors[name] = str(err)
+
+    def make(stage_ids, sched=schedule, spec=spec):
+        stages = {s: build_stage(CONFIG, s, sched.stages_per_pipeline) for s in stage_ids}
+        return PipelineExecutor(sched, stages, spec=spec, loss_fn=gpt_loss, groups=groups)
+
+    capture("chunks", lambda: make(mine[:1]))
+    capture("placement", lambda: make(schedule.stages_of_rank(1 - groups.pp_rank)))
+    data = [microbatch(0, i, 0) for i in range(3)]
+    capture(
+        "microbatches", lambda: make(mine).step([d[0] for d in data], [d[1] for d in data])
+    )
+    wrong = TensorSpec((MICRO_BATCH, CONFIG.seq_length + 1, CONFIG.hidden_size))
+    if groups.pp_rank == 0:  # the sender checks its tensor against the declaration
+        data = [microbatch(0, i, 0) for i in range(4)]
+        capture(
+            "spec",
+            lambda: make(mine, spec=wrong).step([d[0] for d in data], [d[1] for d in data]),
+        )
+    return errors

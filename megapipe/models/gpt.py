@@ -183,6 +183,14 @@ class GPTStage(nn.Module):
             {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
         )
         self.head = OutputHead(config) if is_last else None
+        self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
+        """Megatron's convention (used by ``megapipe.get_forward_backward_func``): a stage after
+        the first computes on this received activation instead of its ``forward`` argument."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
 
     def layer_plans(self) -> list[Plan]:
         """Node plans in execution order: embedding, each layer, final norm + head."""
@@ -196,8 +204,15 @@ class GPTStage(nn.Module):
         """The MoE layers of this stage (the executor sets their ``aux_loss_scale``)."""
         return [layer.moe for layer in self.layers.values() if layer.is_moe]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits (last stage)."""
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits (last stage).
+
+        A stage after the first uses the tensor given to ``set_input_tensor`` when there is one.
+        """
+        if self.embedding is None and self.input_tensor is not None:
+            x = self.input_tensor
+        if x is None:
+            raise ValueError("GPTStage.forward needs an input (or set_input_tensor on a later stage)")
         if self.embedding is None and (not x.is_floating_point() or x.dim() != 3):
             raise ValueError(
                 f"a stage after the first takes float hidden states [batch, seq, "

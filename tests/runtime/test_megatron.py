@@ -1,0 +1,61 @@
+"""get_forward_backward_func: Megatron's call, megapipe's executor, the reference's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe import get_forward_backward_func
+from megapipe.runtime.megatron import default_schedule_name
+from megatron_cases import megatron_run
+from pipeline_cases import Case
+
+CASES = [
+    (Case("1f1b", 1), 2),
+    (Case("1f1b", 2), 2),
+    (Case("interleaved-1f1b", 2, vpp=2, ep=2, dp=2), 3),
+    (Case("zbv", 2, vpp=2, overlap=True), 2),
+]
+
+
+def test_default_schedule_follows_pp_and_vpp():
+    assert default_schedule_name(4, 2) == "interleaved-1f1b"
+    assert default_schedule_name(4, 1) == "1f1b"
+    assert default_schedule_name(1, 1) == "1f1b"  # pp=1: one stage, no pipelining
+    assert get_forward_backward_func(pp=2, vpp=2).schedule_name == "interleaved-1f1b"
+    assert get_forward_backward_func(pp=2, vpp=2, schedule="zbv").schedule_name == "zbv"
+    with pytest.raises(ValueError, match="vpp=0"):
+        get_forward_backward_func(pp=2, vpp=0)
+
+
+@pytest.mark.parametrize("case,form", CASES, ids=lambda v: str(v))
+def test_front_end_equals_reference(rank_pools, case, form):
+    results = [r for r in rank_pools(8).run(megatron_run, case, form) if r is not None]
+    ref_losses, ref_grads = results[0]["reference"]
+    exact = form == 2 and case.dp == 1 and case.ep == 1
+    last = [r for r in results if r["losses"]]
+    assert sum(len(r["losses"]) for r in last) == case.dp * case.microbatches
+    for r in last:
+        want = ref_losses[r["dp_rank"] * case.microbatches : (r["dp_rank"] + 1) * case.microbatches]
+        if exact:
+            assert r["losses"] == want
+        else:
+            assert r["losses"] == pytest.approx(want, rel=1e-6)
+    for r in results:
+        for (stage, name), grad in r["grads"].items():
+            want = ref_grads[name]
+            if grad.shape != want.shape:  # an expert-parallel slice
+                continue
+            if exact:
+                assert torch.equal(grad, want), (case, stage, name)
+            else:
+                torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def test_forward_only_keeps_no_gradients(rank_pools):
+    case = Case("interleaved-1f1b", 2, vpp=2)
+    results = [r for r in rank_pools(8).run(megatron_run, case, 2, True) if r is not None]
+    ref_losses, _ = results[0]["reference"]
+    last = [r for r in results if r["losses"]]
+    assert [x for r in last for x in r["losses"]] == ref_losses
+    assert all(g is None for r in results for g in r["grads"].values())

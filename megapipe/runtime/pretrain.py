@@ -70,6 +70,7 @@ class TrainResult:
     first_iteration: int = 0
     losses: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     valid_losses: dict[int, float] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
@@ -224,6 +225,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             elapsed = time.perf_counter() - start
             result.losses.append(loss)
             result.aux_losses.append(aux)
+            result.grad_norms.append(norm)
             logger.record(iteration, loss=loss, aux_loss=aux if aux == aux else None, lr=lr,
                           grad_norm=norm, step_time=elapsed, tokens=tokens_per_iter,
                           exposed_a2a=None)

@@ -114,3 +114,20 @@ def test_every_schedule_trains_the_same_model(rank_pools):
                   ["--pipeline-schedule", "zb1p", "--no-overlap-moe-expert-parallel-comm"]):
         losses = rank_pools(4).run(_train, base + flags)[0].losses
         assert losses == pytest.approx(reference, rel=1e-6), flags
+
+
+def test_grad_norm_matches_the_unsharded_model(rank_pools):
+    """pp=2, ep=2 (experts sharded, stages split) vs pp=1, ep=1 (every rank the whole model):
+    the same global batch gives the same loss and the same global gradient norm."""
+    base = TINY + ["--train-iters", "3", "--eval-interval", "0", "--global-batch-size", "16",
+                   "--num-layers", "4"]
+    sharded = rank_pools(4).run(_train, base)[0]
+    whole = rank_pools(4).run(_train, base + [
+        "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", "1", "--nproc", "4"])[0]
+    experts_only = rank_pools(4).run(_train, base + [
+        "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", "4"])[0]
+    for run in (whole, experts_only):
+        assert run.losses == pytest.approx(sharded.losses, rel=1e-6)
+        assert run.grad_norms == pytest.approx(sharded.grad_norms, rel=1e-5)

@@ -131,6 +131,11 @@ def _to(batch: list[Microbatch], device: torch.device) -> tuple[list[torch.Tenso
 
 def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed)."""
+    if args.delay_wgrad_compute:
+        raise NotImplementedError(
+            "--delay-wgrad-compute: the pipeline executor does not take deferred weight "
+            "gradients into its combined steps yet"
+        )
     if not dist.is_initialized():
         init_distributed()
     rank = dist.get_rank()

@@ -129,13 +129,19 @@ def _to(batch: list[Microbatch], device: torch.device) -> tuple[list[torch.Tenso
     return [t.to(device) for t, _ in batch], [lab.to(device) for _, lab in batch]
 
 
+def _not_implemented(args: PretrainArgs) -> str | None:
+    """What the run asks for that the executor cannot do yet (None: everything is there)."""
+    if args.delay_wgrad_compute:
+        return ("--delay-wgrad-compute: the pipeline executor does not take deferred weight "
+                "gradients into its combined steps yet")
+    return None
+
+
 def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed)."""
-    if args.delay_wgrad_compute:
-        raise NotImplementedError(
-            "--delay-wgrad-compute: the pipeline executor does not take deferred weight "
-            "gradients into its combined steps yet"
-        )
+    missing = _not_implemented(args)
+    if missing:
+        raise NotImplementedError(missing)
     if not dist.is_initialized():
         init_distributed()
     rank = dist.get_rank()
@@ -321,6 +327,10 @@ def main_from_namespace(ns: argparse.Namespace) -> int:
 
 def run(args: PretrainArgs) -> int:
     """Check a checkpoint to resume from, then train as this rank or start the ranks here."""
+    missing = _not_implemented(args)
+    if missing:
+        print(f"megapipe pretrain: error: not implemented: {missing}", file=sys.stderr)
+        return 2
     try:
         if args.load is not None and latest_iteration(args.load) is not None:
             check_layout(args.load, checkpoint_layout(args))

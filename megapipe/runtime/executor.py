@@ -104,6 +104,12 @@ class PipelineExecutor:
     function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
     gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
     ``timeout`` (seconds) bounds every wait for a peer.
+
+    ``use_tape`` chooses how stages with ``layer_plans()`` run: node by node on the tape
+    (``megapipe.overlap.tape``) or as one autograd graph. Both perform the same operations, so
+    results are bitwise equal either way; the tape costs one autograd call per node. ``None``
+    (default) puts on the tape exactly the microbatches an OVERLAP action touches (the
+    co-scheduler needs their nodes), ``True`` every microbatch, ``False`` none.
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class PipelineExecutor:
         forward_fn: ForwardFn = module_forward,
         timeout: float = 300.0,
         pp_group: dist.ProcessGroup | None = None,
+        use_tape: bool | None = None,
     ) -> None:
         self.schedule = schedule
         self.groups = groups
@@ -151,7 +158,9 @@ class PipelineExecutor:
             spec = lambda stage, microbatch: fixed  # noqa: E731
         self.spec = spec
         self.timeout = timeout
-        self.workers = {s: StageWorker(s, m, forward_fn) for s, m in self.stages.items()}
+        self.workers = {
+            s: StageWorker(s, m, forward_fn, use_tape=bool(use_tape)) for s, m in self.stages.items()
+        }
         if is_lowered(schedule):
             self.lowered = schedule
         else:
@@ -167,7 +176,13 @@ class PipelineExecutor:
                 "of the activation each stage sends forward, or spec(stage, microbatch)"
             )
         self._p2p: PipelineP2P | None = None
-        self._overlap_warned = False
+        # (stage, microbatch) pairs an OVERLAP action touches: recorded on the tape when possible
+        self._tape_keys = {
+            (comp.stage, comp.microbatch)
+            for action in self.actions
+            if action.kind is Kind.OVERLAP
+            for comp in action.computations()
+        } if use_tape is None else set()
 
     # ------------------------------------------------------------------ checks
     def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
@@ -369,7 +384,8 @@ class PipelineExecutor:
                     f"{sched.prev_stage(s)} forward before it)"
                 )
         worker = self.workers[s]
-        output = worker.forward(i, stage_input, keep_graph=not forward_only)
+        tape = worker.use_tape or (worker.can_tape and (s, i) in self._tape_keys)
+        output = worker.forward(i, stage_input, keep_graph=not forward_only, tape=tape)
         nxt = sched.next_stage(s)
         if nxt is None:
             self._finish_last_stage(worker, i, output, targets, forward_only, state)

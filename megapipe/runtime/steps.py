@@ -71,8 +71,9 @@ class StageWorker:
         self.stage = stage
         self.module = module
         self.forward_fn = forward_fn
-        self.use_tape = records_on_tape(module, forward_fn) if use_tape is None else use_tape
-        if self.use_tape and not records_on_tape(module, forward_fn):
+        self.can_tape = records_on_tape(module, forward_fn)
+        self.use_tape = self.can_tape if use_tape is None else use_tape
+        if self.use_tape and not self.can_tape:
             raise ValueError(
                 f"stage {stage}: use_tape=True needs a module with layer_plans() (and a "
                 f"node_runner for a custom forward_fn); {type(module).__name__} has none"
@@ -87,11 +88,19 @@ class StageWorker:
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def forward(self, microbatch: int, stage_input: Any, keep_graph: bool = True) -> torch.Tensor:
+    def forward(
+        self,
+        microbatch: int,
+        stage_input: Any,
+        keep_graph: bool = True,
+        tape: bool | None = None,
+    ) -> torch.Tensor:
         """Run the stage on ``stage_input``; with ``keep_graph`` stash what backward needs.
 
         A floating-point tensor input (a received activation) becomes a leaf that requires
         grad, so backward can return its gradient; other inputs (token ids) pass unchanged.
+        ``tape`` overrides the worker's ``use_tape`` for this microbatch (both paths perform
+        the same operations, so they may be mixed freely).
         """
         if microbatch in self._stash:
             raise RuntimeError(
@@ -104,12 +113,18 @@ class StageWorker:
         if isinstance(stage_input, torch.Tensor) and stage_input.is_floating_point():
             stage_input = stage_input.detach().requires_grad_(True)
             leaves.append(stage_input)
-        output, tape = self._record(stage_input)
-        self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)
+        on_tape = self.use_tape if tape is None else tape
+        if on_tape and not self.can_tape:
+            raise ValueError(
+                f"stage {self.stage}: {type(self.module).__name__} cannot run on the tape "
+                "(no layer_plans(), or no node_runner for a custom forward_fn)"
+            )
+        output, recorded = self._record(stage_input, on_tape)
+        self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=recorded)
         return output
 
-    def _record(self, stage_input: Any) -> tuple[torch.Tensor, Tape | None]:
-        if not self.use_tape:
+    def _record(self, stage_input: Any, on_tape: bool) -> tuple[torch.Tensor, Tape | None]:
+        if not on_tape:
             return self.forward_fn(self.module, stage_input), None
         if self.forward_fn is module_forward:
             outputs, tape = record_forward(self.module.layer_plans(), (stage_input,))

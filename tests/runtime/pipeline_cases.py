@@ -49,13 +49,14 @@ class Case:
     dp: int = 1
     microbatches: int = 4
     overlap: bool = False
+    variable_seq: bool = False  # microbatch i has its own sequence length (declared per microbatch)
 
     @property
     def world(self) -> int:
         return self.pp * self.dp
 
     def __str__(self) -> str:
-        flag = "+overlap" if self.overlap else ""
+        flag = ("+overlap" if self.overlap else "") + ("+varseq" if self.variable_seq else "")
         return (
             f"{self.schedule}{flag}(pp={self.pp},vpp={self.vpp},ep={self.ep},dp={self.dp},"
             f"M={self.microbatches})"
@@ -108,10 +109,18 @@ def subworld_groups(config: ParallelConfig) -> ProcessGroups:
     )
 
 
-def microbatch(dp_rank: int, index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def seq_length(index: int, variable: bool) -> int:
+    """Microbatch ``index``'s sequence length: the model's, or (variable) shorter by index % 3."""
+    return CONFIG.seq_length - (index % 3 if variable else 0)
+
+
+def microbatch(
+    dp_rank: int, index: int, step: int, variable_seq: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and labels of one microbatch, a pure function of where and when it runs."""
     g = torch.Generator().manual_seed(1000 * step + 100 * dp_rank + index)
-    ids = torch.randint(0, CONFIG.vocab_size, (MICRO_BATCH, CONFIG.seq_length + 1), generator=g)
+    length = seq_length(index, variable_seq) + 1
+    ids = torch.randint(0, CONFIG.vocab_size, (MICRO_BATCH, length), generator=g)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -134,7 +143,7 @@ def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, t
         losses = []
         for d in range(case.dp):
             for i in range(case.microbatches):
-                tokens, labels = microbatch(d, i, step)
+                tokens, labels = microbatch(d, i, step, case.variable_seq)
                 loss = gpt_loss(model(tokens), labels)
                 (loss / total).backward()
                 losses.append(loss.item())
@@ -158,7 +167,10 @@ def build_pipeline(case: Case, timeout: float = 20.0):
     executor = PipelineExecutor(
         schedule,
         stages,
-        spec=TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size)),
+        # a declaration per microbatch: sequence lengths may differ between microbatches
+        spec=lambda stage, i: TensorSpec(
+            (MICRO_BATCH, seq_length(i, case.variable_seq), CONFIG.hidden_size)
+        ),
         loss_fn=gpt_loss,
         groups=groups,
         timeout=timeout,
@@ -174,7 +186,10 @@ def pipeline_run(case: Case, steps: int) -> dict | None:
     per_step = []
     peak = 0
     for step in range(steps):
-        data = [microbatch(groups.dp_rank, i, step) for i in range(case.microbatches)]
+        data = [
+            microbatch(groups.dp_rank, i, step, case.variable_seq)
+            for i in range(case.microbatches)
+        ]
         result = executor.step([d[0] for d in data], [d[1] for d in data])
         peak = max(peak, result.peak_live_activations)
         grads = {}
@@ -210,7 +225,7 @@ def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
         result = pipeline_run(case, steps)
         if dist.get_rank() == 0:
             assert result is not None
-            key = (case.dp, case.microbatches)
+            key = (case.dp, case.microbatches, case.variable_seq)
             if key not in references:
                 references[key] = reference_run(case, steps)
             result["reference"] = references[key]

@@ -22,6 +22,8 @@ CASES = [
     Case("interleaved-1f1b", 4, vpp=2, microbatches=8),
     Case("interleaved-1f1b", 2, vpp=2, ep=2, dp=2),
     Case("looped-bfs", 2, vpp=2),
+    Case("interleaved-1f1b", 2, vpp=2, variable_seq=True),
+    Case("zbv", 2, vpp=2, variable_seq=True),
     Case("zb1p", 2),
     Case("zb1p", 2, vpp=2, dp=2),
     Case("zbv", 2, vpp=2),
@@ -118,7 +120,7 @@ def test_one_f_one_b_holds_at_most_pp_minus_rank_activations(results):
 
 @pytest.mark.parametrize("case", OVERLAP_CASES, ids=str)
 def test_overlap_is_bitwise_the_same_as_without(results, case):
-    plain = Case(case.schedule, case.pp, case.vpp, case.ep, case.dp, case.microbatches, False)
+    plain = Case(case.schedule, case.pp, case.vpp, case.ep, case.dp, case.microbatches)
     if plain not in results:
         pytest.fail(f"{plain} must be in CASES to compare with {case}")
     for with_overlap, without in zip(results[case], results[plain]):

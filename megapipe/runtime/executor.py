@@ -279,8 +279,11 @@ class PipelineExecutor:
     def _channel(self) -> PipelineP2P:
         if self._p2p is None:
             assert self.spec is not None
+            first = next((p for m in self.stages.values() for p in m.parameters()), None)
+            device = first.device if first is not None else None
             self._p2p = PipelineP2P(
-                self.pp_group, self.pp_ranks, self.schedule.stage_to_rank, self.spec, self.timeout
+                self.pp_group, self.pp_ranks, self.schedule.stage_to_rank, self.spec,
+                self.timeout, device,
             )
         return self._p2p
 

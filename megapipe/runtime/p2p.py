@@ -43,8 +43,8 @@ class TensorSpec:
         if any(d < 0 for d in self.shape):
             raise ValueError(f"TensorSpec shape {self.shape} has a negative dimension")
 
-    def empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype)
+    def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
     def check(self, tensor: torch.Tensor, what: str) -> None:
         """Raise if ``tensor`` does not match this spec; ``what`` names it in the message."""
@@ -124,7 +124,8 @@ class PipelineP2P:
     """Posts batches of sends and receives over the pipeline-parallel group.
 
     ``pp_ranks[i]`` is the global rank of pipeline position i (``ProcessGroups.pp_ranks``);
-    ``stage_to_rank`` maps a stage to its pipeline position.
+    ``stage_to_rank`` maps a stage to its pipeline position; receive buffers are allocated on
+    ``device`` (the stages' device: CPU for gloo, the GPU for NCCL).
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class PipelineP2P:
         stage_to_rank: Sequence[int],
         spec: SpecFn,
         timeout: float = 300.0,
+        device: torch.device | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout={timeout} must be a positive number of seconds")
@@ -141,6 +143,7 @@ class PipelineP2P:
         self.pp_ranks = tuple(pp_ranks)
         self.stage_to_rank = tuple(stage_to_rank)
         self.spec = spec
+        self.device = device
         self.timeout = datetime.timedelta(seconds=timeout)
         self.rank = dist.get_rank()
 
@@ -150,7 +153,7 @@ class PipelineP2P:
 
     def receive_buffer(self, action: Action, sender_stage: int) -> torch.Tensor:
         """An empty tensor for what ``action`` receives (the sender stage's forward spec)."""
-        return self.spec(sender_stage, action.microbatch).empty()
+        return self.spec(sender_stage, action.microbatch).empty(self.device)
 
     def post(self, ops: Sequence[CommOp]) -> PostedBatch:
         """Post ``ops`` as one batch (sends and receives go out together)."""

@@ -25,6 +25,7 @@ from torch import nn
 from megapipe.parallel.groups import ProcessGroups
 from megapipe.runtime.grad_sync import all_reduce_grads, sum_mirrored_grads
 from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, TensorSpec
+from megapipe.runtime.rank_plan import forward_only_schedule, is_lowered, lower_schedule
 from megapipe.runtime.steps import ForwardFn, StageWorker, module_forward
 from megapipe.schedule.ir import Action, Kind, Schedule
 
@@ -39,46 +40,6 @@ class StepResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)  # what loss_fn returned beyond the loss
     peak_live_activations: int = 0
-
-
-def is_lowered(schedule: Schedule) -> bool:
-    return any(not a.is_compute for row in schedule.actions for a in row)
-
-
-def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The schedule's forward steps (and their sends/receives) in their original order."""
-    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
-    rows = []
-    for row in schedule.actions:
-        out = []
-        for action in row:
-            if action.kind is Kind.OVERLAP:
-                out.append(action.forward)
-            elif action.kind in keep:
-                out.append(action)
-        rows.append(out)
-    return schedule.replace_actions(rows)
-
-
-def _lower(schedule: Schedule) -> Schedule:
-    from megapipe.schedule.lower import lower
-
-    return lower(schedule)
-
-
-def in_flight_limit(schedule: Schedule, pp_rank: int) -> int:
-    """The most microbatches a rank's action list holds between a forward and its last backward."""
-    live: set[tuple[int, int]] = set()
-    peak = 0
-    for action in schedule.actions[pp_rank]:
-        for comp in action.computations():
-            key = (comp.stage, comp.microbatch)
-            if comp.kind is Kind.F:
-                live.add(key)
-                peak = max(peak, len(live))
-            elif comp.kind in (Kind.B, Kind.W):  # after I the stash still holds W's part
-                live.discard(key)
-    return peak
 
 
 @dataclass
@@ -164,7 +125,7 @@ class PipelineExecutor:
         if is_lowered(schedule):
             self.lowered = schedule
         else:
-            self.lowered = _lower(schedule) if schedule.pp > 1 else schedule
+            self.lowered = lower_schedule(schedule)
         forward = forward_only_schedule(self.lowered)
         self.lowered_forward_only = forward
         self.actions = self.lowered.actions[self.pp_rank]

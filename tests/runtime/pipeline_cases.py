@@ -18,7 +18,8 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import ProcessGroups, rank_layout
-from megapipe.runtime.executor import PipelineExecutor, in_flight_limit
+from megapipe.runtime.executor import PipelineExecutor
+from megapipe.runtime.rank_plan import in_flight_limit
 from megapipe.runtime.p2p import TensorSpec
 from megapipe.schedule import build_schedule
 

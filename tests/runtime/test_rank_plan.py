@@ -1,0 +1,36 @@
+"""The forward-only view of every lowered schedule runs to the end; in-flight counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from megapipe.runtime.rank_plan import forward_only_schedule, in_flight_limit, lower_schedule
+from megapipe.schedule import SCHEDULES, Kind, build_schedule
+from megapipe.schedule.lower import check_runs
+
+VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "zb1p": 2}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_forward_only_view_is_deadlock_free(name, pp, overlap):
+    schedule = build_schedule(name, pp, 2 * pp * 2, vpp=VPP.get(name, 1), overlap=overlap)
+    view = forward_only_schedule(lower_schedule(schedule))
+    check_runs(view)  # raises ScheduleError naming the stuck ranks if it could hang
+    kinds = {a.kind for row in view.actions for a in row}
+    assert kinds <= {Kind.F, Kind.SEND_F, Kind.RECV_F}
+    forwards = sum(a.kind is Kind.F for row in view.actions for a in row)
+    assert forwards == schedule.num_stages * schedule.num_microbatches // (
+        2 if schedule.bidirectional else 1
+    )
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 2)])
+def test_one_f_one_b_in_flight_is_pp_minus_rank(pp, m):
+    schedule = build_schedule("1f1b", pp, m)
+    assert [in_flight_limit(schedule, r) for r in range(pp)] == [min(pp - r, m) for r in range(pp)]
+
+
+def test_gpipe_holds_every_microbatch():
+    assert in_flight_limit(build_schedule("gpipe", 2, 5), 0) == 5

@@ -44,7 +44,11 @@ class StepResult:
 
 @dataclass
 class _StepState:
-    """Tensors in transit during one step, keyed by (stage, microbatch)."""
+    """One step's inputs and the tensors in transit, keyed by (stage, microbatch)."""
+
+    microbatches: Sequence[Any] | None
+    targets: Sequence[Any] | None
+    forward_only: bool
 
     forward_inputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     grad_outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -202,13 +206,13 @@ class PipelineExecutor:
         self._check_inputs(microbatches, targets)
         self._set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
-        state = _StepState()
+        state = _StepState(microbatches, targets, forward_only)
         try:
             index = 0
             while index < len(actions):
                 action = actions[index]
                 if action.is_compute:
-                    self._run_compute(action, state, microbatches, targets, forward_only)
+                    self._run_compute(action, state)
                     index += 1
                     continue
                 end = index
@@ -295,18 +299,11 @@ class PipelineExecutor:
             batch.wait()
 
     # ------------------------------------------------------------------ compute
-    def _run_compute(
-        self,
-        action: Action,
-        state: _StepState,
-        microbatches: Sequence[Any] | None,
-        targets: Sequence[Any] | None,
-        forward_only: bool,
-    ) -> None:
+    def _run_compute(self, action: Action, state: _StepState) -> None:
         if action.kind is Kind.OVERLAP:
-            self._run_overlap(action, state, microbatches, targets, forward_only)
+            self._run_overlap(action, state)
         elif action.kind is Kind.F:
-            self._forward(action, state, microbatches, targets, forward_only)
+            self._forward(action, state)
         elif action.kind in (Kind.B, Kind.I):
             self._backward(action, state)
         elif action.kind is Kind.W:
@@ -314,31 +311,20 @@ class PipelineExecutor:
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
-    def _run_overlap(
-        self,
-        action: Action,
-        state: _StepState,
-        microbatches: Sequence[Any] | None,
-        targets: Sequence[Any] | None,
-        forward_only: bool,
-    ) -> None:
-        """An OVERLAP action: its forward, then its backward (sequentially, same operations)."""
-        self._forward(action.forward, state, microbatches, targets, forward_only)
+    def _run_overlap(self, action: Action, state: _StepState) -> None:
+        """An OVERLAP action: its forward, then its backward (sequentially, same operations).
+
+        The co-scheduler replaces this body to run the two halves concurrently."""
+        self._forward(action.forward, state)
         self._backward(action.backward, state)
 
-    def _forward(
-        self,
-        action: Action,
-        state: _StepState,
-        microbatches: Sequence[Any] | None,
-        targets: Sequence[Any] | None,
-        forward_only: bool,
-    ) -> None:
+    def _forward(self, action: Action, state: _StepState) -> None:
         s, i = action.stage, action.microbatch
+        forward_only = state.forward_only
         sched = self.schedule
         if sched.is_first_stage(s):
-            assert microbatches is not None
-            stage_input = microbatches[i]
+            assert state.microbatches is not None
+            stage_input = state.microbatches[i]
         else:
             self._wait_for(Kind.RECV_F, s, i, state)
             stage_input = state.forward_inputs.pop((s, i), None)
@@ -352,7 +338,7 @@ class PipelineExecutor:
         output = worker.forward(i, stage_input, keep_graph=not forward_only, tape=tape)
         nxt = sched.next_stage(s)
         if nxt is None:
-            self._finish_last_stage(worker, i, output, targets, forward_only, state)
+            self._finish_last_stage(worker, i, output, state)
         elif sched.stage_to_rank[nxt] == self.pp_rank:
             state.forward_inputs[(nxt, i)] = output.detach()
         else:
@@ -365,10 +351,9 @@ class PipelineExecutor:
         worker: StageWorker,
         microbatch: int,
         output: torch.Tensor,
-        targets: Sequence[Any] | None,
-        forward_only: bool,
         state: _StepState,
     ) -> None:
+        forward_only, targets = state.forward_only, state.targets
         if self.loss_fn is None:
             state.result.outputs[microbatch] = output.detach()
             if not forward_only:

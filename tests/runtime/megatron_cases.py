@@ -66,6 +66,7 @@ def megatron_run(case: Case, form: int, forward_only: bool = False) -> dict | No
     return {
         "reference": reference_run(case, 1)[0] if dist.get_rank() == 0 else None,
         "dp_rank": groups.dp_rank,
+        "ep_rank": groups.ep_rank,
         "losses": [d["lm loss"].item() for d in losses],
         "grads": {
             (s, n): (None if p.grad is None else p.grad.clone())

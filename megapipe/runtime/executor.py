@@ -169,8 +169,16 @@ class PipelineExecutor:
             if not isinstance(module, nn.Module):
                 raise TypeError(f"stage {stage} must be an nn.Module, got {type(module).__name__}")
 
-    def _check_inputs(self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None) -> None:
+    def _check_inputs(
+        self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None, forward_only: bool
+    ) -> None:
         m = self.schedule.num_microbatches
+        if not forward_only and self.loss_fn is None and any(
+            self.schedule.is_last_stage(s) for s in self.stages
+        ):
+            raise ValueError(
+                f"rank {self.pp_rank} holds a last stage: training needs loss_fn(output, target)"
+            )
         needs_inputs = any(self.schedule.is_first_stage(s) for s in self.stages)
         needs_targets = any(self.schedule.is_last_stage(s) for s in self.stages)
         for name, values, needed in (
@@ -203,7 +211,7 @@ class PipelineExecutor:
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
         ``.grad`` (zero them between steps); after a training step they are synchronised.
         """
-        self._check_inputs(microbatches, targets)
+        self._check_inputs(microbatches, targets, forward_only)
         self._set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
         state = _StepState(microbatches, targets, forward_only)

@@ -60,3 +60,15 @@ def test_forward_only_keeps_no_gradients(rank_pools):
     last = [r for r in results if r["losses"]]
     assert [x for r in last for x in r["losses"]] == ref_losses
     assert all(g is None for r in results for g in r["grads"].values())
+
+
+def test_microbatch_count_the_schedule_cannot_take_is_named():
+    from megapipe.models.config import GPTConfig
+    from megapipe.models.split import build_stage
+    from megapipe.schedule import ScheduleError
+
+    chunks = [build_stage(GPTConfig(), j, 4) for j in (0, 2)]
+    func = get_forward_backward_func(pp=2, vpp=2)
+    with pytest.raises(ScheduleError, match="3"):
+        func(forward_step_func=None, data_iterator=None, model=chunks, num_microbatches=3,
+             seq_length=16, micro_batch_size=1)

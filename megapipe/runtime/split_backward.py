@@ -22,7 +22,10 @@ How, without computing anything twice in the common case:
    anchor's incoming gradient by its recorded value (no double counting).
 
 The graph is kept alive between I and W by I's ``retain_graph=True`` and by the anchors, which
-hold only the branches W needs once the caller drops the stage outputs.
+hold only the branches W needs once the caller drops the stage outputs. W's calls also retain
+the graph (two groups' branches may meet at a node of the input closure); it is freed when the
+``DeferredWeightGrad`` is dropped. One ``autograd.grad`` call per group costs a little fixed
+overhead per parameter group; in exchange W never recomputes an input-gradient matmul.
 """
 
 from __future__ import annotations

@@ -35,7 +35,11 @@ CASES = [
     Case("dualpipe", 4, vpp=2, dp=2, microbatches=8),
 ]
 OVERLAP_CASES = [
+    Case("gpipe", 2, overlap=True),
     Case("1f1b", 2, overlap=True),
+    Case("looped-bfs", 2, vpp=2, overlap=True),
+    Case("zb1p", 2, overlap=True),
+    Case("interleaved-1f1b", 4, vpp=2, microbatches=8, overlap=True),
     Case("interleaved-1f1b", 2, vpp=2, overlap=True),
     Case("interleaved-1f1b", 2, vpp=2, ep=2, dp=2, overlap=True),
     Case("zbv", 2, vpp=2, overlap=True),

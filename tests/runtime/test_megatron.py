@@ -72,3 +72,32 @@ def test_microbatch_count_the_schedule_cannot_take_is_named():
     with pytest.raises(ScheduleError, match="3"):
         func(forward_step_func=None, data_iterator=None, model=chunks, num_microbatches=3,
              seq_length=16, micro_batch_size=1)
+
+
+def test_collect_non_loss_data_single_process():
+    """pp=1 needs no process group; forward-only with collect_non_loss_data stores what
+    loss_func(output, non_loss_data=True) returns, one entry per microbatch, in order."""
+    from megapipe.models.config import GPTConfig
+    from megapipe.models.split import build_stage
+
+    config = GPTConfig(num_layers=2)
+    model = build_stage(config, 0, 1)
+
+    def forward_step(data_iterator, chunk):
+        tokens = next(data_iterator)
+
+        def loss_func(output, non_loss_data=False):
+            return output.argmax(-1) if non_loss_data else (output.sum(), {})
+
+        return chunk(tokens), loss_func
+
+    tokens = [torch.randint(0, config.vocab_size, (1, 8)) for _ in range(3)]
+    data = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(tokens), model=[model],
+        num_microbatches=3, seq_length=8, micro_batch_size=1, forward_only=True,
+        collect_non_loss_data=True,
+    )
+    assert [d.shape for d in data] == [(1, 8)] * 3
+    with torch.no_grad():
+        assert torch.equal(data[1], model(tokens[1]).argmax(-1))
+    assert all(p.grad is None for p in model.parameters())

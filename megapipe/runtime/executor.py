@@ -7,7 +7,8 @@ Tensors between two stages of the same rank are handed over locally. After the l
 outstanding sends are completed, DualPipe's mirrored gradients summed and data-parallel
 gradients averaged (``grad_sync``).
 
-Everything is checked before the first action runs: the stages must be exactly those the
+Everything is checked before the first action runs: the schedule is validated (a lowered one
+must run to the end under the batched p2p model), the stages must be exactly those the
 placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
 that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward steps
 (under ``torch.no_grad``) lowered on their own, so it stores no activation.
@@ -28,6 +29,8 @@ from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, Tenso
 from megapipe.runtime.rank_plan import forward_only_schedule, is_lowered, lower_schedule
 from megapipe.runtime.steps import ForwardFn, StageWorker, module_forward
 from megapipe.schedule.ir import Action, Kind, Schedule
+from megapipe.schedule.lower import check_runs
+from megapipe.schedule.validate import validate
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 """``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
@@ -93,6 +96,11 @@ class PipelineExecutor:
         self.schedule = schedule
         self.groups = groups
         if groups is not None:
+            if groups.config.pp != schedule.pp:
+                raise ValueError(
+                    f"the schedule has pp={schedule.pp} ranks but the process groups have "
+                    f"pp={groups.config.pp}"
+                )
             self.pp_rank = groups.pp_rank
             self.pp_ranks = groups.pp_ranks
             self.pp_group = groups.pp
@@ -126,9 +134,12 @@ class PipelineExecutor:
         self.workers = {
             s: StageWorker(s, m, forward_fn, use_tape=bool(use_tape)) for s, m in self.stages.items()
         }
+        # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
         if is_lowered(schedule):
+            check_runs(schedule)
             self.lowered = schedule
         else:
+            validate(schedule)
             self.lowered = lower_schedule(schedule)
         forward = forward_only_schedule(self.lowered)
         self.lowered_forward_only = forward

@@ -43,3 +43,16 @@ def test_misuse_is_named_before_anything_runs(rank_pools):
         assert "got 3 " in e["microbatches"]
         assert "num_microbatches=4" in e["microbatches"]
     assert "does not match the declared TensorSpec" in errors[0]["spec"]
+
+
+def test_broken_schedule_is_named_before_anything_runs():
+    """A hand-written schedule that runs a backward before its forward fails at construction."""
+    from torch import nn
+
+    from megapipe import PipelineExecutor
+    from megapipe.schedule import Action, Kind, Schedule, ScheduleError
+
+    actions = ((Action(0, Kind.F, 0), Action(0, Kind.B, 1), Action(0, Kind.F, 1), Action(0, Kind.B, 0)),)
+    broken = Schedule(actions, num_stages=1, num_microbatches=2, stage_to_rank=(0,), name="mine")
+    with pytest.raises(ScheduleError, match="rank 0"):
+        PipelineExecutor(broken, {0: nn.Linear(2, 2)}, loss_fn=lambda out, target: out.sum())

@@ -9,7 +9,7 @@ CPU ratio (CPU seconds of all ranks per step) is printed beside it, as it is les
 other load on the machine. A ratio below 1.00 means megapipe is faster. The last line is
 ``ratio_max: X.XX`` (the worst schedule's wall-time ratio).
 
-    python benchmarks/executor_vs_torch.py [--rounds 6] [--microbatches 8]
+    python benchmarks/executor_vs_torch.py [--rounds 16] [--microbatches 8] [--tape]
 
 Not part of the test suite; it takes about two minutes on a 2-core machine.
 """
@@ -165,7 +165,7 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)

@@ -29,7 +29,7 @@ from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
-from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
+from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
 
 Plan = list[Node]
 Tensors = tuple[torch.Tensor, ...]
@@ -184,6 +184,9 @@ class GPTStage(nn.Module):
         )
         self.head = OutputHead(config) if is_last else None
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
+        # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
+        # runtime installs a tape or co-scheduling runner here around a user's forward call.
+        self.node_runner: NodeRunner | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         """Megatron's convention (used by ``megapipe.get_forward_backward_func``): a stage after
@@ -219,8 +222,9 @@ class GPTStage(nn.Module):
                 f"{self.config.hidden_size}], got {x.dtype} of shape {tuple(x.shape)}"
             )
         values = (x,)
+        runner = self.node_runner
         for plan in self.layer_plans():
-            values = run_nodes(plan, values)
+            values = run_nodes(plan, values) if runner is None else runner.run_layer(plan, values)
         return values[0]
 
 

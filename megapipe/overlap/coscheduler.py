@@ -99,8 +99,9 @@ class CombinedRunner:
     Construct it with the backward half (a ``Tape`` and the gradients of its outputs, or None
     for a forward alone), drive the forward through ``run_layer`` (directly, or from a model's
     own forward as its ``node_runner``), then call ``finish()``: it runs the backward layers
-    that had no forward partner, applies the deferred weight gradients, waits for both streams
-    and returns the gradients of the backward tape's inputs. The forward is recorded on
+    that had no forward partner, applies the deferred weight gradients (unless ``run_wgrad`` is
+    False: then they stay in ``wgrad`` for a later W step), waits for both streams and returns
+    the gradients of the backward tape's inputs. The forward is recorded on
     ``self.tape`` for its own backward later.
     """
 
@@ -116,8 +117,12 @@ class CombinedRunner:
         fwd_microbatch: int | None = None,
         bwd_microbatch: int | None = None,
         route_input_grads: bool = True,
+        run_wgrad: bool = True,
     ) -> None:
         self.streams = streams
+        # False: weight gradients queued in ``wgrad`` stay there for the caller (an I half whose
+        # W action runs them later); True: they run here, beside backward comm nodes
+        self.run_wgrad = run_wgrad
         self.tape = Tape(route_input_grads=route_input_grads)
         self.bwd_tape = bwd_tape
         self._bwd_grads = None if bwd_grads is None else tuple(bwd_grads)
@@ -180,7 +185,7 @@ class CombinedRunner:
         try:
             while (backward := self._next_backward()) is not None:
                 self._interleave(None, backward)
-            if self.wgrad is not None and len(self.wgrad):
+            if self.run_wgrad and self.wgrad is not None and len(self.wgrad):
                 self._slot_id += 1
                 self.streams.compute.submit(self._flush_wgrad, self._last_bwd_layer)
         finally:
@@ -238,7 +243,12 @@ class CombinedRunner:
         try:
             if compute is not None:
                 streams.compute.submit(self._traced(compute, streams.compute))
-            if comm.direction == "B" and self.wgrad is not None and len(self.wgrad):
+            if (
+                comm.direction == "B"
+                and self.run_wgrad
+                and self.wgrad is not None
+                and len(self.wgrad)
+            ):
                 streams.compute.submit(self._flush_wgrad, comm.layer.index)
         except BaseException:
             _quietly_wait(event)  # never leave the comm thread working on a tape we abandon

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.parallel.groups import ProcessGroups
+from megapipe.overlap.trace import NodeTrace
+from megapipe.runtime.combined import CombinedSteps
 from megapipe.runtime.grad_sync import all_reduce_grads, sum_mirrored_grads
 from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, TensorSpec
 from megapipe.runtime.rank_plan import forward_only_schedule, is_lowered, lower_schedule
@@ -38,11 +40,26 @@ LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 
 @dataclass
 class StepResult:
-    """Per-microbatch losses computed on this rank (its last stages), and the stash peak."""
+    """What one step produced on this rank.
+
+    - ``losses``: per-microbatch unscaled losses of this rank's last stages (detached);
+    - ``outputs``: last-stage outputs when there is no ``loss_fn``;
+    - ``peak_live_activations``: the most microbatches whose activations were held at once;
+    - with ``record_trace=True`` and a combined schedule (OVERLAP actions): ``trace``, the
+      ``NodeTrace`` of every node this rank ran on the streams; ``a2a_time``, the summed
+      seconds of its comm nodes (the expert-parallel all-to-alls, including an emulated link's
+      wait); ``compute_time``, the summed seconds of its compute nodes; and
+      ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
+      (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
+    """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)  # what loss_fn returned beyond the loss
     peak_live_activations: int = 0
+    trace: NodeTrace | None = None
+    a2a_time: float | None = None
+    compute_time: float | None = None
+    exposed_comm_fraction: float | None = None
 
 
 @dataclass
@@ -78,6 +95,17 @@ class PipelineExecutor:
     results are bitwise equal either way; the tape costs one autograd call per node. ``None``
     (default) puts on the tape exactly the microbatches an OVERLAP action touches (the
     co-scheduler needs their nodes), ``True`` every microbatch, ``False`` none.
+
+    Combined schedules (any OVERLAP action, ``build_schedule(..., overlap=True)``): every
+    training F/B/I of a stage with ``layer_plans()`` runs on the tape through the co-scheduler
+    (``runtime.combined``): an OVERLAP action as a real combined step, the others alone, all
+    with their comm nodes on one communication stream (made once, closed by ``close()``).
+    ``delay_wgrad_compute`` (Megatron's flag; needs a combined schedule) defers the expert
+    weight gradients of each backward to run while a backward all-to-all is in flight.
+    ``record_trace`` records a ``NodeTrace`` per step and fills the timing fields of
+    ``StepResult``. Pipeline p2p stays on the calling thread: a pair's receives are posted in
+    the batch before its OVERLAP action and its sends in the batch after it (the lowering's
+    batches), so they are in flight while the pair computes.
     """
 
     def __init__(
@@ -92,6 +120,8 @@ class PipelineExecutor:
         timeout: float = 300.0,
         pp_group: dist.ProcessGroup | None = None,
         use_tape: bool | None = None,
+        delay_wgrad_compute: bool = False,
+        record_trace: bool = False,
     ) -> None:
         self.schedule = schedule
         self.groups = groups
@@ -152,6 +182,19 @@ class PipelineExecutor:
                 "of the activation each stage sends forward, or spec(stage, microbatch)"
             )
         self._p2p: PipelineP2P | None = None
+        self.combined_schedule = any(
+            a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row
+        )
+        if delay_wgrad_compute and not self.combined_schedule:
+            raise ValueError(
+                f"delay_wgrad_compute=True needs a combined schedule (OVERLAP actions; build it "
+                f"with overlap=True): {schedule.name!r} has none, so no backward all-to-all "
+                "would be in flight to hide the weight gradients behind"
+            )
+        self.record_trace = record_trace
+        self._combined: CombinedSteps | None = None
+        if self.combined_schedule:
+            self._combined = CombinedSteps(self._device() or "cpu", delay_wgrad_compute)
         # (stage, microbatch) pairs an OVERLAP action touches: recorded on the tape when possible
         self._tape_keys = {
             (comp.stage, comp.microbatch)
@@ -159,6 +202,21 @@ class PipelineExecutor:
             if action.kind is Kind.OVERLAP
             for comp in action.computations()
         } if use_tape is None else set()
+
+    def _device(self) -> torch.device | None:
+        first = next((p for m in self.stages.values() for p in m.parameters()), None)
+        return first.device if first is not None else None
+
+    def close(self) -> None:
+        """Stop the communication stream's worker (combined schedules); idempotent."""
+        if self._combined is not None:
+            self._combined.close()
+
+    def __enter__(self) -> "PipelineExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ checks
     def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
@@ -226,6 +284,10 @@ class PipelineExecutor:
         self._set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
         state = _StepState(microbatches, targets, forward_only)
+        trace = None
+        if self._combined is not None:
+            trace = NodeTrace() if self.record_trace and not forward_only else None
+            self._combined.trace = trace
         try:
             index = 0
             while index < len(actions):
@@ -244,6 +306,14 @@ class PipelineExecutor:
         finally:
             for worker in self.workers.values():
                 worker.clear()
+            if self._combined is not None:
+                self._combined.trace = None
+        if trace is not None and trace.spans:
+            result = state.result
+            result.trace = trace
+            result.a2a_time = trace.total("comm")
+            result.compute_time = trace.total("compute")
+            result.exposed_comm_fraction = trace.exposed_comm_fraction()
         if not forward_only:
             if self.schedule.bidirectional:
                 sum_mirrored_grads(
@@ -263,11 +333,9 @@ class PipelineExecutor:
     def _channel(self) -> PipelineP2P:
         if self._p2p is None:
             assert self.spec is not None
-            first = next((p for m in self.stages.values() for p in m.parameters()), None)
-            device = first.device if first is not None else None
             self._p2p = PipelineP2P(
                 self.pp_group, self.pp_ranks, self.schedule.stage_to_rank, self.spec,
-                self.timeout, device,
+                self.timeout, self._device(),
             )
         return self._p2p
 
@@ -331,30 +399,61 @@ class PipelineExecutor:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
     def _run_overlap(self, action: Action, state: _StepState) -> None:
-        """An OVERLAP action: its forward, then its backward (sequentially, same operations).
+        """An OVERLAP action: its two halves co-scheduled (``CombinedSteps.combined``).
 
-        The co-scheduler replaces this body to run the two halves concurrently."""
-        self._forward(action.forward, state)
-        self._backward(action.backward, state)
+        Stages that do not follow the node protocol run F then B (warned once per type)."""
+        f, b = action.forward, action.backward
+        combined = self._combined
+        assert combined is not None  # an OVERLAP action makes the schedule a combined one
+        f_worker, b_worker = self.workers[f.stage], self.workers[b.stage]
+        if state.forward_only or not combined.can_combine(f_worker, b_worker):
+            self._forward(f, state)
+            self._backward(b, state)
+            return
+        stage_input = self._forward_input(f, state)
+        grad_output = self._grad_output(b, state)
+        output, grad_input = combined.combined(
+            (f_worker, f, stage_input), (b_worker, b, grad_output)
+        )
+        self._forward_done(f, output, state)
+        self._backward_done(b, grad_input, state)
 
-    def _forward(self, action: Action, state: _StepState) -> None:
+    def _on_streams(self, worker: StageWorker, state: _StepState) -> bool:
+        """Whether a lone step runs on the streams: training steps of node-protocol stages
+        in a combined schedule (so every EP collective is issued from the comm stream)."""
+        return self._combined is not None and not state.forward_only and worker.can_tape
+
+    def _forward_input(self, action: Action, state: _StepState) -> Any:
         s, i = action.stage, action.microbatch
-        forward_only = state.forward_only
         sched = self.schedule
         if sched.is_first_stage(s):
             assert state.microbatches is not None
-            stage_input = state.microbatches[i]
-        else:
-            self._wait_for(Kind.RECV_F, s, i, state)
-            stage_input = state.forward_inputs.pop((s, i), None)
-            if stage_input is None:
-                raise RuntimeError(
-                    f"rank {self.pp_rank}: {action} has no input (no RECV_F and no local stage "
-                    f"{sched.prev_stage(s)} forward before it)"
-                )
+            return state.microbatches[i]
+        self._wait_for(Kind.RECV_F, s, i, state)
+        stage_input = state.forward_inputs.pop((s, i), None)
+        if stage_input is None:
+            raise RuntimeError(
+                f"rank {self.pp_rank}: {action} has no input (no RECV_F and no local stage "
+                f"{sched.prev_stage(s)} forward before it)"
+            )
+        return stage_input
+
+    def _forward(self, action: Action, state: _StepState) -> None:
+        s, i = action.stage, action.microbatch
+        stage_input = self._forward_input(action, state)
         worker = self.workers[s]
-        tape = worker.use_tape or (worker.can_tape and (s, i) in self._tape_keys)
-        output = worker.forward(i, stage_input, keep_graph=not forward_only, tape=tape)
+        if self._on_streams(worker, state):
+            assert self._combined is not None
+            output = self._combined.forward(worker, action, stage_input)
+        else:
+            tape = worker.use_tape or (worker.can_tape and (s, i) in self._tape_keys)
+            output = worker.forward(i, stage_input, keep_graph=not state.forward_only, tape=tape)
+        self._forward_done(action, output, state)
+
+    def _forward_done(self, action: Action, output: torch.Tensor, state: _StepState) -> None:
+        s, i = action.stage, action.microbatch
+        sched = self.schedule
+        worker = self.workers[s]
         nxt = sched.next_stage(s)
         if nxt is None:
             self._finish_last_stage(worker, i, output, state)
@@ -387,23 +486,38 @@ class PipelineExecutor:
             worker.attach_loss(microbatch, loss / self.schedule.num_microbatches)
         state.result.losses[microbatch] = loss.detach()
 
-    def _backward(self, action: Action, state: _StepState) -> None:
+    def _grad_output(self, action: Action, state: _StepState) -> torch.Tensor | None:
         s, i = action.stage, action.microbatch
         sched = self.schedule
-        grad_output = None
-        if not sched.is_last_stage(s):
-            self._wait_for(Kind.RECV_B, s, i, state)
-            grad_output = state.grad_outputs.pop((s, i), None)
-            if grad_output is None:
-                raise RuntimeError(
-                    f"rank {self.pp_rank}: {action} has no output gradient (no RECV_B and no "
-                    f"local stage {sched.next_stage(s)} backward before it)"
-                )
-        worker = self.workers[s]
-        if action.kind is Kind.B:
+        if sched.is_last_stage(s):
+            return None
+        self._wait_for(Kind.RECV_B, s, i, state)
+        grad_output = state.grad_outputs.pop((s, i), None)
+        if grad_output is None:
+            raise RuntimeError(
+                f"rank {self.pp_rank}: {action} has no output gradient (no RECV_B and no "
+                f"local stage {sched.next_stage(s)} backward before it)"
+            )
+        return grad_output
+
+    def _backward(self, action: Action, state: _StepState) -> None:
+        i = action.microbatch
+        grad_output = self._grad_output(action, state)
+        worker = self.workers[action.stage]
+        if self._on_streams(worker, state) and worker.has_tape(i):
+            assert self._combined is not None
+            grad_input = self._combined.backward(worker, action, grad_output)
+        elif action.kind is Kind.B:
             grad_input = worker.backward(i, grad_output)
         else:
             grad_input = worker.backward_input(i, grad_output)
+        self._backward_done(action, grad_input, state)
+
+    def _backward_done(
+        self, action: Action, grad_input: torch.Tensor | None, state: _StepState
+    ) -> None:
+        s, i = action.stage, action.microbatch
+        sched = self.schedule
         prev = sched.prev_stage(s)
         if prev is None:
             return

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from megapipe.overlap.plan import NodeRunner
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.runtime.split_backward import DeferredWeightGrad, input_backward
@@ -85,6 +86,11 @@ class StageWorker:
         """Microbatches whose activations are held (forward done, last backward step not yet)."""
         return len(self._stash)
 
+    def has_tape(self, microbatch: int) -> bool:
+        """Whether the stored forward of ``microbatch`` was recorded on the tape."""
+        entry = self._stash.get(microbatch)
+        return entry is not None and entry.tape is not None
+
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
@@ -94,13 +100,16 @@ class StageWorker:
         stage_input: Any,
         keep_graph: bool = True,
         tape: bool | None = None,
+        runner: NodeRunner | None = None,
     ) -> torch.Tensor:
         """Run the stage on ``stage_input``; with ``keep_graph`` stash what backward needs.
 
         A floating-point tensor input (a received activation) becomes a leaf that requires
         grad, so backward can return its gradient; other inputs (token ids) pass unchanged.
         ``tape`` overrides the worker's ``use_tape`` for this microbatch (both paths perform
-        the same operations, so they may be mixed freely).
+        the same operations, so they may be mixed freely). ``runner`` (a ``CombinedRunner``)
+        records the forward layer by layer instead, e.g. beside another microbatch's backward;
+        its ``tape`` is kept, and the caller calls ``runner.finish()`` afterwards.
         """
         if microbatch in self._stash:
             raise RuntimeError(
@@ -114,28 +123,45 @@ class StageWorker:
             stage_input = stage_input.detach().requires_grad_(True)
             leaves.append(stage_input)
         on_tape = self.use_tape if tape is None else tape
+        if runner is not None:
+            on_tape = True
         if on_tape and not self.can_tape:
             raise ValueError(
                 f"stage {self.stage}: {type(self.module).__name__} cannot run on the tape "
                 "(no layer_plans(), or no node_runner for a custom forward_fn)"
             )
-        output, recorded = self._record(stage_input, on_tape)
+        output, recorded = self._record(stage_input, on_tape, runner)
         self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=recorded)
         return output
 
-    def _record(self, stage_input: Any, on_tape: bool) -> tuple[torch.Tensor, Tape | None]:
+    @property
+    def routes_input_grads(self) -> bool:
+        """Whether this stage's tapes route input gradients on into the input (a custom
+        forward_fn may transform its input before the first layer) or only return them."""
+        return self.forward_fn is not module_forward
+
+    def _record(
+        self, stage_input: Any, on_tape: bool, runner: NodeRunner | None = None
+    ) -> tuple[torch.Tensor, Tape | None]:
         if not on_tape:
             return self.forward_fn(self.module, stage_input), None
-        if self.forward_fn is module_forward:
+        if runner is None and self.forward_fn is module_forward:
             outputs, tape = record_forward(self.module.layer_plans(), (stage_input,))
             return outputs[0], tape
-        runner = TapeRunner()
+        if runner is None:
+            runner = TapeRunner()
+        if self.forward_fn is module_forward:
+            values: tuple[Any, ...] = (stage_input,)
+            for plan in self.module.layer_plans():
+                values = runner.run_layer(plan, values)
+            return values[0], runner.tape  # type: ignore[attr-defined]
+        previous = getattr(self.module, "node_runner", None)
         self.module.node_runner = runner
         try:
             output = self.forward_fn(self.module, stage_input)
         finally:
-            self.module.node_runner = None
-        return output, runner.tape
+            self.module.node_runner = previous
+        return output, runner.tape  # type: ignore[attr-defined]
 
     def attach_loss(self, microbatch: int, scaled_loss: torch.Tensor) -> None:
         """On a last stage: backward starts from ``scaled_loss`` instead of the output."""
@@ -154,13 +180,13 @@ class StageWorker:
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
         """B: accumulate parameter gradients and return the input gradient (None on stage 0)."""
-        entry = self._stash.pop(microbatch, None)
+        entry = self._stash.get(microbatch)
         if entry is None:
             raise self._missing(microbatch, "B")
         if entry.tape is not None:
-            grads = self._output_grads(entry, grad_output)
-            entry.outputs = []
-            return self._tape_input_grad(entry, run_backward(entry.tape, grads))
+            tape, grads = self.backward_tape(microbatch, grad_output, "B")
+            return self.end_backward(microbatch, run_backward(tape, grads), None)
+        del self._stash[microbatch]
         if grad_output is None and entry.loss is not None:
             torch.autograd.backward([entry.loss])
         else:
@@ -173,11 +199,9 @@ class StageWorker:
         if entry.deferred is not None:
             raise RuntimeError(f"stage {self.stage}: I of microbatch {microbatch} ran twice")
         if entry.tape is not None:
-            grads = self._output_grads(entry, grad_output)
+            tape, grads = self.backward_tape(microbatch, grad_output, "I")
             queue = WeightGradQueue()
-            grad_inputs = run_backward(entry.tape, grads, wgrad=queue)
-            entry.deferred, entry.tape, entry.outputs, entry.loss = queue, None, [], None
-            return self._tape_input_grad(entry, grad_inputs)
+            return self.end_backward(microbatch, run_backward(tape, grads, wgrad=queue), queue)
         if grad_output is None and entry.loss is not None:
             outputs, grads = [entry.loss], [torch.ones_like(entry.loss)]
         else:
@@ -186,6 +210,36 @@ class StageWorker:
         leaves = entry.inputs
         entry.outputs, entry.inputs, entry.loss = [], [], None
         return grad_inputs[0] if leaves else None
+
+    def backward_tape(
+        self, microbatch: int, grad_output: torch.Tensor | None, what: str = "B"
+    ) -> tuple[Tape, list[torch.Tensor]]:
+        """The first half of a backward on the tape (B or I): the microbatch's tape and the
+        gradients of its outputs, for ``run_backward`` or a ``CombinedRunner``; then call
+        ``end_backward`` with the gradients of the tape's inputs."""
+        entry = self._entry(microbatch, what)
+        if entry.tape is None:
+            raise RuntimeError(
+                f"stage {self.stage}: {what} of microbatch {microbatch} needs its forward on the "
+                "tape, but it ran with plain autograd"
+            )
+        if entry.deferred is not None:
+            raise RuntimeError(f"stage {self.stage}: backward of microbatch {microbatch} ran twice")
+        grads = self._output_grads(entry, grad_output)
+        entry.outputs = []
+        return entry.tape, grads
+
+    def end_backward(
+        self, microbatch: int, grad_inputs: Any, deferred: WeightGradQueue | None
+    ) -> torch.Tensor | None:
+        """The second half: B (``deferred`` None) frees the stash entry; I keeps ``deferred``
+        (the queued weight gradients) for its W. Returns the stage's input gradient."""
+        entry = self._entry(microbatch, "the end of a backward")
+        if deferred is None:
+            del self._stash[microbatch]
+        else:
+            entry.deferred, entry.tape, entry.loss = deferred, None, None
+        return self._tape_input_grad(entry, grad_inputs)
 
     def backward_weight(self, microbatch: int) -> None:
         """W: accumulate the parameter gradients deferred by I and free the stash entry."""

@@ -1,7 +1,10 @@
 """The co-scheduler: one microbatch's forward beside another's backward, node by node.
 
 Forward layer k of microbatch i runs beside backward layer Nb-1-k of microbatch j (the
-backward walks its tape last layer first). Inside a pair of layers the nodes are issued in
+backward walks its tape last layer first), counting only layers with a comm node: a layer
+without one (dense, embedding, head) runs alone where it stands (a forward one at its turn, a
+backward one as soon as it is next), so the MoE layers of the two chunks pair up even when a
+chunk starts with an embedding or a dense layer. Inside a pair of layers the nodes are issued in
 *slots*: a comm node of one microbatch on the communication stream beside a compute node of the
 other on the compute stream. The rule, applied to the next node of each side:
 
@@ -22,7 +25,7 @@ Megatron's combined-1F1B order:
 | 6    |                      | F finish                                    |
 
 A dense layer (one compute node) pairs with nothing, so dense layers run without overlap, and
-so do leftover layers when the two chunks differ in depth. Whenever a backward comm node is in
+so do leftover layers when the two chunks differ in their number of MoE layers. Whenever a backward comm node is in
 flight, the queued deferred weight gradients (``delay_wgrad_compute``) run on the compute stream
 beside it; whatever is left runs in ``finish``.
 
@@ -170,9 +173,11 @@ class CombinedRunner:
         """Record one forward layer, co-scheduled with the next pending backward layer."""
         if self._finished:
             raise RuntimeError("CombinedRunner.run_layer after finish()")
-        f_layer = self.tape.begin_layer(self.plan_of(layer), tuple(inputs))
+        plan = self.plan_of(layer)
+        self._run_plain_backward_layers()
+        f_layer = self.tape.begin_layer(plan, tuple(inputs))
         forward = _Walk(self.tape, f_layer, "F", self.fwd_microbatch)
-        self._interleave(forward, self._next_backward())
+        self._interleave(forward, self._next_backward() if _has_comm(plan) else None)
         assert f_layer.outputs is not None
         return f_layer.outputs
 
@@ -186,7 +191,7 @@ class CombinedRunner:
             while (backward := self._next_backward()) is not None:
                 self._interleave(None, backward)
             if self.run_wgrad and self.wgrad is not None and len(self.wgrad):
-                self._slot_id += 1
+                self._next_slot()
                 self.streams.compute.submit(self._flush_wgrad, self._last_bwd_layer)
         finally:
             self.streams.synchronize()
@@ -195,6 +200,11 @@ class CombinedRunner:
         return self.bwd_tape.input_grads
 
     # ---- scheduling ----------------------------------------------------------------------
+    def _next_slot(self) -> None:
+        """A new issue slot: numbered by the trace when there is one (unique across runners
+        sharing it), else locally."""
+        self._slot_id = self.trace.new_slot() if self.trace is not None else self._slot_id + 1
+
     def _next_backward(self) -> _Walk | None:
         tape = self.bwd_tape
         if tape is None or tape.remaining_backward_layers() == 0:
@@ -204,6 +214,18 @@ class CombinedRunner:
         layer = tape.begin_layer_backward(grads, wgrad=self.wgrad)
         self._last_bwd_layer = layer.index
         return _Walk(tape, layer, "B", self.bwd_microbatch)
+
+    def _run_plain_backward_layers(self) -> None:
+        """Run the next backward layers that have no comm node alone, so that the next
+        backward layer (if any) is one that can hide the forward's all-to-alls."""
+        tape = self.bwd_tape
+        while tape is not None:
+            layer = tape.peek_backward_layer()
+            if layer is None or _has_comm([r.node for r in layer.nodes]):
+                return
+            backward = self._next_backward()
+            assert backward is not None
+            self._interleave(None, backward)
 
     def _interleave(self, forward: _Walk | None, backward: _Walk | None) -> None:
         while True:
@@ -227,7 +249,7 @@ class CombinedRunner:
         if node.kind == NodeKind.COMM:
             self._slot(walk, None)
         else:
-            self._slot_id += 1
+            self._next_slot()
             self.streams.compute.submit(self._traced(walk, self.streams.compute))
 
     def _slot(self, comm: _Walk, compute: _Walk | None) -> None:
@@ -235,7 +257,7 @@ class CombinedRunner:
         streams = self.streams
         node = comm.node
         assert node is not None
-        self._slot_id += 1
+        self._next_slot()
         streams.claim(node.group, streams.comm)
         streams.comm.wait_event(streams.compute.record_event())
         streams.comm.hold(comm.pending_inputs())
@@ -282,6 +304,10 @@ class CombinedRunner:
             self.bwd_microbatch, layer_index, "wgrad", "W", stream, "compute", self._slot_id
         ):
             self.wgrad.run()
+
+
+def _has_comm(plan: Sequence[Node]) -> bool:
+    return any(node.kind == NodeKind.COMM for node in plan)
 
 
 def _quietly_wait(event: Event) -> None:

@@ -209,6 +209,13 @@ class Tape:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def peek_backward_layer(self) -> LayerRecord | None:
+        """The layer whose backward runs next (None when every layer's backward ran)."""
+        for layer in reversed(self.layers):
+            if not layer.backward_done:
+                return layer
+        return None
+
     def remaining_backward_layers(self) -> int:
         return sum(1 for layer in self.layers if not layer.backward_done)
 

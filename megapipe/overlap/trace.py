@@ -44,6 +44,7 @@ class NodeTrace:
         self.clock = clock
         self.spans: list[NodeSpan] = []
         self._lock = threading.Lock()
+        self._slots = 0
 
     @contextmanager
     def span(
@@ -65,6 +66,13 @@ class NodeTrace:
                 self.spans.append(
                     NodeSpan(microbatch, layer, node, direction, stream, kind, start, end, slot)
                 )
+
+    def new_slot(self) -> int:
+        """A slot number never handed out before by this trace (co-schedulers sharing one
+        trace number their slots from here, so ``slots()`` never mixes two runners)."""
+        with self._lock:
+            self._slots += 1
+            return self._slots
 
     def clear(self) -> None:
         with self._lock:

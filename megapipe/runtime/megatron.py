@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from megapipe.parallel.groups import ProcessGroups
-from megapipe.runtime.executor import PipelineExecutor
+from megapipe.runtime.executor import PipelineExecutor, StepResult
 from megapipe.runtime.p2p import TensorSpec
 from megapipe.schedule import Kind, Schedule, build_schedule
 
@@ -97,6 +97,8 @@ class MegatronForwardBackward:
         calculate_per_token_loss: bool,
         reduce_grads: bool,
         schedule_options: dict[str, Any],
+        delay_wgrad_compute: bool = False,
+        record_trace: bool = False,
     ) -> None:
         for name, value in (("pp", pp), ("vpp", vpp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +115,14 @@ class MegatronForwardBackward:
         self.dtype = dtype
         self.timeout = timeout
         self.overlap = overlap
+        if delay_wgrad_compute and not overlap:
+            raise ValueError(
+                "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
+                "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
+            )
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.record_trace = record_trace
+        self.last_result: StepResult | None = None  # the executor's StepResult of the last call
         self.calculate_per_token_loss = calculate_per_token_loss
         self.reduce_grads = reduce_grads
         self.schedule_options = dict(schedule_options)
@@ -159,7 +169,7 @@ class MegatronForwardBackward:
                         if stage in schedule.stages_for(i):
                             slots[i] = _Slot(stage, i)
             placeholders = [None] * num_microbatches
-            executor.step(placeholders, slots, forward_only=forward_only)
+            self.last_result = executor.step(placeholders, slots, forward_only=forward_only)
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -211,6 +221,8 @@ class MegatronForwardBackward:
             forward_fn=self._forward,
             timeout=self.timeout,
             pp_group=self.groups.pp if self.groups is not None else None,
+            delay_wgrad_compute=self.delay_wgrad_compute,
+            record_trace=self.record_trace,
         )
         self._executors[key] = (executor, stages)
         return executor, stages
@@ -231,6 +243,11 @@ class MegatronForwardBackward:
                     f"{mbs}; the Megatron front end needs microbatch order (the data iterator "
                     "is read once per forward)"
                 )
+
+    def close(self) -> None:
+        """Stop the executors' communication streams (combined schedules)."""
+        for executor, _ in self._executors.values():
+            executor.close()
 
     # -------------------------------------------------------------- executor hooks
     def _forward(self, chunk: nn.Module, stage_input: Any) -> torch.Tensor:
@@ -291,16 +308,30 @@ def get_forward_backward_func(
     overlap: bool = False,
     calculate_per_token_loss: bool = False,
     reduce_grads: bool = True,
+    overlap_moe_expert_parallel_comm: bool = False,
+    delay_wgrad_compute: bool = False,
+    record_trace: bool = False,
     **schedule_options: Any,
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
 
     ``pp``/``vpp``/``schedule`` pick the schedule (see the module docstring); ``groups`` (from
     ``megapipe.parallel.create_groups``) give the pipeline, data- and expert-parallel groups,
-    otherwise the default group is the pipeline. ``overlap=True`` asks for the combined
-    forward/backward schedule. Extra keyword arguments are schedule options.
+    otherwise the default group is the pipeline. ``overlap_moe_expert_parallel_comm=True``
+    (Megatron's flag; ``overlap=True`` is the same) picks the combined variant of the schedule:
+    one microbatch's forward co-scheduled with another's backward, layer by layer, so the
+    expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
+    overlap) defers expert weight gradients into the time of a backward all-to-all. With
+    ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
+    ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
+
+    The user's ``forward_step_func`` drives the forward: the front end installs the
+    co-scheduler as the chunk's ``node_runner`` around that call (and restores it after), so a
+    chunk whose ``forward`` runs its layer plans through ``self.node_runner`` (as ``GPTStage``
+    does) overlaps; one without ``layer_plans()``/``node_runner`` runs F then B (warned once).
     """
     return MegatronForwardBackward(
-        pp, vpp, schedule, groups, hidden_size, layout, dtype, timeout, overlap,
-        calculate_per_token_loss, reduce_grads, schedule_options,
+        pp, vpp, schedule, groups, hidden_size, layout, dtype, timeout,
+        overlap or overlap_moe_expert_parallel_comm, calculate_per_token_loss, reduce_grads,
+        schedule_options, delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
     )

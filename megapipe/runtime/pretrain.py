@@ -50,7 +50,7 @@ from megapipe.runtime.data import (
     split_corpus,
     validation_batches,
 )
-from megapipe.runtime.executor import PipelineExecutor
+from megapipe.runtime.executor import PipelineExecutor, StepResult
 from megapipe.runtime.logging import NonFiniteLossError, TrainingLogger, check_finite_loss
 from megapipe.runtime.optim import (
     LRSchedule,
@@ -94,6 +94,16 @@ def _global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:
     return float(local[0] / local[1]) if local[1] > 0 else float("nan")
 
 
+def _exposed_a2a(step: StepResult, device: torch.device) -> float | None:
+    """Share of all ranks' all-to-all time during which no compute ran (from the node traces)."""
+    local = torch.zeros(2, dtype=torch.float64, device=device)
+    if step.a2a_time is not None and step.exposed_comm_fraction is not None:
+        local[0] = step.a2a_time * step.exposed_comm_fraction
+        local[1] = step.a2a_time
+    dist.all_reduce(local)
+    return float(local[0] / local[1]) if local[1] > 0 else None
+
+
 def _moe_layers(stages: dict[int, torch.nn.Module]) -> list[torch.nn.Module]:
     return [layer for stage in stages.values() for layer in stage.moe_layers()]
 
@@ -129,19 +139,8 @@ def _to(batch: list[Microbatch], device: torch.device) -> tuple[list[torch.Tenso
     return [t.to(device) for t, _ in batch], [lab.to(device) for _, lab in batch]
 
 
-def _not_implemented(args: PretrainArgs) -> str | None:
-    """What the run asks for that the executor cannot do yet (None: everything is there)."""
-    if args.delay_wgrad_compute:
-        return ("--delay-wgrad-compute: the pipeline executor does not take deferred weight "
-                "gradients into its combined steps yet")
-    return None
-
-
 def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed)."""
-    missing = _not_implemented(args)
-    if missing:
-        raise NotImplementedError(missing)
     if not dist.is_initialized():
         init_distributed()
     rank = dist.get_rank()
@@ -168,6 +167,8 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
         spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size)),
+        delay_wgrad_compute=args.delay_wgrad_compute,
+        record_trace=args.overlap_moe_expert_parallel_comm,
     )
     files = resolve_data_files(args.data_path)
     splits = split_corpus(load_tokens(files), args.seq_length)
@@ -227,6 +228,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             step = executor.step(tokens, labels)
             loss = _global_mean(list(step.losses.values()), device)
             aux = _global_mean(_pop_aux(stages), device)
+            exposed = _exposed_a2a(step, device) if executor.record_trace else None
             check_finite_loss(loss, iteration + 1)
             lr = lr_schedule.step(optimizer)
             norm = global_grad_norm(norm_params, groups.pp, groups.ep, device)
@@ -239,7 +241,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             result.grad_norms.append(norm)
             logger.record(iteration, loss=loss, aux_loss=aux if aux == aux else None, lr=lr,
                           grad_norm=norm, step_time=elapsed, tokens=tokens_per_iter,
-                          exposed_a2a=None)
+                          exposed_a2a=exposed)
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(executor, stages, valid, device)
                 logger.evaluation(iteration, result.valid_losses[iteration])
@@ -327,10 +329,6 @@ def main_from_namespace(ns: argparse.Namespace) -> int:
 
 def run(args: PretrainArgs) -> int:
     """Check a checkpoint to resume from, then train as this rank or start the ranks here."""
-    missing = _not_implemented(args)
-    if missing:
-        print(f"megapipe pretrain: error: not implemented: {missing}", file=sys.stderr)
-        return 2
     try:
         if args.load is not None and latest_iteration(args.load) is not None:
             check_layout(args.load, checkpoint_layout(args))

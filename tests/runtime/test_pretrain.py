@@ -33,6 +33,8 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
     assert any("schedule interleaved-1f1b with overlap" in line for line in lines), lines
     assert any(line.startswith("iter 8/8 | loss") for line in lines), lines
     assert 0 < results[0].aux_losses[0] < 1
+    # the overlap engine's node traces give the exposed all-to-all fraction
+    assert any(line.startswith("iter 8/8") and "exposed a2a n/a" not in line for line in lines)
 
 
 def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):
@@ -109,7 +111,8 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     reference = rank_pools(4).run(
         _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
     )[0].losses
-    for flags in (["--pipeline-schedule", "interleaved-1f1b"], ["--pipeline-schedule", "zbv"],
+    for flags in (["--pipeline-schedule", "interleaved-1f1b"], ["--delay-wgrad-compute"],
+                  ["--pipeline-schedule", "zbv"],
                   ["--pipeline-schedule", "dualpipev"], ["--pipeline-schedule", "dualpipe"],
                   ["--pipeline-schedule", "zb1p", "--no-overlap-moe-expert-parallel-comm"]):
         losses = rank_pools(4).run(_train, base + flags)[0].losses

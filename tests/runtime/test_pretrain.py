@@ -111,8 +111,11 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     reference = rank_pools(4).run(
         _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
     )[0].losses
-    for flags in (["--pipeline-schedule", "interleaved-1f1b"], ["--delay-wgrad-compute"],
-                  ["--pipeline-schedule", "zbv"],
+    interleaved = rank_pools(4).run(_train, base)[0].losses
+    assert interleaved == pytest.approx(reference, rel=1e-6)
+    # deferring the expert weight gradients changes when they run, not the bits
+    assert rank_pools(4).run(_train, base + ["--delay-wgrad-compute"])[0].losses == interleaved
+    for flags in (["--pipeline-schedule", "zbv"],
                   ["--pipeline-schedule", "dualpipev"], ["--pipeline-schedule", "dualpipe"],
                   ["--pipeline-schedule", "zb1p", "--no-overlap-moe-expert-parallel-comm"]):
         losses = rank_pools(4).run(_train, base + flags)[0].losses

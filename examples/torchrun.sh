@@ -25,7 +25,7 @@ if [ "$NNODES" -eq 1 ]; then
   exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 \
     --nproc-per-node="$NPROC_PER_NODE" examples/pretrain_moe_gpt.py "$@"
 fi
-: "${MASTER_ADDR:?set MASTER_ADDR to the first node's address for a multi-node run}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node for a multi-node run}"
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}" \
   --rdzv-id="${RDZV_ID:-megapipe}" examples/pretrain_moe_gpt.py "$@"

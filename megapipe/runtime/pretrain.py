@@ -250,7 +250,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
                                           batches, layout, groups, schedule.name))
                 last_saved = iteration
                 say(f"saved checkpoint {result.saved[-1]}")
-        if args.save and last_saved != iteration:
+        if args.save and result.losses and last_saved != iteration:
             result.saved.append(_save(args, iteration, stages, optimizer, lr_schedule, batches,
                                       layout, groups, schedule.name))
             say(f"saved checkpoint {result.saved[-1]}")

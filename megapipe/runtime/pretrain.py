@@ -260,6 +260,7 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
                 f"{result.losses[-1]:.4f}")
     finally:
         logger.close()
+        executor.close()  # its communication-stream thread
     return result
 
 

@@ -14,6 +14,7 @@ other; lowering uses its times to decide where a receive is posted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .ir import BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule
 
@@ -151,9 +152,41 @@ class Timeline:
 
 
 def _duration(action: Action, durations: dict) -> float:
-    if action.kind is Kind.OVERLAP and Kind.OVERLAP in durations:
+    if action.kind is not Kind.OVERLAP:
+        return durations[action.kind]
+    if Kind.OVERLAP in durations:
         return durations[Kind.OVERLAP]
-    return sum(durations[c.kind] for c in action.computations())
+    forward, backward = action.sub_actions
+    return durations[forward.kind] + durations[backward.kind]
+
+
+class _Step(NamedTuple):
+    """One action as ``timeline`` sees it, worked out once: what it needs, makes, and costs."""
+
+    needs: list[Product]
+    makes: list[Product]
+    duration: float
+
+
+def _step(schedule: Schedule, action: Action, durations: dict) -> _Step:
+    """The needs, products and duration of one action (an OVERLAP's halves together)."""
+    needs: list[Product] = []
+    makes: list[Product] = []
+    for comp in action.computations():
+        needs += needs_of(schedule, comp)
+        makes.append(product_of(comp))
+    return _Step(needs, makes, _duration(action, durations))
+
+
+def _start_time(step: _Step, made: dict[Product, float], free: float) -> float | None:
+    """When ``step`` can start on a rank free from ``free``, or None while a need is not made."""
+    begin = free
+    for need in step.needs:
+        made_at = made.get(need)
+        if made_at is None:
+            return None
+        begin = max(begin, made_at)
+    return begin
 
 
 def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:
@@ -176,6 +209,8 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
                 raise ValueError(
                     f"timeline runs compute-only schedules; rank {rank} holds {action}"
                 )
+    # Worked out once per action: the sweep below may visit a blocked action several times.
+    steps = [[_step(schedule, action, durations) for action in row] for row in rows]
     made: dict[Product, float] = {}
     start = [[-1.0] * len(row) for row in rows]
     end = [[-1.0] * len(row) for row in rows]
@@ -184,16 +219,15 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     progressed = True
     while progressed:
         progressed = False
-        for rank, row in enumerate(rows):
+        for rank, row in enumerate(steps):
             while cursor[rank] < len(row):
-                action = row[cursor[rank]]
-                needs = [n for c in action.computations() for n in needs_of(schedule, c)]
-                if any(n not in made for n in needs):
+                step = row[cursor[rank]]
+                begin = _start_time(step, made, free[rank])
+                if begin is None:
                     break
-                begin = max([free[rank]] + [made[n] for n in needs])
-                finish = begin + _duration(action, durations)
-                for comp in action.computations():
-                    made[product_of(comp)] = finish
+                finish = begin + step.duration
+                for product in step.makes:
+                    made[product] = finish
                 start[rank][cursor[rank]], end[rank][cursor[rank]] = begin, finish
                 free[rank] = finish
                 cursor[rank] += 1

@@ -23,12 +23,15 @@ EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 
 from megapipe.parallel.config import ParallelConfig
 
 Groups = tuple[tuple[int, ...], ...]
+# The four kinds of group, in the order they are created.
+GROUP_NAMES = ("pp", "dp", "ep", "expert_dp")
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class RankLayout:
         self.coordinates(rank)
         return {
             name: next(g for g in getattr(self, f"{name}_groups") if rank in g)
-            for name in ("pp", "dp", "ep", "expert_dp")
+            for name in GROUP_NAMES
         }
 
 
@@ -145,23 +148,38 @@ def create_groups(config: ParallelConfig, backend: str | None = None) -> Process
     config.check_world_size(dist.get_world_size())
     layout = rank_layout(config)
     me = dist.get_rank()
-    mine: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
-    for name in ("pp", "dp", "ep", "expert_dp"):
+    mine: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+    for name in GROUP_NAMES:
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
             group = dist.new_group(list(ranks), backend=backend)
             if me in ranks:
-                mine[name] = (group, ranks)
+                mine[(name, ranks)] = group
+    return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])
+
+
+def assemble_groups(
+    layout: RankLayout,
+    rank: int,
+    group_of: Callable[[str, tuple[int, ...]], dist.ProcessGroup],
+) -> ProcessGroups:
+    """``rank``'s ProcessGroups, with ``group_of(name, ranks)`` giving the torch group of each of
+    its four groups (``name`` in ``GROUP_NAMES``).
+
+    ``create_groups`` builds the groups itself; a caller that created them otherwise (for
+    instance once, over part of a larger world) assembles the same object from its own.
+    """
+    mine = layout.groups_of(rank)
     return ProcessGroups(
-        config=config,
+        config=layout.config,
         layout=layout,
-        coordinates=layout.coordinates(me),
-        pp=mine["pp"][0],
-        dp=mine["dp"][0],
-        ep=mine["ep"][0],
-        expert_dp=mine["expert_dp"][0],
-        pp_ranks=mine["pp"][1],
-        dp_ranks=mine["dp"][1],
-        ep_ranks=mine["ep"][1],
-        expert_dp_ranks=mine["expert_dp"][1],
+        coordinates=layout.coordinates(rank),
+        pp=group_of("pp", mine["pp"]),
+        dp=group_of("dp", mine["dp"]),
+        ep=group_of("ep", mine["ep"]),
+        expert_dp=group_of("expert_dp", mine["expert_dp"]),
+        pp_ranks=mine["pp"],
+        dp_ranks=mine["dp"],
+        ep_ranks=mine["ep"],
+        expert_dp_ranks=mine["expert_dp"],
     )

@@ -17,7 +17,7 @@ from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.parallel.config import ParallelConfig
-from megapipe.parallel.groups import ProcessGroups, rank_layout
+from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_layout
 from megapipe.runtime.executor import PipelineExecutor
 from megapipe.runtime.rank_plan import in_flight_limit
 from megapipe.runtime.p2p import TensorSpec
@@ -67,7 +67,6 @@ class Case:
 # A pool process keeps its groups for its whole life, one per rank set: every rank of the pool
 # creates every group (torch's rule for new_group), in the same order, before any case runs.
 _GROUPS_BY_RANKS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_GROUP_KINDS = ("pp", "dp", "ep", "expert_dp")
 
 
 def prepare_groups(configs: list[ParallelConfig]) -> None:
@@ -76,7 +75,7 @@ def prepare_groups(configs: list[ParallelConfig]) -> None:
         {
             tuple(ranks)
             for config in configs
-            for kind in _GROUP_KINDS
+            for kind in GROUP_NAMES
             for ranks in getattr(rank_layout(config), f"{kind}_groups")
         }
     )
@@ -88,25 +87,8 @@ def prepare_groups(configs: list[ParallelConfig]) -> None:
 def subworld_groups(config: ParallelConfig) -> ProcessGroups:
     """``create_groups`` for the first ``config.world_size`` ranks of a larger pool."""
     prepare_groups([config])
-    layout = rank_layout(config)
-    me = dist.get_rank()
-    mine = {}
-    for name in _GROUP_KINDS:
-        for ranks in getattr(layout, f"{name}_groups"):
-            if me in ranks:
-                mine[name] = (_GROUPS_BY_RANKS[tuple(ranks)], ranks)
-    return ProcessGroups(
-        config=config,
-        layout=layout,
-        coordinates=layout.coordinates(me),
-        pp=mine["pp"][0],
-        dp=mine["dp"][0],
-        ep=mine["ep"][0],
-        expert_dp=mine["expert_dp"][0],
-        pp_ranks=mine["pp"][1],
-        dp_ranks=mine["dp"][1],
-        ep_ranks=mine["ep"][1],
-        expert_dp_ranks=mine["expert_dp"][1],
+    return assemble_groups(
+        rank_layout(config), dist.get_rank(), lambda name, ranks: _GROUPS_BY_RANKS[ranks]
     )
 
 

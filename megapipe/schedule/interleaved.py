@@ -27,6 +27,16 @@ def megatron_chunk_order(
     return order
 
 
+def megatron_orders(
+    num_microbatches: int, vpp: int, group_size: int
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (microbatch, chunk) orders of a rank's forwards and backwards: ``megatron_chunk_order``,
+    and the same with the chunks reversed (a microbatch comes back through the last chunk first).
+    """
+    forwards = megatron_chunk_order(num_microbatches, vpp, group_size)
+    return forwards, [(mb, vpp - 1 - chunk) for mb, chunk in forwards]
+
+
 def megatron_warmup(rank: int, pp: int, vpp: int, group_size: int, total: int) -> int:
     """Megatron's interleaved warmup: ``2 (pp - rank - 1) + (vpp - 1) group_size`` forwards.
 
@@ -52,8 +62,7 @@ def interleaved_1f1b(
     if vpp == 1:
         plain = one_f_one_b(pp, num_microbatches)
         return plain.replace_actions(plain.actions, name="interleaved-1f1b")
-    forwards = megatron_chunk_order(num_microbatches, vpp, group)
-    backwards = [(mb, vpp - 1 - chunk) for mb, chunk in forwards]
+    forwards, backwards = megatron_orders(num_microbatches, vpp, group)
     total = len(forwards)
     actions = []
     for rank in range(pp):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .interleaved import megatron_chunk_order
+from .interleaved import megatron_orders
 from .ir import Action, Kind, Schedule, loop_placement, v_placement
 
 
@@ -29,8 +29,7 @@ def zb1p(
     cooldown have the most W's left to fill the wait.
     """
     group = microbatch_group_size_per_vp_stage or pp
-    forwards = megatron_chunk_order(num_microbatches, vpp, group)
-    backwards = [(mb, vpp - 1 - chunk) for mb, chunk in forwards]
+    forwards, backwards = megatron_orders(num_microbatches, vpp, group)
     total = len(forwards)
     actions = []
     for rank in range(pp):

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .deps import Product, missing_needs, timeline
 from .errors import ScheduleError
-from .ir import BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule
+from .ir import COMM_KINDS, Action, Kind, Schedule
+from .overlap import pair_is_independent
 
 # Where a computation sits on its rank: (index in the rank's list, 0 for an F half / 1 for a
 # backward half of an OVERLAP), so the forward half of a pair counts as the earlier one.
@@ -85,7 +87,7 @@ def _check_pairs(schedule: Schedule) -> None:
         for action in row:
             if action.kind is not Kind.OVERLAP:
                 continue
-            if action.forward.microbatch == action.backward.microbatch:
+            if not pair_is_independent(action.forward, action.backward):
                 raise ScheduleError(
                     "the two halves of an OVERLAP must be different microbatches (a backward of "
                     "a microbatch needs its own forward to have finished)",
@@ -176,74 +178,34 @@ def _check_rank_order(
             )
 
 
-def _needs(schedule: Schedule, comp: Action) -> Action | None:
-    """The computation on another position that ``comp`` needs finished first (None if none).
-
-    Backward dependencies are written with ``Kind.B`` for "B or I" (both produce the input
-    gradient); ``_check_progress`` tracks them that way.
-    """
-    stage, mb = comp.stage, comp.microbatch
-    if comp.kind is Kind.F:
-        before = schedule.prev_stage(stage)
-        return None if before is None else Action(before, Kind.F, mb)
-    if comp.kind is Kind.W:
-        return Action(stage, Kind.B, mb)
-    after = schedule.next_stage(stage)
-    return Action(after, Kind.B, mb) if after is not None else Action(stage, Kind.F, mb)
-
-
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list in order against the cross-stage dependencies; find stuck ranks."""
-    done: set[tuple[int, Kind, int]] = set()
-
-    def key(comp: Action) -> tuple[int, Kind, int]:
-        kind = Kind.B if comp.kind in BACKWARD_KINDS else comp.kind
-        return comp.stage, kind, comp.microbatch
-
-    def ready(comp: Action) -> bool:
-        need = _needs(schedule, comp)
-        if need is None:
-            return True
-        # A backward also needs its own forward; the cross-stage need implies it except on the
-        # last stage, where _needs returns the forward itself.
-        if comp.kind in BACKWARD_KINDS and (comp.stage, Kind.F, comp.microbatch) not in done:
-            return False
-        return key(need) in done
-
     rows = [[a for a in row if a.kind not in COMM_KINDS] for row in schedule.actions]
-    cursor = [0] * len(rows)
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, row in enumerate(rows):
-            while cursor[rank] < len(row):
-                comps = row[cursor[rank]].computations()
-                if not all(ready(c) for c in comps):
-                    break
-                done.update(key(c) for c in comps)
-                cursor[rank] += 1
-                progressed = True
-    stuck = [rank for rank, row in enumerate(rows) if cursor[rank] < len(row)]
-    if stuck:
-        waits = []
-        for rank in stuck:
-            action = rows[rank][cursor[rank]]
-            blocked = [c for c in action.computations() if not ready(c)]
-            needs = ", ".join(_describe_need(schedule, c, done) for c in blocked)
-            waits.append(f"rank {rank} at {action} waits for {needs}")
-        raise ScheduleError(
-            "the ranks' orders wait on each other in a cycle (dependency order across stages): "
-            + "; ".join(waits),
-            stuck[0], rows[stuck[0]][cursor[stuck[0]]],
-        )
+    run = timeline(schedule.replace_actions(rows))
+    if not run.stuck:
+        return
+    waits = []
+    for rank, index in run.stuck.items():
+        action = rows[rank][index]
+        blocked = [c for c in action.computations() if missing_needs(schedule, c, run.made)]
+        needs = ", ".join(_describe_need(schedule, c, run.made) for c in blocked)
+        waits.append(f"rank {rank} at {action} waits for {needs}")
+    first_rank, first_index = next(iter(run.stuck.items()))
+    raise ScheduleError(
+        "the ranks' orders wait on each other in a cycle (dependency order across stages): "
+        + "; ".join(waits),
+        first_rank, rows[first_rank][first_index],
+    )
 
 
-def _describe_need(schedule: Schedule, comp: Action, done: set) -> str:
-    if comp.kind in BACKWARD_KINDS and (comp.stage, Kind.F, comp.microbatch) not in done:
-        return str(Action(comp.stage, Kind.F, comp.microbatch))
-    need = _needs(schedule, comp)
-    text = f"{need.stage}B/I{need.microbatch}" if need.kind is Kind.B else str(need)
-    return f"{text} on rank {schedule.stage_to_rank[need.stage]}"
+def _describe_need(schedule: Schedule, comp: Action, made: dict[Product, float]) -> str:
+    """The first product ``comp`` still waits for; a backward's own forward runs on its own
+    rank, so no rank is named for it."""
+    kind, stage, mb = missing_needs(schedule, comp, made)[0]
+    if kind == "F" and stage == comp.stage:
+        return f"{stage}F{mb}"
+    text = f"{stage}B/I{mb}" if kind == "G" else f"{stage}{kind}{mb}"
+    return f"{text} on rank {schedule.stage_to_rank[stage]}"
 
 
 def _check_lowered_run(schedule: Schedule) -> None:

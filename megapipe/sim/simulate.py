@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schedule.deps import Product, needs_of, product_of
 from ..schedule.errors import ScheduleError
 from ..schedule.ir import Action, Kind, Schedule
 from .costs import Costs
 from .steps import COMM, COMPUTE, Segment, time_step
-
-_Key = tuple[str, int, int]  # ("F" | "B" | "W", stage, microbatch); "B" also stands for I
-
 
 @dataclass(frozen=True)
 class TimedAction:
@@ -111,26 +109,9 @@ class SimResult:
         return "\n".join(lines)
 
 
-def _key(action: Action) -> _Key:
-    letter = "F" if action.kind is Kind.F else "W" if action.kind is Kind.W else "B"
-    return (letter, action.stage, action.microbatch)
-
-
-def _key_text(key: _Key) -> str:
-    letter, stage, mb = key
-    return f"{stage}{'B/I' if letter == 'B' else letter}{mb}"
-
-
-def _needs(schedule: Schedule, action: Action) -> list[_Key]:
-    """The actions whose results ``action`` (a plain compute action) consumes."""
-    stage, mb = action.stage, action.microbatch
-    if action.kind is Kind.F:
-        prev = schedule.prev_stage(stage)
-        return [] if prev is None else [("F", prev, mb)]
-    if action.kind is Kind.W:
-        return [("B", stage, mb)]
-    nxt = schedule.next_stage(stage)
-    return [("F", stage, mb)] + ([] if nxt is None else [("B", nxt, mb)])
+def _product_text(product: Product) -> str:
+    kind, stage, mb = product
+    return f"{stage}{'B/I' if kind == 'G' else kind}{mb}"
 
 
 def _check_action(schedule: Schedule, rank: int, action: Action) -> None:
@@ -205,13 +186,13 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         for action in row:
             _check_action(schedule, rank, action)
 
-    done: dict[_Key, float] = {}
-    placed: dict[_Key, tuple[int, Action]] = {}
+    done: dict[Product, float] = {}
+    placed: dict[Product, tuple[int, Action]] = {}
     position = [0] * len(rows)
     free_at = [0.0] * len(rows)
     timeline: list[TimedAction] = []
 
-    def arrival(rank: int, key: _Key) -> float | None:
+    def arrival(rank: int, key: Product) -> float | None:
         if key not in done:
             return None
         remote = schedule.stage_to_rank[key[1]] != rank
@@ -223,7 +204,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         for rank, row in enumerate(rows):
             while position[rank] < len(row):
                 action = row[position[rank]]
-                needs = [k for comp in action.computations() for k in _needs(schedule, comp)]
+                needs = [k for comp in action.computations() for k in needs_of(schedule, comp)]
                 arrivals = [arrival(rank, k) for k in needs]
                 if any(t is None for t in arrivals):
                     break
@@ -235,11 +216,12 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
                     halves = tuple(_half(rank, h, segments) for h in action.computations())
                 timeline.append(TimedAction(rank, action, start, end, halves, segments))
                 for comp in action.computations():
-                    key = _key(comp)
+                    key = product_of(comp)
                     if key in placed:
                         first_rank, first = placed[key]
                         raise ScheduleError(
-                            f"{_key_text(key)} runs twice (also in {first} on rank {first_rank})",
+                            f"{_product_text(key)} runs twice "
+                            f"(also in {first} on rank {first_rank})",
                             rank,
                             action,
                         )
@@ -255,9 +237,9 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         for r in stuck:
             action = rows[r][position[r]]
             missing = [
-                _key_text(k)
+                _product_text(k)
                 for comp in action.computations()
-                for k in _needs(schedule, comp)
+                for k in needs_of(schedule, comp)
                 if k not in done
             ]
             waits.append(f"rank {r} at {action} waits for {', '.join(missing)}")

@@ -14,7 +14,7 @@ other; lowering uses its times to decide where a receive is posted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from .ir import BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule
 
@@ -189,6 +189,26 @@ def _start_time(step: _Step, made: dict[Product, float], free: float) -> float |
     return begin
 
 
+def run_in_rank_order(
+    rows: Sequence[Sequence[object]], try_run: Callable[[int, int], bool]
+) -> dict[int, int]:
+    """Run each rank's list in order, as far as its dependencies allow.
+
+    Sweeps the ranks round robin; on each rank ``try_run(rank, index)`` runs the next action and
+    returns True, or returns False when the action must wait (nothing run). Sweeps until no rank
+    moves; returns ``{rank: index it waits at}`` for each rank that did not finish.
+    """
+    cursor = [0] * len(rows)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, row in enumerate(rows):
+            while cursor[rank] < len(row) and try_run(rank, cursor[rank]):
+                cursor[rank] += 1
+                progressed = True
+    return {rank: cursor[rank] for rank, row in enumerate(rows) if cursor[rank] < len(row)}
+
+
 def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:
     """Run a compute-only schedule: each rank runs its list in order, each action starting once
     its rank is free and every product it needs is made (on any rank).
@@ -209,30 +229,26 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
                 raise ValueError(
                     f"timeline runs compute-only schedules; rank {rank} holds {action}"
                 )
-    # Worked out once per action: the sweep below may visit a blocked action several times.
+    # Worked out once per action: run_in_rank_order may try a blocked action several times.
     steps = [[_step(schedule, action, durations) for action in row] for row in rows]
     made: dict[Product, float] = {}
     start = [[-1.0] * len(row) for row in rows]
     end = [[-1.0] * len(row) for row in rows]
-    cursor = [0] * len(rows)
     free = [0.0] * len(rows)
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank, row in enumerate(steps):
-            while cursor[rank] < len(row):
-                step = row[cursor[rank]]
-                begin = _start_time(step, made, free[rank])
-                if begin is None:
-                    break
-                finish = begin + step.duration
-                for product in step.makes:
-                    made[product] = finish
-                start[rank][cursor[rank]], end[rank][cursor[rank]] = begin, finish
-                free[rank] = finish
-                cursor[rank] += 1
-                progressed = True
-    stuck = {rank: cursor[rank] for rank, row in enumerate(rows) if cursor[rank] < len(row)}
+
+    def try_run(rank: int, index: int) -> bool:
+        step = steps[rank][index]
+        begin = _start_time(step, made, free[rank])
+        if begin is None:
+            return False
+        finish = begin + step.duration
+        for product in step.makes:
+            made[product] = finish
+        start[rank][index], end[rank][index] = begin, finish
+        free[rank] = finish
+        return True
+
+    stuck = run_in_rank_order(steps, try_run)
     return Timeline(tuple(map(tuple, start)), tuple(map(tuple, end)), stuck, made)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule.deps import Product, needs_of, product_of
+from ..schedule.deps import Product, missing_needs, needs_of, product_of, run_in_rank_order
 from ..schedule.errors import ScheduleError
 from ..schedule.ir import Action, Kind, Schedule
 from .costs import Costs
@@ -188,7 +188,6 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
 
     done: dict[Product, float] = {}
     placed: dict[Product, tuple[int, Action]] = {}
-    position = [0] * len(rows)
     free_at = [0.0] * len(rows)
     timeline: list[TimedAction] = []
 
@@ -198,50 +197,39 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         remote = schedule.stage_to_rank[key[1]] != rank
         return done[key] + (costs.p2p_latency if remote else 0.0)
 
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in enumerate(rows):
-            while position[rank] < len(row):
-                action = row[position[rank]]
-                needs = [k for comp in action.computations() for k in needs_of(schedule, comp)]
-                arrivals = [arrival(rank, k) for k in needs]
-                if any(t is None for t in arrivals):
-                    break
-                start = max([free_at[rank]] + arrivals)
-                segments = time_step(action, start, costs)
-                end = max([start] + [s.end for s in segments])
-                halves = ()
-                if action.kind is Kind.OVERLAP:
-                    halves = tuple(_half(rank, h, segments) for h in action.computations())
-                timeline.append(TimedAction(rank, action, start, end, halves, segments))
-                for comp in action.computations():
-                    key = product_of(comp)
-                    if key in placed:
-                        first_rank, first = placed[key]
-                        raise ScheduleError(
-                            f"{_product_text(key)} runs twice "
-                            f"(also in {first} on rank {first_rank})",
-                            rank,
-                            action,
-                        )
-                    placed[key] = (rank, action)
-                    done[key] = end
-                free_at[rank] = end
-                position[rank] += 1
-                progress = True
+    def try_run(rank: int, index: int) -> bool:
+        action = rows[rank][index]
+        needs = [k for comp in action.computations() for k in needs_of(schedule, comp)]
+        arrivals = [arrival(rank, k) for k in needs]
+        if any(t is None for t in arrivals):
+            return False
+        start = max([free_at[rank]] + arrivals)
+        segments = time_step(action, start, costs)
+        end = max([start] + [s.end for s in segments])
+        halves = ()
+        if action.kind is Kind.OVERLAP:
+            halves = tuple(_half(rank, h, segments) for h in action.computations())
+        timeline.append(TimedAction(rank, action, start, end, halves, segments))
+        for comp in action.computations():
+            key = product_of(comp)
+            if key in placed:
+                first_rank, first = placed[key]
+                raise ScheduleError(
+                    f"{_product_text(key)} runs twice (also in {first} on rank {first_rank})",
+                    rank,
+                    action,
+                )
+            placed[key] = (rank, action)
+            done[key] = end
+        free_at[rank] = end
+        return True
 
-    stuck = [r for r, row in enumerate(rows) if position[r] < len(row)]
+    stuck = run_in_rank_order(rows, try_run)
     if stuck:
         waits = []
-        for r in stuck:
-            action = rows[r][position[r]]
-            missing = [
-                _product_text(k)
-                for comp in action.computations()
-                for k in needs_of(schedule, comp)
-                if k not in done
-            ]
+        for r, index in stuck.items():
+            action = rows[r][index]
+            missing = [_product_text(k) for k in missing_needs(schedule, action, done)]
             waits.append(f"rank {r} at {action} waits for {', '.join(missing)}")
         raise ScheduleError("the schedule cannot finish (deadlock): " + "; ".join(waits))
 

@@ -11,6 +11,8 @@ from megapipe.schedule.ir import loop_placement, v_placement
 from megapipe.schedule.simple import gpipe, one_f_one_b
 from megapipe.schedule.zero_bubble import zb1p, zbv
 
+from schedule_rows import leading_forwards
+
 
 def texts(row) -> str:
     return " ".join(str(a) for a in row)
@@ -56,15 +58,6 @@ def test_interleaved_pp2_vpp2_m4_by_hand():
     assert texts(schedule.actions[1]) == (
         "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
     )
-
-
-def leading_forwards(row) -> int:
-    count = 0
-    for action in row:
-        if action.kind is not Kind.F:
-            break
-        count += 1
-    return count
 
 
 @pytest.mark.parametrize("pp, vpp, m, group", [

@@ -19,6 +19,8 @@ from megapipe.schedule.overlap import (
     peak_in_flight,
 )
 
+from schedule_rows import leading_forwards
+
 
 def rows_of(text: str) -> list[list[Action]]:
     return [[parse_action(t) for t in line.split()] for line in text.strip().splitlines()]
@@ -35,15 +37,6 @@ def forwards_through_first_backward(row) -> int:
         count += sum(c.kind is Kind.F for c in action.computations())
         if any(c.kind in (Kind.B, Kind.I) for c in action.computations()):
             return count
-    return count
-
-
-def leading_forwards(row) -> int:
-    count = 0
-    for action in row:
-        if action.kind is not Kind.F:
-            break
-        count += 1
     return count
 
 

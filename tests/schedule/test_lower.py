@@ -157,19 +157,15 @@ def test_swapped_recv_order_is_caught():
         check_runs(broken)
 
 
-def test_missing_send_is_caught():
+@pytest.mark.parametrize("removed, error", [
+    ("0SEND_F1", r"rank 1, action 1RECV_F1: .*a SEND is missing"),
+    ("0RECV_B1", r"rank 1, action 1SEND_B1: .*a RECV is missing"),
+])
+def test_missing_send_or_recv_is_caught(removed, error):
     lowered = lower(build_schedule("1f1b", 2, 2))
-    row = [a for a in lowered.actions[0] if str(a) != "0SEND_F1"]
+    row = [a for a in lowered.actions[0] if str(a) != removed]
     broken = lowered.replace_actions([row, lowered.actions[1]])
-    with pytest.raises(ScheduleError, match=r"rank 1, action 1RECV_F1: .*a SEND is missing"):
-        check_runs(broken)
-
-
-def test_missing_recv_is_caught():
-    lowered = lower(build_schedule("1f1b", 2, 2))
-    row = [a for a in lowered.actions[0] if str(a) != "0RECV_B1"]
-    broken = lowered.replace_actions([row, lowered.actions[1]])
-    with pytest.raises(ScheduleError, match=r"rank 1, action 1SEND_B1: .*a RECV is missing"):
+    with pytest.raises(ScheduleError, match=error):
         check_runs(broken)
 
 

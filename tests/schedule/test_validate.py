@@ -43,40 +43,31 @@ def test_error_is_a_value_error_with_fields():
     assert str(ScheduleError("only a rule")) == "only a rule"
 
 
-def test_stage_on_the_wrong_rank():
-    s = schedule_of("0F0 0B0 1F0\n1B0", 2, 1)
-    assert_error(s, 0, "1F0", "placed on rank 1")
+# One broken hand schedule per rule: (rows, stages, microbatches, rank, action, words in the error).
+BROKEN = {
+    "stage on the wrong rank": ("0F0 0B0 1F0\n1B0", 2, 1, 0, "1F0", "placed on rank 1"),
+    "stage out of range": ("0F0 0B0 2F0\n1F0 1B0", 2, 1, 0, "2F0", "stage 2 does not exist"),
+    "microbatch out of range": (
+        "0F0 0B0 0F1\n1F0 1B0", 2, 1, 0, "0F1", "microbatch 1 does not exist"
+    ),
+    "overlap of the same microbatch": (
+        "0F0 (0F1;0B1)OVERLAP_F_B 0B0", 1, 2, 0, "(0F1;0B1)OVERLAP_F_B", "different microbatches"
+    ),
+    "missing forward": ("0F0 0F1 0B0 0B1\n1F0 1B0 1B1", 2, 2, 1, "1F1", "missing"),
+    "missing backward": ("0F0 0F1 0B0\n1F0 1B0 1F1 1B1", 2, 2, 0, "0B1", "missing"),
+    "missing W": ("0F0 0I0", 1, 1, 0, "0W0", "missing"),
+    "missing I": ("0F0 0W0", 1, 1, 0, "0I0", "missing"),
+    "duplicate action": ("0F0 0F0 0B0", 1, 1, 0, "0F0", "runs F of microbatch 0 twice"),
+    "both B and I": ("0F0 0B0 0I0 0W0", 1, 1, 0, "0I0", "not both B and I"),
+    "backward before forward": ("0B0 0F0", 1, 1, 0, "0B0", "backward needs its forward first"),
+    "W before I": ("0F0 0W0 0I0", 1, 1, 0, "0W0", "W needs the I"),
+}
 
 
-def test_stage_and_microbatch_out_of_range():
-    assert_error(schedule_of("0F0 0B0 2F0\n1F0 1B0", 2, 1), 0, "2F0", "stage 2 does not exist")
-    assert_error(schedule_of("0F0 0B0 0F1\n1F0 1B0", 2, 1), 0, "0F1", "microbatch 1 does not exist")
-
-
-def test_overlap_of_the_same_microbatch():
-    s = schedule_of("0F0 (0F1;0B1)OVERLAP_F_B 0B0", 1, 2)
-    assert_error(s, 0, "(0F1;0B1)OVERLAP_F_B", "different microbatches")
-
-
-def test_missing_forward():
-    s = schedule_of("0F0 0F1 0B0 0B1\n1F0 1B0 1B1", 2, 2)
-    assert_error(s, 1, "1F1", "missing")
-
-
-def test_missing_backward_and_missing_w():
-    assert_error(schedule_of("0F0 0F1 0B0\n1F0 1B0 1F1 1B1", 2, 2), 0, "0B1", "missing")
-    assert_error(schedule_of("0F0 0I0", 1, 1), 0, "0W0", "missing")
-    assert_error(schedule_of("0F0 0W0", 1, 1), 0, "0I0", "missing")
-
-
-def test_duplicate_action():
-    s = schedule_of("0F0 0F0 0B0", 1, 1)
-    assert_error(s, 0, "0F0", "runs F of microbatch 0 twice")
-
-
-def test_both_b_and_i():
-    s = schedule_of("0F0 0B0 0I0 0W0", 1, 1)
-    assert_error(s, 0, "0I0", "not both B and I")
+@pytest.mark.parametrize("rule", BROKEN)
+def test_each_broken_rule_is_named(rule):
+    rows, num_stages, m, rank, action, words = BROKEN[rule]
+    assert_error(schedule_of(rows, num_stages, m), rank, action, words)
 
 
 def test_microbatch_on_a_stage_outside_its_pipeline():
@@ -87,16 +78,6 @@ def test_microbatch_on_a_stage_outside_its_pipeline():
 """
     s = schedule_of(rows, 4, 2, placement=(0, 1, 1, 0), bidirectional=True)
     assert_error(s, 0, "3F0", "does not flow through stage 3", "its stages are 0..1")
-
-
-def test_backward_before_forward_on_a_rank():
-    s = schedule_of("0B0 0F0", 1, 1)
-    assert_error(s, 0, "0B0", "backward needs its forward first")
-
-
-def test_w_before_i():
-    s = schedule_of("0F0 0W0 0I0", 1, 1)
-    assert_error(s, 0, "0W0", "W needs the I")
 
 
 def test_adjacent_stages_on_one_rank_forward_order():

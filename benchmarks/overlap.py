@@ -1,0 +1,272 @@
+"""The combined step's speedup: the same pipeline without and with the EP all-to-all overlap.
+
+Four gloo processes on CPU (one thread each): pp = 2, dp = 2, ep = 2, a small MoE GPT. gloo on
+one machine moves tokens almost for free, so the all-to-all runs over an EMULATED link
+(``EmulatedLink``: after the real exchange the communication thread sleeps for the rest of the
+modelled time). The link is set from a measurement: a traced warm-up step gives the mean time
+of an experts node (forward and backward), and the link's latency is chosen so that one
+all-to-all takes about as long.
+
+Per schedule family (``interleaved-1f1b`` with vpp = 2, and ``dualpipev``) the plain schedule
+and its combined variant (``overlap=True``) take turns step by step, the order flipping every
+round; torch.distributed.pipelining's ``ScheduleDualPipeV`` runs the same model over the same
+link beside dualpipev (torch runs the F and B of its OVERLAP actions one after the other). The
+speedup of a family is the median over rounds of plain step time / combined step time; the
+exposed-communication fraction (all-to-all time during which no compute ran, from the stream
+trace of the combined run) is the median over rounds on rank 0. The last line is
+``speedup: X.XX`` for interleaved-1f1b.
+
+    python benchmarks/overlap.py [--rounds 8] [--microbatches 8]
+
+Not part of the test suite; about two minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PP, DP, EP = 2, 2, 2
+WORLD = PP * DP
+FAMILIES = {"interleaved-1f1b": 2, "dualpipev": 2}  # schedule -> stages per rank
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int
+    microbatches: int
+    micro_batch: int
+    seq: int
+    hidden: int
+    expert_hidden: int
+    layers: int
+    link_scale: float
+
+
+def _config(s: Settings, link=None):
+    from megapipe.models.config import GPTConfig
+
+    return GPTConfig(
+        vocab_size=256, hidden_size=s.hidden, num_layers=s.layers, num_heads=4,
+        seq_length=s.seq, ffn_hidden_size=2 * s.hidden, num_experts=4, moe_top_k=2,
+        moe_ffn_hidden_size=s.expert_hidden, first_k_dense_layers=0, moe_link=link,
+    )
+
+
+def _even_stage(config, part: int, num_parts: int, ep_group):
+    """Model part ``part`` with an equal share of the layers (the embedding and the head are
+    tiny at vocabulary 256), so the two halves of every combined step have as many MoE layers."""
+    from megapipe.models.gpt import GPTStage
+
+    if config.num_layers % num_parts:
+        raise ValueError(f"--layers {config.num_layers} must be a multiple of {num_parts} parts")
+    per = config.num_layers // num_parts
+    layers = range(part * per, (part + 1) * per)
+    return GPTStage(config, layers, part == 0, part == num_parts - 1, ep_group)
+
+
+def _batches(s: Settings, config, dp_rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    ids = torch.randint(0, config.vocab_size, (s.microbatches * s.micro_batch, s.seq + 1),
+                        generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class _Runs:
+    """This rank's pipelines of one family: megapipe plain, megapipe combined, (torch)."""
+
+    def __init__(self, s: Settings, config, groups, name: str, per_rank: int, with_torch: bool):
+        from megapipe import PipelineExecutor, TensorSpec
+        from megapipe.models.gpt import gpt_loss
+        from megapipe.schedule import build_schedule
+
+        build_stage = _even_stage
+        self.s, self.config, self.groups = s, config, groups
+        spec = TensorSpec((s.micro_batch, s.seq, s.hidden))
+        self.executors, self.stages = {}, {}
+        for label, overlap in (("plain", False), ("overlap", True)):
+            schedule = build_schedule(name, PP, s.microbatches, vpp=per_rank, overlap=overlap)
+            ids = schedule.stages_of_rank(groups.pp_rank)
+            stages = {i: build_stage(config, i, schedule.num_stages, groups.ep) for i in ids}
+            self.stages[label] = stages
+            self.executors[label] = PipelineExecutor(
+                schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
+                record_trace=overlap,
+            )
+        self.schedule = schedule
+        self.torch_schedule = None
+        if with_torch:
+            self._build_torch(name, per_rank, build_stage, gpt_loss)
+
+    def _build_torch(self, name, per_rank, build_stage, gpt_loss) -> None:
+        import torch.distributed.pipelining as tp
+
+        s, config, schedule = self.s, self.config, self.schedule
+        ids = schedule.stages_of_rank(self.groups.pp_rank)
+        theirs = {i: build_stage(config, i, schedule.num_stages, self.groups.ep) for i in ids}
+        for module in theirs.values():
+            for layer in module.moe_layers():
+                layer.aux_loss_scale = 1.0 / s.microbatches
+        # shapes are inferred at the first step (it runs the same forward on both EP peers)
+        torch_stages = [
+            tp.PipelineStage(theirs[i], i, schedule.num_stages, torch.device("cpu"),
+                             group=self.groups.pp)
+            for i in ids
+        ]
+        self.stages["torch"] = theirs
+        self.torch_schedule = tp.ScheduleDualPipeV(torch_stages, s.microbatches, loss_fn=gpt_loss)
+
+    def step(self, label: str, step: int):
+        from megapipe.runtime.grad_sync import all_reduce_grads
+
+        s, schedule = self.s, self.schedule
+        tokens, labels = _batches(s, self.config, self.groups.dp_rank, step)
+        stages = self.stages[label]
+        first = any(schedule.is_first_stage(i) for i in stages)
+        last = any(schedule.is_last_stage(i) for i in stages)
+        result = None
+        if label == "torch":
+            args = (tokens,) if first else ()
+            self.torch_schedule.step(*args, target=labels if last else None)
+            all_reduce_grads(stages, self.groups)
+        else:
+            result = self.executors[label].step(
+                list(tokens.chunk(s.microbatches)) if first else None,
+                list(labels.chunk(s.microbatches)) if last else None,
+            )
+        for module in stages.values():
+            module.zero_grad(set_to_none=True)
+        return result
+
+    def close(self) -> None:
+        for executor in self.executors.values():
+            executor.close()
+
+
+def _timed(fn, *args):
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn(*args)
+    dist.barrier()
+    return time.perf_counter() - start, result
+
+
+def _pick_link(s: Settings, groups):
+    """Latency so that one all-to-all takes about as long as one experts node (measured,
+    forward and backward averaged, over a warm-up without the link)."""
+    from megapipe.moe.link import EmulatedLink
+
+    runs = _Runs(s, _config(s), groups, "interleaved-1f1b", 2, with_torch=False)
+    for step in range(2):
+        result = runs.step("overlap", step)
+    runs.close()
+    spans = result.trace.spans
+    experts = [x.duration for x in spans if x.node.endswith("experts") and x.direction in "FB"]
+    a2a = [x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))]
+    measured = torch.tensor([statistics.median(experts), statistics.median(a2a)])
+    dist.all_reduce(measured)
+    expert_s, a2a_s = (measured / WORLD).tolist()
+    # bytes are nearly free on this link: the latency carries the modelled time, which
+    # includes the real exchange (the link sleeps only for the rest)
+    latency = s.link_scale * expert_s
+    return EmulatedLink(bandwidth_bytes_per_s=100e9, latency_s=latency), expert_s, a2a_s
+
+
+def _worker(rank: int, port: int, s: Settings, out) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    from megapipe.parallel.config import ParallelConfig
+    from megapipe.parallel.groups import create_groups
+
+    groups = create_groups(ParallelConfig(pp=PP, dp=DP, ep=EP))
+    link, expert_s, a2a_s = _pick_link(s, groups)
+    config = _config(s, link)
+    lines = [
+        f"experts node {expert_s * 1e3:.2f} ms, gloo all-to-all node {a2a_s * 1e3:.2f} ms (medians "
+        f"measured without the link) -> {link.describe()}"
+    ]
+    speedups = {}
+    for name, per_rank in FAMILIES.items():
+        runs = _Runs(s, config, groups, name, per_rank, with_torch=name == "dualpipev")
+        labels = ["plain", "overlap"] + (["torch"] if runs.torch_schedule is not None else [])
+        for warmup in range(2):
+            for label in labels:
+                runs.step(label, warmup)
+        times = {label: [] for label in labels}
+        exposed, a2a = [], []
+        for r in range(s.rounds):
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                wall, result = _timed(runs.step, label, r)
+                times[label].append(wall)
+                if label == "overlap":
+                    exposed.append(result.exposed_comm_fraction)
+                    a2a.append(result.a2a_time)
+        runs.close()
+        ratio = statistics.median(p / o for p, o in zip(times["plain"], times["overlap"]))
+        speedups[name] = ratio
+        med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
+        line = (
+            f"{name:<17} no overlap {med['plain']:7.1f} ms   overlap {med['overlap']:7.1f} ms   "
+            f"speedup {ratio:.2f}   exposed a2a {statistics.median(exposed):.0%} of "
+            f"{statistics.median(a2a) * 1e3:.0f} ms"
+        )
+        if "torch" in med:
+            torch_ratio = statistics.median(t / o for t, o in zip(times["torch"], times["overlap"]))
+            line += f"   torch DualPipeV {med['torch']:7.1f} ms (x{torch_ratio:.2f} megapipe overlap)"
+        lines.append(line)
+    dist.barrier()
+    if rank == 0:
+        out.put((lines, speedups))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--expert-hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--link-scale", type=float, default=1.0,
+                        help="all-to-all time as a multiple of the measured experts node time")
+    a = parser.parse_args(argv)
+    s = Settings(a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden, a.expert_hidden,
+                 a.layers, a.link_scale)
+    from megapipe.parallel.testing import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, s, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    lines, speedups = out.get()
+    for p in procs:
+        p.join()
+    print(
+        f"gloo, CPU, pp={PP} dp={DP} ep={EP} ({WORLD} processes, 1 thread each), "
+        f"{s.microbatches} microbatches of {s.micro_batch}x{s.seq} tokens, hidden {s.hidden}, "
+        f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (2 per stage); "
+        "EMULATED all-to-all link"
+    )
+    for line in lines:
+        print(line)
+    print(f"speedup: {speedups['interleaved-1f1b']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -72,19 +72,18 @@ def sent_message(schedule: Schedule, comp: Action) -> Message | None:
 
 
 def received_message(schedule: Schedule, comp: Action) -> Message | None:
-    """The message a computation must receive from another rank, or None."""
+    """The message a computation must receive from another rank, or None.
+
+    That is its need made on another rank, if any: for an F the previous stage's output, for a
+    B or I the next stage's input gradient (a W needs only its own rank's I).
+    """
+    if comp.kind is not Kind.F and comp.kind not in BACKWARD_KINDS:
+        return None
     here = schedule.stage_to_rank[comp.stage]
-    if comp.kind is Kind.F:
-        source = schedule.prev_stage(comp.stage)
-        kind = "F"
-    elif comp.kind in BACKWARD_KINDS:
-        source = schedule.next_stage(comp.stage)
-        kind = "B"
-    else:
-        return None
-    if source is None or schedule.stage_to_rank[source] == here:
-        return None
-    return (kind, source, comp.microbatch)
+    for product, stage, mb in needs_of(schedule, comp):
+        if schedule.stage_to_rank[stage] != here:
+            return ("F" if product == "F" else "B", stage, mb)
+    return None
 
 
 def message_of_comm(schedule: Schedule, action: Action) -> Message:

@@ -8,7 +8,9 @@ F(s, i)'s output, ``("B", s, i)`` stage s's input gradient of microbatch i.
 
 ``timeline`` runs a compute-only schedule with given durations (each rank runs its list in order,
 each action once what it needs is made). The overlap pass uses it to find pairs that wait on each
-other; lowering uses its times to decide where a receive is posted.
+other; lowering uses its times to decide where a receive is posted; validation uses it to find
+ranks that wait on each other. ``run_in_rank_order`` is the in-order driver it shares with the
+simulator (``megapipe.sim``).
 """
 
 from __future__ import annotations

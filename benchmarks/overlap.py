@@ -153,11 +153,17 @@ class _Runs:
 
 
 def _timed(fn, *args):
+    """Wall time of one step between barriers, the CPU cores all ranks kept busy on average
+    (CPU seconds of every rank / wall; near the machine's core count: CPU-bound), and the
+    step's result."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = fn(*args)
+    cpu = torch.tensor([time.process_time() - cpu])
     dist.barrier()
-    return time.perf_counter() - start, result
+    wall = time.perf_counter() - start
+    dist.all_reduce(cpu)
+    return wall, cpu.item() / wall, result
 
 
 def _pick_link(s: Settings, groups):
@@ -169,6 +175,7 @@ def _pick_link(s: Settings, groups):
     for step in range(2):
         result = runs.step("overlap", step)
     runs.close()
+    assert result is not None and result.trace is not None
     spans = result.trace.spans
     experts = [x.duration for x in spans if x.node.endswith("experts") and x.direction in "FB"]
     a2a = [x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))]
@@ -204,11 +211,13 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
             for label in labels:
                 runs.step(label, warmup)
         times = {label: [] for label in labels}
+        cores = {label: [] for label in labels}
         exposed, a2a = [], []
         for r in range(s.rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
-                wall, result = _timed(runs.step, label, r)
+                wall, busy, result = _timed(runs.step, label, r)
                 times[label].append(wall)
+                cores[label].append(busy)
                 if label == "overlap":
                     exposed.append(result.exposed_comm_fraction)
                     a2a.append(result.a2a_time)
@@ -216,10 +225,12 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
         ratio = statistics.median(p / o for p, o in zip(times["plain"], times["overlap"]))
         speedups[name] = ratio
         med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
+        busy = {label: statistics.median(v) for label, v in cores.items()}
         line = (
-            f"{name:<17} no overlap {med['plain']:7.1f} ms   overlap {med['overlap']:7.1f} ms   "
+            f"{name:<17} no overlap {med['plain']:7.1f} ms ({busy['plain']:.1f} cores busy)   "
+            f"overlap {med['overlap']:7.1f} ms ({busy['overlap']:.1f} cores)   "
             f"speedup {ratio:.2f}   exposed a2a {statistics.median(exposed):.0%} of "
-            f"{statistics.median(a2a) * 1e3:.0f} ms"
+            f"{statistics.median(a2a) * 1e3:.0f} ms (rank 0)"
         )
         if "torch" in med:
             torch_ratio = statistics.median(t / o for t, o in zip(times["torch"], times["overlap"]))
@@ -236,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--expert-hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--expert-hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--link-scale", type=float, default=1.0,
                         help="all-to-all time as a multiple of the measured experts node time")
     a = parser.parse_args(argv)
@@ -259,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"gloo, CPU, pp={PP} dp={DP} ep={EP} ({WORLD} processes, 1 thread each), "
         f"{s.microbatches} microbatches of {s.micro_batch}x{s.seq} tokens, hidden {s.hidden}, "
-        f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (2 per stage); "
-        "EMULATED all-to-all link"
+        f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (even split); "
+        f"EMULATED all-to-all link; machine: {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f} at the end"
     )
     for line in lines:
         print(line)

@@ -3,7 +3,8 @@
 The executor walks this rank's action list once per step. Each maximal run of consecutive comm
 actions is posted as one batch (``p2p.PipelineP2P``) when reached; a compute action first waits
 for the batches that hold the tensors it consumes, then calls the stage's ``StageWorker``.
-Tensors between two stages of the same rank are handed over locally. After the last action the
+Tensors between two stages of the same rank are handed over locally. An OVERLAP action runs
+its two halves through the co-scheduler (``runtime.combined``). After the last action the
 outstanding sends are completed, DualPipe's mirrored gradients summed and data-parallel
 gradients averaged (``grad_sync``).
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from megapipe.parallel.groups import ProcessGroups
 from megapipe.overlap.trace import NodeTrace
+from megapipe.runtime.checks import check_inputs, check_stages
 from megapipe.runtime.combined import CombinedSteps
 from megapipe.runtime.grad_sync import all_reduce_grads, sum_mirrored_grads
 from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, TensorSpec
@@ -153,7 +155,7 @@ class PipelineExecutor:
                 dist.get_global_rank(group, r) if group is not None else r for r in range(size)
             )
             self.pp_group = group
-        self._check_stages(stages)
+        check_stages(schedule, self.pp_rank, stages)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
         if isinstance(spec, TensorSpec):
@@ -218,55 +220,6 @@ class PipelineExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ checks
-    def _check_stages(self, stages: Mapping[int, nn.Module]) -> None:
-        expected = self.schedule.stages_of_rank(self.pp_rank)
-        got = sorted(stages)
-        if len(got) != len(expected):
-            raise ValueError(
-                f"rank {self.pp_rank}: the schedule {self.schedule.name!r} places "
-                f"{len(expected)} chunk(s) on this rank (stages {expected}), got {len(got)} "
-                f"(stages {got})"
-            )
-        if got != expected:
-            raise ValueError(
-                f"rank {self.pp_rank}: stages {got} do not match the placement of schedule "
-                f"{self.schedule.name!r}, which puts stages {expected} on this rank "
-                f"(stage_to_rank={list(self.schedule.stage_to_rank)})"
-            )
-        for stage, module in stages.items():
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"stage {stage} must be an nn.Module, got {type(module).__name__}")
-
-    def _check_inputs(
-        self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None, forward_only: bool
-    ) -> None:
-        m = self.schedule.num_microbatches
-        if not forward_only and self.loss_fn is None and any(
-            self.schedule.is_last_stage(s) for s in self.stages
-        ):
-            raise ValueError(
-                f"rank {self.pp_rank} holds a last stage: training needs loss_fn(output, target)"
-            )
-        needs_inputs = any(self.schedule.is_first_stage(s) for s in self.stages)
-        needs_targets = any(self.schedule.is_last_stage(s) for s in self.stages)
-        for name, values, needed in (
-            ("microbatches", microbatches, needs_inputs),
-            ("targets", targets, needs_targets and self.loss_fn is not None),
-        ):
-            if not needed:
-                continue
-            if values is None:
-                raise ValueError(
-                    f"rank {self.pp_rank} holds a {'first' if name == 'microbatches' else 'last'} "
-                    f"stage, so step() needs {name} (one per microbatch, {m} in all)"
-                )
-            if len(values) != m:
-                raise ValueError(
-                    f"got {len(values)} {name} but the schedule {self.schedule.name!r} was built "
-                    f"for num_microbatches={m}; rebuild the schedule for {len(values)} microbatches"
-                )
-
     # ------------------------------------------------------------------ step
     def step(
         self,
@@ -280,7 +233,10 @@ class PipelineExecutor:
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
         ``.grad`` (zero them between steps); after a training step they are synchronised.
         """
-        self._check_inputs(microbatches, targets, forward_only)
+        check_inputs(
+            self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,
+            microbatches, targets, forward_only,
+        )
         self._set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
         state = _StepState(microbatches, targets, forward_only)

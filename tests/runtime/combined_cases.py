@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -127,11 +126,21 @@ def concurrency_run(case: Case, latency_s: float) -> dict | None:
     )
     _run(case, overlap=True, delay=False, config=config)  # warm-up (first exchanges are slow)
     _, _, result, wall = _run(case, overlap=True, delay=False, config=config, trace=True)
+    # the co-scheduler's paired slots (a comm node of one microbatch beside a compute node of
+    # the other): their wall time against the summed time of their nodes
+    paired_wall = paired_sum = 0.0
+    for slot in result.trace.slots():
+        nodes = [s for s in slot if s.direction in ("F", "B")]
+        if len(nodes) == 2:
+            paired_wall += max(s.end for s in slot) - min(s.start for s in slot)
+            paired_sum += sum(s.duration for s in slot)
     return {
         "wall": wall,
         "a2a": result.a2a_time,
         "compute": result.compute_time,
         "fraction": result.exposed_comm_fraction,
+        "paired_wall": paired_wall,
+        "paired_sum": paired_sum,
     }
 
 

@@ -5,9 +5,29 @@ The public API is re-exported here; everything else may change.
 
 __version__ = "0.1.0"
 
-# Pipeline executor and Megatron front end, imported on first use (PEP 562) so that importing
-# a torch-free part such as megapipe.schedule does not pull in torch.distributed.
+# The public API, imported on first use (PEP 562) so that importing a torch-free part such as
+# megapipe.schedule does not pull in torch.
 _RUNTIME_EXPORTS = {
+    # schedules (pure Python) and their simulation
+    "build_schedule": "megapipe.schedule",
+    "Schedule": "megapipe.schedule",
+    "Action": "megapipe.schedule",
+    "validate": "megapipe.schedule",
+    "ScheduleError": "megapipe.schedule",
+    "simulate": "megapipe.sim",
+    "Costs": "megapipe.sim",
+    # process groups, MoE layer, reference model, overlap engine
+    "ParallelConfig": "megapipe.parallel",
+    "create_groups": "megapipe.parallel",
+    "init_distributed": "megapipe.parallel",
+    "MoEConfig": "megapipe.moe",
+    "MoELayer": "megapipe.moe",
+    "EmulatedLink": "megapipe.moe",
+    "GPTConfig": "megapipe.models",
+    "build_stage": "megapipe.models",
+    "combined_step": "megapipe.overlap",
+    "make_streams": "megapipe.overlap",
+    # pipeline executor and Megatron front end
     "get_forward_backward_func": "megapipe.runtime.megatron",
     "PipelineExecutor": "megapipe.runtime.executor",
     "StepResult": "megapipe.runtime.executor",
@@ -22,3 +42,10 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_RUNTIME_EXPORTS[name]), name)
     raise AttributeError(f"module 'megapipe' has no attribute {name!r}")
+
+
+__all__ = sorted(_RUNTIME_EXPORTS)
+
+
+def __dir__() -> list[str]:
+    return __all__ + ["__version__"]

@@ -244,11 +244,11 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--expert-hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--link-scale", type=float, default=1.0,

@@ -55,6 +55,18 @@ from megapipe.overlap.trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
 
+class WarnOnce:
+    """Warns once per type: the record of which types were warned about lives in this object."""
+
+    def __init__(self) -> None:
+        self.types: set[type] = set()
+
+    def __call__(self, kind: type, message: str, stacklevel: int = 3) -> None:
+        if kind not in self.types:
+            self.types.add(kind)
+            warnings.warn(message, stacklevel=stacklevel + 1)
+
+
 class _Walk:
     """One microbatch's progress through one layer, forward (F) or backward (B)."""
 
@@ -136,7 +148,7 @@ class CombinedRunner:
         self.trace = trace
         self.fwd_microbatch = fwd_microbatch
         self.bwd_microbatch = bwd_microbatch
-        self.warned_types: set[type] = set()  # layer types already warned about (once each)
+        self.warn_once = WarnOnce()  # layer types without a node plan, warned about once each
         self._finished = False
         self._last_bwd_layer = -1
         self._slot_id = 0  # counts issue slots (recorded in the trace)
@@ -159,14 +171,11 @@ class CombinedRunner:
                 f"got {type(layer).__name__}"
             )
         kind = type(layer)
-        if kind not in self.warned_types:
-            self.warned_types.add(kind)
-            warnings.warn(
-                f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
-                "list of Node); its forward and backward run one after the other, without "
-                "overlap",
-                stacklevel=3,
-            )
+        self.warn_once(
+            kind,
+            f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
+            "list of Node); its forward and backward run one after the other, without overlap",
+        )
         return [Node(kind.__name__, NodeKind.COMPUTE, _whole_layer_fn(layer))]
 
     def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:

@@ -20,12 +20,11 @@ order as without it.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
-from megapipe.overlap.coscheduler import CombinedRunner
+from megapipe.overlap.coscheduler import CombinedRunner, WarnOnce
 from megapipe.overlap.streams import Streams, make_streams
 from megapipe.overlap.trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -41,7 +40,7 @@ class CombinedSteps:
         self.delay_wgrad_compute = delay_wgrad_compute
         self.trace: NodeTrace | None = None  # set per step by the executor when tracing
         self._streams: Streams | None = None
-        self._warned: set[type] = set()
+        self._warn_once = WarnOnce()
 
     @property
     def streams(self) -> Streams:
@@ -64,14 +63,12 @@ class CombinedSteps:
                 continue
             ok = False
             kind = type(worker.module)
-            if kind not in self._warned:
-                self._warned.add(kind)
-                warnings.warn(
-                    f"{kind.__name__} (stage {worker.stage}) does not follow the node protocol "
-                    "(no layer_plans() of Node lists, or no node_runner for a custom forward_fn); "
-                    "its OVERLAP actions run forward then backward, without overlap",
-                    stacklevel=3,
-                )
+            self._warn_once(
+                kind,
+                f"{kind.__name__} (stage {worker.stage}) does not follow the node protocol "
+                "(no layer_plans() of Node lists, or no node_runner for a custom forward_fn); "
+                "its OVERLAP actions run forward then backward, without overlap",
+            )
         return ok
 
     def _runner(

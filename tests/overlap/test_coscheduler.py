@@ -210,7 +210,7 @@ def test_layer_without_node_protocol_runs_whole_and_warns_once():
         runner.finish()
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "ToyOpaque does not follow the node protocol" in messages[0]
-    assert runner.warned_types == {ToyOpaque}
+    assert runner.warn_once.types == {ToyOpaque}
     expected = ref[1](ref[0](x))
     assert torch.equal(out, expected)
 

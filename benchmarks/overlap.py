@@ -24,7 +24,6 @@ Not part of the test suite; about two minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys

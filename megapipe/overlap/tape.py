@@ -31,7 +31,7 @@ Caveats, all shared with the bitwise guarantee:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch

@@ -20,7 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlap"))
 from megapipe.overlap.coscheduler import combined_step  # noqa: E402
 from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
 from megapipe.overlap.tape import record_forward, run_backward  # noqa: E402
-from megapipe.overlap.trace import NodeTrace  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 
 

@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megapipe.parallel.config import ParallelConfig

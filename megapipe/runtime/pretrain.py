@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -310,18 +310,18 @@ def _run_rank(args: PretrainArgs) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``examples/pretrain_moe_gpt.py``: parse, validate, launch, train; returns the exit code."""
-    try:
-        args = parse_pretrain_args(argv)
-    except ArgsError as err:
-        print(f"megapipe pretrain: error: {err}", file=sys.stderr)
-        return 2
-    return run(args)
+    return _validate_then_run(parse_pretrain_args, argv)
 
 
 def main_from_namespace(ns: argparse.Namespace) -> int:
     """``megapipe pretrain`` (the CLI parsed the flags with ``build_parser(add_help=False)``)."""
+    return _validate_then_run(args_from_namespace, ns)
+
+
+def _validate_then_run(to_args: Callable[[Any], PretrainArgs], source: Any) -> int:
+    """Turn flags into PretrainArgs (one clear line and exit code 2 if they are bad), then run."""
     try:
-        args = args_from_namespace(ns)
+        args = to_args(source)
     except ArgsError as err:
         print(f"megapipe pretrain: error: {err}", file=sys.stderr)
         return 2

@@ -13,12 +13,20 @@ round; torch.distributed.pipelining's ``ScheduleDualPipeV`` runs the same model 
 link beside dualpipev (torch runs the F and B of its OVERLAP actions one after the other). The
 speedup of a family is the median over rounds of plain step time / combined step time; the
 exposed-communication fraction (all-to-all time during which no compute ran, from the stream
-trace of the combined run) is the median over rounds on rank 0. The last line is
-``speedup: X.XX`` for interleaved-1f1b.
+trace of the combined run) is the median over rounds on rank 0. The ceiling beside each speedup
+is the best any overlap could reach on this machine: the combined run still has the plain run's
+CPU work to do on min(cores, ranks) cores, and each rank still waits out the link's modelled time
+of all its all-to-alls one after another. Were a plain step nothing but compute and link waits,
+4 ranks on 2 cores could not gain more than 1.5 whatever the link: a rank computing for a share
+c of the plain step keeps 4c / 2 cores busy, and overlap still needs max(4c / 2, 1 - c) of the
+plain step, at least 1 / 1.5 of it (at c = 1/3); the measured ceiling also credits overlap with
+removing every idle wait of the plain run, so it can come out a little higher. ``--pp 1`` runs the same model without pipelining on 2 ranks (a core
+each, no DualPipeV). The last line is ``speedup: X.XX`` for interleaved-1f1b (``1f1b`` with
+``--pp 1``).
 
-    python benchmarks/overlap.py [--rounds 8] [--microbatches 8]
+    python benchmarks/overlap.py [--pp 1] [--rounds 8] [--microbatches 8]
 
-Not part of the test suite; about two minutes on a 2-core machine.
+Not part of the test suite; about three minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,13 +42,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PP, DP, EP = 2, 2, 2
-WORLD = PP * DP
-FAMILIES = {"interleaved-1f1b": 2, "dualpipev": 2}  # schedule -> stages per rank
+DP = EP = 2
+# pp -> {schedule: stages per rank}; the first is the headline (the last line's speedup)
+FAMILIES = {
+    2: {"interleaved-1f1b": 2, "dualpipev": 2},
+    1: {"1f1b": 1},  # no pipelining: Megatron's combined_1f1b_schedule_for_no_pipelining
+}
 
 
 @dataclass(frozen=True)
 class Settings:
+    pp: int
     rounds: int
     microbatches: int
     micro_batch: int
@@ -93,7 +105,7 @@ class _Runs:
         spec = TensorSpec((s.micro_batch, s.seq, s.hidden))
         self.executors, self.stages = {}, {}
         for label, overlap in (("plain", False), ("overlap", True)):
-            schedule = build_schedule(name, PP, s.microbatches, vpp=per_rank, overlap=overlap)
+            schedule = build_schedule(name, s.pp, s.microbatches, vpp=per_rank, overlap=overlap)
             ids = schedule.stages_of_rank(groups.pp_rank)
             stages = {i: build_stage(config, i, schedule.num_stages, groups.ep) for i in ids}
             self.stages[label] = stages
@@ -170,7 +182,8 @@ def _pick_link(s: Settings, groups):
     forward and backward averaged, over a warm-up without the link)."""
     from megapipe.moe.link import EmulatedLink
 
-    runs = _Runs(s, _config(s), groups, "interleaved-1f1b", 2, with_torch=False)
+    name, per_rank = next(iter(FAMILIES[s.pp].items()))
+    runs = _Runs(s, _config(s), groups, name, per_rank, with_torch=False)
     for step in range(2):
         result = runs.step("overlap", step)
     runs.close()
@@ -180,22 +193,32 @@ def _pick_link(s: Settings, groups):
     a2a = [x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))]
     measured = torch.tensor([statistics.median(experts), statistics.median(a2a)])
     dist.all_reduce(measured)
-    expert_s, a2a_s = (measured / WORLD).tolist()
+    expert_s, a2a_s = (measured / dist.get_world_size()).tolist()
     # bytes are nearly free on this link: the latency carries the modelled time, which
     # includes the real exchange (the link sleeps only for the rest)
     latency = s.link_scale * expert_s
     return EmulatedLink(bandwidth_bytes_per_s=100e9, latency_s=latency), expert_s, a2a_s
 
 
+def _ceiling(plain_wall: float, plain_cores: float, link_time: float) -> float:
+    """The best speedup any overlapped schedule could reach on this machine: it still does the
+    plain run's CPU work (CPU seconds of all ranks, spread over at most min(cores, ranks)
+    cores: one compute thread per rank) and still waits out the link's modelled time of every
+    all-to-all of a rank, one after the other on its comm stream (``link_time``, the largest
+    over ranks)."""
+    cores = min(os.cpu_count() or 1, dist.get_world_size())
+    return plain_wall / max(plain_wall * plain_cores / cores, link_time)
+
+
 def _worker(rank: int, port: int, s: Settings, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+                            world_size=s.pp * DP)
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
 
-    groups = create_groups(ParallelConfig(pp=PP, dp=DP, ep=EP))
+    groups = create_groups(ParallelConfig(pp=s.pp, dp=DP, ep=EP))
     link, expert_s, a2a_s = _pick_link(s, groups)
     config = _config(s, link)
     lines = [
@@ -203,7 +226,7 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
         f"measured without the link) -> {link.describe()}"
     ]
     speedups = {}
-    for name, per_rank in FAMILIES.items():
+    for name, per_rank in FAMILIES[s.pp].items():
         runs = _Runs(s, config, groups, name, per_rank, with_torch=name == "dualpipev")
         labels = ["plain", "overlap"] + (["torch"] if runs.torch_schedule is not None else [])
         for warmup in range(2):
@@ -211,7 +234,7 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
                 runs.step(label, warmup)
         times = {label: [] for label in labels}
         cores = {label: [] for label in labels}
-        exposed, a2a = [], []
+        exposed, a2a, link_time = [], [], []
         for r in range(s.rounds):
             for label in labels if r % 2 == 0 else labels[::-1]:
                 wall, busy, result = _timed(runs.step, label, r)
@@ -220,16 +243,22 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
                 if label == "overlap":
                     exposed.append(result.exposed_comm_fraction)
                     a2a.append(result.a2a_time)
+                    # the link's share of this rank's all-to-alls: each lasts >= the latency
+                    comm_nodes = sum(1 for x in result.trace.spans if x.kind == "comm")
+                    link_time.append(comm_nodes * link.latency_s)
         runs.close()
         ratio = statistics.median(p / o for p, o in zip(times["plain"], times["overlap"]))
         speedups[name] = ratio
         med = {label: statistics.median(v) * 1e3 for label, v in times.items()}
         busy = {label: statistics.median(v) for label, v in cores.items()}
+        slowest_link = torch.tensor([max(link_time)])
+        dist.all_reduce(slowest_link, op=dist.ReduceOp.MAX)
+        ceiling = _ceiling(med["plain"] / 1e3, busy["plain"], slowest_link.item())
         line = (
             f"{name:<17} no overlap {med['plain']:7.1f} ms ({busy['plain']:.1f} cores busy)   "
             f"overlap {med['overlap']:7.1f} ms ({busy['overlap']:.1f} cores)   "
-            f"speedup {ratio:.2f}   exposed a2a {statistics.median(exposed):.0%} of "
-            f"{statistics.median(a2a) * 1e3:.0f} ms (rank 0)"
+            f"speedup {ratio:.2f} (ceiling {ceiling:.2f})   exposed a2a "
+            f"{statistics.median(exposed):.0%} of {statistics.median(a2a) * 1e3:.0f} ms (rank 0)"
         )
         if "torch" in med:
             torch_ratio = statistics.median(t / o for t, o in zip(times["torch"], times["overlap"]))
@@ -243,6 +272,8 @@ def _worker(rank: int, port: int, s: Settings, out) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, choices=sorted(FAMILIES), default=2,
+                        help="pipeline stages (ranks = pp x 2: dp = ep = 2)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=1)
@@ -253,29 +284,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-scale", type=float, default=1.0,
                         help="all-to-all time as a multiple of the measured experts node time")
     a = parser.parse_args(argv)
-    s = Settings(a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden, a.expert_hidden,
-                 a.layers, a.link_scale)
+    s = Settings(a.pp, a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden,
+                 a.expert_hidden, a.layers, a.link_scale)
     from megapipe.parallel.testing import free_port
 
+    world = s.pp * DP
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, s, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(r, port, s, out)) for r in range(world)]
     for p in procs:
         p.start()
     lines, speedups = out.get()
     for p in procs:
         p.join()
+    cores = os.cpu_count() or 1
     print(
-        f"gloo, CPU, pp={PP} dp={DP} ep={EP} ({WORLD} processes, 1 thread each), "
+        f"gloo, CPU, pp={s.pp} dp={DP} ep={EP} ({world} processes, 1 thread each), "
         f"{s.microbatches} microbatches of {s.micro_batch}x{s.seq} tokens, hidden {s.hidden}, "
         f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (even split); "
-        f"EMULATED all-to-all link; machine: {os.cpu_count()} cores, load average "
+        f"EMULATED all-to-all link; machine: {cores} cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end"
     )
     for line in lines:
         print(line)
-    print(f"speedup: {speedups['interleaved-1f1b']:.2f}")
+    if cores < world:
+        print(
+            f"note: {world} ranks share {cores} cores; the ceiling is the best any overlap could "
+            "reach here (plain CPU work / cores, or the link time, whichever is longer)"
+        )
+    print(f"speedup: {speedups[next(iter(FAMILIES[s.pp]))]:.2f}")
     return 0
 
 

@@ -14,7 +14,8 @@ Both are differentiable: the all-to-all is an autograd Function whose backward i
 all-to-all. With no EP group (or size 1) no collective is issued. Everything the backward or
 ``combine`` needs (split sizes) lives in a ``DispatchPlan`` that the layer keeps in its
 ``LayerState``. An optional ``EmulatedLink`` stretches every token all-to-all (forward and
-backward) to its modelled time.
+backward) to its modelled time; a dispatch's modelled time covers its count exchange too (one
+transfer per all-to-all node, whichever way it goes).
 """
 
 from __future__ import annotations
@@ -67,10 +68,14 @@ def _exchange(
     input_splits: list[int],
     group: dist.ProcessGroup,
     link: EmulatedLink | None,
+    started: float | None = None,
 ) -> torch.Tensor:
+    """The uneven exchange; with a link, it ends no earlier than the link's modelled time
+    after ``started`` (default: now; a dispatch passes the start of its count exchange)."""
     rows = rows.contiguous()
     received = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
-    started = time.perf_counter()
+    if started is None:
+        started = time.perf_counter()
     dist.all_to_all_single(
         received,
         rows,
@@ -90,15 +95,15 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, rows, output_splits, input_splits, group, link):  # type: ignore[override]
+    def forward(ctx, rows, output_splits, input_splits, group, link, started):  # type: ignore[override]
         ctx.output_splits, ctx.input_splits = output_splits, input_splits
         ctx.group, ctx.link = group, link
-        return _exchange(rows, output_splits, input_splits, group, link)
+        return _exchange(rows, output_splits, input_splits, group, link, started)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad_rows = _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.link)
-        return grad_rows, None, None, None, None
+        return grad_rows, None, None, None, None, None
 
 
 def all_to_all(
@@ -107,9 +112,12 @@ def all_to_all(
     input_splits: list[int],
     group: dist.ProcessGroup,
     link: EmulatedLink | None = None,
+    started: float | None = None,
 ) -> torch.Tensor:
-    """Differentiable uneven all-to-all of ``rows`` along dim 0 over ``group``."""
-    return _AllToAll.apply(rows, output_splits, input_splits, group, link)
+    """Differentiable uneven all-to-all of ``rows`` along dim 0 over ``group``. With a
+    ``link``, the forward exchange's modelled time counts from ``started`` (a
+    ``time.perf_counter()`` value; default: the exchange's own start)."""
+    return _AllToAll.apply(rows, output_splits, input_splits, group, link, started)
 
 
 def _reorder_chunks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
@@ -152,6 +160,8 @@ class TokenDispatcher:
         ep, local = self.ep_size, self.num_local_experts
         send_counts = tokens_per_expert.reshape(ep, local).contiguous()
         recv_counts = torch.empty_like(send_counts)
+        # the link models one transfer per dispatch: its time covers the count exchange too
+        started = time.perf_counter()
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         received_counts = [[int(c) for c in row] for row in recv_counts.tolist()]
         plan = DispatchPlan(
@@ -160,7 +170,9 @@ class TokenDispatcher:
             received_counts=received_counts,
             tokens_per_local_expert=[sum(row[e] for row in received_counts) for e in range(local)],
         )
-        received = all_to_all(rows, plan.output_splits, plan.input_splits, self.group, self.link)
+        received = all_to_all(
+            rows, plan.output_splits, plan.input_splits, self.group, self.link, started
+        )
         if local > 1:
             sizes = [c for row in received_counts for c in row]  # rank-major chunks
             expert_major = [r * local + e for e in range(local) for r in range(ep)]

@@ -30,7 +30,10 @@ flight, the queued deferred weight gradients (``delay_wgrad_compute``) run on th
 beside it; whatever is left runs in ``finish``.
 
 Each slot ends with a join (the compute stream waits for the comm node's event, the comm stream
-for the compute stream's), because the next slot's nodes consume what this slot produced. The
+for the compute stream's), because the next slot's nodes consume what this slot produced. Inside
+a slot the comm node waits only for the compute issued before the slot. Issue order: comm node
+first where the compute stream is the host thread itself (CPU), compute node first where the
+host only queues kernels (CUDA), so a host-blocking comm node never delays the compute launch. The
 two sides of a slot belong to different microbatches, so they share no data; the operations are
 exactly those of the sequential path (forward via the tape, backward via the tape), so results
 are bitwise equal.
@@ -268,11 +271,19 @@ class CombinedRunner:
         assert node is not None
         self._next_slot()
         streams.claim(node.group, streams.comm)
-        streams.comm.wait_event(streams.compute.record_event())
+        inputs_ready = streams.compute.record_event()  # the comm node's inputs are made by now
+        # Issue order. On CPU the compute stream is the host thread, so the comm node is queued
+        # first (else it would start only after the compute node). On CUDA the host only queues
+        # kernels: the compute node goes first, so that a comm node that waits on the host (a
+        # dispatch reading its split sizes) does not hold back the compute node's launch.
+        compute_first = compute is not None and not streams.compute.runs_on_host
+        if compute_first:
+            streams.compute.submit(self._traced(compute, streams.compute))
+        streams.comm.wait_event(inputs_ready)
         streams.comm.hold(comm.pending_inputs())
         event = streams.comm.submit(self._traced(comm, streams.comm))
         try:
-            if compute is not None:
+            if compute is not None and not compute_first:
                 streams.compute.submit(self._traced(compute, streams.compute))
             if (
                 comm.direction == "B"

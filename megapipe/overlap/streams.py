@@ -53,6 +53,9 @@ class Stream(ABC):
     """An ordered queue of work (see the module docstring)."""
 
     name: str
+    # True: ``submit`` returns only when the work is done (the CPU compute stream is the host
+    # thread itself); False: ``submit`` queues it (a worker thread, a CUDA stream)
+    runs_on_host: bool = False
 
     @abstractmethod
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
@@ -106,6 +109,8 @@ class FutureEvent(Event):
 
 class InlineStream(Stream):
     """The CPU compute stream: work runs at once on the calling thread."""
+
+    runs_on_host = True
 
     def __init__(self, name: str = "compute") -> None:
         self.name = name

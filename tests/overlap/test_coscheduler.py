@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from megapipe.overlap.coscheduler import CombinedRunner, combined_step
 from megapipe.overlap.plan import Node, NodeKind
-from megapipe.overlap.streams import make_streams
+from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
 from megapipe.overlap.tape import record_forward, run_backward
 from megapipe.overlap.trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -269,3 +269,35 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         (gx_i,) = run_backward(tape_i)
         results.append([loss_i.detach(), gx_j, xj.grad, gx_i, xi.grad] + mid + [p.grad for p in stack.parameters()])
     _equal_lists(results[0], results[1])
+
+
+class _QueuingCompute(InlineStream):
+    """Runs work inline but says it only queues it, as a CUDA stream's host side does."""
+
+    runs_on_host = False
+
+
+def test_a_queuing_compute_stream_gets_its_node_before_the_comm_node():
+    stack_f, stack_b = toy_stack("mm", seed=1), toy_stack("mm", seed=2)
+    x_i = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for compute in (InlineStream("compute"), _QueuingCompute("compute")):
+        _, tape_j = record_forward(_plans(stack_b), (torch.ones(4, 8, requires_grad=True),))
+        trace = NodeTrace()
+        with Streams(compute, WorkerStream("comm")) as streams:
+            out, _, grads = combined_step(_plans(stack_f), (x_i,), tape_j, (torch.ones(4, 8),),
+                                          streams, trace=trace)
+        outputs.append((out, grads, _grads(stack_b)))
+        for p in stack_b.parameters():
+            p.grad = None
+    paired = [slot for slot in trace.slots() if {s.kind for s in slot} == {"comm", "compute"}]
+    assert len(paired) == 8  # 2 MoE layer pairs x 4 slots
+    for slot in paired:
+        compute_span = next(s for s in slot if s.kind == "compute")
+        comm_span = next(s for s in slot if s.kind == "comm")
+        # the compute node was issued (and, inline, finished) before the comm node was queued
+        assert compute_span.end <= comm_span.start, [s.label() for s in slot]
+    (out_a, grads_a, params_a), (out_b, grads_b, params_b) = outputs
+    _equal_lists(list(out_a), list(out_b))
+    _equal_lists(list(grads_a), list(grads_b))
+    _equal_lists(params_a, params_b)

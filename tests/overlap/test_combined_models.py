@@ -12,6 +12,8 @@ from megapipe.overlap.tape import record_forward, run_backward
 from megapipe.overlap.trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
+from overlap_asserts import assert_same_tensors
+
 CONFIG = dict(num_layers=5, first_k_dense_layers=1, hidden_size=16, num_heads=2, seq_length=8,
               ffn_hidden_size=32, moe_ffn_hidden_size=16)
 
@@ -24,14 +26,6 @@ def _inputs(cfg, part, gen):
 
 def _grads(stages):
     return [None if p.grad is None else p.grad.clone() for s in stages for p in s.parameters()]
-
-
-def _same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x, y)
 
 
 def _backward_grads(stage, tape, outs, is_last, labels, g):
@@ -64,7 +58,7 @@ def tape_matches_plain(part: int, num_parts: int, ep: bool) -> int:
     (gx,) = run_backward(tape, _backward_grads(stage, tape, outs, is_last, labels, g))
     if x.requires_grad:
         assert torch.equal(gx, x_ref.grad)
-    _same(_grads([stage]), _grads([ref]))
+    assert_same_tensors(_grads([stage]), _grads([ref]))
     return len(list(stage.parameters()))
 
 
@@ -102,9 +96,9 @@ def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer:
                 queue.run()
         results.append((outs_i, gx_j, _grads(stages.values())))
     (o_seq, g_seq, p_seq), (o_comb, g_comb, p_comb) = results
-    _same(list(o_seq), list(o_comb))
-    _same(list(g_seq), list(g_comb))
-    _same(p_seq, p_comb)
+    assert_same_tensors(list(o_seq), list(o_comb))
+    assert_same_tensors(list(g_seq), list(g_comb))
+    assert_same_tensors(p_seq, p_comb)
     return len(p_seq)
 
 

@@ -15,19 +15,12 @@ from megapipe.overlap.tape import record_forward, run_backward
 from megapipe.overlap.trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
+from overlap_asserts import assert_same_tensors
 from overlap_toys import ToyOpaque, toy_stack
 
 
 def _grads(*modules):
     return [p.grad for m in modules for p in m.parameters()]
-
-
-def _equal_lists(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x, y)
 
 
 def _plans(stack):
@@ -66,11 +59,11 @@ def combined_matches_sequential(fwd_kinds: str, bwd_kinds: str, defer: bool, use
         gx_i = run_backward(tape_i, (g_i,))  # the forward tape of the pair is a working tape
         results.append((out_i, gx_j, mid, gx_i, _grads(stack_f, stack_b)))
     seq, comb = results
-    _equal_lists(list(seq[0]), list(comb[0]))
-    _equal_lists(list(seq[1]), list(comb[1]))
-    _equal_lists(seq[2], comb[2])
-    _equal_lists(list(seq[3]), list(comb[3]))
-    _equal_lists(seq[4], comb[4])
+    assert_same_tensors(list(seq[0]), list(comb[0]))
+    assert_same_tensors(list(seq[1]), list(comb[1]))
+    assert_same_tensors(seq[2], comb[2])
+    assert_same_tensors(list(seq[3]), list(comb[3]))
+    assert_same_tensors(seq[4], comb[4])
     return len(seq[4])
 
 
@@ -268,7 +261,7 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         loss_i.backward()
         (gx_i,) = run_backward(tape_i)
         results.append([loss_i.detach(), gx_j, xj.grad, gx_i, xi.grad] + mid + [p.grad for p in stack.parameters()])
-    _equal_lists(results[0], results[1])
+    assert_same_tensors(results[0], results[1])
 
 
 class _QueuingCompute(InlineStream):
@@ -298,6 +291,6 @@ def test_a_queuing_compute_stream_gets_its_node_before_the_comm_node():
         # the compute node was issued (and, inline, finished) before the comm node was queued
         assert compute_span.end <= comm_span.start, [s.label() for s in slot]
     (out_a, grads_a, params_a), (out_b, grads_b, params_b) = outputs
-    _equal_lists(list(out_a), list(out_b))
-    _equal_lists(list(grads_a), list(grads_b))
-    _equal_lists(params_a, params_b)
+    assert_same_tensors(list(out_a), list(out_b))
+    assert_same_tensors(list(grads_a), list(grads_b))
+    assert_same_tensors(params_a, params_b)

@@ -9,6 +9,7 @@ from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 
+from overlap_asserts import assert_same_tensors
 from overlap_toys import toy_stack
 
 
@@ -23,14 +24,6 @@ def _plain(layers, x, grad_out):
 
 def _grads(module):
     return [p.grad.clone() if p.grad is not None else None for p in module.parameters()]
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("kinds", ["m", "dmm", "mdm"])
@@ -54,7 +47,7 @@ def test_tape_matches_plain_autograd_bitwise(kinds, defer):
         assert x_in.grad is None  # record_forward leaves the caller's tensor alone
         assert torch.equal(gx, gx_ref)
         assert tape.live_tensors() == 0 and tape.live_nodes() == 0
-    _assert_same(_grads(layers), _grads(ref))
+    assert_same_tensors(_grads(layers), _grads(ref))
 
 
 def test_tape_frees_each_node_as_its_backward_runs():
@@ -125,7 +118,7 @@ def test_runner_with_glue_between_layers_matches_plain():
     (gx,) = run_backward(runner.tape)
     assert torch.equal(gx, xr.grad)
     assert torch.equal(xt.grad, xr.grad)  # the runner routes input grads on, like autograd
-    _assert_same(_grads(layers), _grads(ref))
+    assert_same_tensors(_grads(layers), _grads(ref))
 
 
 def test_bad_plans_and_misuse_are_named():
@@ -184,7 +177,7 @@ def test_tape_matches_plain_autograd_on_the_moe_layer(shared, defer):
             assert len(queue) == 2 * 3  # gate, up and down of the grouped experts, per layer
             queue.run()
         assert torch.equal(gx, gx_ref)
-    _assert_same(_grads(layers), _grads(ref))
+    assert_same_tensors(_grads(layers), _grads(ref))
 
 
 def test_gradients_meeting_at_a_residual_used_five_times_sum_in_autograds_order():

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawn_ranks import run_ranks
 
 PP = 4
 SCHEDULES = {  # megapipe name -> (torch class name, stages per rank)
@@ -181,17 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         a.rounds, a.microbatches, a.micro_batch, a.hidden, a.layers, a.seq,
         True if a.tape else None,
     )
-    from megapipe.parallel.testing import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, settings, out)) for r in range(PP)]
-    for p in procs:
-        p.start()
-    lines, worst = out.get()
-    for p in procs:
-        p.join()
+    lines, worst = run_ranks(_worker, PP, settings)
     print(
         f"gloo, CPU, {PP} processes, {settings.microbatches} microbatches of {settings.micro_batch}"
         f"x{settings.seq} tokens, hidden {settings.hidden}, {settings.layers} layers (MoE, 4 experts)"

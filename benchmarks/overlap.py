@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from spawn_ranks import run_ranks
 
 DP = EP = 2
 # pp -> {schedule: stages per rank}; the first is the headline (the last line's speedup)
@@ -286,18 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     s = Settings(a.pp, a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden,
                  a.expert_hidden, a.layers, a.link_scale)
-    from megapipe.parallel.testing import free_port
-
     world = s.pp * DP
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, s, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    lines, speedups = out.get()
-    for p in procs:
-        p.join()
+    lines, speedups = run_ranks(_worker, world, s)
     cores = os.cpu_count() or 1
     print(
         f"gloo, CPU, pp={s.pp} dp={DP} ep={EP} ({world} processes, 1 thread each), "

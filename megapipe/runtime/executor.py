@@ -30,7 +30,7 @@ from megapipe.runtime.checks import check_inputs, check_stages
 from megapipe.runtime.combined import CombinedSteps
 from megapipe.runtime.grad_sync import all_reduce_grads, sum_mirrored_grads
 from megapipe.runtime.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn, TensorSpec
-from megapipe.runtime.rank_plan import forward_only_schedule, is_lowered, lower_schedule
+from megapipe.schedule.rank_plan import forward_only_schedule, is_lowered, lower_schedule
 from megapipe.runtime.steps import ForwardFn, StageWorker, module_forward
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.lower import check_runs

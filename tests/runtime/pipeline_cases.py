@@ -19,7 +19,7 @@ from megapipe.models.split import build_stage
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_layout
 from megapipe.runtime.executor import PipelineExecutor
-from megapipe.runtime.rank_plan import in_flight_limit
+from megapipe.schedule.rank_plan import in_flight_limit
 from megapipe.runtime.p2p import TensorSpec
 from megapipe.schedule import build_schedule
 

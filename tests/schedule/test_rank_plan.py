@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megapipe.runtime.rank_plan import forward_only_schedule, in_flight_limit, lower_schedule
+from megapipe.schedule.rank_plan import forward_only_schedule, in_flight_limit, lower_schedule
 from megapipe.schedule import SCHEDULES, Kind, build_schedule
 from megapipe.schedule.lower import check_runs
 

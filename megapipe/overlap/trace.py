@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from megapipe.sim.intervals import covered_length, union
+
 
 @dataclass(frozen=True)
 class NodeSpan:
@@ -98,24 +100,10 @@ class NodeTrace:
         """Share of communication time not covered by any compute span (0: all hidden)."""
         with self._lock:
             comm = [(s.start, s.end) for s in self.spans if s.kind == "comm"]
-            compute = _union([(s.start, s.end) for s in self.spans if s.kind == "compute"])
+            compute = union([(s.start, s.end) for s in self.spans if s.kind == "compute"])
         total = sum(e - s for s, e in comm)
         if total <= 0:
             return 0.0
-        covered = sum(_overlap(span, compute) for span in comm)
+        covered = sum(covered_length(span, compute) for span in comm)
         return max(0.0, (total - covered) / total)
 
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _overlap(span: tuple[float, float], merged: list[tuple[float, float]]) -> float:
-    start, end = span
-    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in merged)

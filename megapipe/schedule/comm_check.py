@@ -1,6 +1,7 @@
 """Checks of a lowered schedule: channel order, and a simulated run under batched p2p (NCCL).
 
-The model (INTERFACES.md), read the strict way NCCL needs:
+The model is how the executor issues point-to-point communication, read the strict way NCCL
+needs:
 
 * each rank runs its list in order; a maximal run of consecutive SEND/RECV actions is posted as
   one batch (``batch_isend_irecv``) without waiting;

@@ -1,10 +1,12 @@
 """Lowering: add SEND_F / RECV_F / SEND_B / RECV_B to a compute-only schedule.
 
-Conventions are torch.distributed.pipelining's (see INTERFACES.md): ``sSEND_Fi`` follows F(s, i)
-on its rank, ``sRECV_Fi`` precedes F(s, i); ``sSEND_Bi`` follows the B or I of (s, i) and
-``sRECV_Bi`` precedes it. Stages on the same rank hand tensors over locally, without messages.
-An OVERLAP needs its forward's input and its backward's output gradient before it and sends both
-results after it.
+Conventions are torch.distributed.pipelining's, so a lowered schedule also runs there: each
+action names the stage on its own rank. ``sSEND_Fi`` follows F(s, i) on its rank and sends its
+output to stage s+1; ``sRECV_Fi`` precedes F(s, i) and receives the output of stage s-1;
+``sSEND_Bi`` follows the B or I of (s, i) and sends the input gradient to stage s-1; ``sRECV_Bi``
+precedes it and receives the gradient of stage s+1. Stages on the same rank hand tensors over
+locally, without messages. An OVERLAP needs its forward's input and its backward's output
+gradient before it and sends both results after it.
 
 Where things go:
 

@@ -76,6 +76,7 @@ from .deps import (
     timeline,
 )
 from .errors import ScheduleError
+from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
 from .ir import BACKWARD_KINDS, Action, Kind, Schedule
 
 # A pair on one rank: (index of the backward, index of the forward) in the rank's original list.
@@ -327,20 +328,3 @@ def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     options = dict(schedule.options)
     options["overlap"] = True
     return combined.replace_actions(combined.actions, options=options)
-
-
-def peak_in_flight(row: tuple[Action, ...]) -> int:
-    """Most microbatch activations a rank holds at once: forwards run minus backwards run.
-
-    The forward half of an OVERLAP counts before its backward half frees anything, which is
-    the worst case inside the pair.
-    """
-    held = peak = 0
-    for action in row:
-        for comp in action.computations():
-            if comp.kind is Kind.F:
-                held += 1
-                peak = max(peak, held)
-            elif comp.kind in BACKWARD_KINDS:
-                held -= 1
-    return peak

@@ -7,6 +7,7 @@ the live activations by ``in_flight_limit``.
 
 from __future__ import annotations
 
+from megapipe.schedule.in_flight import STASH_RELEASE, peak_in_flight
 from megapipe.schedule.ir import Kind, Schedule
 from megapipe.schedule.lower import lower
 
@@ -36,15 +37,6 @@ def lower_schedule(schedule: Schedule) -> Schedule:
 
 
 def in_flight_limit(schedule: Schedule, pp_rank: int) -> int:
-    """The most microbatches a rank's action list holds between a forward and its last backward."""
-    live: set[tuple[int, int]] = set()
-    peak = 0
-    for action in schedule.actions[pp_rank]:
-        for comp in action.computations():
-            key = (comp.stage, comp.microbatch)
-            if comp.kind is Kind.F:
-                live.add(key)
-                peak = max(peak, len(live))
-            elif comp.kind in (Kind.B, Kind.W):  # after I the stash still holds W's part
-                live.discard(key)
-    return peak
+    """The most microbatches a rank's action list holds between a forward and its last backward
+    (after an I the stash still holds W's part, so B or W releases)."""
+    return peak_in_flight(schedule.actions[pp_rank], STASH_RELEASE)

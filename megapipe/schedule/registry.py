@@ -36,10 +36,11 @@ GROUP_OPTION = "microbatch_group_size_per_vp_stage"
 
 
 @dataclass(frozen=True)
-class _Rules:
-    """What a schedule accepts: its fixed vpp (None: any), options, and microbatch constraints."""
+class _Family:
+    """A schedule's generator and what a request for it may hold: its fixed vpp (None: any),
+    options, and microbatch constraints. ``native_overlap`` generators take ``overlap``."""
 
-    build: Callable[..., Schedule]
+    generator: Callable[..., Schedule]
     fixed_vpp: int | None = None
     options: tuple[str, ...] = ()
     native_overlap: bool = False
@@ -49,31 +50,35 @@ class _Rules:
     min_reason: str = ""
     megatron_groups: bool = False
 
+    def build(self, pp: int, num_microbatches: int, vpp: int, overlap: bool, **options) -> Schedule:
+        """Call the generator with the arguments it takes."""
+        args: list = [pp, num_microbatches]
+        if self.fixed_vpp is None:
+            args.append(vpp)
+        if self.native_overlap:
+            args.append(overlap)
+        return self.generator(*args, **options)
 
-_RULES: dict[str, _Rules] = {
-    "gpipe": _Rules(lambda pp, m, vpp, overlap, **o: gpipe(pp, m), fixed_vpp=1),
-    "1f1b": _Rules(lambda pp, m, vpp, overlap, **o: one_f_one_b(pp, m), fixed_vpp=1),
-    "interleaved-1f1b": _Rules(
-        lambda pp, m, vpp, overlap, **o: interleaved_1f1b(pp, m, vpp, **o),
-        options=(GROUP_OPTION,),
-        megatron_groups=True,
+
+# The one table of schedule names, in the order ``SCHEDULES`` lists them.
+_FAMILIES: dict[str, _Family] = {
+    "gpipe": _Family(gpipe, fixed_vpp=1),
+    "1f1b": _Family(one_f_one_b, fixed_vpp=1),
+    "interleaved-1f1b": _Family(
+        interleaved_1f1b, options=(GROUP_OPTION,), megatron_groups=True
     ),
-    "looped-bfs": _Rules(lambda pp, m, vpp, overlap, **o: looped_bfs(pp, m, vpp)),
-    "zb1p": _Rules(
-        lambda pp, m, vpp, overlap, **o: zb1p(pp, m, vpp, **o),
-        options=(GROUP_OPTION,),
-        megatron_groups=True,
-    ),
-    "zbv": _Rules(lambda pp, m, vpp, overlap, **o: zbv(pp, m), fixed_vpp=2),
-    "dualpipev": _Rules(
-        lambda pp, m, vpp, overlap, **o: dualpipev(pp, m, overlap),
+    "looped-bfs": _Family(looped_bfs),
+    "zb1p": _Family(zb1p, options=(GROUP_OPTION,), megatron_groups=True),
+    "zbv": _Family(zbv, fixed_vpp=2),
+    "dualpipev": _Family(
+        dualpipev,
         fixed_vpp=2,
         native_overlap=True,
         min_microbatches=lambda pp, vpp: 2 * pp,
         min_reason="DualPipeV needs at least as many microbatches as stages (2 pp)",
     ),
-    "dualpipe": _Rules(
-        lambda pp, m, vpp, overlap, **o: dualpipe(pp, m, overlap),
+    "dualpipe": _Family(
+        dualpipe,
         fixed_vpp=2,
         native_overlap=True,
         even_pp=True,
@@ -84,14 +89,7 @@ _RULES: dict[str, _Rules] = {
 }
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "looped-bfs": looped_bfs,
-    "zb1p": zb1p,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-    "dualpipe": dualpipe,
+    name: family.generator for name, family in _FAMILIES.items()
 }
 """Schedule name -> the generator of its family (see each generator for its arguments)."""
 
@@ -111,15 +109,15 @@ def build_schedule(
     stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
     ``ScheduleError`` before anything is built; the module docstring lists every constraint.
     """
-    rules = _RULES.get(name)
-    if rules is None:
+    family = _FAMILIES.get(name)
+    if family is None:
         raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    _check_request(name, rules, pp, num_microbatches, vpp, options)
-    native = rules.native_overlap
-    schedule = rules.build(pp, num_microbatches, vpp, overlap, **options)
+    _check_request(name, family, pp, num_microbatches, vpp, options)
+    native = family.native_overlap
+    schedule = family.build(pp, num_microbatches, vpp, overlap, **options)
     schedule = schedule.replace_actions(
         schedule.actions,
-        options={**schedule.options, "vpp": rules.fixed_vpp or vpp, "overlap": overlap, **options},
+        options={**schedule.options, "vpp": family.fixed_vpp or vpp, "overlap": overlap, **options},
     )
     if overlap and not native:
         from .overlap import apply_overlap
@@ -129,36 +127,36 @@ def build_schedule(
 
 
 def _check_request(
-    name: str, rules: _Rules, pp: int, num_microbatches: int, vpp: int, options: dict
+    name: str, family: _Family, pp: int, num_microbatches: int, vpp: int, options: dict
 ) -> None:
     for label, value in (("pp", pp), ("num_microbatches", num_microbatches), ("vpp", vpp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {label} must be a positive integer, got {value!r}")
-    unknown = sorted(set(options) - set(rules.options))
+    unknown = sorted(set(options) - set(family.options))
     if unknown:
-        accepted = ", ".join(rules.options) or "none"
+        accepted = ", ".join(family.options) or "none"
         raise ScheduleError(f"{name}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
-    if rules.fixed_vpp == 1 and vpp != 1:
+    if family.fixed_vpp == 1 and vpp != 1:
         raise ScheduleError(
             f"{name} runs one stage per rank, got vpp={vpp}; use interleaved-1f1b, looped-bfs or "
             f"zb1p for vpp > 1"
         )
-    if rules.fixed_vpp == 2 and vpp not in (1, 2):
+    if family.fixed_vpp == 2 and vpp not in (1, 2):
         raise ScheduleError(f"{name} always holds 2 stages per rank; vpp={vpp} is not possible")
-    if rules.even_pp and pp % 2:
+    if family.even_pp and pp % 2:
         raise ScheduleError(f"{name} needs an even pp (ranks pair up as mirrors), got pp={pp}")
-    if rules.even_microbatches and num_microbatches % 2:
+    if family.even_microbatches and num_microbatches % 2:
         raise ScheduleError(
             f"{name} needs an even number of microbatches (half enter from each end), "
             f"got {num_microbatches}"
         )
-    least = rules.min_microbatches(pp, vpp)
+    least = family.min_microbatches(pp, vpp)
     if num_microbatches < least:
         raise ScheduleError(
             f"{name} with pp={pp}, vpp={vpp} needs at least {least} microbatches, got "
-            f"{num_microbatches}: {rules.min_reason}"
+            f"{num_microbatches}: {family.min_reason}"
         )
-    if rules.megatron_groups and vpp > 1:
+    if family.megatron_groups and vpp > 1:
         _check_groups(name, pp, num_microbatches, options.get(GROUP_OPTION, pp))
 
 

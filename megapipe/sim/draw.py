@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
+from .intervals import subtract
 from .simulate import SimResult
 from .steps import COMM, COMPUTE
 
@@ -34,22 +35,6 @@ _HIDDEN = "#b0b0b0"
 def _lighten(colour: str, amount: float) -> tuple[float, float, float]:
     rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return tuple(c + (1 - c) * amount for c in rgb)
-
-
-def _subtract(
-    start: float, end: float, cover: list[tuple[float, float]]
-) -> list[tuple[float, float]]:
-    """The parts of [start, end) outside every interval of ``cover``."""
-    parts, cursor = [], start
-    for c_start, c_end in cover:
-        if c_end <= cursor or c_start >= end:
-            continue
-        if c_start > cursor:
-            parts.append((cursor, c_start))
-        cursor = max(cursor, c_end)
-    if cursor < end:
-        parts.append((cursor, end))
-    return parts
 
 
 def _title(result: SimResult, title: str | None) -> str:
@@ -76,6 +61,35 @@ class _Box:
     line: float = 0.5
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where and how boxes go: the shade of each stage, the box height, the label size."""
+
+    local_chunk: dict[int, int]
+    chunks: int
+    span: float
+    axes_width_in: float
+    box_h: float
+
+    @property
+    def top(self) -> float:
+        """The boxes of rank r span r + top .. r + top + box_h."""
+        return -self.box_h / 2
+
+    def shade(self, action: Action) -> tuple[float, float, float]:
+        amount = 0.45 * self.local_chunk.get(action.stage, 0) / max(self.chunks - 1, 1)
+        return _lighten(_COLOURS[action.kind], amount)
+
+    def label(self, ax, box: _Box, text: str) -> None:
+        box_in = box.width / self.span * self.axes_width_in
+        size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), box.height * 0.75 * 72 * 0.75)
+        luminance = 0.3 * box.face[0] + 0.59 * box.face[1] + 0.11 * box.face[2]
+        if size >= 4.5:
+            ax.text(box.x + box.width / 2, box.y + box.height / 2, text, ha="center",
+                    va="center", fontsize=size, fontweight="bold",
+                    color="black" if luminance > 0.6 else "white")
+
+
 def draw_timeline(
     result: SimResult, path: str, title: str | None = None, stage_to_rank: tuple[int, ...] = ()
 ) -> None:
@@ -90,51 +104,18 @@ def draw_timeline(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
 
     pp = result.pp
     local_chunk = _local_chunks(result, stage_to_rank)
-    chunks = max(local_chunk.values(), default=0) + 1
     show_comm = sum(result.comm) > 0
     per_rank = max((len(result.actions_of(r)) for r in range(pp)), default=1)
     width = min(max(10.0, 0.42 * per_rank + 2.5), 40.0)
-    height = 2.0 + 0.75 * pp
-    fig, ax = plt.subplots(figsize=(width, height), dpi=110)
-    span = result.makespan or 1.0
-    axes_width_in = width * 0.86
-    box_h = 0.62 if show_comm else 0.8
-    top = -box_h / 2  # the boxes of rank r span r + top .. r + top + box_h
-
-    def shade(action: Action) -> tuple[float, float, float]:
-        amount = 0.45 * local_chunk.get(action.stage, 0) / max(chunks - 1, 1)
-        return _lighten(_COLOURS[action.kind], amount)
-
-    def label(box: _Box, text: str) -> None:
-        box_in = box.width / span * axes_width_in
-        size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), box.height * 0.75 * 72 * 0.75)
-        luminance = 0.3 * box.face[0] + 0.59 * box.face[1] + 0.11 * box.face[2]
-        if size >= 4.5:
-            ax.text(box.x + box.width / 2, box.y + box.height / 2, text, ha="center",
-                    va="center", fontsize=size, fontweight="bold",
-                    color="black" if luminance > 0.6 else "white")
-
-    boxes: list[_Box] = []
-    seen: set[tuple[Kind, int]] = set()
-    any_overlap = False
-    for timed in result.timeline:
-        y, length = timed.rank + top, timed.end - timed.start
-        halves = timed.action.computations()
-        any_overlap |= len(halves) > 1
-        for i, half in enumerate(halves):
-            seen.add((half.kind, local_chunk.get(half.stage, 0)))
-            h = box_h / len(halves)
-            box = _Box(timed.start, y + i * h, length, h, shade(half))
-            boxes.append(box)
-            label(box, str(half.microbatch))
-        if len(halves) > 1:
-            boxes.append(_Box(timed.start, y, length, box_h, "none", "black", 1.4))
+    fig, ax = plt.subplots(figsize=(width, 2.0 + 0.75 * pp), dpi=110)
+    layout = _Layout(local_chunk, max(local_chunk.values(), default=0) + 1,
+                     result.makespan or 1.0, width * 0.86, 0.62 if show_comm else 0.8)
+    boxes, seen = _action_boxes(result, layout, ax)
     if show_comm:
-        boxes += _comm_boxes(result, top + box_h + 0.04, 0.16)
+        boxes += _comm_boxes(result, layout.top + layout.box_h + 0.04, 0.16)
     ax.add_collection(PolyCollection(
         [[(b.x, b.y), (b.x + b.width, b.y), (b.x + b.width, b.y + b.height), (b.x, b.y + b.height)]
          for b in boxes],
@@ -142,8 +123,7 @@ def draw_timeline(
         edgecolors=[b.edge for b in boxes],
         linewidths=[b.line for b in boxes],
     ))
-
-    ax.set_xlim(0, span)
+    ax.set_xlim(0, layout.span)
     ax.set_ylim(pp - 0.5, -0.5)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
@@ -151,25 +131,51 @@ def draw_timeline(
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(_title(result, title), fontsize=10, loc="left")
+    handles = _legend_handles(result, layout, seen)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
+              ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _action_boxes(result: SimResult, layout: _Layout, ax) -> tuple[list[_Box], set]:
+    """One box per action (an OVERLAP: its two halves and an outline), labelled; and the
+    (kind, chunk) pairs seen, plus ``"overlap"`` if any OVERLAP was drawn."""
+    boxes: list[_Box] = []
+    seen: set = set()
+    for timed in result.timeline:
+        y, length = timed.rank + layout.top, timed.end - timed.start
+        halves = timed.action.computations()
+        for i, half in enumerate(halves):
+            seen.add((half.kind, layout.local_chunk.get(half.stage, 0)))
+            h = layout.box_h / len(halves)
+            box = _Box(timed.start, y + i * h, length, h, layout.shade(half))
+            boxes.append(box)
+            layout.label(ax, box, str(half.microbatch))
+        if len(halves) > 1:
+            seen.add("overlap")
+            boxes.append(_Box(timed.start, y, length, layout.box_h, "none", "black", 1.4))
+    return boxes, seen
+
+
+def _legend_handles(result: SimResult, layout: _Layout, seen: set) -> list:
+    from matplotlib.patches import Patch
 
     handles = []
     for kind in _COLOURS:
-        for chunk in range(chunks):
+        for chunk in range(layout.chunks):
             if (kind, chunk) in seen:
-                probe = Action(_first_stage(local_chunk, chunk), kind, 0)
-                name = _NAMES[kind] + (f", chunk {chunk}" if chunks > 1 else "")
-                handles.append(Patch(facecolor=shade(probe), label=name))
-    if any_overlap:
+                probe = Action(_first_stage(layout.local_chunk, chunk), kind, 0)
+                name = _NAMES[kind] + (f", chunk {chunk}" if layout.chunks > 1 else "")
+                handles.append(Patch(facecolor=layout.shade(probe), label=name))
+    if "overlap" in seen:
         handles.append(Patch(fill=False, edgecolor="black", linewidth=1.4,
                              label="OVERLAP (F top, B/I below)"))
     if sum(result.comm) - sum(result.exposed_comm) > 1e-9:
         handles.append(Patch(facecolor=_HIDDEN, label="all-to-all hidden"))
     if sum(result.exposed_comm) > 1e-9:
         handles.append(Patch(facecolor=_EXPOSED, label="all-to-all exposed"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
-              ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    return handles
 
 
 def _first_stage(local_chunk: dict[int, int], chunk: int) -> int:
@@ -200,6 +206,6 @@ def _comm_boxes(result: SimResult, offset: float, height: float) -> list[_Box]:
                 continue
             y = rank + offset
             boxes.append(_Box(seg.start, y, seg.end - seg.start, height, _HIDDEN, "none", 0))
-            for x0, x1 in _subtract(seg.start, seg.end, compute):
+            for x0, x1 in subtract((seg.start, seg.end), compute):
                 boxes.append(_Box(x0, y, x1 - x0, height, _EXPOSED, "none", 0))
     return boxes

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 from ..schedule.deps import Product, missing_needs, needs_of, product_of, run_in_rank_order
 from ..schedule.errors import ScheduleError
+from ..schedule.in_flight import holding_change, peak_held
 from ..schedule.ir import Action, Kind, Schedule
 from .costs import Costs
+from .intervals import uncovered_length
 from .steps import COMM, COMPUTE, Segment, time_step
 
 @dataclass(frozen=True)
@@ -148,34 +150,15 @@ def _half(rank: int, half: Action, segments: tuple[Segment, ...]) -> TimedAction
 
 
 def _peak_in_flight(rank_actions: list[TimedAction]) -> int:
-    """Most activations held at once: +1 at an F's start, -1 at its B/I's end."""
+    """Most activations held at once: taken at an F's start, given back at its B/I's end."""
     events = []
     for timed in rank_actions:
         for comp in timed.action.computations():
-            if comp.kind is Kind.F:
-                events.append((timed.start, 1))
-            elif comp.kind in (Kind.B, Kind.I):
-                events.append((timed.end, -1))
-    held = peak = 0
-    for _, change in sorted(events):  # at equal times a release (-1) sorts before a new F
-        held += change
-        peak = max(peak, held)
-    return peak
-
-
-def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """Total length of ``intervals`` outside the union of ``cover`` (both sorted, disjoint)."""
-    total, j = 0.0, 0
-    for start, end in intervals:
-        covered = 0.0
-        while j < len(cover) and cover[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < end:
-            covered += min(end, cover[k][1]) - max(start, cover[k][0])
-            k += 1
-        total += (end - start) - covered
-    return total
+            change = holding_change(comp)
+            if change:
+                events.append((timed.start if change > 0 else timed.end, change))
+    # at equal times a release (-1) sorts before a new F
+    return peak_held(change for _, change in sorted(events))
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
@@ -242,7 +225,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         talks = sorted((s.start, s.end) for s in segs if s.stream == COMM)
         busy.append(sum(e - s for s, e in compute))
         comm.append(sum(e - s for s, e in talks))
-        exposed.append(_uncovered(talks, compute))
+        exposed.append(uncovered_length(talks, compute))
         peaks.append(_peak_in_flight(mine))
     return SimResult(
         name=schedule.name,

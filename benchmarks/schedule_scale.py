@@ -1,0 +1,128 @@
+"""What the schedule layer costs at cluster scale: build, lower, validate and simulate, timed.
+
+Every rank builds, lowers and validates its schedule at start-up, and the overlap pass simulates
+candidates, so these costs grow with the cluster. For a ladder of sizes from about 10k to 1M
+actions (pp 8 -> 64, vpp 2 -> 8, microbatches 256 -> 1024) and for interleaved-1f1b without and
+with overlap, zbv without and with overlap, and dualpipev (its own OVERLAP pairs), each phase is
+timed once in this process:
+
+- build:    ``build_schedule`` (with ``overlap=True`` this includes the overlap pass);
+- lower:    ``lower`` (SEND/RECV placement);
+- validate: ``validate`` (every rule, including the deadlock check of the lowered schedule);
+- simulate: ``simulate`` under F=1, B=2, W=1 and a 0.25 all-to-all per dispatch and combine.
+
+"actions" counts computations (F, B, I, W; an OVERLAP counts its two halves), so a schedule with
+and without overlap have the same count. Per-action cost = total / actions. The last line is
+``largest: X.XX s, per_action_us: Y.Y``: the total and per-action cost of the slowest schedule at
+the largest size run.
+
+    python benchmarks/schedule_scale.py [--max-actions 200000] [--schedules interleaved-1f1b,zbv]
+
+Not part of the test suite; a few minutes up to 1M actions on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+from megapipe.schedule import build_schedule, lower, validate
+from megapipe.sim import Costs, simulate
+
+# (pp, vpp, microbatches): interleaved-1f1b holds 2 pp vpp M actions.
+SIZES = [(8, 2, 256), (16, 4, 256), (32, 4, 512), (64, 8, 512), (64, 8, 1024)]
+# label -> (registry name, overlap, whether vpp applies, estimated actions per pp x M)
+VARIANTS = {
+    "interleaved-1f1b": ("interleaved-1f1b", False, True, 2),
+    "interleaved-1f1b+overlap": ("interleaved-1f1b", True, True, 2),
+    "zbv": ("zbv", False, False, 6),
+    "zbv+overlap": ("zbv", True, False, 6),
+    "dualpipev+overlap": ("dualpipev", True, False, 5),
+}
+COSTS = Costs(1.0, 2.0, 1.0, dispatch=0.25, combine=0.25, moe_layers=1)
+PHASES = ("build", "lower", "validate", "simulate")
+
+
+def estimated_actions(variant: str, pp: int, vpp: int, m: int) -> int:
+    _, _, uses_vpp, per = VARIANTS[variant]
+    return per * pp * m * (vpp if uses_vpp else 1)
+
+
+def count_actions(schedule) -> int:
+    return sum(len(a.computations()) for row in schedule.actions for a in row)
+
+
+def measure(variant: str, pp: int, vpp: int, m: int) -> dict:
+    """Time each phase once (garbage collection off, as in a start-up path that allocates)."""
+    name, overlap, uses_vpp, _ = VARIANTS[variant]
+    times = {}
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        schedule = build_schedule(name, pp, m, vpp=vpp if uses_vpp else 2, overlap=overlap)
+        times["build"] = time.perf_counter() - start
+        start = time.perf_counter()
+        lower(schedule)
+        times["lower"] = time.perf_counter() - start
+        start = time.perf_counter()
+        validate(schedule)
+        times["validate"] = time.perf_counter() - start
+        start = time.perf_counter()
+        simulate(schedule, COSTS)
+        times["simulate"] = time.perf_counter() - start
+    finally:
+        gc.enable()
+    actions = count_actions(schedule)
+    total = sum(times.values())
+    return {"variant": variant, "pp": pp, "vpp": vpp if uses_vpp else 2, "m": m,
+            "actions": actions, "total": total, "per_action_us": total / actions * 1e6, **times}
+
+
+def parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    """``"8x2x256,16x4x256"`` -> [(8, 2, 256), (16, 4, 256)]."""
+    return [tuple(int(v) for v in part.split("x")) for part in text.split(",") if part]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-actions", type=int, default=1_100_000,
+                        help="skip sizes estimated above this many actions (default: all)")
+    parser.add_argument("--schedules", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    parser.add_argument("--sizes", type=parse_sizes, default=SIZES,
+                        help="comma-separated PPxVPPxM (default: the 10k -> 1M ladder)")
+    args = parser.parse_args()
+    variants = [v for v in args.schedules.split(",") if v]
+    for variant in variants:
+        if variant not in VARIANTS:
+            parser.error(f"unknown schedule {variant!r}; choose from {', '.join(VARIANTS)}")
+    header = (f"{'schedule':<26}{'pp':>4}{'vpp':>4}{'M':>6}{'actions':>10}"
+              + "".join(f"{p:>10}" for p in PHASES) + f"{'total':>9}{'us/act':>8}")
+    print(header)
+    rows = []
+    for pp, vpp, m in args.sizes:
+        for variant in variants:
+            if estimated_actions(variant, pp, vpp, m) > args.max_actions:
+                continue
+            row = measure(variant, pp, vpp, m)
+            row["size"] = (pp, vpp, m)
+            rows.append(row)
+            print(f"{variant:<26}{pp:>4}{row['vpp']:>4}{m:>6}{row['actions']:>10}"
+                  + "".join(f"{row[p]:>10.3f}" for p in PHASES)
+                  + f"{row['total']:>9.2f}{row['per_action_us']:>8.1f}", flush=True)
+    if not rows:
+        parser.error("no size fits under --max-actions")
+    for variant in variants:
+        mine = [r for r in rows if r["variant"] == variant]
+        if len(mine) > 1:
+            low, high = mine[0], mine[-1]
+            print(f"{variant}: per-action cost x{high['per_action_us'] / low['per_action_us']:.2f}"
+                  f" from {low['actions']} to {high['actions']} actions")
+    largest = max((r for r in rows if r["size"] == rows[-1]["size"]), key=lambda r: r["total"])
+    print(f"largest: {largest['total']:.2f} s, per_action_us: {largest['per_action_us']:.1f}")
+
+
+if __name__ == "__main__":
+    main()

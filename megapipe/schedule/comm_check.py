@@ -35,18 +35,17 @@ from .deps import (
 )
 from .errors import ScheduleError
 from .ir import COMM_KINDS, Kind, Schedule
+from .comm_certificate import certified
+from .table import is_comm
+from .timeline import Timeline, timeline
 
 # (rank, index in the rank's list) of a comm action.
 Slot = tuple[int, int]
 
 
-def check_channel_order(lowered: Schedule) -> dict[Slot, Slot]:
-    """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
-
-    Returns the matching: each comm action's slot mapped to its partner's slot. Raises
-    ``ScheduleError`` naming the rank and action for a SEND or RECV on the wrong rank or without
-    a peer, a message sent within one rank, a missing partner, or two orders that disagree.
-    """
+def _comm_slots(lowered: Schedule) -> tuple[dict, dict]:
+    """SEND and RECV slots per (sender, receiver), in list order; an error for one on the wrong
+    rank, without a peer, or between stages of one rank."""
     sends: dict[tuple[int, int], list[Slot]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[Slot]] = defaultdict(list)
     for rank, row in enumerate(lowered.actions):
@@ -73,6 +72,17 @@ def check_channel_order(lowered: Schedule) -> dict[Slot, Slot]:
                 sends[(rank, peer)].append((rank, index))
             else:
                 recvs[(peer, rank)].append((rank, index))
+    return sends, recvs
+
+
+def check_channel_order(lowered: Schedule) -> dict[Slot, Slot]:
+    """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
+
+    Returns the matching: each comm action's slot mapped to its partner's slot. Raises
+    ``ScheduleError`` naming the rank and action for a SEND or RECV on the wrong rank or without
+    a peer, a message sent within one rank, a missing partner, or two orders that disagree.
+    """
+    sends, recvs = _comm_slots(lowered)
 
     def at(slot: Slot):
         return lowered.actions[slot[0]][slot[1]]
@@ -155,10 +165,36 @@ def _ready(lowered: Schedule, rank: int, state: _RankState, action) -> bool:
 
 
 def check_runs(lowered: Schedule) -> None:
-    """Simulate ``lowered`` under the batched p2p model; raise ``ScheduleError`` if it deadlocks.
+    """Check that ``lowered`` finishes under the batched p2p model; raise ``ScheduleError``
+    naming every stuck rank, the action it waits at and what that action waits for.
 
-    The error names every stuck rank, the action it waits at and what that action waits for.
+    Checked once per schedule. A schedule ``lower`` made (or whose SEND/RECV placement is as
+    ``lower`` would make it) is proved to finish in O(actions) by ``comm_certificate``; any
+    other is simulated.
     """
+    if lowered.memo.get("runs"):
+        return
+    run = _compute_timeline(lowered)
+    if run is None or not certified(lowered, run):
+        _simulate_runs(lowered)
+    lowered.memo["runs"] = True
+
+
+def _compute_timeline(lowered: Schedule) -> Timeline | None:
+    """The timeline of the computations of ``lowered`` (the one it was lowered with, if any)."""
+    if "compute_timeline" in lowered.memo:
+        return lowered.memo["compute_timeline"]
+    table = lowered.table
+    compute = lowered.replace_actions(table.select(~is_comm(table.kind)))
+    try:
+        return timeline(compute)
+    except ValueError:
+        return None
+
+
+def _simulate_runs(lowered: Schedule) -> None:
+    """Simulate ``lowered`` under the batched p2p model (module docstring); raise
+    ``ScheduleError`` if it deadlocks."""
     matching = check_channel_order(lowered)
     states = [_split_batches(row) for row in lowered.actions]
     done: set[Slot] = set()
@@ -166,49 +202,65 @@ def check_runs(lowered: Schedule) -> None:
     while progressed:
         progressed = False
         for rank, state in enumerate(states):
-            row = lowered.actions[rank]
-            while state.cursor < len(state.items):
-                kind, what = state.items[state.cursor]
-                if kind == "batch":
-                    for index in what:
-                        action = row[index]
-                        if action.kind in (Kind.SEND_F, Kind.SEND_B):
-                            product = _sent_product(lowered, action)
-                            if product not in state.made:
-                                raise ScheduleError(
-                                    f"sends the result of {describe_product(lowered, product)} "
-                                    "before this rank computes it",
-                                    rank, action,
-                                )
-                    state.posted += 1
-                elif _ready(lowered, rank, state, row[what]):
-                    state.made.update(product_of(c) for c in row[what].computations())
-                else:
-                    break
-                state.cursor += 1
-                progressed = True
+            progressed |= _advance(lowered, rank, state)
         for rank, state in enumerate(states):
-            while state.active(state.completed):
-                batch = state.batches[state.completed]
-                for index in batch:
-                    if (rank, index) in done:
-                        continue
-                    peer, peer_index = matching[(rank, index)]
-                    if states[peer].active(states[peer].batch_of[peer_index]):
-                        done.add((rank, index))
-                        done.add((peer, peer_index))
-                if not all((rank, index) in done for index in batch):
-                    break
-                for index in batch:
-                    action = lowered.actions[rank][index]
-                    if action.kind in (Kind.RECV_F, Kind.RECV_B):
-                        state.received.add(message_of_comm(lowered, action))
-                state.completed += 1
-                progressed = True
+            progressed |= _complete(lowered, rank, states, matching, done)
     stuck = [rank for rank, state in enumerate(states) if not state.finished]
     if stuck:
         waits = "; ".join(_describe_wait(lowered, states, matching, rank) for rank in stuck)
         raise ScheduleError(f"the lowered schedule deadlocks, stuck ranks {stuck}: {waits}")
+
+
+def _advance(lowered: Schedule, rank: int, state: _RankState) -> bool:
+    """Run the rank's list as far as it can: post batches, run ready computations."""
+    row = lowered.actions[rank]
+    moved = False
+    while state.cursor < len(state.items):
+        kind, what = state.items[state.cursor]
+        if kind == "batch":
+            for index in what:
+                action = row[index]
+                if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                    product = _sent_product(lowered, action)
+                    if product not in state.made:
+                        raise ScheduleError(
+                            f"sends the result of {describe_product(lowered, product)} "
+                            "before this rank computes it",
+                            rank, action,
+                        )
+            state.posted += 1
+        elif _ready(lowered, rank, state, row[what]):
+            state.made.update(product_of(c) for c in row[what].computations())
+        else:
+            break
+        state.cursor += 1
+        moved = True
+    return moved
+
+
+def _complete(lowered: Schedule, rank: int, states: list[_RankState], matching: dict,
+              done: set) -> bool:
+    """Complete the rank's active batches, in order, whose ops all have active partners."""
+    state = states[rank]
+    moved = False
+    while state.active(state.completed):
+        batch = state.batches[state.completed]
+        for index in batch:
+            if (rank, index) in done:
+                continue
+            peer, peer_index = matching[(rank, index)]
+            if states[peer].active(states[peer].batch_of[peer_index]):
+                done.add((rank, index))
+                done.add((peer, peer_index))
+        if not all((rank, index) in done for index in batch):
+            break
+        for index in batch:
+            action = lowered.actions[rank][index]
+            if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                state.received.add(message_of_comm(lowered, action))
+        state.completed += 1
+        moved = True
+    return moved
 
 
 def _describe_wait(

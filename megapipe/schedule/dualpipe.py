@@ -11,93 +11,69 @@ bubble). With ``overlap=False`` each pair becomes its forward followed by its ba
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from .builder import RowBuilder
+from .ir import Schedule, v_placement
+from .table import B, F, I, W, ActionTable
 
-from .ir import Action, Kind, Schedule, v_placement
+
+def _backward(row: RowBuilder, stage: int, zero_bubble: bool = False) -> None:
+    """The next B of ``stage``, or its I with the W deferred to the FIFO (numbered alike)."""
+    mb = row.take(stage, B)
+    if zero_bubble:
+        row.add(I, stage, mb)
+        row.pending_w.append((stage, mb))
+    else:
+        row.add(B, stage, mb)
 
 
-@dataclass
-class _RankOrder:
-    """Builds one rank's list: per-stage microbatch counters and the FIFO of deferred W's."""
-
-    first_microbatch: dict[int, int]
-    overlap: bool
-    row: list[Action] = field(default_factory=list)
-    counts: dict[tuple[int, Kind], int] = field(default_factory=dict)
-    pending_w: deque = field(default_factory=deque)
-
-    def _next(self, stage: int, kind: Kind) -> Action:
-        n = self.counts.get((stage, kind), 0)
-        self.counts[(stage, kind)] = n + 1
-        return Action(stage, kind, self.first_microbatch[stage] + n)
-
-    def forward(self, stage: int) -> None:
-        self.row.append(self._next(stage, Kind.F))
-
-    def backward(self, stage: int, zero_bubble: bool = False) -> None:
-        """B, or I with its W deferred to the FIFO (both count as this stage's backward)."""
-        action = self._next(stage, Kind.B)
-        if zero_bubble:
-            self.row.append(Action(stage, Kind.I, action.microbatch))
-            self.pending_w.append(Action(stage, Kind.W, action.microbatch))
-        else:
-            self.row.append(action)
-
-    def weight(self) -> None:
-        """The oldest deferred W, if any (DualPipe's WeightGradStore.pop)."""
-        if self.pending_w:
-            self.row.append(self.pending_w.popleft())
-
-    def pair(self, forward_stage: int, backward_stage: int) -> None:
-        f = self._next(forward_stage, Kind.F)
-        b = self._next(backward_stage, Kind.B)
-        self.row += [Action.overlap(f, b)] if self.overlap else [f, b]
+def _weight(row: RowBuilder) -> None:
+    """The oldest deferred W, if any (DualPipe's WeightGradStore.pop)."""
+    if row.pending_w:
+        stage, mb = row.pending_w.popleft()
+        row.add(W, stage, mb)
 
 
 def _dualpipe_rank(
-    order: _RankOrder, near: int, far: int, position: int, ranks: int, chunks: int
-) -> list[Action]:
+    row: RowBuilder, near: int, far: int, position: int, ranks: int, chunks: int
+) -> list:
     """The eight DualPipe phases for the rank at ``position`` of ``ranks`` along its pipeline.
 
     ``near`` is its stage ``position`` hops from the start of a pipeline, ``far`` its stage
     ``position`` hops from the end; ``chunks`` is the number of microbatches per stage.
+    Returns the rank's table columns.
     """
     behind = ranks - position - 1  # ranks between this one and the turning point
-    for _ in range(2 * behind):  # 1: forwards of near fill the pipeline
-        order.forward(near)
-    for _ in range(position + 1):  # 2: near and far forwards alternate
-        order.forward(near)
-        order.forward(far)
+    row.repeat([(near, F)], 2 * behind)  # 1: forwards of near fill the pipeline
+    row.repeat([(near, F), (far, F)], position + 1)  # 2: near and far forwards alternate
     for _ in range(behind):  # 3: far's first backwards, W run at once
-        order.backward(far, zero_bubble=True)
-        order.weight()
-        order.forward(far)
-    for i in range(chunks - 2 * ranks + position + 1):  # 4: the main phase, two pairs per step
-        if i == 0 and behind == 0:
-            # At the turning point DualPipe runs this first pair apart to shorten the bubble.
-            order.forward(near)
-            order.backward(far)
-        else:
-            order.pair(near, far)
-        order.pair(far, near)
+        _backward(row, far, zero_bubble=True)
+        _weight(row)
+        row.run(far, F)
+    main = chunks - 2 * ranks + position + 1  # 4: the main phase, two pairs per step
+    if main > 0 and behind == 0:
+        # At the turning point DualPipe runs this first pair apart to shorten the bubble.
+        row.run(near, F)
+        row.run(far, B)
+        row.pair(far, near, B)
+        main -= 1
+    row.repeat([(near, far, B), (far, near, B)], main)
     for _ in range(behind):  # 5: far's backwards run out, near still pairs
-        order.backward(far)
-        order.pair(far, near)
+        row.run(far, B)
+        row.pair(far, near, B)
     zero_bubble = False
     for i in range(position + 1):  # 6: the last backwards, the second half with W deferred
         if i == (position + 1) // 2 and position % 2 == 1:
             zero_bubble = True
-        order.backward(far, zero_bubble)
+        _backward(row, far, zero_bubble)
         if i == (position + 1) // 2 and position % 2 == 0:
             zero_bubble = True
-        order.backward(near, zero_bubble)
+        _backward(row, near, zero_bubble)
     for _ in range(behind):  # 7: deferred W's interleave with near's last backwards
-        order.weight()
-        order.backward(near, zero_bubble=True)
+        _weight(row)
+        _backward(row, near, zero_bubble=True)
     for _ in range(position + 1):  # 8: the remaining W's
-        order.weight()
-    return order.row
+        _weight(row)
+    return row.columns()
 
 
 def dualpipev(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
@@ -107,13 +83,13 @@ def dualpipev(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
     microbatches.
     """
     stages = 2 * pp
-    actions = []
+    blocks = []
     for rank in range(pp):
         near, far = rank, stages - 1 - rank
-        order = _RankOrder({near: 0, far: 0}, overlap)
-        actions.append(_dualpipe_rank(order, near, far, rank, pp, num_microbatches))
+        row = RowBuilder({near: 0, far: 0}, overlap)
+        blocks.append(_dualpipe_rank(row, near, far, rank, pp, num_microbatches))
     return Schedule(
-        actions, stages, num_microbatches, v_placement(pp, stages), name="dualpipev",
+        ActionTable.from_blocks(blocks), stages, num_microbatches, v_placement(pp, stages), name="dualpipev",
         options={"overlap": overlap},
     )
 
@@ -129,14 +105,14 @@ def dualpipe(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
     half = num_microbatches // 2
     stages = 2 * pp
     placement = tuple(range(pp)) + tuple(range(pp - 1, -1, -1))
-    actions = []
+    blocks = []
     for rank in range(pp):
         down, up = rank, stages - 1 - rank  # forward-pipeline stage, mirrored-pipeline stage
         position = min(rank, pp - 1 - rank)
         near, far = (down, up) if rank < pp // 2 else (up, down)
-        order = _RankOrder({down: 0, up: half}, overlap)
-        actions.append(_dualpipe_rank(order, near, far, position, pp // 2, half))
+        row = RowBuilder({down: 0, up: half}, overlap)
+        blocks.append(_dualpipe_rank(row, near, far, position, pp // 2, half))
     return Schedule(
-        actions, stages, num_microbatches, placement, name="dualpipe", bidirectional=True,
+        ActionTable.from_blocks(blocks), stages, num_microbatches, placement, name="dualpipe", bidirectional=True,
         options={"overlap": overlap},
     )

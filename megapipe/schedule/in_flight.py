@@ -11,7 +11,9 @@ anything, the worst case inside the pair.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
+
+import numpy as np
 
 from .ir import Action, Kind
 
@@ -19,24 +21,19 @@ ACTIVATION_RELEASE = frozenset({Kind.B, Kind.I})
 STASH_RELEASE = frozenset({Kind.B, Kind.W})
 
 
-def peak_held(changes: Iterable[int]) -> int:
-    """The most held at once, given +1 (take) and -1 (give back) in the order they happen."""
-    held = peak = 0
-    for change in changes:
-        held += change
-        peak = max(peak, held)
-    return peak
-
-
-def holding_change(comp: Action, release: frozenset = ACTIVATION_RELEASE) -> int:
-    """+1 for a forward, -1 for a computation that releases, 0 for anything else."""
-    if comp.kind is Kind.F:
-        return 1
-    return -1 if comp.kind in release else 0
+def peak_of_events(takes: np.ndarray, releases: np.ndarray) -> int:
+    """The most held at once, given when each activation is taken and when each is given back
+    (both in time order; a release at the time of a take comes first)."""
+    if not len(takes):
+        return 0
+    held = np.arange(1, len(takes) + 1) - np.searchsorted(releases, takes, "right")
+    return max(0, int(held.max()))
 
 
 def peak_in_flight(row: Sequence[Action], release: frozenset = ACTIVATION_RELEASE) -> int:
     """Most activations a rank's action list holds at once, in list order."""
-    return peak_held(
-        holding_change(comp, release) for action in row for comp in action.computations()
-    )
+    kinds = [comp.kind for action in row for comp in action.computations()]
+    order = np.arange(len(kinds))
+    takes = order[[kind is Kind.F for kind in kinds]]
+    gives = order[[kind in release for kind in kinds]]
+    return peak_of_events(takes, gives)

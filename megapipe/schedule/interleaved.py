@@ -6,8 +6,24 @@ vpp of them). A microbatch therefore visits every rank vpp times.
 
 from __future__ import annotations
 
-from .ir import Action, Kind, Schedule, loop_placement
+import numpy as np
+
+from .builder import warmup_then_alternate
+from .ir import Schedule, loop_placement
 from .simple import one_f_one_b
+from .table import B, F, ActionTable
+
+
+def chunk_order(num_microbatches: int, vpp: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``megatron_chunk_order`` as (microbatch, chunk) columns."""
+    mbs, chunks = [], []
+    for first in range(0, num_microbatches, group_size):
+        group = np.arange(first, min(first + group_size, num_microbatches))
+        mbs.append(np.tile(group, vpp))
+        chunks.append(np.repeat(np.arange(vpp), len(group)))
+    if not mbs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(mbs), np.concatenate(chunks)
 
 
 def megatron_chunk_order(
@@ -20,21 +36,8 @@ def megatron_chunk_order(
     group takes whatever microbatches remain, so the count need not divide evenly.
     Backwards use the same order with the chunks reversed.
     """
-    order = []
-    for first in range(0, num_microbatches, group_size):
-        group = range(first, min(first + group_size, num_microbatches))
-        order += [(mb, chunk) for chunk in range(vpp) for mb in group]
-    return order
-
-
-def megatron_orders(
-    num_microbatches: int, vpp: int, group_size: int
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The (microbatch, chunk) orders of a rank's forwards and backwards: ``megatron_chunk_order``,
-    and the same with the chunks reversed (a microbatch comes back through the last chunk first).
-    """
-    forwards = megatron_chunk_order(num_microbatches, vpp, group_size)
-    return forwards, [(mb, vpp - 1 - chunk) for mb, chunk in forwards]
+    mbs, chunks = chunk_order(num_microbatches, vpp, group_size)
+    return list(zip(mbs.tolist(), chunks.tolist()))
 
 
 def megatron_warmup(rank: int, pp: int, vpp: int, group_size: int, total: int) -> int:
@@ -61,26 +64,17 @@ def interleaved_1f1b(
     group = microbatch_group_size_per_vp_stage or pp
     if vpp == 1:
         plain = one_f_one_b(pp, num_microbatches)
-        return plain.replace_actions(plain.actions, name="interleaved-1f1b")
-    forwards, backwards = megatron_orders(num_microbatches, vpp, group)
-    total = len(forwards)
-    actions = []
+        return plain.replace_actions(plain.table, name="interleaved-1f1b")
+    mbs, chunks = chunk_order(num_microbatches, vpp, group)
+    total = len(mbs)
+    blocks = []
     for rank in range(pp):
-        def stage(chunk: int) -> int:
-            return chunk * pp + rank
-
+        forwards = (chunks * pp + rank, mbs)
+        backwards = ((vpp - 1 - chunks) * pp + rank, mbs)
         warmup = megatron_warmup(rank, pp, vpp, group, total)
-        row = [Action(stage(c), Kind.F, mb) for mb, c in forwards[:warmup]]
-        for k in range(total - warmup):
-            mb, c = forwards[warmup + k]
-            row.append(Action(stage(c), Kind.F, mb))
-            mb, c = backwards[k]
-            row.append(Action(stage(c), Kind.B, mb))
-        row += [Action(stage(c), Kind.B, mb) for mb, c in backwards[total - warmup :]]
-        actions.append(row)
-    return Schedule(
-        actions, pp * vpp, num_microbatches, loop_placement(pp, pp * vpp), name="interleaved-1f1b"
-    )
+        blocks.append(warmup_then_alternate(forwards, backwards, warmup, B))
+    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
+                    loop_placement(pp, pp * vpp), name="interleaved-1f1b")
 
 
 def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
@@ -90,13 +84,14 @@ def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
     backwards, last chunk first, microbatches in reverse. Like GPipe per chunk: few, large
     phases, and every activation of the step held at once.
     """
-    actions = []
+    m = num_microbatches
+    blocks = []
     for rank in range(pp):
-        stages = range(rank, pp * vpp, pp)
-        mbs = range(num_microbatches)
-        row = [Action(s, Kind.F, mb) for s in stages for mb in mbs]
-        row += [Action(s, Kind.B, mb) for s in reversed(stages) for mb in reversed(mbs)]
-        actions.append(row)
-    return Schedule(
-        actions, pp * vpp, num_microbatches, loop_placement(pp, pp * vpp), name="looped-bfs"
-    )
+        stages = np.arange(rank, pp * vpp, pp)
+        kind = np.repeat([F, B], len(stages) * m)
+        stage = np.concatenate([np.repeat(stages, m), np.repeat(stages[::-1], m)])
+        mb = np.concatenate([np.tile(np.arange(m), len(stages)),
+                             np.tile(np.arange(m)[::-1], len(stages))])
+        blocks.append((kind, stage, mb))
+    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
+                    loop_placement(pp, pp * vpp), name="looped-bfs")

@@ -1,119 +1,29 @@
-"""Schedule IR: actions, per-rank action lists, placements, and the text and CSV forms.
+"""Schedule IR: per-rank action lists, placements, and the text and CSV forms.
 
-The text form of an action is torch.distributed.pipelining's, so schedules move between
-megapipe, torch and torchtitan unchanged: ``2F0``, ``1B3``, ``0I1``, ``0W1``,
-``1SEND_F2``, ``(0F3;3B1)OVERLAP_F_B``.
+A ``Schedule`` holds its action lists as an ``ActionTable`` (integer columns) and makes
+``Action`` objects (``actions``, ``row``) only when asked: the layers that build, lower, check and
+simulate schedules work on the table. The text form of an action is torch.distributed.pipelining's
+(``megapipe.schedule.actions``), so schedules move between megapipe, torch and torchtitan
+unchanged.
 """
 
 from __future__ import annotations
 
 import csv
-import re
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import FrozenInstanceError
 from typing import Iterable, Sequence
 
+import numpy as np
 
-class Kind(str, Enum):
-    """What an action does. The value is its text form."""
-
-    F = "F"  # forward
-    B = "B"  # full backward (input and weight gradients)
-    I = "I"  # backward for the input gradient only  # noqa: E741
-    W = "W"  # backward for the weight gradient only
-    OVERLAP = "OVERLAP_F_B"  # forward of one microbatch beside the B or I of another
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP})
-COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
-BACKWARD_KINDS = frozenset({Kind.B, Kind.I})
-
-_SIMPLE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank.
-
-    A plain action has a stage, a kind and a microbatch. An OVERLAP action has neither stage nor
-    microbatch: it holds two sub-actions, a forward first and a backward (B or I) second.
-    """
-
-    stage: int | None
-    kind: Kind
-    microbatch: int | None = None
-    sub_actions: tuple["Action", ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind is Kind.OVERLAP:
-            subs = self.sub_actions
-            if len(subs) != 2 or subs[0].kind is not Kind.F or subs[1].kind not in BACKWARD_KINDS:
-                raise ValueError(
-                    f"an OVERLAP action holds exactly (forward; B or I), got {subs!r}"
-                )
-        elif self.sub_actions:
-            raise ValueError(f"only OVERLAP actions hold sub-actions, not {self.kind.value}")
-        elif self.stage is None or self.microbatch is None:
-            raise ValueError(f"a {self.kind.value} action needs a stage and a microbatch")
-
-    @staticmethod
-    def overlap(forward: "Action", backward: "Action") -> "Action":
-        return Action(None, Kind.OVERLAP, None, (forward, backward))
-
-    @property
-    def forward(self) -> "Action":
-        """The forward half of an OVERLAP action."""
-        return self.sub_actions[0]
-
-    @property
-    def backward(self) -> "Action":
-        """The backward half of an OVERLAP action."""
-        return self.sub_actions[1]
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
-
-    def computations(self) -> tuple["Action", ...]:
-        """The plain compute actions this action performs (the two halves of an OVERLAP)."""
-        if self.kind is Kind.OVERLAP:
-            return self.sub_actions
-        return (self,)
-
-    def __str__(self) -> str:
-        if self.kind is Kind.OVERLAP:
-            return f"({';'.join(str(a) for a in self.sub_actions)}){self.kind.value}"
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
-
-    __repr__ = __str__
-
-
-def parse_action(text: str) -> Action:
-    """Parse the text form of one action; the inverse of ``str(action)``."""
-    text = text.strip()
-    if text.startswith("("):
-        close = text.find(")")
-        kind = text[close + 1 :] if close > 0 else ""
-        if kind != Kind.OVERLAP.value:
-            raise ValueError(f"cannot parse action {text!r}: expected '(xFi;yBj)OVERLAP_F_B'")
-        parts = [p for p in text[1:close].split(";")]
-        if len(parts) != 2:
-            raise ValueError(f"cannot parse action {text!r}: an OVERLAP holds two actions")
-        return Action.overlap(parse_action(parts[0]), parse_action(parts[1]))
-    match = _SIMPLE.match(text)
-    if not match:
-        raise ValueError(
-            f"cannot parse action {text!r}: expected [stage][kind][microbatch], e.g. 2F0 or 1SEND_F2"
-        )
-    stage, kind, mb = match.groups()
-    return Action(int(stage), Kind(kind), int(mb))
+from .actions import (  # noqa: F401 - the IR's public names
+    BACKWARD_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    Kind,
+    parse_action,
+)
+from .table import ActionTable
 
 
 def loop_placement(pp: int, num_stages: int) -> tuple[int, ...]:
@@ -130,7 +40,6 @@ def v_placement(pp: int, num_stages: int) -> tuple[int, ...]:
     return tuple(placement)
 
 
-@dataclass(frozen=True)
 class Schedule:
     """Per-rank action lists and the facts needed to interpret them.
 
@@ -138,27 +47,101 @@ class Schedule:
     two pipelines of ``num_stages // 2`` stages each: microbatches ``[0, M/2)`` flow through
     stages ``[0, S/2)`` and microbatches ``[M/2, M)`` through stages ``[S/2, S)``; stage
     ``S/2 + k`` holds a mirror copy of the model part of stage ``k`` (their gradients are summed).
+
+    ``actions`` may be per-rank lists of ``Action`` or an ``ActionTable``. A schedule never
+    changes, so what is derived from it (its timeline, its lowering, a passed validation) is
+    kept in ``memo`` and computed once.
     """
 
-    actions: tuple[tuple[Action, ...], ...]
-    num_stages: int
-    num_microbatches: int
-    stage_to_rank: tuple[int, ...]
-    name: str = ""
-    bidirectional: bool = False
-    options: dict = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "actions", tuple(tuple(r) for r in self.actions))
-        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+    def __init__(
+        self,
+        actions: Sequence[Iterable[Action]] | ActionTable,
+        num_stages: int,
+        num_microbatches: int,
+        stage_to_rank: Sequence[int],
+        name: str = "",
+        bidirectional: bool = False,
+        options: dict | None = None,
+    ) -> None:
+        table = actions if isinstance(actions, ActionTable) else None
+        rows = None if table is not None else tuple(tuple(r) for r in actions)
+        fields = dict(
+            _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
+            stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
+            options={} if options is None else options, memo={},
+        )
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
         if len(self.stage_to_rank) != self.num_stages:
             raise ValueError(
                 f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages"
             )
 
+    def __setattr__(self, name: str, value) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __reduce__(self):
+        return (Schedule, (self.table, self.num_stages, self.num_microbatches,
+                           self.stage_to_rank, self.name, self.bidirectional, self.options))
+
+    def _facts(self) -> tuple:
+        return (self.num_stages, self.num_microbatches, self.stage_to_rank, self.name,
+                self.bidirectional)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Schedule):
+            return NotImplemented
+        if self._facts() != other._facts():
+            return False
+        if self._table is None and other._table is None:
+            return self._rows == other._rows
+        return self.table.same_as(other.table)
+
+    def __hash__(self) -> int:
+        return hash((self._facts(), self.table.digest()))
+
+    def __repr__(self) -> str:
+        return (f"Schedule(name={self.name!r}, pp={self.pp}, num_stages={self.num_stages}, "
+                f"num_microbatches={self.num_microbatches}, actions={len(self.table)})")
+
+    @property
+    def table(self) -> ActionTable:
+        """The action lists as integer columns."""
+        if self._table is None:
+            object.__setattr__(self, "_table", ActionTable.from_rows(self._rows))
+        return self._table
+
+    @property
+    def actions(self) -> tuple[tuple[Action, ...], ...]:
+        """Every rank's action list (made on first use; ``row`` makes just one)."""
+        if self._rows is None:
+            object.__setattr__(
+                self, "_rows", tuple(self.row(rank) for rank in range(self.table.pp))
+            )
+        return self._rows
+
+    def row(self, rank: int) -> tuple[Action, ...]:
+        """Rank ``rank``'s action list (made on first use, without the other ranks')."""
+        if self._rows is not None:
+            return self._rows[rank]
+        key = ("row", rank)
+        if key not in self.memo:
+            self.memo[key] = self.table.actions_of(rank)
+        return self.memo[key]
+
+    @property
+    def placement(self) -> np.ndarray:
+        """``stage_to_rank`` as an array."""
+        if "placement" not in self.memo:
+            self.memo["placement"] = np.asarray(self.stage_to_rank, dtype=np.int64).reshape(-1)
+        return self.memo["placement"]
+
     @property
     def pp(self) -> int:
-        return len(self.actions)
+        return len(self._rows) if self._rows is not None else self.table.pp
 
     @property
     def stages_per_pipeline(self) -> int:
@@ -194,7 +177,9 @@ class Schedule:
     def is_last_stage(self, stage: int) -> bool:
         return self.next_stage(stage) is None
 
-    def replace_actions(self, actions: Sequence[Iterable[Action]], **changes) -> "Schedule":
+    def replace_actions(
+        self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
+    ) -> "Schedule":
         """A copy with other action lists (and optionally other fields)."""
         fields = dict(
             num_stages=self.num_stages,
@@ -205,11 +190,16 @@ class Schedule:
             options=dict(self.options),
         )
         fields.update(changes)
-        return Schedule(tuple(tuple(a) for a in actions), **fields)
+        return Schedule(actions, **fields)
+
+    def _texts(self) -> list[list[str]]:
+        if self._rows is not None:
+            return [[str(a) for a in row] for row in self._rows]
+        return [self.table.texts_of(rank) for rank in range(self.pp)]
 
     def format_grid(self) -> str:
         """A step (row) by rank (column) grid of the action texts."""
-        cells = [[str(a) for a in row] for row in self.actions]
+        cells = self._texts()
         width = max([len(c) for row in cells for c in row] + [6])
         steps = max((len(row) for row in cells), default=0)
         lines = ["step  " + " ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
@@ -220,15 +210,15 @@ class Schedule:
 
     def to_text(self) -> str:
         """One line per rank, actions separated by spaces."""
-        return "\n".join(" ".join(str(a) for a in row) for row in self.actions)
+        return "\n".join(" ".join(row) for row in self._texts())
 
 
 def write_csv(schedule: Schedule, path: str) -> None:
     """Write one row per rank, one action per cell: torch.distributed.pipelining's format."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        for row in schedule.actions:
-            writer.writerow([str(a) for a in row])
+        for row in schedule._texts():
+            writer.writerow(row)
 
 
 def read_rows(path: str) -> list[list[Action]]:

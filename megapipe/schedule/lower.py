@@ -29,12 +29,14 @@ time t completes once every rank has run the actions that start before t.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import numpy as np
 
 from .comm_check import check_channel_order, check_runs
-from .deps import Message, received_message, recv_action, send_action, sent_message, timeline
 from .errors import ScheduleError
-from .ir import Action, Kind, Schedule
+from .flows import MESSAGE_LETTERS, ProductSpace, neighbours, received_messages, sent_messages
+from .ir import Kind, Schedule
+from .table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
+from .timeline import Timeline, duration_key, timeline
 
 __all__ = ["lower", "check_runs", "check_channel_order"]
 
@@ -44,63 +46,122 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
 
     ``durations`` (F, B, I, W and optionally OVERLAP to positive numbers) only moves RECVs
     earlier or later for overlap; any choice gives a deadlock-free, order-matched schedule.
+    The result is kept in ``schedule.memo``: lowering the same schedule again costs nothing.
     """
-    rows = schedule.actions
-    for rank, row in enumerate(rows):
-        for action in row:
-            if not action.is_compute:
-                raise ScheduleError("the schedule is lowered already", rank, action)
+    memo_key = ("lowered", duration_key(durations))
+    if memo_key in schedule.memo:
+        return schedule.memo[memo_key]
+    table = schedule.table
+    comm = np.flatnonzero(is_comm(table.kind))
+    if len(comm):
+        rank = int(table.rank[comm[0]])
+        raise ScheduleError("the schedule is lowered already", rank,
+                            schedule.row(rank)[int(table.local_index[comm[0]])])
     try:
         run = timeline(schedule, durations)
     except ValueError as err:
         raise ScheduleError(str(err)) from None
     if run.stuck:
-        waits = "; ".join(f"rank {r} at {rows[r][k]}" for r, k in sorted(run.stuck.items()))
-        rank, index = next(iter(sorted(run.stuck.items())))
+        stuck = sorted(run.stuck.items())
+        waits = "; ".join(f"rank {r} at {schedule.row(r)[k]}" for r, k in stuck)
+        rank, index = stuck[0]
         raise ScheduleError(
             f"cannot lower: the ranks wait on each other before any communication ({waits})",
-            rank, rows[rank][index],
+            rank, schedule.row(rank)[index],
         )
+    lowered = schedule.replace_actions(_lowered_table(schedule, run))
+    lowered.memo["compute_timeline"] = run
+    schedule.memo[memo_key] = lowered
+    return lowered
 
-    sends: list[list[list[Action]]] = [[[] for _ in range(len(row) + 1)] for row in rows]
-    # The send time and the sender's (rank, order) of every message, to place and sort its RECV.
-    sent: dict[Message, tuple[float, int, int]] = {}
-    for rank, row in enumerate(rows):
-        order = 0
-        for index, action in enumerate(row):
-            for comp in action.computations():
-                message = sent_message(schedule, comp)
-                if message is None:
-                    continue
-                sends[rank][index + 1].append(send_action(message))
-                sent[message] = (run.end[rank][index], rank, order)
-                order += 1
 
-    recvs: list[list[list[tuple[tuple[float, int, int], Action]]]] = [
-        [[] for _ in range(len(row) + 1)] for row in rows
-    ]
-    for rank, row in enumerate(rows):
-        for index, action in enumerate(row):
-            for comp in action.computations():
-                message = received_message(schedule, comp)
-                if message is None:
-                    continue
-                if message not in sent:
-                    raise ScheduleError(
-                        f"needs {message[1]}{message[0]}{message[2]}'s result, which no rank "
-                        "computes", rank, action,
-                    )
-                key = sent[message]
-                slot = bisect_left(run.start[rank], key[0])
-                recvs[rank][slot].append((key, recv_action(schedule, message)))
+class _Messages:
+    """The SENDs of a schedule, one per computation whose product leaves its rank, in rank order:
+    message id, time sent (when the computation ends), sender rank, and ``priority``: its place in
+    the order (time, sender rank, order on that rank) in which receivers take messages."""
 
-    lowered = []
-    for rank, row in enumerate(rows):
-        out: list[Action] = []
-        for slot in range(len(row) + 1):
-            out.extend(sends[rank][slot])
-            out.extend(action for _, action in sorted(recvs[rank][slot], key=lambda kv: kv[0]))
-            if slot < len(row):
-                out.append(row[slot])
-        lowered.append(out)
-    return schedule.replace_actions(lowered)
+    def __init__(self, schedule: Schedule, comps: Comps, run: Timeline) -> None:
+        letter, stage = sent_messages(schedule, comps)
+        self.comp = np.flatnonzero(letter >= 0)
+        self.letter, self.stage = letter[self.comp], stage[self.comp]
+        self.mb = comps.mb[self.comp]
+        self.rank = comps.rank[self.comp]
+        self.time = run.end_flat[comps.action[self.comp]]
+        self.space = ProductSpace.covering(self.stage, self.mb)
+        self.id = self.space.ids(self.letter, self.stage, self.mb)
+        # The send each message resolves to: the last one made, as a dict keyed by it would keep.
+        self.last = np.full(self.space.never + 1, -1, dtype=np.int64)
+        self.last[self.id] = np.arange(len(self.id))
+        if len(self.id) and np.bincount(self.id).max() > 1:
+            np.maximum.at(self.last, self.id, np.arange(len(self.id)))
+        by_time = np.argsort(self.time, kind="stable")  # ties: sender rank, then its order
+        self.priority = np.empty(len(self.comp), dtype=np.int64)
+        self.priority[by_time] = np.arange(len(self.comp))
+
+
+
+def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
+    """SENDs after their computation, RECVs before the first action that starts once the data
+    is sent, sorted by send time and sender (module docstring)."""
+    table = schedule.table
+    comps = table.comps()
+    sends = _Messages(schedule, comps, run)
+    r_letter, r_stage = received_messages(schedule, comps)
+    receiving = np.flatnonzero(r_letter >= 0)
+    wanted = sends.space.ids(r_letter[receiving], r_stage[receiving], comps.mb[receiving])
+    source = sends.last[wanted]
+    if (source < 0).any():
+        first = receiving[np.argmax(source < 0)]
+        rank = int(comps.rank[first])
+        letter, stage = MESSAGE_LETTERS[r_letter[first]], r_stage[first]
+        raise ScheduleError(
+            f"needs {stage}{letter}{comps.mb[first]}'s result, which no rank computes",
+            rank, schedule.row(rank)[int(table.local_index[comps.action[first]])],
+        )
+    first_slot = table.offsets[:-1] + np.arange(table.pp)  # rank r's slots: first_slot[r] + 0..n_r
+    send_slot = first_slot[sends.rank] + table.local_index[comps.action[sends.comp]] + 1
+    recv_rank = comps.rank[receiving]
+    recv_slot = np.empty(len(receiving), dtype=np.int64)
+    sent_at = sends.time[source]
+    for r in range(table.pp):
+        mine = recv_rank == r
+        starts = run.start_flat[table.offsets[r]:table.offsets[r + 1]]
+        recv_slot[mine] = first_slot[r] + np.searchsorted(starts, sent_at[mine], "left")
+    return _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_slot,
+                  r_letter, r_stage)
+
+
+def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_slot,
+           r_letter, r_stage) -> ActionTable:
+    """Lay out per slot: its SENDs (computation order), its RECVs (send time, sender, sender
+    order), then the action."""
+    slots = len(table) + table.pp
+    n_send = np.bincount(send_slot, minlength=slots)
+    n_recv = np.bincount(recv_slot, minlength=slots)
+    action_slot = first_slot[table.rank] + table.local_index
+    has_action = np.bincount(action_slot, minlength=slots)
+    slot_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
+    out_len = int(slot_start[-1])
+    kind = np.empty(out_len, dtype=np.int64)
+    stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
+    back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)]
+    # SENDs: in computation order, which is slot order.
+    at = slot_start[send_slot] + np.arange(len(send_slot)) - np.searchsorted(send_slot, send_slot)
+    kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)
+    stage[at], mb[at] = sends.stage, sends.mb
+    # RECVs: by slot, then by the send they match (time, sender rank, sender order).
+    order = np.argsort(recv_slot * (len(sends.comp) + 1) + sends.priority[source], kind="stable")
+    ranked = recv_slot[order]
+    at = np.empty(len(order), dtype=np.int64)
+    at[order] = slot_start[ranked] + n_send[ranked] + np.arange(len(order)) - np.searchsorted(
+        ranked, ranked)
+    letter = r_letter[receiving]
+    kind[at] = np.where(letter == 0, RECV_F, RECV_B)
+    stage[at] = neighbours(r_stage[receiving], np.where(letter == 0, 1, -1), 1)[0]
+    mb[at] = comps.mb[receiving]
+    # The actions themselves.
+    at = slot_start[action_slot] + n_send[action_slot] + n_recv[action_slot]
+    kind[at], stage[at], mb[at] = table.kind, table.stage, table.mb
+    back[0][at], back[1][at], back[2][at] = table.back_kind, table.back_stage, table.back_mb
+    offsets = slot_start[first_slot.tolist() + [slots]]
+    return ActionTable.from_columns(offsets, kind, stage, mb, *back)

@@ -4,12 +4,9 @@ An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backwar
 so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
-``e_r`` extra warmup forwards. With ``n(b)`` the forwards that precede backward b (B or I) in the
-original list, the forwards with index below ``n(b) + e_r - 1`` run before b, and if b was
-followed by a forward (W actions aside), forward number ``n(b) + e_r - 1`` is fused with b into
-one pair placed where b was. Forwards keep their order, backwards and W's keep theirs. A pair's
-halves are independent: a backward of microbatch j follows every forward of j, so its partner (a
-later forward) is another microbatch (``pair_is_independent``).
+``e_r`` extra warmup forwards and fuses backwards with later forwards (``megapipe.schedule.pairing``
+says which with which). A pair's halves are independent: a backward of microbatch j follows every
+forward of j, so its partner (a later forward) is another microbatch (``pair_is_independent``).
 
 Why one extra forward is not always enough. A pair hands both outputs on only when it ends, so a
 hop between two ranks now costs a whole pair. In plain 1F1B with ``e_r = 1`` rank r's pairs are
@@ -59,39 +56,26 @@ could run alone (or, if none could, every stuck pair) are split the same way; wi
 dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged;
 schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
-Cost: two to four timeline runs (original, candidates) plus one per refinement round.
+Cost: two to four timeline runs (original, candidates) plus one per refinement round; a
+round's run starts from the previous one's times before the first split pair (``timeline_after_
+change``), and the final schedule keeps its timeline, so lowering and validation do not run it
+again.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .deps import (
-    DEFAULT_DURATIONS,
-    Timeline,
-    missing_needs,
-    needs_of,
-    product_of,
-    timeline,
-)
+import numpy as np
+
+from .deps import DEFAULT_DURATIONS, missing_needs
 from .errors import ScheduleError
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
-from .ir import BACKWARD_KINDS, Action, Kind, Schedule
-
-# A pair on one rank: (index of the backward, index of the forward) in the rank's original list.
-Pair = tuple[int, int]
-
-
-def pair_is_independent(forward: Action, backward: Action) -> bool:
-    """Whether a forward and a backward may run as one OVERLAP pair.
-
-    A backward of microbatch j needs the loss of j, hence every forward of j, while a forward
-    needs no backward; so the two are independent exactly when their microbatches differ.
-    """
-    if forward.kind is not Kind.F or backward.kind not in BACKWARD_KINDS:
-        raise ValueError(f"a pair is (forward; B or I), got ({forward}; {backward})")
-    return forward.microbatch != backward.microbatch
+from .ir import Kind, Schedule
+from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
+from .table import B, I, is_backward
+from .timeline import Timeline, timeline, timeline_after_change
 
 
 @dataclass(frozen=True)
@@ -130,148 +114,124 @@ def _opposite_flows(schedule: Schedule) -> bool:
     return False
 
 
-def find_pairs(
-    row: tuple[Action, ...], extra: int = 1, cross_stage_only: bool = False
-) -> list[Pair]:
-    """Pair each backward that a forward follows (W's aside) with forward ``n(b) + extra - 1``."""
-    forwards = [i for i, a in enumerate(row) if a.kind is Kind.F]
-    pairs = []
-    seen = 0
-    for index, action in enumerate(row):
-        if action.kind is Kind.F:
-            seen += 1
-            continue
-        if action.kind not in BACKWARD_KINDS:
-            continue
-        after = index + 1
-        while after < len(row) and row[after].kind is Kind.W:
-            after += 1
-        partner = seen + extra - 1
-        if after < len(row) and row[after].kind is Kind.F and partner < len(forwards):
-            forward = row[forwards[partner]]
-            if cross_stage_only and forward.stage == action.stage:
-                continue
-            if pair_is_independent(forward, action):
-                pairs.append((index, forwards[partner]))
-    return pairs
-
-
-def assemble(
-    row: tuple[Action, ...], pairs: list[Pair], extra: int = 1
-) -> tuple[list[Action], dict[int, Pair]]:
-    """The rank's list with ``extra`` more forwards ahead and ``pairs`` fused (module docstring);
-    also which pair each new index holds."""
-    forwards = [i for i, a in enumerate(row) if a.kind is Kind.F]
-    partner_of = dict(pairs)
-    out: list[Action] = []
-    pair_at: dict[int, Pair] = {}
-    ran = seen = 0  # forwards placed in ``out``; forwards before the current action originally
-    for index, action in enumerate(row):
-        if action.kind is Kind.F:
-            seen += 1
-            continue
-        if action.kind in BACKWARD_KINDS:
-            lead = min(seen + extra - 1, len(forwards))
-            while ran < lead:
-                out.append(row[forwards[ran]])
-                ran += 1
-            partner = partner_of.get(index)
-            if partner is not None and ran < len(forwards) and forwards[ran] == partner:
-                pair_at[len(out)] = (index, partner)
-                out.append(Action.overlap(row[partner], action))
-                ran += 1
-                continue
-        out.append(action)
-    out += [row[i] for i in forwards[ran:]]
-    return out, pair_at
-
-
 def makespan(run: Timeline) -> float:
     """When the last action of a timeline ends."""
-    return max((end for row in run.end for end in row), default=0.0)
+    return run.makespan
 
 
 def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
     """(rank, index) of the actions on a longest chain of waits ending at the last action.
 
     Walking back from the action that ends last, each step goes to whatever made the action
-    start when it did: a product from another rank, or else the previous action of its rank.
+    start when it did: a product from another rank (the last such need, in need order), or else
+    the previous action of its rank. Products made by the same action twice count at their last
+    maker in rank order.
     """
-    maker: dict = {}
-    for rank, row in enumerate(schedule.actions):
-        for index, action in enumerate(row):
-            for comp in action.computations():
-                maker[product_of(comp)] = (rank, index)
-    ends = [(row[-1], rank) for rank, row in enumerate(run.end) if row]
-    if not ends:
+    offsets = run.offsets.tolist()
+    last = [(run.end_list[hi - 1], r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+            if hi > lo]
+    if not last:
         return []
-    rank = max(ends)[1]
-    index = len(schedule.actions[rank]) - 1
-    path = [(rank, index)]
+    rank = max(last)[1]
+    k = offsets[rank + 1] - 1
+    maker = run.plan.makers().tolist()
+    steps, start, end = run.plan.steps, run.start_list, run.end_list
+    rank_of = run.plan.table.rank.tolist()
+    path = [k]
     while True:
-        start = run.start[rank][index]
-        step = None
-        for comp in schedule.actions[rank][index].computations():
-            for need in needs_of(schedule, comp):
-                other = maker[need]
-                if other[0] != rank and run.end[other[0]][other[1]] == start:
-                    step = other
-        if step is None and index > 0 and run.end[rank][index - 1] == start:
-            step = (rank, index - 1)
-        if step is None:
-            return path[::-1]
-        rank, index = step
-        path.append(step)
+        s, step = start[k], -1
+        for a in (steps.need0[k], steps.need1[k], steps.need2[k]):
+            if a >= 0:
+                m = maker[a]
+                if rank_of[m] != rank and end[m] == s:
+                    step = m
+        if step < 0 and k > offsets[rank] and end[k - 1] == s:
+            step = k - 1
+        if step < 0:
+            return [(rank_of[k], k - offsets[rank_of[k]]) for k in reversed(path)]
+        k, rank = step, rank_of[step]
+        path.append(k)
 
 
 @dataclass
 class _Attempt:
-    """A pairing being built: the pairs still fused on each rank, and the latest run."""
+    """A pairing being built: its candidate pairs, which are still fused, and the latest run
+    (``rows``: per row of the combined schedule, the pair it holds or -1)."""
 
     pairing: Pairing
-    pairs: list[list[Pair]]
+    pairs: Candidates
+    fused: np.ndarray
     combined: Schedule | None = None
     run: Timeline | None = None
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def paired(self) -> int:
-        return sum(map(len, self.pairs))
+        return int(self.fused.sum())
 
 
-def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
-    """Split pairs of ``attempt`` until its schedule runs and ends by ``target``; False if no
-    split is left that could get there.
+def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
+    """Assemble and run ``attempt`` again after splitting the pairs ``split`` (ids)."""
+    extra = np.asarray(attempt.pairing.extra, dtype=np.int64)
+    table, rows = assemble(schedule.table, attempt.pairs, attempt.fused, extra)
+    combined = schedule.replace_actions(table)
+    if attempt.run is None or not len(split):
+        run = timeline(combined)
+    else:
+        before = attempt.combined.table
+        first = np.full(before.pp, np.iinfo(np.int64).max)
+        at = np.flatnonzero(np.isin(attempt.rows, split))
+        np.minimum.at(first, before.rank[at], before.local_index[at])
+        same = np.minimum(first, np.diff(before.offsets)).tolist()
+        run = timeline_after_change(combined, attempt.run, same)
+    attempt.combined, attempt.run, attempt.rows = combined, run, rows
+
+
+def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray | None:
+    """The pairs to split next (ids), or None if the attempt runs and ends by ``target``.
 
     A stuck schedule loses its stuck pairs whose backward could run alone (those wait only for
     their forward's input, so splitting lets the backward go first as before pairing), or, if
     none could, every stuck pair. A late one loses, on each rank, the latest pair on the
-    critical path. A split puts the forward back behind its backward.
+    critical path.
     """
-    rows, extra = schedule.actions, attempt.pairing.extra
+    run, table = attempt.run, attempt.combined.table
+    if run.stuck:
+        stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in run.stuck.items()}
+        stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
+        blocking = [pair for r, pair in stuck.items() if not missing_needs(
+            schedule, _row_action(schedule, int(attempt.pairs.backward[pair])), run.made)]
+        return np.array(blocking or list(stuck.values()), dtype=np.int64)
+    if run.makespan <= target:
+        return None
+    latest: dict[int, int] = {}
+    for r, i in critical_path(attempt.combined, run):
+        pair = int(attempt.rows[table.offsets[r] + i])
+        if pair >= 0:
+            latest[r] = pair
+    return np.array(list(latest.values()), dtype=np.int64)
+
+
+def _row_action(schedule: Schedule, row: int):
+    rank = int(schedule.table.rank[row])
+    return schedule.row(rank)[row - int(schedule.table.offsets[rank])]
+
+
+def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
+    """Split pairs of ``attempt`` until its schedule runs and ends by ``target``; False if no
+    split is left that could get there. A split puts the forward back behind its backward."""
+    if attempt.run is None:
+        _rebuild(schedule, attempt, np.zeros(0, np.int64))
     while True:
-        assembled = [assemble(row, p, e) for row, p, e in zip(rows, attempt.pairs, extra)]
-        attempt.combined = schedule.replace_actions([out for out, _ in assembled])
-        attempt.run = run = timeline(attempt.combined)
-        pair_at = [at for _, at in assembled]
-        if run.stuck and max(extra) > 1:
+        if attempt.run.stuck and max(attempt.pairing.extra) > 1:
             return False  # splits would not lead back to the original order
-        if run.stuck:
-            stuck = {r: pair_at[r][i] for r, i in run.stuck.items() if i in pair_at[r]}
-            blocking = {
-                r: pair for r, pair in stuck.items()
-                if not missing_needs(schedule, rows[r][pair[0]], run.made)
-            }
-            split = list((blocking or stuck).items())
-        elif makespan(run) <= target:
+        split = _splits(schedule, attempt, target)
+        if split is None:
             return True
-        else:
-            path = critical_path(attempt.combined, run)
-            latest = {r: i for r, i in path if i in pair_at[r]}  # the last one per rank
-            split = [(r, pair_at[r][i]) for r, i in latest.items()]
-        if not split:
+        if not len(split):
             return False
-        for rank, pair in split:
-            attempt.pairs[rank].remove(pair)
+        attempt.fused[split] = False
+        _rebuild(schedule, attempt, split)
 
 
 def apply_overlap(schedule: Schedule) -> Schedule:
@@ -280,10 +240,10 @@ def apply_overlap(schedule: Schedule) -> Schedule:
     Raises ``ScheduleError`` if ``schedule`` itself cannot run to the end (its ranks wait on each
     other), since no pairing can repair that.
     """
-    rows = schedule.actions
-    if any(a.kind is Kind.OVERLAP for row in rows for a in row):
+    table = schedule.table
+    if table.has_overlap:
         return schedule
-    if any(not a.is_compute for row in rows for a in row):
+    if not table.compute_only:
         raise ScheduleError(
             "the overlap pass takes a compute-only schedule; pair before lowering (SEND/RECV)"
         )
@@ -293,24 +253,23 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         raise ScheduleError(
             "cannot pair a schedule whose ranks wait on each other before pairing "
             f"(stuck ranks: {sorted(original.stuck)})",
-            rank, rows[rank][index],
+            rank, schedule.row(rank)[index],
         )
-    target = makespan(original) + _longest_pair(schedule)
+    target = original.makespan + _longest_pair(schedule)
     settled = []
     for pairing in pairing_candidates(schedule):
-        pairs = [
-            find_pairs(row, e, pairing.cross_stage_only) for row, e in zip(rows, pairing.extra)
-        ]
-        attempt = _Attempt(pairing, pairs)
+        extra = np.asarray(pairing.extra, dtype=np.int64)
+        pairs = find_pairs(table, extra, pairing.cross_stage_only)
+        attempt = _Attempt(pairing, pairs, np.ones(len(pairs.backward), dtype=bool))
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if makespan(attempt.run) <= target:
+        if attempt.run.makespan <= target:
             return _finish(schedule, attempt.combined)
         settled.append(attempt)
     # None ends in time as paired: refine the fastest first (most pairs on a tie). Splitting
     # every pair of an ``e_r = 1`` pairing gives back the original order, so the refinement
     # always ends in time, in the worst case with no pair left (pairing cannot help then).
-    settled.sort(key=lambda a: (makespan(a.run), -a.paired))
+    settled.sort(key=lambda a: (a.run.makespan, -a.paired))
     for attempt in settled:
         if _settle(schedule, attempt, target) and attempt.paired:
             return _finish(schedule, attempt.combined)
@@ -319,12 +278,17 @@ def apply_overlap(schedule: Schedule) -> Schedule:
 
 def _longest_pair(schedule: Schedule) -> float:
     """The longest a pair can take on the timeline: F plus the longest backward present."""
-    kinds = {c.kind for row in schedule.actions for a in row for c in a.computations()}
-    backward = max((DEFAULT_DURATIONS[k] for k in kinds & BACKWARD_KINDS), default=0.0)
+    kinds = schedule.table.comps().kind
+    present = [k for code, k in ((B, Kind.B), (I, Kind.I)) if (kinds == code).any()]
+    backward = max((DEFAULT_DURATIONS[k] for k in present), default=0.0)
     return DEFAULT_DURATIONS[Kind.F] + backward
 
 
 def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
+    """``combined`` with the options of ``schedule`` and overlap on, keeping its timeline."""
     options = dict(schedule.options)
     options["overlap"] = True
-    return combined.replace_actions(combined.actions, options=options)
+    result = combined.replace_actions(combined.table, options=options)
+    if ("timeline", None) in combined.memo:
+        result.memo[("timeline", None)] = combined.memo[("timeline", None)]
+    return result

@@ -1,34 +1,41 @@
 """What one rank runs, derived from a schedule: lowering, the forward-only view, in-flight count.
 
-Pure functions of the schedule (no torch): the executor lowers a compute-only schedule once,
-derives the forward-only action lists for evaluation from the lowered one, and the tests bound
-the live activations by ``in_flight_limit``.
+Pure functions of the schedule (no torch). An executor needs the checked, lowered schedule once
+per process and then only its own rank's list: ``checked_lowering`` validates and lowers once per
+schedule object (the results are kept in ``schedule.memo``), ``PlanCache`` does the same across
+equal schedule objects (each rank of a process building its own), and ``Schedule.row(rank)``
+makes the ``Action`` objects of one rank only. The tests bound the live activations by
+``in_flight_limit``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import numpy as np
+
+from megapipe.schedule.actions import Action
+from megapipe.schedule.comm_check import check_runs
 from megapipe.schedule.in_flight import STASH_RELEASE, peak_in_flight
-from megapipe.schedule.ir import Kind, Schedule
+from megapipe.schedule.ir import Schedule
 from megapipe.schedule.lower import lower
+from megapipe.schedule.table import F, OVERLAP, RECV_F, SEND_F, ActionTable
+from megapipe.schedule.validate import validate
 
 
 def is_lowered(schedule: Schedule) -> bool:
-    return any(not a.is_compute for row in schedule.actions for a in row)
+    return not schedule.table.compute_only
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
     """The schedule's forward steps (and their sends/receives) in their original order."""
-    keep = {Kind.F, Kind.SEND_F, Kind.RECV_F}
-    rows = []
-    for row in schedule.actions:
-        out = []
-        for action in row:
-            if action.kind is Kind.OVERLAP:
-                out.append(action.forward)
-            elif action.kind in keep:
-                out.append(action)
-        rows.append(out)
-    return schedule.replace_actions(rows)
+    table = schedule.table
+    kind = table.kind
+    keep = (kind == F) | (kind == SEND_F) | (kind == RECV_F) | (kind == OVERLAP)
+    sub = table.select(keep)
+    forwards = ActionTable.from_columns(
+        sub.offsets, np.where(sub.kind == OVERLAP, F, sub.kind), sub.stage, sub.mb)
+    return schedule.replace_actions(forwards)
 
 
 def lower_schedule(schedule: Schedule) -> Schedule:
@@ -36,7 +43,52 @@ def lower_schedule(schedule: Schedule) -> Schedule:
     return lower(schedule) if schedule.pp > 1 else schedule
 
 
+def checked_lowering(schedule: Schedule) -> Schedule:
+    """``schedule`` checked and lowered, each once per schedule object: a compute-only schedule
+    is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
+    run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
+    if is_lowered(schedule):
+        check_runs(schedule)
+        return schedule
+    validate(schedule)
+    return lower_schedule(schedule)
+
+
+def rank_actions(schedule: Schedule, rank: int) -> tuple[Action, ...]:
+    """One rank's action list, without making the other ranks' actions."""
+    return schedule.row(rank)
+
+
+class PlanCache:
+    """``checked_lowering`` by schedule content, for the last ``size`` schedules.
+
+    Executors that build equal schedules (every rank of a process builds its own) then validate
+    and lower once. Equal means same actions, placement, counts, name, direction and options.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self.size = size
+        self._lowered: OrderedDict = OrderedDict()
+
+    @staticmethod
+    def key(schedule: Schedule) -> tuple:
+        options = repr(sorted(schedule.options.items(), key=repr))
+        return (schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank,
+                schedule.name, schedule.bidirectional, options, schedule.table.digest())
+
+    def checked_lowering(self, schedule: Schedule) -> Schedule:
+        key = self.key(schedule)
+        if key in self._lowered:
+            self._lowered.move_to_end(key)
+            return self._lowered[key]
+        lowered = checked_lowering(schedule)
+        self._lowered[key] = lowered
+        while len(self._lowered) > self.size:
+            self._lowered.popitem(last=False)
+        return lowered
+
+
 def in_flight_limit(schedule: Schedule, pp_rank: int) -> int:
     """The most microbatches a rank's action list holds between a forward and its last backward
     (after an I the stash still holds W's part, so B or W releases)."""
-    return peak_in_flight(schedule.actions[pp_rank], STASH_RELEASE)
+    return peak_in_flight(schedule.row(pp_rank), STASH_RELEASE)

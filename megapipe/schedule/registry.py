@@ -116,7 +116,7 @@ def build_schedule(
     native = family.native_overlap
     schedule = family.build(pp, num_microbatches, vpp, overlap, **options)
     schedule = schedule.replace_actions(
-        schedule.actions,
+        schedule.table,
         options={**schedule.options, "vpp": family.fixed_vpp or vpp, "overlap": overlap, **options},
     )
     if overlap and not native:

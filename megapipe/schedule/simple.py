@@ -6,7 +6,11 @@ backward on the single rank).
 
 from __future__ import annotations
 
-from .ir import Action, Kind, Schedule, loop_placement
+import numpy as np
+
+from .builder import warmup_then_alternate
+from .ir import Schedule, loop_placement
+from .table import B, F, ActionTable
 
 
 def gpipe(pp: int, num_microbatches: int) -> Schedule:
@@ -15,12 +19,11 @@ def gpipe(pp: int, num_microbatches: int) -> Schedule:
     Simple and deadlock-free, but each rank holds the activations of all microbatches.
     The backward order follows torch.distributed.pipelining's ScheduleGPipe (0, 1, ...).
     """
-    mbs = range(num_microbatches)
-    actions = [
-        [Action(rank, Kind.F, i) for i in mbs] + [Action(rank, Kind.B, i) for i in mbs]
-        for rank in range(pp)
-    ]
-    return Schedule(actions, pp, num_microbatches, loop_placement(pp, pp), name="gpipe")
+    mbs = np.arange(num_microbatches)
+    kind = np.repeat([F, B], num_microbatches)
+    blocks = [(kind, np.full(2 * num_microbatches, rank), np.tile(mbs, 2)) for rank in range(pp)]
+    return Schedule(ActionTable.from_blocks(blocks), pp, num_microbatches,
+                    loop_placement(pp, pp), name="gpipe")
 
 
 def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
@@ -29,13 +32,11 @@ def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
     Rank r runs ``pp - r - 1`` warmup forwards, then alternates one forward and one backward,
     then drains the remaining backwards. At most ``pp - r`` microbatches are in flight on rank r.
     """
-    actions = []
+    mbs = np.arange(num_microbatches)
+    blocks = []
     for rank in range(pp):
+        stages = np.full(num_microbatches, rank)
         warmup = min(pp - rank - 1, num_microbatches)
-        row = [Action(rank, Kind.F, i) for i in range(warmup)]
-        for step in range(num_microbatches - warmup):
-            row.append(Action(rank, Kind.F, warmup + step))
-            row.append(Action(rank, Kind.B, step))
-        row += [Action(rank, Kind.B, i) for i in range(num_microbatches - warmup, num_microbatches)]
-        actions.append(row)
-    return Schedule(actions, pp, num_microbatches, loop_placement(pp, pp), name="1f1b")
+        blocks.append(warmup_then_alternate((stages, mbs), (stages, mbs), warmup, B))
+    return Schedule(ActionTable.from_blocks(blocks), pp, num_microbatches,
+                    loop_placement(pp, pp), name="1f1b")

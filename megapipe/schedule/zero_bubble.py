@@ -7,10 +7,12 @@ that 1F1B leaves at the start and end of a step.
 
 from __future__ import annotations
 
-from collections import deque
+import numpy as np
 
-from .interleaved import megatron_orders
-from .ir import Action, Kind, Schedule, loop_placement, v_placement
+from .builder import RowBuilder
+from .interleaved import chunk_order
+from .ir import Schedule, loop_placement, v_placement
+from .table import F, I, W, ActionTable
 
 
 def zb1p(
@@ -29,28 +31,29 @@ def zb1p(
     cooldown have the most W's left to fill the wait.
     """
     group = microbatch_group_size_per_vp_stage or pp
-    forwards, backwards = megatron_orders(num_microbatches, vpp, group)
-    total = len(forwards)
-    actions = []
+    mbs, chunks = chunk_order(num_microbatches, vpp, group)
+    total = len(mbs)
+    steps = np.arange(total)
+    blocks = []
     for rank in range(pp):
-        def stage(chunk: int) -> int:
-            return chunk * pp + rank
-
+        f_stage, b_stage = chunks * pp + rank, (vpp - 1 - chunks) * pp + rank
         warmup = min(pp - rank - 1 + (vpp - 1) * group, total)
-        row = [Action(stage(c), Kind.F, mb) for mb, c in forwards[:warmup]]
-        pending_w: deque[Action] = deque()
-        for k in range(total):
-            if warmup + k < total:
-                mb, c = forwards[warmup + k]
-                row.append(Action(stage(c), Kind.F, mb))
-            mb, c = backwards[k]
-            row.append(Action(stage(c), Kind.I, mb))
-            pending_w.append(Action(stage(c), Kind.W, mb))
-            if k >= rank:
-                row.append(pending_w.popleft())
-        row += pending_w
-        actions.append(row)
-    return Schedule(actions, pp * vpp, num_microbatches, loop_placement(pp, pp * vpp), name="zb1p")
+        # Step k of the main loop: the next forward (while any is left), I of backward k, and
+        # the W deferred ``rank`` steps ago (FIFO); the W's still deferred come last.
+        later = np.minimum(steps + warmup, total - 1)
+        held = np.maximum(steps - rank, 0)
+        kind = np.stack([np.full(total, F), np.full(total, I), np.full(total, W)], axis=1)
+        stage = np.stack([f_stage[later], b_stage, b_stage[held]], axis=1)
+        mb = np.stack([mbs[later], mbs, mbs[held]], axis=1)
+        keep = np.stack([steps + warmup < total, steps >= 0, steps >= rank], axis=1).reshape(-1)
+        rest = np.arange(max(total - rank, 0), total)
+        blocks.append((
+            np.concatenate([np.full(warmup, F), kind.reshape(-1)[keep], np.full(len(rest), W)]),
+            np.concatenate([f_stage[:warmup], stage.reshape(-1)[keep], b_stage[rest]]),
+            np.concatenate([mbs[:warmup], mb.reshape(-1)[keep], mbs[rest]]),
+        ))
+    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
+                    loop_placement(pp, pp * vpp), name="zb1p")
 
 
 def zbv(pp: int, num_microbatches: int) -> Schedule:
@@ -65,42 +68,24 @@ def zbv(pp: int, num_microbatches: int) -> Schedule:
     valid order because no other microbatch depends on them.
     """
     n = max(num_microbatches, 2 * pp - 1)
-    actions = []
+    blocks = []
     for rank in range(pp):
         down, up = rank, 2 * pp - 1 - rank
-        count = {(s, k): 0 for s in (down, up) for k in (Kind.F, Kind.I, Kind.W)}
-        row: list[Action] = []
-
-        def run(stage: int, kind: Kind) -> None:
-            row.append(Action(stage, kind, count[(stage, kind)]))
-            count[(stage, kind)] += 1
-
-        for _ in range(2 * (pp - rank) - 1):
-            run(down, Kind.F)
-        for _ in range(rank):
-            run(up, Kind.F)
-            run(down, Kind.F)
-        for _ in range(pp - rank):
-            run(up, Kind.F)
-            run(up, Kind.I)
-            run(up, Kind.W)
-        while count[(up, Kind.F)] < count[(down, Kind.F)] or count[(down, Kind.F)] < n:
-            if count[(down, Kind.F)] < n:
-                run(down, Kind.F)
-            run(down, Kind.I)
-            run(down, Kind.W)
-            run(up, Kind.F)
-            run(up, Kind.I)
-            run(up, Kind.W)
-        for _ in range(rank):
-            run(down, Kind.I)
-            run(up, Kind.I)
-        for _ in range(pp - rank):
-            run(down, Kind.I)
-            run(down, Kind.W)
-        while count[(up, Kind.W)] < count[(up, Kind.I)]:
-            run(up, Kind.W)
-        while count[(down, Kind.W)] < count[(down, Kind.I)]:
-            run(down, Kind.W)
-        actions.append([a for a in row if a.microbatch < num_microbatches])
-    return Schedule(actions, 2 * pp, num_microbatches, v_placement(pp, 2 * pp), name="zbv")
+        row = RowBuilder()
+        row.repeat([(down, F)], 2 * (pp - rank) - 1)
+        row.repeat([(up, F), (down, F)], rank)
+        row.repeat([(up, F), (up, I), (up, W)], pp - rank)
+        # Steady state: while down's forwards last, then until up's forwards catch up.
+        row.repeat([(down, F), (down, I), (down, W), (up, F), (up, I), (up, W)],
+                   n - row.count(down, F))
+        row.repeat([(down, I), (down, W), (up, F), (up, I), (up, W)],
+                   row.count(down, F) - row.count(up, F))
+        row.repeat([(down, I), (up, I)], rank)
+        row.repeat([(down, I), (down, W)], pp - rank)
+        row.repeat([(up, W)], row.count(up, I) - row.count(up, W))
+        row.repeat([(down, W)], row.count(down, I) - row.count(down, W))
+        kind, stage, mb, *_ = row.columns()
+        keep = mb < num_microbatches
+        blocks.append((kind[keep], stage[keep], mb[keep]))
+    return Schedule(ActionTable.from_blocks(blocks), 2 * pp, num_microbatches,
+                    v_placement(pp, 2 * pp), name="zbv")

@@ -2,13 +2,16 @@
 
 The simulator asks how much all-to-all time no compute covers (exposed communication), the
 co-scheduler's trace asks the same of measured spans, and the timeline picture draws the exposed
-parts. ``cover`` is always sorted by start and disjoint (``union`` makes it so); sums run in list
-order, so the simulator's figures are reproducible to the last bit.
+parts. ``cover`` is always sorted by start and disjoint (``union`` makes it so); the lengths are
+added up in a fixed order (each interval's overlaps in cover order, then the intervals in
+order), so the simulator's figures are reproducible to the last bit.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
+
+import numpy as np
 
 Interval = tuple[float, float]
 
@@ -24,25 +27,42 @@ def union(intervals: Iterable[Interval]) -> list[Interval]:
     return merged
 
 
+def covered_lengths(
+    starts: np.ndarray, ends: np.ndarray, cover_starts: np.ndarray, cover_ends: np.ndarray
+) -> np.ndarray:
+    """How much of each interval lies inside ``cover``: per interval, its overlaps with the
+    cover intervals it meets, added up in cover order (starting from 0.0)."""
+    starts, ends = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+    cover_starts = np.asarray(cover_starts, dtype=np.float64)
+    cover_ends = np.asarray(cover_ends, dtype=np.float64)
+    first = np.searchsorted(cover_ends, starts, "right")  # first cover ending after the start
+    stop = np.maximum(np.searchsorted(cover_starts, ends, "left"), first)
+    covered = np.zeros(len(starts))
+    live = np.flatnonzero(stop > first)
+    step = 0
+    while len(live):
+        at = first[live] + step
+        covered[live] += (np.minimum(ends[live], cover_ends[at])
+                          - np.maximum(starts[live], cover_starts[at]))
+        step += 1
+        live = live[stop[live] > first[live] + step]
+    return covered
+
+
 def covered_length(span: Interval, cover: Sequence[Interval]) -> float:
     """How much of ``span`` lies inside ``cover``."""
-    start, end = span
-    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in cover)
+    cover = np.asarray(cover, dtype=np.float64).reshape(-1, 2)
+    return float(covered_lengths([span[0]], [span[1]], cover[:, 0], cover[:, 1])[0])
 
 
-def uncovered_length(intervals: Sequence[Interval], cover: Sequence[Interval]) -> float:
-    """Total length of ``intervals`` (sorted by start) outside ``cover``."""
-    total, j = 0.0, 0
-    for start, end in intervals:
-        covered = 0.0
-        while j < len(cover) and cover[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < end:
-            covered += min(end, cover[k][1]) - max(start, cover[k][0])
-            k += 1
-        total += (end - start) - covered
-    return total
+def uncovered_length(
+    starts: np.ndarray, ends: np.ndarray, cover_starts: np.ndarray, cover_ends: np.ndarray
+) -> float:
+    """Total length of the intervals outside ``cover``, added up in order from 0.0."""
+    if not len(starts):
+        return 0.0
+    covered = covered_lengths(starts, ends, cover_starts, cover_ends)
+    return float(np.cumsum((np.asarray(ends) - np.asarray(starts)) - covered)[-1])
 
 
 def subtract(span: Interval, cover: Sequence[Interval]) -> list[Interval]:

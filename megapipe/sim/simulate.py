@@ -12,103 +12,32 @@ An input produced on another rank arrives ``costs.p2p_latency`` after its produc
 halves of an OVERLAP hand their outputs on when the OVERLAP ends (the executor sends after the
 combined step). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
+
+The run is the in-order run of ``megapipe.schedule.engine`` (the round robin of the ranks, in
+O(actions)); the metrics come from all pieces at once (``step_costs``); the timeline of
+``TimedAction`` objects is made only when asked for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numpy as np
 
-from ..schedule.deps import Product, missing_needs, needs_of, product_of, run_in_rank_order
+from ..schedule.deps import Product, missing_needs
+from ..schedule.engine import Run, run_in_order
 from ..schedule.errors import ScheduleError
-from ..schedule.in_flight import holding_change, peak_held
-from ..schedule.ir import Action, Kind, Schedule
+from ..schedule.in_flight import peak_of_events
+from ..schedule.ir import Action, Schedule
+from ..schedule.table import B, F, I, OVERLAP, is_comm
+from ..schedule.table_checks import pipeline_bounds
+from ..schedule.flows import stage_rank
+from ..schedule.timeline import MadeTimes, StepPlan
 from .costs import Costs
 from .intervals import uncovered_length
-from .steps import COMM, COMPUTE, Segment, time_step
+from .result import SimResult, TimedAction
+from .step_costs import COMM, COMPUTE, StepCosts
+from .steps import Segment, time_step
 
-@dataclass(frozen=True)
-class TimedAction:
-    """One action of the timeline. An OVERLAP's ``halves`` are its F and its B/I, each timed
-    from its first to its last piece; ``segments`` are the pieces on the two streams."""
-
-    rank: int
-    action: Action
-    start: float
-    end: float
-    halves: tuple["TimedAction", ...] = ()
-    segments: tuple[Segment, ...] = ()
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """Timeline and metrics of one simulated run of a schedule (one training step).
-
-    Per rank: ``busy`` is compute time; ``comm`` the all-to-all time; ``exposed_comm`` the
-    all-to-all time with no compute beside it (the rank waits on its own communication);
-    ``idle`` = makespan - busy; ``bubble`` = idle - exposed_comm, the time spent waiting for
-    other ranks. With free communication bubble = idle = makespan - busy.
-    ``peak_in_flight``: the most microbatch activations held at once, counted per stage (an F
-    holds one from its start until its B or I ends; for one stage per rank that is microbatches).
-    """
-
-    name: str
-    costs: Costs
-    makespan: float
-    busy: tuple[float, ...]
-    comm: tuple[float, ...]
-    exposed_comm: tuple[float, ...]
-    peak_in_flight: tuple[int, ...]
-    timeline: tuple[TimedAction, ...]
-
-    @property
-    def pp(self) -> int:
-        return len(self.busy)
-
-    @property
-    def idle(self) -> tuple[float, ...]:
-        return tuple(self.makespan - b for b in self.busy)
-
-    @property
-    def bubble(self) -> tuple[float, ...]:
-        return tuple(i - e for i, e in zip(self.idle, self.exposed_comm))
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of all rank-time spent waiting for other ranks."""
-        total = self.makespan * self.pp
-        return sum(self.bubble) / total if total else 0.0
-
-    @property
-    def exposed_comm_fraction(self) -> float:
-        """Share of all-to-all time not hidden behind compute (0 when communication is free)."""
-        total = sum(self.comm)
-        return sum(self.exposed_comm) / total if total else 0.0
-
-    def actions_of(self, rank: int) -> list[TimedAction]:
-        return [t for t in self.timeline if t.rank == rank]
-
-    def summary(self) -> str:
-        """The metrics as a few readable lines."""
-
-        def row(values) -> str:
-            return " ".join(f"{v:g}" for v in values)
-
-        lines = [
-            f"makespan          {self.makespan:g}",
-            f"bubble per rank   {row(round(b, 6) for b in self.bubble)}",
-            f"bubble fraction   {self.bubble_fraction:.1%}",
-            f"busy per rank     {row(round(b, 6) for b in self.busy)}",
-        ]
-        if sum(self.comm):
-            lines.append(f"exposed a2a       {row(round(e, 6) for e in self.exposed_comm)}")
-            lines.append(
-                f"exposed a2a frac  {self.exposed_comm_fraction:.1%} "
-                f"of {sum(self.comm):g} all-to-all time"
-            )
-        else:
-            lines.append("exposed a2a frac  - (free all-to-all; set costs F,B,W,A2A)")
-        lines.append(f"peak in flight    {row(self.peak_in_flight)} (microbatch-stages per rank)")
-        return "\n".join(lines)
+__all__ = ["SimResult", "TimedAction", "simulate"]
 
 
 def _product_text(product: Product) -> str:
@@ -116,31 +45,118 @@ def _product_text(product: Product) -> str:
     return f"{stage}{'B/I' if kind == 'G' else kind}{mb}"
 
 
-def _check_action(schedule: Schedule, rank: int, action: Action) -> None:
-    for comp in action.computations():
-        if not 0 <= comp.stage < schedule.num_stages:
-            raise ScheduleError(
-                f"stage {comp.stage} does not exist ({schedule.num_stages} stages)", rank, action
-            )
-        if schedule.stage_to_rank[comp.stage] != rank:
-            raise ScheduleError(
-                f"stage {comp.stage} is placed on rank {schedule.stage_to_rank[comp.stage]}",
-                rank,
-                action,
-            )
-        if not 0 <= comp.microbatch < schedule.num_microbatches:
-            raise ScheduleError(
-                f"microbatch {comp.microbatch} does not exist "
-                f"({schedule.num_microbatches} microbatches)",
-                rank,
-                action,
-            )
-        if comp.stage not in schedule.stages_for(comp.microbatch):
-            raise ScheduleError(
-                f"microbatch {comp.microbatch} does not flow through stage {comp.stage}",
-                rank,
-                action,
-            )
+def _check_actions(schedule: Schedule, work: Schedule) -> None:
+    """Every computation's stage and microbatch exist, its stage is on its rank and in its
+    microbatch's pipeline; the first that is not is named (with its whole action)."""
+    comps = work.table.comps()
+    s, m = schedule.num_stages, schedule.num_microbatches
+    no_stage = (comps.stage < 0) | (comps.stage >= s)
+    owner = stage_rank(schedule, comps.stage)
+    misplaced = ~no_stage & (owner != comps.rank)
+    no_mb = (comps.mb < 0) | (comps.mb >= m)
+    lo, hi = pipeline_bounds(schedule, comps.mb)
+    outside = (comps.stage < lo) | (comps.stage >= hi)
+    bad = np.flatnonzero(no_stage | misplaced | no_mb | outside)
+    if not len(bad):
+        return
+    c = int(bad[0])
+    rank, stage, mb = int(comps.rank[c]), int(comps.stage[c]), int(comps.mb[c])
+    action = work.row(rank)[int(work.table.local_index[comps.action[c]])]
+    if no_stage[c]:
+        rule = f"stage {stage} does not exist ({s} stages)"
+    elif misplaced[c]:
+        rule = f"stage {stage} is placed on rank {int(owner[c])}"
+    elif no_mb[c]:
+        rule = f"microbatch {mb} does not exist ({m} microbatches)"
+    else:
+        rule = f"microbatch {mb} does not flow through stage {stage}"
+    raise ScheduleError(rule, rank, action)
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
+    """Run ``schedule`` under ``costs``; raise ScheduleError if it cannot finish (a deadlock)."""
+    costs.check_stages(schedule.num_stages)
+    table = schedule.table
+    work = schedule if table.compute_only else schedule.replace_actions(
+        table.select(~is_comm(table.kind)))
+    _check_actions(schedule, work)
+    pieces = StepCosts(work.table, costs, schedule.num_stages)
+    duration = pieces.durations() if pieces.exact else np.zeros(len(work.table))
+    plan = StepPlan.build(schedule, work.table, duration, costs.p2p_latency)
+    if not pieces.exact:
+        plan.steps.end_of = pieces.end_of
+    run = run_in_order(plan.steps, watch=plan.watch)
+    if run.remade is not None:
+        _raise_remade(work, plan, run)
+    if run.stuck:
+        _raise_stuck(schedule, work, plan, run)
+    return _result(schedule, work, pieces, run, costs)
+
+
+def _raise_remade(work: Schedule, plan: StepPlan, run: Run) -> None:
+    step, first, product = run.remade
+    table = work.table
+    rank, first_rank = int(table.rank[step]), int(table.rank[first])
+    action = work.row(rank)[int(table.local_index[step])]
+    first_action = work.row(first_rank)[int(table.local_index[first])]
+    raise ScheduleError(
+        f"{_product_text(plan.space.product(product))} runs twice "
+        f"(also in {first_action} on rank {first_rank})",
+        rank, action,
+    )
+
+
+def _raise_stuck(schedule: Schedule, work: Schedule, plan: StepPlan, run: Run) -> None:
+    done = MadeTimes(plan.space, run.arrive)
+    waits = []
+    for rank, step in run.stuck.items():
+        action = work.row(rank)[step - int(work.table.offsets[rank])]
+        missing = [_product_text(k) for k in missing_needs(schedule, action, done)]
+        waits.append(f"rank {rank} at {action} waits for {', '.join(missing)}")
+    raise ScheduleError("the schedule cannot finish (deadlock): " + "; ".join(waits))
+
+
+def _sum(values: np.ndarray):
+    """``sum(values)`` as Python adds a list: 0 when empty, else left to right."""
+    return float(np.cumsum(values)[-1]) if len(values) else 0
+
+
+def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
+            costs: Costs) -> SimResult:
+    table = work.table
+    start, end = np.array(run.start), np.array(run.end)
+    compute = pieces.pieces(start, COMPUTE)
+    comm = pieces.pieces(start, COMM)
+    takes = (table.kind == F) | (table.kind == OVERLAP)
+    releases = (table.kind == B) | (table.kind == I) | (table.kind == OVERLAP)
+    metrics: list[list] = [[], [], [], []]
+    for rank in range(table.pp):
+        lo, hi = int(table.offsets[rank]), int(table.offsets[rank + 1])
+        c_begin, c_end = _rank_pieces(compute, lo, hi)
+        t_begin, t_end = _rank_pieces(comm, lo, hi)
+        metrics[0].append(_sum(c_end - c_begin))
+        metrics[1].append(_sum(t_end - t_begin))
+        metrics[2].append(uncovered_length(t_begin, t_end, c_begin, c_end))
+        metrics[3].append(peak_of_events(start[lo:hi][takes[lo:hi]], end[lo:hi][releases[lo:hi]]))
+    return SimResult(
+        name=schedule.name,
+        costs=costs,
+        makespan=max(run.end, default=0.0),
+        busy=tuple(metrics[0]),
+        comm=tuple(metrics[1]),
+        exposed_comm=tuple(metrics[2]),
+        peak_in_flight=tuple(metrics[3]),
+        make_timeline=lambda: _timeline(work, run, costs),
+    )
+
+
+def _rank_pieces(pieces, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces of steps lo..hi-1 that take time, in order."""
+    begin, end, step = pieces
+    a, b = np.searchsorted(step, [lo, hi])
+    begin, end = begin[a:b], end[a:b]
+    keep = end > begin
+    return begin[keep], end[keep]
 
 
 def _half(rank: int, half: Action, segments: tuple[Segment, ...]) -> TimedAction:
@@ -149,91 +165,18 @@ def _half(rank: int, half: Action, segments: tuple[Segment, ...]) -> TimedAction
     return TimedAction(rank, half, start, end, (), tuple(own))
 
 
-def _peak_in_flight(rank_actions: list[TimedAction]) -> int:
-    """Most activations held at once: taken at an F's start, given back at its B/I's end."""
-    events = []
-    for timed in rank_actions:
-        for comp in timed.action.computations():
-            change = holding_change(comp)
-            if change:
-                events.append((timed.start if change > 0 else timed.end, change))
-    # at equal times a release (-1) sorts before a new F
-    return peak_held(change for _, change in sorted(events))
-
-
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
-    """Run ``schedule`` under ``costs``; raise ScheduleError if it cannot finish (a deadlock)."""
-    costs.check_stages(schedule.num_stages)
-    rows = [[a for a in row if a.is_compute] for row in schedule.actions]
-    for rank, row in enumerate(rows):
-        for action in row:
-            _check_action(schedule, rank, action)
-
-    done: dict[Product, float] = {}
-    placed: dict[Product, tuple[int, Action]] = {}
-    free_at = [0.0] * len(rows)
-    timeline: list[TimedAction] = []
-
-    def arrival(rank: int, key: Product) -> float | None:
-        if key not in done:
-            return None
-        remote = schedule.stage_to_rank[key[1]] != rank
-        return done[key] + (costs.p2p_latency if remote else 0.0)
-
-    def try_run(rank: int, index: int) -> bool:
-        action = rows[rank][index]
-        needs = [k for comp in action.computations() for k in needs_of(schedule, comp)]
-        arrivals = [arrival(rank, k) for k in needs]
-        if any(t is None for t in arrivals):
-            return False
-        start = max([free_at[rank]] + arrivals)
+def _timeline(work: Schedule, run: Run, costs: Costs) -> tuple[TimedAction, ...]:
+    """The actions in the order the run took them (sweep, rank, list order), with pieces."""
+    table = work.table
+    order = np.lexsort((np.arange(len(table)), np.asarray(run.sweep)))
+    out = []
+    for step in order.tolist():
+        rank = int(table.rank[step])
+        action = work.row(rank)[step - int(table.offsets[rank])]
+        start, end = run.start[step], run.end[step]
         segments = time_step(action, start, costs)
-        end = max([start] + [s.end for s in segments])
         halves = ()
-        if action.kind is Kind.OVERLAP:
+        if action.kind is action.kind.OVERLAP:
             halves = tuple(_half(rank, h, segments) for h in action.computations())
-        timeline.append(TimedAction(rank, action, start, end, halves, segments))
-        for comp in action.computations():
-            key = product_of(comp)
-            if key in placed:
-                first_rank, first = placed[key]
-                raise ScheduleError(
-                    f"{_product_text(key)} runs twice (also in {first} on rank {first_rank})",
-                    rank,
-                    action,
-                )
-            placed[key] = (rank, action)
-            done[key] = end
-        free_at[rank] = end
-        return True
-
-    stuck = run_in_rank_order(rows, try_run)
-    if stuck:
-        waits = []
-        for r, index in stuck.items():
-            action = rows[r][index]
-            missing = [_product_text(k) for k in missing_needs(schedule, action, done)]
-            waits.append(f"rank {r} at {action} waits for {', '.join(missing)}")
-        raise ScheduleError("the schedule cannot finish (deadlock): " + "; ".join(waits))
-
-    makespan = max((t.end for t in timeline), default=0.0)
-    busy, comm, exposed, peaks = [], [], [], []
-    for rank in range(len(rows)):
-        mine = [t for t in timeline if t.rank == rank]
-        segs = [s for t in mine for s in t.segments if s.end > s.start]
-        compute = sorted((s.start, s.end) for s in segs if s.stream == COMPUTE)
-        talks = sorted((s.start, s.end) for s in segs if s.stream == COMM)
-        busy.append(sum(e - s for s, e in compute))
-        comm.append(sum(e - s for s, e in talks))
-        exposed.append(uncovered_length(talks, compute))
-        peaks.append(_peak_in_flight(mine))
-    return SimResult(
-        name=schedule.name,
-        costs=costs,
-        makespan=makespan,
-        busy=tuple(busy),
-        comm=tuple(comm),
-        exposed_comm=tuple(exposed),
-        peak_in_flight=tuple(peaks),
-        timeline=tuple(timeline),
-    )
+        out.append(TimedAction(rank, action, start, end, halves, segments))
+    return tuple(out)

@@ -128,22 +128,31 @@ def _overlap_ops(forward: Action, backward: Action, costs: Costs) -> list[_Op]:
     return ops
 
 
-def _run(ops: list[_Op], start: float) -> tuple[Segment, ...]:
-    """Start each piece when its stream is free and the piece it depends on has ended."""
+def op_times(ops: list[_Op], start, maximum=max) -> list[tuple]:
+    """(begin, end) of each piece started at ``start``: a piece begins when its stream is free
+    and the piece it depends on has ended. ``start`` may be an array of starts (one per step of
+    the same shape), with ``maximum=np.maximum``: the same operations, element by element."""
     free = {COMPUTE: start, COMM: start}
-    ends: list[float] = []
-    segments = []
+    times: list[tuple] = []
     for op in ops:
-        begin = max([free[op.stream]] + [ends[d] for d in op.deps])
+        begin = free[op.stream]
+        for dep in op.deps:
+            begin = maximum(begin, times[dep][1])
         end = begin + op.duration
         free[op.stream] = end
-        ends.append(end)
-        segments.append(Segment(op.stream, op.part, op.action, op.layer, begin, end))
-    return tuple(segments)
+        times.append((begin, end))
+    return times
+
+
+def step_ops(action: Action, costs: Costs) -> list[_Op]:
+    """The pieces of a compute action, in the order they are issued."""
+    if action.kind is Kind.OVERLAP:
+        return _overlap_ops(action.forward, action.backward, costs)
+    return _plain_ops(action, costs)
 
 
 def time_step(action: Action, start: float, costs: Costs) -> tuple[Segment, ...]:
     """The timed pieces of a compute action started at ``start`` on an otherwise idle rank."""
-    if action.kind is Kind.OVERLAP:
-        return _run(_overlap_ops(action.forward, action.backward, costs), start)
-    return _run(_plain_ops(action, costs), start)
+    ops = step_ops(action, costs)
+    return tuple(Segment(op.stream, op.part, op.action, op.layer, begin, end)
+                 for op, (begin, end) in zip(ops, op_times(ops, start)))

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megapipe.schedule import ScheduleError, build_schedule, check_runs, lower
-from megapipe.schedule.deps import message_of_comm, received_message, sent_message, timeline
+from megapipe.schedule.deps import message_of_comm, received_message, sent_message
+from megapipe.schedule.timeline import timeline
 from megapipe.schedule.ir import (
     COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
 )

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, validate
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
-from megapipe.schedule.deps import timeline
+from megapipe.schedule.timeline import timeline
 from megapipe.schedule.lower import lower
 from megapipe.schedule.overlap import (
     critical_path,

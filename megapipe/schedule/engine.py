@@ -1,0 +1,175 @@
+"""The in-order run both the timeline and the simulator use: every rank runs its list in order,
+each step once every product it needs has arrived; each product is looked at once per wait.
+
+Semantics (the definition the schedule layer has always had): the ranks are swept round robin,
+0 to pp-1, each running as far as it can, until a sweep moves nothing. ``run_in_order`` gives
+exactly that result, order included (a product made twice is read as it stood when the reader
+ran), without retrying blocked ranks: a rank that waits is parked on the product it waits for
+and woken when it is made, in the sweep where the round robin would have moved it (this sweep if
+its maker has a lower rank, the next one otherwise). Work is O(steps + waits).
+
+Products are integers below ``space``; a need is a slot: ``p`` for product p as made, or
+``space + p`` for product p as it arrives from another rank (made + ``delay[p]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+@dataclass
+class Steps:
+    """Flat per-step inputs; rank r's steps are ``offsets[r]:offsets[r + 1]``.
+
+    ``need0..need2``: slots the step waits for (-1: none); ``make0``, ``make1``: products it
+    makes (-1: none); ``duration``: end = start + duration, unless ``end_of(step, start)`` is
+    given. ``delay[p]``: added to product p for readers of slot ``space + p``.
+    """
+
+    offsets: Sequence[int]
+    need0: list[int]
+    need1: list[int]
+    need2: list[int]
+    make0: list[int]
+    make1: list[int]
+    duration: list[float]
+    space: int
+    delay: Sequence[float] | float = 0.0
+    end_of: Callable[[int, float], float] | None = None
+
+
+@dataclass
+class Prefix:
+    """Where a run starts when the first ``done[r]`` steps of each rank already ran (with these
+    ``start``, ``end``, ``free`` per rank and slots ``arrive``): the rest is run from there."""
+
+    done: list[int]
+    free: list[float]
+    start: list[float]
+    end: list[float]
+    arrive: list[float]
+
+
+@dataclass
+class Run:
+    """What ``run_in_order`` found: per-step start, end and sweep (-1 where a step never ran),
+    the time each slot became available (``arrive``, -1.0 where never), where each stuck rank
+    stopped (``{rank: step}``), and, with ``watch``, the first product made twice
+    (``(step, first maker step, product)``), at which the run stopped."""
+
+    start: list[float]
+    end: list[float]
+    sweep: list[int]
+    arrive: list[float]
+    stuck: dict[int, int]
+    remade: tuple[int, int, int] | None = None
+
+
+def run_in_order(
+    steps: Steps, watch: frozenset = frozenset(), prefix: Prefix | None = None
+) -> Run:
+    """Run ``steps`` (module docstring). A product in ``watch`` made a second time stops the
+    run there (the simulator reports it). Slot ``2 * space`` is never filled (a need nobody
+    makes). With ``prefix``, the steps it holds are taken as run; only valid where every product
+    has one maker, since then the result does not depend on the order steps run in."""
+    offsets, space = steps.offsets, steps.space
+    need0, need1, need2 = steps.need0, steps.need1, steps.need2
+    make0, make1, duration, end_of = steps.make0, steps.make1, steps.duration, steps.end_of
+    pp, total = len(offsets) - 1, offsets[-1]
+    if prefix is None:
+        arrive = [-1.0] * (2 * space + 1)
+        start, end = [-1.0] * total, [-1.0] * total
+        cursor, free = list(offsets[:-1]), [0.0] * pp
+    else:
+        arrive, start, end, free = prefix.arrive, prefix.start, prefix.end, prefix.free
+        cursor = [offsets[r] + prefix.done[r] for r in range(pp)]
+    sweep = [-1] * total
+    delay = steps.delay
+    if isinstance(delay, (int, float)):
+        delay = [delay] * space if delay else None
+    parked: dict[int, list[int]] = {}
+    first_maker: dict[int, int] = {}
+    now, later = (1 << pp) - 1, 0  # bit q: rank q runs in this sweep / in the next one
+    t = 0
+    remade = None
+    slow = bool(watch) or delay is not None
+
+    def record(p: int, f: float, k: int) -> bool:
+        """The latency and watch parts of making product ``p`` at ``f`` by step k: False if it
+        is a watched product made a second time."""
+        nonlocal remade
+        if watch and p in watch:
+            if p in first_maker:
+                remade = (k, first_maker[p], p)
+                return False
+            first_maker[p] = k
+        if delay is not None:
+            arrive[p + space] = f + delay[p]
+        return True
+
+    while now or later:
+        if not now:
+            now, later, t = later, 0, t + 1
+        lowest = now & -now
+        r = lowest.bit_length() - 1
+        now ^= lowest
+        k, stop, f = cursor[r], offsets[r + 1], free[r]
+        while k < stop:
+            s = f
+            a = need0[k]
+            if a >= 0:
+                x = arrive[a]
+                if x < 0.0:
+                    parked.setdefault(a - space if a >= space else a, []).append(r)
+                    break
+                if x > s:
+                    s = x
+                a = need1[k]
+                if a >= 0:
+                    x = arrive[a]
+                    if x < 0.0:
+                        parked.setdefault(a - space if a >= space else a, []).append(r)
+                        break
+                    if x > s:
+                        s = x
+                    a = need2[k]
+                    if a >= 0:
+                        x = arrive[a]
+                        if x < 0.0:
+                            parked.setdefault(a - space if a >= space else a, []).append(r)
+                            break
+                        if x > s:
+                            s = x
+            start[k] = s
+            f = s + duration[k] if end_of is None else end_of(k, s)
+            end[k] = f
+            sweep[k] = t
+            p, q = make0[k], make1[k]
+            if slow and not (record(p, f, k) and (q < 0 or record(q, f, k))):
+                return _finish(offsets, cursor, start, end, sweep, arrive, remade)
+            # Wake the ranks parked on what the step made: in this sweep if they come after r,
+            # else in the next one (written out for both products: this loop is the hot path).
+            arrive[p] = f
+            if p in parked:
+                for w in parked.pop(p):
+                    if w > r:
+                        now |= 1 << w
+                    else:
+                        later |= 1 << w
+            if q >= 0:  # the backward half of an OVERLAP
+                arrive[q] = f
+                if q in parked:
+                    for w in parked.pop(q):
+                        if w > r:
+                            now |= 1 << w
+                        else:
+                            later |= 1 << w
+            k += 1
+        cursor[r], free[r] = k, f
+    return _finish(offsets, cursor, start, end, sweep, arrive, remade)
+
+
+def _finish(offsets, cursor, start, end, sweep, arrive, remade) -> Run:
+    stuck = {r: cursor[r] for r in range(len(offsets) - 1) if cursor[r] < offsets[r + 1]}
+    return Run(start, end, sweep, arrive, stuck, remade)

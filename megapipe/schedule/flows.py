@@ -1,0 +1,161 @@
+"""The dependency rules of ``deps`` applied to every computation of a schedule at once.
+
+``deps`` states the rules as data (``NEEDS``, ``MAKES``, ``SENDS``, ``CARRIES``); here they become
+code-indexed arrays, so a whole table's needs, products and messages are a few array operations.
+Products get dense integer ids (``ProductSpace``) for the in-order run (``engine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
+from .ir import Schedule
+from .table import KINDS, Comps
+
+LETTERS = ("F", "G", "W")  # product letters, coded 0, 1, 2
+MESSAGE_LETTERS = ("F", "B")  # message letters, coded 0, 1
+
+
+def _by_code(rule: dict, pick, missing) -> np.ndarray:
+    return np.array([pick(rule[k]) if k in rule else missing for k in KINDS], dtype=np.int64)
+
+
+# Per kind code: the letter and step of need j (-1 letter: no such need), the product letter made,
+# the message letter and direction of what it sends, what a SEND/RECV carries.
+NEED_LETTER = [_by_code(NEEDS, lambda r, j=j: LETTERS.index(r[j][0]) if j < len(r) else -1, -1)
+               for j in range(2)]
+NEED_STEP = [_by_code(NEEDS, lambda r, j=j: r[j][1] if j < len(r) else 0, 0) for j in range(2)]
+MAKE_LETTER = _by_code(MAKES, LETTERS.index, -1)
+SEND_LETTER = _by_code(SENDS, lambda r: MESSAGE_LETTERS.index(r[0]), -1)
+SEND_STEP = _by_code(SENDS, lambda r: r[1], 0)
+CARRY_LETTER = _by_code(CARRIES, lambda r: MESSAGE_LETTERS.index(r[0]), -1)
+CARRY_SOURCE = _by_code(CARRIES, lambda r: r[1], 0)
+CARRY_PEER = _by_code(CARRIES, lambda r: r[2], 0)
+
+
+def neighbours(stage: np.ndarray, step, per_pipeline: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stage ``step`` away (``SELF``, ``BEFORE``, ``AFTER``; scalar or per element) and
+    whether it exists (the ends of a pipeline have no stage before or after them)."""
+    position = stage % per_pipeline
+    exists = np.where(step == BEFORE, position != 0,
+                      np.where(step == AFTER, position != per_pipeline - 1, True))
+    return stage + step, exists
+
+
+def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
+    """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
+    placement = schedule.placement
+    inside = (stage >= 0) & (stage < len(placement))
+    return np.where(inside, placement[np.where(inside, stage, 0)], -1)
+
+
+class Needs(NamedTuple):
+    """Need j of each computation: its product letter code, stage, and whether it exists."""
+
+    letter: np.ndarray
+    stage: np.ndarray
+    exists: np.ndarray
+
+
+def comp_needs(schedule: Schedule, comps: Comps) -> list[Needs]:
+    """The (at most two) needs of every computation, in ``deps.needs_of`` order."""
+    out = []
+    for j in range(2):
+        letter = NEED_LETTER[j][comps.kind]
+        stage, exists = neighbours(comps.stage, NEED_STEP[j][comps.kind],
+                                   schedule.stages_per_pipeline)
+        out.append(Needs(letter, stage, exists & (letter >= 0)))
+    return out
+
+
+@dataclass(frozen=True)
+class ProductSpace:
+    """Dense ids for the products a schedule makes: ``(letter, stage, mb)`` in the box
+    ``[stage_lo, stage_lo + stages) x [mb_lo, mb_lo + mbs)``; anything outside is ``never``."""
+
+    stage_lo: int
+    stages: int
+    mb_lo: int
+    mbs: int
+
+    @classmethod
+    def covering(cls, stage: np.ndarray, mb: np.ndarray) -> "ProductSpace":
+        if len(stage) == 0:
+            return cls(0, 1, 0, 1)
+        lo_s, lo_m = int(stage.min()), int(mb.min())
+        return cls(lo_s, int(stage.max()) - lo_s + 1, lo_m, int(mb.max()) - lo_m + 1)
+
+    @property
+    def size(self) -> int:
+        return len(LETTERS) * self.stages * self.mbs
+
+    @property
+    def never(self) -> int:
+        """The slot of a product nobody makes (the engine's unfilled slot)."""
+        return 2 * self.size
+
+    def ids(self, letter: np.ndarray, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
+        s, m = stage - self.stage_lo, mb - self.mb_lo
+        inside = (s >= 0) & (s < self.stages) & (m >= 0) & (m < self.mbs) & (letter >= 0)
+        return np.where(inside, (letter * self.stages + s) * self.mbs + m, self.never)
+
+    def id_of(self, product) -> int | None:
+        """The id of one product ``(letter, stage, mb)``, or None outside the space."""
+        try:
+            letter, stage, mb = product
+            code = LETTERS.index(letter)
+        except (TypeError, ValueError):
+            return None
+        s, m = stage - self.stage_lo, mb - self.mb_lo
+        if not (0 <= s < self.stages and 0 <= m < self.mbs):
+            return None
+        return (code * self.stages + s) * self.mbs + m
+
+    def product(self, pid: int) -> tuple[str, int, int]:
+        rest, m = divmod(pid, self.mbs)
+        letter, s = divmod(rest, self.stages)
+        return (LETTERS[letter], s + self.stage_lo, m + self.mb_lo)
+
+    def decode(self, pids: np.ndarray) -> list[tuple[str, int, int]]:
+        return [self.product(p) for p in pids.tolist()]
+
+
+def sent_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
+    """Per computation: the letter code of the message its product becomes (-1: none, i.e. the
+    consumer is on the same rank or there is none) and the sending stage (``deps.sent_message``)."""
+    letter = SEND_LETTER[comps.kind]
+    target, exists = neighbours(comps.stage, SEND_STEP[comps.kind], schedule.stages_per_pipeline)
+    remote = exists & (stage_rank(schedule, target) != stage_rank(schedule, comps.stage))
+    return np.where((letter >= 0) & remote, letter, -1), comps.stage
+
+
+def received_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
+    """Per computation: the letter code and sending stage of the message it must receive
+    (-1: none), i.e. its first need made on another rank (``deps.received_message``)."""
+    here = stage_rank(schedule, comps.stage)
+    letter = np.full(len(comps.kind), -1, dtype=np.int64)
+    stage = np.full(len(comps.kind), -1, dtype=np.int64)
+    for need in reversed(comp_needs(schedule, comps)):  # the first remote need wins
+        remote = need.exists & (stage_rank(schedule, need.stage) != here)
+        letter = np.where(remote, np.where(need.letter == 0, 0, 1), letter)
+        stage = np.where(remote, need.stage, stage)
+    letter[SEND_LETTER[comps.kind] < 0] = -1
+    return letter, stage
+
+
+def carried_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
+    """Per SEND/RECV: the letter code and sending stage of its message (-1 stage where the
+    stage it names has none before or after it; ``deps.message_of_comm``)."""
+    source, exists = neighbours(comps.stage, CARRY_SOURCE[comps.kind],
+                                schedule.stages_per_pipeline)
+    return CARRY_LETTER[comps.kind], np.where(exists, source, -1)
+
+
+def peers(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
+    """Per SEND/RECV: the rank on the other end, and whether there is one."""
+    other, exists = neighbours(comps.stage, CARRY_PEER[comps.kind], schedule.stages_per_pipeline)
+    return stage_rank(schedule, other), exists

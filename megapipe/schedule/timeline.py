@@ -1,0 +1,268 @@
+"""Timelines: when each action of a compute-only schedule runs, at given durations.
+
+``timeline(schedule, durations)`` runs each rank's list in order, each action starting once its
+rank is free and every product it needs is made (on any rank): the in-order run of ``engine``.
+The overlap pass uses it to find pairs that wait on each other; lowering uses its times to
+decide where a receive is posted; validation uses it to find ranks that wait on each other.
+A schedule's timeline is computed once and kept in ``schedule.memo``.
+
+``StepPlan`` turns a table into the engine's steps; the simulator builds its own steps with it.
+A need made by a single action earlier on the same rank is left out of the steps: it is made
+before the rank gets there and ends before the rank is free, so it can neither hold the step
+back nor move it (unless a latency applies to it, in which case it stays).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .deps import DEFAULT_DURATIONS
+from .engine import Prefix, Run, Steps, run_in_order
+from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
+from .ir import Schedule
+from .actions import Kind
+from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
+
+
+class MadeTimes(Mapping):
+    """Product ``("F" | "G" | "W", stage, microbatch)`` -> the time it was made, for those made."""
+
+    def __init__(self, space: ProductSpace, arrive: list[float]) -> None:
+        self._space = space
+        self._arrive = arrive
+
+    def __getitem__(self, key) -> float:
+        pid = self._space.id_of(key)
+        if pid is None or self._arrive[pid] < 0:
+            raise KeyError(key)
+        return self._arrive[pid]
+
+    def _made(self) -> np.ndarray:
+        return np.flatnonzero(np.asarray(self._arrive[: self._space.size]) >= 0)
+
+    def __iter__(self):
+        return iter(self._space.decode(self._made()))
+
+    def __len__(self) -> int:
+        return len(self._made())
+
+
+@dataclass
+class StepPlan:
+    """A table as engine steps: per action up to three needs (slots), two products, a duration.
+
+    ``make`` is (n, 2) product ids (-1: none); ``unique`` says every product has one maker.
+    """
+
+    table: ActionTable
+    space: ProductSpace
+    make: np.ndarray
+    steps: Steps
+    unique: bool
+    watch: frozenset
+
+    @classmethod
+    def build(cls, schedule: Schedule, table: ActionTable, duration: np.ndarray,
+              latency: float = 0.0) -> "StepPlan":
+        comps = table.comps()
+        space = ProductSpace.covering(comps.stage, comps.mb)
+        made = space.ids(MAKE_LETTER[comps.kind], comps.stage, comps.mb)
+        count = np.bincount(made, minlength=space.size)
+        maker = np.full(space.size + 1, -1, dtype=np.int64)
+        single = count[made] == 1
+        maker[made[single]] = comps.action[single]
+        columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
+        filled = np.zeros(len(table), dtype=np.int64)  # dynamic needs placed per action so far
+        for half in (0, 1):
+            part = comps.half == half
+            sub = Comps(*(c[part] for c in comps))
+            for need in comp_needs(schedule, sub):
+                slot = _slot(schedule, sub, need, space, maker, table.rank, latency)
+                wanted = slot >= 0
+                actions = sub.action[wanted]
+                for j, column in enumerate(columns):
+                    at = filled[actions] == j
+                    column[actions[at]] = slot[wanted][at]
+                filled[actions] += 1
+        make = np.full((len(table), 2), -1, dtype=np.int64)
+        make[comps.action, comps.half] = made
+        steps = Steps(
+            table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
+            _as_list(make[:, 1]), duration.tolist(), space.size, latency,
+        )
+        repeated = np.flatnonzero(count > 1)
+        return cls(table, space, make, steps, len(repeated) == 0, frozenset(repeated.tolist()))
+
+
+    def makers(self) -> np.ndarray:
+        """Per engine slot: the row of the product's last maker (rank order), -1 if none."""
+        out = np.full(2 * self.space.size + 1, -1, dtype=np.int64)
+        rows = np.repeat(np.arange(len(self.table)), 2)
+        made = self.make.reshape(-1)
+        np.maximum.at(out, made[made >= 0], rows[made >= 0])
+        out[self.space.size:2 * self.space.size] = out[:self.space.size]
+        return out
+
+
+def _slot(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
+          rank_of: np.ndarray, latency: float) -> np.ndarray:
+    """The engine slot of one need of each computation, -1 where it has none or the need is
+    settled statically (its only maker runs earlier on the same rank, with no latency)."""
+    pid = np.where(need.exists, space.ids(need.letter, need.stage, comps.mb), -1)
+    known = (pid >= 0) & (pid < space.size)
+    late = known & (stage_rank(schedule, need.stage) != comps.rank) if latency else ~known & known
+    source = maker[np.where(known, pid, space.size)]
+    static = known & ~late & (source >= 0) & (source < comps.action)
+    static &= rank_of[np.maximum(source, 0)] == comps.rank
+    return np.where(static, -1, np.where(late, pid + space.size, pid))
+
+
+def _as_list(column: np.ndarray) -> list:
+    """``column.tolist()``, cheaply when every entry is -1 (a list of one repeated object)."""
+    return [-1] * len(column) if not (column >= 0).any() else column.tolist()
+
+
+class Timeline:
+    """A run of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's k-th action.
+
+    ``stuck`` maps each rank that could not finish to the index of the action it waits at (empty
+    when the run finished); times from a stuck index on are -1. ``made`` maps each product made to
+    the time it was made. ``start_flat``/``end_flat`` hold the same times as arrays, ranks one
+    after another (``offsets``).
+    """
+
+    def __init__(self, plan: StepPlan, run: Run) -> None:
+        self.plan = plan
+        self.offsets = plan.table.offsets
+        self.start_list, self.end_list = run.start, run.end
+        self.arrive = run.arrive
+        self.stuck = {r: k - int(self.offsets[r]) for r, k in run.stuck.items()}
+        self.made = MadeTimes(plan.space, run.arrive)
+
+    @functools.cached_property
+    def start_flat(self) -> np.ndarray:
+        return np.array(self.start_list, dtype=np.float64)
+
+    @functools.cached_property
+    def end_flat(self) -> np.ndarray:
+        return np.array(self.end_list, dtype=np.float64)
+
+    def _per_rank(self, flat: np.ndarray) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(flat[lo:hi].tolist()) for lo, hi in zip(self.offsets, self.offsets[1:]))
+
+    @property
+    def start(self) -> tuple[tuple[float, ...], ...]:
+        return self._per_rank(self.start_flat)
+
+    @property
+    def end(self) -> tuple[tuple[float, ...], ...]:
+        return self._per_rank(self.end_flat)
+
+    @property
+    def makespan(self) -> float:
+        """When the last action ends (-1 entries included, as the old tuple max did)."""
+        return max(self.end_list, default=0.0)
+
+
+def check_durations(durations: dict | None) -> dict:
+    """The durations to use (``DEFAULT_DURATIONS`` if None), each of F, B, I, W positive."""
+    durations = dict(DEFAULT_DURATIONS if durations is None else durations)
+    for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+        value = durations.get(kind)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"durations[{kind.value}] must be a positive number, got {value!r}")
+    return durations
+
+
+def action_durations(table: ActionTable, durations: dict) -> np.ndarray:
+    """Each action's duration: its kind's, and an OVERLAP's that of ``Kind.OVERLAP`` if given,
+    else the sum of its halves."""
+    by_code = np.zeros(len(CODE), dtype=np.float64)
+    for kind in (Kind.F, Kind.B, Kind.I, Kind.W):
+        by_code[CODE[kind]] = durations[kind]
+    out = by_code[table.kind]
+    pairs = table.kind == OVERLAP
+    if Kind.OVERLAP in durations:
+        out[pairs] = durations[Kind.OVERLAP]
+    else:
+        out[pairs] = by_code[CODE[Kind.F]] + by_code[table.back_kind[pairs]]
+    return out
+
+
+def duration_key(durations: dict | None):
+    """A hashable stand-in for ``durations`` (memo keys)."""
+    return None if durations is None else tuple(sorted((k.value, v) for k, v in durations.items()))
+
+
+def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:
+    """Run a compute-only schedule: each rank runs its list in order, each action starting once
+    its rank is free and every product it needs is made (on any rank).
+
+    A product needed from the same rank but made later in its list can never come, so such a
+    rank is reported stuck like one in a cycle of waits. ``durations`` maps F, B, I, W (and
+    optionally OVERLAP) to positive numbers; default ``DEFAULT_DURATIONS``.
+    """
+    memo_key = ("timeline", duration_key(durations))
+    if memo_key in schedule.memo:
+        return schedule.memo[memo_key]
+    durations = check_durations(durations)
+    table = schedule.table
+    comm = np.flatnonzero(is_comm(table.kind))
+    if len(comm):
+        rank = int(table.rank[comm[0]])
+        action = schedule.row(rank)[int(table.local_index[comm[0]])]
+        raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
+    plan = StepPlan.build(schedule, table, action_durations(table, durations))
+    result = Timeline(plan, run_in_order(plan.steps))
+    schedule.memo[memo_key] = result
+    return result
+
+
+def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int]) -> Timeline:
+    """``timeline(schedule)`` (default durations), given the timeline ``before`` of a schedule
+    whose rank r started with the same ``same[r]`` actions.
+
+    Every action that started before the earliest changed one did so for the same reasons, so it
+    keeps its times; the run resumes from there. Only where each product has one maker (the
+    result then does not depend on the order actions run in); otherwise it runs afresh.
+    """
+    if ("timeline", None) in schedule.memo:
+        return schedule.memo[("timeline", None)]
+    table = schedule.table
+    plan = StepPlan.build(schedule, table, action_durations(table, dict(DEFAULT_DURATIONS)))
+    if not (plan.unique and before.plan.unique):
+        return timeline(schedule)
+    old = before.offsets
+    cut = np.inf
+    for r, keep in enumerate(same):
+        if old[r] + keep < old[r + 1] and before.start_flat[old[r] + keep] >= 0:
+            cut = min(cut, float(before.start_flat[old[r] + keep]))
+    done = []
+    for r in range(len(same)):
+        starts = before.start_flat[old[r]:old[r + 1]]
+        ran = starts[: np.searchsorted(starts < 0, True)] if len(starts) else starts
+        done.append(int(np.searchsorted(ran, cut, "left")))
+    result = Timeline(plan, run_in_order(plan.steps, prefix=_prefix(plan, before, done)))
+    schedule.memo[("timeline", None)] = result
+    return result
+
+
+def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix:
+    new, old = plan.table.offsets, before.offsets
+    start = np.full(len(plan.table), -1.0)
+    end = np.full(len(plan.table), -1.0)
+    free = []
+    arrive = np.full(2 * plan.space.size + 1, -1.0)
+    for r, count in enumerate(done):
+        start[new[r]:new[r] + count] = before.start_flat[old[r]:old[r] + count]
+        end[new[r]:new[r] + count] = before.end_flat[old[r]:old[r] + count]
+        free.append(float(end[new[r] + count - 1]) if count else 0.0)
+        made = plan.make[new[r]:new[r] + count].reshape(-1)
+        times = np.repeat(end[new[r]:new[r] + count], 2)
+        arrive[made[made >= 0]] = times[made >= 0]
+        arrive[made[made >= 0] + plan.space.size] = times[made >= 0]
+    return Prefix(done, free, start.tolist(), end.tolist(), arrive.tolist())

@@ -1,0 +1,107 @@
+"""What each step of a schedule costs under a cost model, for every step at once.
+
+Steps with the same kinds and stage multipliers are timed by the same program of pieces
+(``steps.step_ops``): a template. The simulation needs each step's end as a function of its start,
+and the metrics need every piece. Both come from ``steps.op_times``, which runs a template's
+program on one start or on the starts of all its steps together (the same float operations,
+element by element), so the figures are those of timing each step on its own.
+
+When every duration is a multiple of one power of two 1/q and every time stays below 2**53 / q,
+float additions are exact: a step then simply ends at start + the template's duration, whatever
+the start (``exact``). Otherwise the program is run for each step as it is simulated.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from ..schedule.ir import Action
+from ..schedule.table import KINDS, OVERLAP, ActionTable
+from .costs import Costs
+from .steps import COMM, COMPUTE, _Op, op_times, step_ops
+
+_EXACT_LIMIT = 2 ** 53
+
+
+class StepCosts:
+    """The templates of a compute-only table's steps under ``costs``."""
+
+    def __init__(self, table: ActionTable, costs: Costs, num_stages: int) -> None:
+        self.costs = costs
+        self.template, keys = self._templates(table, costs, num_stages)
+        self.ops: list[list[_Op]] = []
+        for key in keys:
+            self.ops.append(step_ops(self._example(table, key), costs))
+        totals = [max([0.0] + [end for _, end in op_times(ops, 0.0)]) for ops in self.ops]
+        self.totals = np.asarray(totals, dtype=np.float64)
+        self.exact = self._exact(costs)
+
+    @staticmethod
+    def _templates(table: ActionTable, costs: Costs, num_stages: int):
+        """Per step its template number, and per template the row of a step that has it."""
+        if costs.stage_multipliers:
+            _, mult_class = np.unique(np.asarray(costs.stage_multipliers), return_inverse=True)
+        else:
+            mult_class = np.zeros(max(num_stages, 1), dtype=np.int64)
+        classes = int(mult_class.max(initial=0)) + 1
+        stage_class = mult_class[np.clip(table.stage, 0, len(mult_class) - 1)]
+        back_class = np.where(table.kind == OVERLAP,
+                              mult_class[np.clip(table.back_stage, 0, len(mult_class) - 1)], 0)
+        key = ((table.kind * (len(KINDS) + 1) + table.back_kind + 1) * classes
+               + stage_class) * classes + back_class
+        keys, first, template = np.unique(key, return_index=True, return_inverse=True)
+        return template.reshape(-1), first
+
+    @staticmethod
+    def _example(table: ActionTable, row: int) -> Action:
+        kind, stage, mb = KINDS[table.kind[row]], int(table.stage[row]), int(table.mb[row])
+        if table.kind[row] != OVERLAP:
+            return Action(stage, kind, mb)
+        back = Action(int(table.back_stage[row]), KINDS[table.back_kind[row]],
+                      int(table.back_mb[row]))
+        return Action.overlap(Action(stage, KINDS[0], mb), back)
+
+    def _exact(self, costs: Costs) -> bool:
+        """Whether every time of the simulation is an exact float (module docstring)."""
+        values = [op.duration for ops in self.ops for op in ops] + [costs.p2p_latency]
+        denominator = 1
+        for value in values:
+            denominator = max(denominator, Fraction(value).denominator)
+        counts = np.bincount(self.template, minlength=len(self.ops))
+        bound = float(counts @ self.totals) + costs.p2p_latency * len(self.template) * 3
+        return bound * denominator < _EXACT_LIMIT
+
+    def durations(self) -> np.ndarray:
+        """Per step: end - start (only meaningful when ``exact``)."""
+        return self.totals[self.template]
+
+    def end_of(self, step: int, start: float) -> float:
+        """When step ``step`` ends if it starts at ``start`` (the program run for this start)."""
+        ends = [end for _, end in op_times(self.ops[self.template[step]], start)]
+        return max([start] + ends)
+
+    def pieces(self, start: np.ndarray, stream: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every piece on ``stream``: (begin, end, step), in step order and, within a step, in
+        the order its program issues them."""
+        count = np.array([sum(op.stream == stream for op in ops) for ops in self.ops])
+        per_step = count[self.template]
+        first = np.concatenate([[0], np.cumsum(per_step)])
+        total = int(first[-1])
+        begin, end = np.empty(total), np.empty(total)
+        step = np.repeat(np.arange(len(per_step)), per_step)
+        for t, ops in enumerate(self.ops):
+            rows = np.flatnonzero(self.template == t)
+            times = op_times(ops, start[rows], np.maximum)
+            slot = 0
+            for op, (b, e) in zip(ops, times):
+                if op.stream != stream:
+                    continue
+                at = first[rows] + slot
+                begin[at], end[at] = b, e
+                slot += 1
+        return begin, end, step
+
+
+__all__ = ["StepCosts", "COMM", "COMPUTE"]

@@ -87,9 +87,15 @@ def check_counts(schedule: Schedule) -> None:
     """Each stage of a microbatch's pipeline runs one F and one B, or one I and one W, for it;
     no other stage runs it."""
     comps = compute_comps(schedule)
+    cells = schedule.num_stages * schedule.num_microbatches
     lo, hi = pipeline_bounds(schedule, comps.mb)
     outside = (comps.stage < lo) | (comps.stage >= hi)
     cell = np.where(outside, 0, comps.stage * schedule.num_microbatches + comps.mb)
+    if not outside.any():
+        counts = np.bincount(cell * 4 + comps.kind, minlength=4 * cells).reshape(-1, 4)
+        if counts.max(initial=0) <= 1 and not (counts[:, B] & counts[:, I]).any():
+            _check_missing(schedule, {code: counts[:, code] > 0 for code in (F, B, I, W)})
+            return
     index = np.arange(len(cell))
     key = cell * 4 + comps.kind
     order = np.argsort(key, kind="stable")
@@ -98,7 +104,7 @@ def check_counts(schedule: Schedule) -> None:
     repeat &= ~outside
     first_of = {}
     for code in (B, I):
-        first_of[code] = np.full(schedule.num_stages * schedule.num_microbatches + 1, len(cell))
+        first_of[code] = np.full(cells + 1, len(cell))
         mine = (comps.kind == code) & ~outside
         np.minimum.at(first_of[code], cell[mine], index[mine])
     clash = ((comps.kind == B) & (first_of[I][cell] < index)) | (
@@ -106,7 +112,7 @@ def check_counts(schedule: Schedule) -> None:
     first = _first(outside | repeat | (clash & ~outside))
     if first is not None:
         _raise_count_error(schedule, comps, first, outside, repeat, lo, hi)
-    _check_missing(schedule, comps)
+    _check_missing(schedule, presence(schedule, comps))
 
 
 def _raise_count_error(schedule, comps, first, outside, repeat, lo, hi) -> None:
@@ -131,9 +137,8 @@ def presence(schedule: Schedule, comps: Comps) -> dict[int, np.ndarray]:
             for code in (F, B, I, W)}
 
 
-def _check_missing(schedule: Schedule, comps: Comps) -> None:
+def _check_missing(schedule: Schedule, has: dict[int, np.ndarray]) -> None:
     m, n = schedule.num_microbatches, schedule.stages_per_pipeline
-    has = presence(schedule, comps)
     mbs = np.repeat(np.arange(m), n)
     stages = pipeline_bounds(schedule, mbs)[0] + np.tile(np.arange(n), m)
     cell = stages * m + mbs
@@ -161,25 +166,20 @@ def check_rank_order(schedule: Schedule) -> None:
         pos[code] = np.full(cells, -1, dtype=np.int64)
         mine = comps.kind == code
         pos[code][cell[mine]] = position[mine]
+    keys = np.flatnonzero(pos[F] >= 0)
+    wrong = _order_errors(schedule, pos, keys)
+    if not any(w.any() for w in wrong):
+        return
+    # Name the first broken cell in the order cells first appear in the lists.
     first_seen = np.full(cells, len(cell), dtype=np.int64)
     np.minimum.at(first_seen, cell, np.arange(len(cell)))
-    keys = np.flatnonzero(first_seen < len(cell))
     keys = keys[np.argsort(first_seen[keys], kind="stable")]
+    wrong = _order_errors(schedule, pos, keys)
     stage, mb = keys // m, keys % m
     has_b = pos[B][keys] >= 0
-    back = np.where(has_b, pos[B][keys], pos[I][keys])
-    wrong = [back < pos[F][keys], (pos[W][keys] >= 0) & (pos[W][keys] < back)]
-    n = schedule.stages_per_pipeline
-    after = stage + 1
+    nxt = np.where(wrong[2] | wrong[3], keys + m, keys)
     here = schedule.placement[stage]
-    local = (stage % n != n - 1)
-    local &= schedule.placement[np.where(local, after, stage)] == here
-    nxt = np.where(local, after * m + mb, keys)
-    next_back = np.where(pos[B][nxt] >= 0, pos[B][nxt], pos[I][nxt])
-    wrong += [local & (pos[F][nxt] < pos[F][keys]), local & (back < next_back)]
     first = _first(wrong[0] | wrong[1] | wrong[2] | wrong[3])
-    if first is None:
-        return
     s, i, rank = int(stage[first]), int(mb[first]), int(here[first])
     back_kind = KINDS[B] if has_b[first] else KINDS[I]
     if wrong[0][first]:
@@ -196,3 +196,19 @@ def check_rank_order(schedule: Schedule) -> None:
     raise ScheduleError(
         f"runs before {s + 1}{next_kind.value}{i} on the same rank: stage {s} needs the input "
         f"gradient of stage {s + 1}", rank, Action(s, back_kind, i))
+
+
+def _order_errors(schedule: Schedule, pos: dict, keys: np.ndarray) -> list[np.ndarray]:
+    """Per (stage, microbatch) cell in ``keys``, whether each of the four order rules breaks:
+    backward before forward, W before I, and (adjacent stages on one rank) the next stage's F
+    before this F, this backward before the next stage's."""
+    m, n = schedule.num_microbatches, schedule.stages_per_pipeline
+    stage = keys // m
+    back = np.where(pos[B][keys] >= 0, pos[B][keys], pos[I][keys])
+    wrong = [back < pos[F][keys], (pos[W][keys] >= 0) & (pos[W][keys] < back)]
+    here = schedule.placement[stage]
+    local = stage % n != n - 1
+    local &= schedule.placement[np.where(local, stage + 1, stage)] == here
+    nxt = np.where(local, keys + m, keys)
+    next_back = np.where(pos[B][nxt] >= 0, pos[B][nxt], pos[I][nxt])
+    return wrong + [local & (pos[F][nxt] < pos[F][keys]), local & (back < next_back)]

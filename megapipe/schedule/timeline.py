@@ -52,10 +52,22 @@ class MadeTimes(Mapping):
 
 
 @dataclass
+class _Structure:
+    """What a table's steps need and make, whatever their durations (``StepPlan``)."""
+
+    space: ProductSpace
+    make: np.ndarray
+    lists: tuple[list, ...]  # offsets, need0, need1, need2, make0, make1
+    unique: bool
+    watch: frozenset
+
+
+@dataclass
 class StepPlan:
     """A table as engine steps: per action up to three needs (slots), two products, a duration.
 
-    ``make`` is (n, 2) product ids (-1: none); ``unique`` says every product has one maker.
+    ``make`` is (n, 2) product ids (-1: none); ``unique`` says every product has one maker;
+    ``watch`` holds the products made more than once.
     """
 
     table: ActionTable
@@ -66,37 +78,17 @@ class StepPlan:
     watch: frozenset
 
     @classmethod
-    def build(cls, schedule: Schedule, table: ActionTable, duration: np.ndarray,
-              latency: float = 0.0) -> "StepPlan":
-        comps = table.comps()
-        space = ProductSpace.covering(comps.stage, comps.mb)
-        made = space.ids(MAKE_LETTER[comps.kind], comps.stage, comps.mb)
-        count = np.bincount(made, minlength=space.size)
-        maker = np.full(space.size + 1, -1, dtype=np.int64)
-        single = count[made] == 1
-        maker[made[single]] = comps.action[single]
-        columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
-        filled = np.zeros(len(table), dtype=np.int64)  # dynamic needs placed per action so far
-        for half in (0, 1):
-            part = comps.half == half
-            sub = Comps(*(c[part] for c in comps))
-            for need in comp_needs(schedule, sub):
-                slot = _slot(schedule, sub, need, space, maker, table.rank, latency)
-                wanted = slot >= 0
-                actions = sub.action[wanted]
-                for j, column in enumerate(columns):
-                    at = filled[actions] == j
-                    column[actions[at]] = slot[wanted][at]
-                filled[actions] += 1
-        make = np.full((len(table), 2), -1, dtype=np.int64)
-        make[comps.action, comps.half] = made
-        steps = Steps(
-            table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
-            _as_list(make[:, 1]), duration.tolist(), space.size, latency,
-        )
-        repeated = np.flatnonzero(count > 1)
-        return cls(table, space, make, steps, len(repeated) == 0, frozenset(repeated.tolist()))
-
+    def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "StepPlan":
+        """The steps of ``schedule`` (compute-only) with these durations and p2p latency; what
+        they need and make is worked out once per schedule (``memo``)."""
+        key = ("steps", bool(latency))
+        if key not in schedule.memo:
+            schedule.memo[key] = _structure(schedule, latency)
+        found = schedule.memo[key]
+        offsets, need0, need1, need2, make0, make1 = found.lists
+        steps = Steps(offsets, need0, need1, need2, make0, make1, duration.tolist(),
+                      found.space.size, latency)
+        return cls(schedule.table, found.space, found.make, steps, found.unique, found.watch)
 
     def makers(self) -> np.ndarray:
         """Per engine slot: the row of the product's last maker (rank order), -1 if none."""
@@ -106,6 +98,41 @@ class StepPlan:
         np.maximum.at(out, made[made >= 0], rows[made >= 0])
         out[self.space.size:2 * self.space.size] = out[:self.space.size]
         return out
+
+
+def _structure(schedule: Schedule, latency: float) -> _Structure:
+    table = schedule.table
+    comps = table.comps()
+    space = ProductSpace.covering(comps.stage, comps.mb)
+    made = space.ids(MAKE_LETTER[comps.kind], comps.stage, comps.mb)
+    count = np.bincount(made, minlength=space.size)
+    maker = np.full(space.size + 1, -1, dtype=np.int64)
+    single = count[made] == 1
+    maker[made[single]] = comps.action[single]
+    columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
+    filled = np.zeros(len(table), dtype=np.int64)  # dynamic needs placed per action so far
+    needs = comp_needs(schedule, comps)
+    for half in (0, 1):
+        part = comps.half == half
+        sub = Comps(*(c[part] for c in comps)) if table.has_overlap else comps
+        for need in needs:
+            if table.has_overlap:
+                need = type(need)(*(c[part] for c in need))
+            slot = _slot(schedule, sub, need, space, maker, table.rank, latency)
+            wanted = slot >= 0
+            actions = sub.action[wanted]
+            for j, column in enumerate(columns):
+                at = filled[actions] == j
+                column[actions[at]] = slot[wanted][at]
+            filled[actions] += 1
+        if not table.has_overlap:
+            break
+    make = np.full((len(table), 2), -1, dtype=np.int64)
+    make[comps.action, comps.half] = made
+    lists = (table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
+             _as_list(make[:, 1]))
+    repeated = np.flatnonzero(count > 1)
+    return _Structure(space, make, lists, len(repeated) == 0, frozenset(repeated.tolist()))
 
 
 def _slot(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
@@ -216,7 +243,7 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         rank = int(table.rank[comm[0]])
         action = schedule.row(rank)[int(table.local_index[comm[0]])]
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
-    plan = StepPlan.build(schedule, table, action_durations(table, durations))
+    plan = StepPlan.build(schedule, action_durations(table, durations))
     result = Timeline(plan, run_in_order(plan.steps))
     schedule.memo[memo_key] = result
     return result
@@ -233,7 +260,7 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
     if ("timeline", None) in schedule.memo:
         return schedule.memo[("timeline", None)]
     table = schedule.table
-    plan = StepPlan.build(schedule, table, action_durations(table, dict(DEFAULT_DURATIONS)))
+    plan = StepPlan.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
     if not (plan.unique and before.plan.unique):
         return timeline(schedule)
     old = before.offsets

@@ -82,7 +82,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     _check_actions(schedule, work)
     pieces = StepCosts(work.table, costs, schedule.num_stages)
     duration = pieces.durations() if pieces.exact else np.zeros(len(work.table))
-    plan = StepPlan.build(schedule, work.table, duration, costs.p2p_latency)
+    plan = StepPlan.build(work, duration, costs.p2p_latency)
     if not pieces.exact:
         plan.steps.end_of = pieces.end_of
     run = run_in_order(plan.steps, watch=plan.watch)

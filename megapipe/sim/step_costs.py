@@ -71,7 +71,7 @@ class StepCosts:
             denominator = max(denominator, Fraction(value).denominator)
         counts = np.bincount(self.template, minlength=len(self.ops))
         bound = float(counts @ self.totals) + costs.p2p_latency * len(self.template) * 3
-        return bound * denominator < _EXACT_LIMIT
+        return denominator < _EXACT_LIMIT and bound * denominator < _EXACT_LIMIT
 
     def durations(self) -> np.ndarray:
         """Per step: end - start (only meaningful when ``exact``)."""

@@ -21,188 +21,206 @@ placement, a broken one) leaves the answer to the simulation, which also words t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .flows import (
-    MAKE_LETTER,
+    CARRY_LETTER,
+    CARRY_PEER,
+    CARRY_SOURCE,
     ProductSpace,
-    carried_messages,
     comp_needs,
-    peers,
+    neighbours,
     received_messages,
     stage_rank,
 )
 from .ir import Schedule
-from .table import SEND_B, SEND_F, Comps, is_comm
+from .table import SEND_B, SEND_F, is_comm
 from .timeline import Timeline
 
 
-def certified(lowered: Schedule, run: Timeline) -> bool:
-    """Whether the keys above prove that ``lowered`` finishes, with compute times from ``run``
-    (a timeline of its computations in the same order)."""
+class _Ops(NamedTuple):
+    """The SEND/RECV rows of a lowered table: row, kind, stage, microbatch, rank, and the
+    message each carries (letter code, sending stage)."""
+
+    row: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    mb: np.ndarray
+    rank: np.ndarray
+    letter: np.ndarray
+    source: np.ndarray
+
+    @property
+    def sending(self) -> np.ndarray:
+        return (self.kind == SEND_F) | (self.kind == SEND_B)
+
+
+def certified(lowered: Schedule, run: Timeline, source: Schedule) -> bool:
+    """Whether the keys above prove that ``lowered`` finishes. ``source`` is the compute-only
+    schedule whose actions are those of ``lowered`` in the same order, ``run`` its timeline."""
     table = lowered.table
     comm = is_comm(table.kind)
     compute_rows = np.flatnonzero(~comm)
-    if run.stuck or len(run.start_list) != len(compute_rows):
+    found = run.plan
+    if run.stuck or not found.unique or found.table is not source.table:
         return False
-    start = np.full(len(table), -np.inf)
-    end = np.full(len(table), -np.inf)
-    start[compute_rows], end[compute_rows] = run.start_flat, run.end_flat
-    if not _rank_order(table, comm, start):
+    if not (_rank_order(source, run) and _local_needs_made(source, found)):
         return False
-    comps = table.comps()
-    made, maker = _makers(comps, comm)
-    if made is None:
+    ops = _ops(lowered, comm)
+    partner = _channels(lowered, ops)
+    if partner is None:
         return False
-    channel = _channels(lowered, comps, comm)
-    if channel is None:
-        return False
-    sent_at = _message_times(lowered, comps, comm, made, maker, end, channel)
+    sent_at = _message_times(lowered, ops, partner, found, compute_rows, run)
     if sent_at is None:
         return False
+    start = np.full(len(table), -np.inf)
+    start[compute_rows] = run.start_flat
     batches = _Batches(table, comm, start, sent_at)
-    return _batches_hold(batches, comm, channel) and _receives_hold(
-        lowered, comps, comm, made, maker, start, batches)
+    return _batches_hold(batches, ops, partner) and _receives_hold(
+        source, ops, compute_rows, run, batches)
 
 
-def _rank_order(table, comm: np.ndarray, start: np.ndarray) -> bool:
-    """Computations start strictly later than the computation before them on their rank."""
-    rows = np.flatnonzero(~comm)
-    same_rank = table.rank[rows[1:]] == table.rank[rows[:-1]]
-    return bool((start[rows[1:]][same_rank] > start[rows[:-1]][same_rank]).all())
+def _rank_order(source: Schedule, run: Timeline) -> bool:
+    """Computations sit on their stage's rank and start strictly later than the computation
+    before them on it."""
+    table = source.table
+    comps = table.comps()
+    if not (stage_rank(source, comps.stage) == comps.rank).all():
+        return False
+    same_rank = table.rank[1:] == table.rank[:-1]
+    start = run.start_flat
+    return bool((start[1:][same_rank] > start[:-1][same_rank]).all())
 
 
-def _makers(comps, comm: np.ndarray):
-    """The product space of the computations and the row making each product (None if some
-    product has two makers: the model then depends on which runs first)."""
-    plain = ~comm[comps.action]
-    space = ProductSpace.covering(comps.stage[plain], comps.mb[plain])
-    made = space.ids(MAKE_LETTER[comps.kind], comps.stage, comps.mb)
-    made = np.where(plain, made, space.never)
-    ids = made[plain]
-    if len(ids) and np.bincount(ids).max() > 1:
-        return None, None
-    maker = np.full(space.never + 1, -1, dtype=np.int64)
-    maker[ids] = comps.action[plain]
-    return space, maker
+def _makers(found) -> np.ndarray:
+    """Product id -> the source row that makes it (-1: none)."""
+    maker = np.full(found.space.never + 1, -1, dtype=np.int64)
+    rows = np.repeat(np.arange(len(found.make)), 2)
+    made = found.make.reshape(-1)
+    maker[made[made >= 0]] = rows[made >= 0]
+    return maker
 
 
-def _only(comps: Comps, pick: np.ndarray) -> Comps:
-    return Comps(*(column[pick] for column in comps))
+def _local_needs_made(source: Schedule, found) -> bool:
+    """What a computation needs from its own stage's rank is made earlier on that rank."""
+    table = source.table
+    comps = table.comps()
+    maker = _makers(found)
+    for need in comp_needs(source, comps):
+        local = need.exists & (stage_rank(source, need.stage) == comps.rank)
+        by = maker[found.space.ids(need.letter[local], need.stage[local], comps.mb[local])]
+        earlier = (by >= 0) & (by < comps.action[local])
+        if not (earlier & (table.rank[by] == comps.rank[local])).all():
+            return False
+    return True
 
 
-def _channels(lowered: Schedule, comps: Comps, comm: np.ndarray) -> np.ndarray | None:
-    """Each SEND/RECV row -> its partner row (k-th SEND from a to b with the k-th RECV on b from
-    a), or None if placement or order is off."""
+def _ops(lowered: Schedule, comm: np.ndarray) -> _Ops:
     table = lowered.table
-    ops = _only(comps, comm[comps.action])
-    peer, has_peer = peers(lowered, ops)
+    row = np.flatnonzero(comm)
+    kind, stage = table.kind[row], table.stage[row]
+    source, exists = neighbours(stage, CARRY_SOURCE[kind], lowered.stages_per_pipeline)
+    return _Ops(row, kind, stage, table.mb[row], table.rank[row], CARRY_LETTER[kind],
+                np.where(exists, source, -1))
+
+
+def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
+    """Per op, the index of its partner op (k-th SEND from a to b with the k-th RECV on b from
+    a), or None if placement or order is off."""
+    pp = lowered.pp
+    other, has_peer = neighbours(ops.stage, CARRY_PEER[ops.kind], lowered.stages_per_pipeline)
+    peer = stage_rank(lowered, other)
     placed = stage_rank(lowered, ops.stage) == ops.rank
     if not (has_peer.all() and placed.all() and (peer != ops.rank).all()):
         return None
-    letter, source = carried_messages(lowered, ops)
-    sending = (ops.kind == SEND_F) | (ops.kind == SEND_B)
-    src, dst = np.where(sending, ops.rank, peer), np.where(sending, peer, ops.rank)
-    key = (src * table.pp + dst) * 2 + sending
+    sending = ops.sending
+    key = (np.where(sending, ops.rank, peer) * pp + np.where(sending, peer, ops.rank)) * 2
+    key += sending
+    key = key.astype(np.int16 if 2 * pp * pp < 2 ** 15 else np.int64)  # int16: a radix sort
     order = np.argsort(key, kind="stable")
     sends, recvs = order[sending[order]], order[~sending[order]]
     if len(sends) != len(recvs) or not np.array_equal(key[sends] // 2, key[recvs] // 2):
         return None
-    same = (letter[sends] == letter[recvs]) & (source[sends] == source[recvs])
+    same = (ops.letter[sends] == ops.letter[recvs]) & (ops.source[sends] == ops.source[recvs])
     if not (same & (ops.mb[sends] == ops.mb[recvs])).all():
         return None
-    partner = np.full(len(table), -1, dtype=np.int64)
-    partner[ops.action[sends]], partner[ops.action[recvs]] = ops.action[recvs], ops.action[sends]
+    partner = np.empty(len(ops.row), dtype=np.int64)
+    partner[sends], partner[recvs] = recvs, sends
     return partner
 
 
-def _message_times(lowered: Schedule, comps: Comps, comm: np.ndarray, space: ProductSpace,
-                   maker: np.ndarray, end: np.ndarray, partner: np.ndarray) -> np.ndarray | None:
-    """Per SEND/RECV row, when its tensor was made: the end of the computation that made it,
-    which must be earlier on the SEND's rank (None otherwise)."""
-    table = lowered.table
-    ops = _only(comps, comm[comps.action])
-    sending = (ops.kind == SEND_F) | (ops.kind == SEND_B)
-    letter, source = carried_messages(lowered, ops)
-    rows = ops.action[sending]
-    made_by = maker[space.ids(letter[sending], source[sending], ops.mb[sending])]
-    if not ((made_by >= 0) & (made_by < rows)).all():
+def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
+                   compute_rows: np.ndarray, run: Timeline) -> np.ndarray | None:
+    """Per op, when its tensor was made: the end of the computation that made it, which must
+    run earlier on the SEND's rank (None otherwise)."""
+    sending = np.flatnonzero(ops.sending)
+    product_letter = ops.letter[sending]  # "F" messages carry F products, "B" ones G
+    made_by = _makers(found)[found.space.ids(product_letter, ops.source[sending],
+                                             ops.mb[sending])]
+    rows = ops.row[sending]
+    if not (made_by >= 0).all():
         return None
-    if not (table.rank[made_by] == table.rank[rows]).all():
+    maker_rows = compute_rows[made_by]
+    if not ((maker_rows < rows) & (lowered.table.rank[maker_rows] == ops.rank[sending])).all():
         return None
-    sent_at = np.full(len(table), -np.inf)
-    sent_at[rows] = end[made_by]
-    sent_at[partner[rows]] = end[made_by]
+    sent_at = np.empty(len(ops.row))
+    sent_at[sending] = run.end_flat[made_by]
+    sent_at[partner[sending]] = sent_at[sending]
     return sent_at
 
 
 class _Batches:
     """Maximal runs of SEND/RECV rows on a rank: per batch its completion time T (latest send
     time of its messages), its posting time (start of the computation before it, or -inf) and
-    the T of the batch before it on its rank (-inf if none); ``of`` maps rows to batches."""
+    the T of the batch before it on its rank (-inf if none); ``of`` maps ops to batches."""
 
     def __init__(self, table, comm: np.ndarray, start: np.ndarray, sent_at: np.ndarray) -> None:
         rows = np.flatnonzero(comm)
-        before = rows - 1
-        joined = (before >= 0) & comm[np.maximum(before, 0)]
-        joined &= table.rank[np.maximum(before, 0)] == table.rank[rows]
+        before = np.maximum(rows - 1, 0)
+        joined = (rows > 0) & comm[before] & (table.rank[before] == table.rank[rows])
         first = rows[~joined]
-        self.of = np.full(len(table), -1, dtype=np.int64)
-        self.of[rows] = np.cumsum(~joined) - 1
-        self.done = np.maximum.reduceat(sent_at[rows], np.flatnonzero(~joined)) if len(
-            rows) else np.zeros(0)
-        has_before = (first > table.offsets[table.rank[first]])
+        self.of = np.cumsum(~joined) - 1
+        starts = np.flatnonzero(~joined)
+        self.done = np.maximum.reduceat(sent_at, starts) if len(rows) else np.zeros(0)
+        has_before = first > table.offsets[table.rank[first]]
         self.posted = np.where(has_before, start[np.maximum(first - 1, 0)], -np.inf)
-        previous_same = np.concatenate([[False], table.rank[first[1:]] == table.rank[first[:-1]]])
-        self.previous = np.where(previous_same, np.concatenate([[-np.inf], self.done[:-1]]),
-                                 -np.inf)
+        same = np.concatenate([[False], table.rank[first[1:]] == table.rank[first[:-1]]])
+        self.previous = np.where(same, np.concatenate([[-np.inf], self.done[:-1]]), -np.inf)
 
 
-def _batches_hold(batches: _Batches, comm: np.ndarray, partner: np.ndarray) -> bool:
+def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     """Each batch completes after it is posted, after the batch before it, and after each op's
     partner batch is posted and that batch's predecessor completed."""
     if not ((batches.done > batches.posted) & (batches.done > batches.previous)).all():
         return False
-    rows = np.flatnonzero(comm)
-    mine, theirs = batches.of[rows], batches.of[partner[rows]]
+    mine, theirs = batches.of, batches.of[partner]
     after_post = batches.done[mine] > batches.posted[theirs]
     return bool((after_post & (batches.done[mine] > batches.previous[theirs])).all())
 
 
-def _receives_hold(lowered: Schedule, comps: Comps, comm: np.ndarray, space: ProductSpace,
-                   maker: np.ndarray, start: np.ndarray, batches: _Batches) -> bool:
-    """Each computation sits on its stage's rank; what it needs from its own rank is made
-    earlier there; what it receives is in a batch earlier on its rank that completes no later
-    than it starts."""
-    table = lowered.table
-    work = _only(comps, ~comm[comps.action])
-    if not (stage_rank(lowered, work.stage) == work.rank).all():
-        return False
-    for need in comp_needs(lowered, work):
-        local = need.exists & (stage_rank(lowered, need.stage) == work.rank)
-        by = maker[space.ids(need.letter[local], need.stage[local], work.mb[local])]
-        earlier = (by >= 0) & (by < work.action[local]) & (table.rank[by] == work.rank[local])
-        if not earlier.all():
-            return False
-    letter, source = received_messages(lowered, work)
-    wants = letter >= 0
-    ops = _only(comps, comm[comps.action])
-    taking = (ops.kind != SEND_F) & (ops.kind != SEND_B)
-    t_letter, t_source = carried_messages(lowered, ops)
-    messages = ProductSpace.covering(t_source[taking], ops.mb[taking])
-    key = messages.ids(t_letter[taking], t_source[taking], ops.mb[taking]) * table.pp
+def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,
+                   batches: _Batches) -> bool:
+    """What a computation receives is in a batch earlier on its rank, completing no later than
+    the computation starts (and no tensor is received twice on one rank)."""
+    comps = source.table.comps()
+    letter, sender = received_messages(source, comps)
+    wants = np.flatnonzero(letter >= 0)
+    taking = np.flatnonzero(~ops.sending)
+    if not len(taking):
+        return not len(wants)
+    space = ProductSpace.covering(ops.source[taking], ops.mb[taking])
+    key = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking]) * source.pp
     key += ops.rank[taking]
     order = np.argsort(key, kind="stable")
-    key, recv_rows = key[order], ops.action[taking][order]
+    key, taking = key[order], taking[order]
     if len(key) > 1 and (key[1:] == key[:-1]).any():
-        return False  # a tensor received twice on one rank
-    wanted = messages.ids(letter[wants], source[wants], work.mb[wants]) * table.pp
-    wanted += work.rank[wants]
-    at = np.minimum(np.searchsorted(key, wanted), max(len(key) - 1, 0))
-    if not len(key):
-        return not wants.any()
-    found = key[at] == wanted
-    recv = recv_rows[at]
-    row = work.action[wants]
-    in_time = start[row] >= batches.done[batches.of[recv]]
-    return bool((found & (recv < row) & in_time).all())
+        return False
+    wanted = space.ids(letter[wants], sender[wants], comps.mb[wants]) * source.pp
+    wanted += comps.rank[wants]
+    at = np.minimum(np.searchsorted(key, wanted), len(key) - 1)
+    recv = taking[at]
+    row = compute_rows[comps.action[wants]]
+    in_time = run.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
+    return bool(((key[at] == wanted) & (ops.row[recv] < row) & in_time).all())

@@ -174,22 +174,24 @@ def check_runs(lowered: Schedule) -> None:
     """
     if lowered.memo.get("runs"):
         return
-    run = _compute_timeline(lowered)
-    if run is None or not certified(lowered, run):
+    source, run = _computations(lowered)
+    if run is None or not certified(lowered, run, source):
         _simulate_runs(lowered)
     lowered.memo["runs"] = True
 
 
-def _compute_timeline(lowered: Schedule) -> Timeline | None:
-    """The timeline of the computations of ``lowered`` (the one it was lowered with, if any)."""
-    if "compute_timeline" in lowered.memo:
-        return lowered.memo["compute_timeline"]
+def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
+    """The compute-only schedule of ``lowered``'s computations (the one it was lowered from,
+    if any) and its timeline (None if it cannot be run)."""
+    if "compute_source" in lowered.memo:
+        source = lowered.memo["compute_source"]
+        return source, lowered.memo["compute_timeline"]
     table = lowered.table
-    compute = lowered.replace_actions(table.select(~is_comm(table.kind)))
+    source = lowered.replace_actions(table.select(~is_comm(table.kind)))
     try:
-        return timeline(compute)
+        return source, timeline(source)
     except ValueError:
-        return None
+        return source, None
 
 
 def _simulate_runs(lowered: Schedule) -> None:

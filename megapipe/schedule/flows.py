@@ -61,8 +61,21 @@ class Needs(NamedTuple):
     exists: np.ndarray
 
 
+def _per_table(schedule: Schedule, comps: Comps, name: str, make):
+    """``make()``, kept on the table when ``comps`` are the table's own computations (the
+    lowering, the timeline and the checks all ask for the same ones)."""
+    table = schedule.table
+    if comps is not table.comps():
+        return make()
+    return table._cached((name, schedule.stages_per_pipeline, schedule.stage_to_rank), make)
+
+
 def comp_needs(schedule: Schedule, comps: Comps) -> list[Needs]:
     """The (at most two) needs of every computation, in ``deps.needs_of`` order."""
+    return _per_table(schedule, comps, "needs", lambda: _comp_needs(schedule, comps))
+
+
+def _comp_needs(schedule: Schedule, comps: Comps) -> list[Needs]:
     out = []
     for j in range(2):
         letter = NEED_LETTER[j][comps.kind]
@@ -127,6 +140,10 @@ class ProductSpace:
 def sent_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
     """Per computation: the letter code of the message its product becomes (-1: none, i.e. the
     consumer is on the same rank or there is none) and the sending stage (``deps.sent_message``)."""
+    return _per_table(schedule, comps, "sent", lambda: _sent_messages(schedule, comps))
+
+
+def _sent_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
     letter = SEND_LETTER[comps.kind]
     target, exists = neighbours(comps.stage, SEND_STEP[comps.kind], schedule.stages_per_pipeline)
     remote = exists & (stage_rank(schedule, target) != stage_rank(schedule, comps.stage))
@@ -136,6 +153,10 @@ def sent_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndar
 def received_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
     """Per computation: the letter code and sending stage of the message it must receive
     (-1: none), i.e. its first need made on another rank (``deps.received_message``)."""
+    return _per_table(schedule, comps, "received", lambda: _received_messages(schedule, comps))
+
+
+def _received_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
     here = stage_rank(schedule, comps.stage)
     letter = np.full(len(comps.kind), -1, dtype=np.int64)
     stage = np.full(len(comps.kind), -1, dtype=np.int64)

@@ -71,6 +71,7 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
         )
     lowered = schedule.replace_actions(_lowered_table(schedule, run))
     lowered.memo["compute_timeline"] = run
+    lowered.memo["compute_source"] = schedule
     schedule.memo[memo_key] = lowered
     return lowered
 

@@ -211,13 +211,15 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
     if not len(taking):
         return not len(wants)
     space = ProductSpace.covering(ops.source[taking], ops.mb[taking])
-    key = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking]) * source.pp
+    key = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking]).astype(np.int64)
+    key *= source.pp
     key += ops.rank[taking]
     order = np.argsort(key, kind="stable")
     key, taking = key[order], taking[order]
     if len(key) > 1 and (key[1:] == key[:-1]).any():
         return False
-    wanted = space.ids(letter[wants], sender[wants], comps.mb[wants]) * source.pp
+    wanted = space.ids(letter[wants], sender[wants], comps.mb[wants]).astype(np.int64)
+    wanted *= source.pp
     wanted += comps.rank[wants]
     at = np.minimum(np.searchsorted(key, wanted), len(key) - 1)
     recv = taking[at]

@@ -121,11 +121,11 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
         )
     first_slot = table.offsets[:-1] + np.arange(table.pp)  # rank r's slots: first_slot[r] + 0..n_r
     send_slot = first_slot[sends.rank] + table.local_index[comps.action[sends.comp]] + 1
-    recv_rank = comps.rank[receiving]
     recv_slot = np.empty(len(receiving), dtype=np.int64)
     sent_at = sends.time[source]
-    for r in range(table.pp):
-        mine = recv_rank == r
+    bounds = np.searchsorted(comps.rank[receiving], np.arange(table.pp + 1))
+    for r in range(table.pp):  # receivers come in rank order
+        mine = slice(bounds[r], bounds[r + 1])
         starts = run.start_flat[table.offsets[r]:table.offsets[r + 1]]
         recv_slot[mine] = first_slot[r] + np.searchsorted(starts, sent_at[mine], "left")
     return _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_slot,
@@ -143,9 +143,9 @@ def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_s
     has_action = np.bincount(action_slot, minlength=slots)
     slot_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
     out_len = int(slot_start[-1])
-    kind = np.empty(out_len, dtype=np.int64)
+    kind = np.empty(out_len, dtype=np.int8)
     stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
-    back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)]
+    back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)] if table.has_overlap else []
     # SENDs: in computation order, which is slot order.
     at = slot_start[send_slot] + np.arange(len(send_slot)) - np.searchsorted(send_slot, send_slot)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)
@@ -163,6 +163,7 @@ def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_s
     # The actions themselves.
     at = slot_start[action_slot] + n_send[action_slot] + n_recv[action_slot]
     kind[at], stage[at], mb[at] = table.kind, table.stage, table.mb
-    back[0][at], back[1][at], back[2][at] = table.back_kind, table.back_stage, table.back_mb
+    for column, values in zip(back, (table.back_kind, table.back_stage, table.back_mb)):
+        column[at] = values
     offsets = slot_start[first_slot.tolist() + [slots]]
     return ActionTable.from_columns(offsets, kind, stage, mb, *back)

@@ -3,7 +3,8 @@
 One row per action, the ranks one after another (rank r's actions are rows
 ``offsets[r]:offsets[r + 1]``). Columns: ``kind`` (a code below), ``stage`` and ``mb``; an
 OVERLAP keeps its forward half in those and its backward half in ``back_kind``, ``back_stage``
-and ``back_mb`` (-1 on every other row). Action objects are made only when asked for
+and ``back_mb`` (-1 on every other row). Stage and microbatch columns are 32-bit (a million-row table is then a fraction of the memory
+traffic); arithmetic that multiplies them widens first. Action objects are made only when asked for
 (``actions_of``): making a million of them would cost more than building, lowering, checking
 and simulating the schedule they belong to.
 """
@@ -52,7 +53,14 @@ class Comps(NamedTuple):
     rank: np.ndarray
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _frozen(array: np.ndarray, dtype) -> np.ndarray:
+    array = np.asarray(array)
+    if dtype == np.int32 and array.dtype != np.int32 and array.size and (
+            array.min() < _INT32.min or array.max() > _INT32.max):
+        raise ValueError("stage and microbatch numbers must fit in 32 bits")
     array = np.ascontiguousarray(array, dtype=dtype)
     array.setflags(write=False)
     return array
@@ -66,24 +74,38 @@ class ActionTable:
     kind: np.ndarray
     stage: np.ndarray
     mb: np.ndarray
-    back_kind: np.ndarray
-    back_stage: np.ndarray
-    back_mb: np.ndarray
+    _back: tuple | None = None  # (back_kind, back_stage, back_mb); None: no OVERLAP rows
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_columns(
         cls, offsets, kind, stage, mb, back_kind=None, back_stage=None, back_mb=None
     ) -> "ActionTable":
-        n = len(kind)
-        missing = np.full(n, NONE, dtype=np.int64)
-        return cls(
-            _frozen(offsets, np.int64), _frozen(kind, np.int8), _frozen(stage, np.int64),
-            _frozen(mb, np.int64),
-            _frozen(missing if back_kind is None else back_kind, np.int8),
-            _frozen(missing if back_stage is None else back_stage, np.int64),
-            _frozen(missing if back_mb is None else back_mb, np.int64),
-        )
+        kind = _frozen(kind, np.int8)
+        back = None
+        if back_kind is not None and (kind == OVERLAP).any():
+            back = (_frozen(back_kind, np.int8), _frozen(back_stage, np.int32),
+                    _frozen(back_mb, np.int32))
+        return cls(_frozen(offsets, np.int64), kind, _frozen(stage, np.int32),
+                   _frozen(mb, np.int32), back)
+
+    def _back_column(self, i: int) -> np.ndarray:
+        if self._back is not None:
+            return self._back[i]
+        return self._cached("no_back", lambda: _frozen(np.full(len(self), NONE), np.int32))
+
+    @property
+    def back_kind(self) -> np.ndarray:
+        """Code of an OVERLAP's backward half (B or I); -1 on other rows."""
+        return self._back_column(0)
+
+    @property
+    def back_stage(self) -> np.ndarray:
+        return self._back_column(1)
+
+    @property
+    def back_mb(self) -> np.ndarray:
+        return self._back_column(2)
 
     @classmethod
     def from_rows(cls, rows: Rows) -> "ActionTable":
@@ -151,6 +173,9 @@ class ActionTable:
         return self._cached("comps", self._make_comps)
 
     def _make_comps(self) -> Comps:
+        if self._back is None:
+            zeros = np.zeros(len(self), dtype=np.int8)
+            return Comps(np.arange(len(self)), zeros, self.kind, self.stage, self.mb, self.rank)
         second = self.kind == OVERLAP
         action = np.repeat(np.arange(len(self)), 1 + second)
         half = np.zeros(len(action), dtype=np.int8)
@@ -167,10 +192,9 @@ class ActionTable:
     def select(self, keep: np.ndarray) -> "ActionTable":
         """The rows where ``keep`` is true, ranks kept apart."""
         counts = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+        back = [] if self._back is None else [column[keep] for column in self._back]
         return ActionTable.from_columns(
-            counts[self.offsets], self.kind[keep], self.stage[keep], self.mb[keep],
-            self.back_kind[keep], self.back_stage[keep], self.back_mb[keep],
-        )
+            counts[self.offsets], self.kind[keep], self.stage[keep], self.mb[keep], *back)
 
     def actions_of(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s list as ``Action`` objects."""
@@ -201,14 +225,15 @@ class ActionTable:
 
     def same_as(self, other: "ActionTable") -> bool:
         columns = ("offsets", "kind", "stage", "mb", "back_kind", "back_stage", "back_mb")
+        if (self._back is None) != (other._back is None):
+            return False
         return all(np.array_equal(getattr(self, c), getattr(other, c)) for c in columns)
 
     def digest(self) -> bytes:
         """A content hash of the columns (equal tables, equal digests)."""
         def make() -> bytes:
             h = hashlib.blake2b(digest_size=16)
-            for column in (self.offsets, self.kind, self.stage, self.mb, self.back_kind,
-                           self.back_stage, self.back_mb):
+            for column in (self.offsets, self.kind, self.stage, self.mb, *(self._back or ())):
                 h.update(column.tobytes())
             return h.digest()
 

@@ -69,6 +69,12 @@ def check_pairs(schedule: Schedule) -> None:
         )
 
 
+def _cell(schedule: Schedule, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
+    """stage * M + mb, wide enough for 4 S M."""
+    wide = np.int32 if 4 * schedule.num_stages * schedule.num_microbatches < 2 ** 31 else np.int64
+    return stage.astype(wide, copy=False) * schedule.num_microbatches + mb
+
+
 def compute_comps(schedule: Schedule) -> Comps:
     """The computations of the table's compute actions (SEND/RECV left out)."""
     comps = schedule.table.comps()
@@ -90,7 +96,7 @@ def check_counts(schedule: Schedule) -> None:
     cells = schedule.num_stages * schedule.num_microbatches
     lo, hi = pipeline_bounds(schedule, comps.mb)
     outside = (comps.stage < lo) | (comps.stage >= hi)
-    cell = np.where(outside, 0, comps.stage * schedule.num_microbatches + comps.mb)
+    cell = np.where(outside, 0, _cell(schedule, comps.stage, comps.mb))
     if not outside.any():
         counts = np.bincount(cell * 4 + comps.kind, minlength=4 * cells).reshape(-1, 4)
         if counts.max(initial=0) <= 1 and not (counts[:, B] & counts[:, I]).any():
@@ -132,7 +138,7 @@ def _raise_count_error(schedule, comps, first, outside, repeat, lo, hi) -> None:
 def presence(schedule: Schedule, comps: Comps) -> dict[int, np.ndarray]:
     """Per kind code F, B, I, W: which (stage, microbatch) cells run it (flat S x M grid)."""
     cells = schedule.num_stages * schedule.num_microbatches
-    cell = comps.stage * schedule.num_microbatches + comps.mb
+    cell = _cell(schedule, comps.stage, comps.mb)
     return {code: np.bincount(cell[comps.kind == code], minlength=cells) > 0
             for code in (F, B, I, W)}
 
@@ -158,7 +164,7 @@ def check_rank_order(schedule: Schedule) -> None:
     stages on the same rank, F of stage s before F of s+1 and the backwards the other way."""
     comps = compute_comps(schedule)
     m, cells = schedule.num_microbatches, schedule.num_stages * schedule.num_microbatches
-    cell = comps.stage * m + comps.mb
+    cell = _cell(schedule, comps.stage, comps.mb)
     table = schedule.table
     position = table.local_index[comps.action] * 2 + comps.half  # (index, half) in list order
     pos = {}

@@ -49,7 +49,8 @@ class StepCosts:
         stage_class = mult_class[np.clip(table.stage, 0, len(mult_class) - 1)]
         back_class = np.where(table.kind == OVERLAP,
                               mult_class[np.clip(table.back_stage, 0, len(mult_class) - 1)], 0)
-        key = ((table.kind * (len(KINDS) + 1) + table.back_kind + 1) * classes
+        kind, back_kind = table.kind.astype(np.int64), table.back_kind.astype(np.int64)
+        key = ((kind * (len(KINDS) + 1) + back_kind + 1) * classes
                + stage_class) * classes + back_class
         keys, first, template = np.unique(key, return_index=True, return_inverse=True)
         return template.reshape(-1), first

@@ -33,7 +33,7 @@ import numpy as np
 
 from .comm_check import check_channel_order, check_runs
 from .errors import ScheduleError
-from .flows import MESSAGE_LETTERS, ProductSpace, neighbours, received_messages, sent_messages
+from .flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
 from .ir import Kind, Schedule
 from .table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
 from .timeline import Timeline, duration_key, timeline
@@ -147,18 +147,17 @@ def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_s
     stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
     back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)] if table.has_overlap else []
     # SENDs: in computation order, which is slot order.
-    at = slot_start[send_slot] + np.arange(len(send_slot)) - np.searchsorted(send_slot, send_slot)
+    at = slot_start[send_slot] + _rank_in_run(send_slot)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)
     stage[at], mb[at] = sends.stage, sends.mb
     # RECVs: by slot, then by the send they match (time, sender rank, sender order).
     order = np.argsort(recv_slot * (len(sends.comp) + 1) + sends.priority[source], kind="stable")
     ranked = recv_slot[order]
     at = np.empty(len(order), dtype=np.int64)
-    at[order] = slot_start[ranked] + n_send[ranked] + np.arange(len(order)) - np.searchsorted(
-        ranked, ranked)
+    at[order] = slot_start[ranked] + n_send[ranked] + _rank_in_run(ranked)
     letter = r_letter[receiving]
     kind[at] = np.where(letter == 0, RECV_F, RECV_B)
-    stage[at] = neighbours(r_stage[receiving], np.where(letter == 0, 1, -1), 1)[0]
+    stage[at] = r_stage[receiving] + np.where(letter == 0, 1, -1)  # the receiving stage
     mb[at] = comps.mb[receiving]
     # The actions themselves.
     at = slot_start[action_slot] + n_send[action_slot] + n_recv[action_slot]
@@ -167,3 +166,11 @@ def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_s
         column[at] = values
     offsets = slot_start[first_slot.tolist() + [slots]]
     return ActionTable.from_columns(offsets, kind, stage, mb, *back)
+
+
+def _rank_in_run(sorted_values: np.ndarray) -> np.ndarray:
+    """For a sorted array, each element's index among the equal elements before it."""
+    index = np.arange(len(sorted_values))
+    new = np.ones(len(sorted_values), dtype=bool)
+    new[1:] = sorted_values[1:] != sorted_values[:-1]
+    return index - np.maximum.accumulate(np.where(new, index, 0))

@@ -124,33 +124,42 @@ def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
 
     Walking back from the action that ends last, each step goes to whatever made the action
     start when it did: a product from another rank (the last such need, in need order), or else
-    the previous action of its rank. Products made by the same action twice count at their last
-    maker in rank order.
+    the previous action of its rank. A product made twice counts at its last maker in rank order.
     """
-    offsets = run.offsets.tolist()
+    table = run.plan.table
+    offsets = table.offsets.tolist()
     last = [(run.end_list[hi - 1], r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
             if hi > lo]
     if not last:
         return []
-    rank = max(last)[1]
-    k = offsets[rank + 1] - 1
-    maker = run.plan.makers().tolist()
-    steps, start, end = run.plan.steps, run.start_list, run.end_list
-    rank_of = run.plan.table.rank.tolist()
-    path = [k]
-    while True:
-        s, step = start[k], -1
-        for a in (steps.need0[k], steps.need1[k], steps.need2[k]):
-            if a >= 0:
-                m = maker[a]
-                if rank_of[m] != rank and end[m] == s:
-                    step = m
-        if step < 0 and k > offsets[rank] and end[k - 1] == s:
-            step = k - 1
-        if step < 0:
-            return [(rank_of[k], k - offsets[rank_of[k]]) for k in reversed(path)]
-        k, rank = step, rank_of[step]
+    before = _waited_for(run).tolist()
+    rank_of = table.rank
+    k = offsets[max(last)[1] + 1] - 1
+    path = []
+    while k >= 0:
         path.append(k)
+        k = before[k]
+    path.reverse()
+    ranks = rank_of[path].tolist()
+    return [(r, k - offsets[r]) for r, k in zip(ranks, path)]
+
+
+def _waited_for(run: Timeline) -> np.ndarray:
+    """Per action, the action it waited for last (module docstring of ``critical_path``), or -1
+    if it started at once."""
+    plan, table = run.plan, run.plan.table
+    start, end, rank = run.start_flat, run.end_flat, table.rank
+    maker = plan.makers()
+    before = np.full(len(table), -1, dtype=np.int64)
+    for j in range(plan.need.shape[1]):  # a later need wins
+        slot = plan.need[:, j]
+        made_by = maker[np.where(slot >= 0, slot, plan.space.never)]
+        ok = (made_by >= 0) & (rank[made_by] != rank) & (end[made_by] == start)
+        before = np.where(ok, made_by, before)
+    row = np.arange(len(table))
+    previous = (before < 0) & (row > table.offsets[rank])
+    previous &= end[np.maximum(row - 1, 0)] == start
+    return np.where(previous, row - 1, before)
 
 
 @dataclass
@@ -289,6 +298,7 @@ def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     options = dict(schedule.options)
     options["overlap"] = True
     result = combined.replace_actions(combined.table, options=options)
-    if ("timeline", None) in combined.memo:
-        result.memo[("timeline", None)] = combined.memo[("timeline", None)]
+    for key in (("timeline", None), ("steps", False)):  # same actions: same timeline
+        if key in combined.memo:
+            result.memo[key] = combined.memo[key]
     return result

@@ -57,6 +57,7 @@ class _Structure:
 
     space: ProductSpace
     make: np.ndarray
+    need: np.ndarray  # (n, 3) slots
     lists: tuple[list, ...]  # offsets, need0, need1, need2, make0, make1
     unique: bool
     watch: frozenset
@@ -73,6 +74,7 @@ class StepPlan:
     table: ActionTable
     space: ProductSpace
     make: np.ndarray
+    need: np.ndarray
     steps: Steps
     unique: bool
     watch: frozenset
@@ -88,14 +90,18 @@ class StepPlan:
         offsets, need0, need1, need2, make0, make1 = found.lists
         steps = Steps(offsets, need0, need1, need2, make0, make1, duration.tolist(),
                       found.space.size, latency)
-        return cls(schedule.table, found.space, found.make, steps, found.unique, found.watch)
+        return cls(schedule.table, found.space, found.make, found.need, steps, found.unique,
+                   found.watch)
 
     def makers(self) -> np.ndarray:
         """Per engine slot: the row of the product's last maker (rank order), -1 if none."""
         out = np.full(2 * self.space.size + 1, -1, dtype=np.int64)
         rows = np.repeat(np.arange(len(self.table)), 2)
         made = self.make.reshape(-1)
-        np.maximum.at(out, made[made >= 0], rows[made >= 0])
+        if self.unique:
+            out[made[made >= 0]] = rows[made >= 0]
+        else:
+            np.maximum.at(out, made[made >= 0], rows[made >= 0])
         out[self.space.size:2 * self.space.size] = out[:self.space.size]
         return out
 
@@ -109,30 +115,29 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     maker = np.full(space.size + 1, -1, dtype=np.int64)
     single = count[made] == 1
     maker[made[single]] = comps.action[single]
+    # Each action's dynamic needs, in order (forward half's first), packed into three columns.
     columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
-    filled = np.zeros(len(table), dtype=np.int64)  # dynamic needs placed per action so far
+    filled = np.zeros(len(table), dtype=np.int64)
     needs = comp_needs(schedule, comps)
-    for half in (0, 1):
-        part = comps.half == half
-        sub = Comps(*(c[part] for c in comps)) if table.has_overlap else comps
-        for need in needs:
-            if table.has_overlap:
-                need = type(need)(*(c[part] for c in need))
-            slot = _slot(schedule, sub, need, space, maker, table.rank, latency)
-            wanted = slot >= 0
-            actions = sub.action[wanted]
+    slots = [_slot(schedule, comps, need, space, maker, table.rank, latency) for need in needs]
+    halves = (0, 1) if table.has_overlap else (0,)
+    for half in halves:
+        in_half = comps.half == half
+        for slot in slots:
+            wanted = np.flatnonzero((slot >= 0) & in_half)
+            actions = comps.action[wanted]
+            place = filled[actions]
             for j, column in enumerate(columns):
-                at = filled[actions] == j
-                column[actions[at]] = slot[wanted][at]
+                at = place == j
+                column[actions[at]] = slot[wanted[at]]
             filled[actions] += 1
-        if not table.has_overlap:
-            break
     make = np.full((len(table), 2), -1, dtype=np.int64)
     make[comps.action, comps.half] = made
     lists = (table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
              _as_list(make[:, 1]))
     repeated = np.flatnonzero(count > 1)
-    return _Structure(space, make, lists, len(repeated) == 0, frozenset(repeated.tolist()))
+    return _Structure(space, make, np.stack(columns, axis=1), lists, len(repeated) == 0,
+                      frozenset(repeated.tolist()))
 
 
 def _slot(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
@@ -273,23 +278,29 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
         starts = before.start_flat[old[r]:old[r + 1]]
         ran = starts[: np.searchsorted(starts < 0, True)] if len(starts) else starts
         done.append(int(np.searchsorted(ran, cut, "left")))
-    result = Timeline(plan, run_in_order(plan.steps, prefix=_prefix(plan, before, done)))
+    prefix = _prefix(plan, before, done)
+    result = Timeline(plan, run_in_order(plan.steps, prefix=prefix))
     schedule.memo[("timeline", None)] = result
     return result
 
 
-def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix:
-    new, old = plan.table.offsets, before.offsets
-    start = np.full(len(plan.table), -1.0)
-    end = np.full(len(plan.table), -1.0)
-    free = []
-    arrive = np.full(2 * plan.space.size + 1, -1.0)
+def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix | None:
+    """The state after the first ``done[r]`` actions of each rank, taken from ``before``: their
+    times, and every product but those of the later actions ``before`` ran."""
+    if plan.space != before.plan.space:
+        return None
+    new, old = plan.table.offsets.tolist(), before.offsets.tolist()
+    start: list[float] = []
+    end: list[float] = []
+    free, dropped = [], []
     for r, count in enumerate(done):
-        start[new[r]:new[r] + count] = before.start_flat[old[r]:old[r] + count]
-        end[new[r]:new[r] + count] = before.end_flat[old[r]:old[r] + count]
-        free.append(float(end[new[r] + count - 1]) if count else 0.0)
-        made = plan.make[new[r]:new[r] + count].reshape(-1)
-        times = np.repeat(end[new[r]:new[r] + count], 2)
-        arrive[made[made >= 0]] = times[made >= 0]
-        arrive[made[made >= 0] + plan.space.size] = times[made >= 0]
-    return Prefix(done, free, start.tolist(), end.tolist(), arrive.tolist())
+        lo, rest = old[r], new[r + 1] - new[r] - count
+        start += before.start_list[lo:lo + count] + [-1.0] * rest
+        end += before.end_list[lo:lo + count] + [-1.0] * rest
+        free.append(before.end_list[lo + count - 1] if count else 0.0)
+        dropped.append(before.plan.make[lo + count:old[r + 1]].reshape(-1))
+    arrive = list(before.arrive)
+    for p in np.concatenate(dropped).tolist():
+        if p >= 0:
+            arrive[p] = -1.0
+    return Prefix(done, free, start, end, arrive)

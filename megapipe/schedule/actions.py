@@ -120,7 +120,8 @@ def parse_action(text: str) -> Action:
     match = _SIMPLE.match(text)
     if not match:
         raise ValueError(
-            f"cannot parse action {text!r}: expected [stage][kind][microbatch], e.g. 2F0 or 1SEND_F2"
+            f"cannot parse action {text!r}: expected [stage][kind][microbatch], "
+            "e.g. 2F0 or 1SEND_F2"
         )
     stage, kind, mb = match.groups()
     return Action(int(stage), Kind(kind), int(mb))

@@ -133,7 +133,9 @@ def peer_rank(schedule: Schedule, action: Action) -> int:
         raise ValueError(f"{action} is not a SEND or RECV action")
     other = neighbour(schedule, action.stage, rule[2])
     if other is None:
-        raise ValueError(f"{action} has no peer: stage {action.stage} is at the end of its pipeline")
+        raise ValueError(
+            f"{action} has no peer: stage {action.stage} is at the end of its pipeline"
+        )
     return schedule.stage_to_rank[other]
 
 

@@ -66,6 +66,34 @@ class Run:
     remade: tuple[int, int, int] | None = None
 
 
+class _Publisher:
+    """The rarer parts of making a product: its arrival on other ranks after a latency, and
+    stopping at a watched product made a second time (``remade``)."""
+
+    def __init__(self, steps: Steps, arrive: list[float], watch: frozenset) -> None:
+        delay = steps.delay
+        if isinstance(delay, (int, float)):
+            delay = [delay] * steps.space if delay else None
+        self.delay, self.arrive, self.space, self.watch = delay, arrive, steps.space, watch
+        self.first_maker: dict[int, int] = {}
+        self.remade: tuple[int, int, int] | None = None
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.watch) or self.delay is not None
+
+    def record(self, p: int, f: float, k: int) -> bool:
+        """Product ``p`` is made at ``f`` by step k; False if it is made a second time."""
+        if self.watch and p in self.watch:
+            if p in self.first_maker:
+                self.remade = (k, self.first_maker[p], p)
+                return False
+            self.first_maker[p] = k
+        if self.delay is not None:
+            self.arrive[p + self.space] = f + self.delay[p]
+        return True
+
+
 def run_in_order(
     steps: Steps, watch: frozenset = frozenset(), prefix: Prefix | None = None
 ) -> Run:
@@ -73,41 +101,28 @@ def run_in_order(
     run there (the simulator reports it). Slot ``2 * space`` is never filled (a need nobody
     makes). With ``prefix``, the steps it holds are taken as run; only valid where every product
     has one maker, since then the result does not depend on the order steps run in."""
-    offsets, space = steps.offsets, steps.space
-    need0, need1, need2 = steps.need0, steps.need1, steps.need2
-    make0, make1, duration, end_of = steps.make0, steps.make1, steps.duration, steps.end_of
-    pp, total = len(offsets) - 1, offsets[-1]
+    offsets, total = steps.offsets, steps.offsets[-1]
     if prefix is None:
-        arrive = [-1.0] * (2 * space + 1)
-        start, end = [-1.0] * total, [-1.0] * total
-        cursor, free = list(offsets[:-1]), [0.0] * pp
-    else:
-        arrive, start, end, free = prefix.arrive, prefix.start, prefix.end, prefix.free
-        cursor = [offsets[r] + prefix.done[r] for r in range(pp)]
-    sweep = [-1] * total
-    delay = steps.delay
-    if isinstance(delay, (int, float)):
-        delay = [delay] * space if delay else None
-    parked: dict[int, list[int]] = {}
-    first_maker: dict[int, int] = {}
-    now, later = (1 << pp) - 1, 0  # bit q: rank q runs in this sweep / in the next one
-    t = 0
-    remade = None
-    slow = bool(watch) or delay is not None
+        prefix = Prefix([0] * (len(offsets) - 1), [0.0] * (len(offsets) - 1), [-1.0] * total,
+                        [-1.0] * total, [-1.0] * (2 * steps.space + 1))
+    run = Run(prefix.start, prefix.end, [-1] * total, prefix.arrive, {})
+    cursor = [offsets[r] + done for r, done in enumerate(prefix.done)]
+    publisher = _Publisher(steps, run.arrive, watch)
+    _sweep(steps, run, cursor, list(prefix.free), publisher)
+    run.remade = publisher.remade
+    run.stuck = {r: k for r, k in enumerate(cursor) if k < offsets[r + 1]}
+    return run
 
-    def record(p: int, f: float, k: int) -> bool:
-        """The latency and watch parts of making product ``p`` at ``f`` by step k: False if it
-        is a watched product made a second time."""
-        nonlocal remade
-        if watch and p in watch:
-            if p in first_maker:
-                remade = (k, first_maker[p], p)
-                return False
-            first_maker[p] = k
-        if delay is not None:
-            arrive[p + space] = f + delay[p]
-        return True
 
+def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float],
+           publisher: _Publisher) -> None:
+    """The round robin (module docstring): the hot loop, with its lists in local variables."""
+    offsets, space, end_of, duration = steps.offsets, steps.space, steps.end_of, steps.duration
+    need0, need1, need2, make0, make1 = (steps.need0, steps.need1, steps.need2, steps.make0,
+                                         steps.make1)
+    arrive, start, end, sweep, parked = run.arrive, run.start, run.end, run.sweep, {}
+    slow, record = publisher.needed, publisher.record
+    now, later, t = (1 << (len(offsets) - 1)) - 1, 0, 0  # bit r: rank r runs this/next sweep
     while now or later:
         if not now:
             now, later, t = later, 0, t + 1
@@ -116,38 +131,31 @@ def run_in_order(
         now ^= lowest
         k, stop, f = cursor[r], offsets[r + 1], free[r]
         while k < stop:
-            s = f
-            a = need0[k]
-            if a >= 0:
+            s, a = f, need0[k]
+            if a >= 0:  # needs are packed: a step with none has need0 = -1
                 x = arrive[a]
                 if x < 0.0:
                     parked.setdefault(a - space if a >= space else a, []).append(r)
                     break
-                if x > s:
-                    s = x
-                a = need1[k]
+                s, a = (x if x > s else s), need1[k]
                 if a >= 0:
                     x = arrive[a]
                     if x < 0.0:
                         parked.setdefault(a - space if a >= space else a, []).append(r)
                         break
-                    if x > s:
-                        s = x
-                    a = need2[k]
+                    s, a = (x if x > s else s), need2[k]
                     if a >= 0:
                         x = arrive[a]
                         if x < 0.0:
                             parked.setdefault(a - space if a >= space else a, []).append(r)
                             break
-                        if x > s:
-                            s = x
-            start[k] = s
-            f = s + duration[k] if end_of is None else end_of(k, s)
-            end[k] = f
-            sweep[k] = t
+                        s = x if x > s else s
+            start[k], f = s, (s + duration[k] if end_of is None else end_of(k, s))
+            end[k], sweep[k] = f, t
             p, q = make0[k], make1[k]
             if slow and not (record(p, f, k) and (q < 0 or record(q, f, k))):
-                return _finish(offsets, cursor, start, end, sweep, arrive, remade)
+                cursor[r] = k
+                return
             # Wake the ranks parked on what the step made: in this sweep if they come after r,
             # else in the next one (written out for both products: this loop is the hot path).
             arrive[p] = f
@@ -167,9 +175,3 @@ def run_in_order(
                             later |= 1 << w
             k += 1
         cursor[r], free[r] = k, f
-    return _finish(offsets, cursor, start, end, sweep, arrive, remade)
-
-
-def _finish(offsets, cursor, start, end, sweep, arrive, remade) -> Run:
-    stuck = {r: cursor[r] for r in range(len(offsets) - 1) if cursor[r] < offsets[r + 1]}
-    return Run(start, end, sweep, arrive, stuck, remade)

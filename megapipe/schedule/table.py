@@ -3,10 +3,11 @@
 One row per action, the ranks one after another (rank r's actions are rows
 ``offsets[r]:offsets[r + 1]``). Columns: ``kind`` (a code below), ``stage`` and ``mb``; an
 OVERLAP keeps its forward half in those and its backward half in ``back_kind``, ``back_stage``
-and ``back_mb`` (-1 on every other row). Stage and microbatch columns are 32-bit (a million-row table is then a fraction of the memory
-traffic); arithmetic that multiplies them widens first. Action objects are made only when asked for
-(``actions_of``): making a million of them would cost more than building, lowering, checking
-and simulating the schedule they belong to.
+and ``back_mb`` (-1 on every other row; a table without OVERLAP rows stores none). Stage and
+microbatch columns are 32-bit, so a million-row table is little memory traffic; arithmetic that
+multiplies them widens first. Action objects are made only when asked for (``actions_of``):
+making a million of them would cost more than building, lowering, checking and simulating the
+schedule they belong to.
 """
 
 from __future__ import annotations

@@ -114,8 +114,7 @@ def run_in_order(
     return run
 
 
-def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float],
-           publisher: _Publisher) -> None:
+def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publisher) -> None:
     """The round robin (module docstring): the hot loop, with its lists in local variables."""
     offsets, space, end_of, duration = steps.offsets, steps.space, steps.end_of, steps.duration
     need0, need1, need2, make0, make1 = (steps.need0, steps.need1, steps.need2, steps.make0,
@@ -127,8 +126,7 @@ def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float],
         if not now:
             now, later, t = later, 0, t + 1
         lowest = now & -now
-        r = lowest.bit_length() - 1
-        now ^= lowest
+        r, now = lowest.bit_length() - 1, now ^ lowest
         k, stop, f = cursor[r], offsets[r + 1], free[r]
         while k < stop:
             s, a = f, need0[k]

@@ -203,7 +203,7 @@ def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
 def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,
                    batches: _Batches) -> bool:
     """What a computation receives is in a batch earlier on its rank, completing no later than
-    the computation starts (and no tensor is received twice on one rank)."""
+    the computation starts (and no tensor is received twice)."""
     comps = source.table.comps()
     letter, sender = received_messages(source, comps)
     wants = np.flatnonzero(letter >= 0)
@@ -211,18 +211,15 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
     if not len(taking):
         return not len(wants)
     space = ProductSpace.covering(ops.source[taking], ops.mb[taking])
-    key = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking]).astype(np.int64)
-    key *= source.pp
-    key += ops.rank[taking]
-    order = np.argsort(key, kind="stable")
-    key, taking = key[order], taking[order]
-    if len(key) > 1 and (key[1:] == key[:-1]).any():
+    message = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking])
+    if np.bincount(message).max() > 1:
         return False
-    wanted = space.ids(letter[wants], sender[wants], comps.mb[wants]).astype(np.int64)
-    wanted *= source.pp
-    wanted += comps.rank[wants]
-    at = np.minimum(np.searchsorted(key, wanted), len(key) - 1)
-    recv = taking[at]
+    recv_of = np.full(space.never + 1, -1, dtype=np.int64)
+    recv_of[message] = taking
+    recv = recv_of[space.ids(letter[wants], sender[wants], comps.mb[wants])]
+    if (recv < 0).any():
+        return False
     row = compute_rows[comps.action[wants]]
     in_time = run.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
-    return bool(((key[at] == wanted) & (ops.row[recv] < row) & in_time).all())
+    same_rank = ops.rank[recv] == comps.rank[wants]
+    return bool((same_rank & (ops.row[recv] < row) & in_time).all())

@@ -177,11 +177,11 @@ class Timeline:
 
     @functools.cached_property
     def start_flat(self) -> np.ndarray:
-        return np.array(self.start_list, dtype=np.float64)
+        return np.fromiter(self.start_list, np.float64, len(self.start_list))
 
     @functools.cached_property
     def end_flat(self) -> np.ndarray:
-        return np.array(self.end_list, dtype=np.float64)
+        return np.fromiter(self.end_list, np.float64, len(self.end_list))
 
     def _per_rank(self, flat: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(tuple(flat[lo:hi].tolist()) for lo, hi in zip(self.offsets, self.offsets[1:]))

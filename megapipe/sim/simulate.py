@@ -124,7 +124,8 @@ def _sum(values: np.ndarray):
 def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
             costs: Costs) -> SimResult:
     table = work.table
-    start, end = np.array(run.start), np.array(run.end)
+    start = np.fromiter(run.start, np.float64, len(run.start))
+    end = np.fromiter(run.end, np.float64, len(run.end))
     compute = pieces.pieces(start, COMPUTE)
     comm = pieces.pieces(start, COMM)
     takes = (table.kind == F) | (table.kind == OVERLAP)

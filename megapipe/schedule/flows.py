@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
+from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SENDS
 from .ir import Schedule
 from .table import KINDS, Comps
 

@@ -132,6 +132,11 @@ class Schedule:
             self.memo[key] = self.table.actions_of(rank)
         return self.memo[key]
 
+    def action_at(self, row: int) -> Action:
+        """The action in row ``row`` of the table (ranks one after another)."""
+        rank = int(self.table.rank[row])
+        return self.row(rank)[int(row) - int(self.table.offsets[rank])]
+
     @property
     def placement(self) -> np.ndarray:
         """``stage_to_rank`` as an array."""

@@ -12,7 +12,7 @@ Where things go:
 
 * a SEND right after the computation that makes its tensor (it cannot go earlier);
 * a RECV as early as it is useful, and no earlier: the compute schedule is run on a timeline
-  (``deps.timeline``, relative durations F=1, B=2, I=W=1 unless given) and each RECV goes just
+  (``timeline.timeline``, relative durations F=1, B=2, I=W=1 unless given) and each RECV goes just
   before the receiver's first action that starts at or after the time the matching SEND is
   posted. The transfer then overlaps every computation the receiver runs from there up to the
   consumer, and the batch holding the RECV never delays an action that starts before the data
@@ -54,9 +54,8 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
-        rank = int(table.rank[comm[0]])
-        raise ScheduleError("the schedule is lowered already", rank,
-                            schedule.row(rank)[int(table.local_index[comm[0]])])
+        raise ScheduleError("the schedule is lowered already", int(table.rank[comm[0]]),
+                            schedule.action_at(comm[0]))
     try:
         run = timeline(schedule, durations)
     except ValueError as err:
@@ -117,7 +116,7 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
         letter, stage = MESSAGE_LETTERS[r_letter[first]], r_stage[first]
         raise ScheduleError(
             f"needs {stage}{letter}{comps.mb[first]}'s result, which no rank computes",
-            rank, schedule.row(rank)[int(table.local_index[comps.action[first]])],
+            rank, schedule.action_at(comps.action[first]),
         )
     first_slot = table.offsets[:-1] + np.arange(table.pp)  # rank r's slots: first_slot[r] + 0..n_r
     send_slot = first_slot[sends.rank] + table.local_index[comps.action[sends.comp]] + 1

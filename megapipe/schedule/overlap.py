@@ -25,7 +25,7 @@ Candidates, least memory first (``pairing_candidates``): *megatron* (``e_r = 1``
 that send to different neighbours, as in V placement: there such a pair takes both inputs from
 one neighbour and feeds the other, so it does not ping-pong like a same-stage pair) and the
 *chain*. Each runs on the dependency timeline
-(``deps.timeline``: F=1, B=2, I=W=1, a pair the sum of its halves, i.e. free communication,
+(``timeline.timeline``: F=1, B=2, I=W=1, a pair the sum of its halves, i.e. free communication,
 where pairing gains nothing). The target is the original's makespan plus one pair (F + B, or
 F + I). The first candidate that has pairs and ends by the target is taken (interleaved 1F1B:
 megatron; 1F1B and ZB1P with M >= 2 pp: the chain, which ends exactly with the original; with
@@ -74,7 +74,7 @@ from .errors import ScheduleError
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
 from .ir import Kind, Schedule
 from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
-from .table import B, I, is_backward
+from .table import B, I
 from .timeline import Timeline, timeline, timeline_after_change
 
 
@@ -209,7 +209,7 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
         stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in run.stuck.items()}
         stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
         blocking = [pair for r, pair in stuck.items() if not missing_needs(
-            schedule, _row_action(schedule, int(attempt.pairs.backward[pair])), run.made)]
+            schedule, schedule.action_at(attempt.pairs.backward[pair]), run.made)]
         return np.array(blocking or list(stuck.values()), dtype=np.int64)
     if run.makespan <= target:
         return None
@@ -219,11 +219,6 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
         if pair >= 0:
             latest[r] = pair
     return np.array(list(latest.values()), dtype=np.int64)
-
-
-def _row_action(schedule: Schedule, row: int):
-    rank = int(schedule.table.rank[row])
-    return schedule.row(rank)[row - int(schedule.table.offsets[rank])]
 
 
 def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:

@@ -7,6 +7,8 @@ order, actions in list order, an OVERLAP's forward half first), worded as always
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .actions import Action
@@ -21,10 +23,25 @@ def _first(mask: np.ndarray) -> int | None:
     return int(hits[0]) if len(hits) else None
 
 
-def _action_at(schedule: Schedule, row: int) -> Action:
-    table = schedule.table
-    rank = int(table.rank[row])
-    return schedule.row(rank)[row - int(table.offsets[rank])]
+class Faults(NamedTuple):
+    """Per computation, what is wrong with where it runs: its stage does not exist, its stage is
+    on another rank (``owner``), its microbatch does not exist, or its stage is not in its
+    microbatch's pipeline."""
+
+    no_stage: np.ndarray
+    misplaced: np.ndarray
+    owner: np.ndarray
+    no_mb: np.ndarray
+    outside: np.ndarray
+
+
+def faults(schedule: Schedule, comps: Comps) -> Faults:
+    no_stage = (comps.stage < 0) | (comps.stage >= schedule.num_stages)
+    owner = stage_rank(schedule, comps.stage)
+    no_mb = (comps.mb < 0) | (comps.mb >= schedule.num_microbatches)
+    lo, hi = pipeline_bounds(schedule, comps.mb)
+    outside = (comps.stage < lo) | (comps.stage >= hi)
+    return Faults(no_stage, ~no_stage & (owner != comps.rank), owner, no_mb, outside)
 
 
 def check_placement(schedule: Schedule) -> None:
@@ -40,20 +57,18 @@ def check_placement(schedule: Schedule) -> None:
                 f"stage {stage} is placed on rank {rank}, but the schedule has {schedule.pp} ranks"
             )
     comps = schedule.table.comps()
-    bad_stage = (comps.stage < 0) | (comps.stage >= schedule.num_stages)
-    bad_mb = (comps.mb < 0) | (comps.mb >= schedule.num_microbatches)
-    owner = stage_rank(schedule, comps.stage)
-    first = _first(bad_stage | bad_mb | (owner != comps.rank))
+    found = faults(schedule, comps)
+    first = _first(found.no_stage | found.no_mb | found.misplaced)
     if first is None:
         return
-    action = _action_at(schedule, int(comps.action[first]))
+    action = schedule.action_at(int(comps.action[first]))
     stage, mb, rank = int(comps.stage[first]), int(comps.mb[first]), int(comps.rank[first])
-    if bad_stage[first]:
+    if found.no_stage[first]:
         rule = f"stage {stage} does not exist ({schedule.num_stages} stages)"
-    elif bad_mb[first]:
+    elif found.no_mb[first]:
         rule = f"microbatch {mb} does not exist ({schedule.num_microbatches} microbatches)"
     else:
-        rule = f"stage {stage} is placed on rank {int(owner[first])}, not on this rank"
+        rule = f"stage {stage} is placed on rank {int(found.owner[first])}, not on this rank"
     raise ScheduleError(rule, rank, action)
 
 
@@ -65,7 +80,7 @@ def check_pairs(schedule: Schedule) -> None:
         raise ScheduleError(
             "the two halves of an OVERLAP must be different microbatches (a backward of "
             "a microbatch needs its own forward to have finished)",
-            int(table.rank[first]), _action_at(schedule, first),
+            int(table.rank[first]), schedule.action_at(first),
         )
 
 

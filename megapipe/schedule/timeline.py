@@ -246,7 +246,7 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
         rank = int(table.rank[comm[0]])
-        action = schedule.row(rank)[int(table.local_index[comm[0]])]
+        action = schedule.action_at(comm[0])
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
     plan = StepPlan.build(schedule, action_durations(table, durations))
     result = Timeline(plan, run_in_order(plan.steps))

@@ -28,8 +28,7 @@ from ..schedule.errors import ScheduleError
 from ..schedule.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
 from ..schedule.table import B, F, I, OVERLAP, is_comm
-from ..schedule.table_checks import pipeline_bounds
-from ..schedule.flows import stage_rank
+from ..schedule.table_checks import faults
 from ..schedule.timeline import MadeTimes, StepPlan
 from .costs import Costs
 from .intervals import uncovered_length
@@ -50,23 +49,18 @@ def _check_actions(schedule: Schedule, work: Schedule) -> None:
     microbatch's pipeline; the first that is not is named (with its whole action)."""
     comps = work.table.comps()
     s, m = schedule.num_stages, schedule.num_microbatches
-    no_stage = (comps.stage < 0) | (comps.stage >= s)
-    owner = stage_rank(schedule, comps.stage)
-    misplaced = ~no_stage & (owner != comps.rank)
-    no_mb = (comps.mb < 0) | (comps.mb >= m)
-    lo, hi = pipeline_bounds(schedule, comps.mb)
-    outside = (comps.stage < lo) | (comps.stage >= hi)
-    bad = np.flatnonzero(no_stage | misplaced | no_mb | outside)
+    found = faults(schedule, comps)
+    bad = np.flatnonzero(found.no_stage | found.misplaced | found.no_mb | found.outside)
     if not len(bad):
         return
     c = int(bad[0])
     rank, stage, mb = int(comps.rank[c]), int(comps.stage[c]), int(comps.mb[c])
-    action = work.row(rank)[int(work.table.local_index[comps.action[c]])]
-    if no_stage[c]:
+    action = work.action_at(comps.action[c])
+    if found.no_stage[c]:
         rule = f"stage {stage} does not exist ({s} stages)"
-    elif misplaced[c]:
-        rule = f"stage {stage} is placed on rank {int(owner[c])}"
-    elif no_mb[c]:
+    elif found.misplaced[c]:
+        rule = f"stage {stage} is placed on rank {int(found.owner[c])}"
+    elif found.no_mb[c]:
         rule = f"microbatch {mb} does not exist ({m} microbatches)"
     else:
         rule = f"microbatch {mb} does not flow through stage {stage}"
@@ -97,8 +91,7 @@ def _raise_remade(work: Schedule, plan: StepPlan, run: Run) -> None:
     step, first, product = run.remade
     table = work.table
     rank, first_rank = int(table.rank[step]), int(table.rank[first])
-    action = work.row(rank)[int(table.local_index[step])]
-    first_action = work.row(first_rank)[int(table.local_index[first])]
+    action, first_action = work.action_at(step), work.action_at(first)
     raise ScheduleError(
         f"{_product_text(plan.space.product(product))} runs twice "
         f"(also in {first_action} on rank {first_rank})",

@@ -4,7 +4,8 @@ Every rank builds, lowers and validates its schedule at start-up, and the overla
 candidates, so these costs grow with the cluster. For a ladder of sizes from about 10k to 1M
 actions (pp 8 -> 64, vpp 2 -> 8, microbatches 256 -> 1024) and for interleaved-1f1b without and
 with overlap, zbv without and with overlap, and dualpipev (its own OVERLAP pairs), each phase is
-timed (wall clock, the fastest of ``--repeat`` runs) in this process, each from a fresh schedule:
+timed in this process (CPU seconds by default, ``--clock wall`` for elapsed time; the fastest of
+``--repeat`` runs, each from a fresh schedule):
 
 - build:    ``build_schedule`` (with ``overlap=True`` this includes the overlap pass);
 - lower:    ``lower`` (SEND/RECV placement);
@@ -18,7 +19,7 @@ actions (the slower one on a tie: interleaved-1f1b with or without overlap at pp
 1024 microbatches in the full ladder).
 
     python benchmarks/schedule_scale.py [--max-actions 200000] [--schedules interleaved-1f1b,zbv]
-                                        [--repeat 3]
+                                        [--repeat 3] [--clock cpu|wall]
 
 Not part of the test suite; about five minutes up to 1M actions on a 2-core machine (most of it
 zbv with overlap at pp 64, whose pass refines its pairs in about pp rounds).
@@ -56,29 +57,32 @@ def count_actions(schedule) -> int:
     return len(schedule.table.comps().kind)
 
 
-def run_once(variant: str, pp: int, vpp: int, m: int) -> tuple[dict, object]:
-    """Wall-clock seconds of each phase, one after the other, from a fresh schedule."""
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def run_once(variant: str, pp: int, vpp: int, m: int, clock) -> tuple[dict, object]:
+    """Seconds of each phase, one after the other, from a fresh schedule."""
     name, overlap, uses_vpp, _ = VARIANTS[variant]
     times = {}
     gc.collect()
-    start = time.perf_counter()
+    start = clock()
     schedule = build_schedule(name, pp, m, vpp=vpp if uses_vpp else 2, overlap=overlap)
-    times["build"] = time.perf_counter() - start
-    start = time.perf_counter()
+    times["build"] = clock() - start
+    start = clock()
     lower(schedule)
-    times["lower"] = time.perf_counter() - start
-    start = time.perf_counter()
+    times["lower"] = clock() - start
+    start = clock()
     validate(schedule)
-    times["validate"] = time.perf_counter() - start
-    start = time.perf_counter()
+    times["validate"] = clock() - start
+    start = clock()
     simulate(schedule, COSTS)
-    times["simulate"] = time.perf_counter() - start
+    times["simulate"] = clock() - start
     return times, schedule
 
 
-def measure(variant: str, pp: int, vpp: int, m: int, repeat: int) -> dict:
+def measure(variant: str, pp: int, vpp: int, m: int, repeat: int, clock) -> dict:
     """The fastest of ``repeat`` runs (the machine may be shared)."""
-    runs = [run_once(variant, pp, vpp, m) for _ in range(repeat)]
+    runs = [run_once(variant, pp, vpp, m, clock) for _ in range(repeat)]
     times, schedule = min(runs, key=lambda run: sum(run[0].values()))
     actions = count_actions(schedule)
     total = sum(times.values())
@@ -102,6 +106,9 @@ def main() -> None:
                         help="comma-separated PPxVPPxM (default: the 10k -> 1M ladder)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per size; the fastest is shown (default 3)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                        help="cpu: this process's CPU time (default: steady on a shared "
+                             "machine, the wall time of an idle one); wall: elapsed time")
     args = parser.parse_args()
     variants = [v for v in args.schedules.split(",") if v]
     for variant in variants:
@@ -115,7 +122,7 @@ def main() -> None:
         for variant in variants:
             if estimated_actions(variant, pp, vpp, m) > args.max_actions:
                 continue
-            row = measure(variant, pp, vpp, m, args.repeat)
+            row = measure(variant, pp, vpp, m, args.repeat, CLOCKS[args.clock])
             rows.append(row)
             print(f"{variant:<26}{pp:>4}{row['vpp']:>4}{m:>6}{row['actions']:>10}"
                   + "".join(f"{row[p]:>10.3f}" for p in PHASES)

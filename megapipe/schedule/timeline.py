@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .actions import Kind
 from .deps import DEFAULT_DURATIONS
 from .engine import Prefix, Run, Steps, run_in_order
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from .ir import Schedule
-from .actions import Kind
 from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
 
 

@@ -13,6 +13,10 @@ the action and the rule):
    it needs from other stages, every rank finishes (no cycle of waits across ranks);
 6. lowered run: the schedule with SEND/RECV added (``lower``) finishes under the batched p2p model
    of ``check_runs``. A schedule that already holds SEND/RECV actions is checked as it is.
+
+Rules 1-4 are array checks over every action at once (``table_checks``); 5 runs the schedule's
+timeline (kept for lowering); 6 proves the lowered run in O(actions) (``comm_certificate``) and
+simulates it only where the proof does not hold. A passed schedule is not checked again.
 """
 
 from __future__ import annotations

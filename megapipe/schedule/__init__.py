@@ -1,4 +1,4 @@
-"""megapipe.schedule: pipeline schedules as data (pure Python, no torch.distributed)."""
+"""megapipe.schedule: pipeline schedules as data (Python and numpy, no torch)."""
 
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv

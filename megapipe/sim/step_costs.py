@@ -20,7 +20,7 @@ import numpy as np
 from ..schedule.ir import Action
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
-from .steps import COMM, COMPUTE, _Op, op_times, step_ops
+from .steps import COMM, COMPUTE, op_times, step_ops
 
 _EXACT_LIMIT = 2 ** 53
 
@@ -30,10 +30,8 @@ class StepCosts:
 
     def __init__(self, table: ActionTable, costs: Costs, num_stages: int) -> None:
         self.costs = costs
-        self.template, keys = self._templates(table, costs, num_stages)
-        self.ops: list[list[_Op]] = []
-        for key in keys:
-            self.ops.append(step_ops(self._example(table, key), costs))
+        self.template, examples = self._templates(table, costs, num_stages)
+        self.ops = [step_ops(self._example(table, row), costs) for row in examples]
         totals = [max([0.0] + [end for _, end in op_times(ops, 0.0)]) for ops in self.ops]
         self.totals = np.asarray(totals, dtype=np.float64)
         self.exact = self._exact(costs)
@@ -52,7 +50,7 @@ class StepCosts:
         kind, back_kind = table.kind.astype(np.int64), table.back_kind.astype(np.int64)
         key = ((kind * (len(KINDS) + 1) + back_kind + 1) * classes
                + stage_class) * classes + back_class
-        keys, first, template = np.unique(key, return_index=True, return_inverse=True)
+        _, first, template = np.unique(key, return_index=True, return_inverse=True)
         return template.reshape(-1), first
 
     @staticmethod

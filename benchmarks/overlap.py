@@ -138,7 +138,7 @@ class _Runs:
         self.torch_schedule = tp.ScheduleDualPipeV(torch_stages, s.microbatches, loss_fn=gpt_loss)
 
     def step(self, label: str, step: int):
-        from megapipe.runtime.grad_sync import all_reduce_grads
+        from megapipe.pipeline.grad_sync import all_reduce_grads
 
         s, schedule = self.s, self.schedule
         tokens, labels = _batches(s, self.config, self.groups.dp_rank, step)
@@ -211,11 +211,8 @@ def _ceiling(plain_wall: float, plain_cores: float, link_time: float) -> float:
     return plain_wall / max(plain_wall * plain_cores / cores, link_time)
 
 
-def _worker(rank: int, port: int, s: Settings, out) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=s.pp * DP)
+def _worker(rank: int, s: Settings, out) -> None:
+    dist.init_process_group("gloo")  # run_ranks set torchrun's variables, one thread per rank
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
 

@@ -28,11 +28,11 @@ _RUNTIME_EXPORTS = {
     "combined_step": "megapipe.overlap",
     "make_streams": "megapipe.overlap",
     # pipeline executor and Megatron front end
-    "get_forward_backward_func": "megapipe.runtime.megatron",
-    "PipelineExecutor": "megapipe.runtime.executor",
-    "StepResult": "megapipe.runtime.executor",
-    "TensorSpec": "megapipe.runtime.p2p",
-    "P2PTimeoutError": "megapipe.runtime.p2p",
+    "get_forward_backward_func": "megapipe.megatron.forward_backward",
+    "PipelineExecutor": "megapipe.pipeline.executor",
+    "StepResult": "megapipe.pipeline.executor",
+    "TensorSpec": "megapipe.pipeline.p2p",
+    "P2PTimeoutError": "megapipe.pipeline.p2p",
 }
 
 

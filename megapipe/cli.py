@@ -115,7 +115,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
 
 
 def _add_pretrain_command(subparsers) -> None:
-    from .runtime.args import build_parser as pretrain_flags
+    from .train.flags import build_parser as pretrain_flags
 
     p = subparsers.add_parser(
         "pretrain",
@@ -128,8 +128,8 @@ def _add_pretrain_command(subparsers) -> None:
 
 
 def run_pretrain_command(args: argparse.Namespace) -> int:
-    """``megapipe pretrain``: the train loop of ``megapipe.runtime.pretrain``."""
-    from .runtime.pretrain import main_from_namespace
+    """``megapipe pretrain``: the training app, ``megapipe.train``."""
+    from .train.main import main_from_namespace
 
     return main_from_namespace(args)
 

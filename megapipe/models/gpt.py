@@ -161,6 +161,9 @@ def _single_node(name: str, module: nn.Module) -> Plan:
 class GPTStage(nn.Module):
     """One model part: embedding (first part), the layers ``layer_indices``, head (last part).
 
+    Implements the engine's ``StageModule`` protocol (layer plans, node runner, Megatron's
+    ``set_input_tensor``, the auxiliary-loss scale), so it overlaps in combined schedules.
+
     Parameter names use global layer indices (``layers.3.attention.w_qkv``), so the state dict
     of every stage is a slice of the single-process model's.
     """
@@ -185,7 +188,8 @@ class GPTStage(nn.Module):
         self.head = OutputHead(config) if is_last else None
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
         # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
-        # runtime installs a tape or co-scheduling runner here around a user's forward call.
+        # engine sets a tape or co-scheduling runner here around a user's forward call
+        # (the StageModule protocol, megapipe.pipeline.stage_module).
         self.node_runner: NodeRunner | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
@@ -204,8 +208,13 @@ class GPTStage(nn.Module):
         return plans
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers of this stage (the executor sets their ``aux_loss_scale``)."""
+        """The MoE layers of this stage."""
         return [layer.moe for layer in self.layers.values() if layer.is_moe]
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The factor of the MoE auxiliary losses' gradients (the engine: 1/num_microbatches)."""
+        for layer in self.moe_layers():
+            layer.aux_loss_scale = scale
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits (last stage).

@@ -9,13 +9,14 @@ every expert weight always gets a gradient, zeros when idle).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.plan import LayerState
 from megapipe.overlap.wgrad import grouped_matmul
 
 
@@ -84,12 +85,13 @@ class GroupedExperts(nn.Module):
         self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
 
     def forward(
-        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int], wgrad_source: Any = None
+        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int],
+        state: LayerState | None = None,
     ) -> torch.Tensor:
         """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
 
-        ``wgrad_source`` (the layer's ``LayerState``) lets the overlap engine defer the expert
-        weight gradients (megapipe.overlap.wgrad); None computes them at once.
+        ``state`` (the layer's ``LayerState``) lets the overlap engine defer the expert weight
+        gradients into its ``wgrad_queue`` (megapipe.overlap.wgrad); None computes them at once.
         """
         if len(tokens_per_expert) != self.num_local_experts:
             raise ValueError(
@@ -102,7 +104,7 @@ class GroupedExperts(nn.Module):
                 f"but there are {tokens.shape[0]} rows"
             )
         # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
-        # into the WeightGradQueue that ``wgrad_source.wgrad_queue`` names at backward time
-        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, wgrad_source)
-        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, wgrad_source)
-        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, wgrad_source)
+        # into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
+        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, state)
+        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, state)
+        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, state)

@@ -225,7 +225,7 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         return (
             self.experts(
-                expert_rows, state.dispatch_plan.tokens_per_local_expert, wgrad_source=state
+                expert_rows, state.dispatch_plan.tokens_per_local_expert, state=state
             ),
         )
 

@@ -47,6 +47,7 @@ tensors): on CUDA the host issues both streams' work, and a host wait stalls bot
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -54,7 +55,7 @@ import torch
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
-from megapipe.overlap.trace import NodeTrace
+from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
 
@@ -111,47 +112,54 @@ def _whole_layer_fn(layer: Callable[..., Any]) -> Callable[[Any, tuple], tuple]:
     return run
 
 
-class CombinedRunner:
+@dataclass
+class TapeBackward:
+    """The backward half a ``CoScheduler`` walks: a recorded tape and its outputs' gradients.
+
+    ``grads`` None reads the ``.grad`` of the tape's outputs. ``wgrad`` collects the weight
+    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I step); with
+    ``run_wgrad`` they run on the compute stream beside backward comm nodes and in
+    ``finish``, without it they stay queued for the caller (an I half whose W comes later).
+    """
+
+    tape: Tape
+    grads: Sequence[torch.Tensor | None] | None = None
+    microbatch: int | None = None
+    wgrad: WeightGradQueue | None = None
+    run_wgrad: bool = True
+
+
+class CoScheduler:
     """Runs a forward layer by layer (``run_layer``) beside the backward of another microbatch.
 
-    Construct it with the backward half (a ``Tape`` and the gradients of its outputs, or None
-    for a forward alone), drive the forward through ``run_layer`` (directly, or from a model's
-    own forward as its ``node_runner``), then call ``finish()``: it runs the backward layers
-    that had no forward partner, applies the deferred weight gradients (unless ``run_wgrad`` is
-    False: then they stay in ``wgrad`` for a later W step), waits for both streams and returns
-    the gradients of the backward tape's inputs. The forward is recorded on
-    ``self.tape`` for its own backward later.
+    Construct it with the backward half (a ``TapeBackward``, or None for a forward alone),
+    drive the forward through ``run_layer`` (directly, or from a model's own forward as its
+    ``node_runner``), then call ``finish()``: it runs the backward layers that had no forward
+    partner, the deferred weight gradients, waits for both streams and returns the gradients of
+    the backward tape's inputs. The forward is recorded on ``self.tape`` for its own backward.
+    ``route_input_grads``: whether the forward tape's input gradients also flow on into its
+    inputs (a model forward may transform its input before the first layer).
     """
 
     def __init__(
         self,
         streams: Streams,
-        bwd_tape: Tape | None = None,
-        bwd_grads: Sequence[torch.Tensor | None] | None = None,
+        backward: TapeBackward | None = None,
         *,
-        delay_wgrad_compute: bool = False,
-        wgrad: WeightGradQueue | None = None,
         trace: NodeTrace | None = None,
         fwd_microbatch: int | None = None,
-        bwd_microbatch: int | None = None,
         route_input_grads: bool = True,
-        run_wgrad: bool = True,
     ) -> None:
         self.streams = streams
-        # False: weight gradients queued in ``wgrad`` stay there for the caller (an I half whose
-        # W action runs them later); True: they run here, beside backward comm nodes
-        self.run_wgrad = run_wgrad
         self.tape = Tape(route_input_grads=route_input_grads)
-        self.bwd_tape = bwd_tape
-        self._bwd_grads = None if bwd_grads is None else tuple(bwd_grads)
-        self._bwd_started = False
-        if wgrad is None and delay_wgrad_compute:
-            wgrad = WeightGradQueue()
-        self.wgrad = wgrad
+        self.backward = backward
+        self.wgrad = backward.wgrad if backward is not None else None
+        self.run_wgrad = backward.run_wgrad if backward is not None else True
         self.trace = trace
         self.fwd_microbatch = fwd_microbatch
-        self.bwd_microbatch = bwd_microbatch
+        self.bwd_microbatch = backward.microbatch if backward is not None else None
         self.warn_once = WarnOnce()  # layer types without a node plan, warned about once each
+        self._bwd_started = False
         self._finished = False
         self._last_bwd_layer = -1
         self._slot_id = 0  # counts issue slots (recorded in the trace)
@@ -184,7 +192,7 @@ class CombinedRunner:
     def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:
         """Record one forward layer, co-scheduled with the next pending backward layer."""
         if self._finished:
-            raise RuntimeError("CombinedRunner.run_layer after finish()")
+            raise RuntimeError("CoScheduler.run_layer after finish()")
         plan = self.plan_of(layer)
         self._run_plain_backward_layers()
         f_layer = self.tape.begin_layer(plan, tuple(inputs))
@@ -197,7 +205,7 @@ class CombinedRunner:
         """Run the leftover backward layers and the deferred weight gradients; wait for both
         streams. Returns the gradients of the backward tape's inputs (None without one)."""
         if self._finished:
-            raise RuntimeError("CombinedRunner.finish() called twice")
+            raise RuntimeError("CoScheduler.finish() called twice")
         self._finished = True
         try:
             while (backward := self._next_backward()) is not None:
@@ -207,9 +215,9 @@ class CombinedRunner:
                 self.streams.compute.submit(self._flush_wgrad, self._last_bwd_layer)
         finally:
             self.streams.synchronize()
-        if self.bwd_tape is None:
+        if self.backward is None:
             return None
-        return self.bwd_tape.input_grads
+        return self.backward.tape.input_grads
 
     # ---- scheduling ----------------------------------------------------------------------
     def _next_slot(self) -> None:
@@ -218,10 +226,12 @@ class CombinedRunner:
         self._slot_id = self.trace.new_slot() if self.trace is not None else self._slot_id + 1
 
     def _next_backward(self) -> _Walk | None:
-        tape = self.bwd_tape
-        if tape is None or tape.remaining_backward_layers() == 0:
+        if self.backward is None or self.backward.tape.remaining_backward_layers() == 0:
             return None
-        grads = None if self._bwd_started else self._bwd_grads
+        tape = self.backward.tape
+        grads = None
+        if not self._bwd_started and self.backward.grads is not None:
+            grads = tuple(self.backward.grads)
         self._bwd_started = True
         layer = tape.begin_layer_backward(grads, wgrad=self.wgrad)
         self._last_bwd_layer = layer.index
@@ -230,9 +240,8 @@ class CombinedRunner:
     def _run_plain_backward_layers(self) -> None:
         """Run the next backward layers that have no comm node alone, so that the next
         backward layer (if any) is one that can hide the forward's all-to-alls."""
-        tape = self.bwd_tape
-        while tape is not None:
-            layer = tape.peek_backward_layer()
+        while self.backward is not None:
+            layer = self.backward.tape.peek_backward_layer()
             if layer is None or _has_comm([r.node for r in layer.nodes]):
                 return
             backward = self._next_backward()
@@ -354,25 +363,23 @@ def combined_step(
 
     Returns ``(forward outputs, forward tape, gradients of the backward tape's inputs)``; the
     forward outputs and tape are exactly those ``record_forward`` would give, the gradients
-    those of ``run_backward`` (followed by running the deferred weight gradients).
+    those of ``run_backward`` (followed by running the deferred weight gradients, which
+    ``delay_wgrad_compute`` or a given ``wgrad`` queue defer).
     """
-    runner = CombinedRunner(
-        streams,
-        bwd_tape,
-        bwd_grads,
-        delay_wgrad_compute=delay_wgrad_compute,
-        wgrad=wgrad,
-        trace=trace,
-        fwd_microbatch=fwd_microbatch,
-        bwd_microbatch=bwd_microbatch,
-        route_input_grads=False,
+    if wgrad is None and delay_wgrad_compute:
+        wgrad = WeightGradQueue()
+    backward = None
+    if bwd_tape is not None:
+        backward = TapeBackward(bwd_tape, bwd_grads, bwd_microbatch, wgrad)
+    scheduler = CoScheduler(
+        streams, backward, trace=trace, fwd_microbatch=fwd_microbatch, route_input_grads=False
     )
     values: Values = tuple(fwd_inputs)
     try:
         for plan in fwd_plans:
-            values = runner.run_layer(plan, values)
+            values = scheduler.run_layer(plan, values)
     except BaseException:
         _quietly_wait(streams.comm.record_event())
         raise
-    grads = runner.finish()
-    return values, runner.tape, grads
+    grads = scheduler.finish()
+    return values, scheduler.tape, grads

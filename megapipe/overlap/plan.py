@@ -5,19 +5,22 @@ is one compute node. ``run_nodes`` runs a plan in order with plain autograd (the
 ``forward``); the co-scheduler interleaves the nodes of two microbatches instead, so the forward
 code of a layer is written once.
 
-A node's function takes the layer's per-microbatch ``LayerState`` (non-differentiable metadata
-such as routing indices and split sizes, written by one node and read by a later one) and a
-tuple of tensors, and returns a tuple of tensors: the inputs of the next node.
+A node's function takes the layer's per-microbatch ``LayerState`` and a tuple of tensors, and
+returns a tuple of tensors: the inputs of the next node. The state carries what one node leaves
+for a later node of the same layer (non-differentiable metadata such as routing indices and
+split sizes, as attributes the layer names) and one field the engine owns, ``wgrad_queue``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from types import SimpleNamespace
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megapipe.overlap.wgrad import WeightGradQueue
 
 
 class NodeKind(str, Enum):
@@ -25,8 +28,17 @@ class NodeKind(str, Enum):
     COMM = "comm"
 
 
-class LayerState(SimpleNamespace):
-    """Scratch space of one layer for one microbatch: what a node leaves for a later node."""
+@dataclass(eq=False)
+class LayerState:
+    """Scratch space of one layer for one microbatch.
+
+    ``wgrad_queue`` is set by the engine for the duration of the layer's backward: deferrable
+    ops (``overlap.wgrad.grouped_matmul``, given this state at forward time) put their weight
+    gradient into it instead of computing it at once; None computes it at once. Everything else
+    on the state is the layer's own metadata, written by one node and read by a later one.
+    """
+
+    wgrad_queue: "WeightGradQueue | None" = None
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
@@ -43,13 +55,6 @@ class Node:
     group: Any = None
 
 
-@runtime_checkable
-class NodeLayer(Protocol):
-    """A layer that follows the node protocol and can therefore be overlapped."""
-
-    def node_plan(self) -> Sequence[Node]: ...
-
-
 def run_nodes(
     nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
 ) -> tuple[torch.Tensor, ...]:
@@ -63,19 +68,10 @@ def run_nodes(
 
 @runtime_checkable
 class NodeRunner(Protocol):
-    """Runs one layer plan for a model's forward (``model.node_runner``): plainly
-    (``PlainRunner``), recorded on a tape (``TapeRunner``) or co-scheduled with another
-    microbatch's backward (``CombinedRunner``)."""
+    """Runs one layer plan for a model's forward (a ``StageModule``'s ``node_runner``):
+    recorded on a tape (``TapeRunner``) or co-scheduled with another microbatch's backward
+    (``CoScheduler``)."""
 
     def run_layer(
         self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]: ...
-
-
-class PlainRunner:
-    """Runs each layer plan with ordinary autograd (``run_nodes``): the default behaviour."""
-
-    def run_layer(
-        self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, ...]:
-        return run_nodes(nodes, tuple(inputs))

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 
 from megapipe.overlap.plan import LayerState, Node
+from megapipe.overlap.wgrad import WeightGradQueue
 
 Values = tuple[Any, ...]
 Grads = tuple[torch.Tensor | None, ...]
@@ -220,14 +221,17 @@ class Tape:
         return sum(1 for layer in self.layers if not layer.backward_done)
 
     def begin_layer_backward(
-        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+        self,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        wgrad: WeightGradQueue | None = None,
     ) -> LayerRecord:
         """Take the last layer whose backward has not run; ``grads`` are its outputs' gradients.
 
         ``grads`` is needed for the first layer to go backward (the tape's outputs); later
         layers get theirs from the layer after them. ``None`` for the first reads the
-        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` is
-        the ``WeightGradQueue`` (or None) that deferrable ops of this layer read from its state.
+        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` (or
+        None) becomes the layer state's ``wgrad_queue``, where its deferrable ops put their
+        weight gradients.
         """
         pending = [layer for layer in self.layers if not layer.backward_done]
         if not pending:
@@ -307,7 +311,9 @@ class Tape:
         self._pending_grads = tuple(grads)
 
     def backward_layer(
-        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+        self,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        wgrad: WeightGradQueue | None = None,
     ) -> None:
         """Run the backward of the last pending layer, all its nodes in order."""
         layer = self.begin_layer_backward(grads, wgrad)
@@ -349,7 +355,9 @@ def record_forward(
 
 
 def run_backward(
-    tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+    tape: Tape,
+    grad_outputs: Sequence[torch.Tensor | None] | None = None,
+    wgrad: WeightGradQueue | None = None,
 ) -> Grads:
     """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
 

@@ -5,9 +5,9 @@ A backward normally computes, for each matmul ``y = x @ W``, both the input grad
 ``dW = x^T @ dy`` (needed only by the optimizer). Deferring ``dW`` into a ``WeightGradQueue``
 lets it fill time later, e.g. while a backward all-to-all is in flight.
 
-The queue is an object handed down explicitly: an op finds it at backward time through a
-*source* object it was given at forward time (the layer's ``LayerState``), whose attribute
-``wgrad_queue`` the tape sets for the duration of that layer's backward (None: compute now).
+The queue is an object handed down explicitly: an op finds it at backward time through the
+layer's ``LayerState`` it was given at forward time, whose ``wgrad_queue`` field the tape sets
+for the duration of that layer's backward (None: compute now).
 The deferred closure performs exactly the operations the immediate path performs and adds the
 result into ``.grad`` the way autograd's accumulation does, so gradients are bitwise equal with
 and without deferral (as long as each weight is used by one such op per backward, so that no
@@ -17,9 +17,12 @@ two contributions are summed before reaching ``.grad``).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from megapipe.overlap.plan import LayerState
 
 
 class WeightGradQueue:
@@ -48,9 +51,9 @@ class WeightGradQueue:
         return count
 
 
-def queue_of(source: Any) -> WeightGradQueue | None:
-    """The queue a deferrable op should use now: ``source.wgrad_queue`` (None: no deferral)."""
-    return None if source is None else getattr(source, "wgrad_queue", None)
+def queue_of(state: "LayerState | None") -> WeightGradQueue | None:
+    """The queue a deferrable op should use now: ``state.wgrad_queue`` (None: no deferral)."""
+    return None if state is None else state.wgrad_queue
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -63,11 +66,11 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], weight: torch.Tensor, source: Any):
+    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], weight: torch.Tensor, state):
         chunks = torch.split(x, list(counts), dim=0)
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
-        ctx.source = source
+        ctx.state = state
         return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
 
     @staticmethod
@@ -85,8 +88,8 @@ class _GroupedMatmul(torch.autograd.Function):
         def weight_grad() -> torch.Tensor:
             return torch.stack([xc.t() @ g for xc, g in zip(x_chunks, grad_chunks)])
 
-        queue = queue_of(ctx.source)
-        ctx.source = None
+        queue = queue_of(ctx.state)
+        ctx.state = None
         if queue is None:
             return grad_x, None, weight_grad(), None
         if weight.grad_fn is not None or not weight.is_leaf:
@@ -100,12 +103,13 @@ class _GroupedMatmul(torch.autograd.Function):
 
 
 def grouped_matmul(
-    x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor, source: Any = None
+    x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
+    state: "LayerState | None" = None,
 ) -> torch.Tensor:
     """``cat_i(x_i @ weight[i])`` for ``x`` split into row groups of ``counts``.
 
     ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group (zeros allowed).
-    Its backward defers the weight gradient into ``queue_of(source)`` when there is one.
+    Its backward defers the weight gradient into ``state.wgrad_queue`` when that is set.
     """
     counts = tuple(int(c) for c in counts)
     if weight.dim() != 3 or len(counts) != weight.shape[0]:
@@ -115,4 +119,4 @@ def grouped_matmul(
         )
     if sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_matmul: counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    return _GroupedMatmul.apply(x, counts, weight, source)
+    return _GroupedMatmul.apply(x, counts, weight, state)

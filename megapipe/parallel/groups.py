@@ -183,3 +183,41 @@ def assemble_groups(
         ep_ranks=mine["ep"],
         expert_dp_ranks=mine["expert_dp"],
     )
+
+
+@dataclass(frozen=True)
+class PipelinePosition:
+    """Where this process sits in its pipeline: ``rank`` (0 .. pp-1), the global rank of every
+    position (``ranks``, what p2p send/recv address) and the group p2p runs over (None: the
+    default group, or no pipeline at all when pp = 1)."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+
+
+def pipeline_position(
+    pp: int, groups: ProcessGroups | None = None, pp_group: dist.ProcessGroup | None = None
+) -> PipelinePosition:
+    """This process's place in a ``pp``-rank pipeline: from ``groups`` (``create_groups``),
+    else from ``pp_group``, else the default group is the pipeline. pp = 1 needs nothing."""
+    if groups is not None:
+        if groups.config.pp != pp:
+            raise ValueError(
+                f"the schedule has pp={pp} ranks but the process groups have pp={groups.config.pp}"
+            )
+        return PipelinePosition(groups.pp_rank, groups.pp_ranks, groups.pp)
+    if pp == 1:
+        return PipelinePosition(0, (0,), None)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"a {pp}-rank pipeline needs torch.distributed initialised "
+            "(or pass groups=create_groups(...))"
+        )
+    size = dist.get_world_size(pp_group)
+    if size != pp:
+        raise ValueError(f"the schedule has pp={pp} ranks but the pipeline group has {size}")
+    ranks = tuple(
+        dist.get_global_rank(pp_group, r) if pp_group is not None else r for r in range(size)
+    )
+    return PipelinePosition(dist.get_rank(pp_group), ranks, pp_group)

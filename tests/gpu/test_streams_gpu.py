@@ -24,7 +24,7 @@ from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 
 
 def _toy_stacks(device):
-    from overlap_toys import toy_stack
+    from support.overlap_toys import toy_stack
 
     return toy_stack("dmm", hidden=64, seed=1).to(device), toy_stack("mdm", hidden=64, seed=2).to(device)
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.overlap.coscheduler import CombinedRunner, combined_step
+from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
 from megapipe.overlap.tape import record_forward, run_backward
-from megapipe.overlap.trace import NodeTrace
+from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
-from overlap_asserts import assert_same_tensors
-from overlap_toys import ToyOpaque, toy_stack
+from support.overlap_asserts import assert_same_tensors
+from support.overlap_toys import ToyOpaque, toy_stack
 
 
 def _grads(*modules):
@@ -170,7 +170,7 @@ def test_memory_of_combined_step_is_at_most_sequential():
         if combined:
             live = []
             with make_streams("cpu") as streams:
-                runner = CombinedRunner(streams, tape_j, (torch.ones(4, 8),))
+                runner = CoScheduler(streams, TapeBackward(tape_j, (torch.ones(4, 8),)))
                 x = (torch.randn(4, 8),)
                 for layer in stack:
                     x = runner.run_layer(layer, x)
@@ -193,7 +193,7 @@ def test_layer_without_node_protocol_runs_whole_and_warns_once():
     ref = copy.deepcopy(stack)
     x = torch.randn(4, 8)
     with make_streams("cpu") as streams:
-        runner = CombinedRunner(streams)
+        runner = CoScheduler(streams)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
@@ -248,7 +248,7 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         xi = x_i.clone().requires_grad_(True)
         if combined:
             with make_streams("cpu") as streams:
-                runner = CombinedRunner(streams, recorder.tape, None, delay_wgrad_compute=True)
+                runner = CoScheduler(streams, TapeBackward(recorder.tape, None, wgrad=WeightGradQueue()))
                 loss_i = model_forward(stack, runner, xi)
                 (gx_j,) = runner.finish()
             tape_i = runner.tape

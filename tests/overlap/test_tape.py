@@ -9,8 +9,8 @@ from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 
-from overlap_asserts import assert_same_tensors
-from overlap_toys import toy_stack
+from support.overlap_asserts import assert_same_tensors
+from support.overlap_toys import toy_stack
 
 
 def _plain(layers, x, grad_out):

@@ -1,0 +1,328 @@
+"""A Megatron-compatible front end: ``get_forward_backward_func`` over megapipe's executor.
+
+A Megatron pretrain script swaps one import::
+
+    # from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megapipe import get_forward_backward_func
+
+    forward_backward_func = get_forward_backward_func(pp=4, vpp=2)
+    losses = forward_backward_func(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=8, seq_length=1024, micro_batch_size=1)
+
+and keeps its ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``.
+Megatron's conventions hold:
+
+- ``model`` is one chunk, or a list of chunks under virtual pipelining: chunk j of a rank is the
+  j-th stage (in increasing stage order) the schedule places on it (stage ``r + j * pp`` for
+  loop placement). ``data_iterator`` is one iterator or a list with one per chunk.
+- Before each forward the executor calls ``chunk.set_input_tensor(t)``: ``t`` is the received
+  activation on a chunk that is not the first stage (None on the first), and the chunk's
+  forward must use it instead of its token input, exactly as Megatron's models do
+  (``GPTStage.set_input_tensor`` implements it for the reference model).
+- On the last stage ``loss_func(output_tensor)`` returns ``(loss, {name: value})`` or
+  ``(loss, num_tokens, {name: value})``; the loss is divided by ``num_tokens`` (3-tuple form,
+  unless ``calculate_per_token_loss``) and by ``num_microbatches`` before backward, and the
+  function returns the list of per-microbatch dicts on ranks that hold a last stage (an empty
+  list elsewhere). With ``forward_only`` and ``collect_non_loss_data`` it stores
+  ``loss_func(output_tensor, non_loss_data=True)`` instead.
+
+The schedule follows ``pp``, ``vpp`` and ``schedule`` (default ``interleaved-1f1b`` when
+vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing stages have
+the shape ``(micro_batch_size, seq_length, hidden_size)`` (``layout="bsh"``, megapipe's GPT) or
+``(seq_length, micro_batch_size, hidden_size)`` (``layout="sbh"``, Megatron's). Gradients are
+reduced over data parallelism inside the call when ``groups`` is given and ``reduce_grads``.
+``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
+unused (no encoder-decoder models, no validation-step special case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.pipeline.executor import PipelineExecutor, StepResult
+from megapipe.pipeline.p2p import TensorSpec
+from megapipe.schedule import Kind, Schedule, build_schedule
+
+ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
+
+
+def default_schedule_name(pp: int, vpp: int) -> str:
+    """Megatron's choice: interleaved 1F1B with virtual stages, else 1F1B (pp=1: no pipeline)."""
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
+@dataclass
+class _CallState:
+    """What one call collects while the executor runs: loss functions and results."""
+
+    forward_step_func: ForwardStepFunc
+    iterators: dict[int, Any]
+    num_microbatches: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    calculate_per_token_loss: bool
+    stage_of: dict[int, int]  # id(chunk) -> its stage
+    loss_funcs: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    store: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _LossTarget:
+    """The executor's target of a last-stage microbatch: which stage and microbatch it is, so
+    the loss step finds that stage's ``loss_func``."""
+
+    stage: int
+    microbatch: int
+
+
+class MegatronForwardBackward:
+    """The callable ``get_forward_backward_func`` returns (see the module docstring)."""
+
+    def __init__(
+        self,
+        pp: int,
+        vpp: int,
+        schedule: str | None,
+        groups: ProcessGroups | None,
+        hidden_size: int | None,
+        layout: str,
+        dtype: torch.dtype,
+        timeout: float,
+        overlap: bool,
+        calculate_per_token_loss: bool,
+        reduce_grads: bool,
+        schedule_options: dict[str, Any],
+        delay_wgrad_compute: bool = False,
+        record_trace: bool = False,
+    ) -> None:
+        for name, value in (("pp", pp), ("vpp", vpp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if layout not in ("bsh", "sbh"):
+            raise ValueError(f"layout={layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)")
+        if groups is not None and groups.config.pp != pp:
+            raise ValueError(f"pp={pp} does not match the process groups' pp={groups.config.pp}")
+        self.pp, self.vpp = pp, vpp
+        self.schedule_name = schedule or default_schedule_name(pp, vpp)
+        self.groups = groups
+        self.hidden_size = hidden_size
+        self.layout = layout
+        self.dtype = dtype
+        self.timeout = timeout
+        self.overlap = overlap
+        if delay_wgrad_compute and not overlap:
+            raise ValueError(
+                "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
+                "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
+            )
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.record_trace = record_trace
+        self.last_result: StepResult | None = None  # the executor's StepResult of the last call
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.reduce_grads = reduce_grads
+        self.schedule_options = dict(schedule_options)
+        self._executors: dict[tuple, tuple[PipelineExecutor, dict[int, nn.Module]]] = {}
+        self._call: _CallState | None = None
+
+    # -------------------------------------------------------------- Megatron's call
+    def __call__(
+        self,
+        *,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Iterator | Sequence[Iterator] | None,
+        model: nn.Module | Sequence[nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+    ) -> list[Any]:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != len(chunks):
+                raise ValueError(
+                    f"data_iterator is a list of {len(data_iterator)} but model has "
+                    f"{len(chunks)} chunks; give one iterator per chunk (or a single one)"
+                )
+            iterators = {s: data_iterator[j] for j, s in enumerate(sorted(stages))}
+        else:
+            iterators = {s: data_iterator for s in stages}
+        self._call = _CallState(
+            forward_step_func, iterators, num_microbatches, forward_only,
+            collect_non_loss_data, self.calculate_per_token_loss,
+            stage_of={id(module): stage for stage, module in stages.items()},
+        )
+        try:
+            schedule = executor.schedule
+            targets = [None] * num_microbatches
+            for stage in stages:
+                if schedule.is_last_stage(stage):
+                    for i in range(num_microbatches):
+                        if stage in schedule.stages_for(i):
+                            targets[i] = _LossTarget(stage, i)
+            placeholders = [None] * num_microbatches
+            self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
+            return [self._call.store[i] for i in sorted(self._call.store)]
+        finally:
+            self._call = None
+
+    # -------------------------------------------------------------- executor per shape
+    def _executor(
+        self, chunks: list[nn.Module], num_microbatches: int, seq_length: int, micro_batch_size: int
+    ) -> tuple[PipelineExecutor, dict[int, nn.Module]]:
+        key = (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
+        if key in self._executors:
+            return self._executors[key]
+        schedule = build_schedule(
+            self.schedule_name, self.pp, num_microbatches, vpp=self.vpp, overlap=self.overlap,
+            **self.schedule_options,
+        )
+        self._check_forward_order(schedule)
+        pp_rank = pipeline_position(self.pp, self.groups).rank
+        stage_ids = schedule.stages_of_rank(pp_rank)
+        if len(chunks) != len(stage_ids):
+            raise ValueError(
+                f"the {self.schedule_name!r} schedule with pp={self.pp}, vpp={self.vpp} places "
+                f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
+                f"model has {len(chunks)}"
+            )
+        for chunk in chunks:
+            if not callable(getattr(chunk, "set_input_tensor", None)):
+                raise TypeError(
+                    f"model chunk {type(chunk).__name__} has no set_input_tensor(tensor); "
+                    "Megatron's convention needs it to hand a received activation to the chunk"
+                )
+        stages = dict(zip(stage_ids, chunks))
+        hidden = self.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
+        if hidden is None and self.pp > 1:
+            raise ValueError(
+                "hidden_size is needed for the activation shape: pass it to "
+                "get_forward_backward_func or give the chunks a .config.hidden_size"
+            )
+        shape = (
+            (micro_batch_size, seq_length, hidden)
+            if self.layout == "bsh"
+            else (seq_length, micro_batch_size, hidden)
+        )
+        executor = PipelineExecutor(
+            schedule,
+            stages,
+            spec=TensorSpec(shape, self.dtype) if hidden is not None else None,
+            loss_fn=self._loss,
+            groups=self.groups,
+            grad_reduction="dp" if self.reduce_grads else "none",
+            forward_fn=self._forward,
+            timeout=self.timeout,
+            delay_wgrad_compute=self.delay_wgrad_compute,
+            record_trace=self.record_trace,
+        )
+        self._executors[key] = (executor, stages)
+        return executor, stages
+
+    def _check_forward_order(self, schedule: Schedule) -> None:
+        """forward_step_func reads the next batch from a chunk's iterator: every stage must run
+        its forwards in microbatch order for the batches to line up."""
+        order: dict[int, list[int]] = {}
+        for row in schedule.actions:
+            for action in row:
+                for comp in action.computations():
+                    if comp.kind is Kind.F:
+                        order.setdefault(comp.stage, []).append(comp.microbatch)
+        for stage, mbs in order.items():
+            if mbs != sorted(mbs):
+                raise ValueError(
+                    f"schedule {self.schedule_name!r} runs stage {stage}'s forwards in the order "
+                    f"{mbs}; the Megatron front end needs microbatch order (the data iterator "
+                    "is read once per forward)"
+                )
+
+    def close(self) -> None:
+        """Stop the executors' communication streams (combined schedules)."""
+        for executor, _ in self._executors.values():
+            executor.close()
+
+    # -------------------------------------------------------------- executor hooks
+    def _forward(self, chunk: nn.Module, stage_input: Any) -> torch.Tensor:
+        call = self._call
+        assert call is not None
+        chunk.set_input_tensor(stage_input if isinstance(stage_input, torch.Tensor) else None)
+        stage = call.stage_of[id(chunk)]
+        try:
+            output, loss_func = call.forward_step_func(call.iterators[stage], chunk)
+        finally:
+            chunk.set_input_tensor(None)  # hold no activation beyond this forward
+        call.loss_funcs[stage] = loss_func
+        return output
+
+    def _loss(self, output: torch.Tensor, target: _LossTarget) -> torch.Tensor:
+        call = self._call
+        assert call is not None
+        loss_func = call.loss_funcs.pop(target.stage)
+        if call.forward_only and call.collect_non_loss_data:
+            call.store[target.microbatch] = loss_func(output, non_loss_data=True)
+            return torch.zeros(())
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, reduced = outputs
+            if not call.calculate_per_token_loss:
+                loss = loss / num_tokens
+        elif len(outputs) == 2:
+            loss, reduced = outputs
+        else:
+            raise ValueError(
+                f"loss_func returned {len(outputs)} values; Megatron's forms are "
+                "(loss, {name: value}) and (loss, num_tokens, {name: value})"
+            )
+        call.store[target.microbatch] = reduced
+        return loss
+
+
+def get_forward_backward_func(
+    pp: int = 1,
+    vpp: int = 1,
+    schedule: str | None = None,
+    *,
+    groups: ProcessGroups | None = None,
+    hidden_size: int | None = None,
+    layout: str = "bsh",
+    dtype: torch.dtype = torch.float32,
+    timeout: float = 300.0,
+    overlap: bool = False,
+    calculate_per_token_loss: bool = False,
+    reduce_grads: bool = True,
+    overlap_moe_expert_parallel_comm: bool = False,
+    delay_wgrad_compute: bool = False,
+    record_trace: bool = False,
+    **schedule_options: Any,
+) -> MegatronForwardBackward:
+    """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
+
+    ``pp``/``vpp``/``schedule`` pick the schedule (see the module docstring); ``groups`` (from
+    ``megapipe.parallel.create_groups``) give the pipeline, data- and expert-parallel groups,
+    otherwise the default group is the pipeline. ``overlap_moe_expert_parallel_comm=True``
+    (Megatron's flag; ``overlap=True`` is the same) picks the combined variant of the schedule:
+    one microbatch's forward co-scheduled with another's backward, layer by layer, so the
+    expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
+    overlap) defers expert weight gradients into the time of a backward all-to-all. With
+    ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
+    ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
+
+    The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
+    the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
+    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` does) overlaps;
+    any other chunk runs F then B (warned once).
+    """
+    return MegatronForwardBackward(
+        pp, vpp, schedule, groups, hidden_size, layout, dtype, timeout,
+        overlap or overlap_moe_expert_parallel_comm, calculate_per_token_loss, reduce_grads,
+        schedule_options, delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
+    )

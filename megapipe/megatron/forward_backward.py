@@ -81,52 +81,55 @@ class _LossTarget:
     microbatch: int
 
 
-class MegatronForwardBackward:
-    """The callable ``get_forward_backward_func`` returns (see the module docstring)."""
+@dataclass(frozen=True)
+class FrontEndOptions:
+    """What ``get_forward_backward_func`` was asked for (see its docstring), checked once."""
 
-    def __init__(
-        self,
-        pp: int,
-        vpp: int,
-        schedule: str | None,
-        groups: ProcessGroups | None,
-        hidden_size: int | None,
-        layout: str,
-        dtype: torch.dtype,
-        timeout: float,
-        overlap: bool,
-        calculate_per_token_loss: bool,
-        reduce_grads: bool,
-        schedule_options: dict[str, Any],
-        delay_wgrad_compute: bool = False,
-        record_trace: bool = False,
-    ) -> None:
-        for name, value in (("pp", pp), ("vpp", vpp)):
+    pp: int = 1
+    vpp: int = 1
+    schedule: str | None = None
+    groups: ProcessGroups | None = None
+    hidden_size: int | None = None
+    layout: str = "bsh"
+    dtype: torch.dtype = torch.float32
+    timeout: float = 300.0
+    overlap: bool = False
+    calculate_per_token_loss: bool = False
+    reduce_grads: bool = True
+    delay_wgrad_compute: bool = False
+    record_trace: bool = False
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in (("pp", self.pp), ("vpp", self.vpp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if layout not in ("bsh", "sbh"):
-            raise ValueError(f"layout={layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)")
-        if groups is not None and groups.config.pp != pp:
-            raise ValueError(f"pp={pp} does not match the process groups' pp={groups.config.pp}")
-        self.pp, self.vpp = pp, vpp
-        self.schedule_name = schedule or default_schedule_name(pp, vpp)
-        self.groups = groups
-        self.hidden_size = hidden_size
-        self.layout = layout
-        self.dtype = dtype
-        self.timeout = timeout
-        self.overlap = overlap
-        if delay_wgrad_compute and not overlap:
+        if self.layout not in ("bsh", "sbh"):
+            raise ValueError(
+                f"layout={self.layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
+            )
+        if self.groups is not None and self.groups.config.pp != self.pp:
+            raise ValueError(
+                f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
+            )
+        if self.delay_wgrad_compute and not self.overlap:
             raise ValueError(
                 "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
                 "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
             )
-        self.delay_wgrad_compute = delay_wgrad_compute
-        self.record_trace = record_trace
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or default_schedule_name(self.pp, self.vpp)
+
+
+class MegatronForwardBackward:
+    """The callable ``get_forward_backward_func`` returns (see the module docstring)."""
+
+    def __init__(self, options: FrontEndOptions) -> None:
+        self.options = options
+        self.schedule_name = options.schedule_name
         self.last_result: StepResult | None = None  # the executor's StepResult of the last call
-        self.calculate_per_token_loss = calculate_per_token_loss
-        self.reduce_grads = reduce_grads
-        self.schedule_options = dict(schedule_options)
         self._executors: dict[tuple, tuple[PipelineExecutor, dict[int, nn.Module]]] = {}
         self._call: _CallState | None = None
 
@@ -158,7 +161,7 @@ class MegatronForwardBackward:
             iterators = {s: data_iterator for s in stages}
         self._call = _CallState(
             forward_step_func, iterators, num_microbatches, forward_only,
-            collect_non_loss_data, self.calculate_per_token_loss,
+            collect_non_loss_data, self.options.calculate_per_token_loss,
             stage_of={id(module): stage for stage, module in stages.items()},
         )
         try:
@@ -182,16 +185,17 @@ class MegatronForwardBackward:
         key = (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
         if key in self._executors:
             return self._executors[key]
+        o = self.options
         schedule = build_schedule(
-            self.schedule_name, self.pp, num_microbatches, vpp=self.vpp, overlap=self.overlap,
-            **self.schedule_options,
+            self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=o.overlap,
+            **o.schedule_options,
         )
         self._check_forward_order(schedule)
-        pp_rank = pipeline_position(self.pp, self.groups).rank
+        pp_rank = pipeline_position(o.pp, o.groups).rank
         stage_ids = schedule.stages_of_rank(pp_rank)
         if len(chunks) != len(stage_ids):
             raise ValueError(
-                f"the {self.schedule_name!r} schedule with pp={self.pp}, vpp={self.vpp} places "
+                f"the {self.schedule_name!r} schedule with pp={o.pp}, vpp={o.vpp} places "
                 f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
                 f"model has {len(chunks)}"
             )
@@ -202,28 +206,28 @@ class MegatronForwardBackward:
                     "Megatron's convention needs it to hand a received activation to the chunk"
                 )
         stages = dict(zip(stage_ids, chunks))
-        hidden = self.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
-        if hidden is None and self.pp > 1:
+        hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
+        if hidden is None and o.pp > 1:
             raise ValueError(
                 "hidden_size is needed for the activation shape: pass it to "
                 "get_forward_backward_func or give the chunks a .config.hidden_size"
             )
         shape = (
             (micro_batch_size, seq_length, hidden)
-            if self.layout == "bsh"
+            if o.layout == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
         executor = PipelineExecutor(
             schedule,
             stages,
-            spec=TensorSpec(shape, self.dtype) if hidden is not None else None,
+            spec=TensorSpec(shape, o.dtype) if hidden is not None else None,
             loss_fn=self._loss,
-            groups=self.groups,
-            grad_reduction="dp" if self.reduce_grads else "none",
+            groups=o.groups,
+            grad_reduction="dp" if o.reduce_grads else "none",
             forward_fn=self._forward,
-            timeout=self.timeout,
-            delay_wgrad_compute=self.delay_wgrad_compute,
-            record_trace=self.record_trace,
+            timeout=o.timeout,
+            delay_wgrad_compute=o.delay_wgrad_compute,
+            record_trace=o.record_trace,
         )
         self._executors[key] = (executor, stages)
         return executor, stages
@@ -321,8 +325,11 @@ def get_forward_backward_func(
     implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` does) overlaps;
     any other chunk runs F then B (warned once).
     """
-    return MegatronForwardBackward(
-        pp, vpp, schedule, groups, hidden_size, layout, dtype, timeout,
-        overlap or overlap_moe_expert_parallel_comm, calculate_per_token_loss, reduce_grads,
-        schedule_options, delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
-    )
+    return MegatronForwardBackward(FrontEndOptions(
+        pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
+        layout=layout, dtype=dtype, timeout=timeout,
+        overlap=overlap or overlap_moe_expert_parallel_comm,
+        calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
+        delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
+        schedule_options=dict(schedule_options),
+    ))

@@ -310,7 +310,9 @@ class PipelineExecutor:
             output = self._streams.run(ForwardHalf(worker, action.microbatch, stage_input)).output
             assert output is not None
         else:
-            output = worker.forward(action.microbatch, stage_input, keep_graph=not state.forward_only)
+            output = worker.forward(
+                action.microbatch, stage_input, keep_graph=not state.forward_only
+            )
         self._forward_done(action, output, state)
 
     def _forward_done(self, action: Action, output: torch.Tensor, state: _Step) -> None:

@@ -114,7 +114,8 @@ class StageWorker:
         """
         if microbatch in self._stash:
             raise RuntimeError(
-                f"stage {self.stage}: forward of microbatch {microbatch} ran twice without a backward"
+                f"stage {self.stage}: forward of microbatch {microbatch} ran twice without a "
+                "backward"
             )
         if not keep_graph:
             with torch.no_grad():
@@ -183,7 +184,9 @@ class StageWorker:
             torch.autograd.backward(entry.outputs, self._output_grads(entry, grad_output))
         return entry.inputs[0].grad if entry.inputs else None
 
-    def backward_input(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    def backward_input(
+        self, microbatch: int, grad_output: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """I: return the input gradient now; keep what the weight gradient needs for W."""
         entry = self._entry(microbatch, "I")
         if entry.tape is not None:

@@ -70,7 +70,9 @@ class HalvesDone:
 class StreamSteps:
     """The streams, the optional node trace and the deferral flag of one executor."""
 
-    def __init__(self, device: torch.device | str = "cpu", delay_wgrad_compute: bool = False) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", delay_wgrad_compute: bool = False
+    ) -> None:
         self.device = torch.device(device)
         self.delay_wgrad_compute = delay_wgrad_compute
         self.trace: NodeTrace | None = None  # set per step by the executor when tracing

@@ -226,6 +226,14 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 def validate(args: PretrainArgs) -> None:
     """Every rule the run depends on, checked before any process group starts."""
+    _check_numbers(args)
+    _check_parallel(args)
+    _check_model_and_schedule(args)
+    _check_options_and_paths(args)
+
+
+def _check_numbers(args: PretrainArgs) -> None:
+    """Sizes, counts and rates in their ranges."""
     for name in ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
                  "seq-length", "micro-batch-size", "global-batch-size", "train-iters",
                  "pipeline-model-parallel-size", "expert-model-parallel-size",
@@ -247,6 +255,10 @@ def validate(args: PretrainArgs) -> None:
         raise ArgsError(
             f"--lr-decay-style={args.lr_decay_style!r} must be one of {', '.join(LR_DECAY_STYLES)}"
         )
+
+
+def _check_parallel(args: PretrainArgs) -> None:
+    """pp, vpp, ep and dp fit the world size, the experts and the global batch."""
     if args.vpp > 1 and args.pp == 1:
         raise ArgsError(
             f"--virtual-pipeline-model-parallel-size={args.vpp} needs "
@@ -274,6 +286,10 @@ def validate(args: PretrainArgs) -> None:
             f"--global-batch-size={args.global_batch_size} is not divisible by "
             f"--micro-batch-size x dp = {args.micro_batch_size} x {args.dp} = {per_step}"
         )
+
+
+def _check_model_and_schedule(args: PretrainArgs) -> None:
+    """The model builds, the schedule exists for this layout, and every stage gets layers."""
     try:
         args.gpt_config()
     except ValueError as err:
@@ -287,7 +303,8 @@ def validate(args: PretrainArgs) -> None:
         schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
                                   overlap=args.overlap_moe_expert_parallel_comm)
     except ScheduleError as err:
-        raise ArgsError(f"--pipeline-schedule {args.schedule_name}: {err}".splitlines()[0]) from None
+        message = f"--pipeline-schedule {args.schedule_name}: {err}".splitlines()[0]
+        raise ArgsError(message) from None
     from megapipe.models.split import split_layers
 
     num_parts = schedule.num_stages // 2 if schedule.bidirectional else schedule.num_stages
@@ -297,6 +314,10 @@ def validate(args: PretrainArgs) -> None:
             f"--num-layers={args.num_layers} leaves a middle pipeline stage without layers "
             f"({num_parts} model parts for pp={args.pp}, vpp={args.vpp})"
         )
+
+
+def _check_options_and_paths(args: PretrainArgs) -> None:
+    """Flags that need each other, and the files and directories named."""
     if args.moe_emulated_link_gbps is not None and not args.moe_emulated_link_gbps > 0:
         raise ArgsError(f"--moe-emulated-link-gbps={args.moe_emulated_link_gbps} must be > 0")
     if args.moe_emulated_link_latency_us < 0:

@@ -149,5 +149,7 @@ def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:
     nodes: dict[str, list[int]] = {}
     for rank, node in sorted(e for e in everyone if e is not None):
         nodes.setdefault(node, []).append(rank)
-    placed = "; ".join(f"{node}: ranks {','.join(map(str, ranks))}" for node, ranks in nodes.items())
+    placed = "; ".join(
+        f"{node}: ranks {','.join(map(str, ranks))}" for node, ranks in nodes.items()
+    )
     return f"placement: {len(nodes)} node(s): {placed}"

@@ -69,8 +69,8 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
-            final = iteration == args.train_iters
-            if args.save and (final or (args.save_interval and iteration % args.save_interval == 0)):
+            due = bool(args.save_interval) and iteration % args.save_interval == 0
+            if args.save and (due or iteration == args.train_iters):
                 result.saved.append(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
         if result.losses:

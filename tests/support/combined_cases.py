@@ -164,7 +164,7 @@ def front_end_run(case: Case) -> dict | None:
             **flags,
         )
         schedule = build_schedule(func.schedule_name, case.pp, case.microbatches, vpp=case.vpp,
-                                  overlap=func.overlap)
+                                  overlap=func.options.overlap)
         stage_ids = schedule.stages_of_rank(groups.pp_rank)
         ep_group = groups.ep if case.ep > 1 else None
         chunks = [build_stage(CONFIG, s, case.pp * case.vpp, ep_group) for s in stage_ids]

@@ -51,8 +51,11 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _move_into_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
-    param.grad = None
+    # autograd calls this hook even when the backward gave the parameter no gradient (a
+    # deferred weight gradient goes to main_grad later, through accumulate_grad)
+    if param.grad is not None:
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+        param.grad = None
 
 
 def attach_main_grads(params: Iterable[torch.Tensor]) -> list[RemovableHandle]:

@@ -230,3 +230,22 @@ def non_node_stage(overlap: bool) -> tuple[list[str], dict[int, float], torch.Te
                 result = executor.step(inputs, [x.flip(0) for x in inputs])
     messages = [str(w.message) for w in caught]
     return messages, {i: v.item() for i, v in result.losses.items()}, stage.proj.weight.grad
+
+
+def host_sync_run(case: Case) -> dict | None:
+    """One training step of ``case`` (after a warm-up step) under ``HostSyncs``: every host
+    sync this rank made, and how many MoE-layer forwards it ran."""
+    from support.host_syncs import HostSyncs
+    from support.pipeline_cases import build_pipeline
+
+    prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
+    if dist.get_rank() >= case.world:
+        return None
+    groups, schedule, stages, executor = build_pipeline(case)
+    data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
+    with executor:
+        executor.step([d[0] for d in data], [d[1] for d in data])
+        with HostSyncs() as syncs:
+            executor.step([d[0] for d in data], [d[1] for d in data])
+    moe_forwards = case.microbatches * sum(len(m.moe_layers()) for m in stages.values())
+    return {"events": syncs.events, "moe_forwards": moe_forwards}

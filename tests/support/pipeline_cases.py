@@ -120,12 +120,11 @@ def _sgd(params) -> None:
 
 
 def make_sgd(modules, bf16: bool) -> Callable[[], None]:
-    """Plain SGD on ``modules``' parameters (``bf16``: first cast them, as ``--bf16`` does, and
-    step float32 main weights with the float32 main gradients)."""
+    """Plain SGD on ``modules``' parameters (``bf16``: modules cast by ``cast_to_bf16``; step
+    float32 main weights with the float32 main gradients)."""
     params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
     if not bf16:
         return lambda: _sgd(params)
-    cast_to_bf16(modules, params)
     mains = [p.detach().float() for p in params]
 
     @torch.no_grad()
@@ -148,6 +147,8 @@ def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, t
     """The unsplit model on one process over every DP rank's microbatches: per step, the losses
     (in (dp_rank, microbatch) order) and every parameter's gradient."""
     model = build_stage(CONFIG, 0, 1)
+    if case.bf16:
+        cast_to_bf16([model], list(model.parameters()))
     sgd = make_sgd([model], case.bf16)
     total = case.dp * case.microbatches
     for layer in model.moe_layers():
@@ -202,6 +203,8 @@ def build_pipeline(case: Case, timeout: float = 20.0):
         s: build_stage(CONFIG, schedule.model_part(s), schedule.stages_per_pipeline, ep_group)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
+    if case.bf16:
+        cast_to_bf16(stages.values(), [p for m in stages.values() for p in m.parameters()])
     dtype = torch.bfloat16 if case.bf16 else torch.float32
     executor = PipelineExecutor(
         schedule,

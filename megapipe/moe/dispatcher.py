@@ -184,16 +184,13 @@ class TokenDispatcher:
         the rows are padded to it (every expert exactly ``capacity`` rows on every EP rank),
         makes the split sizes static: no count exchange, no host read.
         """
+        # the link models one transfer per dispatch: its time covers the count exchange too
+        started = time.perf_counter()
         if capacity is not None:
             plan = self._padded_plan(capacity, rows.device)
-            started = time.perf_counter()
         elif self.group is None:
-            counts = HostCounts(rows_per_expert).wait()  # the one host read (module docstring)
-            offsets = _end_offsets(rows_per_expert)
-            return rows, DispatchPlan([len(rows)], [len(rows)], [counts], counts, offsets)
+            plan = self._local_plan(rows_per_expert)
         else:
-            # the link models one transfer per dispatch: its time covers the count exchange too
-            started = time.perf_counter()
             plan = self._exchange_counts(rows_per_expert)
         if self.group is None:
             return rows, plan
@@ -206,6 +203,14 @@ class TokenDispatcher:
             expert_major = [r * local + e for e in range(local) for r in range(ep)]
             received = _reorder_chunks(received, sizes, expert_major)
         return received, plan
+
+    def _local_plan(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
+        """Every expert is local: read the row counts on the host (the one host read)."""
+        host = HostCounts(rows_per_expert)
+        offsets = _end_offsets(rows_per_expert)  # device work that needs no host sizes
+        counts = host.wait()
+        total = sum(counts)
+        return DispatchPlan([total], [total], [counts], counts, offsets)
 
     def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
         """Exchange per-expert counts over EP and read them on the host (the one host read)."""

@@ -23,7 +23,7 @@ EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -134,12 +134,28 @@ class ProcessGroups:
         return self.coordinates.expert_dp_rank
 
 
-def create_groups(config: ParallelConfig, backend: str | None = None) -> ProcessGroups:
+def group_options(name: str, high_priority: Sequence[str], backend: str) -> dict[str, Any]:
+    """``dist.new_group`` keyword arguments for group ``name``: on NCCL, a group named in
+    ``high_priority`` gets ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``, so its
+    kernels run on a high-priority CUDA stream (e.g. the EP all-to-all beside compute)."""
+    if name not in high_priority or backend != "nccl":
+        return {}
+    return {"pg_options": dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)}
+
+
+def create_groups(
+    config: ParallelConfig, backend: str | None = None, high_priority: Sequence[str] = ()
+) -> ProcessGroups:
     """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
     world size is checked first, so a mismatch fails before any group is created.
+    ``high_priority``: names (``GROUP_NAMES``) of the groups whose NCCL communicators use
+    high-priority streams (``group_options``; nothing changes on gloo).
     """
+    unknown = [name for name in high_priority if name not in GROUP_NAMES]
+    if unknown:
+        raise ValueError(f"high_priority={unknown} are not group names; known: {GROUP_NAMES}")
     if not dist.is_initialized():
         raise RuntimeError(
             "create_groups needs an initialised default process group; call "
@@ -152,7 +168,8 @@ def create_groups(config: ParallelConfig, backend: str | None = None) -> Process
     for name in GROUP_NAMES:
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
-            group = dist.new_group(list(ranks), backend=backend)
+            options = group_options(name, high_priority, backend or dist.get_backend())
+            group = dist.new_group(list(ranks), backend=backend, **options)
             if me in ranks:
                 mine[(name, ranks)] = group
     return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])

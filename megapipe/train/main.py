@@ -52,6 +52,10 @@ def run(args: PretrainArgs) -> int:
     except CheckpointError as err:
         print(f"megapipe pretrain: error: {err}", file=sys.stderr)
         return 2
+    missing = missing_gpus(args)
+    if missing is not None:
+        print(f"megapipe pretrain: error: {missing}", file=sys.stderr)
+        return 2
     if launched_world_size() is not None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if not torch.cuda.is_available():
@@ -65,6 +69,23 @@ def run(args: PretrainArgs) -> int:
         print(f"megapipe pretrain: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def missing_gpus(args: PretrainArgs) -> str | None:
+    """With CUDA, the processes this node would run (the launcher's LOCAL_WORLD_SIZE, else the
+    ranks started here) must not outnumber its GPUs; the reason if they do, else None."""
+    if not torch.cuda.is_available():
+        return None
+    launched = launched_world_size() is not None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched else args.world_size
+    count = torch.cuda.device_count()
+    if per_node <= count:
+        return None
+    asked = "LOCAL_WORLD_SIZE" if launched else "--nproc (default pp x ep)"
+    return (
+        f"{per_node} processes on this node ({asked}) but it has {count} GPU(s); each rank "
+        "needs its own GPU"
+    )
 
 
 def _local_rank(rank: int, args: PretrainArgs) -> None:

@@ -3,7 +3,8 @@
 # then run benchmarks/gpu_check.py and leave every file in OUT_DIR.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [gpu_check.py options, e.g. --dry-run --sections env]
-#   bash scripts/gpu_check.sh --setup-only      # only the set-up; prints the Python to use
+#   bash scripts/gpu_check.sh [OUT_DIR] --setup-only   # only the set-up; prints the Python
+#                                                      # and PYTHONPATH to use
 #
 # OUT_DIR defaults to out/gpu_check. It receives at most five files: gpu_check.json,
 # gpu_check.md, gpu_check.log, streams_trace.json.gz and setup.log (this script's set-up).
@@ -24,11 +25,12 @@ cd "$ROOT"
 
 SETUP_ONLY=0
 OUT="out/gpu_check"
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then
+  OUT="$1"
+  shift
+fi
 if [ "${1:-}" = "--setup-only" ]; then
   SETUP_ONLY=1
-  shift
-elif [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then
-  OUT="$1"
   shift
 fi
 mkdir -p "$OUT"

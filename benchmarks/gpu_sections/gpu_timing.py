@@ -99,11 +99,12 @@ class EventTrace(NodeTrace):
         return event
 
     @contextmanager
-    def span(self, microbatch, layer, node, direction, stream, kind, slot=-1) -> Iterator[None]:  # noqa: ANN001
+    def span(self, microbatch, layer, node, direction, stream, kind, slot=-1,  # noqa: ANN001
+             **extra) -> Iterator[None]:  # noqa: ANN003
         label = f"{direction}{'' if microbatch is None else microbatch}.{layer}.{node}"
         ranged = (torch.profiler.record_function(annotation_name(label, stream, kind))
                   if self.annotate else nullcontext())
-        with ranged, super().span(microbatch, layer, node, direction, stream, kind, slot):
+        with ranged, super().span(microbatch, layer, node, direction, stream, kind, slot, **extra):
             start = self.stamp()
             try:
                 yield

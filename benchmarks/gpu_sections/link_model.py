@@ -107,7 +107,7 @@ def _copy_kernel():  # noqa: ANN202
     @triton.jit
     def link_copy_kernel(src, dst, n, repeats, BLOCK: tl.constexpr):
         step = tl.num_programs(0) * BLOCK
-        for _ in range(repeats):
+        for _repeat in range(repeats):
             for start in range(tl.program_id(0) * BLOCK, n, step):
                 offsets = start + tl.arange(0, BLOCK)
                 mask = offsets < n

@@ -71,12 +71,9 @@ def build_layers(shape: Shape, count: int, device: torch.device, dtype: torch.dt
     )
     generator = torch.Generator(device=device).manual_seed(seed)
     # meta first: its one-time set-up (seconds) is worth it only for large layers on a GPU
-    where = torch.device("meta") if device.type == "cuda" else torch.device("cpu")
     layers = []
     for index in range(count):
-        with where:
-            layer = TransformerLayer(config, index)
-        layer = layer.to_empty(device=device).to(dtype)
+        layer = _empty_layer(config, index, device).to(dtype)
         with torch.no_grad():
             for name, param in layer.named_parameters():
                 if name.endswith("norm.weight"):
@@ -85,6 +82,18 @@ def build_layers(shape: Shape, count: int, device: torch.device, dtype: torch.dt
                     param.normal_(0.0, 0.02, generator=generator)
         layers.append(layer)
     return layers
+
+
+def _empty_layer(config: GPTConfig, index: int, device: torch.device) -> TransformerLayer:
+    """The layer with uninitialised weights on ``device`` (built on the meta device on a GPU,
+    falling back to the host if this torch cannot build it there)."""
+    if device.type == "cuda":
+        try:
+            with torch.device("meta"):
+                return TransformerLayer(config, index).to_empty(device=device)
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            print(f"building on the meta device failed ({err}); building on the host", flush=True)
+    return TransformerLayer(config, index).to(device)
 
 
 @dataclass(frozen=True)
@@ -126,10 +135,18 @@ class PairBench:
     def plans(self, link: LinkModel | None) -> list[list[Any]]:
         return [with_link(layer.node_plan(), link) for layer in self.layers]
 
-    def prepare(self, link: LinkModel | None) -> tuple[list[list[Any]], Any]:
-        """The plans (with the link) and a fresh microbatch-0 tape (recorded, not timed)."""
+    def prepare(self, link: LinkModel | None, on_streams: bool = True) -> tuple[list[list[Any]], Any]:
+        """The plans (with the link) and a fresh microbatch-0 tape (recorded, not timed).
+
+        ``on_streams``: record it through the co-scheduler, as the executor records every
+        forward, so its comm nodes ran on the comm stream -- on CUDA autograd runs a backward op
+        on the stream of its forward op, so only then does the backward's all-to-all run on
+        the comm stream. Otherwise on the current stream (the sequential path)."""
         plans = self.plans(link)
-        _, tape = record_forward(plans, (self.x_bwd,))
+        if on_streams:
+            _, tape, _ = combined_step(plans, (self.x_bwd,), None, None, self.streams)
+        else:
+            _, tape = record_forward(plans, (self.x_bwd,))
         synchronize(self.device)
         return plans, tape
 
@@ -177,7 +194,7 @@ class PairBench:
         current stream (a fresh microbatch-0 tape per run, recorded outside the timing)."""
         runs = []
         for index in range(warmup + reps):
-            plans, tape = self.prepare(link)
+            plans, tape = self.prepare(link, on_streams=False)
 
             def run() -> None:
                 record_forward(plans, (self.x_fwd,))

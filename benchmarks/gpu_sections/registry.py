@@ -40,9 +40,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "step times, GPU idle share",
                 env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
     SectionSpec("ep_gloo", 75, 25, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
-                "combined vs plain"),
+                "combined vs plain", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
     SectionSpec("pretrain", 120, 40, "world size 1 on NCCL, 20 iterations, save and resume "
-                "bitwise, tokens/s"),
+                "bitwise, tokens/s", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
 )
 
 

@@ -48,8 +48,9 @@ def _versions(result) -> None:  # noqa: ANN001
     result.figure("triton", triton)
     result.figure("python", platform.python_version())
     try:
-        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
-    except (AttributeError, RuntimeError, TypeError) as err:
+        version = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    except (AttributeError, RuntimeError) as err:
         nccl = f"unavailable ({type(err).__name__})"
     result.figure("nccl", nccl)
 

@@ -76,7 +76,7 @@ def _compare(ctx, result, shape: GemmShape, grouped_mm) -> list[list]:  # noqa: 
     for way, fn in ways.items():
         try:
             outputs[way] = fn()
-        except (RuntimeError, NotImplementedError) as err:
+        except (RuntimeError, NotImplementedError, TypeError) as err:
             result.skip(f"{way} for {shape.describe()}", f"{type(err).__name__}: {str(err)[:200]}")
             continue
         timed = median_ms(lambda: [fn() for _ in range(CALLS)], device, reps=reps)

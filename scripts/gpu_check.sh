@@ -13,7 +13,7 @@
 #  1. the Python: $PYTHON, else python3 if it imports torch, else /opt/torch/.venv/bin/python3;
 #  2. a venv ($GPU_CHECK_VENV, default .venv-gpu) made with --system-site-packages and
 #     --without-pip; when that Python is itself a venv (its torch is not in the system site),
-#     a .pth file adds its site-packages; then
+#     a .pth file adds its site-packages (pip and setuptools come from there too); then
 #     pip install --no-index --no-deps --no-build-isolation -e .
 #  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at a folder of
 #     links in which megapipe/kernels is the repository's kernels/ (as pyproject maps it).
@@ -72,9 +72,11 @@ venv_setup() {  # $1: base python; prints the venv's python on success
   vpy="$venv/bin/python"
   if ! "$vpy" -c "import torch" >>"$SETUP_LOG" 2>&1; then
     site="$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
-    "$base" -c 'import site, sys, sysconfig
+    # one "import site; site.addsitedir(...)" line per folder: their own .pth files count too
+    "$base" -c 'import site, sysconfig
 paths = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-print("\n".join(dict.fromkeys(p for p in paths)))' >"$site/_gpu_check_base_site.pth" || return 1
+print("\n".join(f"import site; site.addsitedir({p!r})" for p in dict.fromkeys(paths)))' \
+      >"$site/_gpu_check_base_site.pth" || return 1
     "$vpy" -c "import torch" >>"$SETUP_LOG" 2>&1 || return 1
   fi
   "$vpy" -m pip install --no-index --no-deps --no-build-isolation -e "$ROOT" >>"$SETUP_LOG" 2>&1 \

@@ -86,7 +86,7 @@ def _configuration(ctx, result, shape: Shape, dtype, reps: int, with_copy: bool,
         for kind, ratio in settings:
             link = make_link(kind, ratio * compute_ms, ctx.device, pair.payload())
             row = _measure(pair, link, reps)
-            pairs.append(_row(shape, f"{kind} x{ratio:g}", row))
+            pairs.append(_row(shape, _link_label(link, ratio), row))
             if ratio == 1.0:
                 _targets(ctx, result, shape, f"{kind} link", row, headline and kind == "sleep")
         step = PairBench(layers, shape, streams, ctx.device, dtype)
@@ -94,7 +94,12 @@ def _configuration(ctx, result, shape: Shape, dtype, reps: int, with_copy: bool,
             if not ctx.enough_time(result, f"step of {shape.describe()}, {kind} link", 10.0):
                 break
             link = make_link(kind, compute_ms, ctx.device, step.payload())
-            steps.append(_row(shape, f"{kind} x1, {layers_in_step} layers", _measure(step, link, reps)))
+            label = f"{_link_label(link, 1.0)}, {layers_in_step} layers"
+            steps.append(_row(shape, label, _measure(step, link, reps)))
+
+
+def _link_label(link, ratio: float) -> str:  # noqa: ANN001
+    return f"{link.kind} x{ratio:g}" + (f" ({link.sms} SMs)" if link.kind == "copy" else "")
 
 
 def _measure(bench: PairBench, link, reps: int) -> dict:  # noqa: ANN001

@@ -44,7 +44,7 @@ def run(ctx, result) -> None:  # noqa: ANN001
     _check_annotations(ctx, result, trace, trace_analysis.annotations(events))
     spans = trace.gpu_spans()
     result.figure("event_concurrent_ms", timeline.concurrent_ms(spans), "ms",
-                  "compute and comm nodes at once (CUDA events)")
+                  "compute and comm nodes at once (node timeline)")
     if not ctx.gpu_or_skip(result, "kernels per stream, concurrent kernel time"):
         return
     runs = trace_analysis.kernel_runs(events)

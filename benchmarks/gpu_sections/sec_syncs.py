@@ -51,7 +51,7 @@ def run(ctx, result) -> None:  # noqa: ANN001
 
 def _count(ctx, bench: PairBench, combined: bool):  # noqa: ANN001, ANN202
     """Sync warnings during one run of the step (the tape of microbatch 0 recorded before)."""
-    plans, tape = bench.prepare(None)
+    plans, tape = bench.prepare(None, on_streams=combined)
     with capture_syncs(ROOTS, str(ctx.repo)) as log:
         torch.cuda.set_sync_debug_mode("warn")
         try:

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module, is_megatron_ddp
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -70,6 +71,7 @@ class _CallState:
     stage_of: dict[int, int]  # id(chunk) -> its stage
     loss_funcs: dict[int, Callable[..., Any]] = field(default_factory=dict)
     store: dict[int, Any] = field(default_factory=dict)
+    num_tokens: Any = 0  # summed over this rank's last-stage microbatches (3-tuple loss_func)
 
 
 @dataclass(frozen=True)
@@ -90,8 +92,8 @@ class FrontEndOptions:
     schedule: str | None = None
     groups: ProcessGroups | None = None
     hidden_size: int | None = None
-    layout: str = "bsh"
-    dtype: torch.dtype = torch.float32
+    layout: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
+    dtype: torch.dtype | None = None  # None: a Megatron-Core chunk's pipeline dtype, else fp32
     timeout: float = 300.0
     overlap: bool = False
     calculate_per_token_loss: bool = False
@@ -104,7 +106,7 @@ class FrontEndOptions:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.layout not in ("bsh", "sbh"):
+        if self.layout not in (None, "bsh", "sbh"):
             raise ValueError(
                 f"layout={self.layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
             )
@@ -150,6 +152,15 @@ class MegatronForwardBackward:
     ) -> list[Any]:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
+        if not forward_only and self.options.reduce_grads:
+            for chunk in chunks:
+                if is_megatron_ddp(chunk):
+                    raise ValueError(
+                        f"{type(chunk).__name__} is Megatron's DistributedDataParallel: its "
+                        "gradients live in main_grad and finalize_model_grads reduces them; pass "
+                        "reduce_grads=False to leave the reduction to it (megapipe then calls "
+                        "config.finalize_model_grads_func as Megatron's schedules do)"
+                    )
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != len(chunks):
                 raise ValueError(
@@ -174,6 +185,8 @@ class MegatronForwardBackward:
                             targets[i] = _LossTarget(stage, i)
             placeholders = [None] * num_microbatches
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
+            if not forward_only and not self.options.reduce_grads:
+                self._finalize_like_megatron(chunks, stages)
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -199,6 +212,7 @@ class MegatronForwardBackward:
                 f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
                 f"model has {len(chunks)}"
             )
+        chunks = [as_stage_module(chunk) for chunk in chunks]
         for chunk in chunks:
             if not callable(getattr(chunk, "set_input_tensor", None)):
                 raise TypeError(
@@ -212,15 +226,18 @@ class MegatronForwardBackward:
                 "hidden_size is needed for the activation shape: pass it to "
                 "get_forward_backward_func or give the chunks a .config.hidden_size"
             )
+        megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
+        layout = o.layout or ("sbh" if megatron else "bsh")
         shape = (
             (micro_batch_size, seq_length, hidden)
-            if o.layout == "bsh"
+            if layout == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
+        dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
         executor = PipelineExecutor(
             schedule,
             stages,
-            spec=TensorSpec(shape, o.dtype) if hidden is not None else None,
+            spec=TensorSpec(shape, dtype) if hidden is not None else None,
             loss_fn=self._loss,
             groups=o.groups,
             grad_reduction="dp" if o.reduce_grads else "none",
@@ -231,6 +248,23 @@ class MegatronForwardBackward:
         )
         self._executors[key] = (executor, stages)
         return executor, stages
+
+    def _finalize_like_megatron(self, chunks: list[nn.Module], stages: dict) -> None:
+        """With ``reduce_grads=False``, Megatron-Core chunks get what Megatron's schedules do
+        after the last backward: ``config.finalize_model_grads_func(model, num_tokens)`` when
+        the script set it (DDP reduction, tied-embedding and expert gradients)."""
+        megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
+        if not megatron:
+            return
+        config = megatron[0].config
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is None:
+            return
+        assert self._call is not None
+        num_tokens = None
+        if config.calculate_per_token_loss:
+            num_tokens = torch.as_tensor(self._call.num_tokens, dtype=torch.int).clone()
+        finalize(chunks, num_tokens)
 
     def _check_forward_order(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
@@ -277,6 +311,7 @@ class MegatronForwardBackward:
         outputs = loss_func(output)
         if len(outputs) == 3:
             loss, num_tokens, reduced = outputs
+            call.num_tokens = call.num_tokens + num_tokens
             if not call.calculate_per_token_loss:
                 loss = loss / num_tokens
         elif len(outputs) == 2:
@@ -290,6 +325,12 @@ class MegatronForwardBackward:
         return loss
 
 
+def _pipeline_dtype(chunk: McoreGPTStage) -> torch.dtype:
+    """What a Megatron-Core chunk sends between stages: its config's pipeline dtype."""
+    config = chunk.config
+    return config.pipeline_dtype or config.params_dtype or torch.float32
+
+
 def get_forward_backward_func(
     pp: int = 1,
     vpp: int = 1,
@@ -297,8 +338,8 @@ def get_forward_backward_func(
     *,
     groups: ProcessGroups | None = None,
     hidden_size: int | None = None,
-    layout: str = "bsh",
-    dtype: torch.dtype = torch.float32,
+    layout: str | None = None,
+    dtype: torch.dtype | None = None,
     timeout: float = 300.0,
     overlap: bool = False,
     calculate_per_token_loss: bool = False,

@@ -28,7 +28,11 @@ from torch import nn
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.checks import check_executor_options, check_inputs, check_stages
-from megapipe.pipeline.grad_sync import all_reduce_grads, sum_mirrored_grads
+from megapipe.pipeline.grad_sync import (
+    all_reduce_grads,
+    sum_mirrored_grads,
+    sum_tied_embedding_grads,
+)
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
@@ -248,8 +252,12 @@ class PipelineExecutor:
             sum_mirrored_grads(
                 self.schedule, self.pp_rank, self.stages, position.group, position.ranks
             )
-        if self.grad_reduction == "dp" and self.groups is not None:
-            all_reduce_grads(self.stages, self.groups)
+        if self.grad_reduction == "dp":
+            if self.groups is not None:
+                all_reduce_grads(self.stages, self.groups)
+            sum_tied_embedding_grads(
+                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
+            )
 
     def _channel(self) -> PipelineP2P | None:
         """The p2p over the pipeline group, made on first use (None without a spec)."""

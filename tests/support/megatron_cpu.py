@@ -2,7 +2,7 @@
 
 Megatron-Core assumes CUDA in a few dozen places that have nothing to do with the numbers:
 ``device=torch.cuda.current_device()`` in ~30 constructors, CUDA streams and events in the
-all-to-all token dispatcher and in its combined 1F1B, ``record_stream`` on tensors, the CUDA
+all-to-all token dispatcher and in its combined 1F1B, ``record_stream`` and ``.cuda()`` on tensors, the CUDA
 RNG tracker, ``device="cuda"`` zeros in its schedules, ``torch.cuda.synchronize`` in p2p and
 NVTX ranges. ``apply()`` replaces each with its CPU meaning (the current device is the CPU, a
 stream is the host thread, an event is already complete, the RNG tracker keeps CPU generator
@@ -154,6 +154,7 @@ def apply() -> None:
     torch.cuda.nvtx.range_pop = lambda *a, **k: None
     torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
     torch.Tensor.record_stream = lambda self, stream: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # tied embeddings' init copy
     random.CudaRNGStatesTracker = _CpuRngTracker
     random.initialize_rng_tracker(force_reset=True)
     schedules.torch = _CpuTorch()

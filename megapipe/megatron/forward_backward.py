@@ -220,6 +220,9 @@ class MegatronForwardBackward:
                     "Megatron's convention needs it to hand a received activation to the chunk"
                 )
         stages = dict(zip(stage_ids, chunks))
+        for stage, chunk in stages.items():
+            if isinstance(chunk, McoreGPTStage):
+                chunk.check_stage(stage, schedule.is_first_stage(stage), schedule.is_last_stage(stage))
         hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
         if hidden is None and o.pp > 1:
             raise ValueError(

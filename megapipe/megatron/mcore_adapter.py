@@ -216,6 +216,18 @@ class McoreGPTStage(nn.Module):
             torch.full((1,), scale, dtype=torch.float32, device=device)
         )
 
+    def check_stage(self, stage: int, first: bool, last: bool) -> None:
+        """The chunk must have the embedding exactly when its stage is the first, and the
+        head exactly when it is the last (built for the schedule's placement)."""
+        gpt = self.gpt
+        if gpt.pre_process != first or gpt.post_process != last:
+            raise ValueError(
+                f"the schedule puts this chunk at stage {stage} (first: {first}, last: {last}) "
+                f"but it was built with pre_process={gpt.pre_process}, "
+                f"post_process={gpt.post_process}; build chunk j of a rank as the j-th stage "
+                "the schedule places there (V placement for zbv and dualpipev)"
+            )
+
     def layer_plans(self) -> list[list[Node]]:
         raise RuntimeError(
             "a Megatron-Core chunk's node plans depend on its forward arguments (masks, "

@@ -103,3 +103,52 @@ def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(results, case):
         assert len(pairs) % 4 == 0, (rank, pairs)
         for start in range(0, len(pairs), 4):
             assert list(pairs[start:start + 4]) == FOUR_PAIRS, (rank, start, pairs)
+
+
+def _config(**overrides):
+    from types import SimpleNamespace
+
+    fields = dict(
+        tensor_model_parallel_size=1, sequence_parallel=False, context_parallel_size=1,
+        expert_tensor_parallel_size=1, mtp_num_layers=None, fp8=None, fp4=None,
+        cuda_graph_impl="none", recompute_granularity=None, cpu_offloading=False,
+        fine_grained_activation_offloading=False, moe_shared_expert_overlap=False,
+        num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"tensor_model_parallel_size": 2}, "tensor parallelism"),
+    ({"sequence_parallel": True}, "sequence parallelism"),
+    ({"moe_token_dispatcher_type": "flex"}, "flex/DeepEP"),
+    ({"mtp_num_layers": 1}, "MTP"),
+    ({"fp8": "hybrid"}, "FP8"),
+    ({"cuda_graph_impl": "local"}, "CUDA graphs"),
+    ({"recompute_granularity": "full"}, "recomputation"),
+])
+def test_unsupported_features_are_named(override, named):
+    from megapipe.megatron.mcore_adapter import check_supported
+
+    check_supported(_config())  # the tests' configuration passes
+    with pytest.raises(NotImplementedError, match=named):
+        check_supported(_config(**override))
+
+
+def test_an_unsupported_megatron_version_is_one_clear_error(monkeypatch):
+    import megatron.core
+
+    from megapipe.megatron.mcore_adapter import check_mcore_version
+
+    assert check_mcore_version() == "0.16.1"
+    monkeypatch.setattr(megatron.core, "__version__", "0.15.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.15\.0 is not supported.*0\.16\.1"):
+        check_mcore_version()
+
+
+def test_other_modules_pass_through_unwrapped():
+    from megapipe.megatron.mcore_adapter import as_stage_module, find_gpt_model
+
+    module = torch.nn.Linear(2, 2)
+    assert as_stage_module(module) is module and find_gpt_model(module) is None

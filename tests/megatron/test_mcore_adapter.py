@@ -17,7 +17,7 @@ pytest.importorskip(
     "installs it)",
 )
 
-from support.mcore_cases import McoreCase, compare_case  # noqa: E402
+from support.mcore_cases import McoreCase, bf16_combined_case, compare_case  # noqa: E402
 
 CASES = [
     McoreCase(pp=1, ep=1),
@@ -103,6 +103,24 @@ def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(results, case):
         assert len(pairs) % 4 == 0, (rank, pairs)
         for start in range(0, len(pairs), 4):
             assert list(pairs[start:start + 4]) == FOUR_PAIRS, (rank, start, pairs)
+
+
+BF16_CASES = [
+    McoreCase(pp=1, ep=2, shared_expert=True),  # Megatron's combined 1F1B without pipelining
+    McoreCase(pp=2, vpp=2, ep=2),  # and its interleaved combined 1F1B
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(rank_pools, case):
+    """bf16 as a Megatron script sets it up (config.bf16, Float16Module, DDP with fp32 gradient
+    buffers, finalize_model_grads): megapipe's combined step gives bitwise the losses and
+    gradients of Megatron's own overlapped schedule (overlap_moe_expert_parallel_comm)."""
+    outs = rank_pools(4).run(bf16_combined_case, case)
+    ref_losses, ref_grads = _merged(outs, "reference")
+    losses, grads = _merged(outs, "overlap")
+    assert len(ref_losses) == case.dp and losses == ref_losses
+    _assert_grads(grads, ref_grads, exact=True, what="bf16 overlap")
 
 
 def _config(**overrides):

@@ -176,9 +176,13 @@ def _loss_func(output: torch.Tensor):
     return total, num_tokens, {"lm loss": (total / num_tokens).detach()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """A Megatron forward_step_func (the ``return_schedule_plan`` form is what Megatron's own
+    combined 1F1B asks for)."""
     tokens, labels = next(data_iterator)
     positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    if return_schedule_plan:
+        return model.build_schedule_plan(tokens, positions, None, labels=labels), _loss_func
     output = model(tokens, positions, None, labels=labels)
     return output, _loss_func
 
@@ -279,5 +283,53 @@ def compare_case(case: McoreCase, runs: tuple[str, ...] = ("plain", "overlap")) 
     out = {"reference": megatron_reference(case)}
     for run in runs:
         out[run] = megapipe_run(case, overlap=run != "plain", trace=run == "overlap")
+    dist.barrier()
+    return out
+
+
+def _bf16_chunks(case: McoreCase, megatron_overlap: bool):
+    """bf16 chunks as a Megatron bf16 script builds them: config.bf16, Float16Module, DDP with
+    fp32 gradient buffers, finalize_model_grads."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.transformer.module import Float16Module
+
+    config, chunks, names = build_chunks(case)
+    config.bf16 = True
+    config.pipeline_dtype = torch.bfloat16
+    config.overlap_moe_expert_parallel_comm = megatron_overlap
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, Float16Module(config, chunk),
+                                disable_bucketing=j > 0)
+        for j, chunk in enumerate(chunks)
+    ]
+    names = [{f"module.module.{n}": v for n, v in chunk_names.items()} for chunk_names in names]
+    return wrapped, names
+
+
+def bf16_combined_case(case: McoreCase) -> dict:
+    """bf16: Megatron's own combined 1F1B (its overlap) against megapipe's combined step on
+    the same bf16 chunks (Megatron's DDP reduction in both)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
+
+    from megapipe import get_forward_backward_func
+
+    _setup(case)
+    chunks, names = _bf16_chunks(replace(case, schedule=None), megatron_overlap=True)
+    out = {"reference": _run(replace(case, schedule=None), megatron_func(), chunks, names)}
+    chunks, names = _bf16_chunks(case, megatron_overlap=False)
+    func = get_forward_backward_func(
+        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=_megapipe_groups(case),
+        timeout=60.0, overlap_moe_expert_parallel_comm=True, reduce_grads=False,
+    )
+    try:
+        out["overlap"] = _run(case, func, chunks, names)
+    finally:
+        func.close()
     dist.barrier()
     return out

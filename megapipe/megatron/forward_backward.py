@@ -32,6 +32,16 @@ vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing 
 the shape ``(micro_batch_size, seq_length, hidden_size)`` (``layout="bsh"``, megapipe's GPT) or
 ``(seq_length, micro_batch_size, hidden_size)`` (``layout="sbh"``, Megatron's). Gradients are
 reduced over data parallelism inside the call when ``groups`` is given and ``reduce_grads``.
+
+Megatron-Core ``GPTModel`` chunks (also inside Megatron's ``Float16Module`` and
+``DistributedDataParallel``) are wrapped in ``McoreGPTStage`` (``mcore_adapter``), so they
+overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called
+with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
+layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
+``reduce_grads=False`` the call ends, as Megatron's schedules do, with
+``config.finalize_model_grads_func(model, num_tokens)`` when the script set it (Megatron's DDP
+reduction, tied embeddings); with ``reduce_grads=True`` megapipe reduces (chunks must not be
+DDP-wrapped then).
 ``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
 unused (no encoder-decoder models, no validation-step special case).
 """
@@ -44,7 +54,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module, is_megatron_ddp
+from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module, check_ddp
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -152,15 +162,9 @@ class MegatronForwardBackward:
     ) -> list[Any]:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
-        if not forward_only and self.options.reduce_grads:
+        if not forward_only:
             for chunk in chunks:
-                if is_megatron_ddp(chunk):
-                    raise ValueError(
-                        f"{type(chunk).__name__} is Megatron's DistributedDataParallel: its "
-                        "gradients live in main_grad and finalize_model_grads reduces them; pass "
-                        "reduce_grads=False to leave the reduction to it (megapipe then calls "
-                        "config.finalize_model_grads_func as Megatron's schedules do)"
-                    )
+                check_ddp(chunk, self.options.reduce_grads)
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != len(chunks):
                 raise ValueError(
@@ -366,8 +370,11 @@ def get_forward_backward_func(
 
     The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
-    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` does) overlaps;
-    any other chunk runs F then B (warned once).
+    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
+    Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)
+    overlaps; any other chunk runs F then B (warned once). ``layout`` and ``dtype`` default to
+    Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
+    ``"bsh"`` and fp32.
     """
     return MegatronForwardBackward(FrontEndOptions(
         pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,

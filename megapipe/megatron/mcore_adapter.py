@@ -62,13 +62,35 @@ def find_gpt_model(chunk: nn.Module) -> nn.Module | None:
     return next((m for m in chain if isinstance(m, GPTModel)), None)
 
 
-def is_megatron_ddp(chunk: nn.Module) -> bool:
-    """Whether ``chunk`` is wrapped in Megatron's DistributedDataParallel (its gradients live
-    in ``main_grad`` buffers that its ``finalize_model_grads`` reduces)."""
-    return any(
-        type(m).__module__.startswith("megatron.") and hasattr(m, "finish_grad_sync")
-        for m in _chain(chunk)
+def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
+    """Megatron's DistributedDataParallel around ``chunk``, if any (its gradients live in
+    ``main_grad`` buffers that its ``finalize_model_grads`` reduces)."""
+    return next(
+        (m for m in _chain(chunk)
+         if type(m).__module__.startswith("megatron.") and hasattr(m, "finish_grad_sync")),
+        None,
     )
+
+
+def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
+    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``) after
+    the step, not overlapped with the backward."""
+    ddp = megatron_ddp(chunk)
+    if ddp is None:
+        return
+    if reduce_grads:
+        raise ValueError(
+            f"{type(chunk).__name__} wraps Megatron's DistributedDataParallel: its gradients "
+            "live in main_grad and finalize_model_grads reduces them; pass reduce_grads=False "
+            "to leave the reduction to it (megapipe then calls config.finalize_model_grads_func "
+            "as Megatron's schedules do)"
+        )
+    if getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False):
+        raise NotImplementedError(
+            "Megatron DDP's overlap_grad_reduce=True is not supported: it needs the schedule "
+            "to drive DDP's no_sync/grad_sync hooks per microbatch, which megapipe does not; "
+            "use overlap_grad_reduce=False (the reduction then runs in finalize_model_grads)"
+        )
 
 
 def check_mcore_version() -> str:
@@ -96,6 +118,8 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "its all-gathers beside the all-to-all are not split into nodes"),
     ("multi-token prediction (MTP)", lambda c: c.mtp_num_layers, "MTP layers are not adapted"),
     ("FP8/FP4", lambda c: c.fp8 or c.fp4, "needs TransformerEngine"),
+    ("fp16", lambda c: c.fp16,
+     "the front end does not apply Megatron's loss scaling (config.grad_scale_func); use bf16"),
     ("CUDA graphs", lambda c: c.cuda_graph_impl != "none",
      "a graph replays whole layers, not the nodes the co-scheduler interleaves"),
     ("activation recomputation", lambda c: c.recompute_granularity is not None,

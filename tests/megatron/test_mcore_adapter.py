@@ -131,7 +131,7 @@ def _config(**overrides):
         expert_tensor_parallel_size=1, mtp_num_layers=None, fp8=None, fp4=None,
         cuda_graph_impl="none", recompute_granularity=None, cpu_offloading=False,
         fine_grained_activation_offloading=False, moe_shared_expert_overlap=False,
-        num_moe_experts=4, moe_token_dispatcher_type="alltoall",
+        num_moe_experts=4, moe_token_dispatcher_type="alltoall", fp16=False,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -145,6 +145,7 @@ def _config(**overrides):
     ({"fp8": "hybrid"}, "FP8"),
     ({"cuda_graph_impl": "local"}, "CUDA graphs"),
     ({"recompute_granularity": "full"}, "recomputation"),
+    ({"fp16": True}, "loss scaling"),
 ])
 def test_unsupported_features_are_named(override, named):
     from megapipe.megatron.mcore_adapter import check_supported
@@ -170,3 +171,27 @@ def test_other_modules_pass_through_unwrapped():
 
     module = torch.nn.Linear(2, 2)
     assert as_stage_module(module) is module and find_gpt_model(module) is None
+
+
+def test_megatron_ddp_is_refused_where_it_would_reduce_wrongly():
+    from types import SimpleNamespace
+
+    from megapipe.megatron.mcore_adapter import check_ddp
+
+    class DistributedDataParallel(torch.nn.Module):  # stands for Megatron's (same module path)
+        __module__ = "megatron.core.distributed.distributed_data_parallel"
+
+        def __init__(self, overlap_grad_reduce):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            self.ddp_config = SimpleNamespace(overlap_grad_reduce=overlap_grad_reduce)
+
+        def finish_grad_sync(self):
+            pass
+
+    check_ddp(torch.nn.Linear(2, 2), reduce_grads=True)  # no DDP: nothing to refuse
+    check_ddp(DistributedDataParallel(False), reduce_grads=False)
+    with pytest.raises(ValueError, match="reduce_grads=False"):
+        check_ddp(DistributedDataParallel(False), reduce_grads=True)
+    with pytest.raises(NotImplementedError, match="overlap_grad_reduce"):
+        check_ddp(DistributedDataParallel(True), reduce_grads=False)

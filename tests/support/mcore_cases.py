@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch

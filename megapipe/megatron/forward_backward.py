@@ -54,7 +54,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module, check_ddp
+from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
+from megapipe.megatron.mcore_support import check_ddp
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec

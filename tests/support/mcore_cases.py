@@ -54,6 +54,15 @@ class McoreCase:
                 f"dp={self.dp},reduce={self.reduce}{extra})")
 
 
+def warm_up() -> None:
+    """Import Megatron-Core and patch it for CPU (seconds per process, once per pool)."""
+    import importlib
+
+    megatron_cpu.apply()
+    for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.distributed"):
+        importlib.import_module(name)
+
+
 def _setup(case: McoreCase) -> None:
     megatron_cpu.apply()
     from megatron.core import parallel_state

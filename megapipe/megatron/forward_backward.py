@@ -39,7 +39,7 @@ overlap in combined schedules; ``forward_step_func`` then receives the wrapper, 
 with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
 layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
 ``reduce_grads=False`` the call ends, as Megatron's schedules do, with
-``config.finalize_model_grads_func(model, num_tokens)`` when the script set it (Megatron's DDP
+``config.finalize_model_grads_func(model, None)`` when the script set it (Megatron's DDP
 reduction, tied embeddings); with ``reduce_grads=True`` megapipe reduces (chunks must not be
 DDP-wrapped then).
 ``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
@@ -82,7 +82,6 @@ class _CallState:
     stage_of: dict[int, int]  # id(chunk) -> its stage
     loss_funcs: dict[int, Callable[..., Any]] = field(default_factory=dict)
     store: dict[int, Any] = field(default_factory=dict)
-    num_tokens: Any = 0  # summed over this rank's last-stage microbatches (3-tuple loss_func)
 
 
 @dataclass(frozen=True)
@@ -259,8 +258,8 @@ class MegatronForwardBackward:
 
     def _finalize_like_megatron(self, chunks: list[nn.Module], stages: dict) -> None:
         """With ``reduce_grads=False``, Megatron-Core chunks get what Megatron's schedules do
-        after the last backward: ``config.finalize_model_grads_func(model, num_tokens)`` when
-        the script set it (DDP reduction, tied-embedding and expert gradients)."""
+        after the last backward: ``config.finalize_model_grads_func(model, None)`` when the
+        script set it (DDP reduction, tied-embedding and expert gradients)."""
         megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
         if not megatron:
             return
@@ -269,10 +268,7 @@ class MegatronForwardBackward:
         if finalize is None:
             return
         assert self._call is not None
-        num_tokens = None
-        if config.calculate_per_token_loss:
-            num_tokens = torch.as_tensor(self._call.num_tokens, dtype=torch.int).clone()
-        finalize(chunks, num_tokens)
+        finalize(chunks, None)  # no token count: calculate_per_token_loss is refused
 
     def _check_forward_order(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
@@ -319,7 +315,6 @@ class MegatronForwardBackward:
         outputs = loss_func(output)
         if len(outputs) == 3:
             loss, num_tokens, reduced = outputs
-            call.num_tokens = call.num_tokens + num_tokens
             if not call.calculate_per_token_loss:
                 loss = loss / num_tokens
         elif len(outputs) == 2:

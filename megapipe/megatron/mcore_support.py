@@ -91,6 +91,9 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "its all-gathers beside the all-to-all are not split into nodes"),
     ("multi-token prediction (MTP)", lambda c: c.mtp_num_layers, "MTP layers are not adapted"),
     ("FP8/FP4", lambda c: c.fp8 or c.fp4, "needs TransformerEngine"),
+    ("calculate_per_token_loss", lambda c: c.calculate_per_token_loss,
+     "megapipe's executor divides every microbatch's loss by num_microbatches, Megatron's "
+     "per-token mode does not (it scales by the token count in finalize_model_grads)"),
     ("fp16", lambda c: c.fp16,
      "the front end does not apply Megatron's loss scaling (config.grad_scale_func); use bf16"),
     ("CUDA graphs", lambda c: c.cuda_graph_impl != "none",

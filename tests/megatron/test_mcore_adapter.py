@@ -149,6 +149,7 @@ def _config(**overrides):
         cuda_graph_impl="none", recompute_granularity=None, cpu_offloading=False,
         fine_grained_activation_offloading=False, moe_shared_expert_overlap=False,
         num_moe_experts=4, moe_token_dispatcher_type="alltoall", fp16=False,
+        calculate_per_token_loss=False,
     )
     fields.update(overrides)
     return SimpleNamespace(**fields)
@@ -163,6 +164,7 @@ def _config(**overrides):
     ({"cuda_graph_impl": "local"}, "CUDA graphs"),
     ({"recompute_granularity": "full"}, "recomputation"),
     ({"fp16": True}, "loss scaling"),
+    ({"calculate_per_token_loss": True}, "calculate_per_token_loss"),
 ])
 def test_unsupported_features_are_named(override, named):
     from megapipe.megatron.mcore_support import check_supported

@@ -226,7 +226,8 @@ class MegatronForwardBackward:
         stages = dict(zip(stage_ids, chunks))
         for stage, chunk in stages.items():
             if isinstance(chunk, McoreGPTStage):
-                chunk.check_stage(stage, schedule.is_first_stage(stage), schedule.is_last_stage(stage))
+                first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
+                chunk.check_stage(stage, first, last)
         hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
         if hidden is None and o.pp > 1:
             raise ValueError(
@@ -267,7 +268,6 @@ class MegatronForwardBackward:
         finalize = getattr(config, "finalize_model_grads_func", None)
         if finalize is None:
             return
-        assert self._call is not None
         finalize(chunks, None)  # no token count: calculate_per_token_loss is refused
 
     def _check_forward_order(self, schedule: Schedule) -> None:

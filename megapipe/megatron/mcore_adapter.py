@@ -24,7 +24,8 @@ embeddings, labels) are held by the forward call that builds the plans.
 It relies on Megatron internals (``_preprocess``, ``_forward_attention``, the MoE layer's
 ``route``/``preprocess``/``dispatch``/``routed_experts_compute``/``combine``/``postprocess``,
 ``_forward_post_mlp``, ``_postprocess``), so the supported versions are pinned
-(``mcore_support.SUPPORTED_MCORE_VERSIONS``, the ``megapipe[megatron]`` extra) and the tests exercise them.
+(``mcore_support.SUPPORTED_MCORE_VERSIONS``, the ``megapipe[megatron]`` extra) and the tests
+exercise them.
 Features the split does not cover are refused when the adapter is built (``mcore_support``).
 """
 

@@ -114,7 +114,9 @@ def check_supported(config: Any) -> None:
     """Refuse, naming the feature and why, what the node split does not cover."""
     for name, used, why in _UNSUPPORTED:
         if used(config):
-            raise NotImplementedError(f"megapipe's Megatron-Core adapter does not support {name}: {why}")
+            raise NotImplementedError(
+                f"megapipe's Megatron-Core adapter does not support {name}: {why}"
+            )
 
 
 def check_groups(gpt: nn.Module) -> None:

@@ -103,7 +103,10 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 
 def _tied_params(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters() if p.requires_grad and getattr(p, "shared_embedding", False)]
+    return [
+        p for p in module.parameters()
+        if p.requires_grad and getattr(p, "shared_embedding", False)
+    ]
 
 
 def sum_tied_embedding_grads(
@@ -140,7 +143,10 @@ def sum_tied_embedding_grads(
     (stage, grad), = grads.items()
     peer = pp_ranks[schedule.stage_to_rank[last if stage == first else first]]
     received = torch.empty_like(grad)
-    ops = [dist.P2POp(dist.isend, grad, peer, pp_group), dist.P2POp(dist.irecv, received, peer, pp_group)]
+    ops = [
+        dist.P2POp(dist.isend, grad, peer, pp_group),
+        dist.P2POp(dist.irecv, received, peer, pp_group),
+    ]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     grad.add_(received)

@@ -2,14 +2,14 @@
 
 Megatron-Core assumes CUDA in a few dozen places that have nothing to do with the numbers:
 ``device=torch.cuda.current_device()`` in ~30 constructors, CUDA streams and events in the
-all-to-all token dispatcher and in its combined 1F1B, ``record_stream`` and ``.cuda()`` on tensors, the CUDA
-RNG tracker, ``device="cuda"`` zeros in its schedules, ``torch.cuda.synchronize`` in p2p and
-NVTX ranges. ``apply()`` replaces each with its CPU meaning (the current device is the CPU, a
-stream is the host thread, an event is already complete, the RNG tracker keeps CPU generator
-states). It also works around two Megatron bugs seen on machines without TransformerEngine:
-``moe_utils.te_general_gemm`` is referenced but only defined when TransformerEngine imports, and
-the dispatcher turns split sizes into numpy arrays only for CUDA tensors (CPU tensors then break
-``all_to_all_single`` at ep > 1).
+all-to-all token dispatcher and in its combined 1F1B, ``record_stream`` and ``.cuda()`` on
+tensors, the CUDA RNG tracker, ``device="cuda"`` zeros in its schedules and default causal
+mask, ``torch.cuda.synchronize`` in p2p and NVTX ranges. ``apply()`` replaces each with its CPU
+meaning (the current device is the CPU, a stream is the host thread, an event is already
+complete, the RNG tracker keeps CPU generator states). It also works around two Megatron bugs
+seen on machines without TransformerEngine: ``moe_utils.te_general_gemm`` is referenced but only
+defined when TransformerEngine imports, and the dispatcher turns split sizes into numpy arrays
+only for CUDA tensors (CPU tensors then break ``all_to_all_single`` at ep > 1).
 
 These patches live here, never in megapipe/: megapipe runs Megatron's models unchanged on GPUs.
 ``apply()`` is idempotent; it changes process-wide state, so call it only in processes that run

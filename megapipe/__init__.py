@@ -29,6 +29,7 @@ _RUNTIME_EXPORTS = {
     "make_streams": "megapipe.overlap",
     # pipeline executor and Megatron front end
     "get_forward_backward_func": "megapipe.megatron.forward_backward",
+    "McoreGPTStage": "megapipe.megatron.mcore_adapter",
     "PipelineExecutor": "megapipe.pipeline.executor",
     "StepResult": "megapipe.pipeline.executor",
     "TensorSpec": "megapipe.pipeline.p2p",

@@ -32,6 +32,16 @@ vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing 
 the shape ``(micro_batch_size, seq_length, hidden_size)`` (``layout="bsh"``, megapipe's GPT) or
 ``(seq_length, micro_batch_size, hidden_size)`` (``layout="sbh"``, Megatron's). Gradients are
 reduced over data parallelism inside the call when ``groups`` is given and ``reduce_grads``.
+
+Megatron-Core ``GPTModel`` chunks (also inside Megatron's ``Float16Module`` and
+``DistributedDataParallel``) are wrapped in ``McoreGPTStage`` (``mcore_adapter``), so they
+overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called
+with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
+layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
+``reduce_grads=False`` the call ends, as Megatron's schedules do, with
+``config.finalize_model_grads_func(model, None)`` when the script set it (Megatron's DDP
+reduction, tied embeddings); with ``reduce_grads=True`` megapipe reduces (chunks must not be
+DDP-wrapped then).
 ``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
 unused (no encoder-decoder models, no validation-step special case).
 """
@@ -44,6 +54,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
+from megapipe.megatron.mcore_support import check_ddp
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -90,8 +102,8 @@ class FrontEndOptions:
     schedule: str | None = None
     groups: ProcessGroups | None = None
     hidden_size: int | None = None
-    layout: str = "bsh"
-    dtype: torch.dtype = torch.float32
+    layout: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
+    dtype: torch.dtype | None = None  # None: a Megatron-Core chunk's pipeline dtype, else fp32
     timeout: float = 300.0
     overlap: bool = False
     calculate_per_token_loss: bool = False
@@ -104,7 +116,7 @@ class FrontEndOptions:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.layout not in ("bsh", "sbh"):
+        if self.layout not in (None, "bsh", "sbh"):
             raise ValueError(
                 f"layout={self.layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
             )
@@ -150,6 +162,9 @@ class MegatronForwardBackward:
     ) -> list[Any]:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
+        if not forward_only:
+            for chunk in chunks:
+                check_ddp(chunk, self.options.reduce_grads)
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != len(chunks):
                 raise ValueError(
@@ -174,6 +189,8 @@ class MegatronForwardBackward:
                             targets[i] = _LossTarget(stage, i)
             placeholders = [None] * num_microbatches
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
+            if not forward_only and not self.options.reduce_grads:
+                self._finalize_like_megatron(chunks, stages)
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -199,6 +216,7 @@ class MegatronForwardBackward:
                 f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
                 f"model has {len(chunks)}"
             )
+        chunks = [as_stage_module(chunk) for chunk in chunks]
         for chunk in chunks:
             if not callable(getattr(chunk, "set_input_tensor", None)):
                 raise TypeError(
@@ -206,21 +224,28 @@ class MegatronForwardBackward:
                     "Megatron's convention needs it to hand a received activation to the chunk"
                 )
         stages = dict(zip(stage_ids, chunks))
+        for stage, chunk in stages.items():
+            if isinstance(chunk, McoreGPTStage):
+                first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
+                chunk.check_stage(stage, first, last)
         hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
         if hidden is None and o.pp > 1:
             raise ValueError(
                 "hidden_size is needed for the activation shape: pass it to "
                 "get_forward_backward_func or give the chunks a .config.hidden_size"
             )
+        megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
+        layout = o.layout or ("sbh" if megatron else "bsh")
         shape = (
             (micro_batch_size, seq_length, hidden)
-            if o.layout == "bsh"
+            if layout == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
+        dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
         executor = PipelineExecutor(
             schedule,
             stages,
-            spec=TensorSpec(shape, o.dtype) if hidden is not None else None,
+            spec=TensorSpec(shape, dtype) if hidden is not None else None,
             loss_fn=self._loss,
             groups=o.groups,
             grad_reduction="dp" if o.reduce_grads else "none",
@@ -231,6 +256,19 @@ class MegatronForwardBackward:
         )
         self._executors[key] = (executor, stages)
         return executor, stages
+
+    def _finalize_like_megatron(self, chunks: list[nn.Module], stages: dict) -> None:
+        """With ``reduce_grads=False``, Megatron-Core chunks get what Megatron's schedules do
+        after the last backward: ``config.finalize_model_grads_func(model, None)`` when the
+        script set it (DDP reduction, tied-embedding and expert gradients)."""
+        megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
+        if not megatron:
+            return
+        config = megatron[0].config
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is None:
+            return
+        finalize(chunks, None)  # no token count: calculate_per_token_loss is refused
 
     def _check_forward_order(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
@@ -290,6 +328,12 @@ class MegatronForwardBackward:
         return loss
 
 
+def _pipeline_dtype(chunk: McoreGPTStage) -> torch.dtype:
+    """What a Megatron-Core chunk sends between stages: its config's pipeline dtype."""
+    config = chunk.config
+    return config.pipeline_dtype or config.params_dtype or torch.float32
+
+
 def get_forward_backward_func(
     pp: int = 1,
     vpp: int = 1,
@@ -297,8 +341,8 @@ def get_forward_backward_func(
     *,
     groups: ProcessGroups | None = None,
     hidden_size: int | None = None,
-    layout: str = "bsh",
-    dtype: torch.dtype = torch.float32,
+    layout: str | None = None,
+    dtype: torch.dtype | None = None,
     timeout: float = 300.0,
     overlap: bool = False,
     calculate_per_token_loss: bool = False,
@@ -322,8 +366,11 @@ def get_forward_backward_func(
 
     The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
-    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` does) overlaps;
-    any other chunk runs F then B (warned once).
+    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
+    Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)
+    overlaps; any other chunk runs F then B (warned once). ``layout`` and ``dtype`` default to
+    Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
+    ``"bsh"`` and fp32.
     """
     return MegatronForwardBackward(FrontEndOptions(
         pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,

@@ -7,7 +7,8 @@ stage's ``StageWorker``. Tensors between two stages of the same rank are handed 
 combined schedule every training step of a ``StageModule`` runs on the streams through
 ``StreamSteps.run`` (an OVERLAP action with both halves). After the last action the
 outstanding sends are completed, DualPipe's mirrored gradients summed and, unless
-``grad_reduction="none"``, data-parallel gradients averaged (``grad_sync``).
+``grad_reduction="none"``, data-parallel gradients averaged and tied embeddings summed
+(``grad_sync``).
 
 Everything is checked before the first action runs: the schedule is validated (a lowered one
 must run to the end under the batched p2p model), the stages must be exactly those the
@@ -28,7 +29,11 @@ from torch import nn
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.checks import check_executor_options, check_inputs, check_stages
-from megapipe.pipeline.grad_sync import all_reduce_grads, sum_mirrored_grads
+from megapipe.pipeline.grad_sync import (
+    all_reduce_grads,
+    sum_mirrored_grads,
+    sum_tied_embedding_grads,
+)
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
@@ -86,8 +91,10 @@ class PipelineExecutor:
     ``groups`` (``create_groups``) gives the pipeline position, the PP group for p2p and the
     DP/expert-DP groups; without it ``pp_group`` (or the default group) is the pipeline.
     ``grad_reduction``: ``"dp"`` (default) averages gradients over data parallelism after each
-    training step (dense over DP, experts over expert-DP; needs ``groups`` when dp > 1),
-    ``"none"`` leaves the accumulated gradients to the caller (e.g. Megatron's DDP).
+    training step (dense over DP, experts over expert-DP; needs ``groups`` when dp > 1) and
+    sums the two copies of an embedding tied across the first and last stage
+    (``shared_embedding``), ``"none"`` leaves the accumulated gradients to the caller (e.g.
+    Megatron's DDP and ``finalize_model_grads``).
     ``spec`` declares what each stage sends forward: one ``TensorSpec`` for every boundary, or a
     function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
     gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
@@ -249,8 +256,12 @@ class PipelineExecutor:
             sum_mirrored_grads(
                 self.schedule, self.pp_rank, self.stages, position.group, position.ranks
             )
-        if self.grad_reduction == "dp" and self.groups is not None:
-            all_reduce_grads(self.stages, self.groups)
+        if self.grad_reduction == "dp":
+            if self.groups is not None:
+                all_reduce_grads(self.stages, self.groups)
+            sum_tied_embedding_grads(
+                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
+            )
 
     def _channel(self) -> PipelineP2P | None:
         """The p2p over the pipeline group, made on first use (None without a spec)."""

@@ -24,12 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.mixed_precision import MixedPrecisionAdamW
-
-
-def is_expert_param(param: torch.Tensor) -> bool:
-    """Expert parameters carry ``param.expert_parallel = True`` (see megapipe.moe)."""
-    return bool(getattr(param, "expert_parallel", False))
 
 
 def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:

@@ -97,7 +97,9 @@ class CoScheduler:
     and returns the gradients of the backward tape's inputs. The forward is recorded on
     ``self.tape`` for its own backward. ``route_input_grads``: whether the forward tape's input
     gradients also flow on into its inputs (a model forward may transform its input before the
-    first layer).
+    first layer). ``on_backward_done(grads)`` is called on the host as soon as the backward's
+    last node has run (its gradients safe for the compute stream), possibly before ``finish``:
+    the executor sends the gradient on from there.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class CoScheduler:
         trace: NodeTrace | None = None,
         fwd_microbatch: int | None = None,
         route_input_grads: bool = True,
+        on_backward_done: Callable[[Grads], None] | None = None,
     ) -> None:
         self.streams = streams
         self.tape = Tape(route_input_grads=route_input_grads)
@@ -118,6 +121,7 @@ class CoScheduler:
         self.fwd_microbatch = fwd_microbatch
         self.bwd_microbatch = backward.microbatch if backward is not None else None
         self.warn_once = WarnOnce()  # layer types without a node plan, warned about once each
+        self.on_backward_done = on_backward_done
         defer = self.run_wgrad and self.wgrad is not None
         self.planner = StepPlanner(self._backward_kinds(), defer_wgrad=defer)
         # one queue per backward layer, so the plan can run a layer's W items in two parts
@@ -199,8 +203,10 @@ class CoScheduler:
             for issue in order:
                 if issue.side == "W":
                     self._issue_wgrad(issue)
-                else:
-                    self._issue_node(issue)
+                    continue
+                self._issue_node(issue)
+                if issue.side == "B" and issue.layer == 0 and issue.node == 0:
+                    self._backward_done()
         except BaseException:
             _quietly_wait(self.streams.comm.record_event())  # never abandon a tape in use
             raise
@@ -283,6 +289,20 @@ class CoScheduler:
         layer = max(issue.layer, 0)
         label = (self.bwd_microbatch, layer, "wgrad", "W", "compute")
         self.streams.compute.submit(self._traced(run, self.streams.compute, label, issue))
+
+    def _backward_done(self) -> None:
+        """The backward's last node was issued: hand its input gradients to the hook."""
+        if self.on_backward_done is None:
+            return
+        assert self.backward is not None
+        stream, event = self._last["B"]
+        compute = self.streams.compute
+        if stream is not compute and event is not None:
+            compute.wait_event(event)  # on CPU: wait for the comm thread
+        grads = self.backward.tape.input_grads
+        assert grads is not None
+        compute.hold(grads)
+        self.on_backward_done(grads)
 
     def _forward_outputs(self, layer: LayerRecord) -> Values:
         """The layer's outputs, made safe for the caller's work on the compute stream."""

@@ -8,9 +8,12 @@ half, the backward half, or both (an OVERLAP action), and in that order
 2. builds one ``CoScheduler`` with it,
 3. runs the forward half's stage through that co-scheduler (``StageWorker.forward``): forward
    layer k beside backward layer N-1-k, comm nodes on the comm stream,
-4. lets the co-scheduler finish the backward layers that had no partner and the deferred
-   weight gradients (``finish``), and
-5. hands the backward's input gradients back to its worker (``finish_tape_backward``).
+4. hands each half's result on as soon as it is made: the forward's output when the forward's
+   last layer has run (``on_output``), the backward's input gradients, back through its worker
+   (``finish_tape_backward``), when the backward's last node has run (``on_grad_input``), so
+   the executor can send them before the pair's leftover work, and
+5. lets the co-scheduler finish the backward layers that had no partner and the deferred
+   weight gradients (``finish``).
 
 So every comm node (every expert-parallel all-to-all) is issued from the one communication
 stream, in the same order on every rank, and the results are bitwise those of the sequential
@@ -28,7 +31,7 @@ halves one after the other with plain autograd, warned once per module type
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -109,36 +112,53 @@ class StreamSteps:
         return ok
 
     def run(
-        self, forward: ForwardHalf | None = None, backward: BackwardHalf | None = None
+        self,
+        forward: ForwardHalf | None = None,
+        backward: BackwardHalf | None = None,
+        *,
+        on_output: Callable[[torch.Tensor], None] | None = None,
+        on_grad_input: Callable[[torch.Tensor | None], None] | None = None,
     ) -> HalvesDone:
-        """Run one forward half, one backward half, or both side by side (module docstring)."""
+        """Run one forward half, one backward half, or both side by side (module docstring).
+
+        ``on_output(output)`` is called as soon as the forward's last layer has run and
+        ``on_grad_input(grad)`` as soon as the backward's last node has (early sends): both
+        before the pair's leftover work (the other half's, the held weight gradients)."""
         work = None
+        done = HalvesDone()
         if backward is not None:
             wgrad = WeightGradQueue() if self.delay_wgrad_compute else None
             work = backward.worker.take_tape_backward(
                 backward.microbatch, backward.grad_output, backward.keep_weight_grads, wgrad
             )
+
+        def backward_done(grad_inputs: Any) -> None:
+            assert backward is not None
+            done.grad_input = backward.worker.finish_tape_backward(
+                backward.microbatch, grad_inputs, work
+            )
+            if on_grad_input is not None:
+                on_grad_input(done.grad_input)
+
         scheduler = CoScheduler(
             self.streams,
             work,
             trace=self.trace,
             fwd_microbatch=forward.microbatch if forward is not None else None,
             route_input_grads=forward.worker.routes_input_grads if forward is not None else False,
+            on_backward_done=backward_done if backward is not None else None,
         )
-        done = HalvesDone()
         if forward is not None:
             try:
                 done.output = forward.worker.forward(
                     forward.microbatch, forward.stage_input, runner=scheduler
                 )
+                if on_output is not None:
+                    on_output(done.output)
             except BaseException:
                 self._drain()
                 raise
-        grad_inputs = scheduler.finish()
-        if backward is not None:
-            done.grad_input = backward.worker.finish_tape_backward(
-                backward.microbatch, grad_inputs, work
-            )
+        scheduler.finish()
         return done
 
     def _drain(self) -> None:

@@ -220,3 +220,34 @@ def non_node_stage(overlap: bool) -> tuple[list[str], dict[int, float], torch.Te
                 result = executor.step(inputs, [x.flip(0) for x in inputs])
     messages = [str(w.message) for w in caught]
     return messages, {i: v.item() for i, v in result.losses.items()}, stage.proj.weight.grad
+
+
+def early_send_order(case: Case) -> dict | None:
+    """A combined step with delayed weight gradients, logging in order when each p2p batch is
+    posted and when each OVERLAP's ``StreamSteps.run`` returns."""
+    from megapipe.pipeline.step_tensors import StepTensors
+    from megapipe.pipeline.stream_steps import StreamSteps
+
+    prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
+    if dist.get_rank() >= case.world:
+        return None
+    log: list[tuple[str, str]] = []
+    post, run = StepTensors.post, StreamSteps.run
+
+    def logged_post(self, actions):
+        log.append(("post", " ".join(str(a) for a in actions)))
+        return post(self, actions)
+
+    def logged_run(self, forward=None, backward=None, **hooks):
+        done = run(self, forward, backward, **hooks)
+        if forward is not None and backward is not None:
+            log.append(("pair end", f"F{forward.microbatch} B{backward.microbatch}"))
+        return done
+
+    StepTensors.post, StreamSteps.run = logged_post, logged_run
+    try:
+        losses, grads, _, _ = _run(case, overlap=True, delay=True)
+        plain = _run(case, overlap=False, delay=False)
+    finally:
+        StepTensors.post, StreamSteps.run = post, run
+    return {"log": log, "differences": _differences(plain, (losses, grads))}

@@ -86,17 +86,21 @@ class GroupedExperts(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: Sequence[int],
-        state: LayerState | None = None,
+        state: LayerState | None = None, group_first: int | None = None,
     ) -> torch.Tensor:
         """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
 
         ``state`` (the layer's ``LayerState``) lets the overlap engine defer the expert weight
         gradients into its ``wgrad_queue`` (megapipe.overlap.wgrad); None computes them at once.
+        ``group_first``: run only the local experts ``group_first ..`` (one per entry of
+        ``tokens_per_expert``): one expert group of a chunked layer (``megapipe.moe.chunks``).
         """
-        if len(tokens_per_expert) != self.num_local_experts:
+        first = 0 if group_first is None else group_first
+        expected = self.num_local_experts - first if group_first is None else len(tokens_per_expert)
+        if len(tokens_per_expert) != expected or first + expected > self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {len(tokens_per_expert)} entries, expected one per local "
-                f"expert ({self.num_local_experts})"
+                f"expert ({self.num_local_experts}) from expert {first}"
             )
         if sum(tokens_per_expert) != tokens.shape[0]:
             raise ValueError(
@@ -105,6 +109,11 @@ class GroupedExperts(nn.Module):
             )
         # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
         # into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
-        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, state)
-        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, state)
-        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, state)
+        counts = [int(c) for c in tokens_per_expert]
+        gate = grouped_matmul(tokens, counts, self.w_gate, state, first)
+        up = grouped_matmul(tokens, counts, self.w_up, state, first)
+        # the activation per expert too: CPU kernels compute a tensor's last elements in a
+        # scalar tail, so an expert's results would depend on the rows of the other experts
+        # (chunked layers run a group of experts at a time, megapipe.moe.chunks)
+        hidden = torch.cat([F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))])
+        return grouped_matmul(hidden, counts, self.w_down, state, first)

@@ -39,11 +39,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.plan import Node, NodeKind
+from megapipe.overlap.plan import ChunkedPlan, Fork, Node, NodeKind, layer_graph
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.sim.pair_plan import COMM, HEAD, REST, Issue, StepPlanner, compute_first
+from megapipe.sim.pair_plan import (
+    COMM, HEAD, REST, Issue, LayerShape, StepPlanner, compute_first, layer_shape,
+)
 
 
 class WarnOnce:
@@ -83,10 +85,6 @@ class TapeBackward:
     run_wgrad: bool = True
 
 
-def _kinds(nodes: Sequence[Node]) -> list[str]:
-    return [NodeKind(node.kind).value for node in nodes]
-
-
 class CoScheduler:
     """Runs a forward layer by layer (``run_layer``) beside the backward of another microbatch.
 
@@ -111,6 +109,7 @@ class CoScheduler:
         fwd_microbatch: int | None = None,
         route_input_grads: bool = True,
         on_backward_done: Callable[[Grads], None] | None = None,
+        a2a_chunks: int = 1,
     ) -> None:
         self.streams = streams
         self.tape = Tape(route_input_grads=route_input_grads)
@@ -126,28 +125,28 @@ class CoScheduler:
         self.planner = StepPlanner(self._backward_kinds(), defer_wgrad=defer)
         # one queue per backward layer, so the plan can run a layer's W items in two parts
         self._layer_wgrad = {i: WeightGradQueue() for i in range(len(self.planner.backward_layers))}
+        self.a2a_chunks = a2a_chunks
         self._finished = False
         self._backward_started = False
         self._forward_layer: LayerRecord | None = None
-        # per side: the stream its last node ran on and that node's event (None: the caller's
-        # work on that stream, recorded when needed)
-        self._last: dict[str, tuple[Stream, Event | None]] = {
-            "F": (streams.compute, None), "B": (streams.compute, None),
-        }
+        self._forward_shapes: list[LayerShape] = []
+        self._events: dict[int, tuple[Stream, Event]] = {}  # issue position -> its stream, event
         self._trace_slots: dict[int, int] = {}
 
     # ---- public --------------------------------------------------------------------------
-    def plan_of(self, layer: Any) -> list[Node]:
-        """The node plan of ``layer``: a list of Nodes as is, ``layer.node_plan()``, or, for a
-        layer that does not follow the node protocol, the whole layer as one compute node
-        (it then runs F and B one after the other; warned once per layer type)."""
-        if isinstance(layer, (list, tuple)) and layer and all(isinstance(n, Node) for n in layer):
-            return list(layer)
+    def plan_of(self, layer: Any) -> list[Any]:
+        """The node plan of ``layer``: a plan (a list of Node, Fork) as is, ``layer.node_plan()``,
+        or, for a layer that does not follow the node protocol, the whole layer as one compute
+        node (it then runs F and B one after the other; warned once per layer type). With
+        ``a2a_chunks`` > 1 a ``ChunkedPlan`` gives its chunked form."""
+        plan = layer
         node_plan = getattr(layer, "node_plan", None)
-        if callable(node_plan):
+        if not _is_plan(plan) and callable(node_plan):
             plan = node_plan()
-            if isinstance(plan, (list, tuple)) and plan and all(isinstance(n, Node) for n in plan):
-                return list(plan)
+        if _is_plan(plan):
+            if self.a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
+                return list(plan.chunked(self.a2a_chunks))
+            return list(plan)
         if not callable(layer):
             raise TypeError(
                 f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "
@@ -166,10 +165,10 @@ class CoScheduler:
         if self._finished:
             raise RuntimeError("CoScheduler.run_layer after finish()")
         plan = self.plan_of(layer)
-        issues = self.planner.forward_layer(_kinds(plan))
         self._forward_layer = self.tape.begin_layer(plan, tuple(inputs))
-        self._last["F"] = (self.streams.compute, None)  # the inputs come from the caller
-        self._execute(issues)
+        shape = layer_graph(plan).shape
+        self._forward_shapes.append(layer_shape(shape))
+        self._execute(self.planner.forward_layer(shape))
         return self._forward_outputs(self._forward_layer)
 
     def finish(self) -> Grads | None:
@@ -195,29 +194,33 @@ class CoScheduler:
         layers = self.backward.tape.layers
         if any(layer.backward_done or not layer.recorded for layer in layers):
             raise RuntimeError("a CoScheduler needs a recorded tape whose backward has not begun")
-        return [_kinds([record.node for record in layer.nodes]) for layer in layers]
+        return [layer.shape for layer in layers]
 
     def _execute(self, issues: Sequence[Issue]) -> None:
+        start = len(self.planner.issues) - len(issues)
+        position = {id(issue): start + n for n, issue in enumerate(issues)}
         order = issues if self.streams.compute.runs_on_host else compute_first(issues)
         try:
             for issue in order:
                 if issue.side == "W":
                     self._issue_wgrad(issue)
                     continue
-                self._issue_node(issue)
+                self._events[position[id(issue)]] = self._issue_node(issue)
                 if issue.side == "B" and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:
             _quietly_wait(self.streams.comm.record_event())  # never abandon a tape in use
             raise
 
-    def _issue_node(self, issue: Issue) -> None:
+    def _issue_node(self, issue: Issue) -> tuple[Stream, Event]:
         streams = self.streams
         stream = streams.comm if issue.stream == COMM else streams.compute
-        last_stream, last_event = self._last[issue.side]
-        cross = last_stream is not stream
-        if cross:  # the node's input was made on the other stream
-            stream.wait_event(last_event if last_event is not None else last_stream.record_event())
+        for need in issue.needs:  # inputs made on the other stream: wait for their events
+            stream.wait_event(self._events[need][1])
+        cross = bool(issue.needs)
+        if stream is streams.comm and self._reads_callers_input(issue):
+            stream.wait_event(streams.compute.record_event())
+            cross = True
         if issue.side == "F":
             node, step = self._forward_step(issue, stream, cross)
             microbatch = self.fwd_microbatch
@@ -227,19 +230,29 @@ class CoScheduler:
         if stream is streams.comm:
             streams.claim(node.group, stream)
         label = (microbatch, issue.layer, node.name, issue.side, node.kind.value)
-        self._last[issue.side] = (stream, stream.submit(self._traced(step, stream, label, issue)))
+        return stream, stream.submit(self._traced(step, stream, label, issue))
+
+    def _reads_callers_input(self, issue: Issue) -> bool:
+        """Whether the node reads what the caller made on the compute stream: a forward layer's
+        first node (its inputs), or the backward's very first node (the given gradients)."""
+        if issue.side == "F":
+            return not self._forward_shapes[issue.layer].reads[issue.node]
+        return issue.layer == len(self.planner.backward_layers) - 1 and not (
+            self.planner.backward_layers[issue.layer].readers[issue.node]
+        )
 
     def _forward_step(
         self, issue: Issue, stream: Stream, cross: bool
     ) -> tuple[Node, Callable[[], Any]]:
         layer = self._forward_layer
-        assert layer is not None and layer.next_forward == issue.node, issue
+        assert layer is not None
         record = layer.nodes[issue.node]
 
         def step() -> Values:
+            inputs = self.tape.forward_inputs(layer, issue.node)
             if cross:
-                stream.hold(record.inputs)
-            return self.tape.forward_step(layer).outputs
+                stream.hold(inputs)
+            return self.tape.forward_step(layer, issue.node).outputs
 
         return record.node, step
 
@@ -255,10 +268,9 @@ class CoScheduler:
             # runs on ``stream`` after the previous backward node: begin the layer there
             if first:
                 self._begin_backward_layer(issue.layer)
-            assert layer.next_backward == issue.node, issue
             if cross:
                 stream.hold(layer.nodes[issue.node].pending_grads)
-            return tape.backward_step(layer)
+            return tape.backward_step(layer, issue.node)
 
         return layer.nodes[issue.node].node, step
 
@@ -295,9 +307,9 @@ class CoScheduler:
         if self.on_backward_done is None:
             return
         assert self.backward is not None
-        stream, event = self._last["B"]
+        stream, event = self._events[self.planner.positions[("B", 0, 0)]]
         compute = self.streams.compute
-        if stream is not compute and event is not None:
+        if stream is not compute:
             compute.wait_event(event)  # on CPU: wait for the comm thread
         grads = self.backward.tape.input_grads
         assert grads is not None
@@ -306,9 +318,10 @@ class CoScheduler:
 
     def _forward_outputs(self, layer: LayerRecord) -> Values:
         """The layer's outputs, made safe for the caller's work on the compute stream."""
-        stream, event = self._last["F"]
+        last = ("F", len(self._forward_shapes) - 1, len(layer.nodes) - 1)
+        stream, event = self._events[self.planner.positions[last]]
         compute = self.streams.compute
-        crossed = stream is not compute and event is not None
+        crossed = stream is not compute
         if crossed:  # the layer ended with a comm node
             try:
                 compute.wait_event(event)  # on CPU: wait for the comm thread (re-raises its error)
@@ -336,6 +349,13 @@ class CoScheduler:
                 return fn()
 
         return run
+
+
+def _is_plan(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple)) and bool(value)
+        and all(isinstance(item, (Node, Fork)) for item in value)
+    )
 
 
 def _quietly_wait(event: Event) -> None:

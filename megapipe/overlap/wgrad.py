@@ -65,25 +65,37 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def accumulate_grad_groups(param: torch.Tensor, first: int, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad[first:first + len(grad)]`` (the rest of a fresh ``.grad``
+    is zeros), which equals adding the zero-padded gradient as autograd would."""
+    if first == 0 and grad.shape == param.shape:
+        accumulate_grad(param, grad)
+        return
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    param.grad[first : first + grad.shape[0]].add_(grad)
+
+
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], weight: torch.Tensor, state):
+    def forward(ctx, x, counts: tuple[int, ...], weight: torch.Tensor, state, first: int):
         chunks = torch.split(x, list(counts), dim=0)
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        ctx.state = state
-        return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
+        ctx.counts, ctx.state, ctx.first = counts, state, first
+        return torch.cat([chunk @ weight[first + i] for i, chunk in enumerate(chunks)], dim=0)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        counts = list(ctx.counts)
+        counts, first = list(ctx.counts), ctx.first
         grad_chunks = torch.split(grad_out, counts, dim=0)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.cat([g @ weight[i].t() for i, g in enumerate(grad_chunks)], dim=0)
+            grad_x = torch.cat(
+                [g @ weight[first + i].t() for i, g in enumerate(grad_chunks)], dim=0
+            )
         if not ctx.needs_input_grad[2]:
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
         x_chunks = torch.split(x, counts, dim=0)
 
         def weight_grad() -> torch.Tensor:
@@ -92,32 +104,40 @@ class _GroupedMatmul(torch.autograd.Function):
         queue = queue_of(ctx.state)
         ctx.state = None
         if queue is None:
-            return grad_x, None, weight_grad(), None
+            grad_w = weight_grad()
+            if grad_w.shape != weight.shape:  # a group of the weight's groups: zeros elsewhere
+                padded = torch.zeros_like(weight)
+                padded[first : first + len(counts)] = grad_w
+                grad_w = padded
+            return grad_x, None, grad_w, None, None
         if weight.grad_fn is not None or not weight.is_leaf:
             raise RuntimeError(
                 "grouped_matmul can defer the weight gradient only for a leaf weight "
                 "(a Parameter); "
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
-        queue.put(lambda: accumulate_grad(weight, weight_grad()), name="grouped_matmul")
-        return grad_x, None, None, None
+        queue.put(
+            lambda: accumulate_grad_groups(weight, first, weight_grad()), name="grouped_matmul"
+        )
+        return grad_x, None, None, None, None
 
 
 def grouped_matmul(
     x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
-    state: "LayerState | None" = None,
+    state: "LayerState | None" = None, first: int = 0,
 ) -> torch.Tensor:
-    """``cat_i(x_i @ weight[i])`` for ``x`` split into row groups of ``counts``.
+    """``cat_i(x_i @ weight[first + i])`` for ``x`` split into row groups of ``counts``.
 
-    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group (zeros allowed).
-    Its backward defers the weight gradient into ``state.wgrad_queue`` when that is set.
+    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group used, from group
+    ``first`` on (zeros allowed). Its backward defers the weight gradient into
+    ``state.wgrad_queue`` when that is set.
     """
     counts = tuple(int(c) for c in counts)
-    if weight.dim() != 3 or len(counts) != weight.shape[0]:
+    if weight.dim() != 3 or not counts or first < 0 or first + len(counts) > weight.shape[0]:
         raise ValueError(
             f"grouped_matmul: weight of shape {tuple(weight.shape)} needs one count per group, "
-            f"got {len(counts)} counts"
+            f"got {len(counts)} counts (for the groups from {first} on)"
         )
     if sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_matmul: counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    return _GroupedMatmul.apply(x, counts, weight, state)
+    return _GroupedMatmul.apply(x, counts, weight, state, first)

@@ -27,7 +27,9 @@ from torch import nn
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
-from megapipe.pipeline.checks import check_executor_options, check_inputs, check_stages
+from megapipe.pipeline.checks import (
+    check_executor_options, check_inputs, check_overlap_options, check_stages,
+)
 from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
 from megapipe.pipeline.grad_sync import all_reduce_grads, sum_mirrored_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
@@ -102,7 +104,9 @@ class PipelineExecutor:
     scale is set to 1/num_microbatches each step. ``use_tape=True`` runs them on the tape in
     plain schedules too (same bits, one autograd call per node). ``delay_wgrad_compute``
     (Megatron's flag; needs a combined schedule) defers the expert weight gradients of each
-    backward to run while a backward all-to-all is in flight. ``record_trace`` records a
+    backward to run while a backward all-to-all is in flight. ``moe_a2a_chunks`` k > 1 (needs a
+    combined schedule) records every MoE layer with its all-to-alls in k expert groups, so a step
+    with no partner overlaps its own chunks (``stream_steps``). ``record_trace`` records a
     ``NodeTrace`` per step and fills the timing fields of ``StepResult``. Pipeline p2p stays on
     the calling thread: a pair's receives are posted in the batch before its OVERLAP action; its
     sends go out from inside it as each half's result is made (``early_sends``: proven
@@ -123,6 +127,7 @@ class PipelineExecutor:
         timeout: float = 300.0,
         use_tape: bool = False,
         delay_wgrad_compute: bool = False,
+        moe_a2a_chunks: int = 1,
         record_trace: bool = False,
     ) -> None:
         check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
@@ -157,18 +162,15 @@ class PipelineExecutor:
                 "of the activation each stage sends forward, or spec(stage, microbatch)"
             )
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
-        if delay_wgrad_compute and not self.has_overlap:
-            raise ValueError(
-                f"delay_wgrad_compute=True needs a combined schedule (OVERLAP actions; build it "
-                f"with overlap=True): {schedule.name!r} has none, so no backward all-to-all "
-                "would be in flight to hide the weight gradients behind"
-            )
+        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
         self.record_trace = record_trace
         self._streams: StreamSteps | None = None
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
         self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
         if self.has_overlap:
-            self._streams = StreamSteps(self._device() or "cpu", delay_wgrad_compute)
+            self._streams = StreamSteps(
+                self._device() or "cpu", delay_wgrad_compute, moe_a2a_chunks
+            )
         self._p2p: PipelineP2P | None = None
 
     def _device(self) -> torch.device | None:

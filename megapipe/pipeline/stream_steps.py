@@ -23,6 +23,11 @@ keeps its deferred weight gradients for the later W action, exactly as the seque
 the co-scheduler runs them on the compute stream while a backward all-to-all is in flight; each
 B's queue is flushed before ``run`` returns, so gradients accumulate in the same order.
 
+With ``a2a_chunks`` k > 1 every forward records its MoE layers with their all-to-alls in k
+expert groups (``MoELayer.chunked_plan``): a layer with a partner walks them grouped (the same
+four pairs), a layer without one, in a lone F or B step or left over in a pair, pipelines them
+(one chunk's all-to-all beside another chunk's experts). Bitwise the same results.
+
 Stages that are not ``StageModule``s cannot be split into nodes: the executor runs their OVERLAP
 halves one after the other with plain autograd, warned once per module type
 (``warn_if_not_node_protocol``).
@@ -74,10 +79,14 @@ class StreamSteps:
     """The streams, the optional node trace and the deferral flag of one executor."""
 
     def __init__(
-        self, device: torch.device | str = "cpu", delay_wgrad_compute: bool = False
+        self,
+        device: torch.device | str = "cpu",
+        delay_wgrad_compute: bool = False,
+        a2a_chunks: int = 1,
     ) -> None:
         self.device = torch.device(device)
         self.delay_wgrad_compute = delay_wgrad_compute
+        self.a2a_chunks = a2a_chunks
         self.trace: NodeTrace | None = None  # set per step by the executor when tracing
         self._streams: Streams | None = None
         self._warn_once = WarnOnce()
@@ -147,6 +156,7 @@ class StreamSteps:
             fwd_microbatch=forward.microbatch if forward is not None else None,
             route_input_grads=forward.worker.routes_input_grads if forward is not None else False,
             on_backward_done=backward_done if backward is not None else None,
+            a2a_chunks=self.a2a_chunks,
         )
         if forward is not None:
             try:

@@ -95,6 +95,7 @@ def build_job(args: PretrainArgs) -> Job:
         schedule, stages, groups=groups, loss_fn=gpt_loss,
         spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size)),
         delay_wgrad_compute=args.delay_wgrad_compute,
+        moe_a2a_chunks=args.moe_a2a_chunks,
         record_trace=args.overlap_moe_expert_parallel_comm,
     )
     files = resolve_data_files(args.data_path)
@@ -125,7 +126,8 @@ def describe(job: Job) -> list[str]:
         f"megapipe pretrain: world {args.world_size} = pp {args.pp} x dp {args.dp} "
         f"(ep {args.ep}), vpp {args.vpp}, schedule {job.schedule.name}"
         f"{' with overlap' if args.overlap_moe_expert_parallel_comm else ''}"
-        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}; "
+        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}"
+        f"{f', all-to-alls in {args.moe_a2a_chunks} chunks' if args.moe_a2a_chunks > 1 else ''}; "
         f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} "
         f"tokens per dp rank per step",
         f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "

@@ -300,3 +300,43 @@ def test_a_queuing_compute_stream_gets_its_node_before_the_comm_node():
     assert_same_tensors(list(out_a), list(out_b))
     assert_same_tensors(list(grads_a), list(grads_b))
     assert_same_tensors(params_a, params_b)
+
+
+def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits():
+    from megapipe.moe import EmulatedLink, MoEConfig, MoELayer
+
+    # ep = 1 with an emulated link, so the comm nodes take time on the comm thread
+    config = MoEConfig(hidden_size=16, num_experts=4, top_k=2, ffn_hidden_size=32, init_std=0.5,
+                       aux_loss_coeff=0.01, link=EmulatedLink(1e12, 0.01))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
+    g = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(5))
+    results, traces = [], []
+    for chunks in (1, 2):
+        layers = [MoELayer(config, layer_index=i, seed=3) for i in range(2)]
+        trace = NodeTrace()
+        with make_streams("cpu") as streams:
+            forward = CoScheduler(streams, trace=trace, fwd_microbatch=0, a2a_chunks=chunks)
+            out = (x,)
+            for layer in layers:
+                out = forward.run_layer(layer, out)
+            forward.finish()
+            backward = CoScheduler(streams, TapeBackward(forward.tape, (g,), 0, WeightGradQueue()),
+                                   trace=trace, a2a_chunks=chunks)
+            (gx,) = backward.finish()
+        results.append([out[0], gx] + [p.grad for layer in layers for p in layer.parameters()])
+        traces.append(trace)
+    assert_same_tensors(results[0], results[1])
+    def side_by_side(trace):
+        slots = [sorted((s.direction, s.node) for s in slot if s.direction != "W")
+                 for slot in trace.slots()]
+        return [nodes for nodes in slots if len(nodes) > 1]
+
+    chunked = side_by_side(traces[1])
+    for direction in ("F", "B"):
+        # one chunk's all-to-all beside the other chunk's experts, twice per layer
+        for pair in ({"dispatch1", "experts0"}, {"combine0", "experts1"}):
+            if direction == "B":
+                pair = {"combine1", "experts0"} if "dispatch1" in pair else {"dispatch0", "experts1"}
+            found = [n for n in chunked if n[0][0] == direction and {x for _, x in n} == pair]
+            assert len(found) == 2, (direction, pair, chunked)
+    assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one

@@ -19,7 +19,8 @@ def _label(issue):
 
 def test_two_moe_layers_give_megatrons_four_pairs():
     slots = pair_slots(MOE, MOE)
-    named = [tuple(None if ref is None else f"{ref[0]} {NAMES[ref[1]]}" for ref in slot) for slot in slots]
+    named = [tuple(" ".join(f"{side} {NAMES[n]}" for side, n in refs) or None for refs in slot)
+             for slot in slots]
     assert named == [
         (None, "B finish"),
         ("B combine", "F attention"),
@@ -127,3 +128,65 @@ def test_plan_hides_the_all_to_all_of_a_deepseek_like_pair_of_four_layers():
     assert sequential == pytest.approx(244.0)
     assert sequential / gpu > 1.8, gpu
     assert sequential / cpu > 1.8, cpu
+
+
+MOE2 = ["compute", (("comm", "compute", "comm"),) * 2, "compute"]  # a MoE layer in 2 chunks
+# nodes: 0 attention, 1-3 chunk 0 (dispatch, experts, combine), 4-6 chunk 1, 7 finish
+CHUNK_NAMES = ["attention", "dispatch0", "experts0", "combine0", "dispatch1", "experts1",
+               "combine1", "finish"]
+
+
+def _slot_names(slots):
+    return [tuple(" ".join(f"{side} {CHUNK_NAMES[n]}" for side, n in refs) or None for refs in slot)
+            for slot in slots]
+
+
+def test_a_lone_chunked_layer_pipelines_its_chunks():
+    assert _slot_names(pair_slots(MOE2, None)) == [
+        (None, "F attention"),
+        ("F dispatch0", None),
+        ("F dispatch1", "F experts0"),
+        ("F combine0", "F experts1"),
+        ("F combine1", None),
+        (None, "F finish"),
+    ]
+    assert _slot_names(pair_slots(None, MOE2)) == [
+        (None, "B finish"),
+        ("B combine0", None),
+        ("B combine1", "B experts0"),
+        ("B dispatch0", "B experts1"),
+        ("B dispatch1", None),
+        (None, "B attention"),
+    ]
+    issues = step_plan([MOE2], [])
+    by_node = {i.node: i for i in issues}
+    position = {i.node: n for n, i in enumerate(issues)}
+    assert by_node[2].needs == (position[1],)  # experts 0 waits for dispatch 0 only
+    assert by_node[7].needs == (position[3], position[6])  # finish waits for both combines
+
+
+def test_a_chunked_layer_beside_a_partner_keeps_the_four_pairs_grouped():
+    assert _slot_names(pair_slots(MOE2, MOE2)) == [
+        (None, "B finish"),
+        ("B combine0 B combine1", "F attention"),
+        ("F dispatch0 F dispatch1", "B experts0 B experts1"),
+        ("B dispatch0 B dispatch1", "F experts0 F experts1"),
+        ("F combine0 F combine1", "B attention"),
+        (None, "F finish"),
+    ]
+
+
+@pytest.mark.parametrize("forward,backward", [([MOE2, MOE2], [MOE2, MOE2]), ([MOE2], [MOE, MOE2]),
+                                              ([DENSE, MOE2], [MOE2, DENSE, MOE2])])
+def test_every_node_of_chunked_layers_is_issued_once_after_its_inputs(forward, backward):
+    issues = step_plan(forward, backward, defer_wgrad=True)
+    done = set()
+    for position, issue in enumerate(issues):
+        assert all(n < position for n in issue.needs)
+        if issue.side != "W":
+            key = (issue.side, issue.layer, issue.node)
+            assert key not in done
+            done.add(key)
+    sizes = {"F": [8 if shape is MOE2 else len(shape) for shape in forward],
+             "B": [8 if shape is MOE2 else len(shape) for shape in backward]}
+    assert len(done) == sum(sizes["F"]) + sum(sizes["B"])

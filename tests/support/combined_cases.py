@@ -29,7 +29,8 @@ from support.pipeline_cases import (
 )
 
 
-def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False):
+def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False,
+         chunks: int = 1):
     """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s)."""
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
@@ -43,7 +44,7 @@ def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = Fa
     data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
     with PipelineExecutor(
         schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
-        delay_wgrad_compute=delay, record_trace=trace,
+        delay_wgrad_compute=delay, record_trace=trace, moe_a2a_chunks=chunks,
     ) as executor:
         dist.barrier(groups.pp)
         start = time.perf_counter()
@@ -251,3 +252,34 @@ def early_send_order(case: Case) -> dict | None:
     finally:
         StepTensors.post, StreamSteps.run = post, run
     return {"log": log, "differences": _differences(plain, (losses, grads))}
+
+
+def chunked_cases(cases: list[Case]) -> list[dict | None]:
+    """Per case: what differs between the plain schedule and the combined one with the
+    all-to-alls in 2 chunks (with and without deferred weight gradients), and, from the trace,
+    the nodes of one microbatch that ran side by side (a chunk's all-to-all beside another's
+    experts: only lone steps do that)."""
+    prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
+    out = []
+    for case in cases:
+        if dist.get_rank() < case.world:
+            plain = _run(case, overlap=False, delay=False)
+            chunked = _run(case, overlap=True, delay=False, chunks=2, trace=True)
+            delayed = _run(case, overlap=True, delay=True, chunks=2)
+            problems = [f"chunked: {p}" for p in _differences(plain, chunked)]
+            problems += [f"chunked+delay: {p}" for p in _differences(plain, delayed)]
+            same_microbatch, pairings = [], set()
+            for slot in chunked[2].trace.slots():
+                nodes = [s for s in slot if s.direction in ("F", "B")]
+                if len(nodes) == 2 and nodes[0].microbatch == nodes[1].microbatch:
+                    same_microbatch.append(sorted(n.node.split(".")[-1] for n in nodes))
+                if {n.direction for n in nodes} == {"F", "B"}:  # a pair: chunks grouped
+                    pairings.add(frozenset(
+                        (n.direction, n.node.split(".")[-1].rstrip("0123456789")) for n in nodes
+                    ))
+            out.append({"problems": problems, "same_microbatch": same_microbatch,
+                        "pairings": pairings})
+        else:
+            out.append(None)
+        dist.barrier()
+    return out

@@ -51,7 +51,6 @@ same sequence and the same waits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
 from typing import Any, Callable, Iterable, Sequence
 
 COMPUTE = "compute"

@@ -97,7 +97,9 @@ class CoScheduler:
     gradients also flow on into its inputs (a model forward may transform its input before the
     first layer). ``on_backward_done(grads)`` is called on the host as soon as the backward's
     last node has run (its gradients safe for the compute stream), possibly before ``finish``:
-    the executor sends the gradient on from there.
+    the executor sends the gradient on from there. ``a2a_chunks`` k > 1 records every layer
+    whose plan is a ``ChunkedPlan`` in its k-chunk form (a layer without a partner then
+    overlaps its own chunks).
     """
 
     def __init__(

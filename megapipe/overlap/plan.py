@@ -143,6 +143,11 @@ def run_nodes(
 ) -> tuple[torch.Tensor, ...]:
     """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd."""
     state = LayerState() if state is None else state
+    if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
+        values = inputs
+        for node in nodes:
+            values = node.fn(state, values)
+        return values
     graph = layer_graph(nodes)
     outputs: list[tuple[torch.Tensor, ...]] = []
     for node, sources in zip(graph.nodes, graph.sources):

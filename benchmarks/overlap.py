@@ -191,8 +191,9 @@ def _pick_link(s: Settings, groups):
     runs.close()
     assert result is not None and result.trace is not None
     spans = result.trace.spans
-    experts = [x.duration for x in spans if x.node.endswith("experts") and x.direction in "FB"]
-    a2a = [x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))]
+    base = lambda span: span.node.rstrip("0123456789")  # chunked nodes end in their chunk
+    experts = [x.duration for x in spans if base(x).endswith("experts") and x.direction in "FB"]
+    a2a = [x.duration for x in spans if x.kind == "comm" and base(x).endswith(("dispatch", "combine"))]
     measured = torch.tensor([statistics.median(experts), statistics.median(a2a)])
     dist.all_reduce(measured)
     expert_s, a2a_s = (measured / dist.get_world_size()).tolist()

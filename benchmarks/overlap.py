@@ -63,6 +63,7 @@ class Settings:
     expert_hidden: int
     layers: int
     link_scale: float
+    delay_wgrad: bool = False
     a2a_chunks: int = 1
 
 
@@ -115,6 +116,7 @@ class _Runs:
             self.executors[label] = PipelineExecutor(
                 schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
                 record_trace=overlap, moe_a2a_chunks=s.a2a_chunks if overlap else 1,
+                delay_wgrad_compute=s.delay_wgrad and overlap,
             )
         self.schedule = schedule
         self.torch_schedule = None
@@ -287,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--a2a-chunks", type=int, default=1,
                         help="the combined run's MoE all-to-alls in this many expert groups "
                         "(moe_a2a_chunks; each chunk pays the link's latency)")
+    parser.add_argument("--delay-wgrad", action="store_true",
+                        help="the combined run defers expert weight gradients "
+                        "(delay_wgrad_compute)")
     a = parser.parse_args(argv)
     s = Settings(a.pp, a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden,
-                 a.expert_hidden, a.layers, a.link_scale, a.a2a_chunks)
+                 a.expert_hidden, a.layers, a.link_scale, a.delay_wgrad, a.a2a_chunks)
     world = s.pp * DP
     lines, speedups = run_ranks(_worker, world, s)
     cores = os.cpu_count() or 1

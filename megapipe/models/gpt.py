@@ -29,7 +29,9 @@ from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
-from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
+from megapipe.overlap.plan import (
+    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
+)
 
 Plan = list[Node]
 Tensors = tuple[torch.Tensor, ...]
@@ -85,11 +87,21 @@ class TransformerLayer(nn.Module):
         return (h + self.mlp(self.ffn_norm(h)),)
 
     def node_plan(self) -> Plan:
-        """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE)."""
+        """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its
+        ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             return [Node(name, NodeKind.COMPUTE, self._dense)]
-        route, dispatch, experts, combine, finish = self.moe.node_plan()
+        return ChunkedPlan(
+            self._with_residual(self.moe.node_plan()),
+            lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
+        )
+
+    def _with_residual(self, moe_plan: list) -> list:
+        """The MoE plan with the attention block before its route and the residual after its
+        finish (the residual ``h`` rides along as a leading tensor, past any fork)."""
+        name = f"layer{self.layer_index}"
+        route, *middle, finish = moe_plan
 
         def attention(state: LayerState, inputs: Tensors) -> Tensors:
             (x,) = inputs
@@ -100,11 +112,17 @@ class TransformerLayer(nn.Module):
             h, moe_out = finish.fn(state, inputs)
             return (h + moe_out,)
 
+        def named(node: Node) -> Node:
+            return Node(f"{name}.{node.name}", node.kind, node.fn, node.group)
+
+        middle = [
+            Fork(tuple(tuple(named(n) for n in b) for b in item.branches), item.width)
+            if isinstance(item, Fork) else named(item)
+            for item in middle
+        ]
         return [
             Node(f"{name}.attention", NodeKind.COMPUTE, attention),
-            Node(f"{name}.dispatch", dispatch.kind, dispatch.fn),
-            Node(f"{name}.experts", experts.kind, experts.fn),
-            Node(f"{name}.combine", combine.kind, combine.fn),
+            *middle,
             Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual),
         ]
 

@@ -112,7 +112,7 @@ def _exchange(
         own = dist.get_rank(group)
         rows_to_others = sum(input_splits) - input_splits[own]
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        link.wait_rest(rows_to_others * row_bytes, started)
+        link.wait_rest(rows_to_others * row_bytes, started, rows.device)
     return received
 
 
@@ -193,6 +193,8 @@ class TokenDispatcher:
         else:
             plan = self._exchange_counts(rows_per_expert)
         if self.group is None:
+            if self.link is not None:
+                rows = self.link.delay(rows)  # ep = 1: a link that every row crosses
             return rows, plan
         ep, local = self.ep_size, self.num_local_experts
         received = all_to_all(
@@ -246,7 +248,7 @@ class TokenDispatcher:
     def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Inverse of ``dispatch``: expert outputs back to this rank, in its permuted order."""
         if self.group is None:
-            return rows
+            return rows if self.link is None else self.link.delay(rows)
         ep, local = self.ep_size, self.num_local_experts
         if local > 1:
             sizes = [plan.received_counts[r][e] for e in range(local) for r in range(ep)]

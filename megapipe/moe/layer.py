@@ -27,12 +27,19 @@ Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have t
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
 read").
+
+``node_plan().chunked(k)`` (``chunked_plan(k)``) is the same layer with its all-to-alls in k
+expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
+so that chunks of one microbatch overlap each other (``megapipe.moe.chunks``); bitwise the same
+results.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -40,12 +47,15 @@ from torch import nn
 
 from megapipe.kernels import permute_tokens, unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
+from megapipe.moe.chunks import ChunkedDispatch
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
 from megapipe.moe.permutation import plan_permutation
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
-from megapipe.overlap.plan import LayerState, Node, NodeFn, NodeKind, run_nodes
+from megapipe.overlap.plan import (
+    ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, run_nodes,
+)
 
 
 @dataclass
@@ -177,21 +187,71 @@ class MoELayer(nn.Module):
     def num_shared(self) -> int:
         return 0 if self.shared_expert is None else 1
 
-    def node_plan(self) -> list[Node]:
+    def node_plan(self) -> ChunkedPlan:
+        """The five nodes (module docstring); ``.chunked(k)`` gives ``chunked_plan(k)``."""
         shared = self.num_shared
-        return [
+        plain = [
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
             Node("dispatch", NodeKind.COMM, pass_leading(self._dispatch, 1)),
             Node("experts", NodeKind.COMPUTE, pass_leading(self._experts, 1)),
             Node("combine", NodeKind.COMM, pass_leading(self._combine, 1)),
             Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, shared + 2)),
         ]
+        return ChunkedPlan(plain, self.chunked_plan)
+
+    def chunked_plan(self, chunks: int) -> list[Node | Fork]:
+        """The layer with its all-to-alls in ``chunks`` expert groups (``megapipe.moe.chunks``):
+        route, a ``Fork`` of (dispatch g, experts g, combine g) per group, finish. Its results
+        are bitwise those of ``node_plan``."""
+        if chunks == 1:
+            return list(self.node_plan())
+        chunked = ChunkedDispatch(self.dispatcher, chunks)
+        count = len(chunked.groups)
+
+        def route(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            *lead, rows = self._route(state, tensors, relabel=chunked.relabel)
+            return tuple(lead) + (rows,) * count  # each chunk's dispatch takes its block
+
+        def dispatch(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                started = None
+                if g == 0:  # the count exchange (and the layer's one host read) of all groups
+                    started = time.perf_counter()
+                    state.group_plans = chunked.plan(state.rows_per_expert, state.capacity)
+                return (chunked.dispatch(g, tensors[0], state.group_plans, started),)
+            return fn
+
+        def experts(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                counts = state.group_plans[g].tokens_per_local_expert
+                first = chunked.groups[g][0]
+                return (self.experts(tensors[0], counts, state=state, group_first=first),)
+            return fn
+
+        def combine(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                return (chunked.combine(g, tensors[0], state.group_plans),)
+            return fn
+
+        branches = tuple(
+            (Node(f"dispatch{g}", NodeKind.COMM, dispatch(g)),
+             Node(f"experts{g}", NodeKind.COMPUTE, experts(g)),
+             Node(f"combine{g}", NodeKind.COMM, combine(g)))
+            for g in range(count)
+        )
+        finish = pass_leading(self._finish, self.num_shared + 1 + count)
+        return [
+            Node("route", NodeKind.COMPUTE, pass_leading(route, 1)),
+            Fork(branches),
+            Node("finish", NodeKind.COMPUTE, finish),
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]
 
     def _route(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...],
+        relabel: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         (x,) = tensors
         hidden = self.config.hidden_size
@@ -208,8 +268,9 @@ class MoELayer(nn.Module):
             )
         routed = self.router(tokens)
         capacity = self.config.capacity(tokens.shape[0])
+        indices = routed.indices if relabel is None else relabel(routed.indices)
         row_slot, token_slots, rows_per_expert = plan_permutation(
-            routed.indices, self.config.num_experts, capacity
+            indices, self.config.num_experts, capacity
         )
         rows = permute_tokens(tokens, row_slot, token_slots)
         c = self.config
@@ -254,7 +315,9 @@ class MoELayer(nn.Module):
     def _finish(
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
-        *shared, probs, rows = tensors
+        shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
+        parts = tensors[self.num_shared + 1 :]  # one per chunk of a chunked plan
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = unpermute_tokens(rows, probs, state.row_slot, state.token_slots)
         if self.shared_expert is not None:
             out = out + self.shared_expert(shared[0])

@@ -50,6 +50,15 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def accumulate_grad_rows(param: torch.Tensor, first: int, grad: torch.Tensor) -> None:
+    """Add ``grad`` into rows ``first .. first + len(grad)`` of ``param``'s gradient (a chunked
+    MoE layer's expert group), which equals adding the gradient padded with zeros."""
+    if first == 0 and grad.shape == param.shape:
+        accumulate_grad(param, grad)
+        return
+    grad_buffer(param)[first : first + grad.shape[0]].add_(grad)
+
+
 def _move_into_main_grad(param: torch.Tensor) -> None:
     # autograd calls this hook even when the backward gave the parameter no gradient (a
     # deferred weight gradient goes to main_grad later, through accumulate_grad)

@@ -1,10 +1,15 @@
 """A recorder of the nodes the co-scheduler issued: who ran where, when.
 
 Each span names the microbatch, the layer, the node, the direction (F forward, B backward,
-W deferred weight gradients), the stream, the co-scheduler's slot, and start/end times
-(``time.perf_counter``, taken around the work on the thread that ran it; on CUDA these are
-host issue times unless the caller synchronizes). Tests read the order; the benchmark reads the exposed-communication
-fraction: the share of communication time during which no compute ran.
+W deferred weight gradients), the stream, the co-scheduler's slot (spans with one slot were
+issued side by side), and start/end times in seconds (``time.perf_counter`` scale).
+
+Times are those of the stream that ran the work, so the exposed-communication fraction means the
+same on both devices. On CPU a span is timed with the host clock around the work, on the thread
+that ran it. On CUDA the work is only queued by the host, so a span records two timing events on
+its stream (``Stream.mark``) and is *resolved* when read (``spans``, after the step): its start
+and end are GPU times, placed on the host clock's scale through the trace's first event.
+Reading the spans of a CUDA trace therefore waits for the recorded work (outside the hot path).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,9 @@ class NodeTrace:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.spans: list[NodeSpan] = []
+        self._spans: list[NodeSpan] = []
+        self._unresolved: list[tuple[tuple, Any, Any]] = []  # (fields, start mark, end mark)
+        self._origin: Any = None  # the first device mark: where device times meet the host clock
         self._lock = threading.Lock()
         self._slots = 0
 
@@ -53,19 +60,42 @@ class NodeTrace:
         layer: int,
         node: str,
         direction: str,
-        stream: str,
+        stream: Any,
         kind: str,
         slot: int = -1,
     ) -> Iterator[None]:
-        start = self.clock()
+        """Time the work inside the ``with`` block. ``stream``: the ``Stream`` it runs on (its
+        ``mark()`` times it: GPU events on CUDA, None = the host clock) or just its name."""
+        name = stream if isinstance(stream, str) else stream.name
+        start = self._mark(stream)
         try:
             yield
         finally:
-            end = self.clock()
+            end = self._mark(stream)
+            fields = (microbatch, layer, node, direction, name, kind)
             with self._lock:
-                self.spans.append(
-                    NodeSpan(microbatch, layer, node, direction, stream, kind, start, end, slot)
+                if isinstance(start, float):
+                    self._spans.append(NodeSpan(*fields, start, end, slot))
+                else:
+                    if self._origin is None:
+                        self._origin = start
+                    self._unresolved.append((fields + (slot,), start, end))
+
+    def _mark(self, stream: Any) -> Any:
+        mark = None if isinstance(stream, str) else stream.mark()
+        return self.clock() if mark is None else mark
+
+    @property
+    def spans(self) -> list[NodeSpan]:
+        """Every recorded span (device spans are resolved first, which waits for their work)."""
+        with self._lock:
+            for (*fields, slot), start, end in self._unresolved:
+                origin = self._origin
+                self._spans.append(
+                    NodeSpan(*fields, origin.host_time_of(start), origin.host_time_of(end), slot)
                 )
+            self._unresolved.clear()
+            return list(self._spans)
 
     def new_slot(self) -> int:
         """A slot number never handed out before by this trace (co-schedulers sharing one
@@ -76,7 +106,9 @@ class NodeTrace:
 
     def clear(self) -> None:
         with self._lock:
-            self.spans.clear()
+            self._spans.clear()
+            self._unresolved.clear()
+            self._origin = None
 
     def slots(self) -> list[list[NodeSpan]]:
         """Spans grouped by co-scheduler slot, in issue order (what ran beside what)."""
@@ -86,19 +118,17 @@ class NodeTrace:
         return [groups[k] for k in sorted(groups)]
 
     def by_start(self) -> list[NodeSpan]:
-        with self._lock:
-            return sorted(self.spans, key=lambda s: s.start)
+        return sorted(self.spans, key=lambda s: s.start)
 
     def total(self, kind: str) -> float:
         """Summed duration of the spans of one kind ("compute" or "comm")."""
-        with self._lock:
-            return sum(s.duration for s in self.spans if s.kind == kind)
+        return sum(s.duration for s in self.spans if s.kind == kind)
 
     def exposed_comm_fraction(self) -> float:
         """Share of communication time not covered by any compute span (0: all hidden)."""
-        with self._lock:
-            comm = [(s.start, s.end) for s in self.spans if s.kind == "comm"]
-            compute = _union([(s.start, s.end) for s in self.spans if s.kind == "compute"])
+        spans = self.spans
+        comm = [(s.start, s.end) for s in spans if s.kind == "comm"]
+        compute = _union([(s.start, s.end) for s in spans if s.kind == "compute"])
         total = sum(e - s for s, e in comm)
         if total <= 0:
             return 0.0

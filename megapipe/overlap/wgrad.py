@@ -29,7 +29,7 @@ import torch
 from megapipe.overlap.grouped_gemm import (
     grouped_forward, grouped_input_grad, grouped_weight_grad,
 )
-from megapipe.overlap.main_grad import accumulate_grad
+from megapipe.overlap.main_grad import accumulate_grad, accumulate_grad_rows
 
 if TYPE_CHECKING:
     from megapipe.overlap.plan import LayerState
@@ -68,11 +68,14 @@ def queue_of(state: "LayerState | None") -> WeightGradQueue | None:
 
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, weight, state, offsets):  # type: ignore[override]
+    def forward(ctx, x, counts, weight, state, offsets, first):  # type: ignore[override]
         dtype = _compute_dtype(x, weight)
-        x_c, w_c = x.to(dtype), weight.to(dtype)
+        used = weight if first == 0 and len(counts) == weight.shape[0] else (
+            weight[first : first + len(counts)]
+        )
+        x_c, w_c = x.to(dtype), used.to(dtype)
         ctx.save_for_backward(x_c, w_c, weight, offsets)
-        ctx.counts, ctx.state = counts, state
+        ctx.counts, ctx.state, ctx.first = counts, state, first
         ctx.x_dtype = x.dtype
         with torch.autocast(x.device.type, enabled=False):
             return grouped_forward(x_c, w_c, counts, offsets)
@@ -86,7 +89,8 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grouped_input_grad(grad_out, w, counts, offsets).to(ctx.x_dtype)
         if not ctx.needs_input_grad[2]:
-            return grad_x, None, None, None, None
+            return grad_x, None, None, None, None, None
+        first = ctx.first
 
         def weight_grad() -> torch.Tensor:
             return grouped_weight_grad(x, grad_out, w, counts, offsets).to(weight.dtype)
@@ -94,15 +98,22 @@ class _GroupedMatmul(torch.autograd.Function):
         queue = queue_of(ctx.state)
         ctx.state = None
         if queue is None:
-            return grad_x, None, weight_grad(), None, None
+            grad_w = weight_grad()
+            if grad_w.shape != weight.shape:  # a group of the weight's groups: zeros elsewhere
+                padded = torch.zeros_like(weight)
+                padded[first : first + len(counts)] = grad_w
+                grad_w = padded
+            return grad_x, None, grad_w, None, None, None
         if weight.grad_fn is not None or not weight.is_leaf:
             raise RuntimeError(
                 "grouped_matmul can defer the weight gradient only for a leaf weight "
                 "(a Parameter); "
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
-        queue.put(lambda: accumulate_grad(weight, weight_grad()), name="grouped_matmul")
-        return grad_x, None, None, None, None
+        queue.put(
+            lambda: accumulate_grad_rows(weight, first, weight_grad()), name="grouped_matmul"
+        )
+        return grad_x, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -120,26 +131,29 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def grouped_matmul(
     x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
-    state: "LayerState | None" = None, offsets: torch.Tensor | None = None,
+    state: "LayerState | None" = None, offsets: torch.Tensor | None = None, first: int = 0,
 ) -> torch.Tensor:
-    """``cat_i(x_i @ weight[i])`` for ``x`` split into row groups of ``counts``.
+    """``cat_i(x_i @ weight[first + i])`` for ``x`` split into row groups of ``counts``.
 
-    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group (zeros allowed).
+    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group used, from group
+    ``first`` on (zeros allowed; all groups by default).
     ``offsets`` (int32 on ``x``'s device: each group's end row) allows the one-kernel grouped
     GEMM; without them a loop over the groups runs. Its backward defers the weight gradient
     into ``state.wgrad_queue`` when that is set.
     """
     counts = tuple(int(c) for c in counts)
-    if weight.dim() != 3 or len(counts) != weight.shape[0]:
+    if weight.dim() != 3 or not counts or first < 0 or first + len(counts) > weight.shape[0]:
         raise ValueError(
             f"grouped_matmul: weight of shape {tuple(weight.shape)} needs one count per group, "
-            f"got {len(counts)} counts"
+            f"got {len(counts)} counts (for the groups from {first} on)"
         )
     if sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_matmul: counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    if offsets is not None and offsets.shape != (len(counts),):
+    if offsets is not None and (
+        first != 0 or len(counts) != weight.shape[0] or offsets.shape != (len(counts),)
+    ):
         raise ValueError(
             f"grouped_matmul: offsets of shape {tuple(offsets.shape)} need one entry per group "
-            f"({len(counts)})"
+            f"({weight.shape[0]}) and all groups (first={first})"
         )
-    return _GroupedMatmul.apply(x, counts, weight, state, offsets)
+    return _GroupedMatmul.apply(x, counts, weight, state, offsets, first)

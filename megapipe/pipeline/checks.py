@@ -29,6 +29,28 @@ def check_executor_options(
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
 
 
+def check_overlap_options(
+    name: str, has_overlap: bool, delay_wgrad_compute: bool, a2a_chunks: int
+) -> None:
+    """Options that only a combined schedule (OVERLAP actions) can use."""
+    if not isinstance(a2a_chunks, int) or a2a_chunks < 1:
+        raise ValueError(f"moe_a2a_chunks={a2a_chunks!r} must be an integer >= 1")
+    if has_overlap:
+        return
+    if delay_wgrad_compute:
+        raise ValueError(
+            f"delay_wgrad_compute=True needs a combined schedule (OVERLAP actions; build it "
+            f"with overlap=True): {name!r} has none, so no backward all-to-all "
+            "would be in flight to hide the weight gradients behind"
+        )
+    if a2a_chunks > 1:
+        raise ValueError(
+            f"moe_a2a_chunks={a2a_chunks} needs a combined schedule (OVERLAP actions; build it "
+            f"with overlap=True): {name!r} runs its stages as plain autograd, with no stream to "
+            "overlap the chunks on"
+        )
+
+
 def check_stages(schedule: Schedule, pp_rank: int, stages: Mapping[int, nn.Module]) -> None:
     """The stages must be exactly those the schedule's placement gives ``pp_rank``."""
     expected = schedule.stages_of_rank(pp_rank)

@@ -28,7 +28,10 @@ from torch import nn
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
-from megapipe.pipeline.checks import check_executor_options, check_inputs, check_stages
+from megapipe.pipeline.checks import (
+    check_executor_options, check_inputs, check_overlap_options, check_stages,
+)
+from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
 from megapipe.pipeline.grad_sync import (
     all_reduce_grads,
     sum_mirrored_grads,
@@ -108,10 +111,13 @@ class PipelineExecutor:
     scale is set to 1/num_microbatches each step. ``use_tape=True`` runs them on the tape in
     plain schedules too (same bits, one autograd call per node). ``delay_wgrad_compute``
     (Megatron's flag; needs a combined schedule) defers the expert weight gradients of each
-    backward to run while a backward all-to-all is in flight. ``record_trace`` records a
+    backward to run while a backward all-to-all is in flight. ``moe_a2a_chunks`` k > 1 (needs a
+    combined schedule) records every MoE layer with its all-to-alls in k expert groups, so a step
+    with no partner overlaps its own chunks (``stream_steps``). ``record_trace`` records a
     ``NodeTrace`` per step and fills the timing fields of ``StepResult``. Pipeline p2p stays on
-    the calling thread: a pair's receives are posted in the batch before its OVERLAP action and
-    its sends in the batch after it (the lowering's batches).
+    the calling thread: a pair's receives are posted in the batch before its OVERLAP action; its
+    sends go out from inside it as each half's result is made (``early_sends``: proven
+    deadlock-free per schedule, ``early_send_rule`` says which rule applies).
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class PipelineExecutor:
         timeout: float = 300.0,
         use_tape: bool = False,
         delay_wgrad_compute: bool = False,
+        moe_a2a_chunks: int = 1,
         record_trace: bool = False,
     ) -> None:
         check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
@@ -162,16 +169,15 @@ class PipelineExecutor:
                 "of the activation each stage sends forward, or spec(stage, microbatch)"
             )
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
-        if delay_wgrad_compute and not self.has_overlap:
-            raise ValueError(
-                f"delay_wgrad_compute=True needs a combined schedule (OVERLAP actions; build it "
-                f"with overlap=True): {schedule.name!r} has none, so no backward all-to-all "
-                "would be in flight to hide the weight gradients behind"
-            )
+        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
         self.record_trace = record_trace
         self._streams: StreamSteps | None = None
+        # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
+        self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
         if self.has_overlap:
-            self._streams = StreamSteps(self._device() or "cpu", delay_wgrad_compute)
+            self._streams = StreamSteps(
+                self._device() or "cpu", delay_wgrad_compute, moe_a2a_chunks
+            )
         self._p2p: PipelineP2P | None = None
 
     def _device(self) -> torch.device | None:
@@ -240,13 +246,13 @@ class PipelineExecutor:
         index = 0
         while index < len(actions):
             if actions[index].is_compute:
-                self._run_compute(actions[index], state)
+                self._run_compute(actions, index, state)
                 index += 1
                 continue
             end = index
             while end < len(actions) and not actions[end].is_compute:
                 end += 1
-            state.tensors.post(actions[index:end])
+            state.tensors.post_rest(actions[index:end])  # part may have gone early
             index = end
         state.tensors.finish_sends()
 
@@ -273,9 +279,13 @@ class PipelineExecutor:
         return self._p2p
 
     # ------------------------------------------------------------------ compute
-    def _run_compute(self, action: Action, state: _Step) -> None:
+    def _run_compute(self, actions: Sequence[Action], index: int, state: _Step) -> None:
+        action = actions[index]
         if action.kind is Kind.OVERLAP:
-            self._run_overlap(action, state)
+            self._run_overlap(action, state, PairSends(
+                state.tensors, comm_run(actions, index),
+                self.early_sends.get((self.pp_rank, index), ()) if actions is self.actions else (),
+            ))
         elif action.kind is Kind.F:
             self._forward(action, state)
         elif action.kind in (Kind.B, Kind.I):
@@ -285,9 +295,10 @@ class PipelineExecutor:
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
-    def _run_overlap(self, action: Action, state: _Step) -> None:
-        """An OVERLAP action: both halves in one ``StreamSteps.run``; stages that are not
-        ``StageModule``s run F then B (warned once per type)."""
+    def _run_overlap(self, action: Action, state: _Step, sends: PairSends) -> None:
+        """An OVERLAP action: both halves in one ``StreamSteps.run``, each half's result handed
+        on (and sent, ``sends``) as soon as it is made; stages that are not ``StageModule``s
+        run F then B (warned once per type)."""
         f, b = action.forward, action.backward
         assert self._streams is not None  # an OVERLAP action makes the schedule a combined one
         f_worker, b_worker = self.workers[f.stage], self.workers[b.stage]
@@ -295,13 +306,21 @@ class PipelineExecutor:
             self._forward(f, state)
             self._backward(b, state)
             return
-        done = self._streams.run(
+
+        def output_made(output: torch.Tensor) -> None:
+            self._hand_forward(f, output, state)
+            sends.post_ready()
+
+        def grad_made(grad_input: torch.Tensor | None) -> None:
+            self._backward_done(b, grad_input, state)
+            sends.post_ready()
+
+        self._streams.run(
             ForwardHalf(f_worker, f.microbatch, state.tensors.forward_input(f)),
             self._backward_half(b, state),
+            on_output=output_made, on_grad_input=grad_made,
         )
-        assert done.output is not None
-        self._forward_done(f, done.output, state)
-        self._backward_done(b, done.grad_input, state)
+        self._count_live(state)
 
     def _on_streams(self, worker: StageWorker, state: _Step) -> bool:
         """Whether a lone step runs on the streams: training steps of node-protocol stages
@@ -328,10 +347,16 @@ class PipelineExecutor:
         self._forward_done(action, output, state)
 
     def _forward_done(self, action: Action, output: torch.Tensor, state: _Step) -> None:
+        self._hand_forward(action, output, state)
+        self._count_live(state)
+
+    def _hand_forward(self, action: Action, output: torch.Tensor, state: _Step) -> None:
         if self.schedule.is_last_stage(action.stage):
             self._finish_last_stage(self.workers[action.stage], action.microbatch, output, state)
         else:
             state.tensors.hand_forward(action, output)
+
+    def _count_live(self, state: _Step) -> None:
         live = sum(w.live_activations for w in self.workers.values())
         state.result.peak_live_activations = max(state.result.peak_live_activations, live)
 

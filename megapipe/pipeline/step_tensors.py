@@ -6,7 +6,9 @@ action list for one step, keyed by (stage, microbatch):
 - a forward's output goes to the next stage: locally when that stage lives on this rank, else
   into the outbox its SEND_F will post; a backward's input gradient likewise (SEND_B);
 - ``post(actions)`` posts one run of comm actions as one ``batch_isend_irecv`` batch
-  (``p2p.PipelineP2P``), with receive buffers from the declared ``TensorSpec``s;
+  (``p2p.PipelineP2P``), with receive buffers from the declared ``TensorSpec``s; part of a run
+  may have gone out earlier, from inside an OVERLAP (``early_sends``), and ``post_rest`` posts
+  the rest;
 - ``forward_input`` / ``grad_output`` give a compute action what it consumes, waiting first for
   the batch that receives it (a first stage reads its microbatch; a last stage has no output
   gradient: its backward starts from the loss);
@@ -41,6 +43,7 @@ class StepTensors:
     outbox_backward: dict[Key, torch.Tensor] = field(default_factory=dict)
     pending: dict[tuple[Kind, int, int], PostedBatch] = field(default_factory=dict)
     sends: list[PostedBatch] = field(default_factory=list)
+    posted: set[Action] = field(default_factory=set)  # comm actions already posted (early sends)
 
     # ------------------------------------------------------------------ hand-over
     def hand_forward(self, action: Action, output: torch.Tensor) -> None:
@@ -93,8 +96,20 @@ class StepTensors:
         return grad_output
 
     # ------------------------------------------------------------------ p2p
+    def ready_to_send(self, action: Action) -> bool:
+        """Whether the tensor a SEND action sends has been handed over."""
+        outbox = self.outbox_forward if action.kind is Kind.SEND_F else self.outbox_backward
+        return (action.stage, action.microbatch) in outbox
+
+    def post_rest(self, actions: Sequence[Action]) -> None:
+        """Post the actions of a run that were not posted early, as one batch (if any)."""
+        rest = [action for action in actions if action not in self.posted]
+        if rest:
+            self.post(rest)
+
     def post(self, actions: Sequence[Action]) -> None:
         """Post one run of SEND/RECV actions as one batch."""
+        self.posted.update(actions)
         p2p = self.p2p
         assert p2p is not None and self.spec is not None
         sched = self.schedule

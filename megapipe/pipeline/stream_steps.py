@@ -8,9 +8,12 @@ half, the backward half, or both (an OVERLAP action), and in that order
 2. builds one ``CoScheduler`` with it,
 3. runs the forward half's stage through that co-scheduler (``StageWorker.forward``): forward
    layer k beside backward layer N-1-k, comm nodes on the comm stream,
-4. lets the co-scheduler finish the backward layers that had no partner and the deferred
-   weight gradients (``finish``), and
-5. hands the backward's input gradients back to its worker (``finish_tape_backward``).
+4. hands each half's result on as soon as it is made: the forward's output when the forward's
+   last layer has run (``on_output``), the backward's input gradients, back through its worker
+   (``finish_tape_backward``), when the backward's last node has run (``on_grad_input``), so
+   the executor can send them before the pair's leftover work, and
+5. lets the co-scheduler finish the backward layers that had no partner and the deferred
+   weight gradients (``finish``).
 
 So every comm node (every expert-parallel all-to-all) is issued from the one communication
 stream, in the same order on every rank, and the results are bitwise those of the sequential
@@ -20,6 +23,11 @@ keeps its deferred weight gradients for the later W action, exactly as the seque
 the co-scheduler runs them on the compute stream while a backward all-to-all is in flight; each
 B's queue is flushed before ``run`` returns, so gradients accumulate in the same order.
 
+With ``a2a_chunks`` k > 1 every forward records its MoE layers with their all-to-alls in k
+expert groups (``MoELayer.chunked_plan``): a layer with a partner walks them grouped (the same
+four pairs), a layer without one, in a lone F or B step or left over in a pair, pipelines them
+(one chunk's all-to-all beside another chunk's experts). Bitwise the same results.
+
 Stages that are not ``StageModule``s cannot be split into nodes: the executor runs their OVERLAP
 halves one after the other with plain autograd, warned once per module type
 (``warn_if_not_node_protocol``).
@@ -28,7 +36,7 @@ halves one after the other with plain autograd, warned once per module type
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -71,10 +79,14 @@ class StreamSteps:
     """The streams, the optional node trace and the deferral flag of one executor."""
 
     def __init__(
-        self, device: torch.device | str = "cpu", delay_wgrad_compute: bool = False
+        self,
+        device: torch.device | str = "cpu",
+        delay_wgrad_compute: bool = False,
+        a2a_chunks: int = 1,
     ) -> None:
         self.device = torch.device(device)
         self.delay_wgrad_compute = delay_wgrad_compute
+        self.a2a_chunks = a2a_chunks
         self.trace: NodeTrace | None = None  # set per step by the executor when tracing
         self._streams: Streams | None = None
         self._warn_once = WarnOnce()
@@ -109,36 +121,54 @@ class StreamSteps:
         return ok
 
     def run(
-        self, forward: ForwardHalf | None = None, backward: BackwardHalf | None = None
+        self,
+        forward: ForwardHalf | None = None,
+        backward: BackwardHalf | None = None,
+        *,
+        on_output: Callable[[torch.Tensor], None] | None = None,
+        on_grad_input: Callable[[torch.Tensor | None], None] | None = None,
     ) -> HalvesDone:
-        """Run one forward half, one backward half, or both side by side (module docstring)."""
+        """Run one forward half, one backward half, or both side by side (module docstring).
+
+        ``on_output(output)`` is called as soon as the forward's last layer has run and
+        ``on_grad_input(grad)`` as soon as the backward's last node has (early sends): both
+        before the pair's leftover work (the other half's, the held weight gradients)."""
         work = None
+        done = HalvesDone()
         if backward is not None:
             wgrad = WeightGradQueue() if self.delay_wgrad_compute else None
             work = backward.worker.take_tape_backward(
                 backward.microbatch, backward.grad_output, backward.keep_weight_grads, wgrad
             )
+
+        def backward_done(grad_inputs: Any) -> None:
+            assert backward is not None
+            done.grad_input = backward.worker.finish_tape_backward(
+                backward.microbatch, grad_inputs, work
+            )
+            if on_grad_input is not None:
+                on_grad_input(done.grad_input)
+
         scheduler = CoScheduler(
             self.streams,
             work,
             trace=self.trace,
             fwd_microbatch=forward.microbatch if forward is not None else None,
             route_input_grads=forward.worker.routes_input_grads if forward is not None else False,
+            on_backward_done=backward_done if backward is not None else None,
+            a2a_chunks=self.a2a_chunks,
         )
-        done = HalvesDone()
         if forward is not None:
             try:
                 done.output = forward.worker.forward(
                     forward.microbatch, forward.stage_input, runner=scheduler
                 )
+                if on_output is not None:
+                    on_output(done.output)
             except BaseException:
                 self._drain()
                 raise
-        grad_inputs = scheduler.finish()
-        if backward is not None:
-            done.grad_input = backward.worker.finish_tape_backward(
-                backward.microbatch, grad_inputs, work
-            )
+        scheduler.finish()
         return done
 
     def _drain(self) -> None:

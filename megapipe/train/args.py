@@ -67,6 +67,7 @@ class PretrainArgs:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     delay_wgrad_compute: bool
+    moe_a2a_chunks: int
     pipeline_schedule: str | None
     save: str | None
     load: str | None
@@ -355,6 +356,20 @@ def _check_options_and_paths(args: PretrainArgs) -> None:
     if args.moe_emulated_link_latency_us < 0:
         raise ArgsError(
             f"--moe-emulated-link-latency-us={args.moe_emulated_link_latency_us} must be >= 0"
+        )
+    if args.moe_a2a_chunks < 1:
+        raise ArgsError(f"--moe-a2a-chunks={args.moe_a2a_chunks} must be >= 1")
+    if args.moe_a2a_chunks > 1 and not args.overlap_moe_expert_parallel_comm:
+        raise ArgsError(
+            f"--moe-a2a-chunks={args.moe_a2a_chunks} needs --overlap-moe-expert-parallel-comm "
+            "(the chunks overlap each other on the combined step's streams)"
+        )
+    local = args.num_experts // args.ep if args.num_experts else 0
+    if args.moe_a2a_chunks > 1 and args.moe_a2a_chunks > local:
+        raise ArgsError(
+            f"--moe-a2a-chunks={args.moe_a2a_chunks} exceeds the {local} experts each EP rank "
+            f"holds (--num-experts={args.num_experts} / ep={args.ep}): chunks split a rank's "
+            "experts into groups"
         )
     if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
         raise ArgsError(

@@ -83,6 +83,10 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     )
     par.add_argument("--delay-wgrad-compute", action="store_true",
                      help="defer expert weight gradients to fill the backward all-to-all")
+    par.add_argument("--moe-a2a-chunks", type=int, default=1,
+                     help="split each MoE layer's all-to-alls into this many expert groups, so a "
+                     "step with no partner overlaps its own chunks (needs the overlap; at most "
+                     "the experts per EP rank; default 1: off)")
     par.add_argument("--pipeline-schedule", default=None,
                      help=f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when "
                      "vpp > 1, else 1f1b)")

@@ -102,6 +102,7 @@ def build_job(args: PretrainArgs) -> Job:
         schedule, stages, groups=groups, loss_fn=gpt_loss,
         spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size), activation),
         delay_wgrad_compute=args.delay_wgrad_compute,
+        moe_a2a_chunks=args.moe_a2a_chunks,
         record_trace=args.overlap_moe_expert_parallel_comm,
     )
     files = resolve_data_files(args.data_path)
@@ -127,11 +128,14 @@ def describe(job: Job) -> list[str]:
     """The log's header: layout and schedule, model and data, the emulated link, placement."""
     args, splits = job.args, job.splits
     local_params = sum(p.numel() for p in job.all_params)
+    chunks = args.moe_a2a_chunks
     lines = [
         f"megapipe pretrain: world {args.world_size} = pp {args.pp} x dp {args.dp} "
         f"(ep {args.ep}), vpp {args.vpp}, schedule {job.schedule.name}"
         f"{' with overlap' if args.overlap_moe_expert_parallel_comm else ''}"
-        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}; {precision_text(args)}; "
+        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}"
+        f"{f', all-to-alls in {chunks} chunks' if chunks > 1 else ''}; "
+        f"{precision_text(args)}; "
         f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} "
         f"tokens per dp rank per step",
         f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "

@@ -32,11 +32,12 @@ from support.pipeline_cases import (
 
 
 def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False,
-         bf16: bool = False):
+         bf16: bool = False, chunks: int = 1):
     """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s).
 
     ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
-    trains with); the gradients compared are then the float32 main gradients."""
+    trains with); the gradients compared are then the float32 main gradients. ``chunks``: the
+    all-to-alls in that many expert groups (``moe_a2a_chunks``)."""
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
                               overlap=overlap)
@@ -52,7 +53,7 @@ def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = Fa
     data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
     with PipelineExecutor(
         schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
-        delay_wgrad_compute=delay, record_trace=trace,
+        delay_wgrad_compute=delay, record_trace=trace, moe_a2a_chunks=chunks,
     ) as executor:
         dist.barrier(groups.pp)
         start = time.perf_counter()
@@ -249,3 +250,65 @@ def host_sync_run(case: Case) -> dict | None:
             executor.step([d[0] for d in data], [d[1] for d in data])
     moe_forwards = case.microbatches * sum(len(m.moe_layers()) for m in stages.values())
     return {"events": syncs.events, "moe_forwards": moe_forwards}
+
+
+def early_send_order(case: Case) -> dict | None:
+    """A combined step with delayed weight gradients, logging in order when each p2p batch is
+    posted and when each OVERLAP's ``StreamSteps.run`` returns."""
+    from megapipe.pipeline.step_tensors import StepTensors
+    from megapipe.pipeline.stream_steps import StreamSteps
+
+    prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
+    if dist.get_rank() >= case.world:
+        return None
+    log: list[tuple[str, str]] = []
+    post, run = StepTensors.post, StreamSteps.run
+
+    def logged_post(self, actions):
+        log.append(("post", " ".join(str(a) for a in actions)))
+        return post(self, actions)
+
+    def logged_run(self, forward=None, backward=None, **hooks):
+        done = run(self, forward, backward, **hooks)
+        if forward is not None and backward is not None:
+            log.append(("pair end", f"F{forward.microbatch} B{backward.microbatch}"))
+        return done
+
+    StepTensors.post, StreamSteps.run = logged_post, logged_run
+    try:
+        losses, grads, _, _ = _run(case, overlap=True, delay=True)
+        plain = _run(case, overlap=False, delay=False)
+    finally:
+        StepTensors.post, StreamSteps.run = post, run
+    return {"log": log, "differences": _differences(plain, (losses, grads))}
+
+
+def chunked_cases(cases: list[Case]) -> list[dict | None]:
+    """Per case: what differs between the plain schedule and the combined one with the
+    all-to-alls in 2 chunks (with and without deferred weight gradients), and, from the trace,
+    the nodes of one microbatch that ran side by side (a chunk's all-to-all beside another's
+    experts: only lone steps do that)."""
+    prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
+    out = []
+    for case in cases:
+        if dist.get_rank() < case.world:
+            plain = _run(case, overlap=False, delay=False)
+            chunked = _run(case, overlap=True, delay=False, chunks=2, trace=True)
+            delayed = _run(case, overlap=True, delay=True, chunks=2)
+            problems = [f"chunked: {p}" for p in _differences(plain, chunked)]
+            problems += [f"chunked+delay: {p}" for p in _differences(plain, delayed)]
+            same_microbatch, pairings = [], set()
+            for slot in chunked[2].trace.slots():
+                nodes = [s for s in slot if s.direction in ("F", "B")]
+                if len(nodes) == 2 and nodes[0].microbatch == nodes[1].microbatch:
+                    same_microbatch.append(sorted(n.node.split(".")[-1] for n in nodes))
+                if {n.direction for n in nodes} == {"F", "B"}:  # a pair: chunks grouped
+                    pairings.add(frozenset(
+                        (n.direction, n.node.split(".")[-1].rstrip("0123456789")) for n in nodes
+                    ))
+            out.append({"problems": problems, "same_microbatch": same_microbatch,
+                        "pairings": pairings})
+        else:
+            out.append(None)
+        dist.barrier()
+    return out

@@ -83,6 +83,10 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--delay-wgrad-compute", "--no-overlap-moe-expert-parallel-comm"],
      "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
     (["--save-interval", "5"], "--save-interval needs --save DIR"),
+    (["--moe-a2a-chunks", "3"], "--moe-a2a-chunks=3 exceeds the 2 experts each EP rank holds"),
+    (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
+     "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
+    (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
 ])
 def test_bad_flags_are_one_clear_line(flags, message):
     with pytest.raises(ArgsError) as err:
@@ -111,6 +115,8 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     assert interleaved == pytest.approx(reference, rel=1e-6)
     # deferring the expert weight gradients changes when they run, not the bits
     assert rank_pools(4).run(_train, base + ["--delay-wgrad-compute"])[0].losses == interleaved
+    # so does splitting the all-to-alls into expert groups
+    assert rank_pools(4).run(_train, base + ["--moe-a2a-chunks", "2"])[0].losses == interleaved
     for flags in (["--pipeline-schedule", "zbv"],
                   ["--pipeline-schedule", "dualpipev"], ["--pipeline-schedule", "dualpipe"],
                   ["--pipeline-schedule", "zb1p", "--no-overlap-moe-expert-parallel-comm"]):

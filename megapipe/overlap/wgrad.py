@@ -50,10 +50,11 @@ class WeightGradQueue:
     def names(self) -> list[str]:
         return [name for name, _ in self._work]
 
-    def run(self) -> int:
-        """Run everything queued so far (FIFO); return how many items ran."""
+    def run(self, limit: int | None = None) -> int:
+        """Run everything queued so far (FIFO), or its first ``limit`` items; return how many
+        items ran."""
         count = 0
-        while self._work:
+        while self._work and (limit is None or count < limit):
             _, fn = self._work.popleft()
             with torch.no_grad():
                 fn()

@@ -138,8 +138,10 @@ class HostSyncs:
         self._saved[f"Tape.{name}"] = original
         syncs = self
 
-        def step(tape: Tape, layer: Any) -> Any:
-            index = layer.next_forward if direction == "F" else layer.next_backward
+        def step(tape: Tape, layer: Any, node: int | None = None) -> Any:
+            index = node
+            if index is None:
+                index = layer.next_forward if direction == "F" else layer.next_backward
             stack = getattr(syncs._local, "nodes", None)
             if stack is None:
                 stack = syncs._local.nodes = []
@@ -148,10 +150,10 @@ class HostSyncs:
             mode = _Mode(syncs) if not getattr(syncs._local, "mode_on", False) else None
             try:
                 if mode is None:
-                    return original(tape, layer)
+                    return original(tape, layer, node)
                 syncs._local.mode_on = True
                 with mode:
-                    return original(tape, layer)
+                    return original(tape, layer, node)
             finally:
                 if mode is not None:
                     syncs._local.mode_on = False

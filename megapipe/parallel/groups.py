@@ -23,6 +23,7 @@ EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch.distributed as dist
@@ -134,11 +135,14 @@ class ProcessGroups:
         return self.coordinates.expert_dp_rank
 
 
-def create_groups(config: ParallelConfig, backend: str | None = None) -> ProcessGroups:
+def create_groups(
+    config: ParallelConfig, backend: str | None = None, timeout: timedelta | None = None
+) -> ProcessGroups:
     """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
-    world size is checked first, so a mismatch fails before any group is created.
+    world size is checked first, so a mismatch fails before any group is created. ``timeout``
+    bounds every collective of the groups (None: torch's default for the backend).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -152,7 +156,7 @@ def create_groups(config: ParallelConfig, backend: str | None = None) -> Process
     for name in GROUP_NAMES:
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             if me in ranks:
                 mine[(name, ranks)] = group
     return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])

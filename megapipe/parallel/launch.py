@@ -182,12 +182,14 @@ def init_distributed(
             )
         return info
     kwargs = {} if timeout is None else {"timeout": timeout}
+    url = f"tcp://{info.master_addr}:{info.master_port}"
+    store, _, _ = next(dist.rendezvous(url, info.rank, info.world_size, **kwargs))
+    # torchrun restarts every worker against the same store: keys of an earlier attempt (the
+    # addresses of its dead processes) must not be read as this attempt's
+    attempt = (env if env is not None else os.environ).get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"megapipe/attempt{attempt}", store)
     dist.init_process_group(
-        backend,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        rank=info.rank,
-        world_size=info.world_size,
-        **kwargs,
+        backend, store=store, rank=info.rank, world_size=info.world_size, **kwargs
     )
     return info
 

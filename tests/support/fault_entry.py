@@ -8,7 +8,10 @@ patches below apply in every rank. Environment:
   that iteration's step (after a few of its compute actions), only in torchrun restart ATTEMPT
   (default 0); ``hang:...`` sleeps there instead (it stops calling);
 - ``MEGAPIPE_LOSSES=DIR``: every rank writes the exact losses it trained
-  (``DIR/attemptA-rankR.json``, floats written as ``repr``) when training returns.
+  (``DIR/attemptA-rankR.json``, floats written as ``repr``) when training returns; with
+  ``MEGAPIPE_REFERENCE=1`` the first attempt first trains the same flags without ``--save`` and
+  ``--load`` in the same processes, uninterrupted, and writes ``DIR/reference-rankR.json``
+  (the reference a restarted run is compared with, without starting more processes).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import time
 import megapipe.train.loop as loop
 import megapipe.train.main as entry
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.train.resume import ResumePlan
 
 ACTIONS_BEFORE_FAULT = 3
+_REFERENCE_RUNNING = {"now": False}
 
 
 def _attempt() -> int:
@@ -45,6 +50,7 @@ def _install_fault(kind: str, rank: int, iteration: int, attempt: int) -> None:
     def train_step(job, batch, it):
         # RANK is read here: ranks of the local launcher set it after importing this file
         mine = int(os.environ.get("RANK", "-1")) == rank and _attempt() == attempt
+        mine = mine and not _REFERENCE_RUNNING["now"]
         armed["on"] = mine and it == iteration
         return real_step(job, batch, it)
 
@@ -61,15 +67,26 @@ def _install_fault(kind: str, rank: int, iteration: int, attempt: int) -> None:
     PipelineExecutor._run_compute = run_compute
 
 
-def _install_loss_recorder(folder: str) -> None:
+def _record(folder: str, name: str, result) -> None:
+    path = os.path.join(folder, f"{name}-rank{os.environ.get('RANK', '0')}.json")
+    with open(path, "w") as handle:
+        json.dump({"first": result.first_iteration, "losses": [repr(x) for x in result.losses]},
+                  handle)
+
+
+def _install_loss_recorder(folder: str, reference: bool) -> None:
     real_train = entry.train
 
     def train(args, write=print, plan=None):
+        if reference and _attempt() == 0:
+            alone = args.replace(save=None, load=None)
+            _REFERENCE_RUNNING["now"] = True  # no fault in the reference
+            try:
+                _record(folder, "reference", real_train(alone, lambda line: None, ResumePlan(None)))
+            finally:
+                _REFERENCE_RUNNING["now"] = False
         result = real_train(args, write, plan)
-        path = os.path.join(folder, f"attempt{_attempt()}-rank{os.environ.get('RANK', '0')}.json")
-        with open(path, "w") as handle:
-            json.dump({"first": result.first_iteration, "losses": [repr(x) for x in result.losses]},
-                      handle)
+        _record(folder, f"attempt{_attempt()}", result)
         return result
 
     entry.train = train
@@ -79,7 +96,7 @@ _fault = _parse_fault()
 if _fault is not None:
     _install_fault(*_fault)
 if os.environ.get("MEGAPIPE_LOSSES"):
-    _install_loss_recorder(os.environ["MEGAPIPE_LOSSES"])
+    _install_loss_recorder(os.environ["MEGAPIPE_LOSSES"], os.environ.get("MEGAPIPE_REFERENCE") == "1")
 
 if __name__ == "__main__":
     sys.exit(entry.main())

@@ -32,7 +32,9 @@ _RUNTIME_EXPORTS = {
     "PipelineExecutor": "megapipe.pipeline.executor",
     "StepResult": "megapipe.pipeline.executor",
     "TensorSpec": "megapipe.pipeline.p2p",
+    "P2PError": "megapipe.pipeline.p2p",
     "P2PTimeoutError": "megapipe.pipeline.p2p",
+    "P2PPeerError": "megapipe.pipeline.p2p",
 }
 
 

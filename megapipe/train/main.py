@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -71,7 +72,7 @@ def run(args: PretrainArgs) -> int:
         for line in plan.warnings:
             print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if launched:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        local = _local_world_size()
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         return run_rank(args, plan, _print_report)
@@ -82,6 +83,13 @@ def run(args: PretrainArgs) -> int:
                                  threads=threads).processes
 
     return run_local(start, args.exit_signal_handler, _error)
+
+
+def _local_world_size() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, or srun's tasks per node."""
+    text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    match = re.match(r"\d+", text)  # Slurm may write "2(x3)"
+    return max(1, int(match.group())) if match else 1
 
 
 def _print_report(line: str, secondary: bool) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, NoReturn, Sequence
@@ -352,7 +351,7 @@ def _check_model_and_schedule(args: PretrainArgs) -> None:
 
 
 def _check_options_and_paths(args: PretrainArgs) -> None:
-    """Flags that need each other, and the files and directories named."""
+    """Flags that need each other, and the data files named (checkpoint folders: ``resume``)."""
     if args.delay_wgrad_compute and not args.overlap_moe_expert_parallel_comm:
         raise ArgsError(
             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (the deferred weight "
@@ -362,42 +361,13 @@ def _check_options_and_paths(args: PretrainArgs) -> None:
         if value is not None and args.save is None:
             raise ArgsError(f"{flag} needs --save DIR")
     _check_data_paths(args)
-    _check_checkpoint_paths(args)
 
 
 def _check_data_paths(args: PretrainArgs) -> None:
     """Every --data-path names readable text, enough for two windows of seq-length + 1."""
     from megapipe.train.data import check_corpus  # torch: only when flags are run
 
-    for path in args.data_path:
-        if not os.path.exists(path):
-            raise ArgsError(f"--data-path {path!r} does not exist")
     try:
         check_corpus(args.data_path, args.seq_length)
     except (OSError, ValueError) as err:
         raise ArgsError(str(err).splitlines()[0]) from None
-
-
-def _nearest_existing(path: str) -> str:
-    """``path`` or its closest existing ancestor."""
-    current = os.path.abspath(path)
-    while not os.path.exists(current):
-        current = os.path.dirname(current)
-    return current
-
-
-def _check_checkpoint_paths(args: PretrainArgs) -> None:
-    """--save can become a folder we may write; --load is a folder (or --save, not yet made)."""
-    if args.save is not None:
-        existing = _nearest_existing(args.save)
-        if not os.path.isdir(existing):
-            what = "is" if existing == os.path.abspath(args.save) else f"lies under {existing!r}, which is"
-            raise ArgsError(f"--save {args.save!r} {what} a file, not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise ArgsError(f"--save {args.save!r}: {existing!r} is not writable")
-    if args.load is not None and not os.path.isdir(args.load):
-        if os.path.exists(args.load):
-            raise ArgsError(f"--load {args.load!r} is a file, not a directory")
-        same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
-        if not same:
-            raise ArgsError(f"--load {args.load!r} does not exist")

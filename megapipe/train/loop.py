@@ -136,7 +136,7 @@ def _check_ranks_agree(plan: ResumePlan) -> None:
     dist.all_gather_object(everyone, mine)
     if len(set(everyone)) > 1:
         raise CheckpointError(
-            f"the ranks chose different checkpoints to resume: "
+            "the ranks chose different checkpoints to resume: "
             + "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
         )
 

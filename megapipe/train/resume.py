@@ -1,4 +1,4 @@
-"""Which checkpoint a run resumes from, decided before any process starts.
+"""Which checkpoint a run resumes from, and where it may save, decided before any process starts.
 
 ``plan_resume(args)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
 newer ones), and refuses, with one line naming the flag and both values, a checkpoint of another
@@ -10,6 +10,7 @@ folder, so a new run never overwrites or interleaves with another run's checkpoi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,32 @@ def check_model(checkpoint: Checkpoint, args: PretrainArgs) -> None:
         raise CheckpointError(f"{where}: its descriptor's parallel.world_size is {world!r}")
 
 
+def _nearest_existing(path: str) -> str:
+    """``path`` or its closest existing ancestor."""
+    current = os.path.abspath(path)
+    while not os.path.exists(current):
+        current = os.path.dirname(current)
+    return current
+
+
+def check_paths(args: PretrainArgs) -> None:
+    """--save can become a folder we may write; --load is a folder (or --save, not made yet)."""
+    if args.save is not None:
+        existing = _nearest_existing(args.save)
+        if not os.path.isdir(existing):
+            what = ("is" if existing == os.path.abspath(args.save)
+                    else f"lies under {existing!r}, which is")
+            raise CheckpointError(f"--save {args.save!r} {what} a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--save {args.save!r}: {existing!r} is not writable")
+    if args.load is not None and not os.path.isdir(args.load):
+        if os.path.exists(args.load):
+            raise CheckpointError(f"--load {args.load!r} is a file, not a directory")
+        same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+        if not same:
+            raise CheckpointError(f"--load {args.load!r} does not exist")
+
+
 def _check_save_target(args: PretrainArgs) -> None:
     """A --save folder holding checkpoints is resumed, never overwritten by another run."""
     if args.save is None:
@@ -102,6 +129,7 @@ def _check_save_target(args: PretrainArgs) -> None:
 
 def plan_resume(args: PretrainArgs) -> ResumePlan:
     """The resume decision for ``args`` (see the module docstring); CheckpointError if none."""
+    check_paths(args)
     _check_save_target(args)
     if args.load is None:
         return ResumePlan(None)

@@ -6,7 +6,6 @@ import pytest
 
 from megapipe.train.args import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
-from megapipe.train.main import main
 
 # The default run's shape (pp=2, vpp=2, ep=2, overlap on, 4 ranks), shrunk to seconds.
 TINY = [

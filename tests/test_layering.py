@@ -66,3 +66,15 @@ def test_each_folder_imports_only_the_folders_above_it():
             if LAYERS.index(target) > LAYERS.index(layer) or target in FORBIDDEN.get(layer, ()):
                 violations.append(f"{rel} imports {module}")
     assert violations == []
+
+
+def test_the_installed_package_list_names_every_folder():
+    """pyproject's explicit package list must follow the folders (a fresh install breaks else)."""
+    import tomllib
+
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    folders = {"megapipe"} | {
+        "megapipe." + p.parent.name for p in ROOT.glob("*/__init__.py")
+    } | {"megapipe.kernels"}
+    assert listed == folders

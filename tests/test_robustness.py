@@ -28,13 +28,9 @@ from megapipe.cli import main as cli_main
 from megapipe.train.args import parse_pretrain_args
 from megapipe.train.checkpoint_files import DESCRIPTOR_FILE, LATEST_FILE
 from megapipe.train.loop import train
+from support.pretrain_flags import TINY as SHARED_TINY
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-    "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "32", "--seq-length", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr-warmup-iters", "2",
-    "--log-interval", "2", "--eval-iters", "1", "--eval-interval", "0", "--train-iters", "4",
-]
+TINY = SHARED_TINY + ["--eval-interval", "0", "--train-iters", "4"]
 
 
 def _train(argv):

@@ -3,8 +3,10 @@
 ``GroupedExperts`` stores the local experts' weights stacked ([L, h, F], [L, h, F], [L, F, h]),
 each expert drawn from its own generator keyed by (seed, layer index, global expert index), so
 any EP size builds the same experts. Forward runs one SwiGLU per local expert on its contiguous
-slice of expert-major tokens (a deterministic loop; every expert runs, even on zero tokens, so
-every expert weight always gets a gradient, zeros when idle).
+slice of expert-major tokens: each of its three matmuls is one grouped GEMM over all local
+experts where torch has one (given the device offsets the dispatcher makes), else a
+deterministic loop (``overlap.grouped_gemm``). Every expert runs, even on zero tokens, so every
+expert weight always gets a gradient, zeros when idle.
 """
 
 from __future__ import annotations
@@ -86,12 +88,14 @@ class GroupedExperts(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, tokens_per_expert: Sequence[int],
-        state: LayerState | None = None,
+        state: LayerState | None = None, offsets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
 
         ``state`` (the layer's ``LayerState``) lets the overlap engine defer the expert weight
         gradients into its ``wgrad_queue`` (megapipe.overlap.wgrad); None computes them at once.
+        ``offsets`` (int32 on the tokens' device, each expert's end row) enable the one-kernel
+        grouped GEMM.
         """
         if len(tokens_per_expert) != self.num_local_experts:
             raise ValueError(
@@ -105,6 +109,6 @@ class GroupedExperts(nn.Module):
             )
         # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
         # into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
-        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, state)
-        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, state)
-        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, state)
+        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, state, offsets)
+        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, state, offsets)
+        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, state, offsets)

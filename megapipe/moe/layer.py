@@ -22,6 +22,11 @@ The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is a
 ``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
 with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``.
 Losses and the capacity are computed over this rank's tokens of the microbatch (no collective).
+With a capacity, every expert gets exactly ``capacity`` rows (padding after the kept tokens,
+Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have the same number
+of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
+the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
+read").
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from torch import nn
 
 from megapipe.kernels import permute_tokens, unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
-from megapipe.moe.dispatcher import TokenDispatcher, plan_permutation
+from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.router import SCORE_FUNCTIONS, Router
+from megapipe.moe.permutation import plan_permutation
+from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import LayerState, Node, NodeFn, NodeKind, run_nodes
 
 
@@ -53,10 +59,11 @@ class MoEConfig:
     score_function: str = "softmax"  # "softmax" | "sigmoid"
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None  # None: dropless
+    capacity_factor: float | None = None  # None: dropless; else padded to the capacity
     shared_expert_intermediate_size: int | None = None
     link: EmulatedLink | None = None
     init_std: float = 0.02
+    router_dtype: str | None = None  # None: the input's dtype; "fp32" (Megatron's flag)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "ffn_hidden_size"):
@@ -69,6 +76,10 @@ class MoEConfig:
         if self.score_function not in SCORE_FUNCTIONS:
             raise ValueError(
                 f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}"
+            )
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"MoEConfig.router_dtype={self.router_dtype!r} is not one of {ROUTER_DTYPES}"
             )
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
             raise ValueError(
@@ -129,6 +140,7 @@ class MoELayer(nn.Module):
             seed=seed,
             layer_index=layer_index,
             init_std=config.init_std,
+            router_dtype=config.router_dtype,
         )
         local = self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
@@ -196,7 +208,7 @@ class MoELayer(nn.Module):
             )
         routed = self.router(tokens)
         capacity = self.config.capacity(tokens.shape[0])
-        row_slot, token_slots, tokens_per_expert = plan_permutation(
+        row_slot, token_slots, rows_per_expert = plan_permutation(
             routed.indices, self.config.num_experts, capacity
         )
         rows = permute_tokens(tokens, row_slot, token_slots)
@@ -208,7 +220,8 @@ class MoELayer(nn.Module):
         state.input_shape = x.shape
         state.row_slot = row_slot
         state.token_slots = token_slots
-        state.tokens_per_expert = tokens_per_expert
+        state.rows_per_expert = rows_per_expert
+        state.capacity = capacity
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
 
@@ -216,7 +229,9 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(rows, state.tokens_per_expert)
+        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(
+            rows, state.rows_per_expert, state.capacity
+        )
         return (expert_rows,)
 
     def _experts(
@@ -225,7 +240,8 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         return (
             self.experts(
-                expert_rows, state.dispatch_plan.tokens_per_local_expert, state=state
+                expert_rows, state.dispatch_plan.tokens_per_local_expert, state=state,
+                offsets=state.dispatch_plan.local_offsets,
             ),
         )
 

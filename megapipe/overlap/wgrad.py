@@ -9,9 +9,14 @@ The queue is an object handed down explicitly: an op finds it at backward time t
 layer's ``LayerState`` it was given at forward time, whose ``wgrad_queue`` field the tape sets
 for the duration of that layer's backward (None: compute now).
 The deferred closure performs exactly the operations the immediate path performs and adds the
-result into ``.grad`` the way autograd's accumulation does, so gradients are bitwise equal with
-and without deferral (as long as each weight is used by one such op per backward, so that no
-two contributions are summed before reaching ``.grad``).
+result into ``.grad`` (or the fp32 ``main_grad``, ``overlap.main_grad``) the way autograd's
+accumulation does, so gradients are bitwise equal with and without deferral (as long as each
+weight is used by one such op per backward, so that no two contributions are summed before
+reaching ``.grad``).
+
+``grouped_matmul`` computes in the operands' dtype (bf16 in a bf16 model) and, under
+``torch.autocast``, in the autocast dtype, returning each gradient in its input's dtype; its
+GEMMs are one grouped kernel when the caller gives device offsets (``overlap.grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+from megapipe.overlap.grouped_gemm import (
+    grouped_forward, grouped_input_grad, grouped_weight_grad,
+)
+from megapipe.overlap.main_grad import accumulate_grad
 
 if TYPE_CHECKING:
     from megapipe.overlap.plan import LayerState
@@ -56,42 +66,35 @@ def queue_of(state: "LayerState | None") -> WeightGradQueue | None:
     return None if state is None else state.wgrad_queue
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` as autograd's accumulation does (same bits)."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], weight: torch.Tensor, state):
-        chunks = torch.split(x, list(counts), dim=0)
-        ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        ctx.state = state
-        return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
+    def forward(ctx, x, counts, weight, state, offsets):  # type: ignore[override]
+        dtype = _compute_dtype(x, weight)
+        x_c, w_c = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_c, w_c, weight, offsets)
+        ctx.counts, ctx.state = counts, state
+        ctx.x_dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return grouped_forward(x_c, w_c, counts, offsets)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        counts = list(ctx.counts)
-        grad_chunks = torch.split(grad_out, counts, dim=0)
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, w, weight, offsets = ctx.saved_tensors
+        counts = ctx.counts
+        grad_out = grad_out.to(w.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.cat([g @ weight[i].t() for i, g in enumerate(grad_chunks)], dim=0)
+            grad_x = grouped_input_grad(grad_out, w, counts, offsets).to(ctx.x_dtype)
         if not ctx.needs_input_grad[2]:
-            return grad_x, None, None, None
-        x_chunks = torch.split(x, counts, dim=0)
+            return grad_x, None, None, None, None
 
         def weight_grad() -> torch.Tensor:
-            return torch.stack([xc.t() @ g for xc, g in zip(x_chunks, grad_chunks)])
+            return grouped_weight_grad(x, grad_out, w, counts, offsets).to(weight.dtype)
 
         queue = queue_of(ctx.state)
         ctx.state = None
         if queue is None:
-            return grad_x, None, weight_grad(), None
+            return grad_x, None, weight_grad(), None, None
         if weight.grad_fn is not None or not weight.is_leaf:
             raise RuntimeError(
                 "grouped_matmul can defer the weight gradient only for a leaf weight "
@@ -99,17 +102,32 @@ class _GroupedMatmul(torch.autograd.Function):
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
         queue.put(lambda: accumulate_grad(weight, weight_grad()), name="grouped_matmul")
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``x``'s device, else the operands' own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"grouped_matmul: x is {x.dtype} but weight is {weight.dtype}; cast the model "
+            "(e.g. to bf16 with fp32 main weights) or run under torch.autocast"
+        )
+    return x.dtype
 
 
 def grouped_matmul(
     x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
-    state: "LayerState | None" = None,
+    state: "LayerState | None" = None, offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``cat_i(x_i @ weight[i])`` for ``x`` split into row groups of ``counts``.
 
     ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group (zeros allowed).
-    Its backward defers the weight gradient into ``state.wgrad_queue`` when that is set.
+    ``offsets`` (int32 on ``x``'s device: each group's end row) allows the one-kernel grouped
+    GEMM; without them a loop over the groups runs. Its backward defers the weight gradient
+    into ``state.wgrad_queue`` when that is set.
     """
     counts = tuple(int(c) for c in counts)
     if weight.dim() != 3 or len(counts) != weight.shape[0]:
@@ -119,4 +137,9 @@ def grouped_matmul(
         )
     if sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_matmul: counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    return _GroupedMatmul.apply(x, counts, weight, state)
+    if offsets is not None and offsets.shape != (len(counts),):
+        raise ValueError(
+            f"grouped_matmul: offsets of shape {tuple(offsets.shape)} need one entry per group "
+            f"({len(counts)})"
+        )
+    return _GroupedMatmul.apply(x, counts, weight, state, offsets)

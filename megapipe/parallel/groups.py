@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -135,15 +135,32 @@ class ProcessGroups:
         return self.coordinates.expert_dp_rank
 
 
+def group_options(name: str, high_priority: Sequence[str], backend: str) -> dict[str, Any]:
+    """``dist.new_group`` keyword arguments for group ``name``: on NCCL, a group named in
+    ``high_priority`` gets ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``, so its
+    kernels run on a high-priority CUDA stream (e.g. the EP all-to-all beside compute)."""
+    if name not in high_priority or backend != "nccl":
+        return {}
+    return {"pg_options": dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)}
+
+
 def create_groups(
-    config: ParallelConfig, backend: str | None = None, timeout: timedelta | None = None
+    config: ParallelConfig,
+    backend: str | None = None,
+    high_priority: Sequence[str] = (),
+    timeout: timedelta | None = None,
 ) -> ProcessGroups:
     """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
-    world size is checked first, so a mismatch fails before any group is created. ``timeout``
-    bounds every collective of the groups (None: torch's default for the backend).
+    world size is checked first, so a mismatch fails before any group is created.
+    ``high_priority``: names (``GROUP_NAMES``) of the groups whose NCCL communicators use
+    high-priority streams (``group_options``; nothing changes on gloo). ``timeout`` bounds every
+    collective of the groups (None: torch's default for the backend).
     """
+    unknown = [name for name in high_priority if name not in GROUP_NAMES]
+    if unknown:
+        raise ValueError(f"high_priority={unknown} are not group names; known: {GROUP_NAMES}")
     if not dist.is_initialized():
         raise RuntimeError(
             "create_groups needs an initialised default process group; call "
@@ -156,7 +173,8 @@ def create_groups(
     for name in GROUP_NAMES:
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
-            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            options = group_options(name, high_priority, backend or dist.get_backend())
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout, **options)
             if me in ranks:
                 mine[(name, ranks)] = group
     return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])

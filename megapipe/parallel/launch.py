@@ -156,8 +156,10 @@ def init_distributed(
 ) -> LaunchInfo:
     """Initialise the default process group (and the CUDA device) and describe this process.
 
-    If a default group already exists it is kept, after checking that it agrees with the
-    resolved rank and world size.
+    With NCCL the group is bound to this rank's GPU (``device_id``), so its communicators are
+    created eagerly here rather than inside the first collective of a training step. If a
+    default group already exists it is kept, after checking that it agrees with the resolved
+    rank and world size.
     """
     info = resolve_launch(
         env,
@@ -168,11 +170,14 @@ def init_distributed(
         master_port=master_port,
     )
     backend = default_backend() if backend is None else backend
+    device_id = None
     if torch.cuda.is_available() and backend != "gloo":
         count = torch.cuda.device_count()
         if info.local_rank >= count:
             raise ValueError(f"local_rank={info.local_rank} but only {count} CUDA devices")
         torch.cuda.set_device(info.local_rank)
+        # bound to its device, NCCL creates the communicators now, not at the first collective
+        device_id = torch.device("cuda", info.local_rank)
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
             raise RuntimeError(
@@ -181,13 +186,15 @@ def init_distributed(
                 f"{info.world_size}"
             )
         return info
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     url = f"tcp://{info.master_addr}:{info.master_port}"
     store, _, _ = next(dist.rendezvous(url, info.rank, info.world_size, **kwargs))
     # torchrun restarts every worker against the same store: keys of an earlier attempt (the
     # addresses of its dead processes) must not be read as this attempt's
     attempt = (env if env is not None else os.environ).get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"megapipe/attempt{attempt}", store)
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     dist.init_process_group(
         backend, store=store, rank=info.rank, world_size=info.world_size, **kwargs
     )

@@ -193,7 +193,8 @@ class PipelineExecutor:
 
         ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
-        ``.grad`` (zero them between steps); after a training step they are synchronised.
+        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
+        steps); after a training step they are synchronised.
         """
         check_inputs(
             self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,

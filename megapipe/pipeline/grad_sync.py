@@ -10,6 +10,10 @@
   ``dp``. An expert parameter (``param.expert_parallel = True``) already holds the contributions
   of every rank of its EP block (through the all-to-all's backward); summing over the
   expert-data-parallel group covers all ``dp`` ranks once, so it is also divided by ``dp``.
+
+Both act on the tensor each gradient accumulates in (``overlap.main_grad.grad_buffer``): the
+float32 ``main_grad`` of a bf16 model, so the sums and the reduction run in float32, else
+``.grad``.
 """
 
 from __future__ import annotations
@@ -20,20 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.overlap.main_grad import grad_buffer
 from megapipe.parallel.groups import ProcessGroups
 from megapipe.schedule.ir import Schedule
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
-    """Every trainable parameter's gradient, zeros where a parameter received none."""
-    grads = []
-    for p in module.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    return grads
+    """Every trainable parameter's gradient buffer, zeros where a parameter received none."""
+    return [grad_buffer(p) for p in module.parameters() if p.requires_grad]
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -101,11 +99,8 @@ def all_reduce_grads(stages: Mapping[int, nn.Module], groups: ProcessGroups) -> 
     expert: list[torch.Tensor] = []
     for stage in sorted(stages):
         for p in stages[stage].parameters():
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            (expert if getattr(p, "expert_parallel", False) else dense).append(p.grad)
+            if p.requires_grad:
+                (expert if getattr(p, "expert_parallel", False) else dense).append(grad_buffer(p))
     for grads, group, size in (
         (dense, groups.dp, dp),
         (expert, groups.expert_dp, groups.config.expert_dp),

@@ -37,6 +37,8 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from megapipe.overlap.main_grad import accumulate_grad
+
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
     if not tensor.requires_grad:
@@ -90,7 +92,7 @@ class DeferredWeightGrad:
     root_grads: list[torch.Tensor]
 
     def run(self) -> None:
-        """Accumulate every parameter's gradient into ``.grad``; call once."""
+        """Accumulate every parameter's gradient (into ``.grad`` or ``main_grad``); call once."""
         for group in self.groups:
             edges: list[GradientEdge] = []
             grads: list[torch.Tensor] = []
@@ -119,12 +121,8 @@ class DeferredWeightGrad:
                 for handle in handles:
                     handle.remove()
             for param, grad in zip(group.params, dweights):
-                if grad is None:
-                    continue
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
+                if grad is not None:
+                    accumulate_grad(param, grad)
         self.groups = []
         self.recorded = {}
         self.root_grads = []

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, NoReturn, Sequence
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
-from megapipe.train.flags import LR_DECAY_STYLES, build_parser
+from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES, build_parser
 
 if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
     from megapipe.models.config import GPTConfig
@@ -56,6 +56,12 @@ class PretrainArgs:
     moe_shared_expert_intermediate_size: int | None
     moe_layer_freq: str
     moe_aux_loss_coeff: float
+    moe_router_dtype: str | None
+    moe_expert_capacity_factor: float | None
+    moe_pad_expert_input_to_capacity: bool
+    bf16: bool
+    fp16: bool
+    high_priority_stream_groups: tuple[str, ...]
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
     expert_model_parallel_size: int
@@ -132,6 +138,8 @@ class PretrainArgs:
             moe_aux_loss_coeff=self.moe_aux_loss_coeff,
             moe_shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
             moe_link=self.emulated_link(),
+            moe_capacity_factor=self.moe_expert_capacity_factor,
+            moe_router_dtype=self.moe_router_dtype,
             seed=self.seed,
         )
 
@@ -214,6 +222,7 @@ def args_from_namespace(
     names = {f.name for f in dataclasses.fields(PretrainArgs)} - {"world_size"}
     values = {k: v for k, v in vars(ns).items() if k in names}
     values["data_path"] = tuple(values["data_path"])
+    values["high_priority_stream_groups"] = tuple(values["high_priority_stream_groups"])
     from megapipe.parallel.launch import launched_world_size  # torch: only when flags are run
 
     launched = launched_world_size(env)
@@ -246,7 +255,30 @@ def validate(args: PretrainArgs) -> None:
     _check_numbers(args)
     _check_parallel(args)
     _check_model_and_schedule(args)
+    _check_precision_and_moe_options(args)
     _check_options_and_paths(args)
+
+
+def _check_precision_and_moe_options(args: PretrainArgs) -> None:
+    """Precision, router dtype, capacity and NCCL stream options."""
+    if args.fp16:
+        raise ArgsError(
+            "--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
+            "dynamic loss scaling, which megapipe does not implement)"
+        )
+    if args.moe_router_dtype not in (None, "fp32", "fp64"):
+        raise ArgsError(f"--moe-router-dtype={args.moe_router_dtype!r} must be fp32 or fp64")
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ArgsError(f"--moe-expert-capacity-factor={factor} must be > 0")
+    if args.moe_pad_expert_input_to_capacity and factor is None:
+        raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    unknown = [g for g in args.high_priority_stream_groups if g not in HIGH_PRIORITY_GROUPS]
+    if unknown:
+        raise ArgsError(
+            f"--high-priority-stream-groups {' '.join(unknown)}: not a group; choose from "
+            f"{', '.join(HIGH_PRIORITY_GROUPS)}"
+        )
 
 
 def _check_numbers(args: PretrainArgs) -> None:

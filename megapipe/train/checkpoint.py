@@ -9,8 +9,8 @@ schedule) loads under another and DCP reshards it:
 - the local experts of a grouped-experts weight are stacked along dim 0 on each EP rank; each
   expert is its own key, ``model/{name}/expert{e}`` with ``e`` the global expert index;
 - an optimizer state follows its parameter: ``optim/{name}[/expert{e}]/{field}`` (AdamW's
-  ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` once per parameter); fp32 main weights of a
-  mixed-precision optimizer would be one more field keyed the same way;
+  ``exp_avg``, ``exp_avg_sq``, with ``--bf16`` the fp32 ``main_param``; the scalar ``step``
+  once per parameter);
 - ``rng/rank{r}`` holds each rank's RNG states; a run with another world size restores rank
   ``r``'s from saved rank ``r % saved_world``; ``extra/...`` holds the states every rank shares
   (LR schedule, data position).
@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
+from megapipe.train.mixed_precision import MixedPrecisionAdamW
 from megapipe.train.checkpoint_files import (
     FORMAT, describe_files, file_digest, iteration_dir, prepare_temporary, prune, publish,
     temporary_dir,
@@ -59,7 +60,9 @@ def _pieces(key: str, tensor: torch.Tensor, first_expert: int | None) -> Iterato
         yield f"{key}/expert{first_expert + local}", tensor[local]
 
 
-def checkpoint_entries(stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> Entries:
+def checkpoint_entries(
+    stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
+) -> Entries:
     """Every key this rank holds -> the tensors that hold it (views sharing storage)."""
     entries: Entries = {}
     for stage in sorted(stages):
@@ -81,8 +84,11 @@ def checkpoint_entries(stages: Mapping[int, nn.Module], optimizer: torch.optim.O
     return entries
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter AdamW's state so DCP can load into it (a fresh optimizer has none)."""
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer | MixedPrecisionAdamW) -> None:
+    """Give every parameter AdamW's state so DCP can load into it (a fresh AdamW has none; a
+    ``MixedPrecisionAdamW`` has its state, main weights included, from construction)."""
+    if isinstance(optimizer, MixedPrecisionAdamW):
+        return
     for group in optimizer.param_groups:
         fused = bool(group.get("fused"))
         for p in group["params"]:
@@ -129,7 +135,7 @@ def save_checkpoint(
     save: str | Path,
     iteration: int,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
     extra: Mapping[str, Any],
     descriptor: Mapping[str, Any],
     keep_last: int | None = None,
@@ -162,7 +168,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
     extra: Mapping[str, Any],
     saved_world: int,
 ) -> dict[str, Any]:

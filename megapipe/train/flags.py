@@ -10,6 +10,8 @@ import argparse
 from megapipe.schedule import SCHEDULES
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
+# Megatron's names for the groups a user may put on high-priority NCCL streams -> megapipe's
+HIGH_PRIORITY_GROUPS = {"ep": "ep", "ep_dp": "expert_dp", "dp": "dp", "pp": "pp"}
 
 
 def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argparse.ArgumentParser:
@@ -39,6 +41,23 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
         "(dense layers first, then a period)",
     )
     model.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    model.add_argument("--moe-router-dtype", default=None,
+                       help="fp32 or fp64: compute the router's logits in that precision "
+                       "(default: the activations' dtype; softmax, top-k and the auxiliary "
+                       "losses are always at least fp32)")
+    model.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="drop routing choices over capacity factor x tokens x top-k / "
+                       "experts per expert, padding every expert to that capacity (default: "
+                       "dropless)")
+    model.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="accepted for Megatron scripts: megapipe always pads to the "
+                       "capacity (needs --moe-expert-capacity-factor)")
+    precision = p.add_argument_group("precision")
+    precision.add_argument("--bf16", action="store_true",
+                           help="bf16 parameters and activations; fp32 main weights, AdamW "
+                           "moments and gradient accumulation/reduction")
+    precision.add_argument("--fp16", action="store_true",
+                           help="not supported (one clear error): use --bf16")
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=4)
     train.add_argument("--global-batch-size", type=int, default=32)
@@ -70,6 +89,10 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     par.add_argument("--nproc", type=int, default=None,
                      help="processes to start when not launched by torchrun or srun "
                      "(default: pp x ep)")
+    par.add_argument("--high-priority-stream-groups", nargs="*", default=[],
+                     help="process groups whose NCCL communicator runs on a high-priority CUDA "
+                     f"stream, any of {', '.join(HIGH_PRIORITY_GROUPS)} (e.g. ep for the "
+                     "token all-to-all; ignored on gloo)")
     par.add_argument("--moe-emulated-link-gbps", type=float, default=None,
                      help="emulate an all-to-all link of this many GB/s (CPU overlap studies; "
                      "off by default, the log says when it is on)")

@@ -27,10 +27,12 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule, build_schedule
 from megapipe.train.args import PretrainArgs
+from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
     validation_batches,
 )
+from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
 from megapipe.train.optim import LRSchedule, build_optimizer, unique_params
 
 
@@ -48,7 +50,7 @@ class Job:
     splits: Splits
     batches: TrainBatches
     valid: list[list[Microbatch]]
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
     lr_schedule: LRSchedule
     all_params: list[nn.Parameter]
     norm_params: list[nn.Parameter]  # each model part once per pipeline (DualPipe mirrors)
@@ -74,7 +76,8 @@ def build_job(args: PretrainArgs) -> Job:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     device = job_device()
-    groups = create_groups(args.parallel, timeout=timeout_of(args))
+    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
+    groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
     schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
                               overlap=args.overlap_moe_expert_parallel_comm)
     config = args.gpt_config()
@@ -83,9 +86,13 @@ def build_job(args: PretrainArgs) -> Job:
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
+    modules = [stages[s] for s in sorted(stages)]
+    if args.bf16:
+        cast_to_bf16(modules, unique_params(modules))
+    activation = torch.bfloat16 if args.bf16 else torch.float32
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
-        spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size)),
+        spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size), activation),
         delay_wgrad_compute=args.delay_wgrad_compute,
         record_trace=args.overlap_moe_expert_parallel_comm,
         timeout=timeout_of(args).total_seconds(),
@@ -96,12 +103,11 @@ def build_job(args: PretrainArgs) -> Job:
                            groups.dp_rank, args.seed)
     valid = validation_batches(splits, args.eval_iters, args.global_batch_size,
                                args.micro_batch_size, args.dp, groups.dp_rank)
-    modules = [stages[s] for s in sorted(stages)]
     decay_end = args.lr_decay_iters or args.train_iters
     return Job(
         args=args, device=device, groups=groups, schedule=schedule, stages=stages,
         executor=executor, files=files, splits=splits, batches=batches, valid=valid,
-        optimizer=build_optimizer(modules, args.lr, args.weight_decay),
+        optimizer=build_optimizer(modules, args.lr, args.weight_decay, mixed_precision=args.bf16),
         lr_schedule=LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters,
                                max(1, decay_end - args.lr_warmup_iters), args.lr_decay_style),
         all_params=unique_params(modules),
@@ -118,7 +124,7 @@ def describe(job: Job) -> list[str]:
         f"megapipe pretrain: world {args.world_size} = pp {args.pp} x dp {args.dp} "
         f"(ep {args.ep}), vpp {args.vpp}, schedule {job.schedule.name}"
         f"{' with overlap' if args.overlap_moe_expert_parallel_comm else ''}"
-        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}; "
+        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}; {precision_text(args)}; "
         f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} "
         f"tokens per dp rank per step",
         f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
@@ -132,6 +138,14 @@ def describe(job: Job) -> list[str]:
         lines.append(link.describe())
     lines.append(placement_line())
     return lines
+
+
+def precision_text(args: PretrainArgs) -> str:
+    """What the first log line says about precision."""
+    if not args.bf16:
+        return "fp32"
+    router = f", router {args.moe_router_dtype}" if args.moe_router_dtype else ""
+    return f"bf16 with fp32 main weights, moments and gradients{router}"
 
 
 def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:

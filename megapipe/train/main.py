@@ -67,6 +67,10 @@ def run(args: PretrainArgs) -> int:
     except CheckpointError as err:
         _error(str(err))
         return 2
+    missing = missing_gpus(args)
+    if missing is not None:
+        _error(missing)
+        return 2
     launched = launched_world_size() is not None
     if not launched or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
         for line in plan.warnings:
@@ -94,6 +98,23 @@ def _local_world_size() -> int:
 
 def _print_report(line: str, secondary: bool) -> None:
     _error(line)
+
+
+def missing_gpus(args: PretrainArgs) -> str | None:
+    """With CUDA, the processes this node would run (the launcher's, else the ranks started
+    here) must not outnumber its GPUs; the reason if they do, else None."""
+    if not torch.cuda.is_available():
+        return None
+    launched = launched_world_size() is not None
+    per_node = _local_world_size() if launched else args.world_size
+    count = torch.cuda.device_count()
+    if per_node <= count:
+        return None
+    asked = "LOCAL_WORLD_SIZE" if launched else "--nproc (default pp x ep)"
+    return (
+        f"{per_node} processes on this node ({asked}) but it has {count} GPU(s); each rank "
+        "needs its own GPU"
+    )
 
 
 def _local_rank(rank: int, args: PretrainArgs, plan: ResumePlan, folder: str) -> None:

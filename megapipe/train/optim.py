@@ -6,6 +6,11 @@ identical on the expert-DP ranks (they are sharded over EP). So each rank sums t
 its dense gradients and of its expert gradients; the expert sum is all-reduced over EP (the
 shards), then the total over PP (the stages). Every rank ends with the same norm and clips the
 same way, with no reduction over DP at all.
+
+Gradients are read where they accumulate (``overlap.main_grad``): the float32 ``main_grad`` of a
+bf16 model, else ``.grad``. The sums run on the gradients' device, in float64, parameter after
+parameter (no host sync per parameter); the one host read is the final norm, which the
+clipping decision and the log need once per step, after the backward.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.train.mixed_precision import MixedPrecisionAdamW
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
@@ -38,11 +46,13 @@ def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
 
 def build_optimizer(
     modules: Sequence[nn.Module], lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-) -> torch.optim.AdamW:
+    eps: float = 1e-8, mixed_precision: bool = False,
+) -> torch.optim.AdamW | MixedPrecisionAdamW:
     """AdamW over ``modules``; no weight decay on biases and norm weights (1-D tensors).
 
-    Fused on CUDA; the multi-tensor (foreach) path on CPU.
+    Fused on CUDA; the multi-tensor (foreach) path on CPU. ``mixed_precision``: the modules are
+    bf16 with float32 ``main_grad`` (``cast_to_bf16``), and AdamW runs on float32 main weights
+    (``MixedPrecisionAdamW``).
     """
     params = [p for p in unique_params(modules) if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -51,6 +61,8 @@ def build_optimizer(
               {"params": no_decay, "weight_decay": 0.0}]
     on_cuda = bool(params) and all(p.is_cuda for p in params)
     kwargs = {"fused": True} if on_cuda else {"foreach": True}
+    if mixed_precision:
+        return MixedPrecisionAdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
 
 
@@ -109,11 +121,11 @@ class LRSchedule:
         self.iteration = int(state["iteration"])  # type: ignore[arg-type]
 
 
-def _sum_of_squares(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total = total + p.grad.detach().double().pow(2).sum().cpu()
+def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` in float64 on ``device``, added one tensor after another."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:
+        total = total + grad.detach().double().pow(2).sum().to(device)
     return total
 
 
@@ -127,17 +139,25 @@ def global_grad_norm(
 
     ``params`` are the parameters this rank counts: its stages' parameters, each once (for
     DualPipe's mirrored stages, pass only one copy of each model part per pipeline).
+    ``device``: where the sums and their all-reduces run (default: the gradients' device).
     """
-    dense = _sum_of_squares(p for p in params if not is_expert_param(p))
-    expert = _sum_of_squares(p for p in params if is_expert_param(p))
-    device = device or torch.device("cpu")
-    expert = expert.to(device)
+    dense_grads, expert_grads = _grads(params, expert=False), _grads(params, expert=True)
+    if device is None:
+        device = next((g.device for g in dense_grads + expert_grads), torch.device("cpu"))
+    dense = _sum_of_squares(dense_grads, device)
+    expert = _sum_of_squares(expert_grads, device)
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert, group=ep_group)
-    total = dense.to(device) + expert
+    total = dense + expert
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     return float(total.sqrt())
+
+
+def _grads(params: Iterable[torch.Tensor], expert: bool) -> list[torch.Tensor]:
+    """The accumulated gradients of the expert (or dense) parameters among ``params``."""
+    grads = [accumulated_grad(p) for p in params if is_expert_param(p) == expert]
+    return [g for g in grads if g is not None]
 
 
 def clip_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -148,7 +168,7 @@ def clip_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: floa
     if max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
         return 1.0
     scale = max_norm / (total_norm + 1e-6)
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in (accumulated_grad(p) for p in params) if g is not None]
     if grads:
         torch._foreach_mul_(grads, scale)
     return scale

@@ -105,3 +105,23 @@ def test_launcher_detection_is_one_rule_for_training_and_rendezvous():
     assert (detect_launcher(batch_shell), launched_world_size(batch_shell)) == (None, None)
     with pytest.raises(ValueError, match="cannot tell this process's rank"):
         resolve_launch(batch_shell)
+
+
+def test_nccl_init_binds_the_device_so_communicators_start_eagerly(monkeypatch):
+    """With CUDA, init_process_group gets device_id = this rank's GPU (stood in for here)."""
+    import torch.distributed as dist
+
+    from megapipe.parallel.launch import init_distributed
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set", device))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kwargs: calls.update(backend=backend, **kwargs))
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
+    init_distributed(env=env)
+    assert calls["backend"] == "nccl" and calls["set"] == 3
+    assert calls["device_id"] == torch.device("cuda", 3)

@@ -52,6 +52,21 @@ def test_combined_schedule_is_bitwise_the_plain_one(verdicts, case):
         assert problems == [], f"{case} rank {rank}: {problems[:4]}"
 
 
+@pytest.fixture(scope="module")
+def bf16_verdicts(rank_pools):
+    per_rank = rank_pools(8).run(bitwise_cases, BITWISE_CASES, bf16=True)
+    return {
+        case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(BITWISE_CASES)
+    }
+
+
+@pytest.mark.parametrize("case", BITWISE_CASES, ids=str)
+def test_bf16_combined_schedule_is_bitwise_the_plain_one(bf16_verdicts, case):
+    """The same matrix with bf16 parameters and activations and float32 main gradients."""
+    for rank, problems in enumerate(bf16_verdicts[case]):
+        assert problems == [], f"bf16 {case} rank {rank}: {problems[:4]}"
+
+
 def _four_pairs_per_layer(pairs) -> int:
     """How many times the full set of four pairings appears in order (attention-combine first)."""
     found, want = 0, [

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megapipe.schedule import Kind, build_schedule
-from support.pipeline_cases import Case, run_cases
+from support.pipeline_cases import Case, bitwise_expected, expected_grad, run_cases
 
 STEPS = 2
 CASES = [
@@ -55,35 +54,12 @@ def results(rank_pools):
     return {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(cases)}
 
 
-def bitwise_expected(case: Case) -> bool:
-    """Same summation order as the reference: one DP rank, no EP, no mirrored halves, and every
-    stage accumulates weight gradients (in B, I or W) in increasing microbatch order."""
-    if case.dp != 1 or case.ep != 1 or case.schedule == "dualpipe":
-        return False
-    schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp)
-    orders: dict[tuple[int, Kind], list[int]] = {}
-    for row in schedule.actions:
-        for action in row:
-            for comp in action.computations():
-                if comp.kind is not Kind.F:
-                    orders.setdefault((comp.stage, comp.kind), []).append(comp.microbatch)
-    return all(order == sorted(order) for order in orders.values())
-
-
 def _assert_matches(got: torch.Tensor, want: torch.Tensor, bitwise: bool, what: str) -> None:
     if bitwise:
         assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item():.3e}"
     else:
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale, msg=what)
-
-
-def _expected_grad(case: Case, result: dict, name: str, stage_key, reference) -> torch.Tensor:
-    grad = reference[name]
-    if result["experts"][stage_key] and case.ep > 1:
-        local = grad.shape[0] // case.ep
-        grad = grad[result["ep_rank"] * local : (result["ep_rank"] + 1) * local]
-    return grad
 
 
 @pytest.mark.parametrize("case", CASES + OVERLAP_CASES, ids=str)
@@ -105,7 +81,7 @@ def test_matches_single_process_reference(results, case):
                     assert abs(loss - want) <= 1e-6 * abs(want)
                 seen_losses.add((result["dp_rank"], i))
             for (stage, name), grad in grads.items():
-                want = _expected_grad(case, result, name, (stage, name), ref_grads)
+                want = expected_grad(case, result, name, (stage, name), ref_grads)
                 _assert_matches(grad, want, bitwise, f"{case} step {step} stage {stage} {name}")
     assert seen_losses == {(d, i) for d in range(case.dp) for i in range(case.microbatches)}
 

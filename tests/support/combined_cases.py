@@ -20,17 +20,23 @@ from megapipe import get_forward_backward_func
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.moe.link import EmulatedLink
+from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
+from megapipe.train.mixed_precision import cast_to_bf16
 from support.pipeline_cases import (
     CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,
 )
 
 
-def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False):
-    """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s)."""
+def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False,
+         bf16: bool = False):
+    """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s).
+
+    ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
+    trains with); the gradients compared are then the float32 main gradients."""
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
                               overlap=overlap)
@@ -39,7 +45,10 @@ def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = Fa
         s: build_stage(config, schedule.model_part(s), schedule.stages_per_pipeline, ep_group)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
-    spec = TensorSpec((MICRO_BATCH, config.seq_length, config.hidden_size))
+    if bf16:
+        cast_to_bf16(stages.values(), [p for m in stages.values() for p in m.parameters()])
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    spec = TensorSpec((MICRO_BATCH, config.seq_length, config.hidden_size), dtype)
     data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
     with PipelineExecutor(
         schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
@@ -50,7 +59,8 @@ def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = Fa
         result = executor.step([d[0] for d in data], [d[1] for d in data])
         wall = time.perf_counter() - start
     grads = {
-        (s, n): p.grad.clone() for s, m in stages.items() for n, p in m.named_parameters()
+        (s, n): accumulated_grad(p).clone()
+        for s, m in stages.items() for n, p in m.named_parameters()
     }
     return {i: v.item() for i, v in result.losses.items()}, grads, result, wall
 
@@ -65,15 +75,15 @@ def _differences(a, b) -> list[str]:
     return problems
 
 
-def bitwise_cases(cases: list[Case]) -> list[list[str] | None]:
+def bitwise_cases(cases: list[Case], bf16: bool = False) -> list[list[str] | None]:
     """Per case: what differs between plain, combined and combined+delay (empty: bitwise)."""
     prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
     out = []
     for case in cases:
         if dist.get_rank() < case.world:
-            plain = _run(case, overlap=False, delay=False)
-            combined = _run(case, overlap=True, delay=False)
-            delayed = _run(case, overlap=True, delay=True)
+            plain = _run(case, overlap=False, delay=False, bf16=bf16)
+            combined = _run(case, overlap=True, delay=False, bf16=bf16)
+            delayed = _run(case, overlap=True, delay=True, bf16=bf16)
             problems = [f"combined: {p}" for p in _differences(plain, combined)]
             problems += [f"combined+delay: {p}" for p in _differences(plain, delayed)]
             out.append(problems)
@@ -220,3 +230,22 @@ def non_node_stage(overlap: bool) -> tuple[list[str], dict[int, float], torch.Te
                 result = executor.step(inputs, [x.flip(0) for x in inputs])
     messages = [str(w.message) for w in caught]
     return messages, {i: v.item() for i, v in result.losses.items()}, stage.proj.weight.grad
+
+
+def host_sync_run(case: Case) -> dict | None:
+    """One training step of ``case`` (after a warm-up step) under ``HostSyncs``: every host
+    sync this rank made, and how many MoE-layer forwards it ran."""
+    from support.host_syncs import HostSyncs
+    from support.pipeline_cases import build_pipeline
+
+    prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
+    if dist.get_rank() >= case.world:
+        return None
+    groups, schedule, stages, executor = build_pipeline(case)
+    data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
+    with executor:
+        executor.step([d[0] for d in data], [d[1] for d in data])
+        with HostSyncs() as syncs:
+            executor.step([d[0] for d in data], [d[1] for d in data])
+    moe_forwards = case.microbatches * sum(len(m.moe_layers()) for m in stages.values())
+    return {"events": syncs.events, "moe_forwards": moe_forwards}

@@ -9,6 +9,7 @@ processes without restarting torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,14 @@ import torch.distributed as dist
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
+from megapipe.overlap.main_grad import accumulated_grad, zero_grads
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_layout
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule.rank_plan import in_flight_limit
 from megapipe.pipeline.p2p import TensorSpec
-from megapipe.schedule import build_schedule
+from megapipe.schedule import Kind, build_schedule
+from megapipe.train.mixed_precision import cast_to_bf16
 
 MICRO_BATCH = 2
 CONFIG = GPTConfig(
@@ -51,6 +54,7 @@ class Case:
     microbatches: int = 4
     overlap: bool = False
     variable_seq: bool = False  # microbatch i has its own sequence length (declared per microbatch)
+    bf16: bool = False  # bf16 parameters and activations, float32 main weights and gradients
 
     @property
     def world(self) -> int:
@@ -58,6 +62,7 @@ class Case:
 
     def __str__(self) -> str:
         flag = ("+overlap" if self.overlap else "") + ("+varseq" if self.variable_seq else "")
+        flag += "+bf16" if self.bf16 else ""
         return (
             f"{self.schedule}{flag}(pp={self.pp},vpp={self.vpp},ep={self.ep},dp={self.dp},"
             f"M={self.microbatches})"
@@ -114,10 +119,37 @@ def _sgd(params) -> None:
             p.grad = None
 
 
+def make_sgd(modules, bf16: bool) -> Callable[[], None]:
+    """Plain SGD on ``modules``' parameters (``bf16``: modules cast by ``cast_to_bf16``; step
+    float32 main weights with the float32 main gradients)."""
+    params = list(dict.fromkeys(p for m in modules for p in m.parameters()))
+    if not bf16:
+        return lambda: _sgd(params)
+    mains = [p.detach().float() for p in params]
+
+    @torch.no_grad()
+    def step() -> None:
+        for p, main in zip(params, mains):
+            main -= LR * p.main_grad
+            p.copy_(main)
+        zero_grads(params)
+
+    return step
+
+
+def grads_of(modules: dict) -> dict:
+    """{(stage, name): accumulated gradient (float32 main gradient under bf16)}."""
+    return {(s, n): accumulated_grad(p).clone() for s, m in modules.items()
+            for n, p in m.named_parameters()}
+
+
 def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
     """The unsplit model on one process over every DP rank's microbatches: per step, the losses
     (in (dp_rank, microbatch) order) and every parameter's gradient."""
     model = build_stage(CONFIG, 0, 1)
+    if case.bf16:
+        cast_to_bf16([model], list(model.parameters()))
+    sgd = make_sgd([model], case.bf16)
     total = case.dp * case.microbatches
     for layer in model.moe_layers():
         layer.aux_loss_scale = 1.0 / total
@@ -130,9 +162,33 @@ def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, t
                 loss = gpt_loss(model(tokens), labels)
                 (loss / total).backward()
                 losses.append(loss.item())
-        out.append((losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
-        _sgd(model.parameters())
+        out.append((losses, {n: g.clone() for (_, n), g in grads_of({0: model}).items()}))
+        sgd()
     return out
+
+
+def bitwise_expected(case: Case) -> bool:
+    """Same summation order as the reference: one DP rank, no EP, no mirrored halves, and every
+    stage accumulates weight gradients (in B, I or W) in increasing microbatch order."""
+    if case.dp != 1 or case.ep != 1 or case.schedule == "dualpipe":
+        return False
+    schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp)
+    orders: dict[tuple[int, Kind], list[int]] = {}
+    for row in schedule.actions:
+        for action in row:
+            for comp in action.computations():
+                if comp.kind is not Kind.F:
+                    orders.setdefault((comp.stage, comp.kind), []).append(comp.microbatch)
+    return all(order == sorted(order) for order in orders.values())
+
+
+def expected_grad(case: Case, result: dict, name: str, stage_key, reference) -> torch.Tensor:
+    """The reference gradient of ``name`` as this rank holds it (its EP shard of an expert)."""
+    grad = reference[name]
+    if result["experts"][stage_key] and case.ep > 1:
+        local = grad.shape[0] // case.ep
+        grad = grad[result["ep_rank"] * local : (result["ep_rank"] + 1) * local]
+    return grad
 
 
 def build_pipeline(case: Case, timeout: float = 20.0):
@@ -147,12 +203,15 @@ def build_pipeline(case: Case, timeout: float = 20.0):
         s: build_stage(CONFIG, schedule.model_part(s), schedule.stages_per_pipeline, ep_group)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
+    if case.bf16:
+        cast_to_bf16(stages.values(), [p for m in stages.values() for p in m.parameters()])
+    dtype = torch.bfloat16 if case.bf16 else torch.float32
     executor = PipelineExecutor(
         schedule,
         stages,
         # a declaration per microbatch: sequence lengths may differ between microbatches
         spec=lambda stage, i: TensorSpec(
-            (MICRO_BATCH, seq_length(i, case.variable_seq), CONFIG.hidden_size)
+            (MICRO_BATCH, seq_length(i, case.variable_seq), CONFIG.hidden_size), dtype
         ),
         loss_fn=gpt_loss,
         groups=groups,
@@ -166,6 +225,7 @@ def pipeline_run(case: Case, steps: int) -> dict | None:
     if dist.get_rank() >= case.world:
         return None
     groups, schedule, stages, executor = build_pipeline(case)
+    sgd = make_sgd([stages[s] for s in sorted(stages)], case.bf16)
     per_step = []
     peak = 0
     for step in range(steps):
@@ -175,12 +235,8 @@ def pipeline_run(case: Case, steps: int) -> dict | None:
         ]
         result = executor.step([d[0] for d in data], [d[1] for d in data])
         peak = max(peak, result.peak_live_activations)
-        grads = {}
-        for s, module in stages.items():
-            for name, p in module.named_parameters():
-                grads[(s, name)] = p.grad.clone()
-        per_step.append(({i: v.item() for i, v in result.losses.items()}, grads))
-        _sgd([p for m in stages.values() for p in m.parameters()])
+        per_step.append(({i: v.item() for i, v in result.losses.items()}, grads_of(stages)))
+        sgd()
     experts = {
         (s, n): bool(getattr(p, "expert_parallel", False))
         for s, m in stages.items()
@@ -208,7 +264,7 @@ def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
         result = pipeline_run(case, steps)
         if dist.get_rank() == 0:
             assert result is not None
-            key = (case.dp, case.microbatches, case.variable_seq)
+            key = (case.dp, case.microbatches, case.variable_seq, case.bf16)
             if key not in references:
                 references[key] = reference_run(case, steps)
             result["reference"] = references[key]

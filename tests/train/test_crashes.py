@@ -12,7 +12,7 @@ from pathlib import Path
 
 from megapipe.train.checkpoint_files import LATEST_FILE, select_checkpoint
 
-from test_pretrain import TINY
+from support.pretrain_flags import TINY
 
 ENTRY = str(Path(__file__).resolve().parents[1] / "support" / "fault_entry.py")
 COMMON = TINY + ["--eval-interval", "0", "--log-interval", "1"]

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -95,3 +96,47 @@ def test_optimizer_skips_weight_decay_on_vectors_and_counts_shared_params_once()
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and [p.ndim for p in decay["params"]] == [2]
     assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 2
+
+
+def _bf16_model(seed: int) -> nn.Module:
+    from megapipe.train.mixed_precision import cast_to_bf16
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    cast_to_bf16([model], unique_params([model]))
+    return model
+
+
+def _step(model, optimizer, seed: int) -> None:
+    optimizer.zero_grad()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    for half in x.chunk(2):  # two microbatches accumulate in fp32 main_grad
+        model(half).float().square().mean().backward()
+    optimizer.step()
+
+
+def test_mixed_precision_adamw_keeps_fp32_main_weights_and_resumes_bitwise():
+    model = _bf16_model(0)
+    optimizer = build_optimizer([model], lr=1e-2, weight_decay=0.1, mixed_precision=True)
+    _step(model, optimizer, 1)
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert state["main_param"] is optimizer.main_param(p) and p.grad is None
+        assert state["main_param"].dtype == state["exp_avg"].dtype == torch.float32
+        assert torch.equal(p, state["main_param"].bfloat16())  # bf16 = main rounded
+    saved = copy.deepcopy(optimizer.state_dict())  # as if read back from disk
+    twin = _bf16_model(7)  # other weights: everything comes from the state dict
+    twin_optimizer = build_optimizer([twin], lr=1e-2, weight_decay=0.1, mixed_precision=True)
+    twin_optimizer.load_state_dict(saved)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert twin_optimizer.state[q]["main_param"] is twin_optimizer.main_param(q)
+    _step(model, optimizer, 2)
+    _step(twin, twin_optimizer, 2)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(optimizer.main_param(p), twin_optimizer.main_param(q))
+
+
+def test_mixed_precision_adamw_needs_bf16_params_with_main_grad():
+    with pytest.raises(ValueError, match="needs low-precision parameters with a float32 main_grad"):
+        build_optimizer([nn.Linear(2, 2)], lr=1e-3, weight_decay=0.0, mixed_precision=True)

@@ -8,7 +8,7 @@ from megapipe.train.args import parse_pretrain_args
 from megapipe.train.checkpoint_files import LATEST_FILE
 from megapipe.train.loop import train
 
-from test_pretrain import TINY
+from support.pretrain_flags import TINY
 
 LAYOUTS = {
     "pp1 ep4 dp4": ["--pipeline-model-parallel-size", "1",

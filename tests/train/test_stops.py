@@ -1,7 +1,7 @@
 """Preemption and early exits resume bitwise; a rank that stops calling is named by the others."""
 
 from support.fault_cases import stuck_waits, train_with_signal
-from test_pretrain import TINY
+from support.pretrain_flags import TINY
 
 
 def test_sigterm_exit_interval_and_duration_save_and_resume_bitwise(rank_pools, tmp_path):

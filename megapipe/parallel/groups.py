@@ -174,7 +174,9 @@ def create_groups(
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
             options = group_options(name, high_priority, backend or dist.get_backend())
-            group = dist.new_group(list(ranks), backend=backend, timeout=timeout, **options)
+            if timeout is not None:
+                options["timeout"] = timeout
+            group = dist.new_group(list(ranks), backend=backend, **options)
             if me in ranks:
                 mine[(name, ranks)] = group
     return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])

@@ -57,17 +57,27 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+def _file_of(path: str) -> str | None:
+    """The ``WAITS`` file a traceback frame's path is, if any."""
+    path = path.replace(os.sep, "/")
+    return next((f for f, _, _ in WAITS if path.endswith("/megapipe/" + f)), None)
+
+
 def waited_on(error: BaseException) -> str | None:
-    """What the innermost megapipe frame of the traceback waited on (``WAITS``), if anything."""
+    """What the rank waited on (``WAITS``): the innermost megapipe file of the traceback that
+    issues collectives, described by the innermost of its frames named in ``WAITS`` (so a
+    helper's frame inside ``dispatch`` still reads as the dispatch), else by the file."""
     for link in _chain(error):
-        frames = traceback.extract_tb(link.__traceback__)
-        for frame in reversed(frames):
-            path = frame.filename.replace(os.sep, "/")
-            if "/megapipe/" not in path:
-                continue
-            for suffix, function, what in WAITS:
-                if path.endswith("/megapipe/" + suffix) and function in (None, frame.name):
+        frames = list(reversed(traceback.extract_tb(link.__traceback__)))
+        known = next((f for f in map(lambda fr: _file_of(fr.filename), frames) if f), None)
+        if known is None:
+            continue
+        names = [fr.name for fr in frames if _file_of(fr.filename) == known]
+        for name in names:
+            for file, function, what in WAITS:
+                if file == known and function == name:
                     return what
+        return next(what for file, function, what in WAITS if file == known and function is None)
     return None
 
 

@@ -160,7 +160,7 @@ def save_checkpoint(
                 "files": describe_files(tmp, digests)}
         publish(save, iteration, full)
         if keep_last:
-            prune(save, keep_last)
+            prune(save, keep_last, newest=iteration)
     dist.barrier()
     return iteration_dir(save, iteration)
 

@@ -15,8 +15,8 @@ any point leaves either the previous checkpoints untouched plus a temporary fold
 checkpoint complete. Loading verifies a checkpoint against its manifest (every file present,
 with its size and checksum) and falls back to the newest complete one, naming the damaged ones.
 Nothing here deletes a checkpoint except ``prune`` (``--keep-last``), and it deletes only
-complete checkpoints older than the ones it keeps; a damaged or superseded folder is renamed
-aside, never removed. This module is plain Python (no torch) so checks run before any process.
+complete checkpoints older than the ones it keeps; a damaged folder is kept, and one in the way
+of a new save is renamed aside, never removed. This module is plain Python (no torch) so checks run before any process.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ def read_descriptor(directory: Path) -> dict[str, Any]:
     return data
 
 
-def check_complete(directory: Path) -> dict[str, Any]:
-    """The descriptor, if every file of the manifest is present, whole and unchanged."""
+def check_complete(directory: Path, checksums: bool = True) -> dict[str, Any]:
+    """The descriptor, if every file of the manifest is present, whole and unchanged (without
+    ``checksums``: present and of its size, which reads no file)."""
     descriptor = read_descriptor(directory)
     files = descriptor["files"]
     if ".metadata" not in files:
@@ -102,7 +103,7 @@ def check_complete(directory: Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size != expected.get("bytes"):
             raise CheckpointError(f"{path} has {size} bytes, the manifest says {expected.get('bytes')}")
-        if file_digest(path)["crc32"] != expected.get("crc32"):
+        if checksums and file_digest(path)["crc32"] != expected.get("crc32"):
             raise CheckpointError(f"{path} does not match its checksum (the bytes changed)")
     return descriptor
 
@@ -253,17 +254,21 @@ def prepare_temporary(save: Path, iteration: int) -> Path:
     return tmp
 
 
-def prune(save: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the ``keep_last`` newest; returns what was deleted.
+def prune(save: Path, keep_last: int, newest: int) -> list[Path]:
+    """Delete complete checkpoints beyond the ``keep_last`` newest up to iteration ``newest``
+    (the one just saved); returns what was deleted.
 
-    Only folders whose descriptor is readable count as complete here (a damaged folder is
-    evidence and is kept); each is renamed before it is deleted, so a crash mid-delete leaves
-    no folder that looks like a checkpoint.
+    Folders after ``newest`` (damaged ones a run fell back from) are not counted, and a folder
+    missing a file or with a file of the wrong size is evidence and is kept: only checkpoints
+    whose files are all present with their sizes count, and only such are deleted. Each is
+    renamed before it is deleted, so a crash mid-delete leaves no folder that looks like one.
     """
     complete = []
     for iteration, path in checkpoint_dirs(save):
+        if iteration > newest:
+            continue
         try:
-            read_descriptor(path)
+            check_complete(path, checksums=False)
         except CheckpointError:
             continue
         complete.append(path)

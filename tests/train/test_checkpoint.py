@@ -105,13 +105,15 @@ def test_a_half_written_save_is_never_chosen(tmp_path):
 
 
 def test_prune_keeps_the_newest_complete_and_every_damaged_one(tmp_path):
-    for it in (1, 2, 3, 4):
+    for it in (1, 2, 3, 4, 5):
         _fake_checkpoint(tmp_path, it)
     (iteration_dir(tmp_path, 2) / DESCRIPTOR_FILE).write_text("{")
-    deleted = prune(tmp_path, keep_last=2)
+    # iteration 5 is newer than the save (a damaged one the run fell back from): not counted
+    (iteration_dir(tmp_path, 5) / "__0_0.distcp").write_bytes(b"x")
+    deleted = prune(tmp_path, keep_last=2, newest=4)
     assert [p.name for p in deleted] == ["iter_0000001"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
-        "iter_0000002", "iter_0000003", "iter_0000004"]
+        "iter_0000002", "iter_0000003", "iter_0000004", "iter_0000005"]
 
 
 def test_a_folder_of_the_same_iteration_is_kept_aside_not_overwritten(tmp_path):

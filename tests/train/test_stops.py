@@ -7,11 +7,12 @@ from support.pretrain_flags import TINY
 def test_sigterm_exit_interval_and_duration_save_and_resume_bitwise(rank_pools, tmp_path):
     """One uninterrupted run against the same run cut four times: SIGTERM during iteration 2
     (--exit-signal-handler), --exit-interval 3, --exit-duration-in-mins reached after one
-    iteration, then to the end. Every piece saves where it stops and the next resumes there."""
+    iteration, then to the end. Every piece saves where it stops and the next resumes there;
+    --keep-last 2 leaves the last two."""
     common = TINY + ["--train-iters", "5", "--eval-interval", "0"]
     full = rank_pools(4).run(train_with_signal, common)[0]
     save = str(tmp_path / "ckpt")
-    resume = ["--save", save, "--load", save]
+    resume = ["--save", save, "--load", save, "--keep-last", "2"]
     pieces = [
         (["--exit-signal-handler"], 2, "SIGTERM received", 2),
         (["--exit-interval", "3"], None, "--exit-interval=3 reached", 3),
@@ -29,6 +30,8 @@ def test_sigterm_exit_interval_and_duration_save_and_resume_bitwise(rank_pools, 
                                         f"checkpoint {result.saved[-1]}")
         losses += result.losses
     assert losses == full.losses  # bitwise
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]  # --keep-last 2
 
 
 def test_a_rank_that_stops_calling_is_named_by_what_the_others_wait_on(rank_pools):

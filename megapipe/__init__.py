@@ -33,7 +33,9 @@ _RUNTIME_EXPORTS = {
     "PipelineExecutor": "megapipe.pipeline.executor",
     "StepResult": "megapipe.pipeline.executor",
     "TensorSpec": "megapipe.pipeline.p2p",
+    "P2PError": "megapipe.pipeline.p2p",
     "P2PTimeoutError": "megapipe.pipeline.p2p",
+    "P2PPeerError": "megapipe.pipeline.p2p",
     # bf16 with fp32 main weights and gradients (Megatron's --bf16)
     "attach_main_grads": "megapipe.overlap.main_grad",
     "cast_to_bf16": "megapipe.train.mixed_precision",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megapipe.parallel.launch import free_port
 from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint import LATEST_FILE, iteration_dir
+from megapipe.train.checkpoint_files import LATEST_FILE, iteration_dir
 from megapipe.train.flags import build_parser
 from megapipe.train.loop import TrainResult, train
 

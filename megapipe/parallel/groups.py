@@ -23,6 +23,7 @@ EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
@@ -144,14 +145,18 @@ def group_options(name: str, high_priority: Sequence[str], backend: str) -> dict
 
 
 def create_groups(
-    config: ParallelConfig, backend: str | None = None, high_priority: Sequence[str] = ()
+    config: ParallelConfig,
+    backend: str | None = None,
+    high_priority: Sequence[str] = (),
+    timeout: timedelta | None = None,
 ) -> ProcessGroups:
     """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
     world size is checked first, so a mismatch fails before any group is created.
     ``high_priority``: names (``GROUP_NAMES``) of the groups whose NCCL communicators use
-    high-priority streams (``group_options``; nothing changes on gloo).
+    high-priority streams (``group_options``; nothing changes on gloo). ``timeout`` bounds every
+    collective of the groups (None: torch's default for the backend).
     """
     unknown = [name for name in high_priority if name not in GROUP_NAMES]
     if unknown:
@@ -169,6 +174,8 @@ def create_groups(
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
             options = group_options(name, high_priority, backend or dist.get_backend())
+            if timeout is not None:
+                options["timeout"] = timeout
             group = dist.new_group(list(ranks), backend=backend, **options)
             if me in ranks:
                 mine[(name, ranks)] = group

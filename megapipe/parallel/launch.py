@@ -187,15 +187,18 @@ def init_distributed(
             )
         return info
     kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    url = f"tcp://{info.master_addr}:{info.master_port}"
+    attempt = (env if env is not None else os.environ).get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt in ("", "0"):
+        kwargs["init_method"] = url
+    else:
+        # torchrun restarts every worker against the same store: the keys of an earlier
+        # attempt (the addresses of its dead processes) must not be read as this attempt's
+        store, _, _ = next(dist.rendezvous(url, info.rank, info.world_size, **kwargs))
+        kwargs["store"] = dist.PrefixStore(f"megapipe/attempt{attempt}", store)
     if device_id is not None:
         kwargs["device_id"] = device_id
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{info.master_addr}:{info.master_port}",
-        rank=info.rank,
-        world_size=info.world_size,
-        **kwargs,
-    )
+    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, **kwargs)
     return info
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Sequence
 
+from .errors import ScheduleError
+
 
 class Kind(str, Enum):
     """What an action does. The value is its text form."""
@@ -259,6 +261,9 @@ def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
 def read_csv(path: str, name: str = "", bidirectional: bool = False) -> Schedule:
     """Load a schedule from a CSV in torch's format; placement and counts are inferred."""
     rows = read_rows(path)
+    if not any(rows):
+        raise ScheduleError(f"{path} holds no actions: a schedule needs at least one rank with "
+                            "one action (is the CSV empty?)")
     placement = infer_stage_to_rank(rows)
     mbs = {c.microbatch for row in rows for a in row for c in a.computations()}
     return Schedule(

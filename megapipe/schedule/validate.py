@@ -50,6 +50,11 @@ def _computations(schedule: Schedule):
 
 
 def _check_placement(schedule: Schedule) -> None:
+    if schedule.num_stages == 0 or schedule.num_microbatches == 0:
+        raise ScheduleError(
+            f"the schedule has {schedule.num_stages} stages and {schedule.num_microbatches} "
+            "microbatches: it needs at least one of each"
+        )
     if schedule.bidirectional and (schedule.num_stages % 2 or schedule.num_microbatches % 2):
         raise ScheduleError(
             f"a bidirectional schedule needs an even number of stages and microbatches, got "

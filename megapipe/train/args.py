@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NoReturn, Sequence
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES, build_parser
@@ -80,6 +80,11 @@ class PretrainArgs:
     nproc: int | None
     moe_emulated_link_gbps: float | None
     moe_emulated_link_latency_us: float
+    keep_last: int | None
+    exit_signal_handler: bool
+    exit_interval: int | None
+    exit_duration_in_mins: float | None
+    distributed_timeout_minutes: float
     world_size: int
 
     @property
@@ -202,7 +207,13 @@ def parse_pretrain_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> PretrainArgs:
     """Parse and validate; raises ArgsError (one line) for anything that cannot run."""
-    return args_from_namespace(build_parser().parse_args(argv), env)
+    parser = build_parser()
+
+    def fail(message: str) -> NoReturn:  # argparse's usage block becomes one line
+        raise ArgsError(message)
+
+    parser.error = fail  # type: ignore[method-assign]
+    return args_from_namespace(parser.parse_args(argv), env)
 
 
 def args_from_namespace(
@@ -226,6 +237,12 @@ def args_from_namespace(
     args = PretrainArgs(**values, world_size=world)
     validate(args)
     return args
+
+
+FLOAT_FLAGS = ("lr", "min-lr", "weight-decay", "clip-grad", "moe-aux-loss-coeff",
+               "moe-emulated-link-gbps", "moe-emulated-link-latency-us", "exit-duration-in-mins",
+               "distributed-timeout-minutes")
+"""Real-valued flags; NaN or infinity in any of them is refused up front."""
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -275,14 +292,31 @@ def _check_numbers(args: PretrainArgs) -> None:
     for name in ("lr-warmup-iters", "eval-iters", "eval-interval", "num-experts"):
         _positive(name, getattr(args, name.replace("-", "_")), allow_zero=True)
     _positive("save-interval", args.save_interval)
+    _positive("keep-last", args.keep_last)
+    _positive("exit-interval", args.exit_interval)
+    for name in ("exit-duration-in-mins", "distributed-timeout-minutes"):
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and not value > 0:
+            raise ArgsError(f"--{name}={value} must be > 0")
     _positive("lr-decay-iters", args.lr_decay_iters)
     _positive("nproc", args.nproc)
     _positive("virtual-pipeline-model-parallel-size", args.virtual_pipeline_model_parallel_size)
-    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+    for name in FLOAT_FLAGS:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and not math.isfinite(value):
+            raise ArgsError(f"--{name}={value} must be a finite number")
+    if not (args.lr > 0 and 0 <= args.min_lr <= args.lr):
         raise ArgsError(f"need 0 <= --min-lr={args.min_lr} <= --lr={args.lr} and --lr > 0")
-    if args.weight_decay < 0 or args.clip_grad < 0:
+    if not (args.weight_decay >= 0 and args.clip_grad >= 0 and args.moe_aux_loss_coeff >= 0):
         raise ArgsError(
-            f"--weight-decay={args.weight_decay} and --clip-grad={args.clip_grad} must be >= 0"
+            f"--weight-decay={args.weight_decay}, --clip-grad={args.clip_grad} and "
+            f"--moe-aux-loss-coeff={args.moe_aux_loss_coeff} must be >= 0"
+        )
+    if args.moe_emulated_link_gbps is not None and not args.moe_emulated_link_gbps > 0:
+        raise ArgsError(f"--moe-emulated-link-gbps={args.moe_emulated_link_gbps:g} must be > 0")
+    if not args.moe_emulated_link_latency_us >= 0:
+        raise ArgsError(
+            f"--moe-emulated-link-latency-us={args.moe_emulated_link_latency_us:g} must be >= 0"
         )
     if args.lr_decay_style not in LR_DECAY_STYLES:
         raise ArgsError(
@@ -350,13 +384,7 @@ def _check_model_and_schedule(args: PretrainArgs) -> None:
 
 
 def _check_options_and_paths(args: PretrainArgs) -> None:
-    """Flags that need each other, and the files and directories named."""
-    if args.moe_emulated_link_gbps is not None and not args.moe_emulated_link_gbps > 0:
-        raise ArgsError(f"--moe-emulated-link-gbps={args.moe_emulated_link_gbps} must be > 0")
-    if args.moe_emulated_link_latency_us < 0:
-        raise ArgsError(
-            f"--moe-emulated-link-latency-us={args.moe_emulated_link_latency_us} must be >= 0"
-        )
+    """Flags that need each other, and the data files named (checkpoint folders: ``resume``)."""
     if args.moe_a2a_chunks < 1:
         raise ArgsError(f"--moe-a2a-chunks={args.moe_a2a_chunks} must be >= 1")
     if args.moe_a2a_chunks > 1 and not args.overlap_moe_expert_parallel_comm:
@@ -376,10 +404,17 @@ def _check_options_and_paths(args: PretrainArgs) -> None:
             "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (the deferred weight "
             "gradients fill the combined step's backward all-to-all)"
         )
-    if args.save_interval is not None and args.save is None:
-        raise ArgsError("--save-interval needs --save DIR")
-    for path in args.data_path:
-        if not os.path.exists(path):
-            raise ArgsError(f"--data-path {path!r} does not exist")
-    if args.load is not None and not os.path.isdir(args.load):
-        raise ArgsError(f"--load {args.load!r} is not a directory")
+    for flag, value in (("--save-interval", args.save_interval), ("--keep-last", args.keep_last)):
+        if value is not None and args.save is None:
+            raise ArgsError(f"{flag} needs --save DIR")
+    _check_data_paths(args)
+
+
+def _check_data_paths(args: PretrainArgs) -> None:
+    """Every --data-path names readable text, enough for two windows of seq-length + 1."""
+    from megapipe.train.data import check_corpus  # torch: only when flags are run
+
+    try:
+        check_corpus(args.data_path, args.seq_length)
+    except (OSError, ValueError) as err:
+        raise ArgsError(str(err).splitlines()[0]) from None

@@ -1,111 +1,98 @@
-"""Checkpoints with torch.distributed.checkpoint: every rank writes its own shard.
+"""Checkpoint state with torch.distributed.checkpoint, keyed by what each tensor *is*.
 
-Layout on disk (Megatron's naming)::
+Keys do not depend on the parallel layout, so a checkpoint written under one (pp, vpp, ep, dp,
+schedule) loads under another and DCP reshards it:
 
-    SAVE/latest_checkpointed_iteration.txt     # written last, so a partial save is never latest
-    SAVE/iter_0000100/megapipe_layout.json     # pp, vpp, ep, dp, num_layers, ...
-    SAVE/iter_0000100/*.distcp, .metadata      # DCP shards
+- a parameter is ``model/{name}`` where ``name`` is the stage's own parameter name, which
+  already carries the global layer index (``layers.3.attention.w_qkv``, ``embedding.tokens``,
+  ``head.weight``); the stage number is not part of it;
+- the local experts of a grouped-experts weight are stacked along dim 0 on each EP rank; each
+  expert is its own key, ``model/{name}/expert{e}`` with ``e`` the global expert index;
+- an optimizer state follows its parameter: ``optim/{name}[/expert{e}]/{field}`` (AdamW's
+  ``exp_avg``, ``exp_avg_sq``, with ``--bf16`` the fp32 ``main_param``; the scalar ``step``
+  once per parameter);
+- ``rng/rank{r}`` holds each rank's RNG states; a run with another world size restores rank
+  ``r``'s from saved rank ``r % saved_world``; ``extra/...`` holds the states every rank shares
+  (LR schedule, data position).
 
-Keys name what a tensor *is*, so DCP writes each distinct tensor once: a dense parameter is
-``model/stage{s}/{name}`` (identical on the DP ranks, written by one of them); an expert
-parameter adds ``/ep{ep_rank}`` (identical on its expert-DP ranks). Optimizer moments follow
-their parameter's key. RNG states are per rank (``rng/rank{r}/...``); the scheduler and data
-position are the same on every rank. The layout is schedule-independent (a run may resume with
-another schedule or with the overlap switched), but a different pp, vpp, ep, dp or model shape is
-refused before any process group starts, with both layouts named.
+A tensor held twice on one rank (DualPipe's mirrored stages) is written once and loaded into
+every copy; one held by several ranks (dense weights over DP) is written by one of them (DCP's
+de-duplication). ``checkpoint_files`` makes the folder whole-or-nothing and verifies it.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megapipe.train.optim import is_expert_param
+from megapipe.moe.experts import GroupedExperts
+from megapipe.train.mixed_precision import MixedPrecisionAdamW
+from megapipe.train.checkpoint_files import (
+    FORMAT, describe_files, file_digest, iteration_dir, prepare_temporary, prune, publish,
+    temporary_dir,
+)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-LAYOUT_FILE = "megapipe_layout.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run (missing, or another layout)."""
-
-
-@dataclass(frozen=True)
-class CheckpointLayout:
-    """What the shards depend on: the parallel grid and the model's shape (not the schedule)."""
-
-    pp: int
-    vpp: int
-    ep: int
-    dp: int
-    num_layers: int
-    hidden_size: int
-    num_experts: int
-    ffn_hidden_size: int
-    moe_ffn_hidden_size: int
-
-    def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items())
+Entries = dict[str, list[torch.Tensor]]
 
 
-def iteration_dir(save: str | Path, iteration: int) -> Path:
-    return Path(save) / f"iter_{iteration:07d}"
+def _expert_offsets(module: nn.Module) -> dict[int, int]:
+    """id(param) -> global index of its first expert, for every grouped-experts weight."""
+    offsets = {}
+    for sub in module.modules():
+        if isinstance(sub, GroupedExperts):
+            for param in sub.parameters(recurse=False):
+                offsets[id(param)] = sub.first_expert
+    return offsets
 
 
-def latest_iteration(directory: str | Path) -> int | None:
-    """The iteration of the newest complete checkpoint under ``directory`` (None if none)."""
-    marker = Path(directory) / LATEST_FILE
-    if not marker.exists():
-        return None
-    text = marker.read_text().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{marker} holds {text!r}, not an iteration number")
-    return int(text)
+def _pieces(key: str, tensor: torch.Tensor, first_expert: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensor`` whole, or one view per expert (dim 0) keyed by its global expert index."""
+    if first_expert is None or tensor.dim() == 0:
+        yield key, tensor
+        return
+    for local in range(tensor.shape[0]):
+        yield f"{key}/expert{first_expert + local}", tensor[local]
 
 
-def read_layout(directory: str | Path) -> tuple[int, CheckpointLayout]:
-    """(iteration, layout) of the latest checkpoint in ``directory``; CheckpointError if none."""
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        raise CheckpointError(f"--load {directory}: no {LATEST_FILE} (no complete checkpoint)")
-    path = iteration_dir(directory, iteration) / LAYOUT_FILE
-    if not path.exists():
-        raise CheckpointError(f"--load {directory}: {path} is missing")
-    fields = json.loads(path.read_text())["layout"]
-    return iteration, CheckpointLayout(**fields)
+def checkpoint_entries(
+    stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
+) -> Entries:
+    """Every key this rank holds -> the tensors that hold it (views sharing storage)."""
+    entries: Entries = {}
+    for stage in sorted(stages):
+        module = stages[stage]
+        offsets = _expert_offsets(module)
+        for name, param in module.named_parameters():
+            first = offsets.get(id(param))
+            if getattr(param, "expert_parallel", False) and first is None:
+                raise ValueError(f"expert parameter {name} is not part of a GroupedExperts "
+                                 "module: its global expert indices are unknown")
+            for key, view in _pieces(f"model/{name}", param.detach(), first):
+                entries.setdefault(key, []).append(view)
+            for field, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                pieces = _pieces(f"optim/{name}", value, None if field == "step" else first)
+                for key, view in pieces:
+                    entries.setdefault(f"{key}/{field}", []).append(view)
+    return entries
 
 
-def check_layout(directory: str | Path, current: CheckpointLayout) -> int:
-    """The latest iteration in ``directory`` if its layout equals ``current``; else raise."""
-    iteration, saved = read_layout(directory)
-    if saved != current:
-        raise CheckpointError(
-            f"--load {directory} (iteration {iteration}) was saved with layout [{saved.describe()}] "
-            f"but this run has [{current.describe()}]; resharding is not supported, resume with "
-            "the saved layout"
-        )
-    return iteration
-
-
-def _param_key(prefix: str, stage: int, name: str, param: torch.Tensor, ep_rank: int) -> str:
-    key = f"{prefix}/stage{stage}/{name}"
-    return f"{key}/ep{ep_rank}" if is_expert_param(param) else key
-
-
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter AdamW's state so DCP can load into it (a fresh optimizer has none)."""
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer | MixedPrecisionAdamW) -> None:
+    """Give every parameter AdamW's state so DCP can load into it (a fresh AdamW has none; a
+    ``MixedPrecisionAdamW`` has its state, main weights included, from construction)."""
+    if isinstance(optimizer, MixedPrecisionAdamW):
+        return
     for group in optimizer.param_groups:
         fused = bool(group.get("fused"))
         for p in group["params"]:
-            if p in optimizer.state and optimizer.state[p]:
+            if optimizer.state.get(p):
                 continue
             optimizer.state[p] = {
                 "step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
@@ -128,88 +115,77 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state_dict(
-    stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer,
-    ep_rank: int,
-    rank: int,
-) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """Flat DCP state dict (tensors share storage with the model/optimizer), plus optimizer refs."""
-    flat: dict[str, Any] = {}
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for stage, module in sorted(stages.items()):
-        for name, param in module.named_parameters():
-            key = _param_key("model", stage, name, param, ep_rank)
-            flat[key] = param.detach()
-            state = optimizer.state.get(param)
-            if state:
-                okey = _param_key("optim", stage, name, param, ep_rank)
-                moments[okey] = state
-                for field, value in state.items():
-                    flat[f"{okey}/{field}"] = value
-    flat[f"rng/rank{rank}"] = _rng_state()
-    return flat, moments
+def _flat(entries: Entries, extra: Mapping[str, Any], rng_key: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {key: tensors[0] for key, tensors in entries.items()}
+    flat.update({f"extra/{key}": value for key, value in extra.items()})
+    flat[rng_key] = _rng_state()
+    return flat
+
+
+def _checksums(directory: Path) -> dict[str, dict[str, int]]:
+    """Every rank checksums its share of the files; everyone gets the whole table."""
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
+    mine = {n: file_digest(directory / n) for n in names[dist.get_rank()::dist.get_world_size()]}
+    tables: list[dict[str, dict[str, int]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, mine)
+    return {name: digest for table in tables if table for name, digest in table.items()}
 
 
 def save_checkpoint(
     save: str | Path,
     iteration: int,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
     extra: Mapping[str, Any],
-    layout: CheckpointLayout,
-    ep_rank: int,
-    info: Mapping[str, Any] | None = None,
+    descriptor: Mapping[str, Any],
+    keep_last: int | None = None,
 ) -> Path:
-    """Write this rank's shard of iteration ``iteration``; call on every rank together.
+    """Write checkpoint ``iteration`` on every rank together; returns its folder.
 
-    ``extra`` holds states identical on every rank (scheduler, data position); ``info`` is
-    written into the layout file for people to read (schedule, flags).
+    ``extra`` holds states identical on every rank (scheduler, data position); ``descriptor``
+    the ``model``, ``parallel`` and ``info`` parts of the descriptor (``checkpoint_files``).
+    The folder appears, complete, only once every rank has written its files.
     """
-    rank = dist.get_rank()
-    directory = iteration_dir(save, iteration)
-    flat, _ = _state_dict(stages, optimizer, ep_rank, rank)
-    for key, value in extra.items():
-        flat[f"extra/{key}"] = value
+    rank, save = dist.get_rank(), Path(save)
+    tmp = temporary_dir(save, iteration)
     if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
+        prepare_temporary(save, iteration)
     dist.barrier()
-    dcp.save(flat, checkpoint_id=str(directory))
+    dcp.save(_flat(checkpoint_entries(stages, optimizer), extra, f"rng/rank{rank}"),
+             checkpoint_id=str(tmp))
     dist.barrier()
+    digests = _checksums(tmp)
     if rank == 0:
-        payload = {"iteration": iteration, "layout": asdict(layout), "info": dict(info or {})}
-        (directory / LAYOUT_FILE).write_text(json.dumps(payload, indent=2) + "\n")
-        tmp = Path(save) / (LATEST_FILE + ".tmp")
-        tmp.write_text(f"{iteration}\n")
-        tmp.replace(Path(save) / LATEST_FILE)
+        full = {"format": FORMAT, "iteration": iteration, **dict(descriptor),
+                "files": describe_files(tmp, digests)}
+        publish(save, iteration, full)
+        if keep_last:
+            prune(save, keep_last, newest=iteration)
     dist.barrier()
-    return directory
+    return iteration_dir(save, iteration)
 
 
 def load_checkpoint(
-    load: str | Path,
+    path: str | Path,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
     extra: Mapping[str, Any],
-    layout: CheckpointLayout,
-    ep_rank: int,
-) -> tuple[int, dict[str, Any]]:
-    """Load the latest checkpoint in place; returns (iteration, loaded ``extra`` states).
+    saved_world: int,
+) -> dict[str, Any]:
+    """Load the checkpoint folder ``path`` in place; returns the loaded ``extra`` states.
 
-    ``extra`` gives the keys (and placeholder values) of the rank-identical states to restore.
-    RNG states are restored too, so the resumed run draws the same numbers.
+    ``extra`` gives the keys (and placeholder values) of the rank-identical states to restore;
+    ``saved_world`` is the world size that wrote it (for the RNG states).
     """
-    iteration = check_layout(load, layout)
-    _ensure_optimizer_state(optimizer)
-    rank = dist.get_rank()
-    flat, moments = _state_dict(stages, optimizer, ep_rank, rank)
-    for key, value in extra.items():
-        flat[f"extra/{key}"] = value
-    dcp.load(flat, checkpoint_id=str(iteration_dir(load, iteration)))
-    for okey, state in moments.items():
-        for field in list(state):
-            loaded = flat[f"{okey}/{field}"]
-            if loaded is not state[field]:
-                state[field] = loaded
-    _set_rng_state(flat[f"rng/rank{rank}"])
-    return iteration, {key: flat[f"extra/{key}"] for key in extra}
+    ensure_optimizer_state(optimizer)
+    entries = checkpoint_entries(stages, optimizer)
+    rng_key = f"rng/rank{dist.get_rank() % saved_world}"
+    flat = _flat(entries, extra, rng_key)
+    dcp.load(flat, checkpoint_id=str(path))
+    for key, tensors in entries.items():
+        loaded = flat[key]
+        for tensor in tensors:
+            if tensor is not loaded:
+                tensor.copy_(loaded)
+    _set_rng_state(flat[rng_key])
+    return {key: flat[f"extra/{key}"] for key in extra}

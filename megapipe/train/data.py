@@ -61,9 +61,34 @@ def resolve_data_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
             files.extend(found)
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise ValueError(f"--data-path {path} is neither a regular file nor a directory "
+                             "(a FIFO, socket or device cannot be read twice)")
         else:
-            raise FileNotFoundError(f"--data-path {path} is neither a file nor a directory")
+            raise FileNotFoundError(f"--data-path {path} does not exist")
     return files
+
+
+def check_corpus(paths: Sequence[str | os.PathLike], seq_length: int) -> None:
+    """Before any process starts: the files exist, can be read, and hold at least two windows
+    of ``seq_length + 1`` bytes (one to train on, one to validate); ValueError otherwise."""
+    files = resolve_data_files(paths)
+    total = 0
+    for path in files:
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as err:
+            raise ValueError(f"--data-path file {path} cannot be read ({err.strerror})") from None
+        total += path.stat().st_size + 1  # each document ends with one END_OF_DOCUMENT
+    needed = 2 * (seq_length + 1)
+    if total < needed:
+        where = str(paths[0]) if len(paths) == 1 else f"{len(files)} files"
+        raise ValueError(
+            f"--data-path {where} holds {total - len(files)} bytes in {len(files)} file(s): "
+            f"too few for two windows of --seq-length + 1 = {seq_length + 1} bytes "
+            f"(need at least {needed - len(files)})"
+        )
 
 
 def load_tokens(files: Sequence[Path]) -> torch.Tensor:

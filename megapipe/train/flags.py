@@ -113,4 +113,21 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--eval-iters", type=int, default=2)
     io.add_argument("--log-interval", type=int, default=10)
     io.add_argument("--tensorboard-dir", default=None)
+    _add_fault_tolerance_flags(p)
     return p
+
+
+def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
+    """Checkpoint retention, graceful exits (preemption) and the timeout of every wait."""
+    ft = p.add_argument_group("failures and preemption")
+    ft.add_argument("--keep-last", type=int, default=None,
+                    help="keep only the N newest complete checkpoints in --save (default: all)")
+    ft.add_argument("--exit-signal-handler", action="store_true",
+                    help="on SIGTERM finish the current step, save a checkpoint, exit 0")
+    ft.add_argument("--exit-interval", type=int, default=None,
+                    help="save and exit 0 after every N-th iteration")
+    ft.add_argument("--exit-duration-in-mins", type=float, default=None,
+                    help="save and exit 0 after the first iteration ending past this many minutes")
+    ft.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                    help="how long any rank waits for another (pipeline receive, all-to-all, "
+                    "gradient reduction) before it stops naming what it waited on")

@@ -13,6 +13,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -26,7 +27,6 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule, build_schedule
 from megapipe.train.args import PretrainArgs
-from megapipe.train.checkpoint import CheckpointLayout
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
@@ -55,21 +55,13 @@ class Job:
     all_params: list[nn.Parameter]
     norm_params: list[nn.Parameter]  # each model part once per pipeline (DualPipe mirrors)
 
-    @property
-    def layout(self) -> CheckpointLayout:
-        return checkpoint_layout(self.args)
-
     def moe_layers(self) -> list[nn.Module]:
         return [layer for stage in self.stages.values() for layer in stage.moe_layers()]
 
 
-def checkpoint_layout(args: PretrainArgs) -> CheckpointLayout:
-    """What a checkpoint must match to be resumed by these flags."""
-    return CheckpointLayout(
-        pp=args.pp, vpp=args.vpp, ep=args.ep, dp=args.dp, num_layers=args.num_layers,
-        hidden_size=args.hidden_size, num_experts=args.num_experts,
-        ffn_hidden_size=args.ffn_hidden_size, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-    )
+def timeout_of(args: PretrainArgs) -> timedelta:
+    """How long any wait for another rank may take (``--distributed-timeout-minutes``)."""
+    return timedelta(minutes=args.distributed_timeout_minutes)
 
 
 def job_device() -> torch.device:
@@ -85,7 +77,7 @@ def build_job(args: PretrainArgs) -> Job:
     random.seed(args.seed)
     device = job_device()
     high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
-    groups = create_groups(args.parallel, high_priority=high_priority)
+    groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
     schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
                               overlap=args.overlap_moe_expert_parallel_comm)
     config = args.gpt_config()
@@ -104,6 +96,7 @@ def build_job(args: PretrainArgs) -> Job:
         delay_wgrad_compute=args.delay_wgrad_compute,
         moe_a2a_chunks=args.moe_a2a_chunks,
         record_trace=args.overlap_moe_expert_parallel_comm,
+        timeout=timeout_of(args).total_seconds(),
     )
     files = resolve_data_files(args.data_path)
     splits = split_corpus(load_tokens(files), args.seq_length)

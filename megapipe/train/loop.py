@@ -1,7 +1,7 @@
-"""The training loop of one rank: build the job, resume, step, evaluate, save, log.
+"""The training loop of one rank: build the job, resume, step, evaluate, save, log, exit.
 
 ``train(args)`` returns a ``TrainResult`` (the loss of every iteration it ran, evaluations,
-checkpoints written) so tests can compare runs bitwise.
+checkpoints written, why it stopped early) so tests can compare runs bitwise.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import torch.distributed as dist
 
 from megapipe.parallel.launch import init_distributed
 from megapipe.train.args import PretrainArgs
-from megapipe.train.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
-from megapipe.train.job import Job, build_job, describe
+from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
+from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.exits import ExitPolicy
+from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
+from megapipe.train.resume import ResumePlan, descriptor_parts, plan_resume
 from megapipe.train.step import evaluate, train_step
 
 
@@ -31,12 +34,19 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
+    exit_reason: str | None = None
 
 
-def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResult:
-    """Run one rank of the job (the default process group is started here if needed)."""
+def train(
+    args: PretrainArgs, write: Callable[[str], None] = print, plan: ResumePlan | None = None
+) -> TrainResult:
+    """Run one rank of the job (the default process group is started here if needed).
+
+    ``plan`` is the resume decision made before the processes started (``plan_resume``); when
+    it is None every rank makes it here, and the ranks check that they agree.
+    """
     if not dist.is_initialized():
-        init_distributed()
+        init_distributed(timeout=timeout_of(args))
     result = TrainResult()
     is_rank_0 = dist.get_rank() == 0
 
@@ -48,10 +58,22 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
     job = build_job(args)
     for line in describe(job):
         say(line)
-    iteration = result.first_iteration = resume(job, say)
-    logger = TrainingLogger(args.train_iters, args.log_interval, enabled=is_rank_0,
+    try:
+        with ExitPolicy(args, job.device) as exits:
+            result.first_iteration = resume(job, say, plan)
+            _run(job, result, exits, say)
+    finally:
+        job.executor.close()  # its communication-stream thread
+    return result
+
+
+def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
+    """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
+    args = job.args
+    logger = TrainingLogger(args.train_iters, args.log_interval, enabled=dist.get_rank() == 0,
                             tensorboard_dir=args.tensorboard_dir, write=say)
     tokens_per_iter = args.global_batch_size * args.seq_length
+    iteration = result.first_iteration
     started = time.perf_counter()
     try:
         while iteration < args.train_iters:
@@ -69,35 +91,54 @@ def train(args: PretrainArgs, write: Callable[[str], None] = print) -> TrainResu
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
+            result.exit_reason = exits.reason(iteration)
             due = bool(args.save_interval) and iteration % args.save_interval == 0
-            if args.save and (due or iteration == args.train_iters):
+            final = iteration == args.train_iters or result.exit_reason is not None
+            if args.save and (due or final):
                 result.saved.append(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
+            if result.exit_reason is not None:
+                saved = f"checkpoint {result.saved[-1]}" if args.save else "nothing (no --save)"
+                say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
+                return
         if result.losses:
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
                 f"{result.losses[-1]:.4f}")
     finally:
         logger.close()
-        job.executor.close()  # its communication-stream thread
-    return result
 
 
-def resume(job: Job, say: Callable[[str], None]) -> int:
-    """Load the newest checkpoint of ``--load`` into the job; returns its iteration (0: none)."""
-    load = job.args.load
-    if load is None:
-        return 0
-    if latest_iteration(load) is None:
-        say(f"--load {load}: no checkpoint yet, starting from scratch")
+def resume(job: Job, say: Callable[[str], None], plan: ResumePlan | None = None) -> int:
+    """Load the checkpoint the resume plan names into the job; returns its iteration (0: none)."""
+    if plan is None:
+        plan = plan_resume(job.args)
+        for line in plan.warnings:
+            say(line)
+    _check_ranks_agree(plan)
+    if plan.checkpoint is None:
+        if plan.note:
+            say(plan.note)
         return 0
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    iteration, loaded = load_checkpoint(load, job.stages, job.optimizer, extra, job.layout,
-                                        job.groups.ep_rank)
+    loaded = load_checkpoint(plan.checkpoint.path, job.stages, job.optimizer, extra,
+                             plan.saved_world)
     job.lr_schedule.load_state_dict(loaded["scheduler"])
     job.batches.load_state_dict(loaded["data"])
-    say(f"resumed from {load} at iteration {iteration}")
-    return iteration
+    say(f"resumed from {plan.checkpoint.path} at iteration {plan.checkpoint.iteration}")
+    return plan.checkpoint.iteration
+
+
+def _check_ranks_agree(plan: ResumePlan) -> None:
+    """Every rank resumes the same checkpoint (a shared filesystem seen alike by all)."""
+    mine = None if plan.checkpoint is None else str(plan.checkpoint.path)
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        raise CheckpointError(
+            "the ranks chose different checkpoints to resume: "
+            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
+        )
 
 
 def save(job: Job, iteration: int) -> str:
@@ -105,8 +146,8 @@ def save(job: Job, iteration: int) -> str:
     args = job.args
     assert args.save is not None
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    info = {"schedule": job.schedule.name, "overlap": args.overlap_moe_expert_parallel_comm,
-            "train_iters": args.train_iters}
-    path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, job.layout,
-                           job.groups.ep_rank, info)
+    info = {"train_iters": args.train_iters}
+    descriptor = descriptor_parts(args, job.schedule.name, info)
+    path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, descriptor,
+                           args.keep_last)
     return str(path)

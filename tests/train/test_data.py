@@ -38,7 +38,7 @@ def test_directory_files_sorted_and_documents_separated(tmp_path):
     files = resolve_data_files([str(tmp_path)])
     assert [f.name for f in files] == ["b.txt", "a.txt"]
     assert load_tokens(files).tolist() == [98, 98, END_OF_DOCUMENT, 97, END_OF_DOCUMENT]
-    with pytest.raises(FileNotFoundError, match="neither a file nor a directory"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_data_files([str(tmp_path / "missing")])
 
 

@@ -1,16 +1,11 @@
-import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 
 from megapipe.train.args import ArgsError, parse_pretrain_args
-from megapipe.train.checkpoint import LATEST_FILE, LAYOUT_FILE
-from megapipe.train.job import checkpoint_layout
 from megapipe.train.loop import train
-from megapipe.train.main import main
 from support.pretrain_flags import TINY
 
 
@@ -52,18 +47,6 @@ def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):
         _train, common + ["--load", str(only3), "--no-overlap-moe-expert-parallel-comm"]
     )[0]
     assert plain.losses == full.losses[3:]
-
-
-def test_checkpoint_of_another_layout_is_refused_before_any_process(tmp_path, capsys):
-    saved = checkpoint_layout(parse_pretrain_args(TINY, env={}))
-    (tmp_path / "iter_0000003").mkdir()
-    (tmp_path / "iter_0000003" / LAYOUT_FILE).write_text(json.dumps({"layout": asdict(saved)}))
-    (tmp_path / LATEST_FILE).write_text("3\n")
-    code = main(TINY + ["--load", str(tmp_path), "--expert-model-parallel-size", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, err
-    assert "saved with layout [pp=2 vpp=2 ep=2 dp=2" in err
-    assert "this run has [pp=2 vpp=2 ep=1 dp=1" in err
 
 
 def test_non_finite_loss_stops_naming_the_iteration(rank_pools):

@@ -54,14 +54,14 @@ def _install_fault(kind: str, rank: int, iteration: int, attempt: int) -> None:
         armed["on"] = mine and it == iteration
         return real_step(job, batch, it)
 
-    def run_compute(self, action, state):
+    def run_compute(self, *args):
         if armed["on"]:
             armed["count"] += 1
             if armed["count"] == ACTIONS_BEFORE_FAULT:
                 if kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)  # hang: stop calling, stay alive
-        return real_compute(self, action, state)
+        return real_compute(self, *args)
 
     loop.train_step = train_step
     PipelineExecutor._run_compute = run_compute

@@ -31,7 +31,6 @@ A node should not block the host: on CUDA the host issues both streams' work.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from math import ceil
 from typing import Any, Callable, Sequence
@@ -39,33 +38,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.plan import ChunkedPlan, Fork, Node, NodeKind, layer_graph
+from megapipe.overlap.plan import Node, WarnOnce, layer_graph, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.sim.pair_plan import (
     COMM, HEAD, REST, Issue, LayerShape, StepPlanner, compute_first, layer_shape,
 )
-
-
-class WarnOnce:
-    """Warns once per type: the record of which types were warned about lives in this object."""
-
-    def __init__(self) -> None:
-        self.types: set[type] = set()
-
-    def __call__(self, kind: type, message: str, stacklevel: int = 3) -> None:
-        if kind not in self.types:
-            self.types.add(kind)
-            warnings.warn(message, stacklevel=stacklevel + 1)
-
-
-def _whole_layer_fn(layer: Callable[..., Any]) -> Callable[[Any, tuple], tuple]:
-    def run(state: Any, tensors: tuple) -> tuple:
-        out = layer(*tensors)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-    return run
 
 
 @dataclass
@@ -137,30 +116,9 @@ class CoScheduler:
 
     # ---- public --------------------------------------------------------------------------
     def plan_of(self, layer: Any) -> list[Any]:
-        """The node plan of ``layer``: a plan (a list of Node, Fork) as is, ``layer.node_plan()``,
-        or, for a layer that does not follow the node protocol, the whole layer as one compute
-        node (it then runs F and B one after the other; warned once per layer type). With
-        ``a2a_chunks`` > 1 a ``ChunkedPlan`` gives its chunked form."""
-        plan = layer
-        node_plan = getattr(layer, "node_plan", None)
-        if not _is_plan(plan) and callable(node_plan):
-            plan = node_plan()
-        if _is_plan(plan):
-            if self.a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
-                return list(plan.chunked(self.a2a_chunks))
-            return list(plan)
-        if not callable(layer):
-            raise TypeError(
-                f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "
-                f"got {type(layer).__name__}"
-            )
-        kind = type(layer)
-        self.warn_once(
-            kind,
-            f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
-            "list of Node); its forward and backward run one after the other, without overlap",
-        )
-        return [Node(kind.__name__, NodeKind.COMPUTE, _whole_layer_fn(layer))]
+        """The node plan ``run_layer`` records for ``layer`` (``plan.node_plan_of``), in its
+        chunked form when ``a2a_chunks`` > 1 and the layer offers one."""
+        return node_plan_of(layer, self.warn_once, self.a2a_chunks)
 
     def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:
         """Record one forward layer, co-scheduled with the next pending backward layer."""
@@ -351,13 +309,6 @@ class CoScheduler:
                 return fn()
 
         return run
-
-
-def _is_plan(value: Any) -> bool:
-    return (
-        isinstance(value, (list, tuple)) and bool(value)
-        and all(isinstance(item, (Node, Fork)) for item in value)
-    )
 
 
 def _quietly_wait(event: Event) -> None:

@@ -16,6 +16,8 @@ A plan may also hold a ``Fork``: parallel chains between two nodes (a layer spli
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
@@ -180,3 +182,55 @@ class NodeRunner(Protocol):
     def run_layer(
         self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]: ...
+
+
+class WarnOnce:
+    """Warns once per type: the record of which types were warned about lives in this object."""
+
+    def __init__(self) -> None:
+        self.types: set[type] = set()
+
+    def __call__(self, kind: type, message: str, stacklevel: int = 3) -> None:
+        if kind not in self.types:
+            self.types.add(kind)
+            warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def is_plan(value: Any) -> bool:
+    """Whether ``value`` is a node plan: a non-empty list of ``Node`` and ``Fork``."""
+    return (
+        isinstance(value, (list, tuple)) and bool(value)
+        and all(isinstance(item, (Node, Fork)) for item in value)
+    )
+
+
+def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_chunks: int = 1) -> list[Any]:
+    """The node plan of ``layer``: a plan as is, ``layer.node_plan()``, or, for a callable layer
+    that does not follow the node protocol, the whole layer as one compute node (its forward and
+    backward then run one after the other; warned once per layer type). With ``a2a_chunks`` > 1
+    a ``ChunkedPlan`` gives its chunked form."""
+    plan = layer
+    node_plan = getattr(layer, "node_plan", None)
+    if not is_plan(plan) and callable(node_plan):
+        plan = node_plan()
+    if is_plan(plan):
+        if a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
+            return list(plan.chunked(a2a_chunks))
+        return list(plan)
+    if not callable(layer):
+        raise TypeError(
+            f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "
+            f"got {type(layer).__name__}"
+        )
+    kind = type(layer)
+    warn_once(
+        kind,
+        f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
+        "list of Node); its forward and backward run one after the other, without overlap",
+    )
+
+    def whole_layer(state: LayerState, tensors: tuple) -> tuple:
+        out = layer(*tensors)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    return [Node(kind.__name__, NodeKind.COMPUTE, whole_layer)]

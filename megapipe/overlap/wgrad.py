@@ -29,7 +29,7 @@ import torch
 from megapipe.overlap.grouped_gemm import (
     grouped_forward, grouped_input_grad, grouped_weight_grad,
 )
-from megapipe.overlap.main_grad import accumulate_grad, accumulate_grad_rows
+from megapipe.overlap.main_grad import accumulate_grad_rows
 
 if TYPE_CHECKING:
     from megapipe.overlap.plan import LayerState

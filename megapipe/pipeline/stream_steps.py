@@ -40,7 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from megapipe.overlap.coscheduler import CoScheduler, WarnOnce
+from megapipe.overlap.coscheduler import CoScheduler
+from megapipe.overlap.plan import WarnOnce
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Streams, make_streams
 from megapipe.overlap.wgrad import WeightGradQueue

@@ -103,17 +103,20 @@ def _bitwise(ctx, result, config: GPTConfig, micro_batch: int) -> None:  # noqa:
         result.check(f"{way}: losses equal the plain schedule's bitwise (bf16)", same,
                      f"{len(losses)} microbatch losses")
         result.check(f"{way}: fp32 main gradients equal the plain schedule's bitwise", not differ,
-                     f"{len(grads)} parameters" + (f"; differ: {', '.join(differ[:5])}" if differ else ""))
+                     f"{len(grads)} parameters"
+                     + (f"; differ: {', '.join(differ[:5])}" if differ else ""))
 
 
 def _step_times(ctx, result, config: GPTConfig, micro_batch: int) -> None:  # noqa: ANN001
     inputs, targets = batch(config, micro_batch, ctx.device, seed=1)
     rounds = 5 if ctx.cuda else 2
-    runs = {"plain": executor(config, ctx.device, False), "combined": executor(config, ctx.device, True)}
+    runs = {"plain": executor(config, ctx.device, False),
+            "combined": executor(config, ctx.device, True)}
     rows = []
     try:
         traced, _ = _traced_step(runs["combined"], inputs, targets)
-        experts = [s.duration for s in traced if s.label[:1] in "FB" and s.label.endswith("experts")]
+        experts = [s.duration for s in traced
+                   if s.label[:1] in "FB" and s.label.endswith("experts")]
         moe_layers = [layer for r in runs.values() for layer in r.stages[0].moe_layers()]
         payload = micro_batch * config.seq_length * config.moe_top_k * config.hidden_size * 2
         link = make_link("sleep", statistics.mean(experts), ctx.device, payload)
@@ -135,7 +138,8 @@ def _step_times(ctx, result, config: GPTConfig, micro_batch: int) -> None:  # no
                 "idle: share of the combined step's node window with no node on either stream")
 
 
-def _median_steps(ctx, runs: dict, inputs, targets, rounds: int) -> dict[str, float]:  # noqa: ANN001
+def _median_steps(ctx, runs: dict, inputs, targets,  # noqa: ANN001
+                  rounds: int) -> dict[str, float]:
     """Median GPU ms per executor, plain and combined steps alternating (round 0 warms up)."""
     times: dict[str, list[float]] = {label: [] for label in runs}
     for round_index in range(rounds + 1):
@@ -147,7 +151,8 @@ def _median_steps(ctx, runs: dict, inputs, targets, rounds: int) -> dict[str, fl
     return {label: statistics.median(values) for label, values in times.items()}
 
 
-def _traced_step(run_executor: PipelineExecutor, inputs, targets) -> tuple[list, float]:  # noqa: ANN001
+def _traced_step(run_executor: PipelineExecutor, inputs,  # noqa: ANN001
+                 targets) -> tuple[list, float]:
     """One combined step with the executor's node trace on: its node spans (ms) and the
     exposed share of its all-to-all time."""
     run_executor.record_trace = True

@@ -62,7 +62,8 @@ def run(ctx, result) -> None:  # noqa: ANN001
                                               "host us per call"], rows)
 
 
-def _gemms(shape: GemmShape, device: torch.device) -> tuple[dict[str, Callable], torch.Tensor, bool]:
+def _gemms(shape: GemmShape,
+           device: torch.device) -> tuple[dict[str, Callable], torch.Tensor, bool]:
     """The three GEMMs as ``fn(offsets)`` (None: the loop), the offsets, and whether the
     grouped kernel takes these operands."""
     counts = routed_counts(shape, device)
@@ -92,7 +93,7 @@ def _compare(ctx, result, shape: GemmShape, headline: bool) -> list[list]:  # no
     flops = 2 * shape.tokens * shape.top_k * shape.hidden * shape.ffn
     rows, speedups = [], []
     for name, gemm in gemms.items():
-        ways = {"per-expert loop": None, "grouped_mm": offsets} if grouped else {"per-expert loop": None}
+        ways = {"per-expert loop": None, **({"grouped_mm": offsets} if grouped else {})}
         times = {}
         for way, offs in ways.items():
             timed = median_ms(lambda: [gemm(offs) for _ in range(CALLS)], device, reps=reps)
@@ -103,7 +104,8 @@ def _compare(ctx, result, shape: GemmShape, headline: bool) -> list[list]:  # no
             loop, kernel = gemm(None).float(), gemm(offsets).float()
             error, scale = (loop - kernel).abs().max().item(), loop.abs().max().item()
             result.check(f"grouped {name} equals the loop ({shape.describe()})",
-                         error <= 1e-2 * scale, f"max |difference| {error:.3g}, max |value| {scale:.3g}")
+                         error <= 1e-2 * scale,
+                         f"max |difference| {error:.3g}, max |value| {scale:.3g}")
             speedups.append(times["per-expert loop"] / times["grouped_mm"])
     if speedups:
         result.figure(f"grouped_speedup_{shape.hidden}_{shape.experts}",

@@ -78,9 +78,9 @@ def run(ctx, result) -> None:  # noqa: ANN001
                      COLUMNS, pairs)
         result.table("one step of several layers (ratio 1)", COLUMNS, steps)
     result.note(f"dtype {str(dtype)[6:]}, ep = 1, {reps} timed runs per setting (median) after "
-                "one warm-up; link ratio r: each all-to-all lasts r x the mean paired compute node; "
-                "host / GPU: host ms until the combined step returned over its GPU ms (on CUDA "
-                "the issue time, including the host's wait in each dispatch's one read)")
+                "one warm-up; link ratio r: each all-to-all lasts r x the mean paired compute "
+                "node; host / GPU: host ms until the combined step returned over its GPU ms "
+                "(on CUDA the issue time, including the host's wait in each dispatch's one read)")
 
 
 def _configuration(ctx, result, shape: Shape, dtype, reps: int, with_copy: bool,  # noqa: ANN001
@@ -136,9 +136,10 @@ def _measure(bench: PairBench, reps: int, variant: Variant = BASE,
     plain = plain or bench.plain_ms(reps)
     combined = bench.traced_median(True, reps, variant)
     a2a_ms = alone.comm_ms / (4 * len(bench.layers))  # dispatch and combine, F and B
+    payload = bench.shape.payload_bytes(bench.x_fwd.dtype)
     return {
         "plain": plain, "a2a_ms": a2a_ms,
-        "a2a_gbs": bench.shape.payload_bytes(bench.x_fwd.dtype) / (a2a_ms * 1e6) if a2a_ms else None,
+        "a2a_gbs": payload / (a2a_ms * 1e6) if a2a_ms else None,
         "fwd_ms": alone.total("F"), "bwd_ms": alone.total("B"),
         "sequential_ms": plain.device_ms, "combined_ms": combined.device_ms,
         "speedup": plain.device_ms / combined.device_ms,

@@ -2,8 +2,9 @@
 
 The streams section wraps every node the co-scheduler issues in a profiler annotation named
 ``megapipe:<label>|<stream>|<kind>`` (``annotation_name``): ``AnnotatedTrace`` is megapipe's
-``NodeTrace`` (which the co-scheduler already calls around every node) opening that range too. In the exported trace a kernel is
-tied to the host call that launched it by a correlation id; the launch happened inside the
+``NodeTrace`` (which the co-scheduler already calls around every node) opening that range too.
+In the exported trace a kernel is tied to the host call that launched it by a correlation id;
+the launch happened inside the
 annotation of the node being issued (one host thread issues both streams on CUDA, and it waits
 inside a backward node until the autograd engine has launched that node's kernels). So:
 kernel -> launch -> innermost annotation around the launch's time -> node. A GPU stream's role

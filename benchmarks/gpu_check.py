@@ -5,14 +5,18 @@ Sections, in priority order, each in its own process with its own timeout within
 
     env       device, clocks, memory, versions; copy bandwidth, bf16 GEMM TFLOP/s
     tests     pytest tests/gpu -rA
-    syncs     every host sync during one combined step, as file:line with counts
+    syncs     host reads of one combined step by node (only the documented one), sync-debug
+              sites as file:line, the host's wait in the documented read
     streams   profiler trace of one combined step: streams per node, concurrent kernel ms
-    overlap   ep = 1 MoE layer pair and step, sequential vs combined, modelled all-to-all
-    gemm      per-expert loop vs grouped GEMM
+    overlap   ep = 1 MoE layer pair and step, sequential vs combined (also deferred wgrad and
+              chunked all-to-alls), modelled all-to-all
+    gemm      experts' GEMMs: per-expert loop vs grouped_mm (megapipe's grouped_gemm)
     kernels   Triton permute/unpermute vs torch and vs the copy bandwidth
     executor  pp = 1, 1f1b, 8 microbatches: plain vs combined bitwise, step times, idle share
     ep_gloo   two processes on one GPU over gloo: ep = 2 vs ep = 1, combined vs plain
-    pretrain  world size 1 on NCCL, 20 iterations, save and resume bitwise, tokens/s
+    pretrain  world size 1 on NCCL, 20 iterations: exit, save and resume bitwise, tokens/s
+
+Everything that trains or times runs in bf16 with fp32 main gradients (``--bf16``).
 
 ``--dry-run`` runs every section on the CPU with tiny sizes (the GPU hidden), reporting the
 GPU-only parts as skipped with the reason; the test suite runs it.

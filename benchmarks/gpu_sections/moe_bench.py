@@ -2,20 +2,27 @@
 
 ``build_layers`` makes ``TransformerLayer``s of the reference model directly on the device (on a
 GPU built on the meta device, then filled from a seeded device generator: drawing billions of
-weights on the host would take minutes). ``PairBench`` runs the forward of microbatch 1 and the
-backward of microbatch 0 over the same layers three ways:
+weights on the host would take minutes); in bf16 they get fp32 ``main_grad``s as in training
+(``cast_to_bf16``). ``PairBench`` runs the forward of microbatch 1 and the backward of
+microbatch 0 over the same layers three ways:
 
 - ``plain_ms``: forward then backward on the tape, on the current stream (no overlap; a comm
   node's modelled link then runs inline on that stream) -- the sequential time;
 - ``traced(combined=False)``: the same nodes issued through the co-scheduler one side at a time
   (forward alone, then backward alone), traced node by node -- each node's own time;
 - ``traced(combined=True)``: the combined step, traced node by node.
+
+A ``Variant`` runs the co-scheduled ways with the all-to-alls in k chunks (``moe_a2a_chunks``:
+the layers' chunked plans) and/or the expert weight gradients deferred
+(``delay_wgrad_compute``). The node timeline is megapipe's own ``NodeTrace`` (CUDA events on
+CUDA). Host time is the time until the step's call returned: ``finish`` is stream-ordered on
+CUDA, so there it is the time the host spent issuing (including its wait in the one host read
+of each dispatch); on CPU the compute stream is the host thread, so it includes the compute.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +30,16 @@ import torch
 
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import TransformerLayer
+from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
+from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Streams
 from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.train.mixed_precision import cast_to_bf16
 
-from gpu_sections.gpu_timing import EventTrace, Timed, TimedStreams, synchronize, time_ms
-from gpu_sections.link_model import LinkModel, with_link
+from gpu_sections.gpu_timing import Timed, node_spans, synchronize, time_ms
+from gpu_sections.link_model import set_link
 from gpu_sections.timeline import Span
 
 
@@ -52,6 +63,10 @@ class Shape:
     def rows(self) -> int:
         """Routed rows per microbatch (tokens x top-k), what one all-to-all moves."""
         return self.tokens * self.top_k
+
+    def payload_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one token all-to-all of a microbatch moves."""
+        return self.rows * self.hidden * torch.empty((), dtype=dtype).element_size()
 
     def describe(self) -> str:
         return (f"hidden {self.hidden}, {self.experts} experts x {self.ffn} top-{self.top_k}, "
@@ -81,6 +96,8 @@ def build_layers(shape: Shape, count: int, device: torch.device, dtype: torch.dt
                 else:
                     param.normal_(0.0, 0.02, generator=generator)
         layers.append(layer)
+    if dtype == torch.bfloat16:
+        cast_to_bf16(layers, [p for layer in layers for p in layer.parameters()])
     return layers
 
 
@@ -97,14 +114,39 @@ def _empty_layer(config: GPTConfig, index: int, device: torch.device) -> Transfo
 
 
 @dataclass(frozen=True)
+class Variant:
+    """How the co-scheduled runs go: all-to-alls in ``chunks`` expert groups, weight
+    gradients deferred (``delay_wgrad``)."""
+
+    chunks: int = 1
+    delay_wgrad: bool = False
+
+    def describe(self) -> str:
+        parts = ([f"{self.chunks} a2a chunks"] if self.chunks > 1 else []) + (
+            ["wgrad delayed"] if self.delay_wgrad else [])
+        return ", ".join(parts) or "plain"
+
+
+BASE = Variant()
+
+
+@dataclass(frozen=True)
 class Traced:
-    """A traced run: device and host milliseconds, the host's issue time (until it waited for
-    the streams at the end), and the nodes' device spans."""
+    """A traced run: device and host milliseconds, the nodes' device spans, the exposed share
+    of the all-to-all time and the summed node milliseconds per kind (megapipe's NodeTrace)."""
 
     device_ms: float
     host_ms: float
-    issue_ms: float
     spans: list[Span]
+    exposed: float
+    compute_ms: float
+    comm_ms: float
+
+    @classmethod
+    def of(cls, timed: Timed, trace: NodeTrace) -> "Traced":
+        return cls(timed.device_ms, timed.host_ms, node_spans(trace),
+                   trace.exposed_comm_fraction(), trace.total("compute") * 1e3,
+                   trace.total("comm") * 1e3)
 
     def total(self, direction: str) -> float:
         """Summed node time of the forward ("F") or backward ("B" and "W") spans."""
@@ -122,8 +164,7 @@ class PairBench:
 
     def __init__(self, layers: list[TransformerLayer], shape: Shape, streams: Streams,
                  device: torch.device, dtype: torch.dtype) -> None:
-        self.layers, self.shape, self.device = layers, shape, device
-        self.streams = TimedStreams.of(streams)
+        self.layers, self.shape, self.streams, self.device = layers, shape, streams, device
         generator = torch.Generator(device=device).manual_seed(1)
 
         def draw() -> torch.Tensor:
@@ -132,17 +173,24 @@ class PairBench:
 
         self.x_fwd, self.x_bwd, self.grad = draw().requires_grad_(), draw().requires_grad_(), draw()
 
-    def plans(self, link: LinkModel | None) -> list[list[Any]]:
-        return [with_link(layer.node_plan(), link) for layer in self.layers]
+    def set_link(self, link: EmulatedLink | None) -> None:
+        """The modelled all-to-all of every MoE layer (``link_model``); None: none."""
+        set_link([layer.moe for layer in self.layers if layer.is_moe], link)
 
-    def prepare(self, link: LinkModel | None, on_streams: bool = True) -> tuple[list[list[Any]], Any]:
-        """The plans (with the link) and a fresh microbatch-0 tape (recorded, not timed).
+    def plans(self, variant: Variant = BASE) -> list[list[Any]]:
+        plans = [layer.node_plan() for layer in self.layers]
+        if variant.chunks > 1:
+            return [list(p.chunked(variant.chunks)) if hasattr(p, "chunked") else p for p in plans]
+        return plans
+
+    def prepare(self, variant: Variant = BASE, on_streams: bool = True) -> tuple[list, Any]:
+        """The plans and a fresh microbatch-0 tape (recorded, not timed).
 
         ``on_streams``: record it through the co-scheduler, as the executor records every
         forward, so its comm nodes ran on the comm stream -- on CUDA autograd runs a backward op
         on the stream of its forward op, so only then does the backward's all-to-all run on
         the comm stream. Otherwise on the current stream (the sequential path)."""
-        plans = self.plans(link)
+        plans = self.plans(variant)
         if on_streams:
             _, tape, _ = combined_step(plans, (self.x_bwd,), None, None, self.streams)
         else:
@@ -150,53 +198,42 @@ class PairBench:
         synchronize(self.device)
         return plans, tape
 
-    def payload(self) -> torch.Tensor:
-        """A tensor shaped like what one all-to-all moves (to calibrate a copy link on)."""
-        return torch.empty(self.shape.rows, self.shape.hidden, device=self.device,
-                           dtype=self.x_fwd.dtype)
-
-    def issue(self, plans: list[list[Any]], tape: Any, combined: bool,
-              trace: EventTrace | None = None) -> None:
+    def issue(self, plans: list, tape: Any, combined: bool, variant: Variant = BASE,
+              trace: NodeTrace | None = None) -> None:
         """One run through the co-scheduler: combined, or one side at a time (forward alone,
-        then backward alone); returns when both streams are done."""
+        then backward alone). Returns once issued (CUDA) or done (CPU)."""
         if combined:
             combined_step(plans, (self.x_fwd,), tape, (self.grad,), self.streams,
-                          trace=trace, fwd_microbatch=1, bwd_microbatch=0)
+                          delay_wgrad_compute=variant.delay_wgrad, trace=trace,
+                          fwd_microbatch=1, bwd_microbatch=0)
             return
         combined_step(plans, (self.x_fwd,), None, None, self.streams, trace=trace,
                       fwd_microbatch=1)
-        CoScheduler(self.streams, TapeBackward(tape, (self.grad,), 0), trace=trace).finish()
+        wgrad = WeightGradQueue() if variant.delay_wgrad else None
+        CoScheduler(self.streams, TapeBackward(tape, (self.grad,), 0, wgrad), trace=trace).finish()
 
-    def traced(self, link: LinkModel | None, combined: bool, annotate: bool = False) -> Traced:
+    def traced(self, combined: bool, variant: Variant = BASE) -> Traced:
         """One traced run, alone (one side at a time) or combined."""
-        plans, tape = self.prepare(link)
-        self.streams.waits.clear()
-        trace = EventTrace(self.device, annotate=annotate)  # its origin: the start of the run
-        start = time.perf_counter()
-        self.issue(plans, tape, combined, trace)
-        host_ms = (time.perf_counter() - start) * 1e3
-        # the host's issue ends where it waits for the streams; a finish that does not wait
-        # (stream-ordered) returns when issuing is done
-        issue_ms = (self.streams.waits[-1] - start) * 1e3 if self.streams.waits else host_ms
-        end = trace.stamp()
-        synchronize(self.device)
-        return Traced(trace.elapsed_ms(end), host_ms, issue_ms, trace.gpu_spans())
+        plans, tape = self.prepare(variant)
+        trace = NodeTrace()
+        timed = time_ms(lambda: self.issue(plans, tape, combined, variant, trace), self.device)
+        return Traced.of(timed, trace)
 
-    def traced_median(self, link: LinkModel | None, combined: bool, reps: int,
+    def traced_median(self, combined: bool, reps: int, variant: Variant = BASE,
                       warmup: int = 1) -> Traced:
         """The run of median device time among ``reps`` traced runs (after ``warmup``)."""
         for _ in range(warmup):
-            self.traced(link, combined)
-        runs = sorted((self.traced(link, combined) for _ in range(reps)),
+            self.traced(combined, variant)
+        runs = sorted((self.traced(combined, variant) for _ in range(reps)),
                       key=lambda r: r.device_ms)
         return runs[len(runs) // 2]
 
-    def plain_ms(self, link: LinkModel | None, reps: int, warmup: int = 1) -> Timed:
+    def plain_ms(self, reps: int, warmup: int = 1) -> Timed:
         """Median milliseconds of the sequential path: tape forward, then tape backward, on the
         current stream (a fresh microbatch-0 tape per run, recorded outside the timing)."""
         runs = []
         for index in range(warmup + reps):
-            plans, tape = self.prepare(link, on_streams=False)
+            plans, tape = self.prepare(on_streams=False)
 
             def run() -> None:
                 record_forward(plans, (self.x_fwd,))
@@ -211,8 +248,10 @@ class PairBench:
     def paired_compute_ms(self) -> float:
         """Mean time of the compute nodes a combined step pairs with an all-to-all (forward and
         backward attention and experts), from one traced run of the nodes alone, no link: a
-        link of this time per all-to-all makes communication as long as that compute."""
-        alone = self.traced(None, combined=False)
+        link of this time per all-to-all makes communication as long as that compute. Leaves
+        the layers without a link."""
+        self.set_link(None)
+        alone = self.traced(combined=False)
         paired = [d for direction in "FB" for name in ("attention", "experts")
                   for d in alone.node_ms(name, direction)]
         return sum(paired) / len(paired)

@@ -24,25 +24,28 @@ class SectionSpec:
 
 
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("env", 60, 20, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
+    SectionSpec("env", 40, 15, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
                 "TFLOP/s (the ceilings the other sections compare with)", needs_cuda=False),
-    SectionSpec("tests", 150, 30, "pytest tests/gpu -rA", needs_cuda=False),
-    SectionSpec("syncs", 60, 20, "every host sync during one combined step, as file:line"),
-    SectionSpec("streams", 75, 25, "profiler trace of one combined step: the stream of each "
+    SectionSpec("tests", 120, 30, "pytest tests/gpu -rA", needs_cuda=False),
+    SectionSpec("syncs", 45, 15, "host syncs of one combined step: every host read by node (only "
+                "the dispatch's documented one), sync-debug sites, the host's wait in the read"),
+    SectionSpec("streams", 50, 20, "profiler trace of one combined step: the stream of each "
                 "node's kernels, milliseconds of compute and comm kernels at once"),
-    SectionSpec("overlap", 210, 60, "ep = 1 MoE layer pair and step, sequential vs combined, "
-                "all-to-all modelled on the comm stream"),
-    SectionSpec("gemm", 45, 15, "per-expert loop vs grouped GEMM: TFLOP/s, host us per call"),
-    SectionSpec("kernels", 60, 20, "Triton permute/unpermute forward and backward: GB/s vs torch "
+    SectionSpec("overlap", 180, 60, "ep = 1 MoE layer pair and step in bf16, sequential vs "
+                "combined (also deferred wgrad, chunked all-to-alls), all-to-all modelled on "
+                "the comm stream"),
+    SectionSpec("gemm", 35, 10, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
+                "us per call"),
+    SectionSpec("kernels", 50, 15, "Triton permute/unpermute forward and backward: GB/s vs torch "
                 "and vs the copy bandwidth; compile times",
                 env=(("TRITON_CACHE_DIR", "{scratch}/triton-cache-kernels"),)),
-    SectionSpec("executor", 75, 25, "pp = 1, 1f1b, 8 microbatches: plain vs combined bitwise, "
-                "step times, GPU idle share",
+    SectionSpec("executor", 60, 20, "pp = 1, 1f1b, 8 microbatches, bf16: plain vs combined "
+                "bitwise, step times without and with a modelled link, GPU idle share",
                 env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
-    SectionSpec("ep_gloo", 75, 25, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
-                "combined vs plain", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
-    SectionSpec("pretrain", 120, 40, "world size 1 on NCCL, 20 iterations, save and resume "
-                "bitwise, tokens/s", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
+    SectionSpec("ep_gloo", 60, 20, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
+                "combined vs plain, fp32 and bf16", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
+    SectionSpec("pretrain", 90, 40, "world size 1 on NCCL, bf16, 20 iterations; exit, save and "
+                "resume bitwise; tokens/s", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
 )
 
 

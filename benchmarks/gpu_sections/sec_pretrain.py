@@ -1,28 +1,34 @@
-"""pretrain: ``megapipe pretrain`` as one rank (world size 1, NCCL on the GPU), pp = ep = 1,
-1f1b with the overlap on: 20 iterations with a checkpoint at 10 and 20, then a resume from
-iteration 10 whose losses must equal the uninterrupted run's bit for bit; tokens per second
-from the log's last interval (iterations 11-20, past the warm-up).
+"""pretrain: ``megapipe pretrain --bf16`` as one rank (world size 1, NCCL on the GPU),
+pp = ep = 1, 1f1b with the overlap on; bf16 with fp32 main weights, moments and gradients
+(``MixedPrecisionAdamW``).
 
-bf16: with a ``--bf16`` flag (the precision work adds it) the run uses it; without, it runs in
-fp32 and says so. On a GPU both runs use ``torch.use_deterministic_algorithms`` (the runner
-sets ``CUBLAS_WORKSPACE_CONFIG`` for this section): atomics in an embedding or router backward
-would otherwise change the low bits between two runs whatever the checkpoint holds; the tokens/s
-are measured so.
+Three runs of the same 20 iterations, as a preempted job would see them:
+
+1. uninterrupted, no checkpoint: the reference losses and the tokens/s of the log's last
+   interval (iterations 11-20, past the warm-up);
+2. ``--save DIR --exit-interval 10``: stops after iteration 10 through the exit flag, having
+   saved its checkpoint there (whole-or-nothing, with its manifest);
+3. ``--load DIR --save DIR``: resumes from that checkpoint (verified against its manifest) and
+   runs iterations 11-20.
+
+Checks: run 2 says it resumed at iteration 10 (and run 1 exits there), and both runs' losses
+equal the uninterrupted run's bit for bit (the fp32 main weights and AdamW moments are in the
+checkpoint). On a GPU every run uses ``torch.use_deterministic_algorithms`` (the runner sets
+``CUBLAS_WORKSPACE_CONFIG`` for this section): atomics in an embedding or router backward would
+otherwise change the low bits between two runs whatever the checkpoint holds; the tokens/s are
+measured so.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 
 import torch
 import torch.distributed as dist
 
 from megapipe.parallel.launch import free_port
 from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint_files import LATEST_FILE, iteration_dir
-from megapipe.train.flags import build_parser
 from megapipe.train.loop import TrainResult, train
 
 COMMON = ["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
@@ -38,10 +44,6 @@ DRY_DATA = "megapipe"  # the package's own source as the corpus: quicker to load
 _TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
 
 
-def has_flag(flag: str) -> bool:
-    return flag in build_parser()._option_string_actions
-
-
 def tokens_per_second(lines: list[str]) -> float | None:
     """The tokens/s of the last log line that has one."""
     for line in reversed(lines):
@@ -55,17 +57,12 @@ def run(ctx, result) -> None:  # noqa: ANN001
     iterations = 20 if ctx.cuda else 4
     half = iterations // 2
     flags = COMMON + (REAL if ctx.cuda else DRY + ["--data-path", str(ctx.repo / DRY_DATA)])
-    flags += ["--train-iters", str(iterations), "--log-interval", str(half)]
-    if has_flag("--bf16"):
-        flags.append("--bf16")
-    else:
-        result.skip("bf16", "megapipe pretrain has no --bf16 flag yet; this run is fp32")
+    flags += ["--train-iters", str(iterations), "--log-interval", str(half), "--bf16"]
     result.figure("flags", " ".join(flags))
     if ctx.cuda:
         torch.use_deterministic_algorithms(True, warn_only=True)
         result.note("deterministic algorithms on (for the bitwise resume); tokens/s measured so")
-    save = ctx.scratch / "pretrain_ckpt"
-    full = _train(flags + ["--save", str(save), "--save-interval", str(half)])
+    full = _train(flags)
     for line in full.lines:
         print(line, flush=True)
     result.figure("loss", f"{full.losses[0]:.4f} -> {full.losses[-1]:.4f}", "",
@@ -73,16 +70,23 @@ def run(ctx, result) -> None:  # noqa: ANN001
     rate = tokens_per_second(full.lines)
     result.figure("tokens_per_s", rate, "tok/s", f"tokens/s, iterations {half + 1}-{iterations}",
                   headline=True)
-    if not ctx.enough_time(result, "resume from the checkpoint", 30.0 if ctx.cuda else 5.0):
+    if not ctx.enough_time(result, "save, exit and resume", 40.0 if ctx.cuda else 5.0):
         return
-    only_half = ctx.scratch / "pretrain_ckpt_half"
-    shutil.copytree(iteration_dir(save, half), iteration_dir(only_half, half))
-    (only_half / LATEST_FILE).write_text(f"{half}\n")
-    resumed = _train(flags + ["--load", str(only_half)])
-    same = resumed.first_iteration == half and resumed.losses == full.losses[half:]
-    result.check(f"resuming at iteration {half} gives the uninterrupted run's losses bitwise",
-                 same, f"resumed at {resumed.first_iteration}: {resumed.losses[:3]} vs "
-                       f"{full.losses[half:half + 3]}")
+    save = str(ctx.scratch / "pretrain_ckpt")
+    stopped = _train(flags + ["--save", save, "--exit-interval", str(half)])
+    result.check(f"--exit-interval {half} saves and stops after iteration {half}",
+                 stopped.exit_reason is not None and len(stopped.saved) == 1
+                 and stopped.losses == full.losses[:half],
+                 f"stopped: {stopped.exit_reason}; saved {stopped.saved}; "
+                 f"{len(stopped.losses)} iterations")
+    resumed = _train(flags + ["--load", save, "--save", save])
+    for line in resumed.lines[:3]:
+        print(line, flush=True)
+    result.check(f"resuming at iteration {half} gives the uninterrupted run's losses bitwise "
+                 "(bf16, fp32 main weights and moments from the checkpoint)",
+                 resumed.first_iteration == half and resumed.losses == full.losses[half:],
+                 f"resumed at {resumed.first_iteration}: {resumed.losses[:3]} vs "
+                 f"{full.losses[half:half + 3]}")
 
 
 def _train(flags: list[str]) -> TrainResult:

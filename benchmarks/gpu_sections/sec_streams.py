@@ -2,12 +2,13 @@
 on, and the milliseconds during which compute and comm kernels ran at the same time.
 
 Two attention + MoE layers, ep = 1, bf16; the all-to-all is modelled on the comm stream (a copy
-kernel on a few SMs when Triton is there, else a timed wait) for as long as the mean paired
-compute node, so the comm stream has kernels of its own. Every node is annotated in the trace
-(``EventTrace(annotate=True)``) and each kernel is tied to its node through its launch
+kernel on a few SMs when Triton is there, else megapipe's ``EmulatedLink``, a timed wait) for as
+long as the mean paired compute node, so the comm stream has kernels of its own. Every node is
+annotated in the trace (``trace_analysis.AnnotatedTrace``, megapipe's ``NodeTrace`` plus a
+profiler range per node) and each kernel is tied to its node through its launch
 (``trace_analysis.py``). The trace is written to ``streams_trace.json.gz`` in the out folder
-(open it in Perfetto or chrome://tracing). The concurrent time is also computed from the CUDA
-events around each node, as a cross-check.
+(open it in Perfetto or chrome://tracing). The concurrent time is also computed from the node
+timeline (CUDA events around each node), as a cross-check.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from megapipe.overlap.streams import make_streams
 
 from gpu_sections import timeline, trace_analysis
-from gpu_sections.gpu_timing import EventTrace, synchronize
+from gpu_sections.gpu_timing import node_spans, synchronize
 from gpu_sections.link_model import copy_unavailable, make_link
 from gpu_sections.moe_bench import PairBench, Shape, build_layers
 
@@ -31,18 +32,18 @@ TRACE_FILE = "streams_trace.json.gz"
 
 
 def run(ctx, result) -> None:  # noqa: ANN001
-    shape = REAL if ctx.cuda else DRY
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    shape, dtype = (REAL if ctx.cuda else DRY), torch.bfloat16
     layers = build_layers(shape, LAYERS, ctx.device, dtype)
     with make_streams(ctx.device) as streams:
         bench = PairBench(layers, shape, streams, ctx.device, dtype)
         link = _link(ctx, result, bench)
+        bench.set_link(link)
         result.figure("setup", f"{LAYERS} layers, {shape.describe()}, {str(dtype)[6:]}; "
-                               f"link: {link.kind}, {link.ms:.3g} ms per all-to-all")
-        bench.traced(link, combined=True)  # warm-up
-        trace, events = _profile(ctx, bench, link)
-    _check_annotations(ctx, result, trace, trace_analysis.annotations(events))
-    spans = trace.gpu_spans()
+                               f"{link.describe()}")
+        bench.traced(combined=True)  # warm-up
+        trace, events = _profile(ctx, bench)
+    spans = node_spans(trace)
+    _check_annotations(ctx, result, spans, trace_analysis.annotations(events))
     result.figure("event_concurrent_ms", timeline.concurrent_ms(spans), "ms",
                   "compute and comm nodes at once (node timeline)")
     if not ctx.gpu_or_skip(result, "kernels per stream, concurrent kernel time"):
@@ -62,7 +63,7 @@ def run(ctx, result) -> None:  # noqa: ANN001
     result.check("forward compute and comm nodes ran their kernels on different streams", ok, detail)
 
 
-def _check_annotations(ctx, result, trace: EventTrace, nodes) -> None:  # noqa: ANN001
+def _check_annotations(ctx, result, spans: list[timeline.Span], nodes) -> None:  # noqa: ANN001
     """Every node issued is in the trace: on CUDA all of them (one host thread issues both
     streams); on CPU those of the compute stream (the comm stream is a worker thread, which
     the profiler does not follow)."""
@@ -71,7 +72,7 @@ def _check_annotations(ctx, result, trace: EventTrace, nodes) -> None:  # noqa: 
         result.skip("comm-node annotations", "on CPU the comm stream is a worker thread, which "
                     "the profiler does not follow")
     for stream in streams:
-        issued = sum(m.stream == stream for m in trace.marks)
+        issued = sum(s.stream == stream for s in spans)
         found = sum(n.stream == stream for n in nodes)
         result.check(f"every node issued to the {stream} stream is annotated in the trace",
                      issued == found and issued > 0, f"{found} annotations, {issued} nodes")
@@ -82,18 +83,19 @@ def _link(ctx, result, bench: PairBench):  # noqa: ANN001, ANN202
     kind = "copy" if reason is None else "sleep"
     if reason is not None:
         result.skip("copy link model", f"{reason}; a timed wait models the link instead")
-    return make_link(kind, bench.paired_compute_ms(), ctx.device, bench.payload())
+    return make_link(kind, bench.paired_compute_ms(), ctx.device,
+                     bench.shape.payload_bytes(bench.x_fwd.dtype))
 
 
-def _profile(ctx, bench: PairBench, link):  # noqa: ANN001, ANN202
-    """One combined step under the profiler; (its EventTrace, the trace's events)."""
+def _profile(ctx, bench: PairBench):  # noqa: ANN001, ANN202
+    """One combined step under the profiler; (its AnnotatedTrace, the trace's events)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if ctx.cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    plans, tape = bench.prepare(link)
-    trace = EventTrace(ctx.device, annotate=True)
+    plans, tape = bench.prepare()
+    trace = trace_analysis.AnnotatedTrace()
     with torch.profiler.profile(activities=activities) as profiler:
-        bench.issue(plans, tape, True, trace)
+        bench.issue(plans, tape, True, trace=trace)
         synchronize(ctx.device)
     raw = ctx.scratch / "streams_trace.json"
     profiler.export_chrome_trace(str(raw))

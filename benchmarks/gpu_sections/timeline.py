@@ -1,10 +1,10 @@
-"""Timeline arithmetic: node spans on two streams -> exposed communication, busy time, ceiling.
+"""Timeline arithmetic: node spans on two streams -> concurrent and busy time, idle share, ceiling.
 
 A ``Span`` is one node's interval on one stream (milliseconds from a common origin, read from
-CUDA events on a GPU, from the host clock on CPU). Everything here is plain arithmetic on such
-intervals, so the figures the GPU check reports are unit-tested on CPU:
+CUDA events on a GPU, from the host clock on CPU: ``gpu_timing.node_spans``). Everything here is
+plain arithmetic on such intervals, so the figures the GPU check reports are unit-tested on CPU
+(the exposed communication is megapipe's own ``NodeTrace.exposed_comm_fraction``):
 
-- ``exposed_comm_ms``: communication time during which no compute span ran;
 - ``concurrent_ms``: time during which both kinds ran at once;
 - ``busy_ms``: time covered by the spans of one kind (overlaps within a kind counted once);
 - ``idle_share``: share of a window during which no span of either kind ran;
@@ -80,17 +80,6 @@ def concurrent_ms(spans: Sequence[Span]) -> float:
     return intersection_length(_of(spans, "compute"), _of(spans, "comm"))
 
 
-def exposed_comm_ms(spans: Sequence[Span]) -> float:
-    """Communication time not covered by any compute span."""
-    return busy_ms(spans, "comm") - concurrent_ms(spans)
-
-
-def exposed_share(spans: Sequence[Span]) -> float:
-    """Exposed communication as a share of communication time (0 when there is none)."""
-    comm = busy_ms(spans, "comm")
-    return exposed_comm_ms(spans) / comm if comm > 0 else 0.0
-
-
 def window(spans: Sequence[Span]) -> Interval:
     """From the first start to the last end."""
     if not spans:
@@ -116,12 +105,3 @@ def ceiling(sequential_ms: float, compute_ms: float, comm_ms: float) -> float:
     if busier <= 0:
         raise ValueError(f"ceiling needs some busy time, got compute {compute_ms}, comm {comm_ms}")
     return sequential_ms / busier
-
-
-def node_totals(spans: Sequence[Span]) -> dict[str, float]:
-    """Summed duration per kind ("compute", "comm"): each node's own time, as in a run where
-    nothing overlaps (the sequential reference)."""
-    totals = {"compute": 0.0, "comm": 0.0}
-    for span in spans:
-        totals[span.kind] = totals.get(span.kind, 0.0) + span.duration
-    return totals

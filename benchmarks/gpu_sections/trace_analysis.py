@@ -1,8 +1,10 @@
 """Read a profiler (Chrome) trace: which GPU stream each node's kernels ran on, and when.
 
 The streams section wraps every node the co-scheduler issues in a profiler annotation named
-``megapipe:<label>|<stream>|<kind>`` (``annotation_name``). In the exported trace a kernel is
-tied to the host call that launched it by a correlation id; the launch happened inside the
+``megapipe:<label>|<stream>|<kind>`` (``annotation_name``): ``AnnotatedTrace`` is megapipe's
+``NodeTrace`` (which the co-scheduler already calls around every node) opening that range too.
+In the exported trace a kernel is tied to the host call that launched it by a correlation id;
+the launch happened inside the
 annotation of the node being issued (one host thread issues both streams on CUDA, and it waits
 inside a backward node until the autograd engine has launched that node's kernels). So:
 kernel -> launch -> innermost annotation around the launch's time -> node. A GPU stream's role
@@ -15,9 +17,14 @@ import bisect
 import gzip
 import json
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 
 from gpu_sections.timeline import intersection_length, length
 
@@ -28,6 +35,19 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def annotation_name(label: str, stream: str, kind: str) -> str:
     return f"{PREFIX}{label}|{stream}|{kind}"
+
+
+class AnnotatedTrace(NodeTrace):
+    """A ``NodeTrace`` whose every span is also a profiler range named ``annotation_name``."""
+
+    @contextmanager
+    def span(self, microbatch: int | None, layer: int, node: str, direction: str, stream: Any,
+             kind: str, slot: int = -1) -> Iterator[None]:
+        name = stream if isinstance(stream, str) else stream.name
+        label = NodeSpan(microbatch, layer, node, direction, name, kind, 0.0, 0.0).label()
+        with torch.profiler.record_function(annotation_name(label, name, kind)), \
+                super().span(microbatch, layer, node, direction, stream, kind, slot):
+            yield
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The GPU check's arithmetic, on CPU: timelines to exposed time and ceilings, the budget, the
-sync-site parser, the profiler-trace reader, pytest's summary, the reports."""
+"""The GPU check's arithmetic, on CPU: node traces to timelines, exposed time and ceilings, the
+budget, the sync-site parser, the profiler-trace reader, pytest's summary, the reports."""
 
 import gzip
 import json
@@ -11,8 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
+
 from gpu_sections import report, timeline, trace_analysis  # noqa: E402
 from gpu_sections.budget import Budget, allowance  # noqa: E402
+from gpu_sections.gpu_timing import node_spans  # noqa: E402
 from gpu_sections.result import FAILED, PASSED, SKIPPED, SectionResult, clean, status_of  # noqa: E402
 from gpu_sections.sec_kernels import moved_bytes  # noqa: E402
 from gpu_sections.sec_pretrain import tokens_per_second  # noqa: E402
@@ -32,12 +35,34 @@ def _combined_pair():
     ]
 
 
+def _trace_of(spans, offset_ms=5.0):
+    """A NodeTrace holding ``spans`` (labels "F node"), recorded on a clock that reads their
+    times shifted by ``offset_ms``, in seconds as the host clock gives them."""
+    times = iter([(t + offset_ms) / 1e3 for s in spans for t in (s.start, s.end)])
+    trace = NodeTrace(clock=lambda: next(times))
+    for s in spans:
+        direction, node = s.label.split(" ")
+        with trace.span(1, 0, node, direction, s.kind, s.kind):
+            pass
+    return trace
+
+
+def test_a_node_trace_becomes_spans_in_ms_from_its_first_node():
+    trace = _trace_of(_combined_pair())
+    spans = node_spans(trace)
+    assert [(s.kind, s.label, s.stream) for s in spans][:2] == [
+        ("compute", "F1.0.attention", "compute"), ("comm", "B1.0.combine", "comm")]
+    expected = [(s.start, s.end) for s in _combined_pair()]
+    assert [(s.start, s.end) for s in spans] == [pytest.approx(e) for e in expected]
+    assert node_spans(NodeTrace()) == []
+
+
 def test_exposed_comm_is_the_comm_time_no_compute_covers():
     spans = _combined_pair()
     assert timeline.busy_ms(spans, "comm") == 40
     assert timeline.concurrent_ms(spans) == 36
-    assert timeline.exposed_comm_ms(spans) == 4
-    assert timeline.exposed_share(spans) == pytest.approx(0.1)
+    # the exposed share the GPU check reports is megapipe's own, from the same trace
+    assert _trace_of(spans).exposed_comm_fraction() == pytest.approx(0.1)
 
 
 def test_overlapping_spans_of_one_kind_count_once():
@@ -45,7 +70,6 @@ def test_overlapping_spans_of_one_kind_count_once():
     assert timeline.busy_ms(spans, "compute") == 15
     assert timeline.busy_ms(spans, "comm") == 12
     assert timeline.concurrent_ms(spans) == 7  # 8..15
-    assert timeline.exposed_comm_ms(spans) == 5  # 15..20
 
 
 def test_idle_share_counts_time_with_no_span_of_either_kind():
@@ -56,9 +80,10 @@ def test_idle_share_counts_time_with_no_span_of_either_kind():
 
 
 def test_ceiling_is_sequential_time_over_the_busier_stream():
-    totals = timeline.node_totals(_combined_pair())
-    assert totals == {"compute": 36, "comm": 40}
-    assert timeline.ceiling(76, totals["compute"], totals["comm"]) == pytest.approx(1.9)
+    trace = _trace_of(_combined_pair())
+    compute, comm = trace.total("compute") * 1e3, trace.total("comm") * 1e3
+    assert (compute, comm) == (pytest.approx(36), pytest.approx(40))
+    assert timeline.ceiling(76, compute, comm) == pytest.approx(1.9)
     with pytest.raises(ValueError, match="busy time"):
         timeline.ceiling(10, 0, 0)
 

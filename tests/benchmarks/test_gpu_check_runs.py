@@ -1,4 +1,4 @@
-"""The GPU check runs: timeouts stop whole process groups, the modelled link changes no bits,
+"""The GPU check runs: timeouts stop whole process groups, the modelled links change no bits,
 the node timeline of a combined step, the whole dry run, and the offline set-up script."""
 
 import json
@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,14 +15,19 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_sections.gpu_timing import EventTrace, TimedStreams  # noqa: E402
-from gpu_sections.link_model import LinkModel, with_link  # noqa: E402
+from gpu_sections.link_model import make_link  # noqa: E402
+from gpu_sections.moe_bench import PairBench, Shape, Variant, build_layers  # noqa: E402
 from gpu_sections.registry import SECTIONS  # noqa: E402
 from gpu_sections.result import empty  # noqa: E402
 from gpu_sections.runner import finish_result, run_child  # noqa: E402
 
-from megapipe.overlap import Node, NodeKind, combined_step, make_streams  # noqa: E402
+from megapipe.moe.link import EmulatedLink  # noqa: E402
+from megapipe.overlap import make_streams  # noqa: E402
+from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
 from megapipe.overlap.tape import record_forward, run_backward  # noqa: E402
+
+CPU = torch.device("cpu")
+TINY = Shape(hidden=16, heads=2, experts=4, top_k=2, ffn=8, tokens=16, batch=2)
 
 
 def test_a_timed_out_child_is_stopped_with_everything_it_started(tmp_path):
@@ -63,74 +69,75 @@ def test_a_timeout_or_a_crash_becomes_the_sections_error():
     assert finish_result(empty("env"), 0, False, 2.0, 60.0)["error"] is None
 
 
-class _CountingLink:
-    """Stands in for a LinkModel: counts the payloads it would spend time on."""
+@dataclass(frozen=True)
+class _CountingLink(EmulatedLink):
+    """A link that only counts the bytes of the exchanges it is asked to stretch."""
 
-    def __init__(self):
-        self.shapes = []
+    exchanges: list = field(default_factory=list)
 
-    def spend(self, payload):
-        self.shapes.append(tuple(payload.shape))
+    def wait_rest(self, num_bytes, started, device=None):
+        self.exchanges.append(num_bytes)
+        return 0.0
 
 
-def _toy_plan():
-    weight = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
-
-    def mix(state, tensors):
-        return (torch.tanh(tensors[-1] @ weight),)
-
-    def move(state, tensors):
-        return (tensors[-1] * 1.0,)
-
-    kinds = [("attention", NodeKind.COMPUTE, mix), ("dispatch", NodeKind.COMM, move),
-             ("experts", NodeKind.COMPUTE, mix), ("combine", NodeKind.COMM, move)]
-    return [Node(n, k, f) for n, k, f in kinds], weight
+def _pair_grads(bench, plans, tape):
+    """Forward of microbatch 1 and backward of microbatch 0 on the tape; (output, gradients)."""
+    (out,) = record_forward(plans, (bench.x_fwd,))[0]
+    input_grads = run_backward(tape, (bench.grad,))
+    grads = [accumulated_grad(p).clone() for layer in bench.layers for p in layer.parameters()]
+    for layer in bench.layers:
+        for p in layer.parameters():
+            p.main_grad.zero_()
+    return [out] + list(input_grads) + grads
 
 
 def test_the_modelled_link_runs_in_forward_and_backward_and_changes_no_bits():
-    plan, weight = _toy_plan()
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    link = _CountingLink()
-    (plain,), tape = record_forward([plan], (x,))
-    (grad_x_plain,) = run_backward(tape, (torch.ones(4, 8),))
-    grad_plain, weight.grad = weight.grad, None
-    (linked,), tape = record_forward([with_link(plan, link)], (x,))
-    assert link.shapes == [(4, 8), (4, 8)]  # dispatch and combine, forward
-    (grad_x_linked,) = run_backward(tape, (torch.ones(4, 8),))
-    assert len(link.shapes) == 4  # and their reverse exchanges in backward
-    assert torch.equal(plain, linked) and torch.equal(grad_plain, weight.grad)
-    assert torch.equal(grad_x_plain, grad_x_linked)
-    with pytest.raises(ValueError, match="link kind"):
-        LinkModel("carrier-pigeon", 1.0)
+    layers = build_layers(TINY, 2, CPU, torch.bfloat16)
+    with make_streams(CPU) as streams:
+        bench = PairBench(layers, TINY, streams, CPU, torch.bfloat16)
+        plain = _pair_grads(bench, *bench.prepare(on_streams=False))
+        link = _CountingLink(bandwidth_bytes_per_s=1e9)
+        bench.set_link(link)
+        linked = _pair_grads(bench, *bench.prepare(on_streams=False))
+        rows_bytes = TINY.payload_bytes(torch.bfloat16)
+        # two tapes' forwards (dispatch, combine per layer) and one backward (the reverse)
+        assert link.exchanges == [rows_bytes] * (3 * 2 * len(layers))
+        assert all(torch.equal(a, b) for a, b in zip(plain, linked))
+        link.exchanges.clear()
+        bench.prepare(Variant(chunks=2))  # the chunked plans reach the link too, per chunk
+        assert sum(link.exchanges) == 2 * len(layers) * rows_bytes and len(link.exchanges) == 8
 
 
-def test_event_trace_gives_the_node_timeline_of_a_combined_step_on_cpu():
-    plan, _ = _toy_plan()
-    device = torch.device("cpu")
-    x = torch.randn(4, 8, requires_grad=True)
-    with make_streams(device) as streams:
-        timed = TimedStreams.of(streams)
-        _, tape, _ = combined_step([with_link(plan, LinkModel("sleep", 5.0))], (x,), None, None, timed)
-        trace = EventTrace(device)
-        combined_step([plan], (x,), tape, (torch.ones(4, 8),), timed, trace=trace,
-                      fwd_microbatch=1, bwd_microbatch=0)
-    spans = trace.gpu_spans()
-    labels = {s.label for s in spans}
-    assert {"F1.0.attention", "F1.0.dispatch", "B0.0.combine", "B0.0.attention"} <= labels
-    assert all(s.end >= s.start >= 0 for s in spans)
-    comm = [s for s in spans if s.label.startswith("B") and s.kind == "comm"]
-    assert comm and min(s.duration for s in comm) >= 4.0  # the backward link slept 5 ms each
-    assert len(timed.waits) == 2  # the two combined steps' final waits
+def test_the_node_timeline_of_a_combined_step_on_cpu():
+    layers = build_layers(TINY, 1, CPU, torch.bfloat16)
+    with make_streams(CPU) as streams:
+        bench = PairBench(layers, TINY, streams, CPU, torch.bfloat16)
+        bench.set_link(make_link("sleep", 5.0, CPU, TINY.payload_bytes(torch.bfloat16)))
+        run = bench.traced(combined=True)
+    labels = {s.label for s in run.spans}
+    assert {"F1.0.layer0.attention", "F1.0.layer0.dispatch", "B0.0.layer0.combine",
+            "B0.0.layer0.attention"} <= labels
+    assert all(s.end >= s.start >= 0 for s in run.spans)
+    comm = [s for s in run.spans if s.kind == "comm"]
+    assert len(comm) == 4 and min(s.duration for s in comm) >= 4.0  # the link slept 5 ms each
+    assert run.comm_ms == pytest.approx(sum(s.duration for s in comm))
+    assert 0.0 <= run.exposed <= 1.0
+    # on CPU the step returns once both streams are done: its host time covers every node
+    assert run.host_ms >= max(s.end for s in run.spans)
 
 
-def test_the_copy_link_kernel_copies_its_payload_under_the_triton_interpreter():
+def test_the_copy_link_copies_and_changes_no_bits_under_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
         "import torch\n"
-        "from gpu_sections.link_model import link_copy\n"
+        "from gpu_sections.link_model import CopyLink, copy_words\n"
         "src = torch.arange(3000, dtype=torch.float32).reshape(100, 30)\n"
-        "out = link_copy(src, sms=3, repeats=2)\n"
-        "assert torch.equal(out, src.reshape(-1)), out\n"
+        "assert torch.equal(copy_words(src, sms=3, repeats=2), src.reshape(-1))\n"
+        "link = CopyLink(bandwidth_bytes_per_s=1e9, sms=3, repeats=1)\n"
+        "x = torch.randn(10, 8, requires_grad=True)\n"
+        "y = link.delay(x)\n"
+        "y.backward(torch.ones_like(y))\n"
+        "assert torch.equal(y, x) and torch.equal(x.grad, torch.ones_like(x))\n"
         "print('copied')\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "benchmarks"))
@@ -152,7 +159,7 @@ def test_the_dry_run_runs_every_section_and_reports_the_gpu_parts_as_skipped(tmp
     data = json.loads((out / "gpu_check.json").read_text())
     sections = data["sections"]
     assert [s["name"] for s in sections] == [s.name for s in SECTIONS]
-    assert data["failed"] == 0 and data["passed"] >= 8, data["summary"]
+    assert data["failed"] == 0 and data["passed"] >= 9, data["summary"]
     skipped_parts = {s["name"]: s["skipped_parts"] for s in sections}
     for name in ("syncs", "streams", "overlap", "kernels"):
         assert any("dry run" in part["reason"] or "CUDA" in part["reason"]

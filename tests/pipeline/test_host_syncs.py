@@ -16,19 +16,8 @@ from megapipe.models.split import build_stage
 from megapipe.overlap import combined_step, make_streams, record_forward
 from megapipe.train.mixed_precision import cast_to_bf16
 from support.combined_cases import host_sync_run
-from support.host_syncs import HostSync, HostSyncs
+from support.host_syncs import HostSyncs, the_one_point
 from support.pipeline_cases import CONFIG, Case, microbatch
-
-
-def the_one_point(event: HostSync) -> bool:
-    """The documented host read: forward dispatch, HostCounts.wait, on the comm stream."""
-    return (
-        event.op == "tolist"
-        and event.where == "megapipe/moe/dispatcher.py:HostCounts.wait"
-        and event.direction == "F"
-        and event.node is not None
-        and event.node.endswith(".dispatch")
-    )
 
 
 @pytest.mark.parametrize("capacity", [None, 1.0], ids=["dropless", "capacity"])

@@ -49,6 +49,17 @@ class HostSync:
     thread: str
 
 
+def the_one_point(event: HostSync) -> bool:
+    """The documented host read: forward dispatch, HostCounts.wait, on the comm stream."""
+    return (
+        event.op == "tolist"
+        and event.where == "megapipe/moe/dispatcher.py:HostCounts.wait"
+        and event.direction == "F"
+        and event.node is not None
+        and event.node.endswith(".dispatch")
+    )
+
+
 def _bool_index(args: tuple) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(

@@ -17,7 +17,6 @@ Not part of the test suite; it takes about two minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ class Settings:
     hidden: int
     layers: int
     seq: int
-    use_tape: bool | None
+    use_tape: bool
 
 
 def _model_config(s: Settings):
@@ -71,10 +70,8 @@ def _batches(s: Settings, config, step: int):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _worker(rank: int, port: int, s: Settings, out) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=PP)
+def _worker(rank: int, s: Settings, out) -> None:
+    dist.init_process_group("gloo")  # run_ranks set torchrun's variables, one thread per rank
     import torch.distributed.pipelining as tp
 
     from megapipe import PipelineExecutor, TensorSpec
@@ -180,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     settings = Settings(
         a.rounds, a.microbatches, a.micro_batch, a.hidden, a.layers, a.seq,
-        True if a.tape else None,
+        a.tape,
     )
     lines, worst = run_ranks(_worker, PP, settings)
     print(

@@ -32,6 +32,7 @@ Not part of the test suite; about three minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -62,6 +63,8 @@ class Settings:
     expert_hidden: int
     layers: int
     link_scale: float
+    delay_wgrad: bool = False
+    a2a_chunks: int = 1
 
 
 def _config(s: Settings, link=None):
@@ -112,7 +115,8 @@ class _Runs:
             self.stages[label] = stages
             self.executors[label] = PipelineExecutor(
                 schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
-                record_trace=overlap,
+                record_trace=overlap, moe_a2a_chunks=s.a2a_chunks if overlap else 1,
+                delay_wgrad_compute=s.delay_wgrad and overlap,
             )
         self.schedule = schedule
         self.torch_schedule = None
@@ -138,7 +142,7 @@ class _Runs:
         self.torch_schedule = tp.ScheduleDualPipeV(torch_stages, s.microbatches, loss_fn=gpt_loss)
 
     def step(self, label: str, step: int):
-        from megapipe.runtime.grad_sync import all_reduce_grads
+        from megapipe.pipeline.grad_sync import all_reduce_grads
 
         s, schedule = self.s, self.schedule
         tokens, labels = _batches(s, self.config, self.groups.dp_rank, step)
@@ -184,7 +188,8 @@ def _pick_link(s: Settings, groups):
     from megapipe.moe.link import EmulatedLink
 
     name, per_rank = next(iter(FAMILIES[s.pp].items()))
-    runs = _Runs(s, _config(s), groups, name, per_rank, with_torch=False)
+    unchunked = dataclasses.replace(s, a2a_chunks=1)  # the same link with or without chunks
+    runs = _Runs(unchunked, _config(s), groups, name, per_rank, with_torch=False)
     for step in range(2):
         result = runs.step("overlap", step)
     runs.close()
@@ -211,11 +216,8 @@ def _ceiling(plain_wall: float, plain_cores: float, link_time: float) -> float:
     return plain_wall / max(plain_wall * plain_cores / cores, link_time)
 
 
-def _worker(rank: int, port: int, s: Settings, out) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=s.pp * DP)
+def _worker(rank: int, s: Settings, out) -> None:
+    dist.init_process_group("gloo")  # run_ranks set torchrun's variables, one thread per rank
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
 
@@ -284,16 +286,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--link-scale", type=float, default=1.0,
                         help="all-to-all time as a multiple of the measured experts node time")
+    parser.add_argument("--a2a-chunks", type=int, default=1,
+                        help="the combined run's MoE all-to-alls in this many expert groups "
+                        "(moe_a2a_chunks; each chunk pays the link's latency)")
+    parser.add_argument("--delay-wgrad", action="store_true",
+                        help="the combined run defers expert weight gradients "
+                        "(delay_wgrad_compute)")
     a = parser.parse_args(argv)
     s = Settings(a.pp, a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden,
-                 a.expert_hidden, a.layers, a.link_scale)
+                 a.expert_hidden, a.layers, a.link_scale, a.delay_wgrad, a.a2a_chunks)
     world = s.pp * DP
     lines, speedups = run_ranks(_worker, world, s)
     cores = os.cpu_count() or 1
     print(
         f"gloo, CPU, pp={s.pp} dp={DP} ep={EP} ({world} processes, 1 thread each), "
         f"{s.microbatches} microbatches of {s.micro_batch}x{s.seq} tokens, hidden {s.hidden}, "
-        f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (even split); "
+        f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (even split)"
+        f"{f', all-to-alls in {s.a2a_chunks} chunks' if s.a2a_chunks > 1 else ''}; "
         f"EMULATED all-to-all link; machine: {cores} cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end"
     )

@@ -16,19 +16,17 @@ Run it on CPU (it starts 4 gloo processes: pp=2, vpp=2, dp=2, ep=2, tiny MoE GPT
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megapipe import get_forward_backward_func  # the one line a Megatron user changes
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.parallel import ParallelConfig, create_groups
+from megapipe.parallel import ParallelConfig, create_groups, start_local_ranks
 
 PP, VPP, DP, EP = 2, 2, 2, 2
 NUM_MICROBATCHES, MICRO_BATCH_SIZE = 4, 2
@@ -58,10 +56,8 @@ def batches(dp_rank: int, iteration: int):
 
 
 # ---- the training loop ----------------------------------------------------------------------
-def train(rank: int, world: int, port: int, iters: int) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def train(rank: int, iters: int) -> None:
+    dist.init_process_group("gloo")  # torchrun's variables, set by start_local_ranks
     groups = create_groups(ParallelConfig(pp=PP, dp=DP, ep=EP))
     # chunk j of pipeline rank r is model part r + j * PP (Megatron's virtual pipeline order)
     model = [
@@ -93,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args(argv)
-    from megapipe.parallel.testing import free_port
-
-    world = PP * DP
-    mp.spawn(train, args=(world, free_port(), args.iters), nprocs=world)
+    start_local_ranks(train, PP * DP, (args.iters,)).join()
     return 0
 
 

@@ -11,7 +11,7 @@ Run it directly (it starts its own processes on CPU), or under torchrun or srun:
 
 import sys
 
-from megapipe.runtime.pretrain import main
+from megapipe.train.main import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

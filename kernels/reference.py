@@ -2,7 +2,8 @@
 
 Routing is described by two index tensors (built by ``megapipe.moe.dispatcher``):
 
-- ``row_slot [n]``: for each permuted row, the flat routing slot ``token * k + j`` it came from;
+- ``row_slot [n]``: for each permuted row, the flat routing slot ``token * k + j`` it came from,
+  or -1 for a padding row (capacity padding): permute writes zeros there, unpermute ignores it;
 - ``token_slots [t, k]``: for each token and each of its k choices, the permuted row holding it,
   or -1 when that choice was dropped (capacity factor).
 
@@ -40,13 +41,20 @@ def _gather_sum_slots(
     return out
 
 
+def _token_of_row(row_slot: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token index of each row, clamped to 0 for padding rows; whether the row is real)."""
+    valid = row_slot >= 0
+    return torch.div(row_slot.clamp(min=0), top_k, rounding_mode="floor"), valid
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, row_slot, token_slots):  # type: ignore[override]
         ctx.save_for_backward(token_slots)
         ctx.tokens_dtype = tokens.dtype
-        top_k = token_slots.shape[1]
-        return tokens.index_select(0, torch.div(row_slot, top_k, rounding_mode="floor"))
+        token_of_row, valid = _token_of_row(row_slot, token_slots.shape[1])
+        rows = tokens.index_select(0, token_of_row)
+        return torch.where(valid.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype))
 
     @staticmethod
     def backward(ctx, grad_rows):  # type: ignore[override]
@@ -64,18 +72,20 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         rows, probs, row_slot, token_slots = ctx.saved_tensors
-        top_k = token_slots.shape[1]
-        token_of_row = torch.div(row_slot, top_k, rounding_mode="floor")
+        token_of_row, valid = _token_of_row(row_slot, token_slots.shape[1])
         acc = _accumulate_dtype(torch.promote_types(rows.dtype, probs.dtype))
         grad_of_row = grad_out.to(acc).index_select(0, token_of_row)
-        prob_of_row = probs.reshape(-1).to(acc).index_select(0, row_slot)
+        prob_of_row = probs.reshape(-1).to(acc).index_select(0, row_slot.clamp(min=0))
+        prob_of_row = torch.where(valid, prob_of_row, torch.zeros((), dtype=acc))
         grad_rows = (grad_of_row * prob_of_row.unsqueeze(1)).to(rows.dtype)
         grad_probs = None
         if ctx.needs_input_grad[1]:
             per_row = (grad_of_row * rows.to(acc)).sum(dim=1)
-            flat = torch.zeros(probs.numel(), dtype=acc, device=probs.device)
-            flat = flat.index_copy(0, row_slot, per_row)  # each slot has at most one row
-            grad_probs = flat.view_as(probs).to(probs.dtype)
+            # each slot has at most one row; padding rows go to distinct scratch slots past it
+            scratch = probs.numel() + torch.arange(row_slot.numel(), device=row_slot.device)
+            flat = torch.zeros(probs.numel() + row_slot.numel(), dtype=acc, device=probs.device)
+            flat = flat.index_copy(0, torch.where(valid, row_slot, scratch), per_row)
+            grad_probs = flat[: probs.numel()].view_as(probs).to(probs.dtype)
         return grad_rows, grad_probs, None, None
 
 

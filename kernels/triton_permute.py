@@ -1,10 +1,10 @@
 """Triton kernels for token permute (gather) and unpermute (weighted sum), with autograd.
 
-Same index conventions and summation order as ``megapipe.kernels.reference``: every kernel is a
-gather over a token's k routing slots summed in order j = 0..k-1 in float32, so no atomics are
-used and results are deterministic run to run. Programs are laid out one per (row, block of
-hidden columns); the unpermute backward walks the hidden dimension in blocks because it also
-reduces over it (the probability gradient).
+Same index conventions (padding rows included) and summation order as
+``megapipe.kernels.reference``: every kernel is a gather over a token's k routing slots summed in
+order j = 0..k-1 in float32, so no atomics are used and results are deterministic run to run.
+Programs are laid out one per (row, block of hidden columns); the unpermute backward walks the
+hidden dimension in blocks because it also reduces over it (the probability gradient).
 
 Triton decides at import time whether kernels are compiled or interpreted (``TRITON_INTERPRET=1``
 must be set before this module is first imported); the interpreter runs them on CPU tensors.
@@ -24,8 +24,10 @@ def _permute_kernel(tokens, row_slot, out, hidden, top_k, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
-    token = tl.load(row_slot + row) // top_k
-    values = tl.load(tokens + token * hidden + cols, mask=mask)
+    slot = tl.load(row_slot + row) + tl.zeros([BLOCK], dtype=tl.int64)
+    valid = mask & (slot >= 0)  # a padding row (slot -1) gets zeros
+    token = tl.where(valid, slot, 0) // top_k
+    values = tl.load(tokens + token * hidden + cols, mask=valid, other=0.0)
     tl.store(out + row.to(tl.int64) * hidden + cols, values, mask=mask)
 
 
@@ -52,13 +54,19 @@ def _sum_slots_kernel(
 
 @triton.jit
 def _unpermute_backward_kernel(
-    grad_out, rows, probs, row_slot, grad_rows, grad_probs, hidden, top_k, BLOCK: tl.constexpr
+    grad_out, rows, probs, row_slot, grad_rows, grad_probs, hidden, top_k, scratch,
+    BLOCK: tl.constexpr,
 ):
-    """grad_rows[r] = p * grad_out[t]; grad_probs[slot] = <grad_out[t], rows[r]>."""
+    """grad_rows[r] = p * grad_out[t]; grad_probs[slot] = <grad_out[t], rows[r]>; a padding
+    row (slot -1) gets a zero gradient and writes its dot product to the scratch entry
+    ``grad_probs[scratch]`` (discarded), so no real entry is written twice."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(row_slot + row)
+    valid = slot >= 0
+    target = tl.where(valid, slot, scratch)
+    slot = tl.maximum(slot, 0)
     token = slot // top_k
-    weight = tl.load(probs + slot).to(tl.float32)
+    weight = tl.where(valid, tl.load(probs + slot).to(tl.float32), 0.0)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -71,7 +79,7 @@ def _unpermute_backward_kernel(
             mask=mask,
         )
         dot = dot + grad * values
-    tl.store(grad_probs + slot, tl.sum(dot, axis=0))
+    tl.store(grad_probs + target, tl.sum(dot, axis=0))
 
 
 def _grid(num_rows: int, hidden: int) -> tuple[int, int]:
@@ -133,7 +141,7 @@ class _Unpermute(torch.autograd.Function):
         rows, probs, row_slot = ctx.saved_tensors
         num_rows, hidden = rows.shape
         grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        grad_probs = torch.zeros(probs.numel(), dtype=torch.float32, device=probs.device)
+        grad_probs = torch.zeros(probs.numel() + 1, dtype=torch.float32, device=probs.device)
         if num_rows and hidden:
             _unpermute_backward_kernel[(num_rows,)](
                 grad_out.contiguous(),
@@ -144,8 +152,10 @@ class _Unpermute(torch.autograd.Function):
                 grad_probs,
                 hidden,
                 probs.shape[1],
+                probs.numel(),
                 BLOCK=BLOCK_H,
             )
+        grad_probs = grad_probs[: probs.numel()]
         return grad_rows, grad_probs.view_as(probs).to(probs.dtype), None, None
 
 

@@ -28,11 +28,18 @@ _RUNTIME_EXPORTS = {
     "combined_step": "megapipe.overlap",
     "make_streams": "megapipe.overlap",
     # pipeline executor and Megatron front end
-    "get_forward_backward_func": "megapipe.runtime.megatron",
-    "PipelineExecutor": "megapipe.runtime.executor",
-    "StepResult": "megapipe.runtime.executor",
-    "TensorSpec": "megapipe.runtime.p2p",
-    "P2PTimeoutError": "megapipe.runtime.p2p",
+    "get_forward_backward_func": "megapipe.megatron.forward_backward",
+    "McoreGPTStage": "megapipe.megatron.mcore_adapter",
+    "PipelineExecutor": "megapipe.pipeline.executor",
+    "StepResult": "megapipe.pipeline.executor",
+    "TensorSpec": "megapipe.pipeline.p2p",
+    "P2PError": "megapipe.pipeline.p2p",
+    "P2PTimeoutError": "megapipe.pipeline.p2p",
+    "P2PPeerError": "megapipe.pipeline.p2p",
+    # bf16 with fp32 main weights and gradients (Megatron's --bf16)
+    "attach_main_grads": "megapipe.overlap.main_grad",
+    "cast_to_bf16": "megapipe.train.mixed_precision",
+    "MixedPrecisionAdamW": "megapipe.train.mixed_precision",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from typing import Sequence
 
 from .schedule.errors import ScheduleError
@@ -71,6 +72,10 @@ def _check_output(flag: str, path: str | None) -> None:
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         raise ValueError(f"--{flag} {path}: folder {folder!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"--{flag} {path} is a directory; name a file to write")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--{flag} {path}: folder {folder!r} is not writable")
 
 
 def run_schedule_command(args: argparse.Namespace) -> int:
@@ -115,7 +120,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
 
 
 def _add_pretrain_command(subparsers) -> None:
-    from .runtime.args import build_parser as pretrain_flags
+    from .train.flags import build_parser as pretrain_flags
 
     p = subparsers.add_parser(
         "pretrain",
@@ -128,8 +133,8 @@ def _add_pretrain_command(subparsers) -> None:
 
 
 def run_pretrain_command(args: argparse.Namespace) -> int:
-    """``megapipe pretrain``: the train loop of ``megapipe.runtime.pretrain``."""
-    from .runtime.pretrain import main_from_namespace
+    """``megapipe pretrain``: the training app, ``megapipe.train``."""
+    from .train.main import main_from_namespace
 
     return main_from_namespace(args)
 
@@ -146,13 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``megapipe`` command; returns the exit code."""
+    from .train.failures import debug_enabled
+
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)
     except (_UsageError, ScheduleError, ValueError, OSError) as error:
+        if debug_enabled():
+            traceback.print_exc()
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"megapipe: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("megapipe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # a bug: one line, the traceback with MEGAPIPE_DEBUG=1
+        if debug_enabled():
+            traceback.print_exc()
+        message = str(error).splitlines()[0] if str(error) else ""
+        print(f"megapipe: internal error: {type(error).__name__}: {message} "
+              "(MEGAPIPE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def rank_pools():
     """``rank_pools(n)`` returns a RankPool of n gloo processes, kept for the whole session."""
-    from megapipe.parallel.testing import RankPool
+    from support.rank_pool import RankPool
 
     pools = {}
 

@@ -35,6 +35,7 @@ class GPTConfig:
     moe_capacity_factor: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_link: EmulatedLink | None = None  # emulated interconnect for the A2A (CPU overlap studies)
+    moe_router_dtype: str | None = None  # None: the activations' dtype; "fp32" / "fp64"
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
@@ -98,4 +99,5 @@ class GPTConfig:
             shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
             link=self.moe_link,
             init_std=self.init_std,
+            router_dtype=self.moe_router_dtype,
         )

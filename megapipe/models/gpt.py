@@ -29,7 +29,9 @@ from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
-from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
+from megapipe.overlap.plan import (
+    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
+)
 
 Plan = list[Node]
 Tensors = tuple[torch.Tensor, ...]
@@ -85,11 +87,21 @@ class TransformerLayer(nn.Module):
         return (h + self.mlp(self.ffn_norm(h)),)
 
     def node_plan(self) -> Plan:
-        """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE)."""
+        """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its
+        ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             return [Node(name, NodeKind.COMPUTE, self._dense)]
-        route, dispatch, experts, combine, finish = self.moe.node_plan()
+        return ChunkedPlan(
+            self._with_residual(self.moe.node_plan()),
+            lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
+        )
+
+    def _with_residual(self, moe_plan: list) -> list:
+        """The MoE plan with the attention block before its route and the residual after its
+        finish (the residual ``h`` rides along as a leading tensor, past any fork)."""
+        name = f"layer{self.layer_index}"
+        route, *middle, finish = moe_plan
 
         def attention(state: LayerState, inputs: Tensors) -> Tensors:
             (x,) = inputs
@@ -100,11 +112,17 @@ class TransformerLayer(nn.Module):
             h, moe_out = finish.fn(state, inputs)
             return (h + moe_out,)
 
+        def named(node: Node) -> Node:
+            return Node(f"{name}.{node.name}", node.kind, node.fn, node.group)
+
+        middle = [
+            Fork(tuple(tuple(named(n) for n in b) for b in item.branches), item.width)
+            if isinstance(item, Fork) else named(item)
+            for item in middle
+        ]
         return [
             Node(f"{name}.attention", NodeKind.COMPUTE, attention),
-            Node(f"{name}.dispatch", dispatch.kind, dispatch.fn),
-            Node(f"{name}.experts", experts.kind, experts.fn),
-            Node(f"{name}.combine", combine.kind, combine.fn),
+            *middle,
             Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual),
         ]
 
@@ -161,6 +179,9 @@ def _single_node(name: str, module: nn.Module) -> Plan:
 class GPTStage(nn.Module):
     """One model part: embedding (first part), the layers ``layer_indices``, head (last part).
 
+    Implements the engine's ``StageModule`` protocol (layer plans, node runner, Megatron's
+    ``set_input_tensor``, the auxiliary-loss scale), so it overlaps in combined schedules.
+
     Parameter names use global layer indices (``layers.3.attention.w_qkv``), so the state dict
     of every stage is a slice of the single-process model's.
     """
@@ -185,7 +206,8 @@ class GPTStage(nn.Module):
         self.head = OutputHead(config) if is_last else None
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
         # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
-        # runtime installs a tape or co-scheduling runner here around a user's forward call.
+        # engine sets a tape or co-scheduling runner here around a user's forward call
+        # (the StageModule protocol, megapipe.pipeline.stage_module).
         self.node_runner: NodeRunner | None = None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
@@ -204,8 +226,13 @@ class GPTStage(nn.Module):
         return plans
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers of this stage (the executor sets their ``aux_loss_scale``)."""
+        """The MoE layers of this stage."""
         return [layer.moe for layer in self.layers.values() if layer.is_moe]
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The factor of the MoE auxiliary losses' gradients (the engine: 1/num_microbatches)."""
+        for layer in self.moe_layers():
+            layer.aux_loss_scale = scale
 
     def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (first stage) or hidden [b, s, h] -> hidden, or logits (last stage).

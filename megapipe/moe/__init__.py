@@ -1,10 +1,11 @@
 """megapipe.moe: router, all-to-all token dispatcher, grouped experts and the MoE layer."""
 
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
-from megapipe.moe.dispatcher import DispatchPlan, TokenDispatcher, all_to_all, plan_permutation
+from megapipe.moe.dispatcher import DispatchPlan, HostCounts, TokenDispatcher, all_to_all
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.layer import MoEConfig, MoELayer, pass_leading
 from megapipe.moe.link import EmulatedLink
+from megapipe.moe.permutation import expert_counts, plan_permutation
 from megapipe.moe.router import Router, RouterOutput
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "DispatchPlan",
     "EmulatedLink",
     "GroupedExperts",
+    "HostCounts",
     "MoEConfig",
     "MoELayer",
     "Router",
@@ -20,6 +22,7 @@ __all__ = [
     "TokenDispatcher",
     "all_to_all",
     "attach_aux_loss",
+    "expert_counts",
     "pass_leading",
     "plan_permutation",
 ]

@@ -16,6 +16,18 @@ all-to-all. With no EP group (or size 1) no collective is issued. Everything the
 ``LayerState``. An optional ``EmulatedLink`` stretches every token all-to-all (forward and
 backward) to its modelled time; a dispatch's modelled time covers its count exchange too (one
 transfer per all-to-all node, whichever way it goes).
+
+**The one host read.** ``all_to_all_single`` takes its split sizes as host integers, so a
+dropless MoE layer must read its per-expert row counts back from the device once per forward.
+That read happens at one point, inside the dispatch comm node (``HostCounts``): right after the
+count exchange is issued, the exchanged counts start a non-blocking copy into pinned host
+memory with an event behind it; the device-side work that needs no host sizes (the grouped
+GEMM offsets) is issued next, and only then, as late as possible, the host waits on that event
+and reads the sizes. On CUDA this stalls the host thread (not the compute stream: the
+co-scheduler has queued the slot's compute node before it) for the count exchange only. Every
+other node, and the whole backward, runs without any host sync. With a capacity
+(``plan_permutation`` pads every expert to ``capacity`` rows) the split sizes are static and
+there is no host read at all, nor a count exchange.
 """
 
 from __future__ import annotations
@@ -28,28 +40,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe.link import EmulatedLink
+from megapipe.moe.permutation import plan_permutation
 
-
-def plan_permutation(
-    indices: torch.Tensor, num_experts: int, capacity: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Order routing choices ``indices [t, k]`` by expert, dropping over ``capacity``.
-
-    Returns ``row_slot [n]`` (flat slot t*k+j of each permuted row, expert-major, token order
-    within an expert), ``token_slots [t, k]`` (row of each choice, -1 if dropped) and
-    ``tokens_per_expert [E]`` (int64). With a capacity, each expert keeps its earliest tokens.
-    """
-    flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    if capacity is not None:
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        order = order[position < capacity]
-        counts = counts.clamp(max=capacity)
-    token_slots = torch.full((flat.numel(),), -1, dtype=torch.int64, device=flat.device)
-    token_slots[order] = torch.arange(order.numel(), device=flat.device)
-    return order, token_slots.view_as(indices), counts
+__all__ = ["DispatchPlan", "HostCounts", "TokenDispatcher", "all_to_all", "plan_permutation"]
 
 
 @dataclass
@@ -60,6 +53,38 @@ class DispatchPlan:
     output_splits: list[int]  # rows this rank receives from each EP rank
     received_counts: list[list[int]]  # [source rank][local expert] rows received
     tokens_per_local_expert: list[int]  # rows per local expert after dispatch
+    local_offsets: torch.Tensor | None = None  # [local] int32 end row of each local expert,
+    # on the device (for a grouped GEMM; made without reading anything back)
+
+
+class HostCounts:
+    """The one host read of a dropless MoE layer (module docstring): ``counts`` (int64, any
+    shape) copied to pinned host memory without blocking; ``wait()`` returns them as lists.
+
+    On CUDA the copy is issued on the current stream with an event behind it, and ``wait``
+    blocks the host on that event only. On CPU there is nothing to copy.
+    """
+
+    def __init__(self, counts: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = counts
+
+    def wait(self) -> list:
+        """The counts as (nested) lists of ints, once the copy has landed."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
+
+
+def _end_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
+    """End row of each expert's contiguous block, int32 on the device (grouped GEMM offsets)."""
+    return torch.cumsum(rows_per_expert, 0).to(torch.int32)
 
 
 def _exchange(
@@ -87,7 +112,7 @@ def _exchange(
         own = dist.get_rank(group)
         rows_to_others = sum(input_splits) - input_splits[own]
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-        link.wait_rest(rows_to_others * row_bytes, started)
+        link.wait_rest(rows_to_others * row_bytes, started, rows.device)
     return received
 
 
@@ -151,38 +176,79 @@ class TokenDispatcher:
         return f"ep={self.ep_size}, {self.num_local_experts} local experts, {link}"
 
     def dispatch(
-        self, rows: torch.Tensor, tokens_per_expert: torch.Tensor
+        self, rows: torch.Tensor, rows_per_expert: torch.Tensor, capacity: int | None = None
     ) -> tuple[torch.Tensor, DispatchPlan]:
-        """Send expert-ordered ``rows`` to their experts' ranks; returns expert-major local rows."""
-        if self.group is None:
-            counts = [int(c) for c in tokens_per_expert.tolist()]
-            return rows, DispatchPlan([len(rows)], [len(rows)], [counts], counts)
-        ep, local = self.ep_size, self.num_local_experts
-        send_counts = tokens_per_expert.reshape(ep, local).contiguous()
-        recv_counts = torch.empty_like(send_counts)
+        """Send expert-ordered ``rows`` to their experts' ranks; returns expert-major local rows.
+
+        ``rows_per_expert [E]`` (device) counts this rank's rows per expert; ``capacity``, when
+        the rows are padded to it (every expert exactly ``capacity`` rows on every EP rank),
+        makes the split sizes static: no count exchange, no host read.
+        """
         # the link models one transfer per dispatch: its time covers the count exchange too
         started = time.perf_counter()
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        received_counts = [[int(c) for c in row] for row in recv_counts.tolist()]
-        plan = DispatchPlan(
-            input_splits=[int(c) for c in send_counts.sum(dim=1).tolist()],
-            output_splits=[sum(row) for row in received_counts],
-            received_counts=received_counts,
-            tokens_per_local_expert=[sum(row[e] for row in received_counts) for e in range(local)],
-        )
+        if capacity is not None:
+            plan = self._padded_plan(capacity, rows.device)
+        elif self.group is None:
+            plan = self._local_plan(rows_per_expert)
+        else:
+            plan = self._exchange_counts(rows_per_expert)
+        if self.group is None:
+            if self.link is not None:
+                rows = self.link.delay(rows)  # ep = 1: a link that every row crosses
+            return rows, plan
+        ep, local = self.ep_size, self.num_local_experts
         received = all_to_all(
             rows, plan.output_splits, plan.input_splits, self.group, self.link, started
         )
         if local > 1:
-            sizes = [c for row in received_counts for c in row]  # rank-major chunks
+            sizes = [c for row in plan.received_counts for c in row]  # rank-major chunks
             expert_major = [r * local + e for e in range(local) for r in range(ep)]
             received = _reorder_chunks(received, sizes, expert_major)
         return received, plan
 
+    def _local_plan(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
+        """Every expert is local: read the row counts on the host (the one host read)."""
+        host = HostCounts(rows_per_expert)
+        offsets = _end_offsets(rows_per_expert)  # device work that needs no host sizes
+        counts = host.wait()
+        total = sum(counts)
+        return DispatchPlan([total], [total], [counts], counts, offsets)
+
+    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
+        """Exchange per-expert counts over EP and read them on the host (the one host read)."""
+        send_counts = rows_per_expert.reshape(self.ep_size, self.num_local_experts).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        host = HostCounts(torch.stack([send_counts, recv_counts]))  # issued right after
+        offsets = _end_offsets(recv_counts.sum(dim=0))  # device work that needs no host sizes
+        sent, received_counts = host.wait()  # as late as possible: the sizes are needed now
+        return DispatchPlan(
+            input_splits=[sum(row) for row in sent],
+            output_splits=[sum(row) for row in received_counts],
+            received_counts=received_counts,
+            tokens_per_local_expert=[
+                sum(row[e] for row in received_counts) for e in range(self.num_local_experts)
+            ],
+            local_offsets=offsets,
+        )
+
+    def _padded_plan(self, capacity: int, device: torch.device) -> DispatchPlan:
+        """Every expert has ``capacity`` rows on every EP rank: the sizes need no exchange."""
+        ep, local = self.ep_size, self.num_local_experts
+        per_expert = capacity * ep  # rows of one local expert after dispatch
+        offsets = torch.arange(1, local + 1, device=device, dtype=torch.int32) * per_expert
+        return DispatchPlan(
+            input_splits=[local * capacity] * ep,
+            output_splits=[local * capacity] * ep,
+            received_counts=[[capacity] * local for _ in range(ep)],
+            tokens_per_local_expert=[per_expert] * local,
+            local_offsets=offsets,
+        )
+
     def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Inverse of ``dispatch``: expert outputs back to this rank, in its permuted order."""
         if self.group is None:
-            return rows
+            return rows if self.link is None else self.link.delay(rows)
         ep, local = self.ep_size, self.num_local_experts
         if local > 1:
             sizes = [plan.received_counts[r][e] for e in range(local) for r in range(ep)]

@@ -3,19 +3,23 @@
 ``GroupedExperts`` stores the local experts' weights stacked ([L, h, F], [L, h, F], [L, F, h]),
 each expert drawn from its own generator keyed by (seed, layer index, global expert index), so
 any EP size builds the same experts. Forward runs one SwiGLU per local expert on its contiguous
-slice of expert-major tokens (a deterministic loop; every expert runs, even on zero tokens, so
-every expert weight always gets a gradient, zeros when idle).
+slice of expert-major tokens: each of its three matmuls is one grouped GEMM over all local
+experts where torch has one (given the device offsets the dispatcher makes), else a
+deterministic loop (``overlap.grouped_gemm``). Every expert runs, even on zero tokens, so every
+expert weight always gets a gradient, zeros when idle. A chunked layer (``moe.chunks``) runs
+one group of the local experts at a time (``group_first``), with bitwise the same results.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.plan import LayerState
 from megapipe.overlap.wgrad import grouped_matmul
 
 
@@ -84,25 +88,44 @@ class GroupedExperts(nn.Module):
         self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
 
     def forward(
-        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int], wgrad_source: Any = None
+        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int],
+        state: LayerState | None = None, offsets: torch.Tensor | None = None,
+        group_first: int | None = None,
     ) -> torch.Tensor:
         """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
 
-        ``wgrad_source`` (the layer's ``LayerState``) lets the overlap engine defer the expert
-        weight gradients (megapipe.overlap.wgrad); None computes them at once.
+        ``state`` (the layer's ``LayerState``) lets the overlap engine defer the expert weight
+        gradients into its ``wgrad_queue`` (megapipe.overlap.wgrad); None computes them at once.
+        ``offsets`` (int32 on the tokens' device, each expert's end row) enable the one-kernel
+        grouped GEMM. ``group_first``: run only the local experts ``group_first ..`` (one per
+        entry of ``tokens_per_expert``): one expert group of a chunked layer.
         """
-        if len(tokens_per_expert) != self.num_local_experts:
+        first = 0 if group_first is None else group_first
+        expected = self.num_local_experts - first if group_first is None else len(tokens_per_expert)
+        if len(tokens_per_expert) != expected or first + expected > self.num_local_experts:
             raise ValueError(
                 f"tokens_per_expert has {len(tokens_per_expert)} entries, expected one per local "
-                f"expert ({self.num_local_experts})"
+                f"expert ({self.num_local_experts}) from expert {first}"
             )
         if sum(tokens_per_expert) != tokens.shape[0]:
             raise ValueError(
                 f"tokens_per_expert sums to {sum(tokens_per_expert)} "
                 f"but there are {tokens.shape[0]} rows"
             )
-        # grouped_matmul = cat_i(chunk_i @ w[i]); its backward can defer the weight gradients
-        # into the WeightGradQueue that ``wgrad_source.wgrad_queue`` names at backward time
-        gate = grouped_matmul(tokens, tokens_per_expert, self.w_gate, wgrad_source)
-        up = grouped_matmul(tokens, tokens_per_expert, self.w_up, wgrad_source)
-        return grouped_matmul(F.silu(gate) * up, tokens_per_expert, self.w_down, wgrad_source)
+        if group_first is not None:
+            offsets = None  # the grouped kernel's offsets describe all local experts
+        counts = [int(c) for c in tokens_per_expert]
+        # grouped_matmul = cat_i(chunk_i @ w[first + i]); its backward can defer the weight
+        # gradients into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
+        gate = grouped_matmul(tokens, counts, self.w_gate, state, offsets, first)
+        up = grouped_matmul(tokens, counts, self.w_up, state, offsets, first)
+        if tokens.device.type == "cpu":
+            # per expert on CPU: its vectorised kernels compute a tensor's last elements in a
+            # scalar tail, so an expert's activations would depend on the other experts' rows
+            # and a chunked layer (a group of experts at a time) would differ in the last bits
+            hidden = torch.cat(
+                [F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))]
+            )
+        else:  # CUDA elementwise kernels give every element the same bits wherever it lies
+            hidden = F.silu(gate) * up
+        return grouped_matmul(hidden, counts, self.w_down, state, offsets, first)

@@ -22,12 +22,24 @@ The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is a
 ``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
 with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``.
 Losses and the capacity are computed over this rank's tokens of the microbatch (no collective).
+With a capacity, every expert gets exactly ``capacity`` rows (padding after the kept tokens,
+Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have the same number
+of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
+the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
+read").
+
+``node_plan().chunked(k)`` (``chunked_plan(k)``) is the same layer with its all-to-alls in k
+expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
+so that chunks of one microbatch overlap each other (``megapipe.moe.chunks``); bitwise the same
+results.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,11 +47,15 @@ from torch import nn
 
 from megapipe.kernels import permute_tokens, unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
-from megapipe.moe.dispatcher import TokenDispatcher, plan_permutation
+from megapipe.moe.chunks import ChunkedDispatch
+from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.router import SCORE_FUNCTIONS, Router
-from megapipe.overlap.plan import LayerState, Node, NodeFn, NodeKind, run_nodes
+from megapipe.moe.permutation import plan_permutation
+from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
+from megapipe.overlap.plan import (
+    ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, run_nodes,
+)
 
 
 @dataclass
@@ -53,10 +69,11 @@ class MoEConfig:
     score_function: str = "softmax"  # "softmax" | "sigmoid"
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None  # None: dropless
+    capacity_factor: float | None = None  # None: dropless; else padded to the capacity
     shared_expert_intermediate_size: int | None = None
     link: EmulatedLink | None = None
     init_std: float = 0.02
+    router_dtype: str | None = None  # None: the input's dtype; "fp32" (Megatron's flag)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "ffn_hidden_size"):
@@ -69,6 +86,10 @@ class MoEConfig:
         if self.score_function not in SCORE_FUNCTIONS:
             raise ValueError(
                 f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}"
+            )
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"MoEConfig.router_dtype={self.router_dtype!r} is not one of {ROUTER_DTYPES}"
             )
         if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
             raise ValueError(
@@ -129,6 +150,7 @@ class MoELayer(nn.Module):
             seed=seed,
             layer_index=layer_index,
             init_std=config.init_std,
+            router_dtype=config.router_dtype,
         )
         local = self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
@@ -165,21 +187,71 @@ class MoELayer(nn.Module):
     def num_shared(self) -> int:
         return 0 if self.shared_expert is None else 1
 
-    def node_plan(self) -> list[Node]:
+    def node_plan(self) -> ChunkedPlan:
+        """The five nodes (module docstring); ``.chunked(k)`` gives ``chunked_plan(k)``."""
         shared = self.num_shared
-        return [
+        plain = [
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
             Node("dispatch", NodeKind.COMM, pass_leading(self._dispatch, 1)),
             Node("experts", NodeKind.COMPUTE, pass_leading(self._experts, 1)),
             Node("combine", NodeKind.COMM, pass_leading(self._combine, 1)),
             Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, shared + 2)),
         ]
+        return ChunkedPlan(plain, self.chunked_plan)
+
+    def chunked_plan(self, chunks: int) -> list[Node | Fork]:
+        """The layer with its all-to-alls in ``chunks`` expert groups (``megapipe.moe.chunks``):
+        route, a ``Fork`` of (dispatch g, experts g, combine g) per group, finish. Its results
+        are bitwise those of ``node_plan``."""
+        if chunks == 1:
+            return list(self.node_plan())
+        chunked = ChunkedDispatch(self.dispatcher, chunks)
+        count = len(chunked.groups)
+
+        def route(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            *lead, rows = self._route(state, tensors, relabel=chunked.relabel)
+            return tuple(lead) + (rows,) * count  # each chunk's dispatch takes its block
+
+        def dispatch(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                started = None
+                if g == 0:  # the count exchange (and the layer's one host read) of all groups
+                    started = time.perf_counter()
+                    state.group_plans = chunked.plan(state.rows_per_expert, state.capacity)
+                return (chunked.dispatch(g, tensors[0], state.group_plans, started),)
+            return fn
+
+        def experts(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                counts = state.group_plans[g].tokens_per_local_expert
+                first = chunked.groups[g][0]
+                return (self.experts(tensors[0], counts, state=state, group_first=first),)
+            return fn
+
+        def combine(g: int) -> NodeFn:
+            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                return (chunked.combine(g, tensors[0], state.group_plans),)
+            return fn
+
+        branches = tuple(
+            (Node(f"dispatch{g}", NodeKind.COMM, dispatch(g)),
+             Node(f"experts{g}", NodeKind.COMPUTE, experts(g)),
+             Node(f"combine{g}", NodeKind.COMM, combine(g)))
+            for g in range(count)
+        )
+        finish = pass_leading(self._finish, self.num_shared + 1 + count)
+        return [
+            Node("route", NodeKind.COMPUTE, pass_leading(route, 1)),
+            Fork(branches),
+            Node("finish", NodeKind.COMPUTE, finish),
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]
 
     def _route(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: LayerState, tensors: tuple[torch.Tensor, ...],
+        relabel: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         (x,) = tensors
         hidden = self.config.hidden_size
@@ -196,8 +268,9 @@ class MoELayer(nn.Module):
             )
         routed = self.router(tokens)
         capacity = self.config.capacity(tokens.shape[0])
-        row_slot, token_slots, tokens_per_expert = plan_permutation(
-            routed.indices, self.config.num_experts, capacity
+        indices = routed.indices if relabel is None else relabel(routed.indices)
+        row_slot, token_slots, rows_per_expert = plan_permutation(
+            indices, self.config.num_experts, capacity
         )
         rows = permute_tokens(tokens, row_slot, token_slots)
         c = self.config
@@ -208,7 +281,8 @@ class MoELayer(nn.Module):
         state.input_shape = x.shape
         state.row_slot = row_slot
         state.token_slots = token_slots
-        state.tokens_per_expert = tokens_per_expert
+        state.rows_per_expert = rows_per_expert
+        state.capacity = capacity
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
 
@@ -216,7 +290,9 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(rows, state.tokens_per_expert)
+        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(
+            rows, state.rows_per_expert, state.capacity
+        )
         return (expert_rows,)
 
     def _experts(
@@ -225,7 +301,8 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         return (
             self.experts(
-                expert_rows, state.dispatch_plan.tokens_per_local_expert, wgrad_source=state
+                expert_rows, state.dispatch_plan.tokens_per_local_expert, state=state,
+                offsets=state.dispatch_plan.local_offsets,
             ),
         )
 
@@ -238,7 +315,9 @@ class MoELayer(nn.Module):
     def _finish(
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
-        *shared, probs, rows = tensors
+        shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
+        parts = tensors[self.num_shared + 1 :]  # one per chunk of a chunked plan
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = unpermute_tokens(rows, probs, state.row_slot, state.token_slots)
         if self.shared_expert is not None:
             out = out + self.shared_expert(shared[0])

@@ -12,7 +12,14 @@ Auxiliary losses (unweighted here; the layer applies the coefficients):
   choices that picked expert e and P_e the mean score of e (sigmoid scores are first normalised
   per token); equals 1 when routing is uniform;
 - z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, keeping logits small.
-Scores and losses are computed in float32 whatever the input dtype.
+
+Precision (``router_dtype``, Megatron's ``--moe-router-dtype``): the logits GEMM runs in the
+input's dtype (None, Megatron's default: bf16 in a bf16 model) or in float32/float64
+(``"fp32"``/``"fp64"``: input and weight upcast). Whatever the logits' dtype, softmax/sigmoid,
+top-k and both auxiliary losses are computed in at least float32, so a bf16 model picks the
+same experts as exact scores would (no ties made by rounding) and its losses stay accurate.
+The combine weights ``probs`` are returned in the logits' dtype. Expert counts come from a sort
+and ``searchsorted`` (no atomics, no host read).
 """
 
 from __future__ import annotations
@@ -22,16 +29,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapipe.moe.permutation import expert_counts
 from megapipe.moe.seeding import seeded_normal
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = (None, "fp32", "fp64")
+_ROUTER_TORCH_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
 class RouterOutput:
     """What the router decides for ``t`` tokens."""
 
-    probs: torch.Tensor  # [t, k] float32 combine weights (differentiable)
+    probs: torch.Tensor  # [t, k] combine weights in the logits' dtype (differentiable)
     indices: torch.Tensor  # [t, k] int64 expert of each choice
     load_balancing_loss: torch.Tensor  # scalar, unweighted, differentiable
     z_loss: torch.Tensor  # scalar, unweighted, differentiable
@@ -42,11 +52,8 @@ def load_balancing_loss(
 ) -> torch.Tensor:
     """Switch load-balancing loss from per-token expert scores ``[t, E]`` (rows sum to 1)."""
     num_tokens, top_k = indices.shape
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=scores.device)
-    counts = counts.index_add(
-        0, indices.reshape(-1), torch.ones(indices.numel(), device=scores.device)
-    )
-    fraction_routed = counts / (num_tokens * top_k)
+    counts = expert_counts(torch.sort(indices.reshape(-1)).values, num_experts)
+    fraction_routed = counts.to(scores.dtype) / (num_tokens * top_k)
     mean_score = scores.mean(dim=0)
     return num_experts * (fraction_routed * mean_score).sum()
 
@@ -68,8 +75,11 @@ class Router(nn.Module):
         seed: int = 0,
         layer_index: int = 0,
         init_std: float = 0.02,
+        router_dtype: str | None = None,
     ) -> None:
         super().__init__()
+        if router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"router_dtype={router_dtype!r} is not one of {ROUTER_DTYPES}")
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function={score_function!r} is not one of {SCORE_FUNCTIONS}")
         if not 1 <= top_k <= num_experts:
@@ -77,12 +87,22 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_function = score_function
+        self.router_dtype = router_dtype
         self.weight = nn.Parameter(
             seeded_normal((num_experts, hidden_size), init_std, seed, "router", layer_index)
         )
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[t, E]`` scores before the score function, in the router's compute dtype."""
+        if self.router_dtype is None:
+            return torch.nn.functional.linear(tokens, self.weight.to(tokens.dtype))
+        dtype = _ROUTER_TORCH_DTYPES[self.router_dtype]
+        with torch.autocast(tokens.device.type, enabled=False):  # autocast would undo it
+            return torch.nn.functional.linear(tokens.to(dtype), self.weight.to(dtype))
+
     def forward(self, tokens: torch.Tensor) -> RouterOutput:
-        logits = torch.nn.functional.linear(tokens.float(), self.weight.float())
+        raw = self.logits(tokens)
+        logits = raw.to(torch.promote_types(raw.dtype, torch.float32))
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs, indices = torch.topk(scores, self.top_k, dim=-1)
@@ -93,7 +113,7 @@ class Router(nn.Module):
             probs = top_scores / top_scores.sum(dim=-1, keepdim=True)
             balance_scores = scores / scores.sum(dim=-1, keepdim=True)
         return RouterOutput(
-            probs=probs,
+            probs=probs.to(raw.dtype),
             indices=indices,
             load_balancing_loss=load_balancing_loss(balance_scores, indices, self.num_experts),
             z_loss=z_loss(logits),

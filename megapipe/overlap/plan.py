@@ -5,19 +5,27 @@ is one compute node. ``run_nodes`` runs a plan in order with plain autograd (the
 ``forward``); the co-scheduler interleaves the nodes of two microbatches instead, so the forward
 code of a layer is written once.
 
-A node's function takes the layer's per-microbatch ``LayerState`` (non-differentiable metadata
-such as routing indices and split sizes, written by one node and read by a later one) and a
-tuple of tensors, and returns a tuple of tensors: the inputs of the next node.
+A node's function takes the layer's per-microbatch ``LayerState`` and a tuple of tensors, and
+returns a tuple of tensors: the inputs of the next node. The state carries what one node leaves
+for a later node of the same layer (non-differentiable metadata such as routing indices and
+split sizes, as attributes the layer names) and one field the engine owns, ``wgrad_queue``.
+
+A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into chunks,
+``ChunkedPlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
 """
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from enum import Enum
-from types import SimpleNamespace
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megapipe.overlap.wgrad import WeightGradQueue
 
 
 class NodeKind(str, Enum):
@@ -25,8 +33,17 @@ class NodeKind(str, Enum):
     COMM = "comm"
 
 
-class LayerState(SimpleNamespace):
-    """Scratch space of one layer for one microbatch: what a node leaves for a later node."""
+@dataclass(eq=False)
+class LayerState:
+    """Scratch space of one layer for one microbatch.
+
+    ``wgrad_queue`` is set by the engine for the duration of the layer's backward: deferrable
+    ops (``overlap.wgrad.grouped_matmul``, given this state at forward time) put their weight
+    gradient into it instead of computing it at once; None computes it at once. Everything else
+    on the state is the layer's own metadata, written by one node and read by a later one.
+    """
+
+    wgrad_queue: "WeightGradQueue | None" = None
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
@@ -43,39 +60,177 @@ class Node:
     group: Any = None
 
 
-@runtime_checkable
-class NodeLayer(Protocol):
-    """A layer that follows the node protocol and can therefore be overlapped."""
+@dataclass(frozen=True)
+class Fork:
+    """Parallel chains inside a layer plan, e.g. a layer's expert groups in separate chunks.
 
-    def node_plan(self) -> Sequence[Node]: ...
+    The node before the fork returns ``(*around, *slots)`` with ``len(branches) * width`` slots:
+    branch c reads ``slots[c * width:(c + 1) * width]`` and runs its nodes as a chain. The node
+    after the fork reads ``(*around, *outputs of branch 0, ..., *outputs of branch k-1)``: the
+    ``around`` tensors go past the branches. Every branch has the same node kinds, position by
+    position, so the engine can issue the branches' nodes side by side or grouped.
+    """
+
+    branches: tuple[tuple[Node, ...], ...]
+    width: int = 1
+
+    def __post_init__(self) -> None:
+        branches = tuple(tuple(branch) for branch in self.branches)
+        object.__setattr__(self, "branches", branches)
+        if not branches or not all(branches):
+            raise ValueError("a Fork needs at least one branch, each with at least one node")
+        kinds = {tuple(node.kind for node in branch) for branch in branches}
+        if len(kinds) != 1:
+            raise ValueError(f"the branches of a Fork must have the same node kinds, got {kinds}")
+        if self.width < 1:
+            raise ValueError(f"Fork width={self.width} must be >= 1")
+
+
+Source = tuple[int, slice]  # (node index, or -1 for the layer's input; which of its outputs)
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """A layer plan as a graph: its nodes in a forward order (every node after the nodes it
+    reads), where each node's inputs come from, and the plan's shape for the issue planner
+    (``megapipe.sim.pair_plan``: a node's kind, or per fork the kinds of each branch)."""
+
+    nodes: tuple[Node, ...]
+    sources: tuple[tuple[Source, ...], ...]
+    shape: tuple[Any, ...]
+
+
+def layer_graph(plan: Sequence[Any]) -> LayerGraph:
+    """The graph of a plan of ``Node`` and ``Fork`` items (a fork sits between two nodes)."""
+    nodes: list[Node] = []
+    sources: list[tuple[Source, ...]] = []
+    shape: list[Any] = []
+    last = -1  # the node whose outputs the next item reads (-1: the layer's input)
+    for position, item in enumerate(plan):
+        if isinstance(item, Node):
+            if position and isinstance(plan[position - 1], Fork):
+                continue  # the node after a fork: added with the fork
+            sources.append(((last, slice(None)),))
+            nodes.append(item)
+            shape.append(NodeKind(item.kind).value)
+            last = len(nodes) - 1
+            continue
+        if not isinstance(item, Fork):
+            raise TypeError(f"a layer plan holds Node and Fork items, got {type(item).__name__}")
+        after = plan[position + 1] if position + 1 < len(plan) else None
+        if last < 0 or not isinstance(after, Node):
+            raise ValueError("a Fork must sit between two nodes of its layer plan")
+        k, width = len(item.branches), item.width
+        ends = []
+        for c, branch in enumerate(item.branches):
+            stop = -(k - c - 1) * width or None
+            previous: Source = (last, slice(-(k - c) * width, stop))
+            for node in branch:
+                sources.append((previous,))
+                nodes.append(node)
+                previous = (len(nodes) - 1, slice(None))
+            ends.append(previous)
+        sources.append(((last, slice(None, -k * width)),) + tuple(ends))
+        nodes.append(after)
+        shape.append(tuple(tuple(NodeKind(n.kind).value for n in b) for b in item.branches))
+        shape.append(NodeKind(after.kind).value)
+        last = len(nodes) - 1
+    if not nodes:
+        raise TypeError("a layer plan must hold at least one Node")
+    return LayerGraph(tuple(nodes), tuple(sources), tuple(shape))
 
 
 def run_nodes(
-    nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
+    nodes: Sequence[Any], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """Run a node plan in order with ordinary autograd (no detaching)."""
+    """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd."""
     state = LayerState() if state is None else state
-    values = inputs
-    for node in nodes:
-        values = node.fn(state, values)
-    return values
+    if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
+        values = inputs
+        for node in nodes:
+            values = node.fn(state, values)
+        return values
+    graph = layer_graph(nodes)
+    outputs: list[tuple[torch.Tensor, ...]] = []
+    for node, sources in zip(graph.nodes, graph.sources):
+        values: tuple[Any, ...] = ()
+        for index, part in sources:
+            values += tuple(inputs if index < 0 else outputs[index])[part]
+        outputs.append(tuple(node.fn(state, values)))
+    return outputs[-1]
+
+
+class ChunkedPlan(list):
+    """A node plan (a list of ``Node``) that can also split itself into ``k`` chunks.
+
+    ``chunked(k)`` returns the same layer as a plan with a ``Fork`` of k branches whose
+    results equal the plain plan's; the co-scheduler uses it when asked for chunked all-to-alls
+    (``a2a_chunks``). Anything that takes a list of nodes takes this plan as is.
+    """
+
+    def __init__(self, nodes: Sequence[Node], chunked: Callable[[int], list[Any]]) -> None:
+        super().__init__(nodes)
+        self.chunked = chunked
 
 
 @runtime_checkable
 class NodeRunner(Protocol):
-    """Runs one layer plan for a model's forward (``model.node_runner``): plainly
-    (``PlainRunner``), recorded on a tape (``TapeRunner``) or co-scheduled with another
-    microbatch's backward (``CombinedRunner``)."""
+    """Runs one layer plan for a model's forward (a ``StageModule``'s ``node_runner``):
+    recorded on a tape (``TapeRunner``) or co-scheduled with another microbatch's backward
+    (``CoScheduler``)."""
 
     def run_layer(
         self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]: ...
 
 
-class PlainRunner:
-    """Runs each layer plan with ordinary autograd (``run_nodes``): the default behaviour."""
+class WarnOnce:
+    """Warns once per type: the record of which types were warned about lives in this object."""
 
-    def run_layer(
-        self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, ...]:
-        return run_nodes(nodes, tuple(inputs))
+    def __init__(self) -> None:
+        self.types: set[type] = set()
+
+    def __call__(self, kind: type, message: str, stacklevel: int = 3) -> None:
+        if kind not in self.types:
+            self.types.add(kind)
+            warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def is_plan(value: Any) -> bool:
+    """Whether ``value`` is a node plan: a non-empty list of ``Node`` and ``Fork``."""
+    return (
+        isinstance(value, (list, tuple)) and bool(value)
+        and all(isinstance(item, (Node, Fork)) for item in value)
+    )
+
+
+def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_chunks: int = 1) -> list[Any]:
+    """The node plan of ``layer``: a plan as is, ``layer.node_plan()``, or, for a callable layer
+    that does not follow the node protocol, the whole layer as one compute node (its forward and
+    backward then run one after the other; warned once per layer type). With ``a2a_chunks`` > 1
+    a ``ChunkedPlan`` gives its chunked form."""
+    plan = layer
+    node_plan = getattr(layer, "node_plan", None)
+    if not is_plan(plan) and callable(node_plan):
+        plan = node_plan()
+    if is_plan(plan):
+        if a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
+            return list(plan.chunked(a2a_chunks))
+        return list(plan)
+    if not callable(layer):
+        raise TypeError(
+            f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "
+            f"got {type(layer).__name__}"
+        )
+    kind = type(layer)
+    warn_once(
+        kind,
+        f"{kind.__name__} does not follow the node protocol (no node_plan() returning a "
+        "list of Node); its forward and backward run one after the other, without overlap",
+    )
+
+    def whole_layer(state: LayerState, tensors: tuple) -> tuple:
+        out = layer(*tensors)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    return [Node(kind.__name__, NodeKind.COMPUTE, whole_layer)]

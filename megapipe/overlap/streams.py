@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ class Stream(ABC):
     def synchronize(self) -> None:
         """Block the calling thread until all work submitted so far has completed."""
         self.record_event().synchronize()
+
+    def mark(self) -> Any:
+        """A timing point in this stream's work for ``NodeTrace``: None means "read the host
+        clock now" (streams whose work runs on a host thread); a CUDA stream records an event."""
+        return None
 
     def hold(self, values: Any) -> None:
         """The tensors in ``values`` (made on another stream) are used by work on this stream:
@@ -197,6 +203,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+class CudaMark:
+    """A timing event recorded on a CUDA stream, with the host time at which it was recorded."""
+
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record(stream)
+        self.host = time.perf_counter()
+
+    def host_time_of(self, other: "CudaMark") -> float:
+        """When ``other`` was reached on the GPU, on the host clock's scale with this mark as
+        the origin (waits until ``other`` is reached)."""
+        other.event.synchronize()
+        return self.host + self.event.elapsed_time(other.event) / 1e3
+
+
 class CudaEvent(Event):
     def __init__(self, event: "torch.cuda.Event", value: Any, producer: "CudaStream") -> None:
         self.event = event
@@ -252,6 +273,9 @@ class CudaStream(Stream):
         event = torch.cuda.Event()
         event.record(self.stream)
         return CudaEvent(event, None, self)
+
+    def mark(self) -> CudaMark:
+        return CudaMark(self.stream)
 
     def hold(self, values: Any) -> None:
         for t in _tensors(values):

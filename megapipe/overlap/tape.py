@@ -31,108 +31,15 @@ Caveats, all shared with the bitwise guarantee:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.plan import LayerState, Node
-
-Values = tuple[Any, ...]
-Grads = tuple[torch.Tensor | None, ...]
-
-
-def detach_boundary(values: Sequence[Any]) -> Values:
-    """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            leaf = v.detach()
-            if v.requires_grad:
-                leaf.requires_grad_(True)
-            out.append(leaf)
-        else:
-            out.append(v)
-    return tuple(out)
-
-
-def _check_values(values: Any, where: str) -> Values:
-    if not isinstance(values, (tuple, list)):
-        raise TypeError(f"{where} must return a tuple of tensors, got {type(values).__name__}")
-    return tuple(values)
-
-
-@dataclass
-class NodeRecord:
-    """One node of one microbatch: its detached inputs and its outputs (the graph's roots)."""
-
-    node: Node
-    inputs: Values | None = None
-    outputs: Values | None = None
-    pending_grads: Grads | None = None  # its outputs' gradients, once known
-
-    @property
-    def live(self) -> bool:
-        return self.outputs is not None
-
-    def tensors(self) -> list[torch.Tensor]:
-        held = list(self.inputs or ()) + list(self.outputs or ())
-        return [t for t in held if isinstance(t, torch.Tensor)]
-
-
-@dataclass
-class LayerRecord:
-    """One layer of one microbatch: the inputs it was given, its nodes, its returned outputs."""
-
-    index: int
-    nodes: list[NodeRecord]
-    state: LayerState
-    given_inputs: Values
-    outputs: Values | None = None  # the fresh leaves handed to the caller
-    next_forward: int = 0  # index of the next node whose forward runs
-    next_backward: int = -1  # index of the next node whose backward runs (last first)
-
-    @property
-    def recorded(self) -> bool:
-        return self.next_forward == len(self.nodes)
-
-    @property
-    def backward_done(self) -> bool:
-        return self.recorded and self.next_backward < 0
-
-
-def node_backward(record: NodeRecord, grads: Sequence[torch.Tensor | None]) -> Grads:
-    """Run one node's backward with the gradients of its outputs; return its input gradients.
-
-    Outputs that need no gradient, or whose gradient is None (unused downstream, or of an
-    integer tensor), are left out, exactly as autograd leaves them out. The node's tensors are
-    released afterwards.
-    """
-    if not record.live:
-        raise RuntimeError(
-            f"node {record.node.name!r}: backward already ran (or forward never did)"
-        )
-    outputs = record.outputs
-    assert outputs is not None and record.inputs is not None
-    if len(grads) != len(outputs):
-        raise ValueError(
-            f"node {record.node.name!r} has {len(outputs)} outputs but got {len(grads)} gradients"
-        )
-    roots, root_grads = [], []
-    for out, grad in zip(outputs, grads):
-        if grad is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
-            continue
-        roots.append(out)
-        root_grads.append(grad)
-    if roots:
-        torch.autograd.backward(roots, root_grads)
-    input_grads = tuple(
-        x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in record.inputs
-    )
-    record.inputs = None
-    record.outputs = None
-    return input_grads
-
+from megapipe.overlap.plan import Fork, LayerState, Node, layer_graph
+from megapipe.overlap.records import (
+    Grads, LayerRecord, NodeRecord, Values, check_values, deliver, detach_boundary, node_backward,
+)
+from megapipe.overlap.wgrad import WeightGradQueue
 
 class Tape:
     """What a stage's backward needs: the layer records of one microbatch, in forward order.
@@ -151,42 +58,64 @@ class Tape:
         self._pending_grads: Grads | None = None  # gradients of the layer next to go backward
 
     # ---- forward -------------------------------------------------------------------------
-    def begin_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> LayerRecord:
-        """Start recording a layer of ``nodes`` on ``inputs``; run it with ``forward_step``."""
+    def begin_layer(self, nodes: Sequence[Any], inputs: Sequence[Any]) -> LayerRecord:
+        """Start recording a layer (a plan of ``Node`` and ``Fork`` items) on ``inputs``; run
+        its nodes with ``forward_step``."""
         if self.layers and not self.layers[-1].recorded:
             raise RuntimeError(
                 f"layer {self.layers[-1].index} is still being recorded; finish it before the next"
             )
         nodes = list(nodes)
-        if not nodes or not all(isinstance(n, Node) for n in nodes):
+        if not nodes or not all(isinstance(n, (Node, Fork)) for n in nodes):
             raise TypeError(f"a layer plan must be a non-empty list of Node, got {nodes!r}")
-        inputs = _check_values(inputs, "layer inputs")
+        graph = layer_graph(nodes)
+        inputs = check_values(inputs, "layer inputs")
+        records = [NodeRecord(n, src) for n, src in zip(graph.nodes, graph.sources)]
+        for record in records:
+            for index, _ in record.sources:
+                if index >= 0:
+                    records[index].readers += 1
         layer = LayerRecord(
-            index=len(self.layers),
-            nodes=[NodeRecord(n) for n in nodes],
-            state=LayerState(),
-            given_inputs=inputs,
+            index=len(self.layers), nodes=records, state=LayerState(), given_inputs=inputs,
+            shape=graph.shape,
         )
-        layer.nodes[0].inputs = detach_boundary(inputs)
+        records[0].inputs = detach_boundary(inputs)
         self.layers.append(layer)
         return layer
 
-    def forward_step(self, layer: LayerRecord) -> NodeRecord:
-        """Run the next node of ``layer``; after its last node the layer's outputs are set."""
-        if layer.recorded:
-            raise RuntimeError(f"layer {layer.index}: all nodes already ran forward")
-        record = layer.nodes[layer.next_forward]
-        assert record.inputs is not None
-        outputs = _check_values(
-            record.node.fn(layer.state, record.inputs), f"node {record.node.name!r}"
-        )
+    def forward_inputs(self, layer: LayerRecord, index: int) -> Values:
+        """The detached inputs of node ``index`` (gathered from its sources on first use)."""
+        record = layer.nodes[index]
+        if record.inputs is None:
+            parts = []
+            for source, part in record.sources:
+                producer = layer.nodes[source] if source >= 0 else None
+                if producer is not None and not producer.ran_forward:
+                    raise RuntimeError(
+                        f"node {record.node.name!r} reads node {producer.node.name!r}, whose "
+                        "forward has not run"
+                    )
+                values = layer.given_inputs if producer is None else producer.outputs
+                parts.append(tuple(values or ())[part])
+            record.source_sizes = tuple(len(p) for p in parts)
+            record.inputs = detach_boundary(tuple(v for p in parts for v in p))
+        elif not record.source_sizes:
+            record.source_sizes = (len(record.inputs),)
+        return record.inputs
+
+    def forward_step(self, layer: LayerRecord, index: int | None = None) -> NodeRecord:
+        """Run the forward of node ``index`` (default: the next in the layer's forward order);
+        after the layer's last node the layer's outputs are set."""
+        index = layer.next_forward if index is None else index
+        if index >= len(layer.nodes) or layer.nodes[index].ran_forward:
+            raise RuntimeError(f"layer {layer.index}: node {index} already ran forward")
+        record = layer.nodes[index]
+        inputs = self.forward_inputs(layer, index)
+        outputs = check_values(record.node.fn(layer.state, inputs), f"node {record.node.name!r}")
         record.outputs = outputs
-        layer.next_forward += 1
-        if layer.next_forward < len(layer.nodes):
-            layer.nodes[layer.next_forward].inputs = detach_boundary(outputs)
-        else:
-            layer.outputs = detach_boundary(outputs)
-            layer.next_backward = len(layer.nodes) - 1
+        record.ran_forward = True
+        if layer.recorded:
+            layer.outputs = detach_boundary(layer.nodes[-1].outputs or ())
         return record
 
     def record_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> Values:
@@ -220,14 +149,17 @@ class Tape:
         return sum(1 for layer in self.layers if not layer.backward_done)
 
     def begin_layer_backward(
-        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+        self,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        wgrad: WeightGradQueue | None = None,
     ) -> LayerRecord:
         """Take the last layer whose backward has not run; ``grads`` are its outputs' gradients.
 
         ``grads`` is needed for the first layer to go backward (the tape's outputs); later
         layers get theirs from the layer after them. ``None`` for the first reads the
-        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` is
-        the ``WeightGradQueue`` (or None) that deferrable ops of this layer read from its state.
+        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` (or
+        None) becomes the layer state's ``wgrad_queue``, where its deferrable ops put their
+        weight gradients.
         """
         pending = [layer for layer in self.layers if not layer.backward_done]
         if not pending:
@@ -252,23 +184,30 @@ class Tape:
             )
         self._pending_grads = None
         layer.outputs = None  # the leaves handed out are no longer needed
-        layer.nodes[-1].pending_grads = tuple(grads)
+        layer.nodes[-1].pending_grads = list(grads)
         layer.state.wgrad_queue = wgrad
         return layer
 
-    def backward_step(self, layer: LayerRecord) -> Grads:
-        """Run the backward of the next node of ``layer`` (last node first); return the
-        gradients of that node's inputs."""
-        if layer.next_backward < 0:
-            raise RuntimeError(f"layer {layer.index}: every node already ran backward")
-        record = layer.nodes[layer.next_backward]
+    def backward_step(self, layer: LayerRecord, index: int | None = None) -> Grads:
+        """Run the backward of node ``index`` (default: the last whose backward has not run);
+        its outputs' gradients must all be known. Returns the gradients of its inputs."""
+        index = layer.next_backward if index is None else index
+        record = layer.nodes[index] if 0 <= index < len(layer.nodes) else None
+        if record is None or record.ran_backward or not layer.recorded:
+            raise RuntimeError(f"layer {layer.index}: node {index} cannot run backward now")
+        if record.waiting or record.pending_grads is None:
+            raise RuntimeError(
+                f"node {record.node.name!r}: the gradients of its outputs are not all known yet"
+            )
         grads, record.pending_grads = record.pending_grads, None
-        assert grads is not None
         input_grads = node_backward(record, grads)
-        layer.next_backward -= 1
-        if layer.next_backward >= 0:
-            layer.nodes[layer.next_backward].pending_grads = input_grads
-        else:
+        record.ran_backward = True
+        start = 0
+        for (source, part), size in zip(record.sources, record.source_sizes):
+            if source >= 0:
+                deliver(layer.nodes[source], part, input_grads[start : start + size])
+            start += size
+        if layer.backward_done:
             self._finish_layer_backward(layer, input_grads)
         return input_grads
 
@@ -307,11 +246,13 @@ class Tape:
         self._pending_grads = tuple(grads)
 
     def backward_layer(
-        self, grads: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+        self,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        wgrad: WeightGradQueue | None = None,
     ) -> None:
         """Run the backward of the last pending layer, all its nodes in order."""
         layer = self.begin_layer_backward(grads, wgrad)
-        while layer.next_backward >= 0:
+        while not layer.backward_done:
             self.backward_step(layer)
 
     # ---- accounting ----------------------------------------------------------------------
@@ -342,14 +283,16 @@ def record_forward(
     (their ``.grad`` is not touched).
     """
     tape = Tape(route_input_grads=False)
-    values = _check_values(inputs, "stage inputs")
+    values = check_values(inputs, "stage inputs")
     for plan in layer_plans:
         values = tape.record_layer(plan, values)
     return values, tape
 
 
 def run_backward(
-    tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None, wgrad: Any = None
+    tape: Tape,
+    grad_outputs: Sequence[torch.Tensor | None] | None = None,
+    wgrad: WeightGradQueue | None = None,
 ) -> Grads:
     """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
 

@@ -5,21 +5,34 @@ A backward normally computes, for each matmul ``y = x @ W``, both the input grad
 ``dW = x^T @ dy`` (needed only by the optimizer). Deferring ``dW`` into a ``WeightGradQueue``
 lets it fill time later, e.g. while a backward all-to-all is in flight.
 
-The queue is an object handed down explicitly: an op finds it at backward time through a
-*source* object it was given at forward time (the layer's ``LayerState``), whose attribute
-``wgrad_queue`` the tape sets for the duration of that layer's backward (None: compute now).
+The queue is an object handed down explicitly: an op finds it at backward time through the
+layer's ``LayerState`` it was given at forward time, whose ``wgrad_queue`` field the tape sets
+for the duration of that layer's backward (None: compute now).
 The deferred closure performs exactly the operations the immediate path performs and adds the
-result into ``.grad`` the way autograd's accumulation does, so gradients are bitwise equal with
-and without deferral (as long as each weight is used by one such op per backward, so that no
-two contributions are summed before reaching ``.grad``).
+result into ``.grad`` (or the fp32 ``main_grad``, ``overlap.main_grad``) the way autograd's
+accumulation does, so gradients are bitwise equal with and without deferral (as long as each
+weight is used by one such op per backward, so that no two contributions are summed before
+reaching ``.grad``).
+
+``grouped_matmul`` computes in the operands' dtype (bf16 in a bf16 model) and, under
+``torch.autocast``, in the autocast dtype, returning each gradient in its input's dtype; its
+GEMMs are one grouped kernel when the caller gives device offsets (``overlap.grouped_gemm``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+from megapipe.overlap.grouped_gemm import (
+    grouped_forward, grouped_input_grad, grouped_weight_grad,
+)
+from megapipe.overlap.main_grad import accumulate_grad_rows
+
+if TYPE_CHECKING:
+    from megapipe.overlap.plan import LayerState
 
 
 class WeightGradQueue:
@@ -37,10 +50,11 @@ class WeightGradQueue:
     def names(self) -> list[str]:
         return [name for name, _ in self._work]
 
-    def run(self) -> int:
-        """Run everything queued so far (FIFO); return how many items ran."""
+    def run(self, limit: int | None = None) -> int:
+        """Run everything queued so far (FIFO), or its first ``limit`` items; return how many
+        items ran."""
         count = 0
-        while self._work:
+        while self._work and (limit is None or count < limit):
             _, fn = self._work.popleft()
             with torch.no_grad():
                 fn()
@@ -48,71 +62,99 @@ class WeightGradQueue:
         return count
 
 
-def queue_of(source: Any) -> WeightGradQueue | None:
-    """The queue a deferrable op should use now: ``source.wgrad_queue`` (None: no deferral)."""
-    return None if source is None else getattr(source, "wgrad_queue", None)
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` as autograd's accumulation does (same bits)."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+def queue_of(state: "LayerState | None") -> WeightGradQueue | None:
+    """The queue a deferrable op should use now: ``state.wgrad_queue`` (None: no deferral)."""
+    return None if state is None else state.wgrad_queue
 
 
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], weight: torch.Tensor, source: Any):
-        chunks = torch.split(x, list(counts), dim=0)
-        ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        ctx.source = source
-        return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
+    def forward(ctx, x, counts, weight, state, offsets, first):  # type: ignore[override]
+        dtype = _compute_dtype(x, weight)
+        used = weight if first == 0 and len(counts) == weight.shape[0] else (
+            weight[first : first + len(counts)]
+        )
+        x_c, w_c = x.to(dtype), used.to(dtype)
+        ctx.save_for_backward(x_c, w_c, weight, offsets)
+        ctx.counts, ctx.state, ctx.first = counts, state, first
+        ctx.x_dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            return grouped_forward(x_c, w_c, counts, offsets)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        counts = list(ctx.counts)
-        grad_chunks = torch.split(grad_out, counts, dim=0)
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x, w, weight, offsets = ctx.saved_tensors
+        counts = ctx.counts
+        grad_out = grad_out.to(w.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.cat([g @ weight[i].t() for i, g in enumerate(grad_chunks)], dim=0)
+            grad_x = grouped_input_grad(grad_out, w, counts, offsets).to(ctx.x_dtype)
         if not ctx.needs_input_grad[2]:
-            return grad_x, None, None, None
-        x_chunks = torch.split(x, counts, dim=0)
+            return grad_x, None, None, None, None, None
+        first = ctx.first
 
         def weight_grad() -> torch.Tensor:
-            return torch.stack([xc.t() @ g for xc, g in zip(x_chunks, grad_chunks)])
+            return grouped_weight_grad(x, grad_out, w, counts, offsets).to(weight.dtype)
 
-        queue = queue_of(ctx.source)
-        ctx.source = None
+        queue = queue_of(ctx.state)
+        ctx.state = None
         if queue is None:
-            return grad_x, None, weight_grad(), None
+            grad_w = weight_grad()
+            if grad_w.shape != weight.shape:  # a group of the weight's groups: zeros elsewhere
+                padded = torch.zeros_like(weight)
+                padded[first : first + len(counts)] = grad_w
+                grad_w = padded
+            return grad_x, None, grad_w, None, None, None
         if weight.grad_fn is not None or not weight.is_leaf:
             raise RuntimeError(
                 "grouped_matmul can defer the weight gradient only for a leaf weight "
                 "(a Parameter); "
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
-        queue.put(lambda: accumulate_grad(weight, weight_grad()), name="grouped_matmul")
-        return grad_x, None, None, None
+        queue.put(
+            lambda: accumulate_grad_rows(weight, first, weight_grad()), name="grouped_matmul"
+        )
+        return grad_x, None, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``x``'s device, else the operands' own."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    if x.dtype != weight.dtype:
+        raise TypeError(
+            f"grouped_matmul: x is {x.dtype} but weight is {weight.dtype}; cast the model "
+            "(e.g. to bf16 with fp32 main weights) or run under torch.autocast"
+        )
+    return x.dtype
 
 
 def grouped_matmul(
-    x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor, source: Any = None
+    x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
+    state: "LayerState | None" = None, offsets: torch.Tensor | None = None, first: int = 0,
 ) -> torch.Tensor:
-    """``cat_i(x_i @ weight[i])`` for ``x`` split into row groups of ``counts``.
+    """``cat_i(x_i @ weight[first + i])`` for ``x`` split into row groups of ``counts``.
 
-    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group (zeros allowed).
-    Its backward defers the weight gradient into ``queue_of(source)`` when there is one.
+    ``weight`` is ``[groups, in, out]``; ``counts`` has one entry per group used, from group
+    ``first`` on (zeros allowed; all groups by default).
+    ``offsets`` (int32 on ``x``'s device: each group's end row) allows the one-kernel grouped
+    GEMM; without them a loop over the groups runs. Its backward defers the weight gradient
+    into ``state.wgrad_queue`` when that is set.
     """
     counts = tuple(int(c) for c in counts)
-    if weight.dim() != 3 or len(counts) != weight.shape[0]:
+    if weight.dim() != 3 or not counts or first < 0 or first + len(counts) > weight.shape[0]:
         raise ValueError(
             f"grouped_matmul: weight of shape {tuple(weight.shape)} needs one count per group, "
-            f"got {len(counts)} counts"
+            f"got {len(counts)} counts (for the groups from {first} on)"
         )
     if sum(counts) != x.shape[0]:
         raise ValueError(f"grouped_matmul: counts sum to {sum(counts)} but x has {x.shape[0]} rows")
-    return _GroupedMatmul.apply(x, counts, weight, source)
+    if offsets is not None and (
+        first != 0 or len(counts) != weight.shape[0] or offsets.shape != (len(counts),)
+    ):
+        raise ValueError(
+            f"grouped_matmul: offsets of shape {tuple(offsets.shape)} need one entry per group "
+            f"({weight.shape[0]}) and all groups (first={first})"
+        )
+    return _GroupedMatmul.apply(x, counts, weight, state, offsets, first)

@@ -23,7 +23,8 @@ EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from datetime import timedelta
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -134,12 +135,32 @@ class ProcessGroups:
         return self.coordinates.expert_dp_rank
 
 
-def create_groups(config: ParallelConfig, backend: str | None = None) -> ProcessGroups:
+def group_options(name: str, high_priority: Sequence[str], backend: str) -> dict[str, Any]:
+    """``dist.new_group`` keyword arguments for group ``name``: on NCCL, a group named in
+    ``high_priority`` gets ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``, so its
+    kernels run on a high-priority CUDA stream (e.g. the EP all-to-all beside compute)."""
+    if name not in high_priority or backend != "nccl":
+        return {}
+    return {"pg_options": dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)}
+
+
+def create_groups(
+    config: ParallelConfig,
+    backend: str | None = None,
+    high_priority: Sequence[str] = (),
+    timeout: timedelta | None = None,
+) -> ProcessGroups:
     """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
     world size is checked first, so a mismatch fails before any group is created.
+    ``high_priority``: names (``GROUP_NAMES``) of the groups whose NCCL communicators use
+    high-priority streams (``group_options``; nothing changes on gloo). ``timeout`` bounds every
+    collective of the groups (None: torch's default for the backend).
     """
+    unknown = [name for name in high_priority if name not in GROUP_NAMES]
+    if unknown:
+        raise ValueError(f"high_priority={unknown} are not group names; known: {GROUP_NAMES}")
     if not dist.is_initialized():
         raise RuntimeError(
             "create_groups needs an initialised default process group; call "
@@ -152,7 +173,10 @@ def create_groups(config: ParallelConfig, backend: str | None = None) -> Process
     for name in GROUP_NAMES:
         for ranks in getattr(layout, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
-            group = dist.new_group(list(ranks), backend=backend)
+            options = group_options(name, high_priority, backend or dist.get_backend())
+            if timeout is not None:
+                options["timeout"] = timeout
+            group = dist.new_group(list(ranks), backend=backend, **options)
             if me in ranks:
                 mine[(name, ranks)] = group
     return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])
@@ -183,3 +207,41 @@ def assemble_groups(
         ep_ranks=mine["ep"],
         expert_dp_ranks=mine["expert_dp"],
     )
+
+
+@dataclass(frozen=True)
+class PipelinePosition:
+    """Where this process sits in its pipeline: ``rank`` (0 .. pp-1), the global rank of every
+    position (``ranks``, what p2p send/recv address) and the group p2p runs over (None: the
+    default group, or no pipeline at all when pp = 1)."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+
+
+def pipeline_position(
+    pp: int, groups: ProcessGroups | None = None, pp_group: dist.ProcessGroup | None = None
+) -> PipelinePosition:
+    """This process's place in a ``pp``-rank pipeline: from ``groups`` (``create_groups``),
+    else from ``pp_group``, else the default group is the pipeline. pp = 1 needs nothing."""
+    if groups is not None:
+        if groups.config.pp != pp:
+            raise ValueError(
+                f"the schedule has pp={pp} ranks but the process groups have pp={groups.config.pp}"
+            )
+        return PipelinePosition(groups.pp_rank, groups.pp_ranks, groups.pp)
+    if pp == 1:
+        return PipelinePosition(0, (0,), None)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"a {pp}-rank pipeline needs torch.distributed initialised "
+            "(or pass groups=create_groups(...))"
+        )
+    size = dist.get_world_size(pp_group)
+    if size != pp:
+        raise ValueError(f"the schedule has pp={pp} ranks but the pipeline group has {size}")
+    ranks = tuple(
+        dist.get_global_rank(pp_group, r) if pp_group is not None else r for r in range(size)
+    )
+    return PipelinePosition(dist.get_rank(pp_group), ranks, pp_group)

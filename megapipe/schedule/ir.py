@@ -15,6 +15,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .errors import ScheduleError
+
 from .actions import (  # noqa: F401 - the IR's public names
     BACKWARD_KINDS,
     COMM_KINDS,
@@ -254,6 +256,9 @@ def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
 def read_csv(path: str, name: str = "", bidirectional: bool = False) -> Schedule:
     """Load a schedule from a CSV in torch's format; placement and counts are inferred."""
     rows = read_rows(path)
+    if not any(rows):
+        raise ScheduleError(f"{path} holds no actions: a schedule needs at least one rank with "
+                            "one action (is the CSV empty?)")
     placement = infer_stage_to_rank(rows)
     mbs = {c.microbatch for row in rows for a in row for c in a.computations()}
     return Schedule(

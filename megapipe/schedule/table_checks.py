@@ -46,6 +46,11 @@ def faults(schedule: Schedule, comps: Comps) -> Faults:
 
 def check_placement(schedule: Schedule) -> None:
     """Stages and microbatches exist, and each action runs on its stage's rank."""
+    if schedule.num_stages == 0 or schedule.num_microbatches == 0:
+        raise ScheduleError(
+            f"the schedule has {schedule.num_stages} stages and {schedule.num_microbatches} "
+            "microbatches: it needs at least one of each"
+        )
     if schedule.bidirectional and (schedule.num_stages % 2 or schedule.num_microbatches % 2):
         raise ScheduleError(
             f"a bidirectional schedule needs an even number of stages and microbatches, got "

@@ -226,17 +226,24 @@ def _wait(ready, timeout: float, what: str, cluster: SlurmCluster) -> None:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster.logs()}")
 
 
-def submit_and_wait(
-    cluster: SlurmCluster, script: Path, env: dict[str, str], timeout: float, *options: str
-) -> tuple[str, str]:
-    """sbatch ``script`` and wait for it to end; returns (final state, job output)."""
-    output = cluster.root / "job-%j.out"
+def submit(cluster: SlurmCluster, script: Path, env: dict[str, str], *options: str) -> tuple[str, Path]:
+    """sbatch ``script`` on both nodes; returns (job id, its output file)."""
     cluster = SlurmCluster(cluster.root, env, cluster.processes)
     done = cluster.run(
-        "sbatch", "--parsable", "-N", str(len(NODES)), f"--output={output}", *options, str(script)
+        "sbatch", "--parsable", "-N", str(len(NODES)), f"--output={cluster.root}/job-%j.out",
+        *options, str(script),
     )
     assert done.returncode == 0, f"sbatch failed: {done.stderr}\n{cluster.logs()}"
     job_id = done.stdout.strip().split(";")[0]
+    return job_id, cluster.root / f"job-{job_id}.out"
+
+
+def _output(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else "(no output file)"
+
+
+def wait_for_end(cluster: SlurmCluster, job_id: str, output: Path, timeout: float) -> str:
+    """Wait for the job to leave the queue; returns its final state."""
     deadline = time.monotonic() + timeout
     state = ""
     while time.monotonic() < deadline:
@@ -245,17 +252,21 @@ def submit_and_wait(
         fields = dict(f.split("=", 1) for f in state.split() if "=" in f)
         state = fields.get("JobState", "")
         if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", ""):
-            break
+            return state
         time.sleep(1)
-    else:
-        cluster.run("scancel", job_id)
-        text = Path(str(output).replace("%j", job_id))
-        log = text.read_text(errors="replace") if text.exists() else "(no output file)"
-        raise AssertionError(
-            f"job {job_id} still {state} after {timeout:.0f}s\n{log}\n{cluster.logs()}"
-        )
-    text = Path(str(output).replace("%j", job_id))
-    return state, text.read_text(errors="replace") if text.exists() else "(no output file)"
+    cluster.run("scancel", job_id)
+    raise AssertionError(
+        f"job {job_id} still {state} after {timeout:.0f}s\n{_output(output)}\n{cluster.logs()}"
+    )
+
+
+def submit_and_wait(
+    cluster: SlurmCluster, script: Path, env: dict[str, str], timeout: float, *options: str
+) -> tuple[str, str]:
+    """sbatch ``script`` and wait for it to end; returns (final state, job output)."""
+    job_id, output = submit(cluster, script, env, *options)
+    state = wait_for_end(cluster, job_id, output, timeout)
+    return state, _output(output)
 
 
 def test_slurm_cluster_runs_a_two_node_job(slurm_cluster, tmp_path):
@@ -271,18 +282,21 @@ def test_slurm_cluster_runs_a_two_node_job(slurm_cluster, tmp_path):
         assert f"hello from {node}" in log, f"{log}\n{slurm_cluster.logs()}"
 
 
-# A CPU configuration small enough for seconds of training: 2 nodes x 2 processes, pp=2, ep=2.
+# A CPU configuration small enough for seconds per step: 2 nodes x 2 processes, pp=2, ep=2;
+# it would train for long, but is preempted after a few iterations.
 CPU_PRETRAIN_ARGS = (
     "--pipeline-model-parallel-size 2 --virtual-pipeline-model-parallel-size 2 "
     "--expert-model-parallel-size 2 --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
     "--ffn-hidden-size 64 --num-experts 4 --moe-ffn-hidden-size 32 --seq-length 16 "
-    "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --log-interval 1 "
-    "--eval-interval 4 --eval-iters 1 --lr-warmup-iters 1"
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 100000 --log-interval 1 "
+    "--eval-interval 0 --lr-warmup-iters 1 --exit-signal-handler"
 )
 
 
-def test_sbatch_pretrains_across_two_nodes_and_checkpoints(slurm_cluster, tmp_path):
-    """examples/slurm/pretrain.sbatch, unchanged, on the two-node cluster with a CPU config."""
+def test_sbatch_pretrains_across_two_nodes_and_saves_when_preempted(slurm_cluster, tmp_path):
+    """examples/slurm/pretrain.sbatch, unchanged, on the two-node cluster with a CPU config:
+    after a few iterations Slurm sends SIGTERM to every task (as --signal does before the time
+    limit); the ranks finish their step, save, say so in one line and exit 0: the job completes."""
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     save = tmp_path / "ckpt"
@@ -291,13 +305,23 @@ def test_sbatch_pretrains_across_two_nodes_and_checkpoints(slurm_cluster, tmp_pa
         PYTHON=sys.executable,
         MEGAPIPE_DIR=str(REPO),
         NPROC_PER_NODE="2",
-        PRETRAIN_ARGS=f"{CPU_PRETRAIN_ARGS} --data-path {data} --save {save}",
+        PRETRAIN_ARGS=f"{CPU_PRETRAIN_ARGS} --data-path {data} --save {save} --load {save}",
     )
-    state, log = submit_and_wait(slurm_cluster, SBATCH_SCRIPT, env, 150)
+    job_id, output = submit(slurm_cluster, SBATCH_SCRIPT, env)
+    _wait(lambda: "iter 3/" in _output(output), 150, "iteration 3 in the job output",
+          slurm_cluster)
+    done = slurm_cluster.run("scancel", "--signal=TERM", job_id)
+    assert done.returncode == 0, done.stderr
+    state = wait_for_end(slurm_cluster, job_id, output, 120)
+    log = _output(output)
     report = f"job state {state}; job output:\n{log}\n{slurm_cluster.logs()}"
     assert state == "COMPLETED", report
     assert "placement: 2 node(s): n1: ranks 0,1; n2: ranks 2,3" in log, report
-    assert "iter 4/4 | loss" in log, report
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4", report
-    shards = list((save / "iter_0000004").glob("*.distcp"))
+    exits = [line for line in log.splitlines() if line.startswith("exiting after iteration")]
+    assert len(exits) == 1 and "SIGTERM received; saved checkpoint" in exits[0], report
+    stopped = int(exits[0].split()[3].rstrip(":"))
+    assert stopped >= 3 and f"iter {stopped + 1}/" not in log, report
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped), report
+    shards = list((save / f"iter_{stopped:07d}").glob("*.distcp"))
     assert len(shards) == 4, f"one shard per rank expected, found {shards}\n{report}"
+    assert "Traceback" not in log, report

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megapipe.parallel.testing import free_port
+from megapipe.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = (

@@ -1,5 +1,7 @@
-"""Token permute/unpermute: the plain-torch reference against a naive loop (and gradcheck), and
-the Triton kernels against the reference under TRITON_INTERPRET=1 on CPU.
+"""Token permute/unpermute: the plain-torch reference against a naive loop (float32 and bf16, with
+padding rows) and gradcheck, and the Triton kernels against the reference under
+TRITON_INTERPRET=1 on CPU (float32, float16: the interpreter has no bf16; bf16 runs on CUDA in
+tests/gpu).
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
 ``megapipe.kernels.triton_permute`` is first imported; the interpreter check therefore runs in a
@@ -27,21 +29,26 @@ def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None,
     return row_slot, token_slots, probs
 
 
-def test_reference_matches_naive_loop():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_naive_loop(dtype):
     row_slot, token_slots, probs = routing(6, 2, 3, capacity=3, seed=0)
-    assert (token_slots < 0).any()
-    tokens = torch.randn(6, 5)
+    assert (token_slots < 0).any() and (row_slot < 0).any()  # drops and padding rows
+    tokens = torch.randn(6, 5).to(dtype)
     rows = reference.permute_tokens(tokens, row_slot, token_slots)
+    assert rows.dtype == dtype
     for r, slot in enumerate(row_slot.tolist()):
-        assert torch.equal(rows[r], tokens[slot // 2])
-    expert_out = torch.randn_like(rows)
-    out = reference.unpermute_tokens(expert_out, probs, row_slot, token_slots)
+        expected = torch.zeros(5, dtype=dtype) if slot < 0 else tokens[slot // 2]
+        assert torch.equal(rows[r], expected)
+    expert_out = torch.randn(rows.shape).to(dtype)
+    out = reference.unpermute_tokens(expert_out, probs.to(dtype), row_slot, token_slots)
+    assert out.dtype == dtype
     for t in range(6):
         expected = torch.zeros(5)
         for j in range(2):
             if token_slots[t, j] >= 0:
-                expected += probs[t, j] * expert_out[token_slots[t, j]]
-        torch.testing.assert_close(out[t], expected)
+                expected += probs.to(dtype)[t, j].float() * expert_out[token_slots[t, j]].float()
+        # float32 sums rounded once to the output dtype
+        torch.testing.assert_close(out[t], expected.to(dtype))
 
 
 def test_reference_gradcheck():
@@ -63,7 +70,10 @@ def compare_triton_with_reference(device: str) -> list[str]:
 
     failures = []
     cases = [(5, 2, 3, 3, 8), (4, 1, 4, None, 130), (3, 4, 4, 2, 16)]  # t, k, E, capacity, h
-    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
+    dtypes = [(torch.float32, 1e-6), (torch.float16, 1e-3)]
+    if device == "cuda":  # the CPU interpreter has no bf16
+        dtypes.append((torch.bfloat16, 1e-2))
+    for dtype, tol in dtypes:
         for t, k, e, capacity, h in cases:
             row_slot, token_slots, probs = routing(t, k, e, capacity, seed=t * h)
             row_slot, token_slots, probs = (

@@ -15,12 +15,15 @@ SEED = 11
 LAYER = 3
 
 
-def _inputs(config_id: int, num_ranks: int, shape_3d: bool) -> list[torch.Tensor]:
-    """Uneven microbatches, one per rank; feature 0 is positive so routing can be steered."""
+def _inputs(
+    config_id: int, num_ranks: int, shape_3d: bool, even: bool = False
+) -> list[torch.Tensor]:
+    """Uneven microbatches, one per rank (``even``: 5 tokens on every rank, as padding to a
+    capacity requires); feature 0 is positive so routing can be steered."""
     gen = torch.Generator().manual_seed(1000 + config_id)
     xs = []
     for r in range(num_ranks):
-        t = 3 + 2 * r
+        t = 5 if even else 3 + 2 * r
         x = torch.randn(t, H, generator=gen)
         x[:, 0] = x[:, 0].abs() + 1.0
         xs.append(x.reshape(1, t, H) if shape_3d else x)
@@ -41,7 +44,8 @@ CONFIGS = [
     dict(kw=dict(top_k=E, z_loss_coeff=0.01)),
     dict(kw=dict(top_k=2, aux_loss_coeff=0.1), hot=6),
     dict(kw=dict(top_k=1), hot=1),
-    dict(kw=dict(top_k=2, capacity_factor=0.5, aux_loss_coeff=0.1), hot=3),
+    # padded to capacity: every EP rank must have as many tokens (static all-to-all sizes)
+    dict(kw=dict(top_k=2, capacity_factor=0.5, aux_loss_coeff=0.1), hot=3, even=True),
     dict(
         kw=dict(
             top_k=3, score_function="sigmoid", shared_expert_intermediate_size=4, aux_loss_coeff=0.1
@@ -89,7 +93,7 @@ def check_ep_matches_single_process(ep: int) -> dict:
         config = MoEConfig(
             hidden_size=H, num_experts=E, ffn_hidden_size=5, init_std=0.5, **case["kw"]
         )
-        xs = _inputs(cid, world, case.get("shape_3d", False))
+        xs = _inputs(cid, world, case.get("shape_3d", False), case.get("even", False))
         gs = [
             torch.randn(x.shape, generator=torch.Generator().manual_seed(r))
             for r, x in enumerate(xs)
@@ -115,7 +119,7 @@ def check_ep_matches_single_process(ep: int) -> dict:
             else:
                 expected = rgrads[pname]
             _close(failures, f"{name} grad {pname}", g, expected)
-        all_counts = sum(ref[4].tokens_per_expert for ref in refs)
+        all_counts = sum(ref[4].rows_per_expert for ref in refs)
         seen_idle_expert |= bool((all_counts == 0).any())
         seen_drop |= bool((state.token_slots < 0).any())
     assert not failures, "\n".join(failures)

@@ -89,20 +89,37 @@ def test_plan_permutation_orders_by_expert_and_drops_over_capacity():
     assert indices.reshape(-1)[row_slot].tolist() == [0, 0, 1, 2, 2, 2, 2, 3]
     assert row_slot.tolist() == [1, 5, 3, 0, 2, 4, 7, 6]
     assert (token_slots.reshape(-1)[row_slot] == torch.arange(8)).all()
+    # with a capacity every expert gets exactly 2 rows: its earliest choices, then padding (-1)
     row_slot, token_slots, counts = plan_permutation(indices, 4, capacity=2)
-    assert counts.tolist() == [2, 1, 2, 1]
-    assert row_slot.tolist() == [1, 5, 3, 0, 2, 6]  # expert 2 keeps tokens 0 and 1
-    assert token_slots.tolist() == [[3, 0], [4, 2], [-1, 1], [5, -1]]
+    assert counts.tolist() == [2, 2, 2, 2]
+    assert row_slot.tolist() == [1, 5, 3, -1, 0, 2, 6, -1]  # expert 2 keeps tokens 0 and 1
+    assert token_slots.tolist() == [[4, 0], [5, 2], [-1, 1], [6, -1]]
 
 
-def test_capacity_factor_drops_tokens():
+def test_plan_permutation_makes_no_host_sync():
+    """Static shapes, no bincount/nonzero/boolean indexing (they read back to the host on CUDA)."""
+    from support.host_syncs import HostSyncs
+
+    indices = torch.randint(0, 8, (64, 2), generator=torch.Generator().manual_seed(0))
+    with HostSyncs() as syncs:
+        for capacity in (None, 5):
+            plan_permutation(indices, 8, capacity)
+        indices[indices > 3].sum()  # the instrument sees a boolean index (it must fail here)
+    assert [e.op for e in syncs.events] == ["boolean indexing"], syncs.events
+
+
+def test_capacity_factor_drops_tokens_and_pads_every_expert():
     layer = make(capacity_factor=0.25)
     state = LayerState()
-    run_nodes(layer.node_plan(), (torch.randn(12, H),), state)
+    x = torch.randn(12, H)
+    out = run_nodes(layer.node_plan(), (x,), state)[0]
     capacity = layer.config.capacity(12)
     assert capacity == 2
-    assert int(state.tokens_per_expert.max()) <= capacity
-    assert int((state.token_slots < 0).sum()) == 24 - int(state.tokens_per_expert.sum()) > 0
+    assert state.rows_per_expert.tolist() == [capacity] * 4
+    assert state.row_slot.numel() == 4 * capacity  # padded: a static number of rows
+    kept = int((state.token_slots >= 0).sum())
+    assert kept == int((state.row_slot >= 0).sum()) < 24  # some choices dropped, rest padding
+    torch.testing.assert_close(out, naive_moe(layer, x, capacity), rtol=1e-5, atol=1e-6)
 
 
 def test_node_plan_shape_and_leading_tensors_pass_through():

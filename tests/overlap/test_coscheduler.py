@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.overlap.coscheduler import CombinedRunner, combined_step
+from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
 from megapipe.overlap.tape import record_forward, run_backward
-from megapipe.overlap.trace import NodeTrace
+from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 
-from overlap_asserts import assert_same_tensors
-from overlap_toys import ToyOpaque, toy_stack
+from support.overlap_asserts import assert_same_tensors
+from support.overlap_toys import ToyOpaque, toy_stack
 
 
 def _grads(*modules):
@@ -105,16 +105,22 @@ def test_trace_shows_the_four_pairs_in_every_moe_layer():
     expected = []
     for k in range(3):
         b = 2 - k
+        # deferred weight gradients: the first half of layer b's beside its B dispatch, the
+        # rest held for the next layer's B combine (after the short forward attention)
+        held = [("W", b + 1, "wgrad")] if k > 0 else []
         expected += [
-            ("B", b, "combine", [("F", k, "attention")]),
+            ("B", b, "combine", sorted([("F", k, "attention")] + held)),
             ("F", k, "dispatch", [("B", b, "experts")]),
             ("B", b, "dispatch", [("F", k, "experts"), ("W", b, "wgrad")]),
             ("F", k, "combine", [("B", b, "attention")]),
         ]
     assert found == expected
-    # issue order of the compute stream within one pair of layers
-    compute = [s.label() for s in trace.by_start() if s.stream == "compute"][:6]
-    assert compute == ["B0.2.finish", "F1.0.attention", "B0.2.experts", "F1.0.experts", "W0.2.wgrad", "B0.2.attention"]
+    # issue order of the compute stream within one pair of layers, and into the next
+    compute = [s.label() for s in trace.by_start() if s.stream == "compute"][:10]
+    assert compute == ["B0.2.finish", "F1.0.attention", "B0.2.experts", "F1.0.experts", "W0.2.wgrad",
+                       "B0.2.attention", "F1.0.finish", "B0.1.finish", "F1.1.attention", "W0.2.wgrad"]
+    # the last layer's held half runs at the end of the step
+    assert [s.label() for s in trace.by_start()][-1] == "W0.0.wgrad"
 
 
 def test_dense_and_leftover_layers_run_alone():
@@ -170,7 +176,7 @@ def test_memory_of_combined_step_is_at_most_sequential():
         if combined:
             live = []
             with make_streams("cpu") as streams:
-                runner = CombinedRunner(streams, tape_j, (torch.ones(4, 8),))
+                runner = CoScheduler(streams, TapeBackward(tape_j, (torch.ones(4, 8),)))
                 x = (torch.randn(4, 8),)
                 for layer in stack:
                     x = runner.run_layer(layer, x)
@@ -193,7 +199,7 @@ def test_layer_without_node_protocol_runs_whole_and_warns_once():
     ref = copy.deepcopy(stack)
     x = torch.randn(4, 8)
     with make_streams("cpu") as streams:
-        runner = CombinedRunner(streams)
+        runner = CoScheduler(streams)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
@@ -248,7 +254,7 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         xi = x_i.clone().requires_grad_(True)
         if combined:
             with make_streams("cpu") as streams:
-                runner = CombinedRunner(streams, recorder.tape, None, delay_wgrad_compute=True)
+                runner = CoScheduler(streams, TapeBackward(recorder.tape, None, wgrad=WeightGradQueue()))
                 loss_i = model_forward(stack, runner, xi)
                 (gx_j,) = runner.finish()
             tape_i = runner.tape
@@ -294,3 +300,43 @@ def test_a_queuing_compute_stream_gets_its_node_before_the_comm_node():
     assert_same_tensors(list(out_a), list(out_b))
     assert_same_tensors(list(grads_a), list(grads_b))
     assert_same_tensors(params_a, params_b)
+
+
+def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits():
+    from megapipe.moe import EmulatedLink, MoEConfig, MoELayer
+
+    # ep = 1 with an emulated link, so the comm nodes take time on the comm thread
+    config = MoEConfig(hidden_size=16, num_experts=4, top_k=2, ffn_hidden_size=32, init_std=0.5,
+                       aux_loss_coeff=0.01, link=EmulatedLink(1e12, 0.01))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
+    g = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(5))
+    results, traces = [], []
+    for chunks in (1, 2):
+        layers = [MoELayer(config, layer_index=i, seed=3) for i in range(2)]
+        trace = NodeTrace()
+        with make_streams("cpu") as streams:
+            forward = CoScheduler(streams, trace=trace, fwd_microbatch=0, a2a_chunks=chunks)
+            out = (x,)
+            for layer in layers:
+                out = forward.run_layer(layer, out)
+            forward.finish()
+            backward = CoScheduler(streams, TapeBackward(forward.tape, (g,), 0, WeightGradQueue()),
+                                   trace=trace, a2a_chunks=chunks)
+            (gx,) = backward.finish()
+        results.append([out[0], gx] + [p.grad for layer in layers for p in layer.parameters()])
+        traces.append(trace)
+    assert_same_tensors(results[0], results[1])
+    def side_by_side(trace):
+        slots = [sorted((s.direction, s.node) for s in slot if s.direction != "W")
+                 for slot in trace.slots()]
+        return [nodes for nodes in slots if len(nodes) > 1]
+
+    chunked = side_by_side(traces[1])
+    for direction in ("F", "B"):
+        # one chunk's all-to-all beside the other chunk's experts, twice per layer
+        for pair in ({"dispatch1", "experts0"}, {"combine0", "experts1"}):
+            if direction == "B":
+                pair = {"combine1", "experts0"} if "dispatch1" in pair else {"dispatch0", "experts1"}
+            found = [n for n in chunked if n[0][0] == direction and {x for _, x in n} == pair]
+            assert len(found) == 2, (direction, pair, chunked)
+    assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one

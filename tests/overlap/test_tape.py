@@ -9,8 +9,8 @@ from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 
-from overlap_asserts import assert_same_tensors
-from overlap_toys import toy_stack
+from support.overlap_asserts import assert_same_tensors
+from support.overlap_toys import toy_stack
 
 
 def _plain(layers, x, grad_out):
@@ -203,3 +203,43 @@ def test_gradients_meeting_at_a_residual_used_five_times_sum_in_autograds_order(
         run_nodes(plan, (ref,))[0].backward(g)
         (gx,) = run_backward(record_forward([plan], (x.clone().requires_grad_(True),))[1], (g,))
         assert torch.equal(gx, ref.grad)
+
+
+def _forked_plan(w: torch.Tensor) -> list:
+    """head -> (x, a, b); two branches (comm: roll, compute: tanh @ w); join: x + a' * b'."""
+    head = Node("head", NodeKind.COMPUTE, lambda s, t: (t[0], t[0] @ w, torch.sin(t[0])))
+    branch = lambda c: (Node(f"roll{c}", NodeKind.COMM, lambda s, t: (torch.roll(t[0], 1, 0),)),
+                        Node(f"mix{c}", NodeKind.COMPUTE, lambda s, t: (torch.tanh(t[0] @ w),)))
+    from megapipe.overlap.plan import Fork
+
+    join = Node("join", NodeKind.COMPUTE, lambda s, t: (t[0] + t[1] * t[2],))
+    return [head, Fork((branch(0), branch(1))), join]
+
+
+def test_a_forked_layer_on_the_tape_gives_the_bits_of_plain_autograd():
+    gen = torch.Generator().manual_seed(2)
+    w_ref = torch.randn(8, 8, generator=gen).requires_grad_()
+    w = w_ref.detach().clone().requires_grad_()
+    x, g = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    x_ref = x.clone().requires_grad_()
+    out_ref = run_nodes(_forked_plan(w_ref), (x_ref,))[0]
+    out_ref.backward(g)
+    x_in = x.clone().requires_grad_()
+    outs, tape = record_forward([_forked_plan(w)], (x_in,))
+    layer = tape.layers[0]
+    assert [r.sources for r in layer.nodes][-1][0] == (0, slice(None, -2))  # x goes around
+    (gx,) = run_backward(tape, (g,))
+    assert torch.equal(outs[0], out_ref) and torch.equal(gx, x_ref.grad)
+    assert torch.equal(w.grad, w_ref.grad)
+    assert tape.live_tensors() == 0
+
+
+def test_a_node_whose_output_gradients_are_incomplete_cannot_run_backward():
+    w = torch.randn(8, 8, requires_grad=True)
+    _, tape = record_forward([_forked_plan(w)], (torch.randn(5, 8, requires_grad=True),))
+    layer = tape.begin_layer_backward((torch.ones(5, 8),))
+    tape.backward_step(layer, 5)  # the join
+    tape.backward_step(layer, 2)  # branch 0 (roll, mix): its last node
+    tape.backward_step(layer, 1)
+    with pytest.raises(RuntimeError, match="'head': the gradients of its outputs are not all known"):
+        tape.backward_step(layer, 0)  # branch 1 has not run backward yet

@@ -1,10 +1,9 @@
 """Deferred weight gradients: same bits as computing them at once."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from megapipe.overlap.plan import LayerState
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 
 
@@ -20,7 +19,7 @@ def test_deferred_weight_grads_are_bitwise_immediate(counts):
         weight.grad = torch.full_like(w, 0.5)  # accumulation onto an existing grad
         xi = x.clone().requires_grad_(True)
         queue = WeightGradQueue()
-        source = SimpleNamespace(wgrad_queue=queue if defer else None)
+        source = LayerState(wgrad_queue=queue if defer else None)
         for _ in range(2):
             out = grouped_matmul(xi, counts, weight, source)
             out.backward(g)
@@ -51,7 +50,7 @@ def test_bad_counts_are_named():
 
 def test_deferral_needs_a_leaf_weight():
     base = torch.nn.Parameter(torch.randn(2, 3, 3))
-    source = SimpleNamespace(wgrad_queue=WeightGradQueue())
+    source = LayerState(wgrad_queue=WeightGradQueue())
     out = grouped_matmul(torch.randn(4, 3), [2, 2], base * 2, source)
     with pytest.raises(RuntimeError, match="only for a leaf weight"):
         out.sum().backward()

@@ -112,3 +112,39 @@ def test_create_groups_all_reduces_over_layout(rank_pools):
 def test_create_groups_rejects_wrong_world_before_any_group(rank_pools):
     messages = rank_pools(4).run(_create_with_wrong_world)
     assert all("world_size=4 does not match pp x dp = 2 x 4 = 8" in m for m in messages)
+
+
+def test_high_priority_groups_get_nccl_high_priority_streams(monkeypatch):
+    """On NCCL, the groups named in ``high_priority`` are created with
+    ``ProcessGroupNCCL.Options(is_high_priority_stream=True)``, the others plainly (the CPU
+    build has no NCCL: its Options class and the world are stood in for)."""
+
+    class Options:
+        def __init__(self, is_high_priority_stream: bool = False) -> None:
+            self.is_high_priority_stream = is_high_priority_stream
+
+    created = []
+
+    def new_group(ranks, backend=None, **kwargs):
+        created.append((tuple(ranks), kwargs))
+        return object()
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("NCCL", (), {"Options": Options}),
+                        raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "new_group", new_group)
+    config = ParallelConfig(pp=2, dp=4, ep=2)
+    create_groups(config, high_priority=["ep"])
+    layout = rank_layout(config)
+    with_options = [ranks for ranks, kw in created if kw]
+    assert with_options == list(layout.ep_groups)  # every EP group, and only those
+    assert all(kw["pg_options"].is_high_priority_stream for _, kw in created if kw)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    created.clear()
+    create_groups(config, high_priority=["ep"])
+    assert all(kw == {} for _, kw in created)  # nothing to set on gloo
+    with pytest.raises(ValueError, match=r"high_priority=\['tp'\] are not group names"):
+        create_groups(config, high_priority=["tp"])

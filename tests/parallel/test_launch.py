@@ -4,8 +4,9 @@ import sys
 import pytest
 import torch
 
-from megapipe.parallel.launch import default_backend, expand_hostlist, resolve_launch
-from megapipe.parallel.testing import free_port
+from megapipe.parallel.launch import default_backend, resolve_launch
+from megapipe.parallel.slurm_hostlist import expand_hostlist
+from megapipe.parallel.launch import free_port
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,7 @@ def test_torchrun_env():
 
 
 def test_slurm_env_uses_first_host_and_job_port():
-    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "16", "SLURM_LOCALID": "2",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_NTASKS": "16", "SLURM_LOCALID": "2",
            "SLURM_JOB_NODELIST": "gpu[03-04],login1", "SLURM_JOB_ID": "123456"}
     info = resolve_launch(env)
     assert (info.rank, info.world_size, info.local_rank) == (6, 16, 2)
@@ -90,3 +91,37 @@ def test_real_init_with_explicit_arguments():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["gloo", "explicit", "1", "[1.0,", "1.0]"]
+
+
+def test_launcher_detection_is_one_rule_for_training_and_rendezvous():
+    from megapipe.parallel.launch import detect_launcher, launched_world_size
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4"}
+    srun_task = {"SLURM_STEP_ID": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    batch_shell = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}
+    assert (detect_launcher(torchrun), launched_world_size(torchrun)) == ("torchrun", 4)
+    assert (detect_launcher(srun_task), launched_world_size(srun_task)) == ("slurm", 2)
+    # an sbatch script's own shell is not one of the job's ranks
+    assert (detect_launcher(batch_shell), launched_world_size(batch_shell)) == (None, None)
+    with pytest.raises(ValueError, match="cannot tell this process's rank"):
+        resolve_launch(batch_shell)
+
+
+def test_nccl_init_binds_the_device_so_communicators_start_eagerly(monkeypatch):
+    """With CUDA, init_process_group gets device_id = this rank's GPU (stood in for here)."""
+    import torch.distributed as dist
+
+    from megapipe.parallel.launch import init_distributed
+
+    calls = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set", device))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kwargs: calls.update(backend=backend, **kwargs))
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
+    init_distributed(env=env)
+    assert calls["backend"] == "nccl" and calls["set"] == 3
+    assert calls["device_id"] == torch.device("cuda", 3)

@@ -1,0 +1,382 @@
+"""A Megatron-compatible front end: ``get_forward_backward_func`` over megapipe's executor.
+
+A Megatron pretrain script swaps one import::
+
+    # from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megapipe import get_forward_backward_func
+
+    forward_backward_func = get_forward_backward_func(pp=4, vpp=2)
+    losses = forward_backward_func(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=8, seq_length=1024, micro_batch_size=1)
+
+and keeps its ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``.
+Megatron's conventions hold:
+
+- ``model`` is one chunk, or a list of chunks under virtual pipelining: chunk j of a rank is the
+  j-th stage (in increasing stage order) the schedule places on it (stage ``r + j * pp`` for
+  loop placement). ``data_iterator`` is one iterator or a list with one per chunk.
+- Before each forward the executor calls ``chunk.set_input_tensor(t)``: ``t`` is the received
+  activation on a chunk that is not the first stage (None on the first), and the chunk's
+  forward must use it instead of its token input, exactly as Megatron's models do
+  (``GPTStage.set_input_tensor`` implements it for the reference model).
+- On the last stage ``loss_func(output_tensor)`` returns ``(loss, {name: value})`` or
+  ``(loss, num_tokens, {name: value})``; the loss is divided by ``num_tokens`` (3-tuple form,
+  unless ``calculate_per_token_loss``) and by ``num_microbatches`` before backward, and the
+  function returns the list of per-microbatch dicts on ranks that hold a last stage (an empty
+  list elsewhere). With ``forward_only`` and ``collect_non_loss_data`` it stores
+  ``loss_func(output_tensor, non_loss_data=True)`` instead.
+
+The schedule follows ``pp``, ``vpp`` and ``schedule`` (default ``interleaved-1f1b`` when
+vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing stages have
+the shape ``(micro_batch_size, seq_length, hidden_size)`` (``layout="bsh"``, megapipe's GPT) or
+``(seq_length, micro_batch_size, hidden_size)`` (``layout="sbh"``, Megatron's). Gradients are
+reduced over data parallelism inside the call when ``groups`` is given and ``reduce_grads``.
+
+Megatron-Core ``GPTModel`` chunks (also inside Megatron's ``Float16Module`` and
+``DistributedDataParallel``) are wrapped in ``McoreGPTStage`` (``mcore_adapter``), so they
+overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called
+with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
+layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
+``reduce_grads=False`` the call ends, as Megatron's schedules do, with
+``config.finalize_model_grads_func(model, None)`` when the script set it (Megatron's DDP
+reduction, tied embeddings); with ``reduce_grads=True`` megapipe reduces (chunks must not be
+DDP-wrapped then).
+``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
+unused (no encoder-decoder models, no validation-step special case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
+from megapipe.megatron.mcore_support import check_ddp
+from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.pipeline.executor import PipelineExecutor, StepResult
+from megapipe.pipeline.p2p import TensorSpec
+from megapipe.schedule import Kind, Schedule, build_schedule
+
+ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
+
+
+def default_schedule_name(pp: int, vpp: int) -> str:
+    """Megatron's choice: interleaved 1F1B with virtual stages, else 1F1B (pp=1: no pipeline)."""
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
+@dataclass
+class _CallState:
+    """What one call collects while the executor runs: loss functions and results."""
+
+    forward_step_func: ForwardStepFunc
+    iterators: dict[int, Any]
+    num_microbatches: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    calculate_per_token_loss: bool
+    stage_of: dict[int, int]  # id(chunk) -> its stage
+    loss_funcs: dict[int, Callable[..., Any]] = field(default_factory=dict)
+    store: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _LossTarget:
+    """The executor's target of a last-stage microbatch: which stage and microbatch it is, so
+    the loss step finds that stage's ``loss_func``."""
+
+    stage: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class FrontEndOptions:
+    """What ``get_forward_backward_func`` was asked for (see its docstring), checked once."""
+
+    pp: int = 1
+    vpp: int = 1
+    schedule: str | None = None
+    groups: ProcessGroups | None = None
+    hidden_size: int | None = None
+    layout: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
+    dtype: torch.dtype | None = None  # None: a Megatron-Core chunk's pipeline dtype, else fp32
+    timeout: float = 300.0
+    overlap: bool = False
+    calculate_per_token_loss: bool = False
+    reduce_grads: bool = True
+    delay_wgrad_compute: bool = False
+    record_trace: bool = False
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in (("pp", self.pp), ("vpp", self.vpp)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.layout not in (None, "bsh", "sbh"):
+            raise ValueError(
+                f"layout={self.layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
+            )
+        if self.groups is not None and self.groups.config.pp != self.pp:
+            raise ValueError(
+                f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
+            )
+        if self.delay_wgrad_compute and not self.overlap:
+            raise ValueError(
+                "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
+                "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
+            )
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or default_schedule_name(self.pp, self.vpp)
+
+
+class MegatronForwardBackward:
+    """The callable ``get_forward_backward_func`` returns (see the module docstring)."""
+
+    def __init__(self, options: FrontEndOptions) -> None:
+        self.options = options
+        self.schedule_name = options.schedule_name
+        self.last_result: StepResult | None = None  # the executor's StepResult of the last call
+        self._executors: dict[tuple, tuple[PipelineExecutor, dict[int, nn.Module]]] = {}
+        self._call: _CallState | None = None
+
+    # -------------------------------------------------------------- Megatron's call
+    def __call__(
+        self,
+        *,
+        forward_step_func: ForwardStepFunc,
+        data_iterator: Iterator | Sequence[Iterator] | None,
+        model: nn.Module | Sequence[nn.Module],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+    ) -> list[Any]:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
+        if not forward_only:
+            for chunk in chunks:
+                check_ddp(chunk, self.options.reduce_grads)
+        if isinstance(data_iterator, (list, tuple)):
+            if len(data_iterator) != len(chunks):
+                raise ValueError(
+                    f"data_iterator is a list of {len(data_iterator)} but model has "
+                    f"{len(chunks)} chunks; give one iterator per chunk (or a single one)"
+                )
+            iterators = {s: data_iterator[j] for j, s in enumerate(sorted(stages))}
+        else:
+            iterators = {s: data_iterator for s in stages}
+        self._call = _CallState(
+            forward_step_func, iterators, num_microbatches, forward_only,
+            collect_non_loss_data, self.options.calculate_per_token_loss,
+            stage_of={id(module): stage for stage, module in stages.items()},
+        )
+        try:
+            schedule = executor.schedule
+            targets = [None] * num_microbatches
+            for stage in stages:
+                if schedule.is_last_stage(stage):
+                    for i in range(num_microbatches):
+                        if stage in schedule.stages_for(i):
+                            targets[i] = _LossTarget(stage, i)
+            placeholders = [None] * num_microbatches
+            self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
+            if not forward_only and not self.options.reduce_grads:
+                self._finalize_like_megatron(chunks, stages)
+            return [self._call.store[i] for i in sorted(self._call.store)]
+        finally:
+            self._call = None
+
+    # -------------------------------------------------------------- executor per shape
+    def _executor(
+        self, chunks: list[nn.Module], num_microbatches: int, seq_length: int, micro_batch_size: int
+    ) -> tuple[PipelineExecutor, dict[int, nn.Module]]:
+        key = (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
+        if key in self._executors:
+            return self._executors[key]
+        o = self.options
+        schedule = build_schedule(
+            self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=o.overlap,
+            **o.schedule_options,
+        )
+        self._check_forward_order(schedule)
+        pp_rank = pipeline_position(o.pp, o.groups).rank
+        stage_ids = schedule.stages_of_rank(pp_rank)
+        if len(chunks) != len(stage_ids):
+            raise ValueError(
+                f"the {self.schedule_name!r} schedule with pp={o.pp}, vpp={o.vpp} places "
+                f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
+                f"model has {len(chunks)}"
+            )
+        chunks = [as_stage_module(chunk) for chunk in chunks]
+        for chunk in chunks:
+            if not callable(getattr(chunk, "set_input_tensor", None)):
+                raise TypeError(
+                    f"model chunk {type(chunk).__name__} has no set_input_tensor(tensor); "
+                    "Megatron's convention needs it to hand a received activation to the chunk"
+                )
+        stages = dict(zip(stage_ids, chunks))
+        for stage, chunk in stages.items():
+            if isinstance(chunk, McoreGPTStage):
+                first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
+                chunk.check_stage(stage, first, last)
+        hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
+        if hidden is None and o.pp > 1:
+            raise ValueError(
+                "hidden_size is needed for the activation shape: pass it to "
+                "get_forward_backward_func or give the chunks a .config.hidden_size"
+            )
+        megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
+        layout = o.layout or ("sbh" if megatron else "bsh")
+        shape = (
+            (micro_batch_size, seq_length, hidden)
+            if layout == "bsh"
+            else (seq_length, micro_batch_size, hidden)
+        )
+        dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
+        executor = PipelineExecutor(
+            schedule,
+            stages,
+            spec=TensorSpec(shape, dtype) if hidden is not None else None,
+            loss_fn=self._loss,
+            groups=o.groups,
+            grad_reduction="dp" if o.reduce_grads else "none",
+            forward_fn=self._forward,
+            timeout=o.timeout,
+            delay_wgrad_compute=o.delay_wgrad_compute,
+            record_trace=o.record_trace,
+        )
+        self._executors[key] = (executor, stages)
+        return executor, stages
+
+    def _finalize_like_megatron(self, chunks: list[nn.Module], stages: dict) -> None:
+        """With ``reduce_grads=False``, Megatron-Core chunks get what Megatron's schedules do
+        after the last backward: ``config.finalize_model_grads_func(model, None)`` when the
+        script set it (DDP reduction, tied-embedding and expert gradients)."""
+        megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
+        if not megatron:
+            return
+        config = megatron[0].config
+        finalize = getattr(config, "finalize_model_grads_func", None)
+        if finalize is None:
+            return
+        finalize(chunks, None)  # no token count: calculate_per_token_loss is refused
+
+    def _check_forward_order(self, schedule: Schedule) -> None:
+        """forward_step_func reads the next batch from a chunk's iterator: every stage must run
+        its forwards in microbatch order for the batches to line up."""
+        order: dict[int, list[int]] = {}
+        for row in schedule.actions:
+            for action in row:
+                for comp in action.computations():
+                    if comp.kind is Kind.F:
+                        order.setdefault(comp.stage, []).append(comp.microbatch)
+        for stage, mbs in order.items():
+            if mbs != sorted(mbs):
+                raise ValueError(
+                    f"schedule {self.schedule_name!r} runs stage {stage}'s forwards in the order "
+                    f"{mbs}; the Megatron front end needs microbatch order (the data iterator "
+                    "is read once per forward)"
+                )
+
+    def close(self) -> None:
+        """Stop the executors' communication streams (combined schedules)."""
+        for executor, _ in self._executors.values():
+            executor.close()
+
+    # -------------------------------------------------------------- executor hooks
+    def _forward(self, chunk: nn.Module, stage_input: Any) -> torch.Tensor:
+        call = self._call
+        assert call is not None
+        chunk.set_input_tensor(stage_input if isinstance(stage_input, torch.Tensor) else None)
+        stage = call.stage_of[id(chunk)]
+        try:
+            output, loss_func = call.forward_step_func(call.iterators[stage], chunk)
+        finally:
+            chunk.set_input_tensor(None)  # hold no activation beyond this forward
+        call.loss_funcs[stage] = loss_func
+        return output
+
+    def _loss(self, output: torch.Tensor, target: _LossTarget) -> torch.Tensor:
+        call = self._call
+        assert call is not None
+        loss_func = call.loss_funcs.pop(target.stage)
+        if call.forward_only and call.collect_non_loss_data:
+            call.store[target.microbatch] = loss_func(output, non_loss_data=True)
+            return torch.zeros(())
+        outputs = loss_func(output)
+        if len(outputs) == 3:
+            loss, num_tokens, reduced = outputs
+            if not call.calculate_per_token_loss:
+                loss = loss / num_tokens
+        elif len(outputs) == 2:
+            loss, reduced = outputs
+        else:
+            raise ValueError(
+                f"loss_func returned {len(outputs)} values; Megatron's forms are "
+                "(loss, {name: value}) and (loss, num_tokens, {name: value})"
+            )
+        call.store[target.microbatch] = reduced
+        return loss
+
+
+def _pipeline_dtype(chunk: McoreGPTStage) -> torch.dtype:
+    """What a Megatron-Core chunk sends between stages: its config's pipeline dtype."""
+    config = chunk.config
+    return config.pipeline_dtype or config.params_dtype or torch.float32
+
+
+def get_forward_backward_func(
+    pp: int = 1,
+    vpp: int = 1,
+    schedule: str | None = None,
+    *,
+    groups: ProcessGroups | None = None,
+    hidden_size: int | None = None,
+    layout: str | None = None,
+    dtype: torch.dtype | None = None,
+    timeout: float = 300.0,
+    overlap: bool = False,
+    calculate_per_token_loss: bool = False,
+    reduce_grads: bool = True,
+    overlap_moe_expert_parallel_comm: bool = False,
+    delay_wgrad_compute: bool = False,
+    record_trace: bool = False,
+    **schedule_options: Any,
+) -> MegatronForwardBackward:
+    """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
+
+    ``pp``/``vpp``/``schedule`` pick the schedule (see the module docstring); ``groups`` (from
+    ``megapipe.parallel.create_groups``) give the pipeline, data- and expert-parallel groups,
+    otherwise the default group is the pipeline. ``overlap_moe_expert_parallel_comm=True``
+    (Megatron's flag; ``overlap=True`` is the same) picks the combined variant of the schedule:
+    one microbatch's forward co-scheduled with another's backward, layer by layer, so the
+    expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
+    overlap) defers expert weight gradients into the time of a backward all-to-all. With
+    ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
+    ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
+
+    The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
+    the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
+    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
+    Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)
+    overlaps; any other chunk runs F then B (warned once). ``layout`` and ``dtype`` default to
+    Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
+    ``"bsh"`` and fp32.
+    """
+    return MegatronForwardBackward(FrontEndOptions(
+        pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
+        layout=layout, dtype=dtype, timeout=timeout,
+        overlap=overlap or overlap_moe_expert_parallel_comm,
+        calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
+        delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
+        schedule_options=dict(schedule_options),
+    ))

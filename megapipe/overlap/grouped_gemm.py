@@ -1,0 +1,80 @@
+"""The three GEMMs of a grouped matmul, as one torch kernel where this torch has one.
+
+``x [n, in]`` is split into row groups of ``counts`` (group i multiplies ``weight[i]``,
+``weight [groups, in, out]``). Forward ``y_i = x_i @ w_i``, input gradient
+``dx_i = dy_i @ w_i^T``, weight gradient ``dw_i = x_i^T @ dy_i``.
+
+With ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``; looked up with ``hasattr``)
+each is one kernel over all groups, driven by the groups' end offsets as an int32 *device*
+tensor, so nothing is read back to the host. It is used when the caller passes those offsets
+and the kernel takes the operands: on CUDA bf16 on compute capability >= 8.0 (torch's own rule),
+on CPU float32/bf16/float16; every row stride a multiple of 16 bytes. Otherwise a Python loop
+over the groups (host ``counts``) does the same products. On CPU the two give the same bits
+(tested), so a run does not change when torch gains the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel() -> Callable[..., torch.Tensor] | None:
+    if hasattr(F, "grouped_mm"):
+        return F.grouped_mm
+    return getattr(torch, "_grouped_mm", None)
+
+
+def _aligned(*sizes: int, element_size: int) -> bool:
+    return all(size * element_size % 16 == 0 for size in sizes)
+
+
+def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> bool:
+    """Whether the one-kernel path applies to ``x`` and ``weight`` (module docstring)."""
+    if offsets is None or _kernel() is None or x.dtype != weight.dtype:
+        return False
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in _CPU_DTYPES:
+        return False
+    return _aligned(weight.shape[1], weight.shape[2], element_size=x.element_size())
+
+
+def grouped_forward(
+    x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], offsets: torch.Tensor | None
+) -> torch.Tensor:
+    """``cat_i(x_i @ weight[i])``."""
+    kernel = _kernel()
+    if kernel is not None and use_grouped_mm(x, weight, offsets):
+        return kernel(x.contiguous(), weight, offs=offsets)
+    chunks = torch.split(x, list(counts), dim=0)
+    return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
+
+
+def grouped_input_grad(
+    grad: torch.Tensor, weight: torch.Tensor, counts: Sequence[int], offsets: torch.Tensor | None
+) -> torch.Tensor:
+    """``cat_i(grad_i @ weight[i]^T)``."""
+    kernel = _kernel()
+    if kernel is not None and use_grouped_mm(grad, weight, offsets):
+        return kernel(grad.contiguous(), weight.transpose(-2, -1), offs=offsets)
+    chunks = torch.split(grad, list(counts), dim=0)
+    return torch.cat([g @ weight[i].t() for i, g in enumerate(chunks)], dim=0)
+
+
+def grouped_weight_grad(
+    x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
+    offsets: torch.Tensor | None,
+) -> torch.Tensor:
+    """``stack_i(x_i^T @ grad_i)`` (zeros for an empty group), shaped like ``weight``."""
+    kernel = _kernel()
+    if kernel is not None and use_grouped_mm(x, weight, offsets):
+        return kernel(x.contiguous().t(), grad.contiguous(), offs=offsets)
+    x_chunks = torch.split(x, list(counts), dim=0)
+    grad_chunks = torch.split(grad, list(counts), dim=0)
+    return torch.stack([xc.t() @ g for xc, g in zip(x_chunks, grad_chunks)])

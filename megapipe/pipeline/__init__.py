@@ -1,0 +1,1 @@
+"""megapipe.pipeline: the engine that runs lowered schedules on a rank's stages."""

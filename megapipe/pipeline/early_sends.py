@@ -1,0 +1,169 @@
+"""Early sends: each half of an OVERLAP action hands its output on as soon as it is made.
+
+The lowering puts the sends of an OVERLAP (and the receives the rank needs next) in the batch
+right after it, so both halves' outputs used to wait for the whole pair, deferred weight
+gradients included. The executor now posts from inside the pair, on its own thread as before:
+the forward half's output once the forward's last layer has run, the backward half's input
+gradient once the backward's last node has run.
+
+What may go early is decided once per schedule and proven deadlock-free under the lowering's
+batched p2p model (``check_runs``: a rank's batches complete in the order posted; a send and its
+receive complete together once both of their batches are active), by running the model on the
+schedule as it will be posted (``early_model``):
+
+- *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the run after it,
+  kept in their lowered order, so per-peer matching is unchanged) each go in a batch of their
+  own as soon as ready, the run's receives with the first; the rest of the run after the pair.
+  In the model a batch boundary inside the run is made by a *separator*: a copy of the
+  OVERLAP's forward, which needs only what the OVERLAP needed (so it is ready at once after it)
+  and makes nothing new. At run time a send goes once it and every send before it are ready,
+  so the real batches are these or coarser, which in the model are active, and complete, no
+  later. Tried for every OVERLAP first, then (``SINGLE``) for OVERLAPs with one own send only;
+- *the whole batch* for every other OVERLAP: the run after it is posted as it stands, as soon as
+  both halves are done, i.e. before the held weight gradients and the end of the step. The model
+  cannot tell this from "after the OVERLAP", so it is always safe.
+
+For two neighbours that both send early in the same step, splitting the batch forms a cycle
+(each early send waits for a receive the peer posts only after its own early send completes).
+So 1F1B, ZB1P and interleaved 1F1B at vpp = 1 and ZBV send each half early; interleaved 1F1B and
+ZB1P at vpp > 1 only the pairs with one remote send (the others post their whole batch once both
+halves are done); DualPipe and DualPipeV (every pair sends twice) their whole batches
+(``tests/pipeline/test_early_sends.py`` lists the cases).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from megapipe.schedule.comm_check import check_runs
+from megapipe.schedule.errors import ScheduleError
+from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
+
+if TYPE_CHECKING:
+    from megapipe.pipeline.step_tensors import StepTensors
+
+EarlySends = dict[tuple[int, int], tuple[Action, ...]]
+"""(rank, index of an OVERLAP in the rank's lowered list) -> its sends that go out one by one."""
+
+EACH, SINGLE, WHOLE = "each half", "single-send pairs", "whole batch"
+RECEIVES = (Kind.RECV_F, Kind.RECV_B)
+
+
+def comm_run(row: Sequence[Action], index: int) -> list[Action]:
+    """The run of comm actions right after ``row[index]``."""
+    end = index + 1
+    while end < len(row) and row[end].kind in COMM_KINDS:
+        end += 1
+    return list(row[index + 1 : end])
+
+
+def own_sends(overlap: Action, run: Sequence[Action]) -> tuple[Action, ...]:
+    """The leading SENDs of ``run`` that carry ``overlap``'s own results."""
+    f, b = overlap.forward, overlap.backward
+    own = {(Kind.SEND_F, f.stage, f.microbatch), (Kind.SEND_B, b.stage, b.microbatch)}
+    sends = []
+    for action in run:
+        if (action.kind, action.stage, action.microbatch) not in own:
+            break
+        sends.append(action)
+    return tuple(sends)
+
+
+def candidates(lowered: Schedule) -> EarlySends:
+    """Every OVERLAP's sends that could go out one by one (before the proof)."""
+    found: EarlySends = {}
+    for rank, row in enumerate(lowered.actions):
+        for index, action in enumerate(row):
+            if action.kind is Kind.OVERLAP:
+                sends = own_sends(action, comm_run(row, index))
+                if sends:
+                    found[(rank, index)] = sends
+    return found
+
+
+def early_batches(run: Sequence[Action], early: Sequence[Action]) -> list[list[Action]]:
+    """How the run after an OVERLAP is posted when ``early`` (a prefix of its sends) go out one
+    by one: the first with every receive of the run, each further one alone, then the rest."""
+    if not early:
+        return [list(run)]
+    receives = [a for a in run if a.kind in RECEIVES]
+    rest = [a for a in run if a not in early and a.kind not in RECEIVES]
+    batches = [[early[0]] + receives] + [[send] for send in early[1:]]
+    return batches + ([rest] if rest else [])
+
+
+def early_model(lowered: Schedule, early: EarlySends) -> Schedule:
+    """``lowered`` with the runs after the OVERLAPs in ``early`` split as ``early_batches``."""
+    rows = []
+    for rank, row in enumerate(lowered.actions):
+        out: list[Action] = []
+        index = 0
+        while index < len(row):
+            action = row[index]
+            out.append(action)
+            index += 1
+            sends = early.get((rank, index - 1))
+            if not sends:
+                continue
+            run = comm_run(row, index - 1)
+            for number, batch in enumerate(early_batches(run, sends)):
+                if number:
+                    out.append(action.forward)  # the separator: ready at once, makes nothing new
+                out += batch
+            index += len(run)
+        rows.append(out)
+    return lowered.replace_actions(rows)
+
+
+def _holds(lowered: Schedule, early: EarlySends) -> bool:
+    try:
+        check_runs(early_model(lowered, early))
+    except ScheduleError:
+        return False
+    return True
+
+
+def plan_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
+    """The OVERLAP sends that go out one by one, and which rule gave them (module docstring);
+    every other OVERLAP posts its whole batch once both halves are done."""
+    found = candidates(lowered)
+    if found and _holds(lowered, found):
+        return found, EACH
+    single = {key: sends for key, sends in found.items() if len(sends) == 1}
+    if single and _holds(lowered, single):
+        return single, SINGLE
+    return {}, WHOLE
+
+
+class PairSends:
+    """Posts the run after one OVERLAP as its halves finish (``post_ready`` after each hand-over).
+
+    ``early``: the sends that go out one by one (``plan_early_sends``); empty: the whole run goes
+    once every send in it is ready. The executor posts whatever is left after the pair.
+    """
+
+    def __init__(
+        self, tensors: "StepTensors", run: Sequence[Action], early: Sequence[Action] = ()
+    ) -> None:
+        self.tensors = tensors
+        self.run = list(run)
+        self.early = list(early)
+        self.first = True
+
+    def post_ready(self) -> None:
+        tensors = self.tensors
+        if not self.early:
+            sends = [a for a in self.run if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+            if self.first and self.run and all(tensors.ready_to_send(a) for a in sends):
+                tensors.post(self.run)
+                self.first = False
+            return
+        ready = []
+        while self.early and tensors.ready_to_send(self.early[0]):
+            ready.append(self.early.pop(0))
+        if not ready:
+            return
+        if self.first:  # the run's receives go with the first early send (as in the proof)
+            ready += [a for a in self.run if a.kind in RECEIVES]
+            self.first = False
+        tensors.post(ready)

@@ -1,0 +1,403 @@
+"""PipelineExecutor: runs one rank's part of a lowered schedule on its real stages.
+
+The executor walks this rank's action list once per step. Each maximal run of consecutive comm
+actions is posted as one batch when reached; a compute action first waits for the batch that
+holds the tensor it consumes (``step_tensors.StepTensors``: the data in transit), then runs the
+stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
+combined schedule every training step of a ``StageModule`` runs on the streams through
+``StreamSteps.run`` (an OVERLAP action with both halves). After the last action the
+outstanding sends are completed, DualPipe's mirrored gradients summed and, unless
+``grad_reduction="none"``, data-parallel gradients averaged and tied embeddings summed
+(``grad_sync``).
+
+Everything is checked before the first action runs: the schedule is validated (a lowered one
+must run to the end under the batched p2p model), the stages must be exactly those the
+placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
+that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward steps
+(under ``torch.no_grad``) lowered on their own, so it stores no activation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.overlap.node_trace import NodeTrace
+from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.pipeline.checks import (
+    check_executor_options, check_inputs, check_overlap_options, check_stages,
+)
+from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
+from megapipe.pipeline.grad_sync import (
+    all_reduce_grads,
+    sum_mirrored_grads,
+    sum_tied_embedding_grads,
+)
+from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
+from megapipe.pipeline.stage_module import is_stage_module
+from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
+from megapipe.pipeline.stream_steps import BackwardHalf, ForwardHalf, StreamSteps
+from megapipe.pipeline.step_tensors import StepTensors
+from megapipe.schedule.ir import Action, Kind, Schedule
+from megapipe.schedule.lower import check_runs
+from megapipe.schedule.rank_plan import forward_only_schedule, is_lowered, lower_schedule
+from megapipe.schedule.validate import validate
+
+LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
+"""``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
+
+GRAD_REDUCTIONS = ("dp", "none")
+
+
+@dataclass
+class StepResult:
+    """What one step produced on this rank.
+
+    - ``losses``: per-microbatch unscaled losses of this rank's last stages (detached);
+    - ``outputs``: last-stage outputs when there is no ``loss_fn``;
+    - ``peak_live_activations``: the most microbatches whose activations were held at once;
+    - with ``record_trace=True`` and a combined schedule (OVERLAP actions): ``trace``, the
+      ``NodeTrace`` of every node this rank ran on the streams; ``a2a_time``, the summed
+      seconds of its comm nodes (the expert-parallel all-to-alls, including an emulated link's
+      wait); ``compute_time``, the summed seconds of its compute nodes; and
+      ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
+      (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
+    """
+
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)  # what loss_fn returned beyond the loss
+    peak_live_activations: int = 0
+    trace: NodeTrace | None = None
+    a2a_time: float | None = None
+    compute_time: float | None = None
+    exposed_comm_fraction: float | None = None
+
+
+@dataclass
+class _Step:
+    """One step in progress: its data in transit, the last stages' targets, the result."""
+
+    tensors: StepTensors
+    targets: Sequence[Any] | None
+    forward_only: bool
+    result: StepResult = field(default_factory=StepResult)
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` on this rank's ``stages`` ({stage id: module}).
+
+    ``schedule`` is a compute-only schedule (lowered here) or an already lowered one.
+    ``groups`` (``create_groups``) gives the pipeline position, the PP group for p2p and the
+    DP/expert-DP groups; without it ``pp_group`` (or the default group) is the pipeline.
+    ``grad_reduction``: ``"dp"`` (default) averages gradients over data parallelism after each
+    training step (dense over DP, experts over expert-DP; needs ``groups`` when dp > 1) and
+    sums the two copies of an embedding tied across the first and last stage
+    (``shared_embedding``), ``"none"`` leaves the accumulated gradients to the caller (e.g.
+    Megatron's DDP and ``finalize_model_grads``).
+    ``spec`` declares what each stage sends forward: one ``TensorSpec`` for every boundary, or a
+    function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
+    gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
+    ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
+    ``module(input)`` (the Megatron front end runs the user's forward step through it).
+
+    Stages that implement ``StageModule`` (``stage_module.py``) run node by node in combined
+    schedules (any OVERLAP action): every training F/B/I on the streams through
+    ``StreamSteps`` (an OVERLAP action as a real combined step, the others alone), all comm
+    nodes on one communication stream (made once, closed by ``close()``); their auxiliary-loss
+    scale is set to 1/num_microbatches each step. ``use_tape=True`` runs them on the tape in
+    plain schedules too (same bits, one autograd call per node). ``delay_wgrad_compute``
+    (Megatron's flag; needs a combined schedule) defers the expert weight gradients of each
+    backward to run while a backward all-to-all is in flight. ``moe_a2a_chunks`` k > 1 (needs a
+    combined schedule) records every MoE layer with its all-to-alls in k expert groups, so a step
+    with no partner overlaps its own chunks (``stream_steps``). ``record_trace`` records a
+    ``NodeTrace`` per step and fills the timing fields of ``StepResult``. Pipeline p2p stays on
+    the calling thread: a pair's receives are posted in the batch before its OVERLAP action; its
+    sends go out from inside it as each half's result is made (``early_sends``: proven
+    deadlock-free per schedule, ``early_send_rule`` says which rule applies).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, nn.Module],
+        *,
+        spec: TensorSpec | SpecFn | None = None,
+        loss_fn: LossFn | None = None,
+        groups: ProcessGroups | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        grad_reduction: str = "dp",
+        forward_fn: ForwardFn = module_forward,
+        timeout: float = 300.0,
+        use_tape: bool = False,
+        delay_wgrad_compute: bool = False,
+        moe_a2a_chunks: int = 1,
+        record_trace: bool = False,
+    ) -> None:
+        check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
+        self.schedule = schedule
+        self.groups = groups
+        self.grad_reduction = grad_reduction
+        self.position = pipeline_position(schedule.pp, groups, pp_group)
+        self.pp_rank = self.position.rank
+        check_stages(schedule, self.pp_rank, stages)
+        self.stages = dict(stages)
+        self.loss_fn = loss_fn
+        if isinstance(spec, TensorSpec):
+            fixed = spec
+            spec = lambda stage, microbatch: fixed  # noqa: E731
+        self.spec = spec
+        self.timeout = timeout
+        self.workers = {
+            s: StageWorker(s, m, forward_fn, use_tape=use_tape) for s, m in self.stages.items()
+        }
+        # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
+        if is_lowered(schedule):
+            check_runs(schedule)
+            self.lowered = schedule
+        else:
+            validate(schedule)
+            self.lowered = lower_schedule(schedule)
+        self.actions = self.lowered.actions[self.pp_rank]
+        self.forward_only_actions = forward_only_schedule(self.lowered).actions[self.pp_rank]
+        if spec is None and any(not a.is_compute for a in self.actions):
+            raise ValueError(
+                "spec is required when stages talk across ranks: pass TensorSpec(shape, dtype) "
+                "of the activation each stage sends forward, or spec(stage, microbatch)"
+            )
+        self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
+        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
+        self.record_trace = record_trace
+        self._streams: StreamSteps | None = None
+        # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
+        self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
+        if self.has_overlap:
+            self._streams = StreamSteps(
+                self._device() or "cpu", delay_wgrad_compute, moe_a2a_chunks
+            )
+        self._p2p: PipelineP2P | None = None
+
+    def _device(self) -> torch.device | None:
+        first = next((p for m in self.stages.values() for p in m.parameters()), None)
+        return first.device if first is not None else None
+
+    def close(self) -> None:
+        """Stop the communication stream's worker (combined schedules); idempotent."""
+        if self._streams is not None:
+            self._streams.close()
+
+    def __enter__(self) -> "PipelineExecutor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ step
+    def step(
+        self,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+        forward_only: bool = False,
+    ) -> StepResult:
+        """Run one step over all microbatches: forward and backward, or forward only.
+
+        ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
+        last stage's (needed only on ranks holding those stages). Gradients accumulate into
+        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
+        steps); after a training step they are synchronised.
+        """
+        check_inputs(
+            self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,
+            microbatches, targets, forward_only,
+        )
+        for module in self.stages.values():
+            if is_stage_module(module):
+                module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
+        actions = self.forward_only_actions if forward_only else self.actions
+        state = _Step(
+            StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec),
+            targets, forward_only,
+        )
+        trace = None
+        if self._streams is not None:
+            trace = NodeTrace() if self.record_trace and not forward_only else None
+            self._streams.trace = trace
+        try:
+            self._run_actions(actions, state)
+        finally:
+            for worker in self.workers.values():
+                worker.clear()
+            if self._streams is not None:
+                self._streams.trace = None
+        if trace is not None and trace.spans:
+            result = state.result
+            result.trace = trace
+            result.a2a_time = trace.total("comm")
+            result.compute_time = trace.total("compute")
+            result.exposed_comm_fraction = trace.exposed_comm_fraction()
+        if not forward_only:
+            self._sync_grads()
+        return state.result
+
+    def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:
+        index = 0
+        while index < len(actions):
+            if actions[index].is_compute:
+                self._run_compute(actions, index, state)
+                index += 1
+                continue
+            end = index
+            while end < len(actions) and not actions[end].is_compute:
+                end += 1
+            state.tensors.post_rest(actions[index:end])  # part may have gone early
+            index = end
+        state.tensors.finish_sends()
+
+    def _sync_grads(self) -> None:
+        position = self.position
+        if self.schedule.bidirectional:
+            sum_mirrored_grads(
+                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
+            )
+        if self.grad_reduction == "dp":
+            if self.groups is not None:
+                all_reduce_grads(self.stages, self.groups)
+            sum_tied_embedding_grads(
+                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
+            )
+
+    def _channel(self) -> PipelineP2P | None:
+        """The p2p over the pipeline group, made on first use (None without a spec)."""
+        if self._p2p is None and self.spec is not None and self.schedule.pp > 1:
+            self._p2p = PipelineP2P(
+                self.position.group, self.position.ranks, self.schedule.stage_to_rank,
+                self.spec, self.timeout, self._device(),
+            )
+        return self._p2p
+
+    # ------------------------------------------------------------------ compute
+    def _run_compute(self, actions: Sequence[Action], index: int, state: _Step) -> None:
+        action = actions[index]
+        if action.kind is Kind.OVERLAP:
+            self._run_overlap(action, state, PairSends(
+                state.tensors, comm_run(actions, index),
+                self.early_sends.get((self.pp_rank, index), ()) if actions is self.actions else (),
+            ))
+        elif action.kind is Kind.F:
+            self._forward(action, state)
+        elif action.kind in (Kind.B, Kind.I):
+            self._backward(action, state)
+        elif action.kind is Kind.W:
+            self.workers[action.stage].backward_weight(action.microbatch)
+        else:
+            raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
+
+    def _run_overlap(self, action: Action, state: _Step, sends: PairSends) -> None:
+        """An OVERLAP action: both halves in one ``StreamSteps.run``, each half's result handed
+        on (and sent, ``sends``) as soon as it is made; stages that are not ``StageModule``s
+        run F then B (warned once per type)."""
+        f, b = action.forward, action.backward
+        assert self._streams is not None  # an OVERLAP action makes the schedule a combined one
+        f_worker, b_worker = self.workers[f.stage], self.workers[b.stage]
+        if state.forward_only or not self._streams.warn_if_not_node_protocol(f_worker, b_worker):
+            self._forward(f, state)
+            self._backward(b, state)
+            return
+
+        def output_made(output: torch.Tensor) -> None:
+            self._hand_forward(f, output, state)
+            sends.post_ready()
+
+        def grad_made(grad_input: torch.Tensor | None) -> None:
+            self._backward_done(b, grad_input, state)
+            sends.post_ready()
+
+        self._streams.run(
+            ForwardHalf(f_worker, f.microbatch, state.tensors.forward_input(f)),
+            self._backward_half(b, state),
+            on_output=output_made, on_grad_input=grad_made,
+        )
+        self._count_live(state)
+
+    def _on_streams(self, worker: StageWorker, state: _Step) -> bool:
+        """Whether a lone step runs on the streams: training steps of node-protocol stages
+        in a combined schedule (so every EP collective is issued from the comm stream)."""
+        return self._streams is not None and not state.forward_only and worker.can_tape
+
+    def _backward_half(self, action: Action, state: _Step) -> BackwardHalf:
+        return BackwardHalf(
+            self.workers[action.stage], action.microbatch,
+            state.tensors.grad_output(action), keep_weight_grads=action.kind is Kind.I,
+        )
+
+    def _forward(self, action: Action, state: _Step) -> None:
+        stage_input = state.tensors.forward_input(action)
+        worker = self.workers[action.stage]
+        if self._on_streams(worker, state):
+            assert self._streams is not None
+            output = self._streams.run(ForwardHalf(worker, action.microbatch, stage_input)).output
+            assert output is not None
+        else:
+            output = worker.forward(
+                action.microbatch, stage_input, keep_graph=not state.forward_only
+            )
+        self._forward_done(action, output, state)
+
+    def _forward_done(self, action: Action, output: torch.Tensor, state: _Step) -> None:
+        self._hand_forward(action, output, state)
+        self._count_live(state)
+
+    def _hand_forward(self, action: Action, output: torch.Tensor, state: _Step) -> None:
+        if self.schedule.is_last_stage(action.stage):
+            self._finish_last_stage(self.workers[action.stage], action.microbatch, output, state)
+        else:
+            state.tensors.hand_forward(action, output)
+
+    def _count_live(self, state: _Step) -> None:
+        live = sum(w.live_activations for w in self.workers.values())
+        state.result.peak_live_activations = max(state.result.peak_live_activations, live)
+
+    def _finish_last_stage(
+        self, worker: StageWorker, microbatch: int, output: torch.Tensor, state: _Step
+    ) -> None:
+        if self.loss_fn is None:
+            state.result.outputs[microbatch] = output.detach()
+            if not state.forward_only:
+                raise ValueError("training needs loss_fn on the last stage")
+            return
+        assert state.targets is not None
+        if state.forward_only:
+            with torch.no_grad():
+                loss = self.loss_fn(output, state.targets[microbatch])
+        else:
+            loss = self.loss_fn(output, state.targets[microbatch])
+            worker.attach_loss(microbatch, loss / self.schedule.num_microbatches)
+        state.result.losses[microbatch] = loss.detach()
+
+    def _backward(self, action: Action, state: _Step) -> None:
+        worker = self.workers[action.stage]
+        if self._on_streams(worker, state) and worker.has_tape(action.microbatch):
+            assert self._streams is not None
+            grad_input = self._streams.run(backward=self._backward_half(action, state)).grad_input
+        else:
+            grad_output = state.tensors.grad_output(action)
+            if action.kind is Kind.B:
+                grad_input = worker.backward(action.microbatch, grad_output)
+            else:
+                grad_input = worker.backward_input(action.microbatch, grad_output)
+        self._backward_done(action, grad_input, state)
+
+    def _backward_done(
+        self, action: Action, grad_input: torch.Tensor | None, state: _Step
+    ) -> None:
+        if self.schedule.is_first_stage(action.stage):
+            return
+        if grad_input is None:
+            raise RuntimeError(
+                f"rank {self.pp_rank}: stage {action.stage} produced no input gradient for "
+                f"{action}; its input must be a floating-point tensor that the output depends on"
+            )
+        state.tensors.hand_backward(action, grad_input)

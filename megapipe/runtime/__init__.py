@@ -1,1 +1,0 @@
-"""megapipe.runtime"""

@@ -1,0 +1,1 @@
+"""megapipe.train: the pretraining application behind `megapipe pretrain`."""

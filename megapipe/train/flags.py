@@ -1,0 +1,133 @@
+"""The pretrain script's flags: one argparse table with Megatron's names and the demo's defaults.
+
+``megapipe.train.args`` turns the parsed namespace into validated ``PretrainArgs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megapipe.schedule import SCHEDULES
+
+LR_DECAY_STYLES = ("cosine", "linear", "constant")
+# Megatron's names for the groups a user may put on high-priority NCCL streams -> megapipe's
+HIGH_PRIORITY_GROUPS = {"ep": "ep", "ep_dp": "expert_dp", "dp": "dp", "pp": "pp"}
+
+
+def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argparse.ArgumentParser:
+    """The argparse parser with Megatron's flag names (defaults: the built-in CPU demo).
+
+    ``add_help=False`` gives a parent parser for ``megapipe pretrain``'s subcommand.
+    """
+    p = argparse.ArgumentParser(
+        prog=prog,
+        add_help=add_help,
+        description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
+        "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=6)
+    model.add_argument("--hidden-size", type=int, default=96)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--ffn-hidden-size", type=int, default=192)
+    model.add_argument("--seq-length", type=int, default=64)
+    model.add_argument("--num-experts", type=int, default=4)
+    model.add_argument("--moe-router-topk", type=int, default=2)
+    model.add_argument("--moe-ffn-hidden-size", type=int, default=96)
+    model.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    model.add_argument(
+        "--moe-layer-freq", default="1",
+        help="N: every Nth layer is MoE; or a 0/1 pattern per layer like '[0,1,1,1]' "
+        "(dense layers first, then a period)",
+    )
+    model.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    model.add_argument("--moe-router-dtype", default=None,
+                       help="fp32 or fp64: compute the router's logits in that precision "
+                       "(default: the activations' dtype; softmax, top-k and the auxiliary "
+                       "losses are always at least fp32)")
+    model.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="drop routing choices over capacity factor x tokens x top-k / "
+                       "experts per expert, padding every expert to that capacity (default: "
+                       "dropless)")
+    model.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="accepted for Megatron scripts: megapipe always pads to the "
+                       "capacity (needs --moe-expert-capacity-factor)")
+    precision = p.add_argument_group("precision")
+    precision.add_argument("--bf16", action="store_true",
+                           help="bf16 parameters and activations; fp32 main weights, AdamW "
+                           "moments and gradient accumulation/reduction")
+    precision.add_argument("--fp16", action="store_true",
+                           help="not supported (one clear error): use --bf16")
+    train = p.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=4)
+    train.add_argument("--global-batch-size", type=int, default=32)
+    train.add_argument("--train-iters", type=int, default=100)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--min-lr", type=float, default=3e-4)
+    train.add_argument("--lr-warmup-iters", type=int, default=10)
+    train.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="iteration at which the decay reaches --min-lr (default: train-iters)")
+    train.add_argument("--lr-decay-style", default="cosine", choices=None,
+                       help=f"one of {', '.join(LR_DECAY_STYLES)}")
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    train.add_argument("--seed", type=int, default=1234)
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--pipeline-model-parallel-size", type=int, default=2)
+    par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=2)
+    par.add_argument("--expert-model-parallel-size", type=int, default=2)
+    par.add_argument(
+        "--overlap-moe-expert-parallel-comm", action=argparse.BooleanOptionalAction, default=True,
+        help="co-schedule one microbatch's forward with another's backward to hide the "
+        "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
+    )
+    par.add_argument("--delay-wgrad-compute", action="store_true",
+                     help="defer expert weight gradients to fill the backward all-to-all")
+    par.add_argument("--moe-a2a-chunks", type=int, default=1,
+                     help="split each MoE layer's all-to-alls into this many expert groups, so a "
+                     "step with no partner overlaps its own chunks (needs the overlap; at most "
+                     "the experts per EP rank; default 1: off)")
+    par.add_argument("--pipeline-schedule", default=None,
+                     help=f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when "
+                     "vpp > 1, else 1f1b)")
+    par.add_argument("--nproc", type=int, default=None,
+                     help="processes to start when not launched by torchrun or srun "
+                     "(default: pp x ep)")
+    par.add_argument("--high-priority-stream-groups", nargs="*", default=[],
+                     help="process groups whose NCCL communicator runs on a high-priority CUDA "
+                     f"stream, any of {', '.join(HIGH_PRIORITY_GROUPS)} (e.g. ep for the "
+                     "token all-to-all; ignored on gloo)")
+    par.add_argument("--moe-emulated-link-gbps", type=float, default=None,
+                     help="emulate an all-to-all link of this many GB/s (CPU overlap studies; "
+                     "off by default, the log says when it is on)")
+    par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
+                     help="latency per all-to-all of the emulated link, microseconds")
+    io = p.add_argument_group("data, checkpoints, logging")
+    io.add_argument("--data-path", nargs="+", default=[],
+                    help="text files or directories (default: the Python standard library's "
+                    "source files)")
+    io.add_argument("--save", default=None)
+    io.add_argument("--load", default=None)
+    io.add_argument("--save-interval", type=int, default=None)
+    io.add_argument("--eval-interval", type=int, default=50)
+    io.add_argument("--eval-iters", type=int, default=2)
+    io.add_argument("--log-interval", type=int, default=10)
+    io.add_argument("--tensorboard-dir", default=None)
+    _add_fault_tolerance_flags(p)
+    return p
+
+
+def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
+    """Checkpoint retention, graceful exits (preemption) and the timeout of every wait."""
+    ft = p.add_argument_group("failures and preemption")
+    ft.add_argument("--keep-last", type=int, default=None,
+                    help="keep only the N newest complete checkpoints in --save (default: all)")
+    ft.add_argument("--exit-signal-handler", action="store_true",
+                    help="on SIGTERM finish the current step, save a checkpoint, exit 0")
+    ft.add_argument("--exit-interval", type=int, default=None,
+                    help="save and exit 0 after every N-th iteration")
+    ft.add_argument("--exit-duration-in-mins", type=float, default=None,
+                    help="save and exit 0 after the first iteration ending past this many minutes")
+    ft.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                    help="how long any rank waits for another (pipeline receive, all-to-all, "
+                    "gradient reduction) before it stops naming what it waited on")

@@ -1,0 +1,166 @@
+"""One rank's training job, built from the flags: ``build_job(args) -> Job``.
+
+A ``Job`` holds everything a training step touches — process groups, the schedule, this rank's
+stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the
+step (``train.step``) and the loop (``train.loop``) are short functions of it. Building is
+deterministic in ``args.seed``: the same flags build the same weights and data order on every
+run, which is what makes resumed runs bitwise equal to uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapipe.models.gpt import gpt_loss
+from megapipe.models.split import build_stage
+from megapipe.parallel.groups import ProcessGroups, create_groups
+from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.p2p import TensorSpec
+from megapipe.schedule import Schedule, build_schedule
+from megapipe.train.args import PretrainArgs
+from megapipe.train.flags import HIGH_PRIORITY_GROUPS
+from megapipe.train.data import (
+    Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
+    validation_batches,
+)
+from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
+from megapipe.train.optim import LRSchedule, build_optimizer, unique_params
+
+
+@dataclass
+class Job:
+    """One rank's training state (see the module docstring)."""
+
+    args: PretrainArgs
+    device: torch.device
+    groups: ProcessGroups
+    schedule: Schedule
+    stages: dict[int, nn.Module]
+    executor: PipelineExecutor
+    files: list[str]
+    splits: Splits
+    batches: TrainBatches
+    valid: list[list[Microbatch]]
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
+    lr_schedule: LRSchedule
+    all_params: list[nn.Parameter]
+    norm_params: list[nn.Parameter]  # each model part once per pipeline (DualPipe mirrors)
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer for stage in self.stages.values() for layer in stage.moe_layers()]
+
+
+def timeout_of(args: PretrainArgs) -> timedelta:
+    """How long any wait for another rank may take (``--distributed-timeout-minutes``)."""
+    return timedelta(minutes=args.distributed_timeout_minutes)
+
+
+def job_device() -> torch.device:
+    """The GPU of this rank under NCCL, else the CPU."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_job(args: PretrainArgs) -> Job:
+    """Groups, schedule, stages, executor, data, optimizer (needs the default process group)."""
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    device = job_device()
+    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
+    groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
+    schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
+                              overlap=args.overlap_moe_expert_parallel_comm)
+    config = args.gpt_config()
+    stages = {
+        s: build_stage(config, schedule.model_part(s), schedule.stages_per_pipeline,
+                       ep_group=groups.ep).to(device)
+        for s in schedule.stages_of_rank(groups.pp_rank)
+    }
+    modules = [stages[s] for s in sorted(stages)]
+    if args.bf16:
+        cast_to_bf16(modules, unique_params(modules))
+    activation = torch.bfloat16 if args.bf16 else torch.float32
+    executor = PipelineExecutor(
+        schedule, stages, groups=groups, loss_fn=gpt_loss,
+        spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size), activation),
+        delay_wgrad_compute=args.delay_wgrad_compute,
+        moe_a2a_chunks=args.moe_a2a_chunks,
+        record_trace=args.overlap_moe_expert_parallel_comm,
+        timeout=timeout_of(args).total_seconds(),
+    )
+    files = resolve_data_files(args.data_path)
+    splits = split_corpus(load_tokens(files), args.seq_length)
+    batches = TrainBatches(splits, args.global_batch_size, args.micro_batch_size, args.dp,
+                           groups.dp_rank, args.seed)
+    valid = validation_batches(splits, args.eval_iters, args.global_batch_size,
+                               args.micro_batch_size, args.dp, groups.dp_rank)
+    decay_end = args.lr_decay_iters or args.train_iters
+    return Job(
+        args=args, device=device, groups=groups, schedule=schedule, stages=stages,
+        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
+        optimizer=build_optimizer(modules, args.lr, args.weight_decay, mixed_precision=args.bf16),
+        lr_schedule=LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters,
+                               max(1, decay_end - args.lr_warmup_iters), args.lr_decay_style),
+        all_params=unique_params(modules),
+        norm_params=unique_params([stages[s] for s in sorted(stages)
+                                   if s < schedule.stages_per_pipeline]),
+    )
+
+
+def describe(job: Job) -> list[str]:
+    """The log's header: layout and schedule, model and data, the emulated link, placement."""
+    args, splits = job.args, job.splits
+    local_params = sum(p.numel() for p in job.all_params)
+    chunks = args.moe_a2a_chunks
+    lines = [
+        f"megapipe pretrain: world {args.world_size} = pp {args.pp} x dp {args.dp} "
+        f"(ep {args.ep}), vpp {args.vpp}, schedule {job.schedule.name}"
+        f"{' with overlap' if args.overlap_moe_expert_parallel_comm else ''}"
+        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}"
+        f"{f', all-to-alls in {chunks} chunks' if chunks > 1 else ''}; "
+        f"{precision_text(args)}; "
+        f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} "
+        f"tokens per dp rank per step",
+        f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
+        f"top-{args.moe_router_topk}; {local_params:,} parameters on rank 0; data: "
+        f"{len(job.files)} files, {splits.tokens.numel():,} byte tokens, "
+        f"{splits.num_train:,} train / {splits.num_valid:,} validation windows; "
+        f"device {job.device.type}",
+    ]
+    link = args.emulated_link()
+    if link is not None:
+        lines.append(link.describe())
+    lines.append(placement_line())
+    return lines
+
+
+def precision_text(args: PretrainArgs) -> str:
+    """What the first log line says about precision."""
+    if not args.bf16:
+        return "fp32"
+    router = f", router {args.moe_router_dtype}" if args.moe_router_dtype else ""
+    return f"bf16 with fp32 main weights, moments and gradients{router}"
+
+
+def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:
+    """Which ranks run on which node (gathered from every rank)."""
+    me = (dist.get_rank(), os.environ.get("SLURMD_NODENAME") or hostname())
+    everyone: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, me)
+    nodes: dict[str, list[int]] = {}
+    for rank, node in sorted(e for e in everyone if e is not None):
+        nodes.setdefault(node, []).append(rank)
+    placed = "; ".join(
+        f"{node}: ranks {','.join(map(str, ranks))}" for node, ranks in nodes.items()
+    )
+    return f"placement: {len(nodes)} node(s): {placed}"

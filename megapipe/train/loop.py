@@ -1,0 +1,153 @@
+"""The training loop of one rank: build the job, resume, step, evaluate, save, log, exit.
+
+``train(args)`` returns a ``TrainResult`` (the loss of every iteration it ran, evaluations,
+checkpoints written, why it stopped early) so tests can compare runs bitwise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.distributed as dist
+
+from megapipe.parallel.launch import init_distributed
+from megapipe.train.args import PretrainArgs
+from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
+from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.exits import ExitPolicy
+from megapipe.train.job import Job, build_job, describe, timeout_of
+from megapipe.train.logging import TrainingLogger
+from megapipe.train.resume import ResumePlan, descriptor_parts, plan_resume
+from megapipe.train.step import evaluate, train_step
+
+
+@dataclass
+class TrainResult:
+    """What one rank saw: the global mean loss of every iteration run, and the evaluations."""
+
+    first_iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    saved: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    exit_reason: str | None = None
+
+
+def train(
+    args: PretrainArgs, write: Callable[[str], None] = print, plan: ResumePlan | None = None
+) -> TrainResult:
+    """Run one rank of the job (the default process group is started here if needed).
+
+    ``plan`` is the resume decision made before the processes started (``plan_resume``); when
+    it is None every rank makes it here, and the ranks check that they agree.
+    """
+    if not dist.is_initialized():
+        init_distributed(timeout=timeout_of(args))
+    result = TrainResult()
+    is_rank_0 = dist.get_rank() == 0
+
+    def say(line: str) -> None:
+        result.lines.append(line)
+        if is_rank_0:
+            write(line)
+
+    job = build_job(args)
+    for line in describe(job):
+        say(line)
+    try:
+        with ExitPolicy(args, job.device) as exits:
+            result.first_iteration = resume(job, say, plan)
+            _run(job, result, exits, say)
+    finally:
+        job.executor.close()  # its communication-stream thread
+    return result
+
+
+def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
+    """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
+    args = job.args
+    logger = TrainingLogger(args.train_iters, args.log_interval, enabled=dist.get_rank() == 0,
+                            tensorboard_dir=args.tensorboard_dir, write=say)
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    iteration = result.first_iteration
+    started = time.perf_counter()
+    try:
+        while iteration < args.train_iters:
+            start = time.perf_counter()
+            stats = train_step(job, job.batches.next_batch(), iteration + 1)
+            iteration += 1
+            result.losses.append(stats.loss)
+            result.aux_losses.append(stats.aux_loss)
+            result.grad_norms.append(stats.grad_norm)
+            logger.record(iteration, loss=stats.loss,
+                          aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
+                          lr=stats.lr, grad_norm=stats.grad_norm,
+                          step_time=time.perf_counter() - start, tokens=tokens_per_iter,
+                          exposed_a2a=stats.exposed_a2a)
+            if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
+                result.valid_losses[iteration] = evaluate(job)
+                logger.evaluation(iteration, result.valid_losses[iteration])
+            result.exit_reason = exits.reason(iteration)
+            due = bool(args.save_interval) and iteration % args.save_interval == 0
+            final = iteration == args.train_iters or result.exit_reason is not None
+            if args.save and (due or final):
+                result.saved.append(save(job, iteration))
+                say(f"saved checkpoint {result.saved[-1]}")
+            if result.exit_reason is not None:
+                saved = f"checkpoint {result.saved[-1]}" if args.save else "nothing (no --save)"
+                say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
+                return
+        if result.losses:
+            say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
+                f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
+                f"{result.losses[-1]:.4f}")
+    finally:
+        logger.close()
+
+
+def resume(job: Job, say: Callable[[str], None], plan: ResumePlan | None = None) -> int:
+    """Load the checkpoint the resume plan names into the job; returns its iteration (0: none)."""
+    if plan is None:
+        plan = plan_resume(job.args)
+        for line in plan.warnings:
+            say(line)
+    _check_ranks_agree(plan)
+    if plan.checkpoint is None:
+        if plan.note:
+            say(plan.note)
+        return 0
+    extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
+    loaded = load_checkpoint(plan.checkpoint.path, job.stages, job.optimizer, extra,
+                             plan.saved_world)
+    job.lr_schedule.load_state_dict(loaded["scheduler"])
+    job.batches.load_state_dict(loaded["data"])
+    say(f"resumed from {plan.checkpoint.path} at iteration {plan.checkpoint.iteration}")
+    return plan.checkpoint.iteration
+
+
+def _check_ranks_agree(plan: ResumePlan) -> None:
+    """Every rank resumes the same checkpoint (a shared filesystem seen alike by all)."""
+    mine = None if plan.checkpoint is None else str(plan.checkpoint.path)
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if len(set(everyone)) > 1:
+        raise CheckpointError(
+            "the ranks chose different checkpoints to resume: "
+            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(everyone))
+        )
+
+
+def save(job: Job, iteration: int) -> str:
+    """Write the checkpoint of ``iteration`` (every rank its shard); returns its directory."""
+    args = job.args
+    assert args.save is not None
+    extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
+    info = {"train_iters": args.train_iters}
+    descriptor = descriptor_parts(args, job.schedule.name, info)
+    path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, descriptor,
+                           args.keep_last)
+    return str(path)

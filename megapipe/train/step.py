@@ -1,0 +1,94 @@
+"""One training step and one evaluation of a ``Job``, with the values the log reports.
+
+``train_step(job, batch)`` runs the pipeline schedule over the batch's microbatches, then
+clips and applies AdamW; the reported loss, auxiliary loss and exposed all-to-all share are
+means over every rank that holds them (one small all-reduce each), so every rank logs the same
+numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megapipe.pipeline.executor import StepResult
+from megapipe.train.data import Microbatch
+from megapipe.train.job import Job
+from megapipe.train.logging import check_finite_loss
+from megapipe.train.optim import clip_grads, global_grad_norm
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one training step reports (global means; ``exposed_a2a`` None without a trace)."""
+
+    loss: float
+    aux_loss: float
+    lr: float
+    grad_norm: float
+    exposed_a2a: float | None
+
+
+def global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:
+    """Mean of ``values`` over every rank that holds some (sum and count, all-reduced)."""
+    local = torch.zeros(2, dtype=torch.float64, device=device)
+    if values:
+        local[0] = torch.stack([v.detach().double() for v in values]).sum().to(device)
+        local[1] = len(values)
+    dist.all_reduce(local)
+    return float(local[0] / local[1]) if local[1] > 0 else float("nan")
+
+
+def exposed_a2a(step: StepResult, device: torch.device) -> float | None:
+    """Share of all ranks' all-to-all time during which no compute ran (from the node traces)."""
+    local = torch.zeros(2, dtype=torch.float64, device=device)
+    if step.a2a_time is not None and step.exposed_comm_fraction is not None:
+        local[0] = step.a2a_time * step.exposed_comm_fraction
+        local[1] = step.a2a_time
+    dist.all_reduce(local)
+    return float(local[0] / local[1]) if local[1] > 0 else None
+
+
+def pop_aux_losses(job: Job) -> list[torch.Tensor]:
+    """The mean auxiliary loss each MoE layer recorded since the last call."""
+    values = []
+    for layer in job.moe_layers():
+        mean = layer.aux_loss_log.pop_mean()
+        if mean is not None:
+            values.append(mean)
+    return values
+
+
+def to_device(
+    batch: list[Microbatch], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [t.to(device) for t, _ in batch], [lab.to(device) for _, lab in batch]
+
+
+def train_step(job: Job, batch: list[Microbatch], iteration: int) -> StepStats:
+    """Forward and backward over ``batch``, clip, AdamW; ``iteration`` is 1-based."""
+    tokens, labels = to_device(batch, job.device)
+    job.optimizer.zero_grad(set_to_none=True)
+    step = job.executor.step(tokens, labels)
+    loss = global_mean(list(step.losses.values()), job.device)
+    aux = global_mean(pop_aux_losses(job), job.device)
+    exposed = exposed_a2a(step, job.device) if job.executor.record_trace else None
+    check_finite_loss(loss, iteration)
+    lr = job.lr_schedule.step(job.optimizer)
+    norm = global_grad_norm(job.norm_params, job.groups.pp, job.groups.ep, job.device)
+    clip_grads(job.all_params, job.args.clip_grad, norm)
+    job.optimizer.step()
+    return StepStats(loss, aux, lr, norm, exposed)
+
+
+def evaluate(job: Job) -> float:
+    """Mean validation loss over the job's validation batches (forward only, nothing kept)."""
+    losses: list[torch.Tensor] = []
+    for batch in job.valid:
+        tokens, labels = to_device(batch, job.device)
+        losses.extend(job.executor.step(tokens, labels, forward_only=True).losses.values())
+    pop_aux_losses(job)  # evaluation's router losses are not training's
+    return global_mean(losses, job.device)

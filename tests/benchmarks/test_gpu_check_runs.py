@@ -1,0 +1,193 @@
+"""The GPU check runs: timeouts stop whole process groups, the modelled links change no bits,
+the node timeline of a combined step, the whole dry run, and the offline set-up script."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gpu_sections.link_model import make_link  # noqa: E402
+from gpu_sections.moe_bench import PairBench, Shape, Variant, build_layers  # noqa: E402
+from gpu_sections.registry import SECTIONS  # noqa: E402
+from gpu_sections.result import empty  # noqa: E402
+from gpu_sections.runner import finish_result, run_child  # noqa: E402
+
+from megapipe.moe.link import EmulatedLink  # noqa: E402
+from megapipe.overlap import make_streams  # noqa: E402
+from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
+from megapipe.overlap.tape import record_forward, run_backward  # noqa: E402
+
+CPU = torch.device("cpu")
+TINY = Shape(hidden=16, heads=2, experts=4, top_k=2, ffn=8, tokens=16, batch=2)
+
+
+def test_a_timed_out_child_is_stopped_with_everything_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = tmp_path / "log"
+    start = time.monotonic()
+    code, timed_out = run_child([sys.executable, "-c", script], dict(os.environ), tmp_path, log, 3.0)
+    assert timed_out and time.monotonic() - start < 20
+    assert "started" in log.read_text()
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init shortly after its parent died
+        if not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild):
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in _state(grandchild)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_a_timeout_or_a_crash_becomes_the_sections_error():
+    data = empty("overlap")
+    data["figures"]["speedup"] = {"value": 1.5}
+    timed_out = finish_result(data, None, True, 61.0, 60.0)
+    assert "timed out after 60 s" in timed_out["error"] and timed_out["figures"]  # partial kept
+    crashed = finish_result(empty("gemm"), -9, False, 5.0, 60.0)
+    assert "exited with code -9" in crashed["error"]
+    assert finish_result(empty("env"), 0, False, 2.0, 60.0)["error"] is None
+
+
+@dataclass(frozen=True)
+class _CountingLink(EmulatedLink):
+    """A link that only counts the bytes of the exchanges it is asked to stretch."""
+
+    exchanges: list = field(default_factory=list)
+
+    def wait_rest(self, num_bytes, started, device=None):
+        self.exchanges.append(num_bytes)
+        return 0.0
+
+
+def _pair_grads(bench, plans, tape):
+    """Forward of microbatch 1 and backward of microbatch 0 on the tape; (output, gradients)."""
+    (out,) = record_forward(plans, (bench.x_fwd,))[0]
+    input_grads = run_backward(tape, (bench.grad,))
+    grads = [accumulated_grad(p).clone() for layer in bench.layers for p in layer.parameters()]
+    for layer in bench.layers:
+        for p in layer.parameters():
+            p.main_grad.zero_()
+    return [out] + list(input_grads) + grads
+
+
+def test_the_modelled_link_runs_in_forward_and_backward_and_changes_no_bits():
+    layers = build_layers(TINY, 2, CPU, torch.bfloat16)
+    with make_streams(CPU) as streams:
+        bench = PairBench(layers, TINY, streams, CPU, torch.bfloat16)
+        plain = _pair_grads(bench, *bench.prepare(on_streams=False))
+        link = _CountingLink(bandwidth_bytes_per_s=1e9)
+        bench.set_link(link)
+        linked = _pair_grads(bench, *bench.prepare(on_streams=False))
+        rows_bytes = TINY.payload_bytes(torch.bfloat16)
+        # two tapes' forwards (dispatch, combine per layer) and one backward (the reverse)
+        assert link.exchanges == [rows_bytes] * (3 * 2 * len(layers))
+        assert all(torch.equal(a, b) for a, b in zip(plain, linked))
+        link.exchanges.clear()
+        bench.prepare(Variant(chunks=2))  # the chunked plans reach the link too, per chunk
+        assert sum(link.exchanges) == 2 * len(layers) * rows_bytes and len(link.exchanges) == 8
+
+
+def test_the_node_timeline_of_a_combined_step_on_cpu():
+    layers = build_layers(TINY, 1, CPU, torch.bfloat16)
+    with make_streams(CPU) as streams:
+        bench = PairBench(layers, TINY, streams, CPU, torch.bfloat16)
+        bench.set_link(make_link("sleep", 5.0, CPU, TINY.payload_bytes(torch.bfloat16)))
+        run = bench.traced(combined=True)
+    labels = {s.label for s in run.spans}
+    assert {"F1.0.layer0.attention", "F1.0.layer0.dispatch", "B0.0.layer0.combine",
+            "B0.0.layer0.attention"} <= labels
+    assert all(s.end >= s.start >= 0 for s in run.spans)
+    comm = [s for s in run.spans if s.kind == "comm"]
+    assert len(comm) == 4 and min(s.duration for s in comm) >= 4.0  # the link slept 5 ms each
+    assert run.comm_ms == pytest.approx(sum(s.duration for s in comm))
+    assert 0.0 <= run.exposed <= 1.0
+    # on CPU the step returns once both streams are done: its host time covers every node
+    assert run.host_ms >= max(s.end for s in run.spans)
+
+
+def test_the_copy_link_copies_and_changes_no_bits_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from gpu_sections.link_model import CopyLink, copy_words\n"
+        "src = torch.arange(3000, dtype=torch.float32).reshape(100, 30)\n"
+        "assert torch.equal(copy_words(src, sms=3, repeats=2), src.reshape(-1))\n"
+        "link = CopyLink(bandwidth_bytes_per_s=1e9, sms=3, repeats=1)\n"
+        "x = torch.randn(10, 8, requires_grad=True)\n"
+        "y = link.delay(x)\n"
+        "y.backward(torch.ones_like(y))\n"
+        "assert torch.equal(y, x) and torch.equal(x.grad, torch.ones_like(x))\n"
+        "print('copied')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "benchmarks"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "copied" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_dry_run_runs_every_section_and_reports_the_gpu_parts_as_skipped(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out),
+         "--budget", "500"],
+        capture_output=True, text=True, timeout=560, cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
+    assert done.returncode == 0, done.stdout + done.stderr + log[-3000:]
+    data = json.loads((out / "gpu_check.json").read_text())
+    sections = data["sections"]
+    assert [s["name"] for s in sections] == [s.name for s in SECTIONS]
+    assert data["failed"] == 0 and data["passed"] >= 9, data["summary"]
+    skipped_parts = {s["name"]: s["skipped_parts"] for s in sections}
+    for name in ("syncs", "streams", "overlap", "kernels"):
+        assert any("dry run" in part["reason"] or "CUDA" in part["reason"]
+                   for part in skipped_parts[name]), (name, skipped_parts[name])
+    assert all(c["ok"] for s in sections for c in s["checks"])
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == data["summary"]
+    assert (out / "gpu_check.md").read_text().strip().splitlines()[-1] == last
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md", "streams_trace.json.gz"]
+
+
+@pytest.mark.parametrize("mode", ["links", "venv"])
+def test_the_set_up_makes_megapipe_importable_offline(tmp_path, mode):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP=mode,
+               GPU_CHECK_VENV=str(tmp_path / "venv"), PIP_NO_INDEX="1")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
+                           "--setup-only"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    python, pythonpath = lines["python"], lines.get("PYTHONPATH", "")
+    if mode == "venv":
+        assert python == str(tmp_path / "venv" / "bin" / "python")
+    else:
+        assert python == sys.executable and pythonpath
+    check = subprocess.run(
+        [python, "-c", "import os, megapipe.kernels as k; print(os.path.realpath(k.__file__))"],
+        cwd="/", env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True,
+        timeout=120)
+    assert check.stdout.strip() == str(REPO / "kernels" / "__init__.py"), check.stderr

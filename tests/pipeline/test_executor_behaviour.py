@@ -1,0 +1,58 @@
+"""Forward-only evaluation, the timeout error and the checks made before a step runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.pipeline_cases import Case, forward_only_run, misuse_errors, timeout_run
+
+EVAL_CASES = [
+    Case("1f1b", 2),
+    Case("interleaved-1f1b", 2, vpp=2, ep=2, dp=2),
+    Case("zbv", 2, vpp=2),
+    Case("dualpipe", 2, vpp=2, overlap=True),
+]
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=str)
+def test_forward_only_returns_training_losses_and_keeps_no_graph(rank_pools, case):
+    results = [r for r in rank_pools(8).run(forward_only_run, case) if r is not None]
+    assert sum(len(r["eval"]) for r in results) == case.dp * case.microbatches
+    for r in results:
+        assert r["eval"] == r["train"]
+        assert not r["eval_requires_grad"]
+        assert r["eval_peak"] == 0 < r["train_peak"]
+        assert r["grads_untouched_by_eval"]
+
+
+def test_timeout_names_rank_action_and_peer(rank_pools):
+    messages = rank_pools(8).run(timeout_run, 1.0)
+    message = messages[1]
+    assert message is not None, "rank 1 should have timed out waiting for rank 0"
+    assert "rank 1:" in message
+    assert "1RECV_F0" in message and "receive from rank 0" in message
+    assert "within 1s" in message
+
+
+def test_misuse_is_named_before_anything_runs(rank_pools):
+    errors = rank_pools(8).run(misuse_errors)
+    for pp_rank in (0, 1):
+        e = errors[pp_rank]
+        assert "places 2 chunk(s) on this rank" in e["chunks"] and "got 1" in e["chunks"]
+        assert "do not match the placement" in e["placement"]
+        assert "got 3 " in e["microbatches"]
+        assert "num_microbatches=4" in e["microbatches"]
+    assert "does not match the declared TensorSpec" in errors[0]["spec"]
+
+
+def test_broken_schedule_is_named_before_anything_runs():
+    """A hand-written schedule that runs a backward before its forward fails at construction."""
+    from torch import nn
+
+    from megapipe import PipelineExecutor
+    from megapipe.schedule import Action, Kind, Schedule, ScheduleError
+
+    actions = ((Action(0, Kind.F, 0), Action(0, Kind.B, 1), Action(0, Kind.F, 1), Action(0, Kind.B, 0)),)
+    broken = Schedule(actions, num_stages=1, num_microbatches=2, stage_to_rank=(0,), name="mine")
+    with pytest.raises(ScheduleError, match="rank 0"):
+        PipelineExecutor(broken, {0: nn.Linear(2, 2)}, loss_fn=lambda out, target: out.sum())

@@ -1,0 +1,99 @@
+"""Run a function on N gloo processes on CPU: the multi-process test helper.
+
+``RankPool(n)`` starts n processes once (starting torch costs seconds) with
+``megapipe.parallel.launch.start_local_ranks``, joins them into a gloo world, and then runs many
+tasks: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns the per-rank
+results in rank order. ``fn`` must be importable (a module-level function). If any rank raises,
+``run`` raises ``RankError`` carrying that rank's traceback; a task that outlives ``timeout``
+kills the pool and says so, so nothing hangs silently.
+"""
+
+from __future__ import annotations
+
+import queue
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+from megapipe.parallel.launch import start_local_ranks
+
+
+class RankError(RuntimeError):
+    """A task failed on some rank; the message holds the first failing rank's traceback."""
+
+
+def _serve(rank: int, task_queues: list[Any], results: Any) -> None:
+    """A pool process: join the gloo world, then run this rank's tasks until told to stop."""
+    import torch.distributed as dist
+
+    tasks = task_queues[rank]
+
+    dist.init_process_group("gloo")  # env:// from start_local_ranks
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report every failure, including assertion errors
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """n long-lived gloo processes that run tasks on every rank."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        ranks = start_local_ranks(_serve, world_size, (self._tasks, self._results), daemon=True)
+        self._procs = ranks.processes
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(results) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+                self.close(kill=True)
+                raise RankError(
+                    f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout:.0f}s "
+                    f"on ranks {missing}" + _format_failures(failures)
+                )
+            (results if ok else failures)[rank] = value
+        if failures:
+            raise RankError(f"{getattr(fn, '__name__', fn)} failed" + _format_failures(failures))
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive() and not kill:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _format_failures(failures: dict[int, str]) -> str:
+    if not failures:
+        return ""
+    first = min(failures)
+    return f" on ranks {sorted(failures)}; rank {first}:\n{failures[first]}"

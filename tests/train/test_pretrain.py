@@ -1,0 +1,124 @@
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megapipe.train.args import ArgsError, parse_pretrain_args
+from megapipe.train.loop import train
+from support.pretrain_flags import TINY
+
+
+
+def _train(argv):
+    return train(parse_pretrain_args(argv, env={}), write=lambda line: None)
+
+
+def test_default_shape_trains_and_loss_falls(rank_pools):
+    results = rank_pools(4).run(_train, TINY + ["--train-iters", "8", "--eval-interval", "4"])
+    losses = results[0].losses
+    assert len(losses) == 8 and all(r.losses == losses for r in results)
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert sorted(results[0].valid_losses) == [4, 8]
+    lines = results[0].lines
+    assert any("schedule interleaved-1f1b with overlap" in line for line in lines), lines
+    assert any(line.startswith("iter 8/8 | loss") for line in lines), lines
+    assert 0 < results[0].aux_losses[0] < 1
+    # the overlap engine's node traces give the exposed all-to-all fraction
+    assert any(line.startswith("iter 8/8") and "exposed a2a n/a" not in line for line in lines)
+
+
+def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):
+    save = str(tmp_path / "ckpt")
+    common = TINY + ["--train-iters", "6", "--eval-interval", "0"]
+    full = rank_pools(4).run(_train, common + ["--save", save, "--save-interval", "3"])[0]
+    assert full.saved[0].endswith("iter_0000003")
+    resumed = rank_pools(4).run(_train, common + ["--load", save])[0]
+    assert resumed.first_iteration == 6  # the latest checkpoint is the final one
+    # resume from iteration 3: point the loader at a copy holding only that checkpoint
+    only3 = tmp_path / "only3"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000003", only3 / "iter_0000003")
+    (only3 / "latest_checkpointed_iteration.txt").write_text("3\n")
+    resumed = rank_pools(4).run(_train, common + ["--load", str(only3)])[0]
+    assert resumed.first_iteration == 3
+    assert resumed.losses == full.losses[3:]  # bitwise
+    # the layout is schedule-independent: resuming without the overlap gives the same bits
+    plain = rank_pools(4).run(
+        _train, common + ["--load", str(only3), "--no-overlap-moe-expert-parallel-comm"]
+    )[0]
+    assert plain.losses == full.losses[3:]
+
+
+def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
+    with pytest.raises(Exception, match=r"NonFiniteLossError: loss is (nan|inf) at iteration \d"):
+        rank_pools(4).run(_train, TINY + ["--train-iters", "6", "--lr", "1e30", "--min-lr", "0",
+                                          "--clip-grad", "0", "--lr-warmup-iters", "0"])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pipeline-model-parallel-size", "1"], "needs --pipeline-model-parallel-size > 1"),
+    (["--global-batch-size", "30"], "not divisible by --micro-batch-size x dp = 4 x 2 = 8"),
+    (["--nproc", "6", "--expert-model-parallel-size", "2", "--num-experts", "4",
+      "--pipeline-model-parallel-size", "2"], "ep=2 must divide dp=3"),
+    (["--pipeline-schedule", "best"], "--pipeline-schedule='best' is unknown"),
+    (["--lr-decay-style", "step"], "--lr-decay-style='step' must be one of"),
+    (["--pipeline-schedule", "dualpipev", "--global-batch-size", "8"], "at least 4 microbatches"),
+    (["--delay-wgrad-compute", "--no-overlap-moe-expert-parallel-comm"],
+     "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
+    (["--save-interval", "5"], "--save-interval needs --save DIR"),
+    (["--moe-a2a-chunks", "3"], "--moe-a2a-chunks=3 exceeds the 2 experts each EP rank holds"),
+    (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
+     "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
+    (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
+])
+def test_bad_flags_are_one_clear_line(flags, message):
+    with pytest.raises(ArgsError) as err:
+        parse_pretrain_args(flags, env={})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_flag_exits_2_with_one_line_before_any_process():
+    done = subprocess.run(
+        [sys.executable, "-m", "megapipe.train.main", "--global-batch-size", "30"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0
+    assert done.stderr.startswith("megapipe pretrain: error: --global-batch-size=30")
+
+
+def test_every_schedule_trains_the_same_model(rank_pools):
+    """The schedule changes the order of work, not the math: the losses agree across schedules."""
+    base = TINY + ["--train-iters", "3", "--eval-interval", "0", "--global-batch-size", "16",
+                   "--num-layers", "4"]
+    reference = rank_pools(4).run(
+        _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
+    )[0].losses
+    interleaved = rank_pools(4).run(_train, base)[0].losses
+    assert interleaved == pytest.approx(reference, rel=1e-6)
+    # deferring the expert weight gradients changes when they run, not the bits
+    assert rank_pools(4).run(_train, base + ["--delay-wgrad-compute"])[0].losses == interleaved
+    # so does splitting the all-to-alls into expert groups
+    assert rank_pools(4).run(_train, base + ["--moe-a2a-chunks", "2"])[0].losses == interleaved
+    for flags in (["--pipeline-schedule", "zbv"],
+                  ["--pipeline-schedule", "dualpipev"], ["--pipeline-schedule", "dualpipe"],
+                  ["--pipeline-schedule", "zb1p", "--no-overlap-moe-expert-parallel-comm"]):
+        losses = rank_pools(4).run(_train, base + flags)[0].losses
+        assert losses == pytest.approx(reference, rel=1e-6), flags
+
+
+def test_grad_norm_matches_the_unsharded_model(rank_pools):
+    """pp=2, ep=2 (experts sharded, stages split) vs pp=1, ep=1 (every rank the whole model):
+    the same global batch gives the same loss and the same global gradient norm."""
+    base = TINY + ["--train-iters", "3", "--eval-interval", "0", "--global-batch-size", "16",
+                   "--num-layers", "4"]
+    sharded = rank_pools(4).run(_train, base)[0]
+    whole = rank_pools(4).run(_train, base + [
+        "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", "1", "--nproc", "4"])[0]
+    experts_only = rank_pools(4).run(_train, base + [
+        "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
+        "--expert-model-parallel-size", "4"])[0]
+    for run in (whole, experts_only):
+        assert run.losses == pytest.approx(sharded.losses, rel=1e-6)
+        assert run.grad_norms == pytest.approx(sharded.grad_norms, rel=1e-5)

@@ -43,9 +43,7 @@ from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forwar
 from megapipe.pipeline.stream_steps import BackwardHalf, ForwardHalf, StreamSteps
 from megapipe.pipeline.step_tensors import StepTensors
 from megapipe.schedule.ir import Action, Kind, Schedule
-from megapipe.schedule.lower import check_runs
-from megapipe.schedule.rank_plan import forward_only_schedule, is_lowered, lower_schedule
-from megapipe.schedule.validate import validate
+from megapipe.schedule.rank_plan import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 """``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
@@ -155,12 +153,7 @@ class PipelineExecutor:
             s: StageWorker(s, m, forward_fn, use_tape=use_tape) for s, m in self.stages.items()
         }
         # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
-        if is_lowered(schedule):
-            check_runs(schedule)
-            self.lowered = schedule
-        else:
-            validate(schedule)
-            self.lowered = lower_schedule(schedule)
+        self.lowered = checked_lowering(schedule)
         self.actions = self.lowered.actions[self.pp_rank]
         self.forward_only_actions = forward_only_schedule(self.lowered).actions[self.pp_rank]
         if spec is None and any(not a.is_compute for a in self.actions):

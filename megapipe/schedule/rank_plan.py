@@ -2,19 +2,15 @@
 
 Pure functions of the schedule (no torch). An executor needs the checked, lowered schedule once
 per process and then only its own rank's list: ``checked_lowering`` validates and lowers once per
-schedule object (the results are kept in ``schedule.memo``), ``PlanCache`` does the same across
-equal schedule objects (each rank of a process building its own), and ``Schedule.row(rank)``
-makes the ``Action`` objects of one rank only. The tests bound the live activations by
+schedule object (the results are kept in ``schedule.memo``; the ranks of one process share the
+schedule object), and ``Schedule.row(rank)`` makes the ``Action`` objects of one rank only. The tests bound the live activations by
 ``in_flight_limit``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
-from megapipe.schedule.actions import Action
 from megapipe.schedule.comm_check import check_runs
 from megapipe.schedule.in_flight import STASH_RELEASE, peak_in_flight
 from megapipe.schedule.ir import Schedule
@@ -52,40 +48,6 @@ def checked_lowering(schedule: Schedule) -> Schedule:
         return schedule
     validate(schedule)
     return lower_schedule(schedule)
-
-
-def rank_actions(schedule: Schedule, rank: int) -> tuple[Action, ...]:
-    """One rank's action list, without making the other ranks' actions."""
-    return schedule.row(rank)
-
-
-class PlanCache:
-    """``checked_lowering`` by schedule content, for the last ``size`` schedules.
-
-    Executors that build equal schedules (every rank of a process builds its own) then validate
-    and lower once. Equal means same actions, placement, counts, name, direction and options.
-    """
-
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
-        self._lowered: OrderedDict = OrderedDict()
-
-    @staticmethod
-    def key(schedule: Schedule) -> tuple:
-        options = repr(sorted(schedule.options.items(), key=repr))
-        return (schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank,
-                schedule.name, schedule.bidirectional, options, schedule.table.digest())
-
-    def checked_lowering(self, schedule: Schedule) -> Schedule:
-        key = self.key(schedule)
-        if key in self._lowered:
-            self._lowered.move_to_end(key)
-            return self._lowered[key]
-        lowered = checked_lowering(schedule)
-        self._lowered[key] = lowered
-        while len(self._lowered) > self.size:
-            self._lowered.popitem(last=False)
-        return lowered
 
 
 def in_flight_limit(schedule: Schedule, pp_rank: int) -> int:

@@ -40,14 +40,16 @@ from .table import is_comm
 from .timeline import Timeline, timeline
 
 # (rank, index in the rank's list) of a comm action.
-Slot = tuple[int, int]
+ListPosition = tuple[int, int]
+# each comm action's position mapped to its partner's
+Matching = dict[ListPosition, ListPosition]
 
 
-def _comm_slots(lowered: Schedule) -> tuple[dict, dict]:
-    """SEND and RECV slots per (sender, receiver), in list order; an error for one on the wrong
+def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
+    """SEND and RECV positions per (sender, receiver), in list order; an error for one on the wrong
     rank, without a peer, or between stages of one rank."""
-    sends: dict[tuple[int, int], list[Slot]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[Slot]] = defaultdict(list)
+    sends: dict[tuple[int, int], list[ListPosition]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[ListPosition]] = defaultdict(list)
     for rank, row in enumerate(lowered.actions):
         for index, action in enumerate(row):
             if action.kind not in COMM_KINDS:
@@ -75,19 +77,19 @@ def _comm_slots(lowered: Schedule) -> tuple[dict, dict]:
     return sends, recvs
 
 
-def check_channel_order(lowered: Schedule) -> dict[Slot, Slot]:
+def check_channel_order(lowered: Schedule) -> Matching:
     """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
 
-    Returns the matching: each comm action's slot mapped to its partner's slot. Raises
+    Returns the matching: each comm action's position mapped to its partner's. Raises
     ``ScheduleError`` naming the rank and action for a SEND or RECV on the wrong rank or without
     a peer, a message sent within one rank, a missing partner, or two orders that disagree.
     """
-    sends, recvs = _comm_slots(lowered)
+    sends, recvs = _comm_positions(lowered)
 
-    def at(slot: Slot):
-        return lowered.actions[slot[0]][slot[1]]
+    def at(position: ListPosition):
+        return lowered.actions[position[0]][position[1]]
 
-    matching: dict[Slot, Slot] = {}
+    matching: Matching = {}
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends[(src, dst)], recvs[(src, dst)]
         for k in range(max(len(out), len(into))):
@@ -199,7 +201,7 @@ def _simulate_runs(lowered: Schedule) -> None:
     ``ScheduleError`` if it deadlocks."""
     matching = check_channel_order(lowered)
     states = [_split_batches(row) for row in lowered.actions]
-    done: set[Slot] = set()
+    done: set[ListPosition] = set()
     progressed = True
     while progressed:
         progressed = False
@@ -266,7 +268,7 @@ def _complete(lowered: Schedule, rank: int, states: list[_RankState], matching: 
 
 
 def _describe_wait(
-    lowered: Schedule, states: list[_RankState], matching: dict[Slot, Slot], rank: int
+    lowered: Schedule, states: list[_RankState], matching: Matching, rank: int
 ) -> str:
     """What a stuck rank waits for, in words."""
     state = states[rank]
@@ -303,7 +305,7 @@ def _describe_wait(
 
 
 def _describe_head_batch(
-    lowered: Schedule, states: list[_RankState], matching: dict[Slot, Slot], rank: int
+    lowered: Schedule, states: list[_RankState], matching: Matching, rank: int
 ) -> str:
     state = states[rank]
     if state.completed >= len(state.batches):
@@ -321,9 +323,9 @@ def _describe_head_batch(
     return f"[{ops}] waits for " + ", ".join(pending)
 
 
-def _partner_text(lowered: Schedule, states: list[_RankState], partner_slot: Slot) -> str:
+def _partner_text(lowered: Schedule, states: list[_RankState], partner_at: ListPosition) -> str:
     """Why the partner of a pending op is not active yet ("" if it is)."""
-    peer, peer_index = partner_slot
+    peer, peer_index = partner_at
     peer_state = states[peer]
     peer_batch = peer_state.batch_of[peer_index]
     if peer_state.active(peer_batch) or peer_batch < peer_state.completed:

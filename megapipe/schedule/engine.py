@@ -8,7 +8,7 @@ ran), without retrying blocked ranks: a rank that waits is parked on the product
 and woken when it is made, in the sweep where the round robin would have moved it (this sweep if
 its maker has a lower rank, the next one otherwise). Work is O(steps + waits).
 
-Products are integers below ``space``; a need is a slot: ``p`` for product p as made, or
+Products are integers below ``space``; a need is a cell: ``p`` for product p as made, or
 ``space + p`` for product p as it arrives from another rank (made + ``delay[p]``).
 """
 
@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 class Steps:
     """Flat per-step inputs; rank r's steps are ``offsets[r]:offsets[r + 1]``.
 
-    ``need0..need2``: slots the step waits for (-1: none); ``make0``, ``make1``: products it
+    ``need0..need2``: cells the step waits for (-1: none); ``make0``, ``make1``: products it
     makes (-1: none); ``duration``: end = start + duration, unless ``end_of(step, start)`` is
-    given. ``delay[p]``: added to product p for readers of slot ``space + p``.
+    given. ``delay[p]``: added to product p for readers of cell ``space + p``.
     """
 
     offsets: Sequence[int]
@@ -42,7 +42,7 @@ class Steps:
 @dataclass
 class Prefix:
     """Where a run starts when the first ``done[r]`` steps of each rank already ran (with these
-    ``start``, ``end``, ``free`` per rank and slots ``arrive``): the rest is run from there."""
+    ``start``, ``end``, ``free`` per rank and cells ``arrive``): the rest is run from there."""
 
     done: list[int]
     free: list[float]
@@ -54,7 +54,7 @@ class Prefix:
 @dataclass
 class Run:
     """What ``run_in_order`` found: per-step start, end and sweep (-1 where a step never ran),
-    the time each slot became available (``arrive``, -1.0 where never), where each stuck rank
+    the time each cell became available (``arrive``, -1.0 where never), where each stuck rank
     stopped (``{rank: step}``), and, with ``watch``, the first product made twice
     (``(step, first maker step, product)``), at which the run stopped."""
 
@@ -98,7 +98,7 @@ def run_in_order(
     steps: Steps, watch: frozenset = frozenset(), prefix: Prefix | None = None
 ) -> Run:
     """Run ``steps`` (module docstring). A product in ``watch`` made a second time stops the
-    run there (the simulator reports it). Slot ``2 * space`` is never filled (a need nobody
+    run there (the simulator reports it). Cell ``2 * space`` is never filled (a need nobody
     makes). With ``prefix``, the steps it holds are taken as run; only valid where every product
     has one maker, since then the result does not depend on the order steps run in."""
     offsets, total = steps.offsets, steps.offsets[-1]

@@ -108,7 +108,7 @@ class ProductSpace:
 
     @property
     def never(self) -> int:
-        """The slot of a product nobody makes (the engine's unfilled slot)."""
+        """The id of a product nobody makes (what the engine's unfilled entries hold)."""
         return 2 * self.size
 
     def ids(self, letter: np.ndarray, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:

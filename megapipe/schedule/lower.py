@@ -118,52 +118,53 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
             f"needs {stage}{letter}{comps.mb[first]}'s result, which no rank computes",
             rank, schedule.action_at(comps.action[first]),
         )
-    first_slot = table.offsets[:-1] + np.arange(table.pp)  # rank r's slots: first_slot[r] + 0..n_r
-    send_slot = first_slot[sends.rank] + table.local_index[comps.action[sends.comp]] + 1
-    recv_slot = np.empty(len(receiving), dtype=np.int64)
+    # rank r's gaps (before each of its n_r actions and after the last): first_gap[r] + 0..n_r
+    first_gap = table.offsets[:-1] + np.arange(table.pp)
+    send_gap = first_gap[sends.rank] + table.local_index[comps.action[sends.comp]] + 1
+    recv_gap = np.empty(len(receiving), dtype=np.int64)
     sent_at = sends.time[source]
     bounds = np.searchsorted(comps.rank[receiving], np.arange(table.pp + 1))
     for r in range(table.pp):  # receivers come in rank order
         mine = slice(bounds[r], bounds[r + 1])
         starts = run.start_flat[table.offsets[r]:table.offsets[r + 1]]
-        recv_slot[mine] = first_slot[r] + np.searchsorted(starts, sent_at[mine], "left")
-    return _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_slot,
+        recv_gap[mine] = first_gap[r] + np.searchsorted(starts, sent_at[mine], "left")
+    return _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap,
                   r_letter, r_stage)
 
 
-def _place(table, comps, sends, send_slot, receiving, recv_slot, source, first_slot,
+def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap,
            r_letter, r_stage) -> ActionTable:
-    """Lay out per slot: its SENDs (computation order), its RECVs (send time, sender, sender
+    """Lay out per gap: its SENDs (computation order), its RECVs (send time, sender, sender
     order), then the action."""
-    slots = len(table) + table.pp
-    n_send = np.bincount(send_slot, minlength=slots)
-    n_recv = np.bincount(recv_slot, minlength=slots)
-    action_slot = first_slot[table.rank] + table.local_index
-    has_action = np.bincount(action_slot, minlength=slots)
-    slot_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
-    out_len = int(slot_start[-1])
+    gaps = len(table) + table.pp
+    n_send = np.bincount(send_gap, minlength=gaps)
+    n_recv = np.bincount(recv_gap, minlength=gaps)
+    action_gap = first_gap[table.rank] + table.local_index
+    has_action = np.bincount(action_gap, minlength=gaps)
+    gap_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
+    out_len = int(gap_start[-1])
     kind = np.empty(out_len, dtype=np.int8)
     stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
     back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)] if table.has_overlap else []
-    # SENDs: in computation order, which is slot order.
-    at = slot_start[send_slot] + _rank_in_run(send_slot)
+    # SENDs: in computation order, which is gap order.
+    at = gap_start[send_gap] + _rank_in_run(send_gap)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)
     stage[at], mb[at] = sends.stage, sends.mb
-    # RECVs: by slot, then by the send they match (time, sender rank, sender order).
-    order = np.argsort(recv_slot * (len(sends.comp) + 1) + sends.priority[source], kind="stable")
-    ranked = recv_slot[order]
+    # RECVs: by gap, then by the send they match (time, sender rank, sender order).
+    order = np.argsort(recv_gap * (len(sends.comp) + 1) + sends.priority[source], kind="stable")
+    ranked = recv_gap[order]
     at = np.empty(len(order), dtype=np.int64)
-    at[order] = slot_start[ranked] + n_send[ranked] + _rank_in_run(ranked)
+    at[order] = gap_start[ranked] + n_send[ranked] + _rank_in_run(ranked)
     letter = r_letter[receiving]
     kind[at] = np.where(letter == 0, RECV_F, RECV_B)
     stage[at] = r_stage[receiving] + np.where(letter == 0, 1, -1)  # the receiving stage
     mb[at] = comps.mb[receiving]
     # The actions themselves.
-    at = slot_start[action_slot] + n_send[action_slot] + n_recv[action_slot]
+    at = gap_start[action_gap] + n_send[action_gap] + n_recv[action_gap]
     kind[at], stage[at], mb[at] = table.kind, table.stage, table.mb
     for column, values in zip(back, (table.back_kind, table.back_stage, table.back_mb)):
         column[at] = values
-    offsets = slot_start[first_slot.tolist() + [slots]]
+    offsets = gap_start[first_gap.tolist() + [gaps]]
     return ActionTable.from_columns(offsets, kind, stage, mb, *back)
 
 

@@ -152,8 +152,8 @@ def _waited_for(run: Timeline) -> np.ndarray:
     maker = plan.makers()
     before = np.full(len(table), -1, dtype=np.int64)
     for j in range(plan.need.shape[1]):  # a later need wins
-        slot = plan.need[:, j]
-        made_by = maker[np.where(slot >= 0, slot, plan.space.never)]
+        needed = plan.need[:, j]
+        made_by = maker[np.where(needed >= 0, needed, plan.space.never)]
         ok = (made_by >= 0) & (rank[made_by] != rank) & (end[made_by] == start)
         before = np.where(ok, made_by, before)
     row = np.arange(len(table))

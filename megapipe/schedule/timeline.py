@@ -57,7 +57,7 @@ class _Structure:
 
     space: ProductSpace
     make: np.ndarray
-    need: np.ndarray  # (n, 3) slots
+    need: np.ndarray  # (n, 3) cells
     lists: tuple[list, ...]  # offsets, need0, need1, need2, make0, make1
     unique: bool
     watch: frozenset
@@ -65,7 +65,7 @@ class _Structure:
 
 @dataclass
 class StepPlan:
-    """A table as engine steps: per action up to three needs (slots), two products, a duration.
+    """A table as engine steps: per action up to three needs (cells), two products, a duration.
 
     ``make`` is (n, 2) product ids (-1: none); ``unique`` says every product has one maker;
     ``watch`` holds the products made more than once.
@@ -94,7 +94,7 @@ class StepPlan:
                    found.watch)
 
     def makers(self) -> np.ndarray:
-        """Per engine slot: the row of the product's last maker (rank order), -1 if none."""
+        """Per engine cell: the row of the product's last maker (rank order), -1 if none."""
         out = np.full(2 * self.space.size + 1, -1, dtype=np.int64)
         rows = np.repeat(np.arange(len(self.table)), 2)
         made = self.make.reshape(-1)
@@ -119,17 +119,17 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
     filled = np.zeros(len(table), dtype=np.int64)
     needs = comp_needs(schedule, comps)
-    slots = [_slot(schedule, comps, need, space, maker, table.rank, latency) for need in needs]
+    cells = [_need_cell(schedule, comps, need, space, maker, table.rank, latency) for need in needs]
     halves = (0, 1) if table.has_overlap else (0,)
     for half in halves:
         in_half = comps.half == half
-        for slot in slots:
-            wanted = np.flatnonzero((slot >= 0) & in_half)
+        for cell in cells:
+            wanted = np.flatnonzero((cell >= 0) & in_half)
             actions = comps.action[wanted]
             place = filled[actions]
             for j, column in enumerate(columns):
                 at = place == j
-                column[actions[at]] = slot[wanted[at]]
+                column[actions[at]] = cell[wanted[at]]
             filled[actions] += 1
     make = np.full((len(table), 2), -1, dtype=np.int64)
     make[comps.action, comps.half] = made
@@ -140,9 +140,9 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
                       frozenset(repeated.tolist()))
 
 
-def _slot(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
+def _need_cell(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
           rank_of: np.ndarray, latency: float) -> np.ndarray:
-    """The engine slot of one need of each computation, -1 where it has none or the need is
+    """The engine cell of one need of each computation, -1 where it has none or the need is
     settled statically (its only maker runs earlier on the same rank, with no latency)."""
     pid = np.where(need.exists, space.ids(need.letter, need.stage, comps.mb), -1)
     known = (pid >= 0) & (pid < space.size)

@@ -93,13 +93,13 @@ class StepCosts:
         for t, ops in enumerate(self.ops):
             rows = np.flatnonzero(self.template == t)
             times = op_times(ops, start[rows], np.maximum)
-            slot = 0
+            nth = 0
             for op, (b, e) in zip(ops, times):
                 if op.stream != stream:
                     continue
-                at = first[rows] + slot
+                at = first[rows] + nth
                 begin[at], end[at] = b, e
-                slot += 1
+                nth += 1
         return begin, end, step
 
 

@@ -39,7 +39,9 @@ class StepCosts:
     @staticmethod
     def _templates(table: ActionTable, costs: Costs, num_stages: int):
         """Per step its template number, and per template the row of a step that has it."""
-        if costs.stage_multipliers:
+        if costs.nodes is not None:  # first and last stages hold the embedding and the head
+            mult_class = np.array([costs.nodes.stage_class(s) for s in range(max(num_stages, 1))])
+        elif costs.stage_multipliers:
             _, mult_class = np.unique(np.asarray(costs.stage_multipliers), return_inverse=True)
         else:
             mult_class = np.zeros(max(num_stages, 1), dtype=np.int64)

@@ -193,6 +193,15 @@ def _measure(runs: _ReplayRuns, rounds: int) -> dict:
     }
 
 
+def measure_schedule(s: ReplaySettings, groups, name: str, chunks: int) -> dict:
+    """``_measure`` of schedule ``name`` on this rank's replay stages."""
+    runs = _ReplayRuns(s, groups, name, chunks)
+    try:
+        return _measure(runs, s.rounds)
+    finally:
+        runs.close()
+
+
 def _real_work(runs: _ReplayRuns) -> float:
     """One combined step with every profile time 0: the real work alone (ms)."""
     from megapipe.sim.profile import NodeProfile

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..schedule.ir import Schedule
 
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
-WGRAD_ITEMS = 2  # deferred GEMMs of one expert group's backward (fc1, fc2)
+WGRAD_ITEMS = 3  # deferred GEMMs of one expert group's backward (gate, up, down)
 
 
 @dataclass(frozen=True)

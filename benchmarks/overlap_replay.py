@@ -20,7 +20,7 @@ Other top-level keys are ignored. ``--time-scale`` multiplies every time (so the
 tiny model, printed as the "real work alone" step, stays negligible beside the waits).
 
     python benchmarks/overlap.py --replay benchmarks/profiles/deepseek_v3_h800.json \\
-        [--schedules all] [--time-scale 1] [--rounds 2]
+        [--schedules all] [--time-scale 3] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class ReplaySettings:
     microbatches: int = 16
     moe_layers: int = 4  # per model chunk
     rounds: int = 2
-    time_scale: float = 1.0
+    time_scale: float = 3.0
     a2a_chunks: int | None = None  # None: the simulator's choice
     delay_wgrad: bool = True
     pair: bool = True
@@ -85,7 +85,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1):
     """The simulator's view of one run (CPU host: the compute stream is the host thread)."""
     from megapipe.sim.node_steps import NodeCosts
 
-    return NodeCosts(_profile(s), schedule.num_stages, s.moe_layers, a2a_chunks=chunks,
+    return NodeCosts(_profile(s), schedule.stages_per_pipeline, s.moe_layers, a2a_chunks=chunks,
                      defer_wgrad=s.delay_wgrad and overlap, host_runs_compute=True,
                      combined=overlap)
 
@@ -122,12 +122,14 @@ class _ReplayRuns:
         self.executors, self.stages = {}, {}
         for label, overlap in (("plain", False), ("combined", True)):
             schedule = _schedule(s, name, overlap)
-            config = _config(s, schedule.num_stages)
+            per_pipeline = schedule.stages_per_pipeline
+            config = _config(s, per_pipeline)
             stages = {}
             for i in schedule.stages_of_rank(groups.pp_rank):
-                layers = range(i * s.moe_layers, (i + 1) * s.moe_layers)
-                stages[i] = ReplayStage(_profile(s), config, layers, i == 0,
-                                        i == schedule.num_stages - 1, groups.ep)
+                at = i % per_pipeline  # DualPipe: the second pipeline's stages hold copies
+                layers = range(at * s.moe_layers, (at + 1) * s.moe_layers)
+                stages[i] = ReplayStage(_profile(s), config, layers, schedule.is_first_stage(i),
+                                        schedule.is_last_stage(i), groups.ep)
             self.stages[label] = stages
             self.executors[label] = PipelineExecutor(
                 schedule, stages, spec=TensorSpec((1, config.seq_length, config.hidden_size)),
@@ -278,6 +280,7 @@ def _worker(rank: int, s: ReplaySettings, out) -> None:
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
     from megapipe.schedule.errors import ScheduleError
+    from megapipe.schedule.ir import Kind
 
     groups = create_groups(ParallelConfig(pp=s.pp, dp=s.dp, ep=s.ep))
     lines, speedups, real = [], {}, None
@@ -292,10 +295,13 @@ def _worker(rank: int, s: ReplaySettings, out) -> None:
             f"measured/simulated combined {measured['combined'] / combined_sim:.3f}")
     for name in s.schedules:
         try:
+            combined = _schedule(s, name, True)
             chunks = chunks_for(s, name)
-            _schedule(s, name, True)
         except ScheduleError as error:
             lines.append(f"{name:<17} skipped: {error}")
+            continue
+        if not any(a.kind is Kind.OVERLAP for row in combined.actions for a in row):
+            lines.append(f"{name:<17} skipped: the overlap pass pairs nothing here")
             continue
         runs = _ReplayRuns(s, groups, name, chunks)
         measured = _measure(runs, s.rounds)
@@ -322,7 +328,7 @@ def parse(argv: list[str] | None) -> ReplaySettings:
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--moe-layers", type=int, default=4, help="MoE layers per model chunk")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--time-scale", type=float, default=1.0,
+    parser.add_argument("--time-scale", type=float, default=3.0,
                         help="multiply every profile time by this")
     parser.add_argument("--a2a-chunks", type=int, default=None,
                         help="combined runs' all-to-all chunks (default: the simulator's choice)")

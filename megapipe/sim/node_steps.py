@@ -34,6 +34,10 @@ WGRAD_ITEMS = 3  # deferred GEMMs of one expert group's backward (gate, up, down
 class NodeCosts:
     """What a step is made of, node by node (see the module docstring).
 
+    ``num_stages``: the stages of one pipeline (``Schedule.stages_per_pipeline``; DualPipe's
+    second pipeline's stages count from ``num_stages`` on): its first holds the embedding, its
+    last the head; ``moe_layers`` MoE layers per stage.
+
     ``combined``: the schedule runs node by node on the streams (the engine does so in combined
     schedules): an I keeps attention's weight gradient (only the experts' GEMMs defer); in a
     plain schedule the generic split moves every weight gradient to W."""
@@ -57,15 +61,17 @@ class NodeCosts:
 
     def stage_class(self, stage: int) -> int:
         """0 a middle stage, 1 the first, 2 the last, 3 both (their steps differ)."""
-        return int(stage == 0) + 2 * int(stage == self.num_stages - 1)
+        position = stage % self.num_stages
+        return int(position == 0) + 2 * int(position == self.num_stages - 1)
 
     def layers(self, stage: int) -> list[tuple[str, ...]]:
         """The node roles of each layer of ``stage``, in forward order."""
         k = self.a2a_chunks
         moe = MOE_ROLES if k == 1 else ("attn",) + CHUNKED_ROLES * k + ("finish",)
-        layers = [("embedding",)] if stage == 0 else []
+        kind = self.stage_class(stage)
+        layers = [("embedding",)] if kind & 1 else []
         layers += [moe] * self.moe_layers
-        return layers + ([("head",)] if stage == self.num_stages - 1 else [])
+        return layers + ([("head",)] if kind & 2 else [])
 
     def shape(self, roles: Sequence[str]) -> list:
         """The planner's shape of a layer (a fork of the chunks when k > 1)."""

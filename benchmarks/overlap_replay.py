@@ -81,13 +81,16 @@ def _schedule(s: ReplaySettings, name: str, overlap: bool):
     return build_schedule(name, s.pp, s.microbatches, vpp=_vpp(s, name), overlap=overlap)
 
 
-def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1):
-    """The simulator's view of one run (CPU host: the compute stream is the host thread)."""
+def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
+               early: str | None = None):
+    """The simulator's view of one run (CPU host: the compute stream is the host thread;
+    ``early``: the executor's ``early_send_rule``, None: the simulator's default)."""
     from megapipe.sim.node_steps import NodeCosts
 
-    return NodeCosts(_profile(s), schedule.stages_per_pipeline, s.moe_layers, a2a_chunks=chunks,
-                     defer_wgrad=s.delay_wgrad and overlap, host_runs_compute=True,
-                     combined=overlap)
+    nodes = NodeCosts(_profile(s), schedule.stages_per_pipeline, s.moe_layers,
+                      a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
+                      host_runs_compute=True, combined=overlap)
+    return nodes if early is None else replace(nodes, early_sends=early)
 
 
 def chunks_for(s: ReplaySettings, name: str) -> int:
@@ -100,12 +103,12 @@ def chunks_for(s: ReplaySettings, name: str) -> int:
     return choose_a2a_chunks(schedule, node_costs(s, schedule, True), max_chunks=4)
 
 
-def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int):
+def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int, early: str | None = None):
     """The simulator's step: (makespan ms, exposed all-to-all fraction)."""
     from megapipe.sim import Costs, simulate
 
     schedule = _schedule(s, name, overlap)
-    result = simulate(schedule, Costs(nodes=node_costs(s, schedule, overlap, chunks)))
+    result = simulate(schedule, Costs(nodes=node_costs(s, schedule, overlap, chunks, early)))
     return result.makespan, result.exposed_comm_fraction
 
 
@@ -138,6 +141,7 @@ class _ReplayRuns:
                 delay_wgrad_compute=s.delay_wgrad and overlap,
             )
         self.schedule, self.config = schedule, config
+        self.early_rule = self.executors["combined"].early_send_rule
 
     def step(self, label: str, step: int):
         g = torch.Generator().manual_seed(1000 * step + self.groups.dp_rank)
@@ -192,6 +196,7 @@ def _measure(runs: _ReplayRuns, rounds: int) -> dict:
         "combined": statistics.median(times["combined"]),
         "speedup": statistics.median(p / c for p, c in zip(times["plain"], times["combined"])),
         "exposed": mine.item() / dist.get_world_size(),
+        "early": runs.early_rule,
     }
 
 
@@ -265,7 +270,7 @@ def _predict_pair(s: ReplaySettings) -> tuple[float, float]:
 
 def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int) -> str:
     plain_sim, _ = predict(s, name, False, 1)
-    combined_sim, exposed_sim = predict(s, name, True, chunks)
+    combined_sim, exposed_sim = predict(s, name, True, chunks, m["early"])
     return (
         f"{name:<17} plain {m['plain']:8.1f} ms  combined {m['combined']:8.1f} ms  "
         f"speed-up {m['speedup']:.2f}  exposed a2a {m['exposed']:4.0%}  chunks {chunks}  | "

@@ -5,7 +5,8 @@ the engine runs it: the step's layers (embedding on the first stage, ``moe_layer
 head on the last) are planned by ``pair_plan.StepPlanner``, the co-scheduler's own rule, so an
 OVERLAP step follows the dataflow pair order (each node after its own inputs, each stream in the
 planned order, no joins), deferred weight gradients run where the plan puts them, and a lone step
-with ``a2a_chunks`` k > 1 pipelines its k chunks. Each node lasts its profile time
+with ``a2a_chunks`` k > 1 pipelines its k chunks, and an OVERLAP's halves hand their outputs
+on as the executor's early sends do (``early_sends``). Each node lasts its profile time
 (``profile.NodeProfile``). ``host_runs_compute`` models a host that is itself the compute stream
 (CPU: a comm node is issued only when the host reaches it); without it, a GPU host that only
 queues work.
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
     from ..schedule.ir import Schedule
 
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
+# when an OVERLAP's halves hand their outputs on (the executor's ``early_send_rule``): each
+# when its last node ends; both once both halves are done (before the held weight gradients;
+# also the conservative reading of the rule that sends only single-send pairs early); at the end
+EACH, WHOLE, AT_END = "each half", "whole batch", "at the end"
+EARLY_RULES = (EACH, "single-send pairs", WHOLE, AT_END)
 WGRAD_ITEMS = 3  # deferred GEMMs of one expert group's backward (gate, up, down)
 
 
@@ -49,12 +55,16 @@ class NodeCosts:
     defer_wgrad: bool = False
     host_runs_compute: bool = False
     combined: bool = True
+    early_sends: str = EACH
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "a2a_chunks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
+        if self.early_sends not in EARLY_RULES:
+            raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
+                             f"{', '.join(EARLY_RULES)}")
         if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
                 or self.moe_layers < 0:
             raise ValueError(f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
@@ -173,6 +183,22 @@ class _WeightShares:
         assert issue.node in (HEAD, TAIL)
         self.left[issue.layer] -= count
         return count * self.per_item
+
+
+def half_ends(ops: Sequence[NodeOp], times: Sequence[tuple], rule: str) -> tuple[float, float]:
+    """When an OVERLAP program's forward and backward outputs are handed on under ``rule``."""
+    end = max([t for _, t in times])
+    if rule == AT_END:
+        return end, end
+    last: dict = {}
+    for op, (_, finish) in zip(ops, times):
+        if op.part != "wgrad":
+            last[op.action.kind is Kind.F] = finish
+    forward, backward = last.get(True, end), last.get(False, end)
+    if rule == EACH:
+        return forward, backward
+    both = max(forward, backward)
+    return both, both
 
 
 def choose_a2a_chunks(schedule: "Schedule", nodes: NodeCosts, max_chunks: int = 4,

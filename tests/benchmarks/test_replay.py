@@ -24,7 +24,7 @@ def test_a_tiny_replay_runs_as_the_simulator_predicts(rank_pools):
                               rounds=1, a2a_chunks=2)
     measured = rank_pools(4).run(replay_run, asdict(settings), "interleaved-1f1b", 2)[0]
     plain_sim, _ = predict(settings, "interleaved-1f1b", False, 1)
-    combined_sim, _ = predict(settings, "interleaved-1f1b", True, 2)
+    combined_sim, _ = predict(settings, "interleaved-1f1b", True, 2, measured["early"])
     assert combined_sim < 0.8 * plain_sim  # the profile leaves something to hide
     for label, simulated in (("plain", plain_sim), ("combined", combined_sim)):
         ratio = measured[label] / simulated

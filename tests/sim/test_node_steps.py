@@ -11,7 +11,9 @@ import pytest
 from megapipe.schedule import build_schedule
 from megapipe.schedule.ir import Action, Kind
 from megapipe.sim import Costs, simulate
-from megapipe.sim.node_steps import NodeCosts, choose_a2a_chunks, node_ops
+from megapipe.sim.node_steps import (
+    AT_END, EACH, WHOLE, NodeCosts, choose_a2a_chunks, half_ends, node_ops,
+)
 from megapipe.sim.profile import NodeProfile, role_of
 from megapipe.sim.steps import op_times
 
@@ -103,3 +105,23 @@ def test_the_combined_schedule_hides_most_of_the_all_to_all():
     assert before.exposed_comm_fraction == 1.0
     assert before.makespan / after.makespan > 1.6
     assert after.exposed_comm_fraction < 0.15
+
+
+def test_early_sends_hand_each_half_on_at_its_last_node():
+    nodes = NodeCosts(DEEPSEEK, 3, 4, defer_wgrad=True)
+    ops = node_ops(PAIR, nodes)
+    times = op_times(ops, 0.0)
+    forward, backward = half_ends(ops, times, EACH)
+    assert ops[-1].part == "wgrad" and backward < times[-1][1]  # before the held W tail
+    last_f = max(i for i, op in enumerate(ops) if op.action.kind is Kind.F)
+    assert forward == times[last_f][1] and ops[last_f].part == "finish"
+    assert half_ends(ops, times, WHOLE) == (max(forward, backward),) * 2
+    assert half_ends(ops, times, AT_END) == (times[-1][1],) * 2
+    # in a run: never later than at the end, and sooner where a peer waits for it
+    schedule = build_schedule("dualpipev", 2, 8, overlap=True)
+    spans = {rule: simulate(schedule, Costs(nodes=replace(
+        nodes, num_stages=schedule.stages_per_pipeline, early_sends=rule))).makespan
+        for rule in (EACH, WHOLE, AT_END)}
+    assert spans[EACH] <= spans[WHOLE] < spans[AT_END]
+    with pytest.raises(ValueError, match="early_sends='soon' is not one of"):
+        NodeCosts(DEEPSEEK, 3, 4, early_sends="soon")

@@ -119,10 +119,9 @@ def run_in_order(
 
 def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publisher) -> None:
     """The round robin (module docstring): the hot loop, with its lists in local variables."""
-    offsets, space, end_of, duration = steps.offsets, steps.space, steps.end_of, steps.duration
-    made_at = steps.made_at
-    need0, need1, need2, make0, make1 = (steps.need0, steps.need1, steps.need2, steps.make0,
-                                         steps.make1)
+    offsets, space, end_of, duration, made_at, need0, need1, need2, make0, make1 = (
+        steps.offsets, steps.space, steps.end_of, steps.duration, steps.made_at, steps.need0,
+        steps.need1, steps.need2, steps.make0, steps.make1)
     arrive, start, end, sweep, parked = run.arrive, run.start, run.end, run.sweep, {}
     slow, record = publisher.needed, publisher.record
     now, later, t = (1 << (len(offsets) - 1)) - 1, 0, 0  # bit r: rank r runs this/next sweep
@@ -155,9 +154,7 @@ def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publish
             start[k], f = s, (s + duration[k] if end_of is None else end_of(k, s))
             end[k], sweep[k] = f, t
             p, q = make0[k], make1[k]
-            fp = fq = f
-            if made_at is not None:
-                fp, fq = made_at(k, s, f)
+            fp, fq = (f, f) if made_at is None else made_at(k, s, f)
             if slow and not (record(p, fp, k) and (q < 0 or record(q, fq, k))):
                 cursor[r] = k
                 return

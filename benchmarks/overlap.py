@@ -26,6 +26,9 @@ each, no DualPipeV). The last line is ``speedup: X.XX`` for interleaved-1f1b (``
 
     python benchmarks/overlap.py [--pp 1] [--rounds 8] [--microbatches 8]
 
+``--replay PROFILE.json`` runs the replay mode instead (``overlap_replay.py``): every node of
+the real engine lasts its time in a node-time profile, beside the simulator's prediction.
+
 Not part of the test suite; about three minutes on a 2-core machine.
 """
 
@@ -274,6 +277,11 @@ def _worker(rank: int, s: Settings, out) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if any(a == "--replay" or a.startswith("--replay=") for a in args):
+        from overlap_replay import main as replay_main  # the replay mode: its own options
+
+        return replay_main(args)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, choices=sorted(FAMILIES), default=2,
                         help="pipeline stages (ranks = pp x 2: dp = ep = 2)")

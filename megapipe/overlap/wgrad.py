@@ -50,6 +50,14 @@ class WeightGradQueue:
     def names(self) -> list[str]:
         return [name for name, _ in self._work]
 
+    def wrap_last(self, count: int, wrapper: Callable[[Callable[[], None]], Callable[[], None]]
+                  ) -> None:
+        """Replace each of the ``count`` items queued last by ``wrapper(item)`` (instrumentation:
+        the replay benchmark makes each deferred GEMM last its profile time)."""
+        for index in range(len(self._work) - count, len(self._work)):
+            name, fn = self._work[index]
+            self._work[index] = (name, wrapper(fn))
+
     def run(self, limit: int | None = None) -> int:
         """Run everything queued so far (FIFO), or its first ``limit`` items; return how many
         items ran."""

@@ -24,7 +24,9 @@ class Steps:
 
     ``need0..need2``: cells the step waits for (-1: none); ``make0``, ``make1``: products it
     makes (-1: none); ``duration``: end = start + duration, unless ``end_of(step, start)`` is
-    given. ``delay[p]``: added to product p for readers of cell ``space + p``.
+    given. ``delay[p]``: added to product p for readers of cell ``space + p``. ``made_at(step,
+    start, end)``, if given, says when the step's two products are made (an OVERLAP whose halves
+    hand their outputs on before it ends: early sends); else both at its end.
     """
 
     offsets: Sequence[int]
@@ -37,6 +39,7 @@ class Steps:
     space: int
     delay: Sequence[float] | float = 0.0
     end_of: Callable[[int, float], float] | None = None
+    made_at: Callable[[int, float, float], tuple[float, float]] | None = None
 
 
 @dataclass
@@ -116,9 +119,9 @@ def run_in_order(
 
 def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publisher) -> None:
     """The round robin (module docstring): the hot loop, with its lists in local variables."""
-    offsets, space, end_of, duration = steps.offsets, steps.space, steps.end_of, steps.duration
-    need0, need1, need2, make0, make1 = (steps.need0, steps.need1, steps.need2, steps.make0,
-                                         steps.make1)
+    offsets, space, end_of, duration, made_at, need0, need1, need2, make0, make1 = (
+        steps.offsets, steps.space, steps.end_of, steps.duration, steps.made_at, steps.need0,
+        steps.need1, steps.need2, steps.make0, steps.make1)
     arrive, start, end, sweep, parked = run.arrive, run.start, run.end, run.sweep, {}
     slow, record = publisher.needed, publisher.record
     now, later, t = (1 << (len(offsets) - 1)) - 1, 0, 0  # bit r: rank r runs this/next sweep
@@ -151,12 +154,13 @@ def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publish
             start[k], f = s, (s + duration[k] if end_of is None else end_of(k, s))
             end[k], sweep[k] = f, t
             p, q = make0[k], make1[k]
-            if slow and not (record(p, f, k) and (q < 0 or record(q, f, k))):
+            fp, fq = (f, f) if made_at is None else made_at(k, s, f)
+            if slow and not (record(p, fp, k) and (q < 0 or record(q, fq, k))):
                 cursor[r] = k
                 return
             # Wake the ranks parked on what the step made: in this sweep if they come after r,
             # else in the next one (written out for both products: this loop is the hot path).
-            arrive[p] = f
+            arrive[p] = fp
             if p in parked:
                 for w in parked.pop(p):
                     if w > r:
@@ -164,7 +168,7 @@ def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publish
                     else:
                         later |= 1 << w
             if q >= 0:  # the backward half of an OVERLAP
-                arrive[q] = f
+                arrive[q] = fq
                 if q in parked:
                     for w in parked.pop(q):
                         if w > r:

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..schedule.ir import Kind
+
+if TYPE_CHECKING:
+    from .node_steps import NodeCosts
 
 
 def _check_duration(name: str, value: float) -> None:
@@ -41,6 +45,8 @@ class Costs:
     - ``attention_share``: the part of a layer's compute spent before the dispatch (attention
       and router); the rest is the experts. Backward compute is split the same way. 0.5 by
       default: in large MoE models (DeepSeek-V3) attention and expert compute are comparable.
+    - ``nodes``: time every step node by node, in the engine's issue order, from a node-time
+      profile (``node_steps.NodeCosts``); the fields above then serve only ``p2p_latency``.
     """
 
     forward: float = 1.0
@@ -52,6 +58,7 @@ class Costs:
     combine: float = 0.0
     moe_layers: int = 1
     attention_share: float = 0.5
+    nodes: "NodeCosts | None" = None
 
     def __post_init__(self) -> None:
         try:

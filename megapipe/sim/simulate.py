@@ -9,8 +9,9 @@ of its rank has ended and every input it needs has arrived:
 - OVERLAP: the inputs of both halves (the combined step starts when both are there).
 
 An input produced on another rank arrives ``costs.p2p_latency`` after its producer ends. Both
-halves of an OVERLAP hand their outputs on when the OVERLAP ends (the executor sends after the
-combined step). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
+halves of an OVERLAP hand their outputs on when the OVERLAP ends, except when steps are timed
+node by node (``Costs.nodes``): then each half hands its output on as the executor's early
+sends do (``node_steps.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
 The run is the in-order run of ``megapipe.schedule.engine`` (the round robin of the ranks, in
@@ -79,6 +80,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     plan = StepPlan.build(work, duration, costs.p2p_latency)
     if not pieces.exact:
         plan.steps.end_of = pieces.end_of
+    if costs.nodes is not None and table.has_overlap:
+        plan.steps.made_at = pieces.made_at
     run = run_in_order(plan.steps, watch=plan.watch)
     if run.remade is not None:
         _raise_remade(work, plan, run)

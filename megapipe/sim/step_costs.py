@@ -17,9 +17,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..schedule.ir import Action
+from ..schedule.ir import Action, Kind
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
+from .node_steps import half_ends
 from .steps import COMM, COMPUTE, op_times, step_ops
 
 _EXACT_LIMIT = 2 ** 53
@@ -39,7 +40,9 @@ class StepCosts:
     @staticmethod
     def _templates(table: ActionTable, costs: Costs, num_stages: int):
         """Per step its template number, and per template the row of a step that has it."""
-        if costs.stage_multipliers:
+        if costs.nodes is not None:  # first and last stages hold the embedding and the head
+            mult_class = np.array([costs.nodes.stage_class(s) for s in range(max(num_stages, 1))])
+        elif costs.stage_multipliers:
             _, mult_class = np.unique(np.asarray(costs.stage_multipliers), return_inverse=True)
         else:
             mult_class = np.zeros(max(num_stages, 1), dtype=np.int64)
@@ -80,6 +83,17 @@ class StepCosts:
         """When step ``step`` ends if it starts at ``start`` (the program run for this start)."""
         ends = [end for _, end in op_times(self.ops[self.template[step]], start)]
         return max([start] + ends)
+
+    def made_at(self, step: int, start: float, end: float) -> tuple[float, float]:
+        """When step ``step``'s two products are handed on (an OVERLAP timed node by node:
+        its halves' early sends, ``node_steps.half_ends``; anything else: at its end)."""
+        ops = self.ops[self.template[step]]
+        nodes = self.costs.nodes
+        if nodes is None or not ops or ops[0].action.kind is Kind.W:
+            return end, end
+        if not any(op.action != ops[0].action for op in ops):  # one half: not an OVERLAP
+            return end, end
+        return half_ends(ops, op_times(ops, start), nodes.early_sends)
 
     def pieces(self, start: np.ndarray, stream: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every piece on ``stream``: (begin, end, step), in step order and, within a step, in

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
 from .costs import Costs
+from .node_steps import node_ops
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -145,7 +146,10 @@ def op_times(ops: list[_Op], start, maximum=max) -> list[tuple]:
 
 
 def step_ops(action: Action, costs: Costs) -> list[_Op]:
-    """The pieces of a compute action, in the order they are issued."""
+    """The pieces of a compute action, in the order they are issued (node by node in the
+    engine's order when ``costs.nodes`` is set: ``node_steps``)."""
+    if costs.nodes is not None:
+        return node_ops(action, costs.nodes)  # type: ignore[return-value]
     if action.kind is Kind.OVERLAP:
         return _overlap_ops(action.forward, action.backward, costs)
     return _plain_ops(action, costs)

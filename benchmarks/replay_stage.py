@@ -1,0 +1,156 @@
+"""Replay: every node of a real model stage lasts its profile time, as on the profiled GPU.
+
+``ReplayStage`` is a ``GPTStage`` whose node plans (plain and chunked) are wrapped by
+``timed_node``: a node does its real (small) work and then sleeps until its profile time has
+passed since it started (``time.sleep`` releases the GIL and leaves the core free, as a GPU
+kernel leaves the host free). Its backward does the same with the B time: a marker on the node's
+outputs notes when autograd reaches the node, one on its inputs sleeps until the B time has
+passed (so the sleep is in whichever thread runs the node's backward: the comm stream's worker
+for a comm node). Weight gradients the backward deferred into the layer's queue
+(``delay_wgrad_compute``, an I step) are wrapped to last the W time between them; a backward
+that computed them at once lasts B + W instead. Everything else (streams, co-scheduler, tape,
+gloo all-to-alls and p2p) is the real engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from megapipe.models.gpt import GPTStage
+from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node
+from megapipe.sim.profile import NodeProfile, role_of
+
+
+def sleep_until(deadline: float) -> None:
+    rest = deadline - time.perf_counter()
+    if rest > 0:
+        time.sleep(rest)
+
+
+class _Clock:
+    """One node run's backward: when it began and the W items queued before it."""
+
+    def __init__(self, backward_s: float, weight_s: float, state: LayerState) -> None:
+        self.backward_s, self.weight_s, self.state = backward_s, weight_s, state
+        self.start = 0.0
+        self.queued = 0
+        self.done = False
+
+    def begin(self) -> None:
+        self.start = time.perf_counter()
+        queue = self.state.wgrad_queue
+        self.queued = len(queue) if queue is not None else 0
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        queue = self.state.wgrad_queue
+        new = (len(queue) - self.queued) if queue is not None else 0
+        if new > 0:
+            share = self.weight_s / new
+            queue.wrap_last(new, lambda fn: _timed_item(fn, share))
+            sleep_until(self.start + self.backward_s)
+        else:
+            sleep_until(self.start + self.backward_s + self.weight_s)
+
+
+def _timed_item(fn: Callable[[], None], seconds: float) -> Callable[[], None]:
+    def run() -> None:
+        start = time.perf_counter()
+        fn()
+        sleep_until(start + seconds)
+
+    return run
+
+
+class _OutputMark(torch.autograd.Function):
+    """Identity; its backward (the first of the node's) starts the node's backward clock."""
+
+    @staticmethod
+    def forward(ctx, clock: _Clock, has_inputs: bool, *tensors):  # type: ignore[override]
+        ctx.clock, ctx.has_inputs = clock, has_inputs
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.clock.begin()
+        if not ctx.has_inputs:  # nothing flows on to the inputs: wait here
+            ctx.clock.wait()
+        return (None, None, *grads)
+
+
+class _InputMark(torch.autograd.Function):
+    """Identity; its backward (the node's last) waits out the node's backward time."""
+
+    @staticmethod
+    def forward(ctx, clock: _Clock, *tensors):  # type: ignore[override]
+        ctx.clock = clock
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.clock.wait()
+        return (None, *grads)
+
+
+def _marked(mark: Any, clock: _Clock, extra: tuple, values: tuple) -> tuple:
+    """``values`` with the float tensors that need grad passed through ``mark``."""
+    picked = [n for n, v in enumerate(values)
+              if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()]
+    if not picked or not torch.is_grad_enabled():
+        return values
+    marked = mark.apply(clock, *extra, *(values[n] for n in picked))
+    out = list(values)
+    for n, tensor in zip(picked, marked):
+        out[n] = tensor
+    return tuple(out)
+
+
+def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
+    """``node`` lasting its profile time (seconds = profile ms / 1000) forward and backward."""
+    role = role_of(node.name)
+    forward_s = profile.time(role, "F", chunks) / 1e3
+    backward_s = profile.time(role, "B", chunks) / 1e3
+    weight_s = profile.time(role, "W", chunks) / 1e3
+
+    def fn(state: LayerState, inputs: tuple) -> tuple:
+        start = time.perf_counter()
+        clock = _Clock(backward_s, weight_s, state)
+        marked = _marked(_InputMark, clock, (), tuple(inputs))
+        has_inputs = marked is not inputs and any(a is not b for a, b in zip(marked, inputs))
+        outputs = node.fn(state, marked)
+        outputs = _marked(_OutputMark, clock, (has_inputs,), tuple(outputs))
+        sleep_until(start + forward_s)
+        return outputs
+
+    return Node(node.name, node.kind, fn, node.group)
+
+
+def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:
+    """A layer plan (nodes and forks) with every node timed; a ``ChunkedPlan`` stays one."""
+    def wrap(item: Any) -> Any:
+        if isinstance(item, Fork):
+            branches = tuple(tuple(timed_node(n, profile, chunks) for n in b)
+                             for b in item.branches)
+            return Fork(branches, item.width)
+        return timed_node(item, profile, chunks)
+
+    nodes = [wrap(item) for item in plan]
+    if isinstance(plan, ChunkedPlan):
+        return ChunkedPlan(nodes, lambda k: timed_plan(plan.chunked(k), profile, k))
+    return nodes
+
+
+class ReplayStage(GPTStage):
+    """A ``GPTStage`` whose every node lasts its time in ``profile`` (module docstring)."""
+
+    def __init__(self, profile: NodeProfile, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.profile = profile
+
+    def layer_plans(self) -> list:
+        return [timed_plan(plan, self.profile) for plan in super().layer_plans()]

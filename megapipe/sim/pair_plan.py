@@ -1,9 +1,8 @@
 """The issue order of a combined step, node by node: one pure rule for the engine and the simulator.
 
 A combined step runs the forward of one microbatch beside the backward of another. The
-co-scheduler (``megapipe.overlap.coscheduler``) issues their nodes in the order this module
-plans, and a simulator that wants to predict a combined step models the same order by importing
-it. Pure Python (no torch), so ``megapipe.sim`` can use it.
+co-scheduler (``megapipe.overlap.coscheduler``) issues their nodes in the order planned here, and
+the simulator (``megapipe.sim.node_steps``) times the same order. Pure Python, no torch.
 
 **Which layers pair.** Forward layer k goes beside the next backward layer (the backward walks its
 tape last layer first), counting only layers with a comm node: before each forward layer, the
@@ -39,13 +38,11 @@ slot with a backward comm node (the next layer's B combine, slot 2, where the fo
 is usually shorter than the combine), or to the end of the step. ``REST`` at the end runs
 whatever is still queued.
 
-**Host order.** ``StepPlanner`` emits the issues in the order a host issues them when the compute
-stream is the host thread itself (CPU): per slot the comm node first (queued), then the W issues
-decided in the slot before, then the compute node; so a queued comm node is never held back by
-weight gradients. ``compute_first`` gives the order for a host that only queues work (CUDA): the
-compute node of a slot before its comm node, so that a comm node that blocks the host (a dispatch
-reading its split sizes) does not delay the compute launch. Both orders give every stream the
-same sequence and the same waits.
+**Host order.** ``StepPlanner`` emits issues as a host whose compute stream is its own thread
+(CPU) issues them: per slot the comm node first (queued), then the W issues decided in the slot
+before, then the compute node. ``compute_first`` is the order for a host that only queues work
+(CUDA): a slot's compute node before its comm node, so a dispatch that blocks the host (reading
+its split sizes) does not delay the compute launch. Both give each stream the same sequence.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from typing import Sequence
@@ -65,18 +64,6 @@ def _add_schedule_command(subparsers) -> None:
     p.set_defaults(run=run_schedule_command)
 
 
-def _check_output(flag: str, path: str | None) -> None:
-    """Fail before any work if an output file cannot be created where asked."""
-    if path is None:
-        return
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ValueError(f"--{flag} {path}: folder {folder!r} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag} {path} is a directory; name a file to write")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--{flag} {path}: folder {folder!r} is not writable")
-
 
 def run_schedule_command(args: argparse.Namespace) -> int:
     """``megapipe schedule``: build, print, simulate, and write the requested files."""
@@ -84,9 +71,10 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     from .schedule.registry import build_schedule
     from .sim.costs import Costs
     from .sim.simulate import simulate
+    from .train.arg_checks import check_output_path
 
     for flag in ("csv", "png", "trace"):
-        _check_output(flag, getattr(args, flag))
+        check_output_path(flag, getattr(args, flag))
     costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     schedule = build_schedule(

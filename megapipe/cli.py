@@ -127,6 +127,28 @@ def run_pretrain_command(args: argparse.Namespace) -> int:
     return main_from_namespace(args)
 
 
+def _add_trace_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "trace", help="read a profile trace of a run (megapipe pretrain --profile-trace)",
+        description="Read a profile trace written by megapipe pretrain --profile-trace.",
+    )
+    actions = p.add_subparsers(dest="trace_command", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    summarize = actions.add_parser(
+        "summarize", help="per rank: exposed all-to-all, largest bubbles; measured vs simulated",
+    )
+    summarize.add_argument("file", help="the trace (JSON) --profile-trace wrote")
+    summarize.set_defaults(run=run_trace_summarize)
+
+
+def run_trace_summarize(args: argparse.Namespace) -> int:
+    """``megapipe trace summarize FILE``: print the trace's figures (``train.trace_summary``)."""
+    from .train.trace_summary import summarize_file
+
+    print(summarize_file(args.file))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand registers itself with ``set_defaults(run=...)``."""
     parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_schedule_command(subparsers)
     _add_pretrain_command(subparsers)
+    _add_trace_command(subparsers)
     return parser
 
 

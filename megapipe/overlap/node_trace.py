@@ -46,7 +46,10 @@ class NodeSpan:
 
 
 def span_label(microbatch: int | None, layer: int, node: str, direction: str) -> str:
-    """``F3.1.layer1.dispatch``: direction and microbatch, layer, node."""
+    """``F3.1.layer1.dispatch``: direction and microbatch, layer, node; just the node for a span
+    of no layer (``layer`` -1: a profiled step's actions and waits, ``pipeline.step_profile``)."""
+    if layer < 0:
+        return node
     return f"{direction}{'' if microbatch is None else microbatch}.{layer}.{node}"
 
 

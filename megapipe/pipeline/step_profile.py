@@ -5,8 +5,8 @@ co-scheduler ran on the two streams (``NodeTrace``). A *profiled* step (``execut
 profile=ProfileOptions())``, used by ``--profile-trace``) adds to the same trace, on the compute
 stream's clock:
 
-- one span per compute action of the rank's schedule (kind ``"action"``): its ``node`` is the
-  action's text (``2F3``, ``(0F5;3B1)OVERLAP_F_B``), which ``parse_action`` reads back, so the
+- one span per compute action of the rank's schedule (kind ``"action"``, direction: the
+  action's kind, ``F``, ``B``, ``I``, ``W`` or ``OVERLAP_F_B``): its ``node`` is the action's text (``2F3``, ``(0F5;3B1)OVERLAP_F_B``), which ``parse_action`` reads back, so the
   nodes inside it can be given their stage;
 - one span per wait for a pipeline receive (kind ``"wait"``): its ``node`` is the text of the
   receive (``2RECV_F3``); on CPU the host blocks there, on CUDA the compute stream does (the
@@ -56,8 +56,8 @@ class StepProfile:
         """Time one compute action (a ``with`` block around running it)."""
         if self.trace is None:
             return nullcontext()
-        direction = "W" if action.kind is Kind.W else "B" if action.kind is not Kind.F else "F"
-        return self.trace.span(action.microbatch, -1, str(action), direction, self.stream, ACTION)
+        return self.trace.span(action.microbatch, -1, str(action), action.kind.value,
+                               self.stream, ACTION)
 
     def wait(self, kind: Kind, stage: int, microbatch: int) -> AbstractContextManager:
         """Time the wait for the receive ``kind`` (RECV_F or RECV_B) of (stage, microbatch)."""

@@ -75,7 +75,7 @@ def _plain_actions(spans: Sequence) -> dict[tuple, float]:
         action = parse_action(span.node)
         half = "W" if span.direction == "W" else "F" if span.direction == "F" else "B"
         key = (span.rank, span.step, action.stage, action.microbatch, half)
-        out[key] = (span.end - span.start) - waits.get(key[:4] + (span.direction,), 0.0)
+        out[key] = (span.end - span.start) - waits.get(key, 0.0)
     return out
 
 

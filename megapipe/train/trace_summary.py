@@ -167,16 +167,16 @@ def format_summary(summary: TraceSummary, path: str) -> str:
         f"{simulated:.2f} ms, measured/simulated {measured / simulated if simulated else 0:.2f}",
     ]
     for r in summary.ranks:
-        lines.append(
-            f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}): exposed all-to-all "
-            f"{r.exposed_ms:.2f} ms of {r.comm_ms:.2f} ms per step ({r.exposed_share:.1%}); "
-            f"compute busy {r.busy_ms:.2f} ms per step"
-        )
+        a2a = (f"exposed all-to-all {r.exposed_ms:.2f} ms of {r.comm_ms:.2f} ms per step "
+               f"({r.exposed_share:.1%})" if meta["node_times"] else
+               "all-to-all not traced (a plain schedule runs it inside its actions)")
+        lines.append(f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}): {a2a}; compute busy "
+                     f"{r.busy_ms:.2f} ms per step")
         for b in r.bubbles[:BUBBLES_SHOWN]:
             lines.append(f"  bubble {b.length_ms:.2f} ms (iteration {b.step}, at "
                          f"+{b.offset_ms:.2f} ms): {b.cause}")
     times = ", ".join(f"{t['direction']} {t['node']} {t['mean_ms']:.3f}"
-                      for t in meta["node_times"])
+                      for t in meta["node_times"]) or "none (no node ran on the streams)"
     lines.append(f"measured node times (mean ms): {times}")
     lines.append(f"simulated with: {meta['simulated']['costs']}")
     return "\n".join(lines)

@@ -32,11 +32,7 @@ from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
 from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
-from megapipe.pipeline.grad_sync import (
-    all_reduce_grads,
-    sum_mirrored_grads,
-    sum_tied_embedding_grads,
-)
+from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
@@ -241,7 +237,8 @@ class PipelineExecutor:
         if trace is not None:
             take_trace(state.result, trace)
         if not forward_only:
-            self._sync_grads()
+            sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
+                            self.groups, self.grad_reduction)
         return state.result
 
     def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:
@@ -258,19 +255,6 @@ class PipelineExecutor:
             state.tensors.post_rest(actions[index:end])  # part may have gone early
             index = end
         state.tensors.finish_sends()
-
-    def _sync_grads(self) -> None:
-        position = self.position
-        if self.schedule.bidirectional:
-            sum_mirrored_grads(
-                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
-            )
-        if self.grad_reduction == "dp":
-            if self.groups is not None:
-                all_reduce_grads(self.stages, self.groups)
-            sum_tied_embedding_grads(
-                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
-            )
 
     def _channel(self) -> PipelineP2P | None:
         """The p2p over the pipeline group, made on first use (None without a spec)."""

@@ -6,8 +6,9 @@ profile=ProfileOptions())``, used by ``--profile-trace``) adds to the same trace
 stream's clock:
 
 - one span per compute action of the rank's schedule (kind ``"action"``, direction: the
-  action's kind, ``F``, ``B``, ``I``, ``W`` or ``OVERLAP_F_B``): its ``node`` is the action's text (``2F3``, ``(0F5;3B1)OVERLAP_F_B``), which ``parse_action`` reads back, so the
-  nodes inside it can be given their stage;
+  action's kind, ``F``, ``B``, ``I``, ``W`` or ``OVERLAP_F_B``): its ``node`` is the action's
+  text (``2F3``, ``(0F5;3B1)OVERLAP_F_B``), which ``parse_action`` reads back, so the nodes
+  inside it can be given their stage;
 - one span per wait for a pipeline receive (kind ``"wait"``): its ``node`` is the text of the
   receive (``2RECV_F3``); on CPU the host blocks there, on CUDA the compute stream does (the
   marks around the wait are stream-ordered).
@@ -77,8 +78,8 @@ def open_step(
 ) -> tuple[NodeTrace | None, StepProfile]:
     """The ``NodeTrace`` of one step (when tracing or profiling a training step, else None) and
     its ``StepProfile`` (recording only when profiled). Action spans are timed on the compute
-    stream of ``streams`` (the executor's ``StreamSteps``) when it has one, else on the device's current CUDA stream, else on the host
-    clock (CPU)."""
+    stream of ``streams`` (the executor's ``StreamSteps``) when it has one, else on the
+    device's current CUDA stream, else on the host clock (CPU)."""
     if forward_only or not (record or profile is not None):
         return None, StepProfile()
     trace = NodeTrace(annotate=profile is not None and profile.annotate)

@@ -27,7 +27,7 @@ from megapipe.train.run_trace import RankRecord, build_trace
 
 
 def torch_trace_path(path: str, rank: int) -> str:
-    """Where rank ``rank``'s PyTorch profiler trace goes: ``out.json`` -> ``out.torch-rank3.json``."""
+    """Rank ``rank``'s PyTorch profiler trace: ``out.json`` -> ``out.torch-rank3.json``."""
     stem, ext = os.path.splitext(path)
     return f"{stem}.torch-rank{rank}{ext or '.json'}"
 

@@ -8,7 +8,6 @@ a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from typing import Sequence
@@ -65,18 +64,6 @@ def _add_schedule_command(subparsers) -> None:
     p.set_defaults(run=run_schedule_command)
 
 
-def _check_output(flag: str, path: str | None) -> None:
-    """Fail before any work if an output file cannot be created where asked."""
-    if path is None:
-        return
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ValueError(f"--{flag} {path}: folder {folder!r} does not exist")
-    if os.path.isdir(path):
-        raise ValueError(f"--{flag} {path} is a directory; name a file to write")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--{flag} {path}: folder {folder!r} is not writable")
-
 
 def run_schedule_command(args: argparse.Namespace) -> int:
     """``megapipe schedule``: build, print, simulate, and write the requested files."""
@@ -84,9 +71,10 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     from .schedule.registry import build_schedule
     from .sim.costs import Costs
     from .sim.simulate import simulate
+    from .train.arg_checks import check_output_path
 
     for flag in ("csv", "png", "trace"):
-        _check_output(flag, getattr(args, flag))
+        check_output_path(flag, getattr(args, flag))
     costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     schedule = build_schedule(
@@ -139,6 +127,28 @@ def run_pretrain_command(args: argparse.Namespace) -> int:
     return main_from_namespace(args)
 
 
+def _add_trace_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "trace", help="read a profile trace of a run (megapipe pretrain --profile-trace)",
+        description="Read a profile trace written by megapipe pretrain --profile-trace.",
+    )
+    actions = p.add_subparsers(dest="trace_command", metavar="ACTION", parser_class=_Parser)
+    actions.required = True
+    summarize = actions.add_parser(
+        "summarize", help="per rank: exposed all-to-all, largest bubbles; measured vs simulated",
+    )
+    summarize.add_argument("file", help="the trace (JSON) --profile-trace wrote")
+    summarize.set_defaults(run=run_trace_summarize)
+
+
+def run_trace_summarize(args: argparse.Namespace) -> int:
+    """``megapipe trace summarize FILE``: print the trace's figures (``train.trace_summary``)."""
+    from .train.trace_summary import summarize_file
+
+    print(summarize_file(args.file))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand registers itself with ``set_defaults(run=...)``."""
     parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
@@ -146,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_schedule_command(subparsers)
     _add_pretrain_command(subparsers)
+    _add_trace_command(subparsers)
     return parser
 
 

@@ -10,13 +10,15 @@ that ran it. On CUDA the work is only queued by the host, so a span records two 
 its stream (``Stream.mark``) and is *resolved* when read (``spans``, after the step): its start
 and end are GPU times, placed on the host clock's scale through the trace's first event.
 Reading the spans of a CUDA trace therefore waits for the recorded work (outside the hot path).
+With ``annotate=True`` each span also opens a ``torch.profiler.record_function`` range named by
+its label, so a PyTorch profiler trace shows megapipe's nodes (``--use-pytorch-profiler``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -40,15 +42,31 @@ class NodeSpan:
         return self.end - self.start
 
     def label(self) -> str:
-        microbatch = "" if self.microbatch is None else self.microbatch
-        return f"{self.direction}{microbatch}.{self.layer}.{self.node}"
+        return span_label(self.microbatch, self.layer, self.node, self.direction)
+
+
+def span_label(microbatch: int | None, layer: int, node: str, direction: str) -> str:
+    """``F3.1.layer1.dispatch``: direction and microbatch, layer, node; just the node for a span
+    of no layer (``layer`` -1: a profiled step's actions and waits, ``pipeline.step_profile``)."""
+    if layer < 0:
+        return node
+    return f"{direction}{'' if microbatch is None else microbatch}.{layer}.{node}"
+
+
+def _profiler_range(label: str) -> Any:
+    from torch.profiler import record_function  # only when a PyTorch profiler run asks
+
+    return record_function(f"megapipe {label}")
 
 
 class NodeTrace:
     """Thread-safe list of ``NodeSpan`` (the co-scheduler appends from two threads on CPU)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, annotate: bool = False
+    ) -> None:
         self.clock = clock
+        self.annotate = annotate
         self._spans: list[NodeSpan] = []
         self._unresolved: list[tuple[tuple, Any, Any]] = []  # (fields, start mark, end mark)
         self._origin: Any = None  # the first device mark: where device times meet the host clock
@@ -69,9 +87,13 @@ class NodeTrace:
         """Time the work inside the ``with`` block. ``stream``: the ``Stream`` it runs on (its
         ``mark()`` times it: GPU events on CUDA, None = the host clock) or just its name."""
         name = stream if isinstance(stream, str) else stream.name
+        ranges = nullcontext()
+        if self.annotate:
+            ranges = _profiler_range(span_label(microbatch, layer, node, direction))
         start = self._mark(stream)
         try:
-            yield
+            with ranges:
+                yield
         finally:
             end = self._mark(stream)
             fields = (microbatch, layer, node, direction, name, kind)

@@ -32,14 +32,11 @@ from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
 from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
-from megapipe.pipeline.grad_sync import (
-    all_reduce_grads,
-    sum_mirrored_grads,
-    sum_tied_embedding_grads,
-)
+from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
+from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
 from megapipe.pipeline.stream_steps import BackwardHalf, ForwardHalf, StreamSteps
 from megapipe.pipeline.step_tensors import StepTensors
 from megapipe.schedule.ir import Action, Kind, Schedule
@@ -59,7 +56,8 @@ class StepResult:
     - ``outputs``: last-stage outputs when there is no ``loss_fn``;
     - ``peak_live_activations``: the most microbatches whose activations were held at once;
     - with ``record_trace=True`` and a combined schedule (OVERLAP actions): ``trace``, the
-      ``NodeTrace`` of every node this rank ran on the streams; ``a2a_time``, the summed
+      ``NodeTrace`` of every node this rank ran on the streams (in a profiled step also its
+      actions and pipeline waits, ``step_profile``); ``a2a_time``, the summed
       seconds of its comm nodes (the expert-parallel all-to-alls, including an emulated link's
       wait); ``compute_time``, the summed seconds of its compute nodes; and
       ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
@@ -83,6 +81,7 @@ class _Step:
     targets: Sequence[Any] | None
     forward_only: bool
     result: StepResult = field(default_factory=StepResult)
+    profile: StepProfile = field(default_factory=StepProfile)  # records nothing unless profiled
 
 
 class PipelineExecutor:
@@ -194,13 +193,15 @@ class PipelineExecutor:
         microbatches: Sequence[Any] | None = None,
         targets: Sequence[Any] | None = None,
         forward_only: bool = False,
+        profile: ProfileOptions | None = None,
     ) -> StepResult:
         """Run one step over all microbatches: forward and backward, or forward only.
 
         ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
         ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
-        steps); after a training step they are synchronised.
+        steps); after a training step they are synchronised. ``profile`` records every compute
+        action and pipeline wait in ``StepResult.trace`` too (``step_profile``).
         """
         check_inputs(
             self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,
@@ -210,14 +211,15 @@ class PipelineExecutor:
             if is_stage_module(module):
                 module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
-        state = _Step(
-            StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec),
-            targets, forward_only,
-        )
-        trace = None
+        trace, recorder = open_step(self.record_trace, profile, forward_only, self._streams,
+                                    self._device())
         if self._streams is not None:
-            trace = NodeTrace() if self.record_trace and not forward_only else None
             self._streams.trace = trace
+        state = _Step(
+            StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec,
+                        wait_span=recorder.wait_span),
+            targets, forward_only, profile=recorder,
+        )
         try:
             self._run_actions(actions, state)
         finally:
@@ -225,21 +227,19 @@ class PipelineExecutor:
                 worker.clear()
             if self._streams is not None:
                 self._streams.trace = None
-        if trace is not None and trace.spans:
-            result = state.result
-            result.trace = trace
-            result.a2a_time = trace.total("comm")
-            result.compute_time = trace.total("compute")
-            result.exposed_comm_fraction = trace.exposed_comm_fraction()
+        if trace is not None:
+            take_trace(state.result, trace)
         if not forward_only:
-            self._sync_grads()
+            sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
+                            self.groups, self.grad_reduction)
         return state.result
 
     def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:
         index = 0
         while index < len(actions):
             if actions[index].is_compute:
-                self._run_compute(actions, index, state)
+                with state.profile.action(actions[index]):
+                    self._run_compute(actions, index, state)
                 index += 1
                 continue
             end = index
@@ -248,19 +248,6 @@ class PipelineExecutor:
             state.tensors.post_rest(actions[index:end])  # part may have gone early
             index = end
         state.tensors.finish_sends()
-
-    def _sync_grads(self) -> None:
-        position = self.position
-        if self.schedule.bidirectional:
-            sum_mirrored_grads(
-                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
-            )
-        if self.grad_reduction == "dp":
-            if self.groups is not None:
-                all_reduce_grads(self.stages, self.groups)
-            sum_tied_embedding_grads(
-                self.schedule, self.pp_rank, self.stages, position.group, position.ranks
-            )
 
     def _channel(self) -> PipelineP2P | None:
         """The p2p over the pipeline group, made on first use (None without a spec)."""

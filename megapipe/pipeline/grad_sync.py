@@ -23,7 +23,7 @@ float32, else ``.grad``.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -172,3 +172,22 @@ def all_reduce_grads(stages: Mapping[int, nn.Module], groups: ProcessGroups) -> 
             dist.all_reduce(flat, group=group)
         flat.div_(dp)
         _unflatten_into(flat, grads)
+
+
+def sync_step_grads(
+    schedule: Schedule,
+    pp_rank: int,
+    stages: Mapping[int, nn.Module],
+    position: Any,
+    groups: ProcessGroups | None,
+    grad_reduction: str,
+) -> None:
+    """After a training step: DualPipe's mirrored gradients summed; with ``grad_reduction``
+    "dp" also data-parallel gradients averaged (needs ``groups``) and tied embeddings summed.
+    ``position``: the executor's ``pipeline_position`` (its group and global ranks)."""
+    if schedule.bidirectional:
+        sum_mirrored_grads(schedule, pp_rank, stages, position.group, position.ranks)
+    if grad_reduction == "dp":
+        if groups is not None:
+            all_reduce_grads(stages, groups)
+        sum_tied_embedding_grads(schedule, pp_rank, stages, position.group, position.ranks)

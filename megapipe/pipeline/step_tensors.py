@@ -17,8 +17,9 @@ action list for one step, keyed by (stage, microbatch):
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,6 +45,8 @@ class StepTensors:
     pending: dict[tuple[Kind, int, int], PostedBatch] = field(default_factory=dict)
     sends: list[PostedBatch] = field(default_factory=list)
     posted: set[Action] = field(default_factory=set)  # comm actions already posted (early sends)
+    # a profiled step times each wait for a receive (``step_profile.StepProfile.wait``)
+    wait_span: Callable[[Kind, int, int], AbstractContextManager] | None = None
 
     # ------------------------------------------------------------------ hand-over
     def hand_forward(self, action: Action, output: torch.Tensor) -> None:
@@ -160,6 +163,11 @@ class StepTensors:
 
     def _wait_for(self, kind: Kind, stage: int, microbatch: int) -> None:
         batch = self.pending.pop((kind, stage, microbatch), None)
-        if batch is not None:
+        if batch is None:
+            return
+        if self.wait_span is None:
+            batch.wait()
+            return
+        with self.wait_span(kind, stage, microbatch):
             batch.wait()
 

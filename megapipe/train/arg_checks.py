@@ -8,6 +8,7 @@ rule lives in one place.
 from __future__ import annotations
 
 import math
+import os
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
 from megapipe.train.args import ArgsError, PretrainArgs
@@ -32,6 +33,39 @@ def validate(args: PretrainArgs) -> None:
     _check_model_and_schedule(args)
     _check_precision_and_moe_options(args)
     _check_options_and_paths(args)
+    _check_profiling(args)
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """Fail before any work if ``path`` cannot be created as a file (None: nothing asked)."""
+    if path is None:
+        return
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ArgsError(f"--{flag} {path}: folder {folder!r} does not exist")
+    if os.path.isdir(path):
+        raise ArgsError(f"--{flag} {path} is a directory; name a file to write")
+    if not os.access(folder, os.W_OK):
+        raise ArgsError(f"--{flag} {path}: folder {folder!r} is not writable")
+
+
+def _check_profiling(args: PretrainArgs) -> None:
+    """The traced iterations lie in 1..train-iters in order; the trace file can be written."""
+    if args.use_pytorch_profiler and args.profile_trace is None:
+        raise ArgsError("--use-pytorch-profiler needs --profile-trace FILE (its traces are "
+                        "written next to that file)")
+    if args.profile_trace is None:
+        return
+    start, end = args.profile_step_start, args.profile_step_end
+    _positive("profile-step-start", start)
+    if end is not None and end < start:
+        raise ArgsError(f"--profile-step-start={start} is after --profile-step-end={end}")
+    last = start if end is None else end
+    if last > args.train_iters:
+        flag = "--profile-step-start" if end is None else "--profile-step-end"
+        raise ArgsError(f"{flag}={last} is beyond --train-iters={args.train_iters}: that "
+                        "iteration never runs")
+    check_output_path("profile-trace", args.profile_trace)
 
 
 def _check_precision_and_moe_options(args: PretrainArgs) -> None:

@@ -82,6 +82,10 @@ class PretrainArgs:
     exit_interval: int | None
     exit_duration_in_mins: float | None
     distributed_timeout_minutes: float
+    profile_trace: str | None
+    profile_step_start: int
+    profile_step_end: int | None
+    use_pytorch_profiler: bool
     world_size: int
 
     @property

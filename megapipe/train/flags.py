@@ -114,7 +114,24 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--log-interval", type=int, default=10)
     io.add_argument("--tensorboard-dir", default=None)
     _add_fault_tolerance_flags(p)
+    _add_profiling_flags(p)
     return p
+
+
+def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
+    """One trace of the real run (all ranks, with the simulated schedule beside it)."""
+    prof = p.add_argument_group("profiling")
+    prof.add_argument("--profile-trace", default=None, metavar="FILE",
+                      help="write one Perfetto/Chrome trace of every rank's steps "
+                      "--profile-step-start..--profile-step-end to FILE (read it with "
+                      "`megapipe trace summarize FILE`)")
+    prof.add_argument("--profile-step-start", type=int, default=2,
+                      help="first iteration traced (1-based, included; default 2)")
+    prof.add_argument("--profile-step-end", type=int, default=None,
+                      help="last iteration traced (included; default: the start)")
+    prof.add_argument("--use-pytorch-profiler", action="store_true",
+                      help="also run torch.profiler over the traced steps, writing one trace "
+                      "per rank next to --profile-trace, with megapipe's node names as ranges")
 
 
 def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:

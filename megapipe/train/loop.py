@@ -19,6 +19,7 @@ from megapipe.train.checkpoint_files import CheckpointError
 from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
+from megapipe.train.profiling import RunProfiler
 from megapipe.train.resume import ResumePlan, descriptor_parts, plan_resume
 from megapipe.train.step import evaluate, train_step
 
@@ -75,10 +76,11 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
     tokens_per_iter = args.global_batch_size * args.seq_length
     iteration = result.first_iteration
     started = time.perf_counter()
+    profiler = RunProfiler(job, say)
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
-            stats = train_step(job, job.batches.next_batch(), iteration + 1)
+            stats = train_step(job, job.batches.next_batch(), iteration + 1, profiler)
             iteration += 1
             result.losses.append(stats.loss)
             result.aux_losses.append(stats.aux_loss)
@@ -88,6 +90,7 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           lr=stats.lr, grad_norm=stats.grad_norm,
                           step_time=time.perf_counter() - start, tokens=tokens_per_iter,
                           exposed_a2a=stats.exposed_a2a)
+            profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
@@ -106,6 +109,7 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
                 f"{result.losses[-1]:.4f}")
     finally:
+        profiler.close()
         logger.close()
 
 

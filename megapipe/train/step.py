@@ -18,6 +18,7 @@ from megapipe.pipeline.executor import StepResult
 from megapipe.train.data import Microbatch
 from megapipe.train.job import Job
 from megapipe.train.logging import check_finite_loss
+from megapipe.train.profiling import RunProfiler
 from megapipe.train.optim import clip_grads, global_grad_norm
 
 
@@ -68,11 +69,17 @@ def to_device(
     return [t.to(device) for t, _ in batch], [lab.to(device) for _, lab in batch]
 
 
-def train_step(job: Job, batch: list[Microbatch], iteration: int) -> StepStats:
-    """Forward and backward over ``batch``, clip, AdamW; ``iteration`` is 1-based."""
+def train_step(
+    job: Job, batch: list[Microbatch], iteration: int, profiler: RunProfiler | None = None
+) -> StepStats:
+    """Forward and backward over ``batch``, clip, AdamW; ``iteration`` is 1-based. With a
+    ``profiler`` (``--profile-trace``) a traced iteration runs profiled and keeps its spans."""
     tokens, labels = to_device(batch, job.device)
     job.optimizer.zero_grad(set_to_none=True)
-    step = job.executor.step(tokens, labels)
+    options = profiler.options(iteration) if profiler is not None else None
+    step = job.executor.step(tokens, labels, profile=options)
+    if profiler is not None:
+        profiler.record(iteration, step)
     loss = global_mean(list(step.losses.values()), job.device)
     aux = global_mean(pop_aux_losses(job), job.device)
     exposed = exposed_a2a(step, job.device) if job.executor.record_trace else None

@@ -78,10 +78,10 @@ def train_with_signal(argv: list[str], signal_at: int | None = None):
     args = parse_pretrain_args(argv, env={})
     real_step = loop.train_step
 
-    def step(job, batch, iteration):
+    def step(job, batch, iteration, *rest):
         if iteration == signal_at and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(job, batch, iteration)
+        return real_step(job, batch, iteration, *rest)
 
     loop.train_step = step
     try:

@@ -47,12 +47,12 @@ def _install_fault(kind: str, rank: int, iteration: int, attempt: int) -> None:
     real_step, real_compute = loop.train_step, PipelineExecutor._run_compute
     armed = {"on": False, "count": 0}
 
-    def train_step(job, batch, it):
+    def train_step(job, batch, it, *rest):
         # RANK is read here: ranks of the local launcher set it after importing this file
         mine = int(os.environ.get("RANK", "-1")) == rank and _attempt() == attempt
         mine = mine and not _REFERENCE_RUNNING["now"]
         armed["on"] = mine and it == iteration
-        return real_step(job, batch, it)
+        return real_step(job, batch, it, *rest)
 
     def run_compute(self, *args):
         if armed["on"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
+from megapipe.schedule import SCHEDULES, ScheduleError
 from megapipe.train.args import ArgsError, PretrainArgs
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES
 
@@ -29,6 +29,7 @@ def validate(args: PretrainArgs) -> None:
     """Every rule the run depends on, checked before any process group starts."""
     _check_numbers(args)
     _check_parallel(args)
+    _check_overlap_budget(args)
     _check_model_and_schedule(args)
     _check_precision_and_moe_options(args)
     _check_options_and_paths(args)
@@ -129,6 +130,18 @@ def _check_parallel(args: PretrainArgs) -> None:
         )
 
 
+def _check_overlap_budget(args: PretrainArgs) -> None:
+    """The in-flight budget is an integer >= 0 and comes with the overlap it bounds."""
+    budget = args.overlap_max_extra_in_flight
+    if budget is not None and budget < 0:
+        raise ArgsError(f"--overlap-max-extra-in-flight={budget} must be >= 0")
+    if budget is not None and not args.overlap_moe_expert_parallel_comm:
+        raise ArgsError(
+            f"--overlap-max-extra-in-flight={budget} needs --overlap-moe-expert-parallel-comm "
+            "(the budget bounds what the overlap pass adds)"
+        )
+
+
 def _check_model_and_schedule(args: PretrainArgs) -> None:
     """The model builds, the schedule exists for this layout, and every stage gets layers."""
     try:
@@ -141,8 +154,7 @@ def _check_model_and_schedule(args: PretrainArgs) -> None:
             f"{', '.join(SCHEDULES)}"
         )
     try:
-        schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
-                                  overlap=args.overlap_moe_expert_parallel_comm)
+        schedule = args.build_schedule()
     except ScheduleError as err:
         message = f"--pipeline-schedule {args.schedule_name}: {err}".splitlines()[0]
         raise ArgsError(message) from None

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI s
     from megapipe.models.config import GPTConfig
     from megapipe.moe.link import EmulatedLink
     from megapipe.parallel.config import ParallelConfig
+    from megapipe.schedule import Schedule
 
 
 class ArgsError(ValueError):
@@ -63,6 +64,7 @@ class PretrainArgs:
     virtual_pipeline_model_parallel_size: int | None
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
+    overlap_max_extra_in_flight: int | None
     delay_wgrad_compute: bool
     moe_a2a_chunks: int
     pipeline_schedule: str | None
@@ -139,6 +141,16 @@ class PretrainArgs:
             moe_capacity_factor=self.moe_expert_capacity_factor,
             moe_router_dtype=self.moe_router_dtype,
             seed=self.seed,
+        )
+
+    def build_schedule(self) -> "Schedule":
+        """The pipeline schedule these flags ask for (name, sizes, overlap and its budget)."""
+        from megapipe.schedule import build_schedule
+
+        return build_schedule(
+            self.schedule_name, self.pp, self.num_microbatches, self.vpp,
+            overlap=self.overlap_moe_expert_parallel_comm,
+            max_extra_in_flight=self.overlap_max_extra_in_flight,
         )
 
     def emulated_link(self) -> "EmulatedLink | None":

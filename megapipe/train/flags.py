@@ -81,6 +81,9 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
         help="co-schedule one microbatch's forward with another's backward to hide the "
         "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
     )
+    par.add_argument("--overlap-max-extra-in-flight", type=int, default=None, metavar="K",
+                     help="with the overlap: at most K more microbatch-stages in flight on any "
+                     "rank than the plain schedule (activation memory; default: no budget)")
     par.add_argument("--delay-wgrad-compute", action="store_true",
                      help="defer expert weight gradients to fill the backward all-to-all")
     par.add_argument("--moe-a2a-chunks", type=int, default=1,

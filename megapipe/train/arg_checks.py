@@ -30,6 +30,7 @@ def validate(args: PretrainArgs) -> None:
     _check_numbers(args)
     _check_parallel(args)
     _check_overlap_budget(args)
+    _check_recompute(args)
     _check_model_and_schedule(args)
     _check_precision_and_moe_options(args)
     _check_options_and_paths(args)
@@ -140,6 +141,27 @@ def _check_overlap_budget(args: PretrainArgs) -> None:
             f"--overlap-max-extra-in-flight={budget} needs --overlap-moe-expert-parallel-comm "
             "(the budget bounds what the overlap pass adds)"
         )
+
+
+def _check_recompute(args: PretrainArgs) -> None:
+    """Recompute flags that go together; full granularity is not built yet."""
+    if args.recompute_granularity == "full":
+        raise ArgsError(
+            "--recompute-granularity full is not supported yet (node-level full recompute is "
+            "missing); use --recompute-granularity selective --recompute-modules core_attn moe_act"
+        )
+    for flag, value in (("--recompute-method", args.recompute_method),
+                        ("--recompute-num-layers", args.recompute_num_layers)):
+        if value is not None:
+            raise ArgsError(f"{flag}={value} needs --recompute-granularity full (not supported)")
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        raise ArgsError("--recompute-modules needs --recompute-granularity selective")
+    from megapipe.overlap.recompute import check_recompute_modules  # torch: when flags run
+
+    try:
+        check_recompute_modules(args.selective_recompute_modules)
+    except ValueError as err:
+        raise ArgsError(f"--recompute-modules: {err}") from None
 
 
 def _check_model_and_schedule(args: PretrainArgs) -> None:

@@ -65,6 +65,10 @@ class PretrainArgs:
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
     overlap_max_extra_in_flight: int | None
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    recompute_modules: tuple[str, ...] | None
     delay_wgrad_compute: bool
     moe_a2a_chunks: int
     pipeline_schedule: str | None
@@ -140,8 +144,16 @@ class PretrainArgs:
             moe_link=self.emulated_link(),
             moe_capacity_factor=self.moe_expert_capacity_factor,
             moe_router_dtype=self.moe_router_dtype,
+            recompute_modules=self.selective_recompute_modules,
             seed=self.seed,
         )
+
+    @property
+    def selective_recompute_modules(self) -> tuple[str, ...]:
+        """The modules that recompute (selective granularity; Megatron's default core_attn)."""
+        if self.recompute_granularity != "selective":
+            return ()
+        return ("core_attn",) if self.recompute_modules is None else self.recompute_modules
 
     def build_schedule(self) -> "Schedule":
         """The pipeline schedule these flags ask for (name, sizes, overlap and its budget)."""
@@ -233,6 +245,8 @@ def args_from_namespace(
     values = {k: v for k, v in vars(ns).items() if k in names}
     values["data_path"] = tuple(values["data_path"])
     values["high_priority_stream_groups"] = tuple(values["high_priority_stream_groups"])
+    if values["recompute_modules"] is not None:
+        values["recompute_modules"] = tuple(values["recompute_modules"])
     from megapipe.parallel.launch import launched_world_size  # torch: only when flags are run
 
     launched = launched_world_size(env)

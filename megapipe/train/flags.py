@@ -105,6 +105,7 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
                      "off by default, the log says when it is on)")
     par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
                      help="latency per all-to-all of the emulated link, microseconds")
+    _add_recompute_flags(p)
     io = p.add_argument_group("data, checkpoints, logging")
     io.add_argument("--data-path", nargs="+", default=[],
                     help="text files or directories (default: the Python standard library's "
@@ -118,6 +119,21 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--tensorboard-dir", default=None)
     _add_fault_tolerance_flags(p)
     return p
+
+
+def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's activation recompute flags (re-run inside the node's own backward)."""
+    rc = p.add_argument_group("activation recompute")
+    rc.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                    help="selective: recompute --recompute-modules inside their node's backward "
+                    "(full: not supported yet, one clear error)")
+    rc.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                    help="with --recompute-granularity full (not supported yet)")
+    rc.add_argument("--recompute-num-layers", type=int, default=None,
+                    help="with --recompute-granularity full (not supported yet)")
+    rc.add_argument("--recompute-modules", nargs="*", default=None,
+                    help="with selective granularity: any of core_attn, moe_act "
+                    "(default: core_attn, as Megatron)")
 
 
 def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:

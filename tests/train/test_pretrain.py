@@ -70,6 +70,11 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
      "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
     (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full is not supported yet"),
+    (["--recompute-modules", "moe_act"], "--recompute-modules needs --recompute-granularity"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+     "recompute module 'mlp' is not supported; supported: core_attn, moe_act"),
+    (["--recompute-method", "block"], "--recompute-method=block needs --recompute-granularity"),
     (["--overlap-max-extra-in-flight", "-1"], "--overlap-max-extra-in-flight=-1 must be >= 0"),
     (["--overlap-max-extra-in-flight", "1", "--no-overlap-moe-expert-parallel-comm"],
      "--overlap-max-extra-in-flight=1 needs --overlap-moe-expert-parallel-comm"),
@@ -101,6 +106,9 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     budget = ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b",
               "--overlap-max-extra-in-flight", "1"]
     assert rank_pools(4).run(_train, base + budget)[0].losses == reference
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                 "moe_act"]
+    assert rank_pools(4).run(_train, base + budget + recompute)[0].losses == reference
     interleaved = rank_pools(4).run(_train, base)[0].losses
     assert interleaved == pytest.approx(reference, rel=1e-6)
     # deferring the expert weight gradients changes when they run, not the bits

@@ -26,6 +26,7 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
     assert 0 < results[0].aux_losses[0] < 1
     # the overlap engine's node traces give the exposed all-to-all fraction
     assert any(line.startswith("iter 8/8") and "exposed a2a n/a" not in line for line in lines)
+    assert any(line.startswith("iter 8/8") and " MiB" in line.split("act mem")[1] for line in lines)
 
 
 def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):

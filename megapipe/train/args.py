@@ -80,6 +80,7 @@ class PretrainArgs:
     log_interval: int
     data_path: tuple[str, ...]
     tensorboard_dir: str | None
+    log_activation_memory: bool
     nproc: int | None
     moe_emulated_link_gbps: float | None
     moe_emulated_link_latency_us: float

@@ -117,6 +117,9 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--eval-iters", type=int, default=2)
     io.add_argument("--log-interval", type=int, default=10)
     io.add_argument("--tensorboard-dir", default=None)
+    io.add_argument("--log-activation-memory", action="store_true",
+                    help="measure the bytes saved for backward each step (act mem column); "
+                    "off by default: with --delay-wgrad-compute it was seen to change last bits")
     _add_fault_tolerance_flags(p)
     return p
 

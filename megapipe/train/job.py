@@ -95,7 +95,7 @@ def build_job(args: PretrainArgs) -> Job:
         delay_wgrad_compute=args.delay_wgrad_compute,
         moe_a2a_chunks=args.moe_a2a_chunks,
         record_trace=args.overlap_moe_expert_parallel_comm,
-        measure_activations=True,
+        measure_activations=args.log_activation_memory,
         timeout=timeout_of(args).total_seconds(),
     )
     files = resolve_data_files(args.data_path)

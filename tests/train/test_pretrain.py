@@ -15,7 +15,8 @@ def _train(argv):
 
 
 def test_default_shape_trains_and_loss_falls(rank_pools):
-    results = rank_pools(4).run(_train, TINY + ["--train-iters", "8", "--eval-interval", "4"])
+    results = rank_pools(4).run(_train, TINY + ["--train-iters", "8", "--eval-interval", "4",
+                                                "--log-activation-memory"])
     losses = results[0].losses
     assert len(losses) == 8 and all(r.losses == losses for r in results)
     assert losses[-1] < losses[0] - 0.5, losses

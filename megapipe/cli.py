@@ -1,8 +1,9 @@
 """The ``megapipe`` command. One subcommand per job, one function per subcommand.
 
-``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap]`` builds a schedule, prints it as a
-rank-by-step grid with its simulated metrics, and optionally writes it as CSV (torch's format),
-a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and exit code 2.
+``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap [--max-extra-in-flight K]]`` builds a
+schedule, prints it as a rank-by-step grid with its simulated metrics (with overlap also the
+peak in flight plain and combined and the makespan at each in-flight budget), and optionally
+writes it as CSV (torch's format), a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _add_schedule_command(subparsers) -> None:
     from .schedule.registry import SCHEDULES
 
@@ -52,6 +63,9 @@ def _add_schedule_command(subparsers) -> None:
                    dest="num_microbatches", help="microbatches per step")
     p.add_argument("--overlap", action="store_true",
                    help="pair forwards with backwards (OVERLAP) to hide the all-to-all")
+    p.add_argument("--max-extra-in-flight", type=_non_negative_int, default=None, metavar="K",
+                   help="with --overlap (implied): at most K more microbatch-stages in flight on "
+                        "any rank than the plain schedule (default: no budget)")
     p.add_argument("--costs", default="1,2,1", metavar="F,B,W[,A2A]",
                    help="per-stage costs of forward, full backward and weight-gradient backward, "
                         "and optionally of each all-to-all (default 1,2,1: free all-to-all)")
@@ -77,13 +91,16 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         check_output_path(flag, getattr(args, flag))
     costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
     extra = {} if args.vpp is None else {"vpp": args.vpp}
+    overlap = args.overlap or args.max_extra_in_flight is not None
     schedule = build_schedule(
-        args.name, args.pp, args.num_microbatches, overlap=args.overlap, **extra
+        args.name, args.pp, args.num_microbatches, overlap=overlap,
+        max_extra_in_flight=args.max_extra_in_flight, **extra,
     )
     result = simulate(schedule, costs)
     vpp = schedule.options.get("vpp", args.vpp or 1)
+    budget = "" if args.max_extra_in_flight is None else f" (K={args.max_extra_in_flight})"
     title = (
-        f"{args.name}{' + overlap' if args.overlap else ''}: pp={args.pp} vpp={vpp} "
+        f"{args.name}{' + overlap' + budget if overlap else ''}: pp={args.pp} vpp={vpp} "
         f"microbatches={args.num_microbatches}"
     )
     print(title)
@@ -91,6 +108,8 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     print()
     print(f"simulated with {costs.describe()}")
     print(result.summary())
+    if overlap:
+        _print_budgets(args, costs, extra)
     if args.csv:
         write_csv(schedule, args.csv)
         print(f"wrote {args.csv}")
@@ -105,6 +124,19 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         write_trace(result, args.trace)
         print(f"wrote {args.trace}")
     return 0
+
+
+def _print_budgets(args: argparse.Namespace, costs, extra: dict) -> None:
+    """Peak in flight plain and combined, and the simulated makespan at each budget K."""
+    from .sim.budget_sweep import budget_sweep, format_sweep
+
+    plain, points = budget_sweep(args.name, args.pp, args.num_microbatches, costs, **extra)
+    chosen = next(p for p in points if p.budget == args.max_extra_in_flight)
+    print()
+    print(f"peak in flight plain     {' '.join(map(str, plain.peak_in_flight))}")
+    print(f"peak in flight combined  {' '.join(map(str, chosen.peak_in_flight))}")
+    print("the trade by in-flight budget (--max-extra-in-flight K):")
+    print(format_sweep(plain, points))
 
 
 def _add_pretrain_command(subparsers) -> None:

@@ -43,6 +43,8 @@ def test_csv_and_trace_are_written(tmp_path, capsys):
     [
         (["schedule", "nope", "--pp", "2", "-m", "4"], "unknown schedule 'nope'"),
         (["schedule", "dualpipe", "--pp", "3", "-m", "8"], "needs an even pp"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--max-extra-in-flight", "-1"],
+         "expected an integer >= 0, got -1"),
         (["schedule", "1f1b", "--pp", "0", "-m", "4"], "expected a positive integer, got 0"),
         (["schedule", "1f1b", "--pp", "2"], "required: -m/--num-microbatches"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "1,2,3"], "must not exceed"),
@@ -71,3 +73,17 @@ def test_entry_point_runs_as_a_process():
     assert proc.stderr.strip().splitlines() == [
         "megapipe: error: argument -m/--num-microbatches: expected a positive integer, got 'x'"
     ]
+
+
+def test_budget_prints_peaks_and_the_makespan_of_every_budget(capsys):
+    assert main(["schedule", "1f1b", "--pp", "4", "-m", "8", "--max-extra-in-flight", "1",
+                 "--costs", "1,2,1,0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b + overlap (K=1): pp=4" in out
+    assert "peak in flight plain     4 3 2 1" in out
+    assert "peak in flight combined  4 4 2 2" in out  # within +1 on every rank
+    table = out.split("the trade by in-flight budget")[1].splitlines()[2:]
+    labels = [line.split()[0] for line in table]
+    assert labels == ["plain", "0", "1", "2", "3", "4", "unbounded"]
+    unbounded = table[-1].split()
+    assert unbounded[3:7] == ["8", "6", "4", "2"]  # the chain doubles rank 0's peak

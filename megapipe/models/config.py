@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megapipe.moe.layer import MoEConfig
 from megapipe.moe.link import EmulatedLink
+from megapipe.overlap.recompute import check_recompute_modules
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_link: EmulatedLink | None = None  # emulated interconnect for the A2A (CPU overlap studies)
     moe_router_dtype: str | None = None  # None: the activations' dtype; "fp32" / "fp64"
+    # Megatron's --recompute-modules (selective recompute): "core_attn", "moe_act"
+    recompute_modules: tuple[str, ...] = ()
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
@@ -47,6 +50,7 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        check_recompute_modules(tuple(self.recompute_modules))
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
@@ -100,4 +104,5 @@ class GPTConfig:
             link=self.moe_link,
             init_std=self.init_std,
             router_dtype=self.moe_router_dtype,
+            recompute_activation="moe_act" in self.recompute_modules,
         )

@@ -29,12 +29,18 @@ from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
 )
 
 Plan = list[Node]
 Tensors = tuple[torch.Tensor, ...]
+
+
+def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core: causal softmax(q k^T / sqrt(d)) v."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -44,6 +50,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         h, std, seed = config.hidden_size, config.init_std, config.seed
         self.num_heads = config.num_heads
+        # Megatron's --recompute-modules core_attn: softmax(q k^T) v re-runs in backward
+        self.recompute_core = "core_attn" in config.recompute_modules
         keys = ("attention", layer_index)
         self.w_qkv = nn.Parameter(seeded_normal((3 * h, h), std, seed, *keys, "qkv"))
         self.w_out = nn.Parameter(seeded_normal((h, h), std, seed, *keys, "out"))
@@ -52,7 +60,7 @@ class CausalSelfAttention(nn.Module):
         b, s, h = x.shape
         qkv = F.linear(x, self.w_qkv).view(b, s, 3, self.num_heads, h // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = recompute(_causal_core, q, k, v) if self.recompute_core else _causal_core(q, k, v)
         return F.linear(y.transpose(1, 2).reshape(b, s, h), self.w_out)
 
 

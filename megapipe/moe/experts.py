@@ -20,6 +20,7 @@ from torch import nn
 
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
+from megapipe.overlap.recompute import recompute
 from megapipe.overlap.wgrad import grouped_matmul
 
 
@@ -68,9 +69,12 @@ class GroupedExperts(nn.Module):
         seed: int = 0,
         layer_index: int = 0,
         init_std: float = 0.02,
+        recompute_activation: bool = False,
     ) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
+        # Megatron's --recompute-modules moe_act: the SwiGLU activation re-runs in backward
+        self.recompute_activation = recompute_activation
         self.first_expert = first_expert
         experts = range(first_expert, first_expert + num_local_experts)
 
@@ -119,13 +123,18 @@ class GroupedExperts(nn.Module):
         # gradients into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
         gate = grouped_matmul(tokens, counts, self.w_gate, state, offsets, first)
         up = grouped_matmul(tokens, counts, self.w_up, state, offsets, first)
-        if tokens.device.type == "cpu":
-            # per expert on CPU: its vectorised kernels compute a tensor's last elements in a
-            # scalar tail, so an expert's activations would depend on the other experts' rows
-            # and a chunked layer (a group of experts at a time) would differ in the last bits
-            hidden = torch.cat(
-                [F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))]
-            )
-        else:  # CUDA elementwise kernels give every element the same bits wherever it lies
-            hidden = F.silu(gate) * up
+        def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            if gate.device.type == "cpu":
+                # per expert on CPU: its vectorised kernels compute a tensor's last elements in
+                # a scalar tail, so an expert's activations would depend on the other experts'
+                # rows and a chunked layer (a group of experts at a time) would differ
+                return torch.cat(
+                    [F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))]
+                )
+            return F.silu(gate) * up  # CUDA: every element the same bits wherever it lies
+
+        if self.recompute_activation:  # keep gate and up only; silu(gate) is made again
+            hidden = recompute(activation, gate, up)
+        else:
+            hidden = activation(gate, up)
         return grouped_matmul(hidden, counts, self.w_down, state, offsets, first)

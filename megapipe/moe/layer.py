@@ -74,6 +74,7 @@ class MoEConfig:
     link: EmulatedLink | None = None
     init_std: float = 0.02
     router_dtype: str | None = None  # None: the input's dtype; "fp32" (Megatron's flag)
+    recompute_activation: bool = False  # --recompute-modules moe_act
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_experts", "top_k", "ffn_hidden_size"):
@@ -161,6 +162,7 @@ class MoELayer(nn.Module):
             seed=seed,
             layer_index=layer_index,
             init_std=config.init_std,
+            recompute_activation=config.recompute_activation,
         )
         self.shared_expert: SwiGLUMLP | None = None
         if config.shared_expert_intermediate_size is not None:

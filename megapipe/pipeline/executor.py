@@ -19,6 +19,7 @@ that is not lowered is lowered here. Forward-only evaluation runs the schedule's
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,6 +29,7 @@ from torch import nn
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
@@ -62,6 +64,9 @@ class StepResult:
       wait); ``compute_time``, the summed seconds of its compute nodes; and
       ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
       (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
+    - with ``measure_activations=True``: ``activation_bytes``, the peak bytes of tensors saved
+      for backward during the step, and on CUDA ``cuda_activation_bytes``, the allocator's peak
+      over the step's start (``activation_meter``); None otherwise.
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -71,6 +76,8 @@ class StepResult:
     a2a_time: float | None = None
     compute_time: float | None = None
     exposed_comm_fraction: float | None = None
+    activation_bytes: int | None = None  # measure_activations: peak bytes saved for backward
+    cuda_activation_bytes: int | None = None  # and on CUDA: the allocator's peak in the step
 
 
 @dataclass
@@ -133,6 +140,7 @@ class PipelineExecutor:
         delay_wgrad_compute: bool = False,
         moe_a2a_chunks: int = 1,
         record_trace: bool = False,
+        measure_activations: bool = False,
     ) -> None:
         check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
         self.schedule = schedule
@@ -163,6 +171,7 @@ class PipelineExecutor:
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
         check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
         self.record_trace = record_trace
+        self.measure_activations = measure_activations
         self._streams: StreamSteps | None = None
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
         self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
@@ -220,8 +229,10 @@ class PipelineExecutor:
                         wait_span=recorder.wait_span),
             targets, forward_only, profile=recorder,
         )
+        meter = ActivationMeter(self._device()) if self.measure_activations else None
         try:
-            self._run_actions(actions, state)
+            with meter if meter is not None else contextlib.nullcontext():
+                self._run_actions(actions, state)
         finally:
             for worker in self.workers.values():
                 worker.clear()
@@ -229,6 +240,9 @@ class PipelineExecutor:
                 self._streams.trace = None
         if trace is not None:
             take_trace(state.result, trace)
+        if meter is not None:
+            state.result.activation_bytes = meter.peak_bytes
+            state.result.cuda_activation_bytes = meter.cuda_peak_bytes
         if not forward_only:
             sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
                             self.groups, self.grad_reduction)

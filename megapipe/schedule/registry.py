@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .budget import apply_overlap_within, check_budget, check_native_budget
 from .dualpipe import dualpipe, dualpipev
 from .errors import ScheduleError
 from .interleaved import interleaved_1f1b, looped_bfs
@@ -100,6 +101,7 @@ def build_schedule(
     num_microbatches: int,
     vpp: int = 1,
     overlap: bool = False,
+    max_extra_in_flight: int | None = None,
     **options: int,
 ) -> Schedule:
     """The schedule ``name`` for ``pp`` ranks and ``num_microbatches`` microbatches.
@@ -108,22 +110,33 @@ def build_schedule(
     looped-bfs, zb1p); gpipe and 1f1b take vpp=1; zbv, dualpipev and dualpipe always hold two
     stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
     ``ScheduleError`` before anything is built; the module docstring lists every constraint.
+    ``max_extra_in_flight`` K (with ``overlap``): the combined schedule holds at most K more
+    microbatch-stages in flight on any rank than the plain one (``schedule.budget``).
     """
     family = _FAMILIES.get(name)
     if family is None:
         raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
     _check_request(name, family, pp, num_microbatches, vpp, options)
+    check_budget(max_extra_in_flight)
     native = family.native_overlap
+    schedule = _build(family, pp, num_microbatches, vpp, overlap, options)
+    if overlap and native:
+        check_native_budget(_build(family, pp, num_microbatches, vpp, False, options), schedule,
+                            max_extra_in_flight)
+    if overlap and not native:
+        schedule = apply_overlap_within(schedule, max_extra_in_flight)
+    if overlap and max_extra_in_flight is not None:
+        schedule.options["max_extra_in_flight"] = max_extra_in_flight
+    return schedule
+
+
+def _build(family: _Family, pp: int, num_microbatches: int, vpp: int, overlap: bool,
+           options: dict) -> Schedule:
     schedule = family.build(pp, num_microbatches, vpp, overlap, **options)
-    schedule = schedule.replace_actions(
+    return schedule.replace_actions(
         schedule.table,
         options={**schedule.options, "vpp": family.fixed_vpp or vpp, "overlap": overlap, **options},
     )
-    if overlap and not native:
-        from .overlap import apply_overlap
-
-        schedule = apply_overlap(schedule)
-    return schedule
 
 
 def _check_request(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule
+from megapipe.schedule import SCHEDULES, ScheduleError
 from megapipe.train.args import ArgsError, PretrainArgs
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES
 
@@ -30,6 +30,8 @@ def validate(args: PretrainArgs) -> None:
     """Every rule the run depends on, checked before any process group starts."""
     _check_numbers(args)
     _check_parallel(args)
+    _check_overlap_budget(args)
+    _check_recompute(args)
     _check_model_and_schedule(args)
     _check_precision_and_moe_options(args)
     _check_options_and_paths(args)
@@ -163,6 +165,39 @@ def _check_parallel(args: PretrainArgs) -> None:
         )
 
 
+def _check_overlap_budget(args: PretrainArgs) -> None:
+    """The in-flight budget is an integer >= 0 and comes with the overlap it bounds."""
+    budget = args.overlap_max_extra_in_flight
+    if budget is not None and budget < 0:
+        raise ArgsError(f"--overlap-max-extra-in-flight={budget} must be >= 0")
+    if budget is not None and not args.overlap_moe_expert_parallel_comm:
+        raise ArgsError(
+            f"--overlap-max-extra-in-flight={budget} needs --overlap-moe-expert-parallel-comm "
+            "(the budget bounds what the overlap pass adds)"
+        )
+
+
+def _check_recompute(args: PretrainArgs) -> None:
+    """Recompute flags that go together; full granularity is not built yet."""
+    if args.recompute_granularity == "full":
+        raise ArgsError(
+            "--recompute-granularity full is not supported yet (node-level full recompute is "
+            "missing); use --recompute-granularity selective --recompute-modules core_attn moe_act"
+        )
+    for flag, value in (("--recompute-method", args.recompute_method),
+                        ("--recompute-num-layers", args.recompute_num_layers)):
+        if value is not None:
+            raise ArgsError(f"{flag}={value} needs --recompute-granularity full (not supported)")
+    if args.recompute_modules is not None and args.recompute_granularity != "selective":
+        raise ArgsError("--recompute-modules needs --recompute-granularity selective")
+    from megapipe.overlap.recompute import check_recompute_modules  # torch: when flags run
+
+    try:
+        check_recompute_modules(args.selective_recompute_modules)
+    except ValueError as err:
+        raise ArgsError(f"--recompute-modules: {err}") from None
+
+
 def _check_model_and_schedule(args: PretrainArgs) -> None:
     """The model builds, the schedule exists for this layout, and every stage gets layers."""
     try:
@@ -175,8 +210,7 @@ def _check_model_and_schedule(args: PretrainArgs) -> None:
             f"{', '.join(SCHEDULES)}"
         )
     try:
-        schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
-                                  overlap=args.overlap_moe_expert_parallel_comm)
+        schedule = args.build_schedule()
     except ScheduleError as err:
         message = f"--pipeline-schedule {args.schedule_name}: {err}".splitlines()[0]
         raise ArgsError(message) from None

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI s
     from megapipe.models.config import GPTConfig
     from megapipe.moe.link import EmulatedLink
     from megapipe.parallel.config import ParallelConfig
+    from megapipe.schedule import Schedule
 
 
 class ArgsError(ValueError):
@@ -63,6 +64,11 @@ class PretrainArgs:
     virtual_pipeline_model_parallel_size: int | None
     expert_model_parallel_size: int
     overlap_moe_expert_parallel_comm: bool
+    overlap_max_extra_in_flight: int | None
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    recompute_modules: tuple[str, ...] | None
     delay_wgrad_compute: bool
     moe_a2a_chunks: int
     pipeline_schedule: str | None
@@ -74,6 +80,7 @@ class PretrainArgs:
     log_interval: int
     data_path: tuple[str, ...]
     tensorboard_dir: str | None
+    log_activation_memory: bool
     nproc: int | None
     moe_emulated_link_gbps: float | None
     moe_emulated_link_latency_us: float
@@ -142,7 +149,25 @@ class PretrainArgs:
             moe_link=self.emulated_link(),
             moe_capacity_factor=self.moe_expert_capacity_factor,
             moe_router_dtype=self.moe_router_dtype,
+            recompute_modules=self.selective_recompute_modules,
             seed=self.seed,
+        )
+
+    @property
+    def selective_recompute_modules(self) -> tuple[str, ...]:
+        """The modules that recompute (selective granularity; Megatron's default core_attn)."""
+        if self.recompute_granularity != "selective":
+            return ()
+        return ("core_attn",) if self.recompute_modules is None else self.recompute_modules
+
+    def build_schedule(self) -> "Schedule":
+        """The pipeline schedule these flags ask for (name, sizes, overlap and its budget)."""
+        from megapipe.schedule import build_schedule
+
+        return build_schedule(
+            self.schedule_name, self.pp, self.num_microbatches, self.vpp,
+            overlap=self.overlap_moe_expert_parallel_comm,
+            max_extra_in_flight=self.overlap_max_extra_in_flight,
         )
 
     def emulated_link(self) -> "EmulatedLink | None":
@@ -225,6 +250,8 @@ def args_from_namespace(
     values = {k: v for k, v in vars(ns).items() if k in names}
     values["data_path"] = tuple(values["data_path"])
     values["high_priority_stream_groups"] = tuple(values["high_priority_stream_groups"])
+    if values["recompute_modules"] is not None:
+        values["recompute_modules"] = tuple(values["recompute_modules"])
     from megapipe.parallel.launch import launched_world_size  # torch: only when flags are run
 
     launched = launched_world_size(env)

@@ -81,6 +81,9 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
         help="co-schedule one microbatch's forward with another's backward to hide the "
         "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
     )
+    par.add_argument("--overlap-max-extra-in-flight", type=int, default=None, metavar="K",
+                     help="with the overlap: at most K more microbatch-stages in flight on any "
+                     "rank than the plain schedule (activation memory; default: no budget)")
     par.add_argument("--delay-wgrad-compute", action="store_true",
                      help="defer expert weight gradients to fill the backward all-to-all")
     par.add_argument("--moe-a2a-chunks", type=int, default=1,
@@ -102,6 +105,7 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
                      "off by default, the log says when it is on)")
     par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
                      help="latency per all-to-all of the emulated link, microseconds")
+    _add_recompute_flags(p)
     io = p.add_argument_group("data, checkpoints, logging")
     io.add_argument("--data-path", nargs="+", default=[],
                     help="text files or directories (default: the Python standard library's "
@@ -113,6 +117,9 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--eval-iters", type=int, default=2)
     io.add_argument("--log-interval", type=int, default=10)
     io.add_argument("--tensorboard-dir", default=None)
+    io.add_argument("--log-activation-memory", action="store_true",
+                    help="measure the bytes saved for backward each step (act mem column); "
+                    "off by default: with --delay-wgrad-compute it was seen to change last bits")
     _add_fault_tolerance_flags(p)
     _add_profiling_flags(p)
     return p
@@ -132,6 +139,21 @@ def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--use-pytorch-profiler", action="store_true",
                       help="also run torch.profiler over the traced steps, writing one trace "
                       "per rank next to --profile-trace, with megapipe's node names as ranges")
+
+
+def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's activation recompute flags (re-run inside the node's own backward)."""
+    rc = p.add_argument_group("activation recompute")
+    rc.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
+                    help="selective: recompute --recompute-modules inside their node's backward "
+                    "(full: not supported yet, one clear error)")
+    rc.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
+                    help="with --recompute-granularity full (not supported yet)")
+    rc.add_argument("--recompute-num-layers", type=int, default=None,
+                    help="with --recompute-granularity full (not supported yet)")
+    rc.add_argument("--recompute-modules", nargs="*", default=None,
+                    help="with selective granularity: any of core_attn, moe_act "
+                    "(default: core_attn, as Megatron)")
 
 
 def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from megapipe.models.split import build_stage
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
-from megapipe.schedule import Schedule, build_schedule
+from megapipe.schedule import Schedule
 from megapipe.train.args import PretrainArgs
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
@@ -78,8 +78,7 @@ def build_job(args: PretrainArgs) -> Job:
     device = job_device()
     high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
     groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
-    schedule = build_schedule(args.schedule_name, args.pp, args.num_microbatches, args.vpp,
-                              overlap=args.overlap_moe_expert_parallel_comm)
+    schedule = args.build_schedule()
     config = args.gpt_config()
     stages = {
         s: build_stage(config, schedule.model_part(s), schedule.stages_per_pipeline,
@@ -96,6 +95,7 @@ def build_job(args: PretrainArgs) -> Job:
         delay_wgrad_compute=args.delay_wgrad_compute,
         moe_a2a_chunks=args.moe_a2a_chunks,
         record_trace=args.overlap_moe_expert_parallel_comm,
+        measure_activations=args.log_activation_memory,
         timeout=timeout_of(args).total_seconds(),
     )
     files = resolve_data_files(args.data_path)

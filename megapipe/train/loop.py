@@ -89,7 +89,7 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
                           lr=stats.lr, grad_norm=stats.grad_norm,
                           step_time=time.perf_counter() - start, tokens=tokens_per_iter,
-                          exposed_a2a=stats.exposed_a2a)
+                          exposed_a2a=stats.exposed_a2a, act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)

@@ -31,6 +31,7 @@ class StepStats:
     lr: float
     grad_norm: float
     exposed_a2a: float | None
+    act_mem: float | None = None  # the largest rank's peak bytes saved for backward
 
 
 def global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:
@@ -51,6 +52,13 @@ def exposed_a2a(step: StepResult, device: torch.device) -> float | None:
         local[1] = step.a2a_time
     dist.all_reduce(local)
     return float(local[0] / local[1]) if local[1] > 0 else None
+
+
+def peak_activation_bytes(step: StepResult, device: torch.device) -> float | None:
+    """The largest rank's measured activation peak of the step (None when not measured)."""
+    local = torch.tensor([float(step.activation_bytes or 0)], dtype=torch.float64, device=device)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return float(local[0]) if step.activation_bytes is not None else None
 
 
 def pop_aux_losses(job: Job) -> list[torch.Tensor]:
@@ -83,12 +91,13 @@ def train_step(
     loss = global_mean(list(step.losses.values()), job.device)
     aux = global_mean(pop_aux_losses(job), job.device)
     exposed = exposed_a2a(step, job.device) if job.executor.record_trace else None
+    act_mem = peak_activation_bytes(step, job.device)
     check_finite_loss(loss, iteration)
     lr = job.lr_schedule.step(job.optimizer)
     norm = global_grad_norm(job.norm_params, job.groups.pp, job.groups.ep, job.device)
     clip_grads(job.all_params, job.args.clip_grad, norm)
     job.optimizer.step()
-    return StepStats(loss, aux, lr, norm, exposed)
+    return StepStats(loss, aux, lr, norm, exposed, act_mem)
 
 
 def evaluate(job: Job) -> float:

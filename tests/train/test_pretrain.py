@@ -15,7 +15,8 @@ def _train(argv):
 
 
 def test_default_shape_trains_and_loss_falls(rank_pools):
-    results = rank_pools(4).run(_train, TINY + ["--train-iters", "8", "--eval-interval", "4"])
+    results = rank_pools(4).run(_train, TINY + ["--train-iters", "8", "--eval-interval", "4",
+                                                "--log-activation-memory"])
     losses = results[0].losses
     assert len(losses) == 8 and all(r.losses == losses for r in results)
     assert losses[-1] < losses[0] - 0.5, losses
@@ -26,6 +27,7 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
     assert 0 < results[0].aux_losses[0] < 1
     # the overlap engine's node traces give the exposed all-to-all fraction
     assert any(line.startswith("iter 8/8") and "exposed a2a n/a" not in line for line in lines)
+    assert any(line.startswith("iter 8/8") and " MiB" in line.split("act mem")[1] for line in lines)
 
 
 def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):
@@ -70,6 +72,14 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
      "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
     (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full is not supported yet"),
+    (["--recompute-modules", "moe_act"], "--recompute-modules needs --recompute-granularity"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+     "recompute module 'mlp' is not supported; supported: core_attn, moe_act"),
+    (["--recompute-method", "block"], "--recompute-method=block needs --recompute-granularity"),
+    (["--overlap-max-extra-in-flight", "-1"], "--overlap-max-extra-in-flight=-1 must be >= 0"),
+    (["--overlap-max-extra-in-flight", "1", "--no-overlap-moe-expert-parallel-comm"],
+     "--overlap-max-extra-in-flight=1 needs --overlap-moe-expert-parallel-comm"),
 ])
 def test_bad_flags_are_one_clear_line(flags, message):
     with pytest.raises(ArgsError) as err:
@@ -94,6 +104,13 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     reference = rank_pools(4).run(
         _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
     )[0].losses
+    # a budget of one extra microbatch in flight pairs fewer steps: same bits
+    budget = ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b",
+              "--overlap-max-extra-in-flight", "1"]
+    assert rank_pools(4).run(_train, base + budget)[0].losses == reference
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                 "moe_act"]
+    assert rank_pools(4).run(_train, base + budget + recompute)[0].losses == reference
     interleaved = rank_pools(4).run(_train, base)[0].losses
     assert interleaved == pytest.approx(reference, rel=1e-6)
     # deferring the expert weight gradients changes when they run, not the bits

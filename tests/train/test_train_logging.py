@@ -11,11 +11,11 @@ def test_line_every_interval_with_means_and_na_fraction():
     line = log.record(2, loss=1.0, aux_loss=0.3, lr=2e-3, grad_norm=4.0, step_time=1.5,
                       tokens=1000, exposed_a2a=None)
     assert line == ("iter 2/5 | loss 2.0000 | aux 0.2000 | lr 1.50e-03 | grad norm 3.000 | "
-                    "1,000 tok/s | step 1.000 s | exposed a2a n/a")
+                    "1,000 tok/s | step 1.000 s | exposed a2a n/a | act mem n/a")
     assert lines == [line]
     log.record(3, loss=1.0, step_time=1.0, tokens=10, exposed_a2a=0.25)
-    log.record(4, loss=1.0, step_time=1.0, tokens=10, exposed_a2a=0.75)
-    assert lines[-1].endswith("exposed a2a 50%")
+    log.record(4, loss=1.0, step_time=1.0, tokens=10, exposed_a2a=0.75, act_mem=3 * 2**20)
+    assert lines[-1].endswith("exposed a2a 50% | act mem 3.00 MiB")
     assert log.record(5, loss=1.0, step_time=1.0, tokens=10) is not None  # the last iteration
 
 

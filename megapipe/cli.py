@@ -55,7 +55,7 @@ def _add_schedule_command(subparsers) -> None:
         help="print a pipeline schedule and its simulated bubble",
         description="Build a pipeline schedule, print it as a rank-by-step grid and simulate it.",
     )
-    p.add_argument("name", help=f"schedule name: {', '.join(SCHEDULES)}")
+    p.add_argument("name", nargs="?", help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)")
     p.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
     p.add_argument("--vpp", type=_positive_int, default=None,
                    help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)")
@@ -72,6 +72,20 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--moe-layers", type=int, default=1,
                    help="MoE layers per stage, each with a dispatch and a combine (default 1)")
     p.add_argument("--p2p-latency", type=float, default=0.0, help="stage-to-stage latency")
+    p.add_argument("--pick", action="store_true",
+                   help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
+                        "whose activations fit --memory-budget (needs --activation-bytes)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
+                   help="with --pick: activation bytes any rank may hold")
+    p.add_argument("--activation-bytes", type=float, default=None, metavar="BYTES",
+                   help="with --pick: activation bytes of one plain stage (1/pp of the layers) "
+                        "for one microbatch")
+    p.add_argument("--recompute-saves", type=float, default=0.3, metavar="FRACTION",
+                   help="with --pick: part of the activation bytes selective recompute no longer "
+                        "keeps (default 0.3: it keeps 0.7)")
+    p.add_argument("--recompute-cost", type=float, default=0.3, metavar="FRACTION",
+                   help="with --pick: part of F that selective recompute re-runs in each "
+                        "backward (default 0.3)")
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
     p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
@@ -90,6 +104,10 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     for flag in ("csv", "png", "trace"):
         check_output_path(flag, getattr(args, flag))
     costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
+    if args.pick:
+        return _run_pick(args, costs)
+    if args.name is None:
+        raise _UsageError("the following arguments are required: name (or --pick)")
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     overlap = args.overlap or args.max_extra_in_flight is not None
     schedule = build_schedule(
@@ -179,6 +197,22 @@ def run_trace_summarize(args: argparse.Namespace) -> int:
 
     print(summarize_file(args.file))
     return 0
+
+
+def _run_pick(args: argparse.Namespace, costs) -> int:
+    """``megapipe schedule --pick``: the fastest choice whose activations fit the budget."""
+    from .sim.pick import Recompute, all_choices, format_pick
+
+    if args.name is not None:
+        raise _UsageError(f"--pick chooses the schedule itself; drop the name {args.name!r}")
+    for flag in ("memory_budget", "activation_bytes"):
+        if getattr(args, flag) is None:
+            raise _UsageError(f"--pick needs --{flag.replace('_', '-')} BYTES")
+    recompute = Recompute(saves=args.recompute_saves, cost=args.recompute_cost)
+    choices = all_choices(args.pp, args.num_microbatches, costs, args.activation_bytes, recompute)
+    text = format_pick(choices, args.memory_budget)
+    print(text)
+    return 0 if not text.startswith("no choice fits") else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,166 @@
+"""The fastest schedule under a memory budget: every registry schedule, vpp, in-flight budget
+and recompute choice, simulated, and the fastest one whose activations fit.
+
+A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary),
+the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.budget``), and
+recompute off or selective. Its memory is the most any rank holds: ``peak_in_flight`` of the
+rank's action list (microbatch-stages) times the bytes of one chunk and one microbatch, times
+the part recompute keeps. A chunk holds ``pp / stages_per_pipeline`` of the layers of a plain
+stage (half at vpp 2; DualPipe's two chunks per rank are each a whole stage, one per
+direction). Its time is the simulator's makespan with the costs of one plain stage scaled by
+that share (F, B, W and the all-to-alls of a chunk at vpp 2 take half as long); selective
+recompute re-runs a part of the forward inside each backward, so B (and I = B - W) grows by
+``cost * F``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..schedule.errors import ScheduleError
+from ..schedule.in_flight import peak_in_flight
+from ..schedule.ir import Schedule
+from ..schedule.registry import SCHEDULES, build_schedule
+from .costs import Costs
+from .simulate import simulate
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Selective recompute's trade: ``saves`` of the activation bytes are no longer kept, and
+    each backward re-runs ``cost`` times its forward (both fractions in [0, 1])."""
+
+    saves: float = 0.3
+    cost: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("saves", "cost"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"recompute {name} must be a fraction in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One simulated choice. ``budget`` None: no overlap; K: overlap within K extra in flight."""
+
+    schedule: str
+    vpp: int
+    budget: int | None
+    recompute: bool
+    makespan: float
+    peak_bytes: float
+
+    def describe(self) -> str:
+        """A one-line summary naming every part of the choice."""
+        overlap = "off" if self.budget is None else f"on K={self.budget}"
+        recompute = "selective" if self.recompute else "none"
+        return (f"{self.schedule} vpp={self.vpp} overlap {overlap} recompute {recompute}: "
+                f"makespan {self.makespan:g}, peak {self.peak_bytes:g} bytes")
+
+
+def candidate_schedules(pp: int, num_microbatches: int) -> Iterator[tuple[str, int, int | None, Schedule]]:
+    """(name, vpp, budget, schedule) for every buildable choice; impossible requests are skipped."""
+    for name in SCHEDULES:
+        seen_vpp = set()
+        for vpp in (1, 2):
+            try:
+                plain = build_schedule(name, pp, num_microbatches, vpp=vpp)
+            except ScheduleError:
+                continue
+            actual = plain.options.get("vpp", vpp)
+            if actual in seen_vpp:
+                continue
+            seen_vpp.add(actual)
+            yield name, actual, None, plain
+            for budget in range(pp + 1):
+                combined = build_schedule(
+                    name, pp, num_microbatches, vpp=vpp, overlap=True, max_extra_in_flight=budget
+                )
+                yield name, actual, budget, combined
+
+
+def chunk_share(schedule: Schedule) -> float:
+    """The part of a plain stage's layers one of ``schedule``'s chunks holds."""
+    return schedule.pp / schedule.stages_per_pipeline
+
+
+def peak_bytes(schedule: Schedule, activation_bytes: float, kept: float = 1.0) -> float:
+    """The most activation bytes any rank holds: peak microbatch-chunks in flight times one
+    chunk's bytes (``activation_bytes`` is one plain stage's, for one microbatch) times ``kept``."""
+    peak = max(peak_in_flight(schedule.row(rank)) for rank in range(schedule.pp))
+    return peak * activation_bytes * chunk_share(schedule) * kept
+
+
+def chunk_costs(costs: Costs, share: float) -> Costs:
+    """``costs`` of one plain stage scaled to a chunk holding ``share`` of its layers."""
+    if share == 1:
+        return costs
+    return dataclasses.replace(costs, **{
+        name: getattr(costs, name) * share
+        for name in ("forward", "backward", "weight", "dispatch", "combine")
+    })
+
+
+def with_recompute(costs: Costs, recompute: Recompute) -> Costs:
+    """``costs`` with each backward also re-running ``recompute.cost`` of its forward."""
+    return dataclasses.replace(costs, backward=costs.backward + recompute.cost * costs.forward)
+
+
+def all_choices(
+    pp: int, num_microbatches: int, costs: Costs, activation_bytes: float,
+    recompute: Recompute = Recompute(),
+) -> list[Choice]:
+    """Every choice simulated, fastest first (then the one holding less, then fewer parts)."""
+    if not (math.isfinite(activation_bytes) and activation_bytes > 0):
+        raise ValueError(f"activation bytes must be a finite number > 0, got {activation_bytes!r}")
+    choices = []
+    for name, vpp, budget, schedule in candidate_schedules(pp, num_microbatches):
+        plain_costs = chunk_costs(costs, chunk_share(schedule))
+        for recomputed, step_costs, kept in (
+            (False, plain_costs, 1.0),
+            (True, with_recompute(plain_costs, recompute), 1.0 - recompute.saves),
+        ):
+            makespan = simulate(schedule, step_costs).makespan
+            choices.append(Choice(name, vpp, budget, recomputed, makespan,
+                                  peak_bytes(schedule, activation_bytes, kept)))
+    return sorted(choices, key=_rank_key)
+
+
+def _rank_key(choice: Choice) -> tuple:
+    return (choice.makespan, choice.peak_bytes, choice.recompute,
+            -1 if choice.budget is None else choice.budget)
+
+
+def pick(choices: list[Choice], memory_budget: float) -> list[Choice]:
+    """The choices that fit ``memory_budget`` bytes, fastest first; a choice equal in time and
+    bytes to an earlier one of the same schedule, vpp and recompute (a larger K that changed
+    nothing) is dropped."""
+    fitting, seen = [], set()
+    for choice in choices:
+        key = (choice.schedule, choice.vpp, choice.recompute, choice.makespan, choice.peak_bytes)
+        if choice.peak_bytes <= memory_budget and key not in seen:
+            seen.add(key)
+            fitting.append(choice)
+    return fitting
+
+
+def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> str:
+    """The best choice in one line and a table of the best ``top``; or, if nothing fits, one
+    line naming the smallest memory any choice needs."""
+    fitting = pick(choices, memory_budget)
+    if not fitting:
+        smallest = min(choice.peak_bytes for choice in choices)
+        return (f"no choice fits the memory budget of {memory_budget:g} bytes: the smallest "
+                f"needs {smallest:g} bytes")
+    lines = [f"best: {fitting[0].describe()}", "",
+             "schedule          vpp  overlap  recompute   makespan  peak bytes"]
+    for choice in fitting[:top]:
+        overlap = "off" if choice.budget is None else f"K={choice.budget}"
+        recompute = "selective" if choice.recompute else "none"
+        lines.append(f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {recompute:<9} "
+                     f"{choice.makespan:>10g}  {choice.peak_bytes:>10g}")
+    return "\n".join(lines)

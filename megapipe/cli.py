@@ -3,7 +3,9 @@
 ``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap [--max-extra-in-flight K]]`` builds a
 schedule, prints it as a rank-by-step grid with its simulated metrics (with overlap also the
 peak in flight plain and combined and the makespan at each in-flight budget), and optionally
-writes it as CSV (torch's format), a PNG timeline and a Chrome trace. Bad arguments end with a one-line error and exit code 2.
+writes it as CSV (torch's format), a PNG timeline and a Chrome trace. ``megapipe schedule --pick
+--pp P -m M --activation-bytes B --memory-budget BYTES`` instead prints the fastest schedule,
+vpp, in-flight budget and recompute choice whose activations fit (``sim/pick.py``). Bad arguments end with a one-line error and exit code 2.
 """
 
 from __future__ import annotations

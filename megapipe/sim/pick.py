@@ -139,6 +139,8 @@ def pick(choices: list[Choice], memory_budget: float) -> list[Choice]:
     """The choices that fit ``memory_budget`` bytes, fastest first; a choice equal in time and
     bytes to an earlier one of the same schedule, vpp and recompute (a larger K that changed
     nothing) is dropped."""
+    if not (isinstance(memory_budget, (int, float)) and memory_budget >= 0):
+        raise ValueError(f"memory budget must be a number of bytes >= 0, got {memory_budget!r}")
     fitting, seen = [], set()
     for choice in choices:
         key = (choice.schedule, choice.vpp, choice.recompute, choice.makespan, choice.peak_bytes)

@@ -85,3 +85,8 @@ def test_cli_no_fit_and_missing_bytes_are_one_line_errors(capsys):
 def test_bad_recompute_fraction_is_named():
     with pytest.raises(ValueError, match="recompute saves must be a fraction in \\[0, 1\\], got 2"):
         Recompute(saves=2)
+
+
+def test_bad_memory_budget_is_named(choices):
+    with pytest.raises(ValueError, match="memory budget must be a number of bytes >= 0, got -1"):
+        pick(choices, -1)

@@ -108,7 +108,7 @@ class NodeCosts:
 
 @dataclass(frozen=True)
 class NodeOp:
-    """One timed node of a step's program (``steps._Op``'s fields)."""
+    """One timed node of a step's program (the layer model of ``steps`` uses it too)."""
 
     stream: str
     part: str

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
 from .costs import Costs
-from .node_steps import node_ops
+from .node_steps import NodeOp, node_ops
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -47,48 +47,38 @@ class Segment:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class _Op:
-    stream: str
-    part: str
-    action: Action
-    layer: int | None
-    duration: float
-    deps: tuple[int, ...]
-
-
 def _layer_forward(
     action: Action, layer: int, compute: float, costs: Costs, first: int
-) -> list[_Op]:
+) -> list[NodeOp]:
     """The four pieces of one layer's forward, chained; ``first`` is the index of the first."""
     attention = compute * costs.attention_share
     return [
-        _Op(COMPUTE, "attention", action, layer, attention, (first - 1,) if first else ()),
-        _Op(COMM, "dispatch", action, layer, costs.dispatch, (first,)),
-        _Op(COMPUTE, "experts", action, layer, compute - attention, (first + 1,)),
-        _Op(COMM, "combine", action, layer, costs.combine, (first + 2,)),
+        NodeOp(COMPUTE, "attention", action, layer, attention, (first - 1,) if first else ()),
+        NodeOp(COMM, "dispatch", action, layer, costs.dispatch, (first,)),
+        NodeOp(COMPUTE, "experts", action, layer, compute - attention, (first + 1,)),
+        NodeOp(COMM, "combine", action, layer, costs.combine, (first + 2,)),
     ]
 
 
 def _layer_backward(
     action: Action, layer: int, compute: float, costs: Costs, first: int
-) -> list[_Op]:
+) -> list[NodeOp]:
     attention = compute * costs.attention_share
     return [
-        _Op(COMM, "combine", action, layer, costs.combine, (first - 1,) if first else ()),
-        _Op(COMPUTE, "experts", action, layer, compute - attention, (first,)),
-        _Op(COMM, "dispatch", action, layer, costs.dispatch, (first + 1,)),
-        _Op(COMPUTE, "attention", action, layer, attention, (first + 2,)),
+        NodeOp(COMM, "combine", action, layer, costs.combine, (first - 1,) if first else ()),
+        NodeOp(COMPUTE, "experts", action, layer, compute - attention, (first,)),
+        NodeOp(COMM, "dispatch", action, layer, costs.dispatch, (first + 1,)),
+        NodeOp(COMPUTE, "attention", action, layer, attention, (first + 2,)),
     ]
 
 
-def _plain_ops(action: Action, costs: Costs) -> list[_Op]:
+def _plain_ops(action: Action, costs: Costs) -> list[NodeOp]:
     compute = costs.compute(action.kind, action.stage)
     layers = costs.moe_layers
     if action.kind is Kind.W or layers == 0:
-        return [_Op(COMPUTE, "compute", action, None, compute, ())]
+        return [NodeOp(COMPUTE, "compute", action, None, compute, ())]
     per_layer = compute / layers
-    ops: list[_Op] = []
+    ops: list[NodeOp] = []
     for i in range(layers):
         if action.kind is Kind.F:
             ops += _layer_forward(action, i, per_layer, costs, len(ops))
@@ -97,39 +87,39 @@ def _plain_ops(action: Action, costs: Costs) -> list[_Op]:
     return ops
 
 
-def _overlap_ops(forward: Action, backward: Action, costs: Costs) -> list[_Op]:
+def _overlap_ops(forward: Action, backward: Action, costs: Costs) -> list[NodeOp]:
     """Forward layer k paired with backward layer L-1-k, pieces in the order of the docstring."""
     f_compute = costs.compute(Kind.F, forward.stage)
     b_compute = costs.compute(backward.kind, backward.stage)
     layers = costs.moe_layers
     if layers == 0:
         return [
-            _Op(COMPUTE, "compute", forward, None, f_compute, ()),
-            _Op(COMPUTE, "compute", backward, None, b_compute, ()),
+            NodeOp(COMPUTE, "compute", forward, None, f_compute, ()),
+            NodeOp(COMPUTE, "compute", backward, None, b_compute, ()),
         ]
     f_layer, b_layer = f_compute / layers, b_compute / layers
     f_attn, b_attn = f_layer * costs.attention_share, b_layer * costs.attention_share
-    ops: list[_Op] = []
+    ops: list[NodeOp] = []
     f_prev: tuple[int, ...] = ()  # previous forward piece (the combine of the layer before)
     b_prev: tuple[int, ...] = ()
     for k in range(layers):
         fl, bl = k, layers - 1 - k
         n = len(ops)
         ops += [
-            _Op(COMPUTE, "attention", forward, fl, f_attn, f_prev),  # n
-            _Op(COMM, "combine", backward, bl, costs.combine, b_prev),  # n+1
-            _Op(COMPUTE, "experts", backward, bl, b_layer - b_attn, (n + 1,)),  # n+2
-            _Op(COMM, "dispatch", forward, fl, costs.dispatch, (n,)),  # n+3
-            _Op(COMPUTE, "experts", forward, fl, f_layer - f_attn, (n + 3,)),  # n+4
-            _Op(COMM, "dispatch", backward, bl, costs.dispatch, (n + 2,)),  # n+5
-            _Op(COMPUTE, "attention", backward, bl, b_attn, (n + 5,)),  # n+6
-            _Op(COMM, "combine", forward, fl, costs.combine, (n + 4,)),  # n+7
+            NodeOp(COMPUTE, "attention", forward, fl, f_attn, f_prev),  # n
+            NodeOp(COMM, "combine", backward, bl, costs.combine, b_prev),  # n+1
+            NodeOp(COMPUTE, "experts", backward, bl, b_layer - b_attn, (n + 1,)),  # n+2
+            NodeOp(COMM, "dispatch", forward, fl, costs.dispatch, (n,)),  # n+3
+            NodeOp(COMPUTE, "experts", forward, fl, f_layer - f_attn, (n + 3,)),  # n+4
+            NodeOp(COMM, "dispatch", backward, bl, costs.dispatch, (n + 2,)),  # n+5
+            NodeOp(COMPUTE, "attention", backward, bl, b_attn, (n + 5,)),  # n+6
+            NodeOp(COMM, "combine", forward, fl, costs.combine, (n + 4,)),  # n+7
         ]
         f_prev, b_prev = (n + 7,), (n + 6,)
     return ops
 
 
-def op_times(ops: list[_Op], start, maximum=max) -> list[tuple]:
+def op_times(ops: list[NodeOp], start, maximum=max) -> list[tuple]:
     """(begin, end) of each piece started at ``start``: a piece begins when its stream is free
     and the piece it depends on has ended. ``start`` may be an array of starts (one per step of
     the same shape), with ``maximum=np.maximum``: the same operations, element by element."""
@@ -145,7 +135,7 @@ def op_times(ops: list[_Op], start, maximum=max) -> list[tuple]:
     return times
 
 
-def step_ops(action: Action, costs: Costs) -> list[_Op]:
+def step_ops(action: Action, costs: Costs) -> list[NodeOp]:
     """The pieces of a compute action, in the order they are issued (node by node in the
     engine's order when ``costs.nodes`` is set: ``node_steps``)."""
     if costs.nodes is not None:

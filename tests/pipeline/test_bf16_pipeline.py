@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.rank_pool import results_by_case
 from support.pipeline_cases import Case, bitwise_expected, expected_grad, run_cases
 
 STEPS = 2
@@ -37,7 +38,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def results(rank_pools):
     per_rank = rank_pools(8).run(run_cases, CASES, STEPS)
-    return {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(CASES)}
+    return results_by_case(per_rank, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

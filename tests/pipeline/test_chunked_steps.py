@@ -2,6 +2,7 @@
 
 import pytest
 
+from support.rank_pool import results_by_case
 from support.combined_cases import chunked_cases
 from support.pipeline_cases import Case
 
@@ -21,7 +22,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def verdicts(rank_pools):
     per_rank = rank_pools(8).run(chunked_cases, CASES)
-    return {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(CASES)}
+    return results_by_case(per_rank, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.rank_pool import results_by_case
 from support.combined_cases import (
     bitwise_cases, concurrency_run, front_end_run, non_node_stage, traced_run,
 )
@@ -41,9 +42,7 @@ FOUR_PAIRS = {
 @pytest.fixture(scope="module")
 def verdicts(rank_pools):
     per_rank = rank_pools(8).run(bitwise_cases, BITWISE_CASES)
-    return {
-        case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(BITWISE_CASES)
-    }
+    return results_by_case(per_rank, BITWISE_CASES)
 
 
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=str)
@@ -55,9 +54,7 @@ def test_combined_schedule_is_bitwise_the_plain_one(verdicts, case):
 @pytest.fixture(scope="module")
 def bf16_verdicts(rank_pools):
     per_rank = rank_pools(8).run(bitwise_cases, BITWISE_CASES, bf16=True)
-    return {
-        case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(BITWISE_CASES)
-    }
+    return results_by_case(per_rank, BITWISE_CASES)
 
 
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=str)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.rank_pool import results_by_case
 from support.pipeline_cases import Case, bitwise_expected, expected_grad, run_cases
 
 STEPS = 2
@@ -51,7 +52,7 @@ OVERLAP_CASES = [
 def results(rank_pools):
     cases = CASES + OVERLAP_CASES
     per_rank = rank_pools(8).run(run_cases, cases, STEPS)
-    return {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(cases)}
+    return results_by_case(per_rank, cases)
 
 
 def _assert_matches(got: torch.Tensor, want: torch.Tensor, bitwise: bool, what: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from support.rank_pool import results_by_case
 from support.combined_cases import recompute_cases
 from test_combined_step import BITWISE_CASES
 
@@ -15,9 +16,7 @@ MODULES = ("core_attn", "moe_act")
 @pytest.fixture(scope="module")
 def verdicts(rank_pools):
     per_rank = rank_pools(8).run(recompute_cases, BITWISE_CASES, MODULES)
-    return {
-        case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(BITWISE_CASES)
-    }
+    return results_by_case(per_rank, BITWISE_CASES)
 
 
 @pytest.mark.parametrize("case", BITWISE_CASES, ids=str)

@@ -92,6 +92,12 @@ class RankPool:
         self.close()
 
 
+def results_by_case(per_rank: list[list[Any]], cases: list[Any]) -> dict[Any, list[Any]]:
+    """Regroup ``RankPool.run`` results, one list per rank with one entry per case, into one
+    list per case of the ranks that took part in it (a rank outside a case returns None)."""
+    return {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(cases)}
+
+
 def _format_failures(failures: dict[int, str]) -> str:
     if not failures:
         return ""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megapipe.moe.layer import MoEConfig
 from megapipe.moe.link import EmulatedLink
+from megapipe.overlap.full_recompute import check_full_recompute
 from megapipe.overlap.recompute import check_recompute_modules
 
 
@@ -39,6 +40,10 @@ class GPTConfig:
     moe_router_dtype: str | None = None  # None: the activations' dtype; "fp32" / "fp64"
     # Megatron's --recompute-modules (selective recompute): "core_attn", "moe_act"
     recompute_modules: tuple[str, ...] = ()
+    # Megatron's --recompute-granularity full: None (off), "uniform" (every layer of a chunk)
+    # or "block" (the first recompute_num_layers of each chunk), node by node (full_recompute)
+    recompute_method: str | None = None
+    recompute_num_layers: int = 1
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
@@ -51,6 +56,12 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         check_recompute_modules(tuple(self.recompute_modules))
+        check_full_recompute(self.recompute_method, self.recompute_num_layers)
+        if self.recompute_method is not None and self.recompute_modules:
+            raise ValueError(
+                f"GPTConfig.recompute_modules={tuple(self.recompute_modules)} is selective "
+                f"recompute; it cannot go with recompute_method={self.recompute_method!r} (full)"
+            )
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
@@ -86,6 +97,13 @@ class GPTConfig:
         if self.num_experts == 0 or layer < self.first_k_dense_layers:
             return False
         return (layer - self.first_k_dense_layers) % self.moe_layer_freq == 0
+
+    def recomputes_layer(self, position: int) -> bool:
+        """Whether the layer at ``position`` in its chunk (0: the chunk's first) is recomputed
+        whole (full granularity): every layer with uniform, the first N with block."""
+        if self.recompute_method == "uniform":
+            return True
+        return self.recompute_method == "block" and position < self.recompute_num_layers
 
     def moe_config(self) -> MoEConfig:
         """The MoE layer config of this model's MoE layers."""

@@ -29,6 +29,7 @@ from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
@@ -226,9 +227,15 @@ class GPTStage(nn.Module):
         self.input_tensor = input_tensor
 
     def layer_plans(self) -> list[Plan]:
-        """Node plans in execution order: embedding, each layer, final norm + head."""
+        """Node plans in execution order: embedding, each layer, final norm + head. A layer the
+        config recomputes whole (``recompute_method``) has its compute nodes wrapped by
+        ``overlap.full_recompute.recompute_plan``: they keep only their inputs."""
         plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
-        plans += [layer.node_plan() for layer in self.layers.values()]
+        for position, layer in enumerate(self.layers.values()):
+            plan = layer.node_plan()
+            if self.config.recomputes_layer(position):  # full recompute, node by node
+                plan = recompute_plan(plan, list(layer.parameters()))
+            plans.append(plan)
         if self.head is not None:
             plans.append(_single_node("head", self.head))
         return plans

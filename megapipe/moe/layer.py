@@ -20,7 +20,9 @@ are written into the ``LayerState`` by route and dispatch and read by later node
 
 The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is attached to
 ``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
-with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``.
+with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``
+(once: a route that runs again for full recompute, ``state.recomputing``, neither records nor
+reads the scale again).
 Losses and the capacity are computed over this rank's tokens of the microbatch (no collective).
 With a capacity, every expert gets exactly ``capacity`` rows (padding after the kept tokens,
 Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have the same number
@@ -277,9 +279,11 @@ class MoELayer(nn.Module):
         rows = permute_tokens(tokens, row_slot, token_slots)
         c = self.config
         aux = c.aux_loss_coeff * routed.load_balancing_loss + c.z_loss_coeff * routed.z_loss
-        self.aux_loss_log.record(aux)
+        if not state.recomputing:  # once per forward: a recompute (full_recompute) re-runs this
+            self.aux_loss_log.record(aux)
+            state.aux_loss_scale = self.aux_loss_scale
         if (c.aux_loss_coeff > 0 or c.z_loss_coeff > 0) and aux.requires_grad:
-            rows = attach_aux_loss(rows, aux, self.aux_loss_scale)
+            rows = attach_aux_loss(rows, aux, state.aux_loss_scale)
         state.input_shape = x.shape
         state.row_slot = row_slot
         state.token_slots = token_slots

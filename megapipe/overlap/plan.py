@@ -39,11 +39,15 @@ class LayerState:
 
     ``wgrad_queue`` is set by the engine for the duration of the layer's backward: deferrable
     ops (``overlap.wgrad.grouped_matmul``, given this state at forward time) put their weight
-    gradient into it instead of computing it at once; None computes it at once. Everything else
-    on the state is the layer's own metadata, written by one node and read by a later one.
+    gradient into it instead of computing it at once; None computes it at once. ``recomputing``
+    is True while a recomputed node runs its forward again inside its backward
+    (``overlap.full_recompute``): a node then skips what must happen once per forward (logging).
+    Everything else on the state is the layer's own metadata, written by one node and read by a
+    later one.
     """
 
     wgrad_queue: "WeightGradQueue | None" = None
+    recomputing: bool = False
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]

@@ -94,20 +94,24 @@ def bitwise_cases(cases: list[Case], bf16: bool = False) -> list[list[str] | Non
     return out
 
 
-def recompute_cases(cases: list[Case], modules: tuple[str, ...]) -> list[list[str] | None]:
-    """Per case: what differs from the plain run without recompute when ``modules`` recompute,
-    in the plain and in the combined schedule (empty: bitwise)."""
+def recompute_cases(cases: list[Case], settings: dict[str, dict]) -> list[dict | None]:
+    """Per case, per recompute setting (name -> ``GPTConfig`` fields): what differs from the
+    plain run without recompute, in the plain and in the combined schedule (empty: bitwise).
+    The reference runs once per case."""
     prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
-    config = dataclasses.replace(CONFIG, recompute_modules=modules)
     out = []
     for case in cases:
         if dist.get_rank() < case.world:
             reference = _run(case, overlap=False, delay=False)
-            problems = []
-            for overlap in (False, True):
-                again = _run(case, overlap=overlap, delay=False, config=config)
-                problems += [f"overlap={overlap}: {p}" for p in _differences(reference, again)]
-            out.append(problems)
+            verdicts = {}
+            for name, fields in settings.items():
+                config = dataclasses.replace(CONFIG, **fields)
+                problems = []
+                for overlap in (False, True):
+                    again = _run(case, overlap=overlap, delay=False, config=config)
+                    problems += [f"overlap={overlap}: {p}" for p in _differences(reference, again)]
+                verdicts[name] = problems
+            out.append(verdicts)
         else:
             out.append(None)
         dist.barrier()

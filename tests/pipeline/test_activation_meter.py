@@ -1,10 +1,13 @@
 """The activation meter: the peak of saved-tensor bytes is exact on a toy model, counts a
-storage once, changes no result, and falls by at least what selective recompute stops saving."""
+storage once, changes no result, and falls by at least what selective or full recompute stops
+saving."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
+import pytest
 import torch
 
 from megapipe.models.config import GPTConfig
@@ -62,3 +65,29 @@ def test_selective_recompute_drops_at_least_what_it_no_longer_saves():
     attention = config.num_layers * b * config.num_heads * s * 4
     activation = moe_layers * b * s * config.moe_top_k * config.moe_ffn_hidden_size * 4
     assert full - less >= microbatches * (attention + activation), (full, less)
+
+
+def _full_recompute_lower_bound(config: GPTConfig, layers: range, b: int) -> int:
+    """Bytes per microbatch a layer recomputed whole no longer saves, at least: the q, k, v
+    projection [b, s, 3h] (the attention core saves views of it), and the SwiGLU's gate, up and
+    activation (dense: [b * s, ffn]; MoE: [b * s * top_k, moe_ffn] dropless), all fp32. Its
+    inputs stay saved, and one node's graph lives while that node runs (both counted)."""
+    s, total = config.seq_length, 0
+    for layer in layers:
+        total += b * s * 3 * config.hidden_size * 4
+        if config.is_moe_layer(layer):
+            total += 3 * b * s * config.moe_top_k * config.moe_ffn_hidden_size * 4
+        else:
+            total += 3 * b * s * config.ffn_hidden_size * 4
+    return total
+
+
+@pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 1), ("block", 2)])
+def test_full_recompute_drops_at_least_what_it_no_longer_saves(method, layers):
+    config = GPTConfig()
+    full, _, _ = _step(config, measure=True)
+    recomputed = dataclasses.replace(config, recompute_method=method, recompute_num_layers=layers)
+    less, _, _ = _step(recomputed, measure=True)
+    whole = range(config.num_layers) if method == "uniform" else range(layers)
+    microbatches = 2
+    assert full - less >= microbatches * _full_recompute_lower_bound(config, whole, 2), (full, less)

@@ -1,0 +1,101 @@
+"""Full recompute node by node (``overlap.full_recompute``): a compute node keeps its inputs
+only and runs again inside its own backward, comm nodes never run again, the results are
+bitwise those without recompute (on the tape, with chunked all-to-alls too), and the re-run
+is marked on the layer state so once-per-forward side effects happen once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megapipe.models.config import GPTConfig
+from megapipe.models.split import build_stage
+from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of
+from megapipe.overlap.tape import record_forward, run_backward
+
+
+def _toy(weight: torch.Tensor, calls: list[tuple[str, bool]]) -> list[Node]:
+    def first(state: LayerState, inputs: tuple) -> tuple:
+        calls.append(("first", state.recomputing))
+        (x,) = inputs
+        return (x, torch.tanh(x @ weight))
+
+    def comm(state: LayerState, inputs: tuple) -> tuple:
+        calls.append(("comm", state.recomputing))
+        x, y = inputs
+        return (x, torch.roll(y, 1, dims=0))
+
+    def last(state: LayerState, inputs: tuple) -> tuple:
+        calls.append(("last", state.recomputing))
+        x, y = inputs
+        return (x + torch.sigmoid(y) * y,)
+
+    return [Node("first", NodeKind.COMPUTE, first), Node("comm", NodeKind.COMM, comm),
+            Node("last", NodeKind.COMPUTE, last)]
+
+
+def _toy_step(recompute: bool):
+    weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    calls: list[tuple[str, bool]] = []
+    plan = _toy(weight, calls)
+    if recompute:
+        plan = recompute_plan(plan, [weight])
+    (out,), tape = record_forward([plan, plan], (x.requires_grad_(),))
+    grads = run_backward(tape, (torch.ones_like(out),))
+    return out, grads[0], weight.grad, calls
+
+
+def test_compute_nodes_rerun_in_their_backward_comm_nodes_never():
+    out, grad_x, grad_w, calls = _toy_step(recompute=False)
+    out_r, grad_x_r, grad_w_r, calls_r = _toy_step(recompute=True)
+    assert torch.equal(out, out_r) and torch.equal(grad_x, grad_x_r) and torch.equal(grad_w, grad_w_r)
+    forward = [("first", False), ("comm", False), ("last", False)] * 2
+    assert calls == forward
+    # backward walks the layers and nodes last first: each compute node runs again, marked
+    assert calls_r == forward + [("last", True), ("first", True)] * 2
+
+
+def _gpt_step(config: GPTConfig, chunks: int):
+    model = build_stage(config, 0, 1)
+    ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                        generator=torch.Generator().manual_seed(3))
+    plans = [node_plan_of(p, WarnOnce(), chunks) for p in model.layer_plans()]
+    (logits,), tape = record_forward(plans, (ids,))
+    run_backward(tape, (torch.ones_like(logits),))
+    return logits, [p.grad for p in model.parameters()], plans
+
+
+@pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 2)])
+def test_gpt_on_the_tape_with_chunked_all_to_alls_is_bitwise(method, layers):
+    config = GPTConfig()
+    logits, grads, _ = _gpt_step(config, chunks=2)
+    recomputed = dataclasses.replace(config, recompute_method=method, recompute_num_layers=layers)
+    logits_r, grads_r, plans_r = _gpt_step(recomputed, chunks=2)
+    assert torch.equal(logits, logits_r)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+    # the chunked form of a recomputed MoE layer wraps its fork's expert nodes too
+    moe = plans_r[2]  # embedding, dense layer 0, MoE layer 1
+    fork = next(item for item in moe if isinstance(item, Fork))
+    dispatch, experts, combine = fork.branches[0]
+    assert _wrapped(experts) and _wrapped(moe[0]) and _wrapped(moe[-1])
+    assert not _wrapped(dispatch) and not _wrapped(combine)  # all-to-alls: never run again
+
+
+def _wrapped(node: Node) -> bool:
+    return node.fn.__qualname__.startswith("recompute_node.")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"recompute_method": "selective"}, "recompute method 'selective' is not one of uniform, block"),
+    ({"recompute_method": "block", "recompute_num_layers": 0},
+     "recompute num_layers=0 must be an int >= 1"),
+    ({"recompute_method": "uniform", "recompute_modules": ("core_attn",)},
+     "cannot go with recompute_method='uniform'"),
+])
+def test_bad_full_recompute_settings_are_named(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        GPTConfig(**fields)

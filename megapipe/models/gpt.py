@@ -30,6 +30,7 @@ from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
@@ -229,16 +230,27 @@ class GPTStage(nn.Module):
     def layer_plans(self) -> list[Plan]:
         """Node plans in execution order: embedding, each layer, final norm + head. A layer the
         config recomputes whole (``recompute_method``) has its compute nodes wrapped by
-        ``overlap.full_recompute.recompute_plan``: they keep only their inputs."""
+        ``overlap.full_recompute.recompute_plan``: they keep only their inputs; with the uniform
+        method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``)."""
         plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
-        for position, layer in enumerate(self.layers.values()):
-            plan = layer.node_plan()
-            if self.config.recomputes_layer(position):  # full recompute, node by node
-                plan = recompute_plan(plan, list(layer.parameters()))
-            plans.append(plan)
+        plans += [self._layer_group_plan(group) for group in self._layer_groups()]
         if self.head is not None:
             plans.append(_single_node("head", self.head))
         return plans
+
+    def _layer_groups(self) -> list[list[TransformerLayer]]:
+        """The layers in recompute groups: N consecutive layers with uniform full recompute,
+        else one layer each."""
+        layers = list(self.layers.values())
+        size = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
+        return [layers[i:i + size] for i in range(0, len(layers), size)]
+
+    def _layer_group_plan(self, group: list[TransformerLayer]) -> Plan:
+        plan = group_plans([layer.node_plan() for layer in group])
+        position = list(self.layers.values()).index(group[0])
+        if not self.config.recomputes_layer(position):
+            return plan
+        return recompute_plan(plan, [p for layer in group for p in layer.parameters()])
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers of this stage."""

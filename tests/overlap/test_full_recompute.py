@@ -13,7 +13,9 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.split import build_stage
 from megapipe.overlap.full_recompute import recompute_plan
-from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of
+from megapipe.overlap.plan import (
+    Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
+)
 from megapipe.overlap.tape import record_forward, run_backward
 
 
@@ -69,7 +71,7 @@ def _gpt_step(config: GPTConfig, chunks: int):
     return logits, [p.grad for p in model.parameters()], plans
 
 
-@pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 2)])
+@pytest.mark.parametrize("method, layers", [("uniform", 1), ("uniform", 2), ("block", 2)])
 def test_gpt_on_the_tape_with_chunked_all_to_alls_is_bitwise(method, layers):
     config = GPTConfig()
     logits, grads, _ = _gpt_step(config, chunks=2)
@@ -78,7 +80,8 @@ def test_gpt_on_the_tape_with_chunked_all_to_alls_is_bitwise(method, layers):
     assert torch.equal(logits, logits_r)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
     # the chunked form of a recomputed MoE layer wraps its fork's expert nodes too
-    moe = plans_r[2]  # embedding, dense layer 0, MoE layer 1
+    grouped = method == "uniform" and layers == 2  # layers 0 (dense) and 1 (MoE): one plan
+    moe = plans_r[1] if grouped else plans_r[2]  # after the embedding's plan
     fork = next(item for item in moe if isinstance(item, Fork))
     dispatch, experts, combine = fork.branches[0]
     assert _wrapped(experts) and _wrapped(moe[0]) and _wrapped(moe[-1])
@@ -99,3 +102,26 @@ def _wrapped(node: Node) -> bool:
 def test_bad_full_recompute_settings_are_named(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         GPTConfig(**fields)
+
+
+def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
+    config = GPTConfig(num_layers=4, first_k_dense_layers=2, recompute_method="uniform",
+                       recompute_num_layers=2)
+    model = build_stage(config, 0, 1)
+    plans = model.layer_plans()
+    names = [[n.name for n in plan] for plan in plans]
+    assert names[1] == ["layer0+layer1"]  # two dense layers: one node, keeping the group input
+    assert names[2] == [
+        "layer2.attention", "layer2.dispatch", "layer2.experts", "layer2.combine",
+        "layer2.finish+layer3.attention", "layer3.dispatch", "layer3.experts",
+        "layer3.combine", "layer3.finish",
+    ]
+    # each layer of a group keeps its own routing metadata on a state of its own
+    state = LayerState()
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    hidden = model.embedding(ids)
+    run_nodes(plans[2], (hidden,), state)
+    parts = state.layer_parts
+    assert set(parts) == {0, 1} and parts[0].row_slot is not parts[1].row_slot
+    state.wgrad_queue = "queue"
+    assert parts[1].wgrad_queue == "queue" and not parts[0].recomputing

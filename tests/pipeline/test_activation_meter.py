@@ -82,7 +82,7 @@ def _full_recompute_lower_bound(config: GPTConfig, layers: range, b: int) -> int
     return total
 
 
-@pytest.mark.parametrize("method, layers", [("uniform", 1), ("block", 1), ("block", 2)])
+@pytest.mark.parametrize("method, layers", [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 2)])
 def test_full_recompute_drops_at_least_what_it_no_longer_saves(method, layers):
     config = GPTConfig()
     full, _, _ = _step(config, measure=True)
@@ -91,3 +91,25 @@ def test_full_recompute_drops_at_least_what_it_no_longer_saves(method, layers):
     whole = range(config.num_layers) if method == "uniform" else range(layers)
     microbatches = 2
     assert full - less >= microbatches * _full_recompute_lower_bound(config, whole, 2), (full, less)
+
+
+def _held_after_forward(config: GPTConfig) -> int:
+    """Bytes saved for backward once both microbatches' forwards ran: what the microbatches in
+    flight hold (the peak adds one node's graph while it runs)."""
+    model = build_stage(config, 0, 1)
+    ids = [torch.randint(0, config.vocab_size, (2, config.seq_length),
+                         generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with ActivationMeter() as meter:
+        losses = [gpt_loss(model(i), i) for i in ids]
+        held = meter.live_bytes
+        sum(losses).backward()
+    return held
+
+
+def test_uniform_groups_of_two_layers_hold_less_per_microbatch_in_flight():
+    config = GPTConfig(recompute_method="uniform")
+    one = _held_after_forward(config)
+    two = _held_after_forward(dataclasses.replace(config, recompute_num_layers=2))
+    b, microbatches = 2, 2
+    inside = config.num_layers // 2  # groups (0, 1), (2, 3): the outputs of layers 0 and 2
+    assert one - two >= microbatches * inside * b * config.seq_length * config.hidden_size * 4

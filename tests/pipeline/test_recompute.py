@@ -2,7 +2,8 @@
 in the plain and the combined version of every combined schedule: selective (the attention core
 and the experts' activation re-run inside their node's backward) and full, node by node (every
 compute node of a recomputed layer keeps its inputs only and re-runs inside its own backward;
-uniform: every layer of a chunk, block: the first layer of each chunk)."""
+uniform: every layer of a chunk, in groups of 1 or 2 layers, block: the first layer of each
+chunk)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SETTINGS = {
     "selective": {"recompute_modules": ("core_attn", "moe_act")},
     "full-uniform": {"recompute_method": "uniform", "recompute_num_layers": 1},
     "full-block": {"recompute_method": "block", "recompute_num_layers": 1},
+    "full-uniform-2": {"recompute_method": "uniform", "recompute_num_layers": 2},
 }
 
 

@@ -98,8 +98,11 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "the front end does not apply Megatron's loss scaling (config.grad_scale_func); use bf16"),
     ("CUDA graphs", lambda c: c.cuda_graph_impl != "none",
      "a graph replays whole layers, not the nodes the co-scheduler interleaves"),
-    ("activation recomputation", lambda c: c.recompute_granularity is not None,
-     "recomputed regions would cross node boundaries"),
+    ("activation recomputation (recompute_granularity)",
+     lambda c: c.recompute_granularity is not None,
+     "Megatron's checkpointed regions span a whole layer, across the adapter's nodes, and "
+     "re-run its dispatch; node-level recompute is built for megapipe's GPT only (set "
+     "recompute_granularity=None)"),
     ("activation offloading", lambda c: c.cpu_offloading or c.fine_grained_activation_offloading,
      "not adapted"),
     ("moe_shared_expert_overlap", lambda c: c.moe_shared_expert_overlap,

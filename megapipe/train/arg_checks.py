@@ -178,16 +178,17 @@ def _check_overlap_budget(args: PretrainArgs) -> None:
 
 
 def _check_recompute(args: PretrainArgs) -> None:
-    """Recompute flags that go together; full granularity is not built yet."""
-    if args.recompute_granularity == "full":
-        raise ArgsError(
-            "--recompute-granularity full is not supported yet (node-level full recompute is "
-            "missing); use --recompute-granularity selective --recompute-modules core_attn moe_act"
-        )
+    """Recompute flags that go together (Megatron's rules)."""
+    full = args.recompute_granularity == "full"
+    if full and args.recompute_method is None:
+        raise ArgsError("--recompute-granularity full needs --recompute-method uniform or block")
     for flag, value in (("--recompute-method", args.recompute_method),
                         ("--recompute-num-layers", args.recompute_num_layers)):
-        if value is not None:
-            raise ArgsError(f"{flag}={value} needs --recompute-granularity full (not supported)")
+        if value is not None and not full:
+            raise ArgsError(f"{flag}={value} needs --recompute-granularity full")
+    layers = args.recompute_num_layers
+    if layers is not None and layers < 1:
+        raise ArgsError(f"--recompute-num-layers={layers} must be >= 1")
     if args.recompute_modules is not None and args.recompute_granularity != "selective":
         raise ArgsError("--recompute-modules needs --recompute-granularity selective")
     from megapipe.overlap.recompute import check_recompute_modules  # torch: when flags run
@@ -196,6 +197,18 @@ def _check_recompute(args: PretrainArgs) -> None:
         check_recompute_modules(args.selective_recompute_modules)
     except ValueError as err:
         raise ArgsError(f"--recompute-modules: {err}") from None
+
+
+def _check_block_recompute(args: PretrainArgs, parts: list[range]) -> None:
+    """Block recompute's N layers must fit in a pipeline chunk (the largest one)."""
+    most = max(len(r) for r in parts)
+    layers = args.recompute_num_layers
+    if args.recompute_method == "block" and layers is not None and layers > most:
+        raise ArgsError(
+            f"--recompute-num-layers={layers} exceeds the largest pipeline chunk's layers "
+            f"({most}: --num-layers={args.num_layers} over {len(parts)} chunks); block "
+            "recomputes the first N layers of each chunk"
+        )
 
 
 def _check_model_and_schedule(args: PretrainArgs) -> None:
@@ -223,6 +236,7 @@ def _check_model_and_schedule(args: PretrainArgs) -> None:
             f"--num-layers={args.num_layers} leaves a middle pipeline stage without layers "
             f"({num_parts} model parts for pp={args.pp}, vpp={args.vpp})"
         )
+    _check_block_recompute(args, parts)
 
 
 def _check_options_and_paths(args: PretrainArgs) -> None:

@@ -132,6 +132,7 @@ class PretrainArgs:
         from megapipe.models.config import GPTConfig
 
         first_dense, freq = parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        full = self.recompute_granularity == "full"
         return GPTConfig(
             vocab_size=256,
             hidden_size=self.hidden_size,
@@ -150,6 +151,8 @@ class PretrainArgs:
             moe_capacity_factor=self.moe_expert_capacity_factor,
             moe_router_dtype=self.moe_router_dtype,
             recompute_modules=self.selective_recompute_modules,
+            recompute_method=self.recompute_method if full else None,
+            recompute_num_layers=(self.recompute_num_layers or 1) if full else 1,
             seed=self.seed,
         )
 

@@ -145,12 +145,17 @@ def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
     """Megatron's activation recompute flags (re-run inside the node's own backward)."""
     rc = p.add_argument_group("activation recompute")
     rc.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
-                    help="selective: recompute --recompute-modules inside their node's backward "
-                    "(full: not supported yet, one clear error)")
+                    help="selective: recompute --recompute-modules inside their node's backward; "
+                    "full: whole layers, every compute node keeping only its inputs and running "
+                    "again in its own backward (the all-to-alls never run again)")
     rc.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
-                    help="with --recompute-granularity full (not supported yet)")
-    rc.add_argument("--recompute-num-layers", type=int, default=None,
-                    help="with --recompute-granularity full (not supported yet)")
+                    help="with --recompute-granularity full: uniform recomputes every layer of "
+                    "each pipeline chunk, in groups of --recompute-num-layers (a group keeps no "
+                    "layer output inside it); block recomputes the first --recompute-num-layers "
+                    "layers of each chunk")
+    rc.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                    help="with --recompute-granularity full: layers per uniform group, or layers "
+                    "recomputed per chunk with block (default 1)")
     rc.add_argument("--recompute-modules", nargs="*", default=None,
                     help="with selective granularity: any of core_attn, moe_act "
                     "(default: core_attn, as Megatron)")

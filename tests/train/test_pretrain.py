@@ -72,7 +72,16 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
      "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
     (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
-    (["--recompute-granularity", "full"], "--recompute-granularity full is not supported yet"),
+    (["--recompute-granularity", "full"],
+     "--recompute-granularity full needs --recompute-method uniform or block"),
+    (["--recompute-num-layers", "2"], "--recompute-num-layers=2 needs --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "0"], "--recompute-num-layers=0 must be >= 1"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "9"], "--recompute-num-layers=9 exceeds the largest pipeline chunk's layers (2: --num-layers=6 over 4 chunks)"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-modules", "core_attn"],
+     "--recompute-modules needs --recompute-granularity selective"),
     (["--recompute-modules", "moe_act"], "--recompute-modules needs --recompute-granularity"),
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
      "recompute module 'mlp' is not supported; supported: core_attn, moe_act"),
@@ -111,6 +120,9 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     recompute = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
                  "moe_act"]
     assert rank_pools(4).run(_train, base + budget + recompute)[0].losses == reference
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]
+    assert rank_pools(4).run(_train, base + budget + full)[0].losses == reference
     interleaved = rank_pools(4).run(_train, base)[0].losses
     assert interleaved == pytest.approx(reference, rel=1e-6)
     # deferring the expert weight gradients changes when they run, not the bits

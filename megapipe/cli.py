@@ -87,6 +87,12 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--recompute-cost", type=float, default=0.3, metavar="FRACTION",
                    help="with --pick: part of F that selective recompute re-runs in each "
                         "backward (default 0.3)")
+    p.add_argument("--full-recompute-saves", type=float, default=0.7, metavar="FRACTION",
+                   help="with --pick: part of the activation bytes full recompute no longer "
+                        "keeps (default 0.7, about what the demo model measures)")
+    p.add_argument("--full-recompute-cost", type=float, default=1.0, metavar="FRACTION",
+                   help="with --pick: part of F that full recompute re-runs in each backward "
+                        "(default 1: the whole forward)")
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
     p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
@@ -210,7 +216,9 @@ def _run_pick(args: argparse.Namespace, costs) -> int:
         if getattr(args, flag) is None:
             raise _UsageError(f"--pick needs --{flag.replace('_', '-')} BYTES")
     recompute = Recompute(saves=args.recompute_saves, cost=args.recompute_cost)
-    choices = all_choices(args.pp, args.num_microbatches, costs, args.activation_bytes, recompute)
+    full = Recompute(saves=args.full_recompute_saves, cost=args.full_recompute_cost)
+    choices = all_choices(args.pp, args.num_microbatches, costs, args.activation_bytes,
+                          recompute, full)
     text = format_pick(choices, args.memory_budget)
     print(text)
     return 0 if not text.startswith("no choice fits") else 1

@@ -3,14 +3,15 @@ and recompute choice, simulated, and the fastest one whose activations fit.
 
 A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary),
 the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.budget``), and
-recompute off or selective. Its memory is the most any rank holds: ``peak_in_flight`` of the
+recompute none, selective or full. Its memory is the most any rank holds: ``peak_in_flight`` of the
 rank's action list (microbatch-stages) times the bytes of one chunk and one microbatch, times
 the part recompute keeps. A chunk holds ``pp / stages_per_pipeline`` of the layers of a plain
 stage (half at vpp 2; DualPipe's two chunks per rank are each a whole stage, one per
 direction). Its time is the simulator's makespan with the costs of one plain stage scaled by
-that share (F, B, W and the all-to-alls of a chunk at vpp 2 take half as long); selective
-recompute re-runs a part of the forward inside each backward, so B (and I = B - W) grows by
-``cost * F``.
+that share (F, B, W and the all-to-alls of a chunk at vpp 2 take half as long); recompute
+re-runs a part of the forward inside each backward (selective: the attention core and the
+experts' activation; full: every compute node of every layer), so B (and I = B - W) grows by
+``cost * F``. What each recompute saves and costs is an assumption the caller gives.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ from .costs import Costs
 from .simulate import simulate
 
 
+RECOMPUTE_ORDER = ("none", "selective", "full")  # on a tie, the one re-running less wins
+
+
 @dataclass(frozen=True)
 class Recompute:
-    """Selective recompute's trade: ``saves`` of the activation bytes are no longer kept, and
-    each backward re-runs ``cost`` times its forward (both fractions in [0, 1])."""
+    """A recompute's trade: ``saves`` of the activation bytes are no longer kept, and each
+    backward re-runs ``cost`` times its forward (both fractions in [0, 1]). The defaults are
+    selective recompute's; ``FULL_RECOMPUTE`` is full's."""
 
     saves: float = 0.3
     cost: float = 0.3
@@ -43,6 +48,11 @@ class Recompute:
                 raise ValueError(f"recompute {name} must be a fraction in [0, 1], got {value!r}")
 
 
+FULL_RECOMPUTE = Recompute(saves=0.7, cost=1.0)
+"""Full recompute re-runs every compute node's forward (cost 1) and keeps the node inputs only:
+0.7 saved is about what the demo model measures (README "Memory"), an assumption elsewhere."""
+
+
 @dataclass(frozen=True)
 class Choice:
     """One simulated choice. ``budget`` None: no overlap; K: overlap within K extra in flight."""
@@ -50,15 +60,14 @@ class Choice:
     schedule: str
     vpp: int
     budget: int | None
-    recompute: bool
+    recompute: str  # "none", "selective" or "full"
     makespan: float
     peak_bytes: float
 
     def describe(self) -> str:
         """A one-line summary naming every part of the choice."""
         overlap = "off" if self.budget is None else f"on K={self.budget}"
-        recompute = "selective" if self.recompute else "none"
-        return (f"{self.schedule} vpp={self.vpp} overlap {overlap} recompute {recompute}: "
+        return (f"{self.schedule} vpp={self.vpp} overlap {overlap} recompute {self.recompute}: "
                 f"makespan {self.makespan:g}, peak {self.peak_bytes:g} bytes")
 
 
@@ -112,18 +121,20 @@ def with_recompute(costs: Costs, recompute: Recompute) -> Costs:
 
 def all_choices(
     pp: int, num_microbatches: int, costs: Costs, activation_bytes: float,
-    recompute: Recompute = Recompute(),
+    recompute: Recompute = Recompute(), full: Recompute = FULL_RECOMPUTE,
 ) -> list[Choice]:
-    """Every choice simulated, fastest first (then the one holding less, then fewer parts)."""
+    """Every choice simulated, fastest first (then the one holding less, then fewer parts).
+    ``recompute``: selective recompute's trade; ``full``: full recompute's."""
     if not (math.isfinite(activation_bytes) and activation_bytes > 0):
         raise ValueError(f"activation bytes must be a finite number > 0, got {activation_bytes!r}")
     choices = []
     for name, vpp, budget, schedule in candidate_schedules(pp, num_microbatches):
         plain_costs = chunk_costs(costs, chunk_share(schedule))
-        for recomputed, step_costs, kept in (
-            (False, plain_costs, 1.0),
-            (True, with_recompute(plain_costs, recompute), 1.0 - recompute.saves),
-        ):
+        options = [("none", plain_costs, 1.0)] + [
+            (kind, with_recompute(plain_costs, trade), 1.0 - trade.saves)
+            for kind, trade in (("selective", recompute), ("full", full))
+        ]
+        for recomputed, step_costs, kept in options:
             makespan = simulate(schedule, step_costs).makespan
             choices.append(Choice(name, vpp, budget, recomputed, makespan,
                                   peak_bytes(schedule, activation_bytes, kept)))
@@ -131,7 +142,7 @@ def all_choices(
 
 
 def _rank_key(choice: Choice) -> tuple:
-    return (choice.makespan, choice.peak_bytes, choice.recompute,
+    return (choice.makespan, choice.peak_bytes, RECOMPUTE_ORDER.index(choice.recompute),
             -1 if choice.budget is None else choice.budget)
 
 
@@ -162,7 +173,6 @@ def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> st
              "schedule          vpp  overlap  recompute   makespan  peak bytes"]
     for choice in fitting[:top]:
         overlap = "off" if choice.budget is None else f"K={choice.budget}"
-        recompute = "selective" if choice.recompute else "none"
-        lines.append(f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {recompute:<9} "
+        lines.append(f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {choice.recompute:<9} "
                      f"{choice.makespan:>10g}  {choice.peak_bytes:>10g}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Full recompute node by node (``overlap.full_recompute``): a compute node keeps its inputs
 only and runs again inside its own backward, comm nodes never run again, the results are
-bitwise those without recompute (on the tape, with chunked all-to-alls too), and the re-run
-is marked on the layer state so once-per-forward side effects happen once."""
+bitwise those without recompute (on the tape, with chunked all-to-alls, in bf16 with deferred
+expert weight gradients), and the re-run is marked on the layer state so once-per-forward side
+effects happen once."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import pytest
 import torch
 
 from megapipe.models.config import GPTConfig
+from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
+from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )
 from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.train.mixed_precision import cast_to_bf16
 
 
 def _toy(weight: torch.Tensor, calls: list[tuple[str, bool]]) -> list[Node]:
@@ -125,3 +130,27 @@ def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
     assert set(parts) == {0, 1} and parts[0].row_slot is not parts[1].row_slot
     state.wgrad_queue = "queue"
     assert parts[1].wgrad_queue == "queue" and not parts[0].recomputing
+
+
+def _bf16_step(config: GPTConfig, wgrad: WeightGradQueue | None):
+    model = build_stage(config, 0, 1)
+    cast_to_bf16([model], list(model.parameters()))
+    ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                        generator=torch.Generator().manual_seed(4))
+    (logits,), tape = record_forward(model.layer_plans(), (ids,))
+    loss = gpt_loss(logits, ids)
+    (grad,) = torch.autograd.grad(loss, logits)
+    run_backward(tape, (grad,), wgrad=wgrad)
+    if wgrad is not None:
+        wgrad.run()
+    return loss, [accumulated_grad(p).clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["wgrad-now", "wgrad-deferred"])
+def test_bf16_main_grads_are_bitwise_with_deferred_expert_weight_gradients(defer):
+    config = GPTConfig()
+    loss, grads = _bf16_step(config, WeightGradQueue() if defer else None)
+    recomputed = dataclasses.replace(config, recompute_method="uniform", recompute_num_layers=2)
+    loss_r, grads_r = _bf16_step(recomputed, WeightGradQueue() if defer else None)
+    assert torch.equal(loss, loss_r)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))  # fp32 main_grad

@@ -129,7 +129,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 
 
 def check_full_recompute(method: str | None, num_layers: int) -> None:
-    """Raise ``ValueError`` (or ``NotImplementedError``) naming a bad full-recompute setting."""
+    """Raise ``ValueError`` naming a bad full-recompute setting (method or layer count)."""
     if method is not None and method not in RECOMPUTE_METHODS:
         raise ValueError(
             f"recompute method {method!r} is not one of {', '.join(RECOMPUTE_METHODS)}"

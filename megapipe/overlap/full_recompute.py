@@ -31,13 +31,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind
+from megapipe.overlap.recompute import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
-
-
-def _leaves(inputs: Tensors) -> Tensors:
-    """Detached inputs that require grad exactly when the originals do."""
-    return tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
 
 
 def _tensors(values: Sequence[Any], where: str) -> Tensors:
@@ -58,13 +54,13 @@ class _NodeRecompute(torch.autograd.Function):
         ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         with torch.enable_grad():  # the grad mode of a run without recompute: same kernels
-            outputs = _tensors(fn(state, _leaves(inputs)), "outputs")
+            outputs = _tensors(fn(state, detached_leaves(inputs)), "outputs")
         ctx.mark_non_differentiable(*(o for o in outputs if not o.requires_grad))
         return tuple(o.detach() for o in outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        inputs = _leaves(ctx.saved_tensors)
+        inputs = detached_leaves(ctx.saved_tensors)
         state: LayerState = ctx.state
         state.recomputing = True
         try:

@@ -25,7 +25,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act")
 (softmax(q k^T) v) and the activation of the experts' SwiGLU (silu(gate) * up)."""
 
 
-def _leaves(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def detached_leaves(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Detached inputs that require grad exactly when the originals do."""
     return tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
 
@@ -38,12 +38,12 @@ class _Recompute(torch.autograd.Function):
         ctx.fn = fn
         ctx.save_for_backward(*inputs)
         with torch.enable_grad():  # the grad mode of a run without recompute: same kernels
-            output = fn(*_leaves(inputs))
+            output = fn(*detached_leaves(inputs))
         return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
-        inputs = _leaves(ctx.saved_tensors)
+        inputs = detached_leaves(ctx.saved_tensors)
         with torch.enable_grad():
             output = ctx.fn(*inputs)
         wanted = [x for x in inputs if x.requires_grad]

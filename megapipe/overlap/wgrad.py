@@ -83,7 +83,11 @@ class _GroupedMatmul(torch.autograd.Function):
             weight[first : first + len(counts)]
         )
         x_c, w_c = x.to(dtype), used.to(dtype)
-        ctx.save_for_backward(x_c, w_c, weight, offsets)
+        ctx.save_for_backward(x_c, w_c, offsets)
+        # the parameter itself, not saved: under saved-tensor hooks (the activation meter's) a
+        # saved tensor comes back as a new tensor object, whose .grad / main_grad are not the
+        # parameter's, so a deferred gradient accumulated there would be lost
+        ctx.weight = weight
         ctx.counts, ctx.state, ctx.first = counts, state, first
         ctx.x_dtype = x.dtype
         with torch.autocast(x.device.type, enabled=False):
@@ -91,7 +95,8 @@ class _GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x, w, weight, offsets = ctx.saved_tensors
+        x, w, offsets = ctx.saved_tensors
+        weight = ctx.weight
         counts = ctx.counts
         grad_out = grad_out.to(w.dtype)
         grad_x = None

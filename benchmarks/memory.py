@@ -6,8 +6,9 @@ demo model: pp = 2, dp = 2, ep = 2, 4 microbatches; vpp 1 for gpipe and 1f1b, el
 schedule name and variant, and run one training step with the activation meter on
 (``measure_activations``). Per schedule it prints, each the largest over ranks:
 
-- peak in flight: the most microbatch-stages whose activations a rank held at once
-  (``StepResult.peak_live_activations``), plain and combined;
+- peak in flight: the most microbatch-stages a rank holds at once in the schedule the job ran
+  (``schedule.in_flight.peak_in_flight``: a pair holds its backward's microbatch-stage while
+  its forward runs, the count the overlap budget K caps), plain and combined;
 - act MiB: the peak bytes saved for backward or held by the pipeline (``activation_bytes``,
   ``pipeline/activation_meter.py``), plain and combined, and their ratio;
 - the simulated makespan of the combined schedule at every overlap budget K = 0..pp and
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from spawn_ranks import run_ranks
 
+from megapipe.schedule.in_flight import peak_in_flight
 from megapipe.schedule.registry import SCHEDULES
 from megapipe.sim.budget_sweep import budget_sweep
 from megapipe.sim.costs import Costs
@@ -60,18 +62,20 @@ def pretrain_flags(schedule: str, overlap: bool, flags: tuple[str, ...] = ()) ->
 
 
 def measure(schedule: str, overlap: bool, flags: tuple[str, ...] = ()) -> dict:
-    """On every rank (default group up): one measured training step of the pretrain job;
-    the largest rank's peak in flight and activation bytes, and the job's shape."""
+    """On every rank (default group up): one measured training step of the pretrain job; the
+    largest rank's activation bytes and peak in flight, and the job's shape."""
     job = build_job(parse_pretrain_args(pretrain_flags(schedule, overlap, flags), env={}))
     tokens, labels = to_device(job.batches.next_batch(), job.device)
     with job.executor:
         step = job.executor.step(tokens, labels)
     assert step.activation_bytes is not None
-    peaks = torch.tensor([step.peak_live_activations, step.activation_bytes], dtype=torch.float64)
-    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    peak = torch.tensor([step.activation_bytes], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    schedule = job.schedule
     return {
-        "in_flight": int(peaks[0]), "bytes": int(peaks[1]), "pp": job.schedule.pp,
-        "vpp": job.schedule.stages_per_pipeline // job.schedule.pp,
+        "in_flight": max(peak_in_flight(schedule.row(r)) for r in range(schedule.pp)),
+        "bytes": int(peak[0]), "pp": job.schedule.pp,
+        "vpp": job.schedule.options.get("vpp", 1),
         "microbatches": job.schedule.num_microbatches,
     }
 

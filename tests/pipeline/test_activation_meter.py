@@ -21,6 +21,7 @@ from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule import build_schedule
+from support.meter_cases import Toy, toy_pipeline_peak
 
 
 def test_toy_peak_is_the_sum_of_saved_tensors():
@@ -55,15 +56,6 @@ def test_parameters_are_not_counted_and_a_held_storage_counts_once_until_freed()
     assert meter.peak_bytes == 4000
 
 
-class _Toy(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x) * self.w  # saves x, sin(x) (and w: a parameter)
-
-
 def test_executor_peak_is_saved_plus_stashed():
     """looped-bfs, pp = 1, two stages on the rank: all four forwards, then the backwards. At
     the peak each microbatch holds: stage 0's input x (saved by sin; the caller's), sin(x)
@@ -74,11 +66,22 @@ def test_executor_peak_is_saved_plus_stashed():
     schedule = build_schedule("looped-bfs", 1, m, vpp=2)
     inputs = [torch.randn(n) for _ in range(m)]
     targets = [torch.randn(n) for _ in range(m)]
-    with PipelineExecutor(schedule, {0: _Toy(n), 1: _Toy(n)}, loss_fn=lambda o, t: (o * t).sum(),
+    with PipelineExecutor(schedule, {0: Toy(n), 1: Toy(n)}, loss_fn=lambda o, t: (o * t).sum(),
                           measure_activations=True) as executor:
         result = executor.step(inputs, targets)
     assert result.activation_bytes == m * (6 * n * 4 + 4)
     assert result.cuda_activation_bytes is None
+
+
+def test_two_rank_peak_counts_receive_buffers_and_sends(rank_pools):
+    """GPipe, pp = 2, 2 microbatches, n floats per tensor (4n bytes). Rank 0 peaks just before
+    B0: per microbatch its input (the caller's, saved by sin), sin(x) (saved) and its output
+    (sent, and stashed for the backward), plus B0's received gradient buffer: 7 tensors. Rank 1
+    peaks after F1: per microbatch the receive buffer (its input, also saved by sin: one
+    storage), sin (saved), the output (stashed), the target (saved by the loss) and the 4-byte
+    scaled loss."""
+    n = 1000
+    assert rank_pools(2).run(toy_pipeline_peak, n, 2) == [7 * 4 * n, 2 * (4 * 4 * n + 4)]
 
 
 def _node(name, fn):

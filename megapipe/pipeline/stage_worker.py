@@ -56,8 +56,9 @@ class StageWorker:
     ``use_tape`` runs every training forward of a ``StageModule`` on the tape even without a
     co-scheduler (both paths perform the same operations; the tape costs one autograd call per
     node). ``hold`` (set by the executor for a measured step) is told of every tensor the stage
-    keeps for a later step: its input and output, the scaled loss, the tape's node-boundary
-    tensors and what deferred weight gradients keep (``activation_meter``).
+    keeps for a later step: its output, the scaled loss, the tape's node-boundary tensors and
+    what deferred weight gradients keep (``activation_meter``; its input is held where it
+    arrives, ``step_tensors``).
     """
 
     def __init__(
@@ -135,7 +136,7 @@ class StageWorker:
         if runner is None and self.use_tape:
             runner = TapeRunner()
         output, tape = self._record(stage_input, runner)
-        self._held([output])  # its input is held where it arrives (``step_tensors``)
+        self._held([output])
         self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)
         return output
 

@@ -105,7 +105,10 @@ class CoScheduler:
         defer = self.run_wgrad and self.wgrad is not None
         self.planner = StepPlanner(self._backward_kinds(), defer_wgrad=defer)
         # one queue per backward layer, so the plan can run a layer's W items in two parts
-        self._layer_wgrad = {i: WeightGradQueue() for i in range(len(self.planner.backward_layers))}
+        hold = self.wgrad.on_hold if self.wgrad is not None else None
+        self._layer_wgrad = {
+            i: WeightGradQueue(hold) for i in range(len(self.planner.backward_layers))
+        }
         self.a2a_chunks = a2a_chunks
         self._finished = False
         self._backward_started = False

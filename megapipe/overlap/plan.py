@@ -52,6 +52,10 @@ class LayerState:
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
+Hold = Callable[[Sequence[Any]], None]
+"""``hold(values)``: the engine takes hold of these tensors until their backward or later use
+(the pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
+
 
 @dataclass(frozen=True)
 class Node:

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.plan import Fork, LayerState, Node, layer_graph
+from megapipe.overlap.plan import Fork, Hold, LayerState, Node, layer_graph
 from megapipe.overlap.records import (
     Grads, LayerRecord, NodeRecord, Values, check_values, deliver, detach_boundary, node_backward,
 )
@@ -56,6 +56,9 @@ class Tape:
         # whether those also flow on into the inputs' own graph / .grad (as plain autograd would)
         self.route_input_grads = route_input_grads
         self._pending_grads: Grads | None = None  # gradients of the layer next to go backward
+        # told of every tensor the tape takes hold of: node outputs, and the inputs of layers
+        # after the first (glue between layers makes new ones)
+        self.on_hold: Hold | None = None
 
     # ---- forward -------------------------------------------------------------------------
     def begin_layer(self, nodes: Sequence[Any], inputs: Sequence[Any]) -> LayerRecord:
@@ -80,6 +83,8 @@ class Tape:
             shape=graph.shape,
         )
         records[0].inputs = detach_boundary(inputs)
+        if self.on_hold is not None and self.layers:  # the first layer's: the stage's input
+            self.on_hold(inputs)
         self.layers.append(layer)
         return layer
 
@@ -113,6 +118,8 @@ class Tape:
         inputs = self.forward_inputs(layer, index)
         outputs = check_values(record.node.fn(layer.state, inputs), f"node {record.node.name!r}")
         record.outputs = outputs
+        if self.on_hold is not None:
+            self.on_hold(outputs)
         record.ran_forward = True
         if layer.recorded:
             layer.outputs = detach_boundary(layer.nodes[-1].outputs or ())
@@ -275,14 +282,15 @@ def _position(values: Values | None, tensor: torch.Tensor) -> int | None:
 
 
 def record_forward(
-    layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any]
+    layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any], on_hold: Hold | None = None
 ) -> tuple[Values, Tape]:
     """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
 
     ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
-    (their ``.grad`` is not touched).
+    (their ``.grad`` is not touched). ``on_hold`` becomes the tape's ``on_hold``.
     """
     tape = Tape(route_input_grads=False)
+    tape.on_hold = on_hold
     values = check_values(inputs, "stage inputs")
     for plan in layer_plans:
         values = tape.record_layer(plan, values)

@@ -22,7 +22,7 @@ GEMMs are one grouped kernel when the caller gives device offsets (``overlap.gro
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -32,16 +32,25 @@ from megapipe.overlap.grouped_gemm import (
 from megapipe.overlap.main_grad import accumulate_grad_rows
 
 if TYPE_CHECKING:
-    from megapipe.overlap.plan import LayerState
+    from megapipe.overlap.plan import Hold, LayerState
 
 
 class WeightGradQueue:
-    """Deferred weight-gradient computations, run in the order they were queued."""
+    """Deferred weight-gradient computations, run in the order they were queued.
 
-    def __init__(self) -> None:
+    ``on_hold`` (optional) is told of the tensors each item keeps until it runs (``put``'s
+    ``keeps``), so the activation meter counts them."""
+
+    def __init__(self, on_hold: "Hold | None" = None) -> None:
         self._work: deque[tuple[str, Callable[[], None]]] = deque()
+        self.on_hold = on_hold
 
-    def put(self, fn: Callable[[], None], name: str = "wgrad") -> None:
+    def put(
+        self, fn: Callable[[], None], name: str = "wgrad", keeps: Sequence[Any] = ()
+    ) -> None:
+        """Queue ``fn``; ``keeps``: the tensors it holds until it runs (other values skipped)."""
+        if self.on_hold is not None:
+            self.on_hold(keeps)
         self._work.append((name, fn))
 
     def __len__(self) -> int:
@@ -83,7 +92,11 @@ class _GroupedMatmul(torch.autograd.Function):
             weight[first : first + len(counts)]
         )
         x_c, w_c = x.to(dtype), used.to(dtype)
-        ctx.save_for_backward(x_c, w_c, weight, offsets)
+        ctx.save_for_backward(x_c, w_c, offsets)
+        # the parameter itself, not saved: under saved-tensor hooks (the activation meter's) a
+        # saved tensor comes back as a new tensor object, whose .grad / main_grad are not the
+        # parameter's, so a deferred gradient accumulated there would be lost
+        ctx.weight = weight
         ctx.counts, ctx.state, ctx.first = counts, state, first
         ctx.x_dtype = x.dtype
         with torch.autocast(x.device.type, enabled=False):
@@ -91,7 +104,8 @@ class _GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x, w, weight, offsets = ctx.saved_tensors
+        x, w, offsets = ctx.saved_tensors
+        weight = ctx.weight
         counts = ctx.counts
         grad_out = grad_out.to(w.dtype)
         grad_x = None
@@ -120,7 +134,8 @@ class _GroupedMatmul(torch.autograd.Function):
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
         queue.put(
-            lambda: accumulate_grad_rows(weight, first, weight_grad()), name="grouped_matmul"
+            lambda: accumulate_grad_rows(weight, first, weight_grad()), name="grouped_matmul",
+            keeps=(x, grad_out, w, offsets),
         )
         return grad_x, None, None, None, None, None
 

@@ -64,9 +64,8 @@ class StepResult:
       wait); ``compute_time``, the summed seconds of its compute nodes; and
       ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
       (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
-    - with ``measure_activations=True``: ``activation_bytes``, the peak bytes of tensors saved
-      for backward during the step, and on CUDA ``cuda_activation_bytes``, the allocator's peak
-      over the step's start (``activation_meter``); None otherwise.
+    - with ``measure_activations=True``: ``activation_bytes`` (peak bytes saved for backward or
+      held by the pipeline) and on CUDA ``cuda_activation_bytes`` (``activation_meter``).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -76,7 +75,7 @@ class StepResult:
     a2a_time: float | None = None
     compute_time: float | None = None
     exposed_comm_fraction: float | None = None
-    activation_bytes: int | None = None  # measure_activations: peak bytes saved for backward
+    activation_bytes: int | None = None  # measure_activations: peak bytes saved or held
     cuda_activation_bytes: int | None = None  # and on CUDA: the allocator's peak in the step
 
 
@@ -229,7 +228,10 @@ class PipelineExecutor:
                         wait_span=recorder.wait_span),
             targets, forward_only, profile=recorder,
         )
-        meter = ActivationMeter(self._device()) if self.measure_activations else None
+        meter = ActivationMeter(  # told of what the workers and the data in transit hold
+            self._device(), [p for m in self.stages.values() for p in m.parameters()],
+            holders=[state.tensors, *self.workers.values()],
+        ) if self.measure_activations else None
         try:
             with meter if meter is not None else contextlib.nullcontext():
                 self._run_actions(actions, state)

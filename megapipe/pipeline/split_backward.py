@@ -91,6 +91,11 @@ class DeferredWeightGrad:
     root_edges: list[GradientEdge]
     root_grads: list[torch.Tensor]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradients kept for ``run`` (the recorded ones and the roots')."""
+        recorded = [g for grads in self.recorded.values() for g in grads if g is not None]
+        return recorded + list(self.root_grads)
+
     def run(self) -> None:
         """Accumulate every parameter's gradient (into ``.grad`` or ``main_grad``); call once."""
         for group in self.groups:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megapipe.overlap.coscheduler import TapeBackward
-from megapipe.overlap.plan import NodeRunner
+from megapipe.overlap.plan import Hold, NodeRunner
 from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.split_backward import DeferredWeightGrad, input_backward
@@ -55,7 +55,10 @@ class StageWorker:
 
     ``use_tape`` runs every training forward of a ``StageModule`` on the tape even without a
     co-scheduler (both paths perform the same operations; the tape costs one autograd call per
-    node).
+    node). ``hold`` (set by the executor for a measured step) is told of every tensor the stage
+    keeps for a later step: its output, the scaled loss, the tape's node-boundary tensors and
+    what deferred weight gradients keep (``activation_meter``; its input is held where it
+    arrives, ``step_tensors``).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class StageWorker:
                 f"set_input_tensor, set_aux_loss_scale); {type(module).__name__} is not one"
             )
         self.use_tape = use_tape
+        self.hold: Hold | None = None
         self._stash: dict[int, _Entry] = {}
 
     @property
@@ -132,8 +136,13 @@ class StageWorker:
         if runner is None and self.use_tape:
             runner = TapeRunner()
         output, tape = self._record(stage_input, runner)
+        self._held([output])
         self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)
         return output
+
+    def _held(self, values: list[Any]) -> None:
+        if self.hold is not None:
+            self.hold(values)
 
     def _record(
         self, stage_input: Any, runner: NodeRunner | None
@@ -144,8 +153,9 @@ class StageWorker:
         if runner is None:
             return self.forward_fn(self.module, stage_input), None
         if self.forward_fn is module_forward and isinstance(runner, TapeRunner):
-            outputs, tape = record_forward(self.module.layer_plans(), (stage_input,))
+            outputs, tape = record_forward(self.module.layer_plans(), (stage_input,), self.hold)
             return outputs[0], tape
+        runner.tape.on_hold = self.hold  # type: ignore[attr-defined]
         if self.forward_fn is module_forward:
             values: tuple[Any, ...] = (stage_input,)
             for plan in self.module.layer_plans():
@@ -158,6 +168,7 @@ class StageWorker:
     def attach_loss(self, microbatch: int, scaled_loss: torch.Tensor) -> None:
         """On a last stage: backward starts from ``scaled_loss`` instead of the output."""
         self._entry(microbatch, "attach a loss to").loss = scaled_loss
+        self._held([scaled_loss])
 
     # ------------------------------------------------------------------ backward
     def _output_grads(self, entry: _Entry, grad_output: torch.Tensor | None) -> list[torch.Tensor]:
@@ -200,6 +211,7 @@ class StageWorker:
         else:
             outputs, grads = entry.outputs, self._output_grads(entry, grad_output)
         grad_inputs, entry.deferred = input_backward(outputs, grads, entry.inputs, self.params())
+        self._held(entry.deferred.tensors())
         leaves = entry.inputs
         entry.outputs, entry.inputs, entry.loss = [], [], None
         return grad_inputs[0] if leaves else None
@@ -227,7 +239,7 @@ class StageWorker:
         grads = self._output_grads(entry, grad_output)
         entry.outputs = []
         if keep_weight_grads:
-            wgrad = WeightGradQueue()
+            wgrad = WeightGradQueue(self.hold)
         return TapeBackward(entry.tape, grads, microbatch, wgrad, run_wgrad=not keep_weight_grads)
 
     def finish_tape_backward(

@@ -13,6 +13,9 @@ action list for one step, keyed by (stage, microbatch):
   the batch that receives it (a first stage reads its microbatch; a last stage has no output
   gradient: its backward starts from the loss);
 - ``finish_sends`` completes the sends still in flight at the end of the step.
+
+``hold`` (a measured step) is told of every tensor taken into transit: a received buffer, a
+hand-over to a local stage or to a send (``activation_meter`` counts it until it is freed).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megapipe.overlap.plan import Hold
 from megapipe.pipeline.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn
 from megapipe.schedule.ir import Action, Kind, Schedule
 
@@ -47,6 +51,12 @@ class StepTensors:
     posted: set[Action] = field(default_factory=set)  # comm actions already posted (early sends)
     # a profiled step times each wait for a receive (``step_profile.StepProfile.wait``)
     wait_span: Callable[[Kind, int, int], AbstractContextManager] | None = None
+    hold: Hold | None = None  # a measured step's activation meter
+
+    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.hold is not None:
+            self.hold((tensor,))
+        return tensor
 
     # ------------------------------------------------------------------ hand-over
     def hand_forward(self, action: Action, output: torch.Tensor) -> None:
@@ -55,9 +65,9 @@ class StepTensors:
         nxt = self.schedule.next_stage(s)
         assert nxt is not None
         if self.schedule.stage_to_rank[nxt] == self.pp_rank:
-            self.forward_inputs[(nxt, i)] = output.detach()
+            self.forward_inputs[(nxt, i)] = self._held(output.detach())
         else:
-            self.outbox_forward[(s, i)] = output.detach()
+            self.outbox_forward[(s, i)] = self._held(output.detach())
 
     def hand_backward(self, action: Action, grad_input: torch.Tensor) -> None:
         """The input gradient of B/I(s, i) (not stage 0) goes to stage s-1, here or via SEND_B."""
@@ -65,9 +75,9 @@ class StepTensors:
         prev = self.schedule.prev_stage(s)
         assert prev is not None
         if self.schedule.stage_to_rank[prev] == self.pp_rank:
-            self.grad_outputs[(prev, i)] = grad_input
+            self.grad_outputs[(prev, i)] = self._held(grad_input)
         else:
-            self.outbox_backward[(s, i)] = grad_input
+            self.outbox_backward[(s, i)] = self._held(grad_input)
 
     def forward_input(self, action: Action) -> Any:
         """What F(s, i) computes on: microbatch i on a first stage, else stage s-1's output."""
@@ -132,11 +142,11 @@ class StepTensors:
                 ops.append(CommOp(action, p2p.peer_of(action, prev), tensor))
             elif kind is Kind.RECV_F:
                 prev = sched.prev_stage(s)
-                buffer = p2p.receive_buffer(action, prev)
+                buffer = self._held(p2p.receive_buffer(action, prev))
                 ops.append(CommOp(action, p2p.peer_of(action, prev), buffer))
                 receives.append((Kind.RECV_F, s, i, buffer))
             elif kind is Kind.RECV_B:
-                buffer = p2p.receive_buffer(action, s)
+                buffer = self._held(p2p.receive_buffer(action, s))
                 ops.append(CommOp(action, p2p.peer_of(action, sched.next_stage(s)), buffer))
                 receives.append((Kind.RECV_B, s, i, buffer))
             else:

@@ -137,7 +137,7 @@ class StreamSteps:
         work = None
         done = HalvesDone()
         if backward is not None:
-            wgrad = WeightGradQueue() if self.delay_wgrad_compute else None
+            wgrad = WeightGradQueue(backward.worker.hold) if self.delay_wgrad_compute else None
             work = backward.worker.take_tape_backward(
                 backward.microbatch, backward.grad_output, backward.keep_weight_grads, wgrad
             )

@@ -118,8 +118,8 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     io.add_argument("--log-interval", type=int, default=10)
     io.add_argument("--tensorboard-dir", default=None)
     io.add_argument("--log-activation-memory", action="store_true",
-                    help="measure the bytes saved for backward each step (act mem column); "
-                    "off by default: with --delay-wgrad-compute it was seen to change last bits")
+                    help="measure the bytes saved for backward or held by the pipeline each "
+                    "step (act mem column; changes no bit, costs host time per saved tensor)")
     _add_fault_tolerance_flags(p)
     _add_profiling_flags(p)
     return p

@@ -109,7 +109,7 @@ class TrainingLogger:
         parts.append(f"step {step:.3f} s" if step is not None else "step n/a")
         exposed = self._mean("exposed_a2a")
         parts.append(f"exposed a2a {'n/a' if exposed is None else f'{exposed:.0%}'}")
-        act_mem = self._mean("act_mem")  # the largest rank's saved-tensor peak, mean over steps
+        act_mem = self._mean("act_mem")  # the largest rank's activation peak, mean over steps
         parts.append(f"act mem {'n/a' if act_mem is None else f'{act_mem / 2**20:.2f} MiB'}")
         return " | ".join(parts)
 

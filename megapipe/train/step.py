@@ -31,7 +31,7 @@ class StepStats:
     lr: float
     grad_norm: float
     exposed_a2a: float | None
-    act_mem: float | None = None  # the largest rank's peak bytes saved for backward
+    act_mem: float | None = None  # the largest rank's peak bytes saved or held (activation_meter)
 
 
 def global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:

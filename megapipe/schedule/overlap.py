@@ -266,9 +266,10 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         raise ScheduleError(
             "the overlap pass takes a compute-only schedule; pair before lowering (SEND/RECV)"
         )
-    candidates = [_new_attempt(table, pairing) for pairing in pairing_candidates(schedule)]
-    _rebuild(schedule, candidates[0], np.zeros(0, np.int64))
-    original = timeline_in_order(schedule, candidates[0].original_order())
+    pairings = pairing_candidates(schedule)
+    first = _new_attempt(table, pairings[0])  # its run gives the original's timeline an order
+    _rebuild(schedule, first, np.zeros(0, np.int64))
+    original = timeline_in_order(schedule, first.original_order())
     if original.stuck:
         rank, index = next(iter(original.stuck.items()))
         raise ScheduleError(
@@ -278,7 +279,8 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         )
     target = original.makespan + _longest_pair(schedule)
     settled = []
-    for attempt in candidates:
+    for pairing in pairings:
+        attempt = first if pairing is pairings[0] else _new_attempt(table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
         if attempt.run.makespan <= target:

@@ -139,7 +139,7 @@ def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
     return SimResult(
         name=schedule.name,
         costs=costs,
-        makespan=max(run.end, default=0.0),
+        makespan=float(end.max()) if len(end) else 0.0,
         busy=tuple(metrics[0]),
         comm=tuple(metrics[1]),
         exposed_comm=tuple(metrics[2]),

@@ -56,10 +56,13 @@ could run alone (or, if none could, every stuck pair) are split the same way; wi
 dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged;
 schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
-Cost: two to four timeline runs (original, candidates) plus one per refinement round; a
-round's run starts from the previous one's times before the first split pair (``timeline_after_
-change``), and the final schedule keeps its timeline, so lowering and validation do not run it
-again.
+Cost: two to four timeline runs (original, candidates) plus one per refinement round. The first
+candidate runs first, on the engine; the original is then timed in that run's order (each pair's
+backward, then its forward: ``timeline_in_order``, a replay checked as it goes, which falls back
+to the engine where a W sat between a pair's halves). A round's run starts from the previous
+one's times before the first split pair (``timeline_after_change``), and the final schedule
+keeps its timeline and run order, so lowering and validation do not run it again and
+``simulate`` replays it.
 """
 
 from __future__ import annotations

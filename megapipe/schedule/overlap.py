@@ -135,13 +135,13 @@ def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
             if hi > lo]
     if not last:
         return []
-    before = _waited_for(run).tolist()
+    before = _waited_for(run)  # walked step by step: a path is short next to the table
     rank_of = table.rank
     k = offsets[max(last)[1] + 1] - 1
     path = []
     while k >= 0:
         path.append(k)
-        k = before[k]
+        k = int(before[k])
     path.reverse()
     ranks = rank_of[path].tolist()
     return [(r, k - offsets[r]) for r, k in zip(ranks, path)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,6 +80,7 @@ class StepPlan:
     steps: Steps
     unique: bool
     watch: frozenset
+    _makers: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "StepPlan":
@@ -96,7 +97,13 @@ class StepPlan:
                    found.unique, found.watch)
 
     def makers(self) -> np.ndarray:
-        """Per engine cell: the row of the product's last maker (rank order), -1 if none."""
+        """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
+        once per plan: the overlap pass, the replay and the lowered run's proof ask for it)."""
+        if self._makers is None:
+            self._makers = self._find_makers()
+        return self._makers
+
+    def _find_makers(self) -> np.ndarray:
         out = np.full(2 * self.space.size + 1, -1, dtype=np.int64)
         rows = np.repeat(np.arange(len(self.table)), 2)
         made = self.make.reshape(-1)
@@ -196,7 +203,7 @@ class Timeline:
     def end(self) -> tuple[tuple[float, ...], ...]:
         return self._per_rank(self.end_flat)
 
-    @property
+    @functools.cached_property
     def makespan(self) -> float:
         """When the last action ends (-1 entries included, as the old tuple max did)."""
         return max(self.end_list, default=0.0)

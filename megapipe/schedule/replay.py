@@ -9,7 +9,11 @@ step's duration: the engine's own float operations, without its round-robin book
 a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
 replays it whenever it can (the lowering's timeline, then ``simulate``, need two runs of one
 schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
-always go to the engine.
+always go to the engine. ``replay`` also takes a guessed order (the overlap pass times the
+original schedule in the order its first candidate ran): it checks the order as it goes (every
+step once, each rank's in list order, nothing read before it is made) and gives up, for the
+engine to run, where it does not hold; where it holds, the times are the engine's, since with
+one maker per product they do not depend on the order steps run in.
 """
 
 from __future__ import annotations
@@ -75,11 +79,12 @@ def replay(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
 
 
 def _in_list_order(table, order: np.ndarray) -> bool:
-    """Whether ``order`` takes each rank's steps in list order."""
-    position = np.empty(len(order), dtype=np.int64)
+    """Whether ``order`` takes every step once, each rank's in list order."""
+    position = np.full(len(table), -1, dtype=np.int64)
     position[order] = np.arange(len(order))
     same_rank = table.rank[1:] == table.rank[:-1]
-    return bool((position[1:][same_rank] > position[:-1][same_rank]).all())
+    in_order = (position[1:][same_rank] > position[:-1][same_rank]).all()
+    return bool(in_order and (position >= 0).all())
 
 
 def _in_order(order: list[int], rank: list[int], steps, latency: float, pp: int):

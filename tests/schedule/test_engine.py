@@ -127,3 +127,13 @@ def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
         fresh.start, fresh.end, fresh.stuck, dict(fresh.made))
     if name == "interleaved-1f1b":  # no W between a pair's halves: the order holds
         assert "run_order" not in schedule.memo  # the engine did not run on it
+
+
+def test_a_replay_refuses_an_order_that_repeats_a_step():
+    schedule = build_schedule("1f1b", 2, 3)
+    plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    run = run_in_order(plan.steps)
+    order = RunOrder.of(run).order.copy()
+    assert replay(plan, order, None) is not None
+    order[-1] = order[-2]  # the last step twice, another never
+    assert replay(plan, order, None) is None

@@ -18,27 +18,31 @@ one maker per product they do not depend on the order steps run in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import numpy as np
 
 from .engine import Run, run_in_order
 
 
-@dataclass(frozen=True)
 class RunOrder:
-    """The order a finished run took its steps in, and the sweep of each step (the same for
-    any durations)."""
+    """The order a finished run took its steps in, from the run's sweep of each step (the same
+    for any durations); worked out only when a replay asks for it (the executor lowers and
+    validates, and never replays)."""
 
-    order: np.ndarray
-    sweep: list[int]
+    def __init__(self, sweep: list[int]) -> None:
+        self.sweep = sweep
 
     @classmethod
     def of(cls, run: Run) -> "RunOrder":
+        return cls(run.sweep)
+
+    @functools.cached_property
+    def order(self) -> np.ndarray:
         """Steps by (sweep, row): rows go rank by rank, so that is (sweep, rank, list order),
         the order the round robin took them."""
-        sweep = np.asarray(run.sweep, dtype=np.int64)
-        return cls(np.argsort(sweep, kind="stable"), run.sweep)
+        sweep = np.asarray(self.sweep, dtype=np.int64)
+        return np.argsort(sweep, kind="stable")
 
 
 def _replayable(plan) -> bool:

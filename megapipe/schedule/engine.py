@@ -154,10 +154,7 @@ def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publish
             start[k], f = s, (s + duration[k] if end_of is None else end_of(k, s))
             end[k], sweep[k] = f, t
             p, q = make0[k], make1[k]
-            if made_at is None:
-                fp = fq = f
-            else:
-                fp, fq = made_at(k, s, f)
+            fp, fq = (f, f) if made_at is None else made_at(k, s, f)
             if slow and not (record(p, fp, k) and (q < 0 or record(q, fq, k))):
                 cursor[r] = k
                 return

@@ -28,15 +28,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .errors import ScheduleError
 from .in_flight import peak_in_flight
 from .ir import Schedule
 from .overlap import (
-    Pairing, _Attempt, _finish, _longest_pair, _opposite_flows, _settle, apply_overlap,
+    Pairing, _finish, _new_attempt, _longest_pair, _opposite_flows, _settle, apply_overlap,
 )
-from .pairing import find_pairs
 from .timeline import timeline
 
 
@@ -93,9 +90,7 @@ def apply_overlap_budgeted(schedule: Schedule, budget: int) -> Schedule | None:
     target = original.makespan + _longest_pair(schedule)
     best, best_key = None, (math.inf, 0, 0)
     for pairing in budget_pairings(schedule, budget):
-        pairs = find_pairs(schedule.table, np.asarray(pairing.extra, dtype=np.int64),
-                           pairing.cross_stage_only)
-        attempt = _Attempt(pairing, pairs, np.ones(len(pairs.backward), dtype=bool))
+        attempt = _new_attempt(schedule.table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
         if attempt.run.makespan > target:

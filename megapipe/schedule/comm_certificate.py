@@ -94,20 +94,11 @@ def _rank_order(source: Schedule, run: Timeline) -> bool:
     return bool((start[1:][same_rank] > start[:-1][same_rank]).all())
 
 
-def _makers(found) -> np.ndarray:
-    """Product id -> the source row that makes it (-1: none)."""
-    maker = np.full(found.space.never + 1, -1, dtype=np.int64)
-    rows = np.repeat(np.arange(len(found.make)), 2)
-    made = found.make.reshape(-1)
-    maker[made[made >= 0]] = rows[made >= 0]
-    return maker
-
-
 def _local_needs_made(source: Schedule, found) -> bool:
     """What a computation needs from its own stage's rank is made earlier on that rank."""
     table = source.table
     comps = table.comps()
-    maker = _makers(found)
+    maker = found.makers()
     for need in comp_needs(source, comps):
         local = need.exists & (stage_rank(source, need.stage) == comps.rank)
         by = maker[found.space.ids(need.letter[local], need.stage[local], comps.mb[local])]
@@ -157,7 +148,7 @@ def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
     run earlier on the SEND's rank (None otherwise)."""
     sending = np.flatnonzero(ops.sending)
     product_letter = ops.letter[sending]  # "F" messages carry F products, "B" ones G
-    made_by = _makers(found)[found.space.ids(product_letter, ops.source[sending],
+    made_by = found.makers()[found.space.ids(product_letter, ops.source[sending],
                                              ops.mb[sending])]
     rows = ops.row[sending]
     if not (made_by >= 0).all():

@@ -56,10 +56,13 @@ could run alone (or, if none could, every stuck pair) are split the same way; wi
 dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged;
 schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
-Cost: two to four timeline runs (original, candidates) plus one per refinement round; a
-round's run starts from the previous one's times before the first split pair (``timeline_after_
-change``), and the final schedule keeps its timeline, so lowering and validation do not run it
-again.
+Cost: two to four timeline runs (original, candidates) plus one per refinement round. The first
+candidate runs first, on the engine; the original is then timed in that run's order (each pair's
+backward, then its forward: ``timeline_in_order``, a replay checked as it goes, which falls back
+to the engine where a W sat between a pair's halves). A round's run starts from the previous
+one's times before the first split pair (``timeline_after_change``), and the final schedule
+keeps its timeline and run order, so lowering and validation do not run it again and
+``simulate`` replays it.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the do
 from .ir import Kind, Schedule
 from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
 from .table import B, I
-from .timeline import Timeline, timeline, timeline_after_change
+from .timeline import Timeline, timeline, timeline_after_change, timeline_in_order
 
 
 @dataclass(frozen=True)
@@ -132,13 +135,13 @@ def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
             if hi > lo]
     if not last:
         return []
-    before = _waited_for(run).tolist()
+    before = _waited_for(run)  # walked step by step: a path is short next to the table
     rank_of = table.rank
     k = offsets[max(last)[1] + 1] - 1
     path = []
     while k >= 0:
         path.append(k)
-        k = before[k]
+        k = int(before[k])
     path.reverse()
     ranks = rank_of[path].tolist()
     return [(r, k - offsets[r]) for r, k in zip(ranks, path)]
@@ -165,7 +168,8 @@ def _waited_for(run: Timeline) -> np.ndarray:
 @dataclass
 class _Attempt:
     """A pairing being built: its candidate pairs, which are still fused, and the latest run
-    (``rows``: per row of the combined schedule, the pair it holds or -1)."""
+    (``rows``: per row of the combined schedule, the pair it holds or -1; ``source``: the row
+    of the original it comes from, a pair's backward's)."""
 
     pairing: Pairing
     pairs: Candidates
@@ -173,6 +177,20 @@ class _Attempt:
     combined: Schedule | None = None
     run: Timeline | None = None
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    source: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def original_order(self) -> np.ndarray | None:
+        """The rows of the original in the order the latest run took them (each pair's
+        backward, then its forward), if that run kept its order (``replay.run_steps``)."""
+        found = self.combined.memo.get("run_order")
+        if found is None:
+            return None
+        taken = found.order
+        pair = self.rows[taken]
+        mate = np.where(pair >= 0, self.pairs.forward[np.maximum(pair, 0)], -1) if len(
+            self.pairs.forward) else np.full(len(taken), -1)
+        both = np.stack([self.source[taken], mate], axis=1).reshape(-1)
+        return both[both >= 0]
 
     @property
     def paired(self) -> int:
@@ -182,7 +200,7 @@ class _Attempt:
 def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
     """Assemble and run ``attempt`` again after splitting the pairs ``split`` (ids)."""
     extra = np.asarray(attempt.pairing.extra, dtype=np.int64)
-    table, rows = assemble(schedule.table, attempt.pairs, attempt.fused, extra)
+    table, rows, source = assemble(schedule.table, attempt.pairs, attempt.fused, extra)
     combined = schedule.replace_actions(table)
     if attempt.run is None or not len(split):
         run = timeline(combined)
@@ -193,7 +211,7 @@ def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
         np.minimum.at(first, before.rank[at], before.local_index[at])
         same = np.minimum(first, np.diff(before.offsets)).tolist()
         run = timeline_after_change(combined, attempt.run, same)
-    attempt.combined, attempt.run, attempt.rows = combined, run, rows
+    attempt.combined, attempt.run, attempt.rows, attempt.source = combined, run, rows, source
 
 
 def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray | None:
@@ -251,7 +269,10 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         raise ScheduleError(
             "the overlap pass takes a compute-only schedule; pair before lowering (SEND/RECV)"
         )
-    original = timeline(schedule)
+    pairings = pairing_candidates(schedule)
+    first = _new_attempt(table, pairings[0])  # its run gives the original's timeline an order
+    _rebuild(schedule, first, np.zeros(0, np.int64))
+    original = timeline_in_order(schedule, first.original_order())
     if original.stuck:
         rank, index = next(iter(original.stuck.items()))
         raise ScheduleError(
@@ -261,10 +282,8 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         )
     target = original.makespan + _longest_pair(schedule)
     settled = []
-    for pairing in pairing_candidates(schedule):
-        extra = np.asarray(pairing.extra, dtype=np.int64)
-        pairs = find_pairs(table, extra, pairing.cross_stage_only)
-        attempt = _Attempt(pairing, pairs, np.ones(len(pairs.backward), dtype=bool))
+    for pairing in pairings:
+        attempt = first if pairing is pairings[0] else _new_attempt(table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
         if attempt.run.makespan <= target:
@@ -280,6 +299,12 @@ def apply_overlap(schedule: Schedule) -> Schedule:
     return _finish(schedule, schedule)
 
 
+def _new_attempt(table, pairing: Pairing) -> _Attempt:
+    """Every candidate pair of ``pairing`` fused, not run yet."""
+    pairs = find_pairs(table, np.asarray(pairing.extra, dtype=np.int64), pairing.cross_stage_only)
+    return _Attempt(pairing, pairs, np.ones(len(pairs.backward), dtype=bool))
+
+
 def _longest_pair(schedule: Schedule) -> float:
     """The longest a pair can take on the timeline: F plus the longest backward present."""
     kinds = schedule.table.comps().kind
@@ -293,7 +318,7 @@ def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     options = dict(schedule.options)
     options["overlap"] = True
     result = combined.replace_actions(combined.table, options=options)
-    for key in (("timeline", None), ("steps", False)):  # same actions: same timeline
+    for key in (("timeline", None), ("steps", False), "run_order"):  # same actions, same run
         if key in combined.memo:
             result.memo[key] = combined.memo[key]
     return result

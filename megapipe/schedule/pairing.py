@@ -74,9 +74,10 @@ def find_pairs(table: ActionTable, extra: np.ndarray, cross_stage_only: bool) ->
 
 def assemble(
     table: ActionTable, pairs: Candidates, fused: np.ndarray, extra: np.ndarray
-) -> tuple[ActionTable, np.ndarray]:
+) -> tuple[ActionTable, np.ndarray, np.ndarray]:
     """The lists with ``e_r`` more forwards ahead and the pairs where ``fused`` fused; also,
-    per row of the result, which pair it holds (-1: none)."""
+    per row of the result, which pair it holds (-1: none) and the row of ``table`` it comes
+    from (a pair's: its backward's)."""
     kind = table.kind
     forward = kind == F
     rank = table.rank
@@ -114,4 +115,4 @@ def assemble(
         np.where(is_pair, table.stage[order], table.back_stage[order]),
         np.where(is_pair, table.mb[order], table.back_mb[order]),
     )
-    return out, pair_of
+    return out, pair_of, order

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .actions import Kind
 from .deps import DEFAULT_DURATIONS
 from .engine import Prefix, Run, Steps, run_in_order
+from .replay import replay, run_steps
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from .ir import Schedule
 from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
@@ -75,9 +76,11 @@ class StepPlan:
     space: ProductSpace
     make: np.ndarray
     need: np.ndarray
+    duration: np.ndarray
     steps: Steps
     unique: bool
     watch: frozenset
+    _makers: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "StepPlan":
@@ -90,11 +93,17 @@ class StepPlan:
         offsets, need0, need1, need2, make0, make1 = found.lists
         steps = Steps(offsets, need0, need1, need2, make0, make1, duration.tolist(),
                       found.space.size, latency)
-        return cls(schedule.table, found.space, found.make, found.need, steps, found.unique,
-                   found.watch)
+        return cls(schedule.table, found.space, found.make, found.need, duration, steps,
+                   found.unique, found.watch)
 
     def makers(self) -> np.ndarray:
-        """Per engine cell: the row of the product's last maker (rank order), -1 if none."""
+        """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
+        once per plan: the overlap pass, the replay and the lowered run's proof ask for it)."""
+        if self._makers is None:
+            self._makers = self._find_makers()
+        return self._makers
+
+    def _find_makers(self) -> np.ndarray:
         out = np.full(2 * self.space.size + 1, -1, dtype=np.int64)
         rows = np.repeat(np.arange(len(self.table)), 2)
         made = self.make.reshape(-1)
@@ -194,7 +203,7 @@ class Timeline:
     def end(self) -> tuple[tuple[float, ...], ...]:
         return self._per_rank(self.end_flat)
 
-    @property
+    @functools.cached_property
     def makespan(self) -> float:
         """When the last action ends (-1 entries included, as the old tuple max did)."""
         return max(self.end_list, default=0.0)
@@ -249,8 +258,23 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         action = schedule.action_at(comm[0])
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
     plan = StepPlan.build(schedule, action_durations(table, durations))
-    result = Timeline(plan, run_in_order(plan.steps))
+    result = Timeline(plan, run_steps(schedule, plan))
     schedule.memo[memo_key] = result
+    return result
+
+
+def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
+    """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
+    the run of a schedule with the same actions fused in pairs) where the steps can run in that
+    order with one maker per product (``replay.replay``), else as ``timeline`` runs it."""
+    if ("timeline", None) in schedule.memo or order is None:
+        return timeline(schedule)
+    plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    run = replay(plan, order, None) if plan.unique else None
+    if run is None:
+        return timeline(schedule)
+    result = Timeline(plan, run)
+    schedule.memo[("timeline", None)] = result
     return result
 
 
@@ -299,7 +323,7 @@ def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix | None:
         end += before.end_list[lo:lo + count] + [-1.0] * rest
         free.append(before.end_list[lo + count - 1] if count else 0.0)
         dropped.append(before.plan.make[lo + count:old[r + 1]].reshape(-1))
-    arrive = list(before.arrive)
+    arrive = list(before.arrive)  # a copy: ``before`` keeps its own
     for p in np.concatenate(dropped).tolist():
         if p >= 0:
             arrive[p] = -1.0

@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..schedule.deps import Product, missing_needs
-from ..schedule.engine import Run, run_in_order
+from ..schedule.engine import Run
+from ..schedule.replay import run_steps
 from ..schedule.errors import ScheduleError
 from ..schedule.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
@@ -82,7 +83,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         plan.steps.end_of = pieces.end_of
     if costs.nodes is not None and table.has_overlap:
         plan.steps.made_at = pieces.made_at
-    run = run_in_order(plan.steps, watch=plan.watch)
+    run = run_steps(work, plan, plan.watch)
     if run.remade is not None:
         _raise_remade(work, plan, run)
     if run.stuck:
@@ -138,7 +139,7 @@ def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
     return SimResult(
         name=schedule.name,
         costs=costs,
-        makespan=max(run.end, default=0.0),
+        makespan=float(end.max()) if len(end) else 0.0,
         busy=tuple(metrics[0]),
         comm=tuple(metrics[1]),
         exposed_comm=tuple(metrics[2]),

@@ -1,0 +1,130 @@
+"""Running a schedule's steps again, with other durations, in the order an earlier run took.
+
+The engine's round robin (``engine``) decides which step runs next by what has been made, never
+by when: runs of the same steps under other durations (or another p2p latency) take the steps in
+the same order, sweep by sweep. Where every product has one maker and the first run finished,
+that order is a topological order of the waits, so a later run only has to take, step by step
+in that order, the latest of its rank's previous end and its needs' arrivals, and add the
+step's duration: the engine's own float operations, without its round-robin bookkeeping (about
+a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
+replays it whenever it can (the lowering's timeline, then ``simulate``, need two runs of one
+schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
+always go to the engine. ``replay`` also takes a guessed order (the overlap pass times the
+original schedule in the order its first candidate ran): it checks the order as it goes (every
+step once, each rank's in list order, nothing read before it is made) and gives up, for the
+engine to run, where it does not hold; where it holds, the times are the engine's, since with
+one maker per product they do not depend on the order steps run in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .engine import Run, run_in_order
+
+
+class RunOrder:
+    """The order a finished run took its steps in, from the run's sweep of each step (the same
+    for any durations); worked out only when a replay asks for it (the executor lowers and
+    validates, and never replays)."""
+
+    def __init__(self, sweep: list[int]) -> None:
+        self.sweep = sweep
+
+    @classmethod
+    def of(cls, run: Run) -> "RunOrder":
+        return cls(run.sweep)
+
+    @functools.cached_property
+    def order(self) -> np.ndarray:
+        """Steps by (sweep, row): rows go rank by rank, so that is (sweep, rank, list order),
+        the order the round robin took them."""
+        sweep = np.asarray(self.sweep, dtype=np.int64)
+        return np.argsort(sweep, kind="stable")
+
+
+def _replayable(plan) -> bool:
+    """One maker per product, durations that do not depend on the start, and one latency for
+    every need (with a latency, each need the steps wait for comes from another rank)."""
+    steps = plan.steps
+    if not plan.unique or steps.end_of is not None or steps.made_at is not None:
+        return False
+    return not steps.delay or not ((plan.need >= 0) & (plan.need < plan.space.size)).any()
+
+
+def run_steps(schedule, plan, watch: frozenset = frozenset()) -> Run:
+    """The run of ``plan`` (a ``timeline.StepPlan`` of ``schedule``): replayed in the order of an
+    earlier finished run of the schedule's steps where it can be (module docstring), else run
+    by the engine, keeping the order of a finished run for the next time."""
+    found = schedule.memo.get("run_order")
+    if found is not None and _replayable(plan):
+        return replay(plan, found.order, found.sweep)
+    run = run_in_order(plan.steps, watch=watch)
+    if _replayable(plan) and not run.stuck and run.remade is None:
+        schedule.memo["run_order"] = RunOrder.of(run)
+    return run
+
+
+def replay(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
+    """The engine's run of ``plan``'s steps, computed in ``order`` (module docstring); None if
+    ``order`` is not an order the steps can run in (a rank's steps out of list order, or a step
+    before a product it needs), so that a guessed order can be tried. ``sweep`` is given back
+    as the run's sweep (None: unknown)."""
+    table, steps = plan.table, plan.steps
+    if len(order) != len(table) or not _in_list_order(table, order):
+        return None
+    done = _in_order(order.tolist(), table.rank.tolist(), steps, float(steps.delay), table.pp)
+    if done is None:
+        return None
+    start, end, arrive = done
+    return Run(start, end, sweep, arrive, {})
+
+
+def _in_list_order(table, order: np.ndarray) -> bool:
+    """Whether ``order`` takes every step once, each rank's in list order."""
+    position = np.full(len(table), -1, dtype=np.int64)
+    position[order] = np.arange(len(order))
+    same_rank = table.rank[1:] == table.rank[:-1]
+    in_order = (position[1:][same_rank] > position[:-1][same_rank]).all()
+    return bool(in_order and (position >= 0).all())
+
+
+def _in_order(order: list[int], rank: list[int], steps, latency: float, pp: int):
+    """Start, end and arrivals of each step taken in ``order`` (the hot loop, with the engine's
+    own float operations), or None at the first step that needs a product not made yet."""
+    need0, need1, need2, make0, make1, duration = (
+        steps.need0, steps.need1, steps.need2, steps.make0, steps.make1, steps.duration)
+    n, space = len(order), steps.space
+    start, end, free = [0.0] * n, [0.0] * n, [0.0] * pp
+    arrive = [-1.0] * (2 * space + 1)
+    for k in order:
+        r = rank[k]
+        s, a = free[r], need0[k]
+        if a >= 0:
+            x = arrive[a]
+            if x < 0.0:
+                return None
+            s, a = (x if x > s else s), need1[k]
+            if a >= 0:
+                x = arrive[a]
+                if x < 0.0:
+                    return None
+                s, a = (x if x > s else s), need2[k]
+                if a >= 0:
+                    x = arrive[a]
+                    if x < 0.0:
+                        return None
+                    s = x if x > s else s
+        f = s + duration[k]
+        start[k], end[k], free[r] = s, f, f
+        p, q = make0[k], make1[k]
+        arrive[p] = f
+        if q >= 0:
+            arrive[q] = f
+        if latency:
+            arrive[p + space] = f + latency
+            if q >= 0:
+                arrive[q + space] = f + latency
+    return start, end, arrive

@@ -58,11 +58,11 @@ schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
 Cost: two to four timeline runs (original, candidates) plus one per refinement round. The first
 candidate runs first, on the engine; the original is then timed in that run's order (each pair's
-backward, then its forward: ``timeline_in_order``, a replay checked as it goes, which falls back
+backward, then its forward: ``timeline_in_order``, a rerun checked as it goes, which falls back
 to the engine where a W sat between a pair's halves). A round's run starts from the previous
 one's times before the first split pair (``timeline_after_change``), and the final schedule
 keeps its timeline and run order, so lowering and validation do not run it again and
-``simulate`` replays it.
+``simulate`` reruns it in that order.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class _Attempt:
 
     def original_order(self) -> np.ndarray | None:
         """The rows of the original in the order the latest run took them (each pair's
-        backward, then its forward), if that run kept its order (``replay.run_steps``)."""
+        backward, then its forward), if that run kept its order (``rerun.run_steps``)."""
         found = self.combined.memo.get("run_order")
         if found is None:
             return None

@@ -23,7 +23,7 @@ import numpy as np
 from .actions import Kind
 from .deps import DEFAULT_DURATIONS
 from .engine import Prefix, Run, Steps, run_in_order
-from .replay import replay, run_steps
+from .rerun import rerun, run_steps
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from .ir import Schedule
 from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
@@ -98,7 +98,7 @@ class StepPlan:
 
     def makers(self) -> np.ndarray:
         """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
-        once per plan: the overlap pass, the replay and the lowered run's proof ask for it)."""
+        once per plan: the overlap pass, the rerun and the lowered run's proof ask for it)."""
         if self._makers is None:
             self._makers = self._find_makers()
         return self._makers
@@ -266,11 +266,11 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
 def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
     """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
     the run of a schedule with the same actions fused in pairs) where the steps can run in that
-    order with one maker per product (``replay.replay``), else as ``timeline`` runs it."""
+    order with one maker per product (``rerun.rerun``), else as ``timeline`` runs it."""
     if ("timeline", None) in schedule.memo or order is None:
         return timeline(schedule)
     plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
-    run = replay(plan, order, None) if plan.unique else None
+    run = rerun(plan, order, None) if plan.unique else None
     if run is None:
         return timeline(schedule)
     result = Timeline(plan, run)

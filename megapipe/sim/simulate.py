@@ -25,7 +25,7 @@ import numpy as np
 
 from ..schedule.deps import Product, missing_needs
 from ..schedule.engine import Run
-from ..schedule.replay import run_steps
+from ..schedule.rerun import run_steps
 from ..schedule.errors import ScheduleError
 from ..schedule.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule

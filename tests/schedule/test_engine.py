@@ -13,7 +13,7 @@ from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, pars
 from megapipe.schedule.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.ir import Schedule
 from megapipe.schedule.engine import run_in_order
-from megapipe.schedule.replay import RunOrder, replay
+from megapipe.schedule.rerun import RunOrder, rerun
 from megapipe.schedule.timeline import StepPlan, action_durations, timeline
 from megapipe.sim import Costs, simulate
 
@@ -90,7 +90,7 @@ def test_a_product_made_twice_is_read_as_it_stood():
 
 @pytest.mark.parametrize("latency", [0.0, 0.25])
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: s.name)
-def test_a_replay_in_a_finished_runs_order_equals_the_engine(schedule, latency):
+def test_a_rerun_in_a_finished_runs_order_equals_the_engine(schedule, latency):
     """Other durations (and a latency), the steps taken in the order of a finished run: the
     engine's times, arrivals and sweeps; an order that breaks a rank's list order or takes a
     step before what it needs is refused (None)."""
@@ -102,38 +102,38 @@ def test_a_replay_in_a_finished_runs_order_equals_the_engine(schedule, latency):
     found = RunOrder.of(run)
     plan = StepPlan.build(schedule, durations * 1.5 + 0.125, latency)
     expected = run_in_order(plan.steps)
-    got = replay(plan, found.order, found.sweep)
+    got = rerun(plan, found.order, found.sweep)
     assert (got.start, got.end, got.arrive, got.sweep) == (
         expected.start, expected.end, expected.arrive, expected.sweep)
     assert all(type(x) is float for x in got.start + got.end + got.arrive)
     swapped = found.order.copy()
     swapped[[0, -1]] = swapped[[-1, 0]]
-    assert replay(plan, swapped, None) is None
+    assert rerun(plan, swapped, None) is None
     # Rank after rank, each in list order: rank 0 would run before what it waits for.
     by_rank = np.arange(len(schedule.table))
     if (plan.need[: schedule.table.offsets[1]] >= 0).any():
-        assert replay(plan, by_rank, None) is None
+        assert rerun(plan, by_rank, None) is None
 
 
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "1f1b", "zb1p", "zbv"])
 def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
-    """The pass times the original in the order its first candidate ran (a replay, kept only
+    """The pass times the original in the order its first candidate ran (a rerun, kept only
     when that order holds): the same timeline as a fresh engine run."""
     schedule = build_schedule(name, 4, 12, **({"vpp": 2} if name == "interleaved-1f1b" else {}))
     apply_overlap(schedule)
-    replayed = timeline(schedule)
+    rerun_run = timeline(schedule)
     fresh = timeline(schedule.replace_actions(schedule.table))
-    assert (replayed.start, replayed.end, replayed.stuck, dict(replayed.made)) == (
+    assert (rerun_run.start, rerun_run.end, rerun_run.stuck, dict(rerun_run.made)) == (
         fresh.start, fresh.end, fresh.stuck, dict(fresh.made))
     if name == "interleaved-1f1b":  # no W between a pair's halves: the order holds
         assert "run_order" not in schedule.memo  # the engine did not run on it
 
 
-def test_a_replay_refuses_an_order_that_repeats_a_step():
+def test_a_rerun_refuses_an_order_that_repeats_a_step():
     schedule = build_schedule("1f1b", 2, 3)
     plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
     run = run_in_order(plan.steps)
     order = RunOrder.of(run).order.copy()
-    assert replay(plan, order, None) is not None
+    assert rerun(plan, order, None) is not None
     order[-1] = order[-2]  # the last step twice, another never
-    assert replay(plan, order, None) is None
+    assert rerun(plan, order, None) is None

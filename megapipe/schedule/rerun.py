@@ -7,9 +7,9 @@ that order is a topological order of the waits, so a later run only has to take,
 in that order, the latest of its rank's previous end and its needs' arrivals, and add the
 step's duration: the engine's own float operations, without its round-robin bookkeeping (about
 a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
-replays it whenever it can (the lowering's timeline, then ``simulate``, need two runs of one
+reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two runs of one
 schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
-always go to the engine. ``replay`` also takes a guessed order (the overlap pass times the
+always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
 original schedule in the order its first candidate ran): it checks the order as it goes (every
 step once, each rank's in list order, nothing read before it is made) and gives up, for the
 engine to run, where it does not hold; where it holds, the times are the engine's, since with
@@ -27,8 +27,8 @@ from .engine import Run, run_in_order
 
 class RunOrder:
     """The order a finished run took its steps in, from the run's sweep of each step (the same
-    for any durations); worked out only when a replay asks for it (the executor lowers and
-    validates, and never replays)."""
+    for any durations); worked out only when a rerun asks for it (the executor lowers and
+    validates, and never reruns)."""
 
     def __init__(self, sweep: list[int]) -> None:
         self.sweep = sweep
@@ -45,7 +45,7 @@ class RunOrder:
         return np.argsort(sweep, kind="stable")
 
 
-def _replayable(plan) -> bool:
+def _rerunnable(plan) -> bool:
     """One maker per product, durations that do not depend on the start, and one latency for
     every need (with a latency, each need the steps wait for comes from another rank)."""
     steps = plan.steps
@@ -55,19 +55,19 @@ def _replayable(plan) -> bool:
 
 
 def run_steps(schedule, plan, watch: frozenset = frozenset()) -> Run:
-    """The run of ``plan`` (a ``timeline.StepPlan`` of ``schedule``): replayed in the order of an
+    """The run of ``plan`` (a ``timeline.StepPlan`` of ``schedule``): rerun in the order of an
     earlier finished run of the schedule's steps where it can be (module docstring), else run
     by the engine, keeping the order of a finished run for the next time."""
     found = schedule.memo.get("run_order")
-    if found is not None and _replayable(plan):
-        return replay(plan, found.order, found.sweep)
+    if found is not None and _rerunnable(plan):
+        return rerun(plan, found.order, found.sweep)
     run = run_in_order(plan.steps, watch=watch)
-    if _replayable(plan) and not run.stuck and run.remade is None:
+    if _rerunnable(plan) and not run.stuck and run.remade is None:
         schedule.memo["run_order"] = RunOrder.of(run)
     return run
 
 
-def replay(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
+def rerun(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
     """The engine's run of ``plan``'s steps, computed in ``order`` (module docstring); None if
     ``order`` is not an order the steps can run in (a rank's steps out of list order, or a step
     before a product it needs), so that a guessed order can be tried. ``sweep`` is given back

@@ -89,7 +89,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
 
     nodes = NodeCosts(_profile(s), schedule.stages_per_pipeline, s.moe_layers,
                       a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
-                      host_runs_compute=True, combined=overlap)
+                      host_runs_compute=True, combined=overlap, wgrad_by_time=True)
     return nodes if early is None else replace(nodes, early_sends=early)
 
 
@@ -261,7 +261,8 @@ def _predict_pair(s: ReplaySettings) -> tuple[float, float]:
     from megapipe.sim.steps import op_times
 
     profile = _profile(s)
-    nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True)
+    nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True,
+                      wgrad_by_time=True)
     ops = node_ops(Action.overlap(Action(1, Kind.F, 1), Action(1, Kind.B, 0)), nodes)
     combined = max(end for _, end in op_times(ops, 0.0))
     per_layer = sum(profile.layer_time(d) for d in "FBW")

@@ -135,22 +135,11 @@ class StreamFailed(RuntimeError):
     """Work on a stream was skipped because earlier work on it had failed."""
 
 
-def _hand_over_gil() -> None:
-    """Let another thread that waits for the GIL run now (``time.sleep(0)`` releases it).
-
-    Without this, a thread that was just woken (the host by a finished comm item, the comm
-    worker by a new item) waits for the GIL until the running thread reaches a call that
-    releases it, or up to the interpreter's switch interval (5 ms): measured 3 to 5 ms per
-    hand-off on 2 shared cores, against 0.02 ms with it."""
-    time.sleep(0)
-
-
 class WorkerStream(Stream):
     """A CPU communication stream: one worker thread runs submitted work in order.
 
     After a failure every later item fails too (naming the first error), as a CUDA stream
-    stays broken after a fault; the error reaches the host through the events. The worker and
-    the host hand the GIL over at once where the other waits for them (``_hand_over_gil``).
+    stays broken after a fault; the error reaches the host through the events.
     """
 
     def __init__(self, name: str = "comm") -> None:
@@ -182,14 +171,12 @@ class WorkerStream(Stream):
             except BaseException as error:  # handed to the host through the future
                 self._failed = error
                 future.set_exception(error)
-            _hand_over_gil()  # a host waiting for this item runs now, not after the next
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         if not self._thread.is_alive():
             raise RuntimeError(f"stream {self.name!r} is closed")
         future: Future = Future()
         self._queue.put((future, lambda: fn(*args, **kwargs), torch.is_grad_enabled()))
-        _hand_over_gil()  # the worker starts the item now, not when the host next lets go
         return FutureEvent(future)
 
     def wait_event(self, event: Event) -> None:

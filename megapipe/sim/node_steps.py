@@ -51,7 +51,13 @@ class NodeCosts:
 
     ``wgrad_by_time``: the engine's nodes carry their times (``wgrad_fill.NodeTimes``, as the
     replay benchmark's do), so the planner places deferred weight gradients by the time rule;
-    without (a training run's nodes carry none) by the count rule."""
+    without (a training run's nodes carry none) by the count rule.
+
+    ``host_cost``: what the engine spends per F or B node beyond the node's own time (its tape
+    and autograd calls, thread hand-offs: real work outside the node), in the profile's unit,
+    added to every F and B node (not to W). It is a property of the machine, not of the
+    profile: the replay benchmark measures it with a calibration replay of a uniform profile
+    (``benchmarks/replay_calibration.py``); 0 models a host that costs nothing."""
 
     profile: NodeProfile
     num_stages: int
@@ -62,6 +68,7 @@ class NodeCosts:
     combined: bool = True
     early_sends: str = EACH
     wgrad_by_time: bool = False
+    host_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "a2a_chunks"):
@@ -71,6 +78,8 @@ class NodeCosts:
         if self.early_sends not in EARLY_RULES:
             raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
                              f"{', '.join(EARLY_RULES)}")
+        if not self.host_cost >= 0:
+            raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
         if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
                 or self.moe_layers < 0:
             raise ValueError(f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
@@ -165,12 +174,12 @@ def _ops(issues: Sequence[Issue], forward: Action | None, backward: Action | Non
         elif issue.side == "F":
             assert forward is not None
             role = f_layers[issue.layer][issue.node]
-            time = nodes.profile.time(role, "F", nodes.a2a_chunks)
+            time = nodes.profile.time(role, "F", nodes.a2a_chunks) + nodes.host_cost
             op = NodeOp(issue.stream, role, forward, issue.layer, time, deps)
         else:
             assert backward is not None
             role = b_layers[issue.layer][issue.node]
-            time = nodes.backward_time(role, backward.kind)
+            time = nodes.backward_time(role, backward.kind) + nodes.host_cost
             op = NodeOp(issue.stream, role, backward, issue.layer, time, deps)
         if issue.stream == COMPUTE:
             last_compute = len(ops)

@@ -133,3 +133,12 @@ def test_early_sends_hand_each_half_on_at_its_last_node():
     assert spans[EACH] <= spans[WHOLE] < spans[AT_END]
     with pytest.raises(ValueError, match="early_sends='soon' is not one of"):
         NodeCosts(DEEPSEEK, 3, 4, early_sends="soon")
+
+
+def test_a_host_cost_lengthens_every_f_and_b_node_but_not_the_weight_gradients():
+    forward = node_ops(Action(1, Kind.F, 0), NodeCosts(DEEPSEEK, 3, 4, host_cost=0.5))
+    assert span(forward) == pytest.approx(4 * (DEEPSEEK.layer_time("F") + 5 * 0.5))  # a chain
+    pair = node_ops(PAIR, NodeCosts(DEEPSEEK, 3, 4, defer_wgrad=True, host_cost=0.5))
+    assert sum(op.duration for op in pair) == pytest.approx(244.0 + 40 * 0.5)  # 40 F/B nodes
+    with pytest.raises(ValueError, match="host_cost must be >= 0, got -1"):
+        NodeCosts(DEEPSEEK, 3, 4, host_cost=-1)

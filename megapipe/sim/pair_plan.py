@@ -43,7 +43,7 @@ stream, runs queued items in the gap (``FILL`` issues of ``count`` items; ``wgra
 
 **Host order.** ``StepPlanner`` emits issues as a host whose compute stream is its own thread
 (CPU) issues them: per slot the comm node first (queued), then the W issues decided in the slot
-before, then the compute node. ``compute_first`` is the order for a host that only queues work
+before (time rule: those that fill the gap before the compute node), then the compute node. ``compute_first`` is the order for a host that only queues work
 (CUDA): a slot's compute node before its comm node, so a dispatch that blocks the host (reading
 its split sizes) does not delay the compute launch. Both give each stream the same sequence.
 """

@@ -8,7 +8,9 @@ is measured is the engine's issue order. Per schedule the plain schedule and its
 variant take turns step by step; beside each the simulator's prediction for the same profile
 and issue order (``megapipe.sim`` with ``NodeCosts``, CPU host: the compute stream is the host
 thread). Also the steady-state layer pair alone: one chunk's forward beside another
-microbatch's backward, combined vs the same nodes one after the other.
+microbatch's backward, combined vs the same nodes one after the other. First a calibration
+replay of a uniform profile measures the engine's host cost per node on this machine
+(``replay_calibration``); the predictions are printed without and with it.
 
 Profile (JSON, milliseconds per MoE layer; ``megapipe/sim/profile.py``)::
 
@@ -55,6 +57,7 @@ class ReplaySettings:
     a2a_chunks: int | None = None  # None: the simulator's choice
     delay_wgrad: bool = True
     pair: bool = True
+    calibrate: bool = True
 
 
 def _profile(s: ReplaySettings):
@@ -71,25 +74,23 @@ def _config(s: ReplaySettings, num_stages: int):
                      moe_top_k=2, moe_ffn_hidden_size=16, first_k_dense_layers=0)
 
 
-def _vpp(s: ReplaySettings, name: str) -> int:
-    return FIXED_VPP.get(name, s.vpp)
-
-
 def _schedule(s: ReplaySettings, name: str, overlap: bool):
     from megapipe.schedule import build_schedule
 
-    return build_schedule(name, s.pp, s.microbatches, vpp=_vpp(s, name), overlap=overlap)
+    return build_schedule(name, s.pp, s.microbatches, vpp=FIXED_VPP.get(name, s.vpp), overlap=overlap)
 
 
 def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
-               early: str | None = None):
+               early: str | None = None, host_cost: float = 0.0, profile=None):
     """The simulator's view of one run (CPU host: the compute stream is the host thread;
-    ``early``: the executor's ``early_send_rule``, None: the simulator's default)."""
+    ``early``: the executor's ``early_send_rule``, None: the simulator's default;
+    ``host_cost``: ms per node, ``replay_calibration``; ``profile``: default the run's)."""
     from megapipe.sim.node_steps import NodeCosts
 
-    nodes = NodeCosts(_profile(s), schedule.stages_per_pipeline, s.moe_layers,
+    nodes = NodeCosts(profile or _profile(s), schedule.stages_per_pipeline, s.moe_layers,
                       a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
-                      host_runs_compute=True, combined=overlap)
+                      host_runs_compute=True, combined=overlap, wgrad_by_time=True,
+                      host_cost=host_cost)
     return nodes if early is None else replace(nodes, early_sends=early)
 
 
@@ -103,12 +104,14 @@ def chunks_for(s: ReplaySettings, name: str) -> int:
     return choose_a2a_chunks(schedule, node_costs(s, schedule, True), max_chunks=4)
 
 
-def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int, early: str | None = None):
+def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int, early: str | None = None,
+            host_cost: float = 0.0, profile=None):
     """The simulator's step: (makespan ms, exposed all-to-all fraction)."""
     from megapipe.sim import Costs, simulate
 
     schedule = _schedule(s, name, overlap)
-    result = simulate(schedule, Costs(nodes=node_costs(s, schedule, overlap, chunks, early)))
+    nodes = node_costs(s, schedule, overlap, chunks, early, host_cost, profile)
+    result = simulate(schedule, Costs(nodes=nodes))
     return result.makespan, result.exposed_comm_fraction
 
 
@@ -254,30 +257,50 @@ def _pair(s: ReplaySettings, groups) -> dict:
     return {label: statistics.median(v[1:]) for label, v in times.items()}
 
 
-def _predict_pair(s: ReplaySettings) -> tuple[float, float]:
+def _predict_pair(s: ReplaySettings, host_cost: float = 0.0) -> tuple[float, float]:
     """The simulator's pair: (combined, sequential) ms."""
     from megapipe.schedule.ir import Action, Kind
     from megapipe.sim.node_steps import NodeCosts, node_ops
     from megapipe.sim.steps import op_times
 
     profile = _profile(s)
-    nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True)
+    nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True,
+                      wgrad_by_time=True, host_cost=host_cost)
     ops = node_ops(Action.overlap(Action(1, Kind.F, 1), Action(1, Kind.B, 0)), nodes)
     combined = max(end for _, end in op_times(ops, 0.0))
     per_layer = sum(profile.layer_time(d) for d in "FBW")
     return combined, per_layer * s.moe_layers
 
 
-def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int) -> str:
+def _pair_line(s: ReplaySettings, measured: dict, host: dict) -> str:
+    combined_sim, sequential_sim = _predict_pair(s)
+    calibrated, _ = _predict_pair(s, host.get("combined", 0.0))
+    return (
+        f"layer pair ({s.moe_layers} MoE layers F beside B): sequential "
+        f"{measured['sequential']:.1f} ms, combined {measured['combined']:.1f} ms, speed-up "
+        f"{measured['sequential'] / measured['combined']:.2f} | simulated {sequential_sim:.1f}"
+        f" / {combined_sim:.1f} ms, speed-up {sequential_sim / combined_sim:.2f} | "
+        f"measured/simulated combined {measured['combined'] / combined_sim:.3f}"
+        + (f"; with host cost {measured['combined'] / calibrated:.3f}" if host else ""))
+
+
+def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int, host: dict) -> str:
     plain_sim, _ = predict(s, name, False, 1)
     combined_sim, exposed_sim = predict(s, name, True, chunks, m["early"])
-    return (
+    line = (
         f"{name:<17} plain {m['plain']:8.1f} ms  combined {m['combined']:8.1f} ms  "
         f"speed-up {m['speedup']:.2f}  exposed a2a {m['exposed']:4.0%}  chunks {chunks}  | "
         f"simulated {plain_sim:8.1f} / {combined_sim:8.1f} ms  speed-up "
         f"{plain_sim / combined_sim:.2f}  exposed {exposed_sim:4.0%}  | measured/simulated "
         f"plain {m['plain'] / plain_sim:.3f} combined {m['combined'] / combined_sim:.3f}"
     )
+    if not host:
+        return line
+    plain_h, _ = predict(s, name, False, 1, host_cost=host["plain"])
+    combined_h, _ = predict(s, name, True, chunks, m["early"], host["combined"])
+    return (line + f"; with host cost: simulated {plain_h:8.1f} / {combined_h:8.1f} ms, "
+            f"measured/simulated plain {m['plain'] / plain_h:.3f} combined "
+            f"{m['combined'] / combined_h:.3f}")
 
 
 def _worker(rank: int, s: ReplaySettings, out) -> None:
@@ -286,18 +309,15 @@ def _worker(rank: int, s: ReplaySettings, out) -> None:
     from megapipe.parallel.groups import create_groups
     from megapipe.schedule.errors import ScheduleError
     from megapipe.schedule.ir import Kind
+    from replay_calibration import calibrate, calibration_line
 
     groups = create_groups(ParallelConfig(pp=s.pp, dp=s.dp, ep=s.ep))
-    lines, speedups, real = [], {}, None
+    lines, speedups, real, host = [], {}, None, {}
+    if s.calibrate:
+        host = calibrate(s, groups, s.schedules[0], chunks_for(s, s.schedules[0]))
+        lines.append(calibration_line(host, s.schedules[0]))
     if s.pair:
-        measured = _pair(s, groups)
-        combined_sim, sequential_sim = _predict_pair(s)
-        lines.append(
-            f"layer pair ({s.moe_layers} MoE layers F beside B): sequential "
-            f"{measured['sequential']:.1f} ms, combined {measured['combined']:.1f} ms, speed-up "
-            f"{measured['sequential'] / measured['combined']:.2f} | simulated {sequential_sim:.1f}"
-            f" / {combined_sim:.1f} ms, speed-up {sequential_sim / combined_sim:.2f} | "
-            f"measured/simulated combined {measured['combined'] / combined_sim:.3f}")
+        lines.append(_pair_line(s, _pair(s, groups), host))
     for name in s.schedules:
         try:
             combined = _schedule(s, name, True)
@@ -314,7 +334,7 @@ def _worker(rank: int, s: ReplaySettings, out) -> None:
             real = (name, _real_work(runs), measured["combined"])
         runs.close()
         speedups[name] = measured["speedup"]
-        lines.append(_schedule_line(s, name, measured, chunks))
+        lines.append(_schedule_line(s, name, measured, chunks, host))
     dist.barrier()
     if rank == 0:
         out.put((lines, speedups, real))
@@ -340,6 +360,8 @@ def parse(argv: list[str] | None) -> ReplaySettings:
     parser.add_argument("--no-delay-wgrad", action="store_true",
                         help="combined runs compute expert weight gradients inside B")
     parser.add_argument("--no-pair", action="store_true", help="skip the layer pair alone")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="skip the host-cost calibration replay (replay_calibration.py)")
     a = parser.parse_args(argv)
     names = list(SCHEDULES) if a.schedules == "all" else a.schedules.split(",")
     unknown = [n for n in names if n not in SCHEDULES]
@@ -349,7 +371,7 @@ def parse(argv: list[str] | None) -> ReplaySettings:
         names.insert(0, names.pop(names.index(DEFAULT_SCHEDULE)))
     return ReplaySettings(a.replay, tuple(names), a.pp, a.vpp, 2, 2, a.microbatches,
                           a.moe_layers, a.rounds, a.time_scale, a.a2a_chunks,
-                          not a.no_delay_wgrad, not a.no_pair)
+                          not a.no_delay_wgrad, not a.no_pair, not a.no_calibration)
 
 
 def main(argv: list[str] | None = None) -> int:

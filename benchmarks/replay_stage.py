@@ -8,7 +8,9 @@ outputs notes when autograd reaches the node, one on its inputs sleeps until the
 passed (so the sleep is in whichever thread runs the node's backward: the comm stream's worker
 for a comm node). Weight gradients the backward deferred into the layer's queue
 (``delay_wgrad_compute``, an I step) are wrapped to last the W time between them; a backward
-that computed them at once lasts B + W instead. Everything else (streams, co-scheduler, tape,
+that computed them at once lasts B + W instead. Each timed node also carries its profile times
+(``Node.times``), so the co-scheduler places deferred weight gradients by time, as the
+simulator does (``wgrad_by_time``). Everything else (streams, co-scheduler, tape,
 gloo all-to-alls and p2p) is the real engine.
 """
 
@@ -127,7 +129,8 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
         sleep_until(start + forward_s)
         return outputs
 
-    return Node(node.name, node.kind, fn, node.group)
+    # the times travel with the node: the co-scheduler places deferred weight gradients by them
+    return Node(node.name, node.kind, fn, node.group, profile.node_times(role, chunks))
 
 
 def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:

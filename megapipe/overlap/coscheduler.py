@@ -17,7 +17,9 @@ four pairs). This module carries that plan out on the streams:
 - **Deferred weight gradients** (``delay_wgrad_compute``): each backward layer's W items go into
   a queue of their own; the plan runs the first half beside that layer's backward dispatch and
   holds the rest for the next backward combine, where the forward's attention leaves the compute
-  stream idle. ``finish`` runs whatever is left.
+  stream idle (the count rule). When every node carries its expected times (``Node.times``) the
+  plan instead runs them where the compute stream would wait, by time (the time rule,
+  ``megapipe.sim.wgrad_fill``). ``finish`` runs whatever is left.
 - **Stream-ordered end.** ``finish`` makes the compute stream wait for the comm stream (an event
   wait): on CUDA the host runs ahead; on CPU this blocks until the comm thread is done, as before.
 
@@ -42,9 +44,9 @@ from megapipe.overlap.plan import Node, WarnOnce, layer_graph, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.sim.pair_plan import (
-    COMM, HEAD, REST, Issue, LayerShape, StepPlanner, compute_first, layer_shape,
-)
+from megapipe.sim.layer_shape import LayerShape, layer_shape
+from megapipe.sim.pair_plan import COMM, FILL, HEAD, REST, Issue, StepPlanner, compute_first
+from megapipe.sim.wgrad_fill import NodeTimes
 
 
 @dataclass
@@ -103,7 +105,9 @@ class CoScheduler:
         self.warn_once = WarnOnce()  # layer types without a node plan, warned about once each
         self.on_backward_done = on_backward_done
         defer = self.run_wgrad and self.wgrad is not None
-        self.planner = StepPlanner(self._backward_kinds(), defer_wgrad=defer)
+        shapes, times = self._backward_layers()
+        self.planner = StepPlanner(shapes, defer_wgrad=defer, backward_times=times,
+                                   host_runs_compute=streams.compute.runs_on_host)
         # one queue per backward layer, so the plan can run a layer's W items in two parts
         hold = self.wgrad.on_hold if self.wgrad is not None else None
         self._layer_wgrad = {
@@ -129,9 +133,9 @@ class CoScheduler:
             raise RuntimeError("CoScheduler.run_layer after finish()")
         plan = self.plan_of(layer)
         self._forward_layer = self.tape.begin_layer(plan, tuple(inputs))
-        shape = layer_graph(plan).shape
-        self._forward_shapes.append(layer_shape(shape))
-        self._execute(self.planner.forward_layer(shape))
+        graph = layer_graph(plan)
+        self._forward_shapes.append(layer_shape(graph.shape))
+        self._execute(self.planner.forward_layer(graph.shape, _times(graph.nodes)))
         return self._forward_outputs(self._forward_layer)
 
     def finish(self) -> Grads | None:
@@ -151,13 +155,17 @@ class CoScheduler:
         return grads
 
     # ---- carrying out the plan -----------------------------------------------------------
-    def _backward_kinds(self) -> list[list[str]]:
+    def _backward_layers(self) -> tuple[list[Any], list[tuple[NodeTimes, ...]] | None]:
+        """The backward tape's layer shapes, and their node times (None unless every node
+        has times: the plan's count rule)."""
         if self.backward is None:
-            return []
+            return [], None
         layers = self.backward.tape.layers
         if any(layer.backward_done or not layer.recorded for layer in layers):
             raise RuntimeError("a CoScheduler needs a recorded tape whose backward has not begun")
-        return [layer.shape for layer in layers]
+        times = [_times([record.node for record in layer.nodes]) for layer in layers]
+        timed = [t for t in times if t is not None]
+        return [layer.shape for layer in layers], timed if len(timed) == len(times) else None
 
     def _execute(self, issues: Sequence[Issue]) -> None:
         start = len(self.planner.issues) - len(issues)
@@ -254,12 +262,15 @@ class CoScheduler:
             queues = [self._layer_wgrad[issue.layer]]
         if not any(queue is not None and len(queue) for queue in queues):
             return
-        head = issue.node == HEAD
 
         def run() -> None:
             for queue in queues:
-                if queue is not None:
-                    queue.run(ceil(len(queue) / 2) if head else None)
+                if queue is None:
+                    continue
+                if issue.node == HEAD:
+                    queue.run(ceil(len(queue) / 2))
+                else:
+                    queue.run(issue.count if issue.node == FILL else None)
 
         layer = max(issue.layer, 0)
         label = (self.bwd_microbatch, layer, "wgrad", "W", "compute")
@@ -312,6 +323,12 @@ class CoScheduler:
                 return fn()
 
         return run
+
+
+def _times(nodes: Sequence[Node]) -> tuple[NodeTimes, ...] | None:
+    """The nodes' expected times, or None unless every node has them."""
+    times = tuple(node.times for node in nodes)
+    return None if any(t is None for t in times) else times  # type: ignore[return-value]
 
 
 def _quietly_wait(event: Event) -> None:

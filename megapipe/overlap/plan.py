@@ -26,6 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from megapipe.overlap.wgrad import WeightGradQueue
+    from megapipe.sim.wgrad_fill import NodeTimes
 
 
 class NodeKind(str, Enum):
@@ -60,12 +61,15 @@ Hold = Callable[[Sequence[Any]], None]
 @dataclass(frozen=True)
 class Node:
     """One step of a layer. ``group``: the process group a comm node drives (optional); the
-    co-scheduler checks that each group is driven from one stream only."""
+    co-scheduler checks that each group is driven from one stream only. ``times``: the node's
+    expected times (optional; when every node of a combined step has them, the co-scheduler
+    places deferred weight gradients by time: ``megapipe.sim.wgrad_fill``)."""
 
     name: str
     kind: NodeKind
     fn: NodeFn
     group: Any = None
+    times: "NodeTimes | None" = None
 
 
 @dataclass(frozen=True)

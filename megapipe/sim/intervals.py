@@ -55,6 +55,16 @@ def covered_length(span: Interval, cover: Sequence[Interval]) -> float:
     return float(covered_lengths([span[0]], [span[1]], cover[:, 0], cover[:, 1])[0])
 
 
+def covered_total(spans: Sequence[Interval], cover: Sequence[Interval]) -> float:
+    """How much of ``spans`` lies inside ``cover`` (sorted, disjoint): each span's covered
+    length, added up in span order from 0.0 (``covered_length`` of each, in one pass)."""
+    if not spans:
+        return 0.0
+    spans_ = np.asarray(spans, dtype=np.float64).reshape(-1, 2)
+    cover_ = np.asarray(cover, dtype=np.float64).reshape(-1, 2)
+    return sum(covered_lengths(spans_[:, 0], spans_[:, 1], cover_[:, 0], cover_[:, 1]).tolist())
+
+
 def uncovered_length(
     starts: np.ndarray, ends: np.ndarray, cover_starts: np.ndarray, cover_ends: np.ndarray
 ) -> float:

@@ -16,13 +16,15 @@ queues work.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING, Sequence
 
 from ..schedule.ir import Action, Kind
-from .pair_plan import COMM, COMPUTE, HEAD, REST, TAIL, Issue, StepPlanner
+from .pair_plan import COMM, COMPUTE, FILL, HEAD, REST, TAIL, Issue, StepPlanner
 from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
+from .wgrad_fill import NodeTimes
 
 if TYPE_CHECKING:
     from ..schedule.ir import Schedule
@@ -33,7 +35,6 @@ _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "fi
 # also the conservative reading of the rule that sends only single-send pairs early); at the end
 EACH, WHOLE, AT_END = "each half", "whole batch", "at the end"
 EARLY_RULES = (EACH, "single-send pairs", WHOLE, AT_END)
-WGRAD_ITEMS = 3  # deferred GEMMs of one expert group's backward (gate, up, down)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,17 @@ class NodeCosts:
 
     ``combined``: the schedule runs node by node on the streams (the engine does so in combined
     schedules): an I keeps attention's weight gradient (only the experts' GEMMs defer); in a
-    plain schedule the generic split moves every weight gradient to W."""
+    plain schedule the generic split moves every weight gradient to W.
+
+    ``wgrad_by_time``: the engine's nodes carry their times (``wgrad_fill.NodeTimes``, as the
+    replay benchmark's do), so the planner places deferred weight gradients by the time rule;
+    without (a training run's nodes carry none) by the count rule.
+
+    ``host_cost``: what the engine spends per F or B node beyond the node's own time (its tape
+    and autograd calls, thread hand-offs: real work outside the node), in the profile's unit,
+    added to every F and B node (not to W). It is a property of the machine, not of the
+    profile: the replay benchmark measures it with a calibration replay of a uniform profile
+    (``benchmarks/replay_calibration.py``); 0 models a host that costs nothing."""
 
     profile: NodeProfile
     num_stages: int
@@ -56,6 +67,8 @@ class NodeCosts:
     host_runs_compute: bool = False
     combined: bool = True
     early_sends: str = EACH
+    wgrad_by_time: bool = False
+    host_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_stages", "a2a_chunks"):
@@ -65,6 +78,8 @@ class NodeCosts:
         if self.early_sends not in EARLY_RULES:
             raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
                              f"{', '.join(EARLY_RULES)}")
+        if not self.host_cost >= 0:
+            raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
         if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
                 or self.moe_layers < 0:
             raise ValueError(f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
@@ -89,6 +104,10 @@ class NodeCosts:
             return [_KIND.get(role, COMPUTE) for role in roles]
         chunk = tuple(_KIND[role] for role in CHUNKED_ROLES)
         return [COMPUTE, tuple(chunk for _ in range(self.a2a_chunks)), COMPUTE]
+
+    def node_times(self, roles: Sequence[str]) -> tuple[NodeTimes, ...]:
+        """The times of a layer's nodes as the planner's time rule sees them."""
+        return tuple(self.profile.node_times(role, self.a2a_chunks) for role in roles)
 
     def backward_time(self, role: str, kind: Kind) -> float:
         """A node's backward: B, plus its W where the step computes it."""
@@ -128,17 +147,21 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
         None if action.kind is Kind.F else action)
     b_layers = nodes.layers(backward.stage) if backward is not None else []
     defer = nodes.defer_wgrad and backward is not None and backward.kind is Kind.B
-    planner = StepPlanner([nodes.shape(r) for r in b_layers], defer_wgrad=defer)
+    b_times = [nodes.node_times(roles) for roles in b_layers]
+    planner = StepPlanner([nodes.shape(r) for r in b_layers], defer_wgrad=defer,
+                          backward_times=b_times if nodes.wgrad_by_time else None,
+                          host_runs_compute=nodes.host_runs_compute)
     f_layers = nodes.layers(forward.stage) if forward is not None else []
     for roles in f_layers:
-        planner.forward_layer(nodes.shape(roles))
+        planner.forward_layer(nodes.shape(roles), nodes.node_times(roles))
     planner.finish()
-    return _ops(planner.issues, forward, backward, f_layers, b_layers, nodes)
+    wgrad = _WeightShares(b_times)
+    return _ops(planner.issues, forward, backward, f_layers, b_layers, nodes, wgrad)
 
 
 def _ops(issues: Sequence[Issue], forward: Action | None, backward: Action | None,
-         f_layers: list, b_layers: list, nodes: NodeCosts) -> list[NodeOp]:
-    wgrad = _WeightShares(nodes, [len(roles) > 1 for roles in b_layers])
+         f_layers: list, b_layers: list, nodes: NodeCosts, wgrad: "_WeightShares"
+         ) -> list[NodeOp]:
     ops: list[NodeOp] = []
     last_compute: int | None = None
     for issue in issues:
@@ -151,12 +174,12 @@ def _ops(issues: Sequence[Issue], forward: Action | None, backward: Action | Non
         elif issue.side == "F":
             assert forward is not None
             role = f_layers[issue.layer][issue.node]
-            time = nodes.profile.time(role, "F", nodes.a2a_chunks)
+            time = nodes.profile.time(role, "F", nodes.a2a_chunks) + nodes.host_cost
             op = NodeOp(issue.stream, role, forward, issue.layer, time, deps)
         else:
             assert backward is not None
             role = b_layers[issue.layer][issue.node]
-            time = nodes.backward_time(role, backward.kind)
+            time = nodes.backward_time(role, backward.kind) + nodes.host_cost
             op = NodeOp(issue.stream, role, backward, issue.layer, time, deps)
         if issue.stream == COMPUTE:
             last_compute = len(ops)
@@ -165,24 +188,22 @@ def _ops(issues: Sequence[Issue], forward: Action | None, backward: Action | Non
 
 
 class _WeightShares:
-    """The deferred experts' weight gradients of each backward layer, handed out as the plan's
-    W issues take them (head: the first ceil(n/2) of the layer's n GEMMs, tail: the rest)."""
+    """The deferred weight-gradient items of each backward layer (its nodes' ``wgrad`` in the
+    order its backward queues them), handed out as the plan's W issues take them: HEAD the first
+    ceil(n/2) of the n left, TAIL the rest, FILL its ``count``, REST everything left."""
 
-    def __init__(self, nodes: NodeCosts, is_moe: list[bool]) -> None:
-        per_layer = nodes.profile.time("mlp", "W")
-        self.items = WGRAD_ITEMS * nodes.a2a_chunks
-        self.left = [self.items if moe else 0 for moe in is_moe]
-        self.per_item = per_layer / self.items
+    def __init__(self, b_times: Sequence[Sequence[NodeTimes]]) -> None:
+        self.left = [deque(item for times in reversed(layer) for item in times.wgrad)
+                     for layer in b_times]
 
     def take(self, issue: Issue) -> float:
         if issue.node == REST:
-            count, self.left = sum(self.left), [0] * len(self.left)
-            return count * self.per_item
-        left = self.left[issue.layer]
-        count = min(left, ceil(left / 2)) if issue.node == HEAD else left
-        assert issue.node in (HEAD, TAIL)
-        self.left[issue.layer] -= count
-        return count * self.per_item
+            total = sum(sum(items) for items in self.left)
+            self.left = [deque() for _ in self.left]
+            return total
+        items = self.left[issue.layer]
+        count = {HEAD: ceil(len(items) / 2), TAIL: len(items), FILL: issue.count}[issue.node]
+        return sum(items.popleft() for _ in range(min(count, len(items))))
 
 
 def half_ends(ops: Sequence[NodeOp], times: Sequence[tuple], rule: str) -> tuple[float, float]:

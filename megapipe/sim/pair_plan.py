@@ -36,11 +36,14 @@ are split in two. The *head*, the first ceil(n/2) items, runs after the compute 
 last backward comm node (the B dispatch: slot 4); the *tail*, the rest, is held until the next
 slot with a backward comm node (the next layer's B combine, slot 2, where the forward's attention
 is usually shorter than the combine), or to the end of the step. ``REST`` at the end runs
-whatever is still queued.
+whatever is still queued. That is the *count rule*, for nodes without times. When every
+backward node carries its expected times (``wgrad_fill.NodeTimes``) the *time rule* replaces it:
+the planner times the issues it plans and, before each compute node that would wait for the comm
+stream, runs queued items in the gap (``FILL`` issues of ``count`` items; ``wgrad_fill``).
 
 **Host order.** ``StepPlanner`` emits issues as a host whose compute stream is its own thread
 (CPU) issues them: per slot the comm node first (queued), then the W issues decided in the slot
-before, then the compute node. ``compute_first`` is the order for a host that only queues work
+before (time rule: those that fill the gap before the compute node), then the compute node. ``compute_first`` is the order for a host that only queues work
 (CUDA): a slot's compute node before its comm node, so a dispatch that blocks the host (reading
 its split sizes) does not delay the compute launch. Both give each stream the same sequence.
 """
@@ -48,20 +51,14 @@ its split sizes) does not delay the compute launch. Both give each stream the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
-COMPUTE = "compute"
-COMM = "comm"
+from .layer_shape import LayerShape, NodeRef, Shape, Side, Slot, Step, layer_shape
+from .wgrad_fill import COMM, COMPUTE, LayerTimes, NodeTimes, WgradClock
+
 # the ``node`` of a W issue: which share of a backward layer's deferred weight gradients it runs
-HEAD, TAIL, REST = 0, 1, 2
-
-Side = str  # "F" forward node, "B" backward node, "W" deferred weight gradients
-Shape = Sequence[Any]
-"""A layer for the planner: per plan item, a node kind, or for a fork the kinds of each branch
-(``megapipe.overlap.plan.LayerGraph.shape``). Nodes are numbered in that order, branch by branch."""
-NodeRef = tuple[Side, int]  # (side, node index in its layer, forward order)
-Step = tuple[str, tuple[int, ...]]  # (kind, nodes of one layer issued back to back)
-Slot = tuple[tuple[NodeRef, ...], tuple[NodeRef, ...]]  # (comm nodes, compute nodes) side by side
+# (FILL: ``count`` items, placed by time: ``wgrad_fill``)
+HEAD, TAIL, REST, FILL = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,8 @@ class Issue:
 
     ``layer``: F: the forward layer (0 = the step's first ``forward_layer`` call); B and W: the
     backward tape's layer index (W REST: -1). ``node``: F and B: the node's index in its layer's
-    plan (forward order; the backward walks a layer from its last node); W: HEAD, TAIL or REST.
+    plan (forward order; the backward walks a layer from its last node); W: HEAD, TAIL, REST or
+    FILL (``count``: how many of the layer's queued items it runs).
     ``slot``: issues with the same slot run side by side (comm nodes and the compute beside
     them). ``needs``: positions, in the step's list of issues, of issues on the other stream whose
     completion this one waits for (an event); same-stream order is implied by the list.
@@ -82,112 +80,14 @@ class Issue:
     node: int
     slot: int
     needs: tuple[int, ...] = ()
+    count: int = 0
 
     def label(self) -> str:
         if self.side == "W":
-            return f"W{self.layer}.{('head', 'tail', 'rest')[self.node]}"
+            part = ("head", "tail", "rest", f"fill{self.count}")[self.node]
+            return f"W{self.layer}.{part}"
         return f"{self.side}{self.layer}.{self.node}"
 
-
-@dataclass(frozen=True)
-class LayerShape:
-    """A layer's nodes as the planner sees them: kinds, what each reads, and walk orders."""
-
-    kinds: tuple[str, ...]
-    reads: tuple[tuple[int, ...], ...]  # the nodes of the layer each node reads (forward)
-    readers: tuple[tuple[int, ...], ...]  # the nodes that read each node
-    forks: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]  # (item position, branch nodes)
-    items: tuple[tuple[int, ...] | None, ...]  # per plan item: its node (a 1-tuple) or None (fork)
-
-    @property
-    def has_comm(self) -> bool:
-        return COMM in self.kinds
-
-    def steps(self, direction: str) -> list[Step]:
-        """The walk of a layer that has a partner: node by node, a fork's branches grouped by
-        position (the branches' i-th nodes back to back, branch 0 first); backward in reverse."""
-        steps: list[Step] = []
-        for position, item in enumerate(self.items):
-            if item is not None:
-                steps.append((self.kinds[item[0]], item))
-                continue
-            branches = dict(self.forks)[position]
-            for i in range(len(branches[0])):
-                group = tuple(branch[i] for branch in branches)
-                steps.append((self.kinds[group[0]], group))
-        return steps if direction == "F" else steps[::-1]
-
-    def lone_slots(self, side: Side) -> list[Slot]:
-        """The walk of a layer without a partner: nodes alone, a fork's branches pipelined
-        (``chunk_slots``: one branch's comm node beside another's compute node)."""
-        forks = dict(self.forks)
-        per_item: list[list[Slot]] = []
-        for position, item in enumerate(self.items):
-            if item is None:
-                chains = [list(b) if side == "F" else list(b)[::-1] for b in forks[position]]
-                per_item.append(chunk_slots(chains, self.kinds, side))
-                continue
-            ref = ((side, item[0]),)
-            per_item.append([(ref, ()) if self.kinds[item[0]] == COMM else ((), ref)])
-        if side == "B":
-            per_item.reverse()
-        return [slot for slots in per_item for slot in slots]
-
-
-def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
-    """Slots for parallel chains with no other microbatch beside them: in each slot the ready
-    comm node and the ready compute node that come earliest in their chains (then the lowest
-    branch), a node being ready once its chain predecessor ran in an earlier slot. For k chains
-    of (dispatch, experts, combine) this is dispatch 0 | -, dispatch 1 | experts 0, ...,
-    combine 0 | experts k-1, ..., combine k-1: the comm stream never waits for a whole chunk."""
-    position = [0] * len(chains)
-    slots: list[Slot] = []
-    while any(p < len(chain) for p, chain in zip(position, chains)):
-        chosen: dict[str, tuple[int, int]] = {}
-        for c, chain in enumerate(chains):
-            if position[c] < len(chain):
-                kind = kinds[chain[position[c]]]
-                if kind not in chosen or (position[c], c) < chosen[kind]:
-                    chosen[kind] = (position[c], c)
-        slot: list[tuple[NodeRef, ...]] = [(), ()]
-        for kind, (_, c) in chosen.items():
-            slot[0 if kind == COMM else 1] = ((side, chains[c][position[c]]),)
-            position[c] += 1
-        slots.append((slot[0], slot[1]))
-    return slots
-
-
-def layer_shape(shape: Shape) -> LayerShape:
-    """Number the nodes of a shape and find what each reads (see ``Shape``)."""
-    kinds: list[str] = []
-    reads: list[tuple[int, ...]] = []
-    forks: list[tuple[int, tuple[tuple[int, ...], ...]]] = []
-    items: list[tuple[int, ...] | None] = []
-    last: tuple[int, ...] = ()
-    for position, item in enumerate(shape):
-        if isinstance(item, str):
-            if item not in (COMPUTE, COMM):
-                raise ValueError(f"node kind {item!r} is not {COMPUTE!r} or {COMM!r}")
-            kinds.append(item)
-            reads.append(last)
-            last = (len(kinds) - 1,)
-            items.append(last)
-            continue
-        before, ends, branches = last, [], []
-        for branch in item:
-            nodes, previous = [], before
-            for kind in branch:
-                kinds.append(kind)
-                reads.append(previous)
-                previous = (len(kinds) - 1,)
-                nodes.append(len(kinds) - 1)
-            ends += previous
-            branches.append(tuple(nodes))
-        forks.append((position, tuple(branches)))
-        items.append(None)
-        last = before + tuple(ends)
-    readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(kinds)))
-    return LayerShape(tuple(kinds), tuple(reads), readers, tuple(forks), tuple(items))
 
 
 def pair_slots(forward: Shape | None, backward: Shape | None) -> list[Slot]:
@@ -232,11 +132,22 @@ class StepPlanner:
     order (empty: a forward alone). ``forward_layer(shape)`` returns the issues that come with the
     next forward layer (lone backward layers first, then the pair); ``finish()`` the issues of the
     backward layers left and of the weight gradients still held. ``issues`` holds them all.
+
+    ``backward_times`` (a ``LayerTimes`` per backward layer) switches the deferred weight
+    gradients from the count rule to the time rule (``wgrad_fill``); ``forward_layer`` then
+    takes each forward layer's times too (None: its nodes count as taking no time);
+    ``host_runs_compute``: time the issues as a CPU host runs them (``wgrad_fill.time_issues``).
     """
 
-    def __init__(self, backward_layers: Iterable[Shape] = (), defer_wgrad: bool = False):
+    def __init__(self, backward_layers: Iterable[Shape] = (), defer_wgrad: bool = False,
+                 backward_times: Sequence[LayerTimes] | None = None,
+                 host_runs_compute: bool = False):
         self.backward_layers = [layer_shape(shape) for shape in backward_layers]
         self.defer_wgrad = defer_wgrad and bool(self.backward_layers)
+        self.clock: WgradClock | None = None
+        if self.defer_wgrad and backward_times is not None:
+            _check_times(backward_times, self.backward_layers, "backward_times")
+            self.clock = WgradClock(backward_times, host_runs_compute)
         self.issues: list[Issue] = []
         self._next_backward = len(self.backward_layers) - 1
         self._forward_layers: list[LayerShape] = []
@@ -247,11 +158,16 @@ class StepPlanner:
         self._held_tails: list[int] = []  # layers whose tail waits for a backward comm slot
         self._finished = False
 
-    def forward_layer(self, shape: Shape) -> list[Issue]:
-        """Issues for the next forward layer, of this shape."""
+    def forward_layer(self, shape: Shape, times: LayerTimes | None = None) -> list[Issue]:
+        """Issues for the next forward layer, of this shape (and node times: the time rule)."""
         if self._finished:
             raise RuntimeError("StepPlanner.forward_layer after finish()")
         forward = layer_shape(shape)
+        if self.clock is not None:
+            if times is not None:
+                _check_times([times], [forward], "forward layer times")
+            self.clock.forward.append(
+                tuple(times) if times is not None else (NodeTimes(0.0, 0.0),) * len(forward.kinds))
         start = len(self.issues)
         while self._next_backward >= 0 and not self.backward_layers[self._next_backward].has_comm:
             self._pair(None, self._take_backward())
@@ -303,7 +219,7 @@ class StepPlanner:
             self._emit_pending_w()
             for ref in compute:
                 self._emit_node(COMPUTE, ref, f_layer, backward)
-            if self.defer_wgrad and n in b_comm:
+            if self.defer_wgrad and self.clock is None and n in b_comm:
                 self._decide_w(backward, n == b_comm[-1])
         if forward is not None:
             self._layer_end["F"] = self.positions[("F", f_layer, len(forward.kinds) - 1)]
@@ -340,8 +256,31 @@ class StepPlanner:
         else:
             made = [] if self._layer_end[side] is None else [self._layer_end[side]]
         needs = tuple(sorted(p for p in made if self.issues[p].stream != stream))
+        if self.clock is not None:
+            self._fill_w(stream, needs)
         self.positions[(side, layer, node)] = len(self.issues)
         self.issues.append(Issue(stream, side, layer, node, self._slot, needs))
+        if self.clock is not None:
+            self.clock.add(stream, needs, self.clock.node_time(side, layer, node))
+            if side == "B" and stream == COMPUTE:
+                self.clock.queue(layer, node)
+
+    def _fill_w(self, stream: str, needs: tuple[int, ...]) -> None:
+        """The time rule: W items in the gap before a compute node that waits for ``needs``."""
+        assert self.clock is not None
+        if stream != COMPUTE:
+            return
+        for layer, count, duration in self.clock.fill(stream, needs):
+            self.issues.append(Issue(COMPUTE, "W", layer, FILL, self._slot, count=count))
+            self.clock.add(COMPUTE, (), duration)
+
+
+def _check_times(times: Sequence[LayerTimes], layers: Sequence[LayerShape], what: str) -> None:
+    if len(times) != len(layers) or any(
+            len(t) != len(layer.kinds) for t, layer in zip(times, layers)):
+        raise ValueError(
+            f"{what}: {[len(t) for t in times]} node times per layer, but the layers have "
+            f"{[len(layer.kinds) for layer in layers]} nodes")
 
 
 def step_plan(
@@ -372,29 +311,3 @@ def compute_first(issues: Sequence[Issue]) -> list[Issue]:
         else:
             out.append(issue)
     return out + held
-
-
-def time_issues(
-    issues: Sequence[Issue], duration: Callable[[Issue], float], host_runs_compute: bool = False
-) -> list[tuple[float, float]]:
-    """(start, end) of every issue when each takes ``duration(issue)``.
-
-    ``issues`` as planned (``needs`` index into it). Each stream runs its issues in list order,
-    each issue after its ``needs``: a device whose host only queues work (CUDA). With
-    ``host_runs_compute`` (CPU: the compute stream is the host thread, which also queues the comm
-    issues in the planned host order) a comm issue also starts no earlier than the host reaches
-    it, i.e. the end of the compute issues before it in the list.
-    """
-    free = {COMPUTE: 0.0, COMM: 0.0}
-    host = 0.0
-    spans: list[tuple[float, float]] = []
-    for issue in issues:
-        start = max([free[issue.stream]] + [spans[n][1] for n in issue.needs])
-        if host_runs_compute and issue.stream == COMM:
-            start = max(start, host)
-        end = start + duration(issue)
-        free[issue.stream] = end
-        if host_runs_compute and issue.stream == COMPUTE:
-            host = end
-        spans.append((start, end))
-    return spans

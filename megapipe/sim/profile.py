@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .wgrad_fill import NodeTimes
+
 COMPUTE_KEYS = ("attn_F", "attn_B", "attn_W", "mlp_F", "mlp_B", "mlp_W")
 COMM_KEYS = ("dispatch_F", "dispatch_B", "combine_F", "combine_B")
 OPTIONAL = ("embedding", "head", "dense_layer")
 # a MoE layer's nodes in the engine's order; the three middle ones are split by chunks
 MOE_ROLES = ("attn", "dispatch", "mlp", "combine", "finish")
 CHUNKED_ROLES = ("dispatch", "mlp", "combine")
+WGRAD_ITEMS = 3  # the weight-gradient GEMMs an experts node defers (gate, up, down)
 
 
 def _number(where: str, value: Any) -> float:
@@ -90,6 +93,15 @@ class NodeProfile:
         """ms of one node of ``role`` in ``direction`` (a chunk's share in a k-chunk layer)."""
         value = self.times.get((role, direction), 0.0)
         return value / chunks if role in CHUNKED_ROLES else value
+
+    def node_times(self, role: str, chunks: int = 1) -> NodeTimes:
+        """A node's times for the pair planner's time rule: attention's W inside its backward
+        (the engine never defers it), the experts' W as ``WGRAD_ITEMS`` deferrable items."""
+        forward, backward = self.time(role, "F", chunks), self.time(role, "B", chunks)
+        weight = self.time(role, "W", chunks)
+        if role == "mlp":
+            return NodeTimes(forward, backward, (weight / WGRAD_ITEMS,) * WGRAD_ITEMS)
+        return NodeTimes(forward, backward + weight)
 
     def layer_time(self, direction: str) -> float:
         """ms of one MoE layer's nodes in ``direction``, one after the other."""

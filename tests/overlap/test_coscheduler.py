@@ -3,6 +3,7 @@
 import copy
 import time
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_s
 from megapipe.overlap.tape import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.sim.pair_plan import FILL, HEAD
+from megapipe.sim.wgrad_fill import NodeTimes
 
 from support.overlap_asserts import assert_same_tensors
 from support.overlap_toys import ToyOpaque, toy_stack
@@ -340,3 +343,46 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
             found = [n for n in chunked if n[0][0] == direction and {x for _, x in n} == pair]
             assert len(found) == 2, (direction, pair, chunked)
     assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one
+
+
+# expected times (ms) the co-scheduler may plan with: comm nodes three times the compute ones,
+# the toy experts' two deferred GEMMs 1 ms each
+TOY_TIMES = {"attention": NodeTimes(1.0, 1.0), "dispatch": NodeTimes(3.0, 3.0),
+             "experts": NodeTimes(1.0, 1.0, (1.0, 1.0)), "combine": NodeTimes(3.0, 3.0),
+             "finish": NodeTimes(0.0, 0.0), "dense": NodeTimes(1.0, 1.0)}
+
+
+def _timed_plans(stack, timed):
+    plans = _plans(stack)
+    return [[replace(n, times=TOY_TIMES[n.name]) for n in p] for p in plans] if timed else plans
+
+
+@pytest.mark.parametrize("kinds", ["mmm", "dmdm"])
+def test_weight_gradients_placed_by_time_keep_the_bits(kinds):
+    """Nodes with times: the plan runs the deferred GEMMs where the compute stream would wait
+    (FILL issues), not by count; only their order changes, and each adds into its own weight,
+    so the gradients stay bitwise those of F then B."""
+    gen = torch.Generator().manual_seed(7)
+    x_i, x_j, g_j = (torch.randn(6, 8, generator=gen) for _ in range(3))
+    results, parts = [], []
+    for combined, timed in ((False, False), (True, True), (True, False)):
+        stack_f, stack_b = toy_stack(kinds, seed=10), toy_stack(kinds, seed=20)
+        _, tape_j = record_forward(_timed_plans(stack_b, timed), (x_j.requires_grad_(),))
+        queue = WeightGradQueue()
+        if combined:
+            with make_streams("cpu") as streams:
+                runner = CoScheduler(streams, TapeBackward(tape_j, (g_j,), wgrad=queue))
+                values = (x_i.requires_grad_(),)
+                for plan in _timed_plans(stack_f, timed):
+                    values = runner.run_layer(plan, values)
+                (gx_j,) = runner.finish()
+            parts.append({i.node for i in runner.planner.issues if i.side == "W"})
+        else:
+            values, _ = record_forward(_timed_plans(stack_f, timed), (x_i.requires_grad_(),))
+            (gx_j,) = run_backward(tape_j, (g_j,), wgrad=queue)
+            queue.run()
+        results.append([*values, gx_j] + _grads(stack_f, stack_b))
+    assert_same_tensors(results[0], results[1])
+    assert_same_tensors(results[0], results[2])
+    assert FILL in parts[0] and HEAD not in parts[0]  # by time
+    assert FILL not in parts[1] and HEAD in parts[1]  # by count: nodes without times

@@ -3,8 +3,9 @@
 import pytest
 
 from megapipe.sim.pair_plan import (
-    COMM, COMPUTE, HEAD, REST, TAIL, compute_first, pair_slots, step_plan, time_issues,
+    COMM, COMPUTE, FILL, HEAD, REST, TAIL, StepPlanner, compute_first, pair_slots, step_plan,
 )
+from megapipe.sim.wgrad_fill import NodeTimes, time_issues
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
@@ -128,6 +129,54 @@ def test_plan_hides_the_all_to_all_of_a_deepseek_like_pair_of_four_layers():
     assert sequential == pytest.approx(244.0)
     assert sequential / gpu > 1.8, gpu
     assert sequential / cpu > 1.8, cpu
+
+
+def _timed_plan(layers):
+    """The time rule on DeepSeek's pair: each node's times, the experts' W as 3 items."""
+    times = [NodeTimes(DEEPSEEK[("F", n)], DEEPSEEK[("B", n)], (6.4 / 3,) * 3 if n == 2 else ())
+             for n in range(5)]
+    planner = StepPlanner([MOE] * layers, defer_wgrad=True, backward_times=[times] * layers)
+    for _ in range(layers):
+        planner.forward_layer(MOE, times)
+    planner.finish()
+    return planner.issues
+
+
+def _timed_duration(issues):
+    placed = sum(i.count for i in issues if i.node == FILL)
+
+    def duration(issue):
+        if issue.side == "W":  # REST: the items no FILL took
+            return (issue.count if issue.node == FILL else 12 - placed) * 6.4 / 3
+        return DEEPSEEK[(issue.side, issue.node)]
+
+    return duration
+
+
+def test_time_rule_fills_the_three_compute_gaps_of_each_layer_pair():
+    # the count rule's head (2 of 3 GEMMs, 4.3 ms) overran the 2.9 ms gap after the F experts:
+    # 135.2 ms; by time one GEMM goes into each gap: after the B experts, after the F experts,
+    # beside the next B combine (after the F attention): 130.9 ms, 1.86x
+    issues = _timed_plan(4)
+    labels = [_label(i) if i.side != "W" else i.label() for i in issues]
+    for b in (3, 2, 1):
+        f = 3 - b
+        experts, f_experts = labels.index(f"B{b}.experts"), labels.index(f"F{f}.experts")
+        assert labels[experts + 2: f_experts] == [f"W{b}.fill1"]  # after B dispatch, this W
+        assert labels[f_experts + 2] == f"W{b}.fill1"  # after the F combine is queued
+        assert labels[labels.index(f"F{f + 1}.attention") + 2] == f"W{b}.fill1"
+    assert all(i.node in (FILL, REST) for i in issues if i.side == "W")
+    assert sum(i.count for i in issues if i.node == FILL) <= 12
+    span = max(end for _, end in time_issues(issues, _timed_duration(issues)))
+    assert span == pytest.approx(130.93, abs=0.01)
+    assert 244.0 / span > 1.86
+
+
+def test_time_rule_needs_times_for_every_node_of_the_backward():
+    with pytest.raises(ValueError, match="node times per layer"):
+        StepPlanner([MOE], defer_wgrad=True, backward_times=[[NodeTimes(1.0, 1.0)] * 4])
+    # without deferral there is nothing to place: the times are not used
+    assert StepPlanner([MOE], backward_times=[[NodeTimes(1.0, 1.0)] * 5]).clock is None
 
 
 MOE2 = ["compute", (("comm", "compute", "comm"),) * 2, "compute"]  # a MoE layer in 2 chunks

@@ -144,8 +144,10 @@ def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap
     gap_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
     out_len = int(gap_start[-1])
     kind = np.empty(out_len, dtype=np.int8)
-    stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
-    back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)] if table.has_overlap else []
+    # The table's own dtypes (int8 kinds, int32 numbers): from_columns keeps them without a copy.
+    stage, mb = np.empty(out_len, dtype=np.int32), np.empty(out_len, dtype=np.int32)
+    back = ([np.full(out_len, -1, dtype=dtype) for dtype in (np.int8, np.int32, np.int32)]
+            if table.has_overlap else [])
     # SENDs: in computation order, which is gap order.
     at = gap_start[send_gap] + _rank_in_run(send_gap)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)

@@ -203,11 +203,10 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
         return not len(wants)
     space = ProductSpace.covering(ops.source[taking], ops.mb[taking])
     message = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking])
-    if np.bincount(message).max() > 1:
+    received = space.last_of(message, taking)
+    if not np.array_equal(space.lookup(received, message), taking):  # a tensor received twice
         return False
-    recv_of = np.full(space.never + 1, -1, dtype=np.int64)
-    recv_of[message] = taking
-    recv = recv_of[space.ids(letter[wants], sender[wants], comps.mb[wants])]
+    recv = space.lookup(received, space.ids(letter[wants], sender[wants], comps.mb[wants]))
     if (recv < 0).any():
         return False
     row = compute_rows[comps.action[wants]]

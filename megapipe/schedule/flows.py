@@ -120,6 +120,23 @@ class ProductSpace:
         inside = (s >= 0) & (s < self.stages) & (m >= 0) & (m < self.mbs) & (letter >= 0)
         return np.where(inside, (letter * self.stages + s) * self.mbs + m, self.never)
 
+    def last_of(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """A lookup (read it with ``lookup``) from each id to the value at its last place in
+        ``ids`` (``values`` increasing), -1 for ids not there: one entry per id below ``size``
+        and one for ``never``, in int32 where the values fit."""
+        dense = np.minimum(ids, self.size)
+        small = not len(values) or int(values[-1]) < np.iinfo(np.int32).max
+        values = values.astype(np.int32 if small else np.int64, copy=False)
+        out = np.full(self.size + 1, -1, dtype=values.dtype)
+        out[dense] = values
+        if not (out[dense] == values).all():  # an id repeats: keep its last (largest) value
+            np.maximum.at(out, dense, values)
+        return out
+
+    def lookup(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """``table`` (from ``last_of``) at each of ``ids``."""
+        return table[np.minimum(ids, self.size)]
+
     def id_of(self, product) -> int | None:
         """The id of one product ``(letter, stage, mb)``, or None outside the space."""
         try:

@@ -90,10 +90,7 @@ class _Messages:
         self.space = ProductSpace.covering(self.stage, self.mb)
         self.id = self.space.ids(self.letter, self.stage, self.mb)
         # The send each message resolves to: the last one made, as a dict keyed by it would keep.
-        self.last = np.full(self.space.never + 1, -1, dtype=np.int64)
-        self.last[self.id] = np.arange(len(self.id))
-        if len(self.id) and np.bincount(self.id).max() > 1:
-            np.maximum.at(self.last, self.id, np.arange(len(self.id)))
+        self.last = self.space.last_of(self.id, np.arange(len(self.id)))
         by_time = np.argsort(self.time, kind="stable")  # ties: sender rank, then its order
         self.priority = np.empty(len(self.comp), dtype=np.int64)
         self.priority[by_time] = np.arange(len(self.comp))
@@ -109,7 +106,7 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
     r_letter, r_stage = received_messages(schedule, comps)
     receiving = np.flatnonzero(r_letter >= 0)
     wanted = sends.space.ids(r_letter[receiving], r_stage[receiving], comps.mb[receiving])
-    source = sends.last[wanted]
+    source = sends.space.lookup(sends.last, wanted)
     if (source < 0).any():
         first = receiving[np.argmax(source < 0)]
         rank = int(comps.rank[first])

@@ -169,13 +169,18 @@ class _Batches:
 
     def __init__(self, table, comm: np.ndarray, start: np.ndarray, sent_at: np.ndarray) -> None:
         rows = np.flatnonzero(comm)
-        before = np.maximum(rows - 1, 0)
-        joined = (rows > 0) & comm[before] & (table.rank[before] == table.rank[rows])
-        first = rows[~joined]
-        self.of = np.cumsum(~joined) - 1
-        starts = np.flatnonzero(~joined)
+        rank_first = np.zeros(len(table) + 1, dtype=bool)  # the first row of each rank
+        rank_first[table.offsets[:-1]] = True
+        # A comm row joins the batch before it when the row before is comm on the same rank.
+        joins = comm & ~rank_first[:-1]
+        joins[1:] &= comm[:-1]
+        joins[:1] = False
+        opens = ~joins[rows]
+        first = rows[opens]
+        self.of = np.cumsum(opens) - 1
+        starts = np.flatnonzero(opens)
         self.done = np.maximum.reduceat(sent_at, starts) if len(rows) else np.zeros(0)
-        has_before = first > table.offsets[table.rank[first]]
+        has_before = ~rank_first[first]
         self.posted = np.where(has_before, start[np.maximum(first - 1, 0)], -np.inf)
         same = np.concatenate([[False], table.rank[first[1:]] == table.rank[first[:-1]]])
         self.previous = np.where(same, np.concatenate([[-np.inf], self.done[:-1]]), -np.inf)

@@ -189,11 +189,11 @@ class _Batches:
 def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     """Each batch completes after it is posted, after the batch before it, and after each op's
     partner batch is posted and that batch's predecessor completed."""
-    if not ((batches.done > batches.posted) & (batches.done > batches.previous)).all():
+    # Later than both is later than their maximum (a NaN compares false either way).
+    ready = np.maximum(batches.posted, batches.previous)
+    if not (batches.done > ready).all():
         return False
-    mine, theirs = batches.of, batches.of[partner]
-    after_post = batches.done[mine] > batches.posted[theirs]
-    return bool((after_post & (batches.done[mine] > batches.previous[theirs])).all())
+    return bool((batches.done[batches.of] > ready[batches.of[partner]]).all())
 
 
 def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,

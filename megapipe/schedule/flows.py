@@ -12,9 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SENDS
+from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
 from .ir import Schedule
 from .table import KINDS, Comps
+
+assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the step to the stage"
 
 LETTERS = ("F", "G", "W")  # product letters, coded 0, 1, 2
 MESSAGE_LETTERS = ("F", "B")  # message letters, coded 0, 1
@@ -40,10 +42,8 @@ CARRY_PEER = _by_code(CARRIES, lambda r: r[2], 0)
 def neighbours(stage: np.ndarray, step, per_pipeline: int) -> tuple[np.ndarray, np.ndarray]:
     """The stage ``step`` away (``SELF``, ``BEFORE``, ``AFTER``; scalar or per element) and
     whether it exists (the ends of a pipeline have no stage before or after them)."""
-    position = stage % per_pipeline
-    exists = np.where(step == BEFORE, position != 0,
-                      np.where(step == AFTER, position != per_pipeline - 1, True))
-    return stage + step, exists
+    moved = stage % per_pipeline + step  # steps are -1, 0, 1: in the pipeline or just off it
+    return stage + step, (moved >= 0) & (moved < per_pipeline)
 
 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:

@@ -206,7 +206,7 @@ class Timeline:
     @functools.cached_property
     def makespan(self) -> float:
         """When the last action ends (-1 entries included, as the old tuple max did)."""
-        return max(self.end_list, default=0.0)
+        return float(self.end_flat.max()) if len(self.end_list) else 0.0
 
 
 def check_durations(durations: dict | None) -> dict:

@@ -53,7 +53,7 @@ class StepCosts:
         kind, back_kind = table.kind.astype(np.int64), table.back_kind.astype(np.int64)
         key = ((kind * (len(KINDS) + 1) + back_kind + 1) * classes
                + stage_class) * classes + back_class
-        _, first, template = np.unique(key, return_index=True, return_inverse=True)
+        first, template = _first_and_inverse(key)
         return template.reshape(-1), first
 
     @staticmethod
@@ -119,5 +119,21 @@ class StepCosts:
                 nth[op.stream] += 1
         return out
 
+
+def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_index=True, return_inverse=True)[1:]``: per distinct key (in
+    increasing order) its first place, and per element its key's number. Keys taking a few
+    small values (a schedule has a handful of templates) are counted instead of sorted."""
+    if not len(key) or key.min() < 0 or key.max() >= _SMALL_KEYS:
+        return np.unique(key, return_index=True, return_inverse=True)[1:]
+    counts = np.bincount(key)
+    values = np.flatnonzero(counts)
+    if len(values) > _FEW_TEMPLATES:
+        return np.unique(key, return_index=True, return_inverse=True)[1:]
+    first = np.array([np.argmax(key == value) for value in values.tolist()], dtype=np.int64)
+    return first, (np.cumsum(counts > 0) - 1)[key]
+
+
+_SMALL_KEYS, _FEW_TEMPLATES = 1 << 16, 64
 
 __all__ = ["StepCosts", "COMM", "COMPUTE"]

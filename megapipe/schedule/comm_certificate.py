@@ -169,13 +169,18 @@ class _Batches:
 
     def __init__(self, table, comm: np.ndarray, start: np.ndarray, sent_at: np.ndarray) -> None:
         rows = np.flatnonzero(comm)
-        before = np.maximum(rows - 1, 0)
-        joined = (rows > 0) & comm[before] & (table.rank[before] == table.rank[rows])
-        first = rows[~joined]
-        self.of = np.cumsum(~joined) - 1
-        starts = np.flatnonzero(~joined)
+        rank_first = np.zeros(len(table) + 1, dtype=bool)  # the first row of each rank
+        rank_first[table.offsets[:-1]] = True
+        # A comm row joins the batch before it when the row before is comm on the same rank.
+        joins = comm & ~rank_first[:-1]
+        joins[1:] &= comm[:-1]
+        joins[:1] = False
+        opens = ~joins[rows]
+        first = rows[opens]
+        self.of = np.cumsum(opens) - 1
+        starts = np.flatnonzero(opens)
         self.done = np.maximum.reduceat(sent_at, starts) if len(rows) else np.zeros(0)
-        has_before = first > table.offsets[table.rank[first]]
+        has_before = ~rank_first[first]
         self.posted = np.where(has_before, start[np.maximum(first - 1, 0)], -np.inf)
         same = np.concatenate([[False], table.rank[first[1:]] == table.rank[first[:-1]]])
         self.previous = np.where(same, np.concatenate([[-np.inf], self.done[:-1]]), -np.inf)
@@ -184,11 +189,11 @@ class _Batches:
 def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     """Each batch completes after it is posted, after the batch before it, and after each op's
     partner batch is posted and that batch's predecessor completed."""
-    if not ((batches.done > batches.posted) & (batches.done > batches.previous)).all():
+    # Later than both is later than their maximum (a NaN compares false either way).
+    ready = np.maximum(batches.posted, batches.previous)
+    if not (batches.done > ready).all():
         return False
-    mine, theirs = batches.of, batches.of[partner]
-    after_post = batches.done[mine] > batches.posted[theirs]
-    return bool((after_post & (batches.done[mine] > batches.previous[theirs])).all())
+    return bool((batches.done[batches.of] > ready[batches.of[partner]]).all())
 
 
 def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,
@@ -203,11 +208,10 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
         return not len(wants)
     space = ProductSpace.covering(ops.source[taking], ops.mb[taking])
     message = space.ids(ops.letter[taking], ops.source[taking], ops.mb[taking])
-    if np.bincount(message).max() > 1:
+    received = space.last_of(message, taking)
+    if not np.array_equal(space.lookup(received, message), taking):  # a tensor received twice
         return False
-    recv_of = np.full(space.never + 1, -1, dtype=np.int64)
-    recv_of[message] = taking
-    recv = recv_of[space.ids(letter[wants], sender[wants], comps.mb[wants])]
+    recv = space.lookup(received, space.ids(letter[wants], sender[wants], comps.mb[wants]))
     if (recv < 0).any():
         return False
     row = compute_rows[comps.action[wants]]

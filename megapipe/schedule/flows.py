@@ -12,9 +12,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SENDS
+from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
 from .ir import Schedule
 from .table import KINDS, Comps
+
+assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the step to the stage"
 
 LETTERS = ("F", "G", "W")  # product letters, coded 0, 1, 2
 MESSAGE_LETTERS = ("F", "B")  # message letters, coded 0, 1
@@ -40,17 +42,17 @@ CARRY_PEER = _by_code(CARRIES, lambda r: r[2], 0)
 def neighbours(stage: np.ndarray, step, per_pipeline: int) -> tuple[np.ndarray, np.ndarray]:
     """The stage ``step`` away (``SELF``, ``BEFORE``, ``AFTER``; scalar or per element) and
     whether it exists (the ends of a pipeline have no stage before or after them)."""
-    position = stage % per_pipeline
-    exists = np.where(step == BEFORE, position != 0,
-                      np.where(step == AFTER, position != per_pipeline - 1, True))
-    return stage + step, exists
+    moved = stage % per_pipeline + step  # steps are -1, 0, 1: in the pipeline or just off it
+    return stage + step, (moved >= 0) & (moved < per_pipeline)
 
 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
     """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
     placement = schedule.placement
-    inside = (stage >= 0) & (stage < len(placement))
-    return np.where(inside, placement[np.where(inside, stage, 0)], -1)
+    if "padded_placement" not in schedule.memo:  # -1 on both sides: one clipped lookup
+        schedule.memo["padded_placement"] = np.concatenate([[-1], placement, [-1]])
+    padded = schedule.memo["padded_placement"]
+    return padded[np.clip(np.asarray(stage) + 1, 0, len(placement) + 1)]
 
 
 class Needs(NamedTuple):
@@ -117,6 +119,23 @@ class ProductSpace:
         s, m = stage - self.stage_lo, mb - self.mb_lo
         inside = (s >= 0) & (s < self.stages) & (m >= 0) & (m < self.mbs) & (letter >= 0)
         return np.where(inside, (letter * self.stages + s) * self.mbs + m, self.never)
+
+    def last_of(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """A lookup (read it with ``lookup``) from each id to the value at its last place in
+        ``ids`` (``values`` increasing), -1 for ids not there: one entry per id below ``size``
+        and one for ``never``, in int32 where the values fit."""
+        dense = np.minimum(ids, self.size)
+        small = not len(values) or int(values[-1]) < np.iinfo(np.int32).max
+        values = values.astype(np.int32 if small else np.int64, copy=False)
+        out = np.full(self.size + 1, -1, dtype=values.dtype)
+        out[dense] = values
+        if not (out[dense] == values).all():  # an id repeats: keep its last (largest) value
+            np.maximum.at(out, dense, values)
+        return out
+
+    def lookup(self, table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """``table`` (from ``last_of``) at each of ``ids``."""
+        return table[np.minimum(ids, self.size)]
 
     def id_of(self, product) -> int | None:
         """The id of one product ``(letter, stage, mb)``, or None outside the space."""

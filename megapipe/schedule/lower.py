@@ -90,10 +90,7 @@ class _Messages:
         self.space = ProductSpace.covering(self.stage, self.mb)
         self.id = self.space.ids(self.letter, self.stage, self.mb)
         # The send each message resolves to: the last one made, as a dict keyed by it would keep.
-        self.last = np.full(self.space.never + 1, -1, dtype=np.int64)
-        self.last[self.id] = np.arange(len(self.id))
-        if len(self.id) and np.bincount(self.id).max() > 1:
-            np.maximum.at(self.last, self.id, np.arange(len(self.id)))
+        self.last = self.space.last_of(self.id, np.arange(len(self.id)))
         by_time = np.argsort(self.time, kind="stable")  # ties: sender rank, then its order
         self.priority = np.empty(len(self.comp), dtype=np.int64)
         self.priority[by_time] = np.arange(len(self.comp))
@@ -109,7 +106,7 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
     r_letter, r_stage = received_messages(schedule, comps)
     receiving = np.flatnonzero(r_letter >= 0)
     wanted = sends.space.ids(r_letter[receiving], r_stage[receiving], comps.mb[receiving])
-    source = sends.last[wanted]
+    source = sends.space.lookup(sends.last, wanted)
     if (source < 0).any():
         first = receiving[np.argmax(source < 0)]
         rank = int(comps.rank[first])
@@ -144,8 +141,10 @@ def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap
     gap_start = np.concatenate([[0], np.cumsum(n_send + n_recv + has_action)])
     out_len = int(gap_start[-1])
     kind = np.empty(out_len, dtype=np.int8)
-    stage, mb = np.empty(out_len, dtype=np.int64), np.empty(out_len, dtype=np.int64)
-    back = [np.full(out_len, -1, dtype=np.int64) for _ in range(3)] if table.has_overlap else []
+    # The table's own dtypes (int8 kinds, int32 numbers): from_columns keeps them without a copy.
+    stage, mb = np.empty(out_len, dtype=np.int32), np.empty(out_len, dtype=np.int32)
+    back = ([np.full(out_len, -1, dtype=dtype) for dtype in (np.int8, np.int32, np.int32)]
+            if table.has_overlap else [])
     # SENDs: in computation order, which is gap order.
     at = gap_start[send_gap] + _rank_in_run(send_gap)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)

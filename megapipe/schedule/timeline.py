@@ -125,7 +125,8 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     single = count[made] == 1
     maker[made[single]] = comps.action[single]
     # Each action's dynamic needs, in order (forward half's first), packed into three columns.
-    columns = [np.full(len(table), -1, dtype=np.int64) for _ in range(3)]
+    need = np.full((3, len(table)), -1, dtype=np.int64)  # need.T is the (n, 3) table: no copy
+    columns = list(need)
     filled = np.zeros(len(table), dtype=np.int64)
     needs = comp_needs(schedule, comps)
     cells = [_need_cell(schedule, comps, need, space, maker, table.rank, latency) for need in needs]
@@ -145,7 +146,7 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     lists = (table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
              _as_list(make[:, 1]))
     repeated = np.flatnonzero(count > 1)
-    return _Structure(space, make, np.stack(columns, axis=1), lists, len(repeated) == 0,
+    return _Structure(space, make, need.T, lists, len(repeated) == 0,
                       frozenset(repeated.tolist()))
 
 
@@ -206,7 +207,7 @@ class Timeline:
     @functools.cached_property
     def makespan(self) -> float:
         """When the last action ends (-1 entries included, as the old tuple max did)."""
-        return max(self.end_list, default=0.0)
+        return float(self.end_flat.max()) if len(self.end_list) else 0.0
 
 
 def check_durations(durations: dict | None) -> dict:

@@ -123,8 +123,8 @@ def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
     table = work.table
     start = np.fromiter(run.start, np.float64, len(run.start))
     end = np.fromiter(run.end, np.float64, len(run.end))
-    compute = pieces.pieces(start, COMPUTE)
-    comm = pieces.pieces(start, COMM)
+    by_stream = pieces.pieces(start)
+    compute, comm = by_stream[COMPUTE], by_stream[COMM]
     takes = (table.kind == F) | (table.kind == OVERLAP)
     releases = (table.kind == B) | (table.kind == I) | (table.kind == OVERLAP)
     metrics: list[list] = [[], [], [], []]

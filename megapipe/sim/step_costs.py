@@ -53,7 +53,7 @@ class StepCosts:
         kind, back_kind = table.kind.astype(np.int64), table.back_kind.astype(np.int64)
         key = ((kind * (len(KINDS) + 1) + back_kind + 1) * classes
                + stage_class) * classes + back_class
-        _, first, template = np.unique(key, return_index=True, return_inverse=True)
+        first, template = _first_and_inverse(key)
         return template.reshape(-1), first
 
     @staticmethod
@@ -95,26 +95,45 @@ class StepCosts:
             return end, end
         return half_ends(ops, op_times(ops, start), nodes.early_sends)
 
-    def pieces(self, start: np.ndarray, stream: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every piece on ``stream``: (begin, end, step), in step order and, within a step, in
-        the order its program issues them."""
-        count = np.array([sum(op.stream == stream for op in ops) for ops in self.ops])
-        per_step = count[self.template]
-        first = np.concatenate([[0], np.cumsum(per_step)])
-        total = int(first[-1])
-        begin, end = np.empty(total), np.empty(total)
-        step = np.repeat(np.arange(len(per_step)), per_step)
+    def pieces(self, start: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, step), in step order and,
+        within a step, in the order its program issues them. Each template's program is run
+        once on all its steps' starts, for both streams."""
+        streams = (COMPUTE, COMM)
+        rows = [np.flatnonzero(self.template == t) for t in range(len(self.ops))]
+        out, first = {}, {}
+        for stream in streams:
+            count = np.array([sum(op.stream == stream for op in ops) for ops in self.ops])
+            per_step = count[self.template]
+            first[stream] = np.concatenate([[0], np.cumsum(per_step)])
+            total = int(first[stream][-1])
+            step = np.repeat(np.arange(len(per_step)), per_step)
+            out[stream] = (np.empty(total), np.empty(total), step)
         for t, ops in enumerate(self.ops):
-            rows = np.flatnonzero(self.template == t)
-            times = op_times(ops, start[rows], np.maximum)
-            nth = 0
+            times = op_times(ops, start[rows[t]], np.maximum)
+            nth = dict.fromkeys(streams, 0)
             for op, (b, e) in zip(ops, times):
-                if op.stream != stream:
-                    continue
-                at = first[rows] + nth
+                at = first[op.stream][rows[t]] + nth[op.stream]
+                begin, end, _ = out[op.stream]
                 begin[at], end[at] = b, e
-                nth += 1
-        return begin, end, step
+                nth[op.stream] += 1
+        return out
 
+
+def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_index=True, return_inverse=True)[1:]``: per distinct key (in
+    increasing order) its first place, and per element its key's number. Keys taking a few
+    small values (a schedule has a handful of templates) are counted instead of sorted."""
+    if not len(key) or key.min() < 0 or key.max() >= _SMALL_KEYS:
+        return np.unique(key, return_index=True, return_inverse=True)[1:]
+    counts = np.bincount(key)
+    values = np.flatnonzero(counts)
+    if len(values) > _FEW_TEMPLATES:
+        return np.unique(key, return_index=True, return_inverse=True)[1:]
+    first = np.array([np.argmax(key == value) for value in values.tolist()], dtype=np.int64)
+    return first, (np.cumsum(counts > 0) - 1)[key]
+
+
+_SMALL_KEYS, _FEW_TEMPLATES = 1 << 16, 64
 
 __all__ = ["StepCosts", "COMM", "COMPUTE"]

@@ -37,7 +37,10 @@ def verdicts(rank_pools):
     def of(case):
         if case not in found:
             settings = {name: SETTINGS[name] for c, name in RUNS if c == case}
-            per_rank = rank_pools(8).run(recompute_cases, [case], settings)
+            # plain recompute differs from combined only in who calls the nodes: full recompute
+            # is checked plain where chunks hold several layers, combined everywhere
+            combined_only = () if case in CHUNKED else ("full-uniform",)
+            per_rank = rank_pools(8).run(recompute_cases, [case], settings, combined_only)
             found[case] = results_by_case(per_rank, [case])[case]
         return found[case]
 

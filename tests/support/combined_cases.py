@@ -94,10 +94,12 @@ def bitwise_cases(cases: list[Case], bf16: bool = False) -> list[list[str] | Non
     return out
 
 
-def recompute_cases(cases: list[Case], settings: dict[str, dict]) -> list[dict | None]:
+def recompute_cases(cases: list[Case], settings: dict[str, dict],
+                    combined_only: tuple[str, ...] = ()) -> list[dict | None]:
     """Per case, per recompute setting (name -> ``GPTConfig`` fields): what differs from the
-    plain run without recompute, in the plain and in the combined schedule (empty: bitwise).
-    The reference runs once per case."""
+    plain run without recompute, in the plain and in the combined schedule (empty: bitwise;
+    the settings in ``combined_only``: the combined schedule only). The reference runs once
+    per case."""
     prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
     out = []
     for case in cases:
@@ -107,7 +109,7 @@ def recompute_cases(cases: list[Case], settings: dict[str, dict]) -> list[dict |
             for name, fields in settings.items():
                 config = dataclasses.replace(CONFIG, **fields)
                 problems = []
-                for overlap in (False, True):
+                for overlap in (True,) if name in combined_only else (False, True):
                     again = _run(case, overlap=overlap, delay=False, config=config)
                     problems += [f"overlap={overlap}: {p}" for p in _differences(reference, again)]
                 verdicts[name] = problems

@@ -77,7 +77,7 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--recompute-num-layers", "2"], "--recompute-num-layers=2 needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "0"], "--recompute-num-layers=0 must be >= 1"),
-    (["--recompute-granularity", "full", "--recompute-method", "block",
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "9"], "--recompute-num-layers=9 exceeds the largest pipeline chunk's layers (2: --num-layers=6 over 4 chunks)"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-modules", "core_attn"],
@@ -94,6 +94,19 @@ def test_bad_flags_are_one_clear_line(flags, message):
     with pytest.raises(ArgsError) as err:
         parse_pretrain_args(flags, env={})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flags, modules, method, layers", [
+    ([], (), None, 1),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe_act"],
+     ("core_attn", "moe_act"), None, 1),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "2"], (), "uniform", 2),
+])
+def test_recompute_flags_reach_the_model_config(flags, modules, method, layers):
+    config = parse_pretrain_args(TINY + flags, env={}).gpt_config()
+    assert (config.recompute_modules, config.recompute_method, config.recompute_num_layers) == (
+        modules, method, layers)
 
 
 def test_bad_flag_exits_2_with_one_line_before_any_process():
@@ -113,13 +126,11 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     reference = rank_pools(4).run(
         _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
     )[0].losses
-    # a budget of one extra microbatch in flight pairs fewer steps: same bits
+    # a budget of one extra microbatch in flight pairs fewer steps, and full recompute re-runs
+    # every compute node in its backward: same bits (selective recompute and the budget alone
+    # are checked bitwise in tests/pipeline and tests/schedule)
     budget = ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b",
               "--overlap-max-extra-in-flight", "1"]
-    assert rank_pools(4).run(_train, base + budget)[0].losses == reference
-    recompute = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
-                 "moe_act"]
-    assert rank_pools(4).run(_train, base + budget + recompute)[0].losses == reference
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
             "--recompute-num-layers", "1"]
     assert rank_pools(4).run(_train, base + budget + full)[0].losses == reference

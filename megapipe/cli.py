@@ -89,7 +89,7 @@ def _add_schedule_command(subparsers) -> None:
                         "backward (default 0.3)")
     p.add_argument("--full-recompute-saves", type=float, default=0.7, metavar="FRACTION",
                    help="with --pick: part of the activation bytes full recompute no longer "
-                        "keeps (default 0.7, about what the demo model measures)")
+                        "keeps (default 0.7; the demo model measures 0.57)")
     p.add_argument("--full-recompute-cost", type=float, default=1.0, metavar="FRACTION",
                    help="with --pick: part of F that full recompute re-runs in each backward "
                         "(default 1: the whole forward)")

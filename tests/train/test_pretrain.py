@@ -77,7 +77,7 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--recompute-num-layers", "2"], "--recompute-num-layers=2 needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "0"], "--recompute-num-layers=0 must be >= 1"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+    (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "9"], "--recompute-num-layers=9 exceeds the largest pipeline chunk's layers (2: --num-layers=6 over 4 chunks)"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-modules", "core_attn"],

@@ -21,4 +21,6 @@ def rank_pools():
 
     yield get
     for pool in pools.values():
+        pool.stop()
+    for pool in pools.values():
         pool.close()

@@ -48,6 +48,7 @@ class RankPool:
     def __init__(self, world_size: int, timeout: float = 120.0) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self._stopping = False
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -75,10 +76,19 @@ class RankPool:
             raise RankError(f"{getattr(fn, '__name__', fn)} failed" + _format_failures(failures))
         return [results[r] for r in range(self.world_size)]
 
-    def close(self, kill: bool = False) -> None:
+    def stop(self) -> None:
+        """Ask every rank to leave the gloo world and exit (``close`` waits for them); pools
+        stopped together leave together."""
+        if self._stopping:
+            return
+        self._stopping = True
         for p, q in zip(self._procs, self._tasks):
-            if p.is_alive() and not kill:
+            if p.is_alive():
                 q.put(None)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            self.stop()
         for p in self._procs:
             p.join(timeout=0 if kill else 10)
             if p.is_alive():

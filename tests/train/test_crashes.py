@@ -44,17 +44,17 @@ def test_a_killed_rank_is_named_and_the_others_stop(tmp_path):
 
 def test_torchrun_restarts_a_killed_job_and_it_ends_bitwise_as_if_uninterrupted(tmp_path):
     """torchrun --max-restarts 1, --load == --save, 2 ranks (pp 2, vpp 2, overlap on): rank 1
-    is SIGKILLed mid-step in iteration 5 of the first attempt; the second attempt resumes from
-    iteration 4 and finishes. The same processes first trained the run uninterrupted."""
+    is SIGKILLed mid-step in iteration 3 of the first attempt; the second attempt resumes from
+    iteration 2 and finishes. The same processes first trained the run uninterrupted."""
     save, losses = tmp_path / "ckpt", tmp_path / "losses"
     losses.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
          "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2", ENTRY, *COMMON,
-         "--expert-model-parallel-size", "1", "--train-iters", "6", "--save", str(save),
+         "--expert-model-parallel-size", "1", "--train-iters", "4", "--save", str(save),
          "--load", str(save), "--save-interval", "2", "--distributed-timeout-minutes", "1"],
         capture_output=True, text=True, timeout=400,
-        env=_env(MEGAPIPE_FAULT="kill:1:5:0", MEGAPIPE_LOSSES=str(losses), MEGAPIPE_REFERENCE="1"),
+        env=_env(MEGAPIPE_FAULT="kill:1:3:0", MEGAPIPE_LOSSES=str(losses), MEGAPIPE_REFERENCE="1"),
     )
     report = f"exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr[-6000:]}"
     assert done.returncode == 0, report
@@ -62,7 +62,7 @@ def test_torchrun_restarts_a_killed_job_and_it_ends_bitwise_as_if_uninterrupted(
     for rank in range(2):
         reference = json.loads((losses / f"reference-rank{rank}.json").read_text())["losses"]
         second = json.loads((losses / f"attempt1-rank{rank}.json").read_text())
-        assert len(reference) == 6 and second["first"] == 4, report
-        assert second["losses"] == reference[4:], report  # bitwise (the floats' repr)
-    assert "resumed from" in done.stdout and "iteration 4" in done.stdout, report
-    assert (save / LATEST_FILE).read_text() == "6\n"
+        assert len(reference) == 4 and second["first"] == 2, report
+        assert second["losses"] == reference[2:], report  # bitwise (the floats' repr)
+    assert "resumed from" in done.stdout and "iteration 2" in done.stdout, report
+    assert (save / LATEST_FILE).read_text() == "4\n"

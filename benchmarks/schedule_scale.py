@@ -21,8 +21,10 @@ actions (the slower one on a tie: interleaved-1f1b with or without overlap at pp
     python benchmarks/schedule_scale.py [--max-actions 200000] [--schedules interleaved-1f1b,zbv]
                                         [--repeat 3] [--clock cpu|wall]
 
-Not part of the test suite; about five minutes up to 1M actions on a 2-core machine (most of it
-zbv with overlap at pp 64, whose pass refines its pairs in about pp rounds).
+Runs of 200k+ steps use the compiled loops where numba is installed (``schedule/loops.py``); it
+loads them first and prints how long that took (a cost each process pays once, outside the
+table). Not part of the test suite; a few minutes up to 1M actions on a 2-core machine (most of
+it zbv with overlap at pp 64, whose pass refines its pairs in about pp rounds).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import argparse
 import gc
 import time
 
-from megapipe.schedule import build_schedule, lower, validate
+from megapipe.schedule import build_schedule, loops, lower, validate
 from megapipe.sim import Costs, simulate
 
 # (pp, vpp, microbatches): interleaved-1f1b holds 2 pp vpp M actions.
@@ -116,6 +118,14 @@ def main() -> None:
     for variant in variants:
         if variant not in VARIANTS:
             parser.error(f"unknown schedule {variant!r}; choose from {', '.join(VARIANTS)}")
+    began = time.perf_counter()
+    if loops.warm_up():
+        print(f"compiled loops (numba): loaded in {time.perf_counter() - began:.2f} s (once per "
+              f"process; compiled the first time on a machine), used from "
+              f"{loops.COMPILED_FROM_STEPS} steps")
+    else:
+        print("compiled loops: not used (numba not installed, or MEGAPIPE_NO_NUMBA=1): the loops "
+              "run in Python")
     header = (f"{'schedule':<26}{'pp':>4}{'vpp':>4}{'M':>6}{'actions':>10}"
               + "".join(f"{p:>10}" for p in PHASES) + f"{'total':>9}{'us/act':>8}")
     print(header)

@@ -16,6 +16,11 @@ if [ "$TORCH_SPEC" != "skip" ]; then
   $PIP install -q "$TORCH_SPEC"
 fi
 $PIP install -q -e ".[test,triton]"
+# numba compiles the schedule layer's two hot loops for schedules of 200k+ steps; without it
+# they run in Python (same results, slower) and tests/schedule/test_loops.py skips.
+if ! $PIP install -q -e ".[fast]"; then
+  echo "setup.sh: numba could not be installed; the schedule layer's loops run in Python" >&2
+fi
 # The Megatron-Core adapter's tests need the pinned megatron-core (pure Python plus a small
 # dataset helper; never TransformerEngine or Apex). Where it cannot be installed those tests
 # skip and say why; everything else still runs.

@@ -9,37 +9,59 @@ and woken when it is made, in the sweep where the round robin would have moved i
 its maker has a lower rank, the next one otherwise). Work is O(steps + waits).
 
 Products are integers below ``space``; a need is a cell: ``p`` for product p as made, or
-``space + p`` for product p as it arrives from another rank (made + ``delay[p]``).
+``space + p`` for product p as it arrives from another rank (made + ``delay``). The loops
+themselves are in ``loops`` (Python, or compiled where numba is installed).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
+
+import numpy as np
+
+from . import loops
+
+
+class StepColumns:
+    """What each step needs and makes, as int64 columns (``need``: (3, n) cells, -1 none;
+    ``make``: (n, 2) products, -1 none) and the ranks' ``offsets``; their lists are made once,
+    when a loop runs in Python (``loops``)."""
+
+    def __init__(self, offsets: np.ndarray, need: np.ndarray, make: np.ndarray) -> None:
+        self.arrays = (np.array(offsets, dtype=np.int64),  # writable: one compiled signature
+                       *(np.ascontiguousarray(c, dtype=np.int64) for c in need),
+                       *(np.ascontiguousarray(make[:, h], dtype=np.int64) for h in (0, 1)))
+
+    @functools.cached_property
+    def lists(self) -> tuple[list, ...]:
+        """offsets, need0, need1, need2, make0, make1 as lists (a column of -1 as one repeated
+        object, cheaply)."""
+        return tuple([-1] * len(c) if not (c >= 0).any() else c.tolist() for c in self.arrays)
 
 
 @dataclass
 class Steps:
-    """Flat per-step inputs; rank r's steps are ``offsets[r]:offsets[r + 1]``.
+    """Flat per-step inputs; rank r's steps are ``offsets[r]:offsets[r + 1]`` (``columns``).
 
-    ``need0..need2``: cells the step waits for (-1: none); ``make0``, ``make1``: products it
-    makes (-1: none); ``duration``: end = start + duration, unless ``end_of(step, start)`` is
-    given. ``delay[p]``: added to product p for readers of cell ``space + p``. ``made_at(step,
-    start, end)``, if given, says when the step's two products are made (an OVERLAP whose halves
-    hand their outputs on before it ends: early sends); else both at its end.
+    ``columns``: the cells each step waits for and the products it makes; ``duration``: end =
+    start + duration, unless ``end_of(step, start)`` is given. ``delay`` is added to a product
+    for readers of cell ``space + p``. ``made_at(step, start, end)``, if given, says when the
+    step's two products are made (an OVERLAP whose halves hand their outputs on before it ends:
+    early sends); else both at its end.
     """
 
-    offsets: Sequence[int]
-    need0: list[int]
-    need1: list[int]
-    need2: list[int]
-    make0: list[int]
-    make1: list[int]
-    duration: list[float]
+    columns: StepColumns
+    duration: np.ndarray
     space: int
-    delay: Sequence[float] | float = 0.0
+    delay: float = 0.0
     end_of: Callable[[int, float], float] | None = None
     made_at: Callable[[int, float, float], tuple[float, float]] | None = None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.columns.arrays[0]
 
 
 @dataclass
@@ -49,9 +71,9 @@ class Prefix:
 
     done: list[int]
     free: list[float]
-    start: list[float]
-    end: list[float]
-    arrive: list[float]
+    start: np.ndarray
+    end: np.ndarray
+    arrive: np.ndarray
 
 
 @dataclass
@@ -59,42 +81,30 @@ class Run:
     """What ``run_in_order`` found: per-step start, end and sweep (-1 where a step never ran),
     the time each cell became available (``arrive``, -1.0 where never), where each stuck rank
     stopped (``{rank: step}``), and, with ``watch``, the first product made twice
-    (``(step, first maker step, product)``), at which the run stopped."""
+    (``(step, first maker step, product)``), at which the run stopped. The columns are lists,
+    or numpy arrays where the compiled loops ran (``loops``)."""
 
-    start: list[float]
-    end: list[float]
-    sweep: list[int]
-    arrive: list[float]
+    start: list[float] | np.ndarray
+    end: list[float] | np.ndarray
+    sweep: list[int] | np.ndarray | None
+    arrive: list[float] | np.ndarray
     stuck: dict[int, int]
     remade: tuple[int, int, int] | None = None
 
 
-class _Publisher:
-    """The rarer parts of making a product: its arrival on other ranks after a latency, and
-    stopping at a watched product made a second time (``remade``)."""
+class _Columns:
+    """New columns for a loop: lists for Python, numpy arrays for the compiled loops."""
 
-    def __init__(self, steps: Steps, arrive: list[float], watch: frozenset) -> None:
-        delay = steps.delay
-        if isinstance(delay, (int, float)):
-            delay = [delay] * steps.space if delay else None
-        self.delay, self.arrive, self.space, self.watch = delay, arrive, steps.space, watch
-        self.first_maker: dict[int, int] = {}
-        self.remade: tuple[int, int, int] | None = None
+    def __init__(self, compiled: bool) -> None:
+        self.compiled = compiled
 
-    @property
-    def needed(self) -> bool:
-        return bool(self.watch) or self.delay is not None
+    def fill(self, n: int, value, dtype) -> list | np.ndarray:
+        return np.full(n, value, dtype=dtype) if self.compiled else [value] * n
 
-    def record(self, p: int, f: float, k: int) -> bool:
-        """Product ``p`` is made at ``f`` by step k; False if it is made a second time."""
-        if self.watch and p in self.watch:
-            if p in self.first_maker:
-                self.remade = (k, self.first_maker[p], p)
-                return False
-            self.first_maker[p] = k
-        if self.delay is not None:
-            self.arrive[p + self.space] = f + self.delay[p]
-        return True
+    def copy(self, values, dtype) -> list | np.ndarray:
+        if self.compiled:
+            return np.array(values, dtype=dtype)
+        return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def run_in_order(
@@ -104,76 +114,31 @@ def run_in_order(
     run there (the simulator reports it). Cell ``2 * space`` is never filled (a need nobody
     makes). With ``prefix``, the steps it holds are taken as run; only valid where every product
     has one maker, since then the result does not depend on the order steps run in."""
-    offsets, total = steps.offsets, steps.offsets[-1]
+    offsets, total, space = steps.offsets, len(steps.duration), steps.space
+    pp = len(offsets) - 1
+    plain = steps.end_of is None and steps.made_at is None
+    compiled = loops.compiled_loops(total) if plain else None
+    new = _Columns(compiled is not None)
     if prefix is None:
-        prefix = Prefix([0] * (len(offsets) - 1), [0.0] * (len(offsets) - 1), [-1.0] * total,
-                        [-1.0] * total, [-1.0] * (2 * steps.space + 1))
-    run = Run(prefix.start, prefix.end, [-1] * total, prefix.arrive, {})
-    cursor = [offsets[r] + done for r, done in enumerate(prefix.done)]
-    publisher = _Publisher(steps, run.arrive, watch)
-    _sweep(steps, run, cursor, list(prefix.free), publisher)
-    run.remade = publisher.remade
-    run.stuck = {r: k for r, k in enumerate(cursor) if k < offsets[r + 1]}
-    return run
-
-
-def _sweep(steps: Steps, run: Run, cursor: list[int], free: list[float], publisher) -> None:
-    """The round robin (module docstring): the hot loop, with its lists in local variables."""
-    offsets, space, end_of, duration, made_at, need0, need1, need2, make0, make1 = (
-        steps.offsets, steps.space, steps.end_of, steps.duration, steps.made_at, steps.need0,
-        steps.need1, steps.need2, steps.make0, steps.make1)
-    arrive, start, end, sweep, parked = run.arrive, run.start, run.end, run.sweep, {}
-    slow, record = publisher.needed, publisher.record
-    now, later, t = (1 << (len(offsets) - 1)) - 1, 0, 0  # bit r: rank r runs this/next sweep
-    while now or later:
-        if not now:
-            now, later, t = later, 0, t + 1
-        lowest = now & -now
-        r, now = lowest.bit_length() - 1, now ^ lowest
-        k, stop, f = cursor[r], offsets[r + 1], free[r]
-        while k < stop:
-            s, a = f, need0[k]
-            if a >= 0:  # needs are packed: a step with none has need0 = -1
-                x = arrive[a]
-                if x < 0.0:
-                    parked.setdefault(a - space if a >= space else a, []).append(r)
-                    break
-                s, a = (x if x > s else s), need1[k]
-                if a >= 0:
-                    x = arrive[a]
-                    if x < 0.0:
-                        parked.setdefault(a - space if a >= space else a, []).append(r)
-                        break
-                    s, a = (x if x > s else s), need2[k]
-                    if a >= 0:
-                        x = arrive[a]
-                        if x < 0.0:
-                            parked.setdefault(a - space if a >= space else a, []).append(r)
-                            break
-                        s = x if x > s else s
-            start[k], f = s, (s + duration[k] if end_of is None else end_of(k, s))
-            end[k], sweep[k] = f, t
-            p, q = make0[k], make1[k]
-            fp, fq = (f, f) if made_at is None else made_at(k, s, f)
-            if slow and not (record(p, fp, k) and (q < 0 or record(q, fq, k))):
-                cursor[r] = k
-                return
-            # Wake the ranks parked on what the step made: in this sweep if they come after r,
-            # else in the next one (written out for both products: this loop is the hot path).
-            arrive[p] = fp
-            if p in parked:
-                for w in parked.pop(p):
-                    if w > r:
-                        now |= 1 << w
-                    else:
-                        later |= 1 << w
-            if q >= 0:  # the backward half of an OVERLAP
-                arrive[q] = fq
-                if q in parked:
-                    for w in parked.pop(q):
-                        if w > r:
-                            now |= 1 << w
-                        else:
-                            later |= 1 << w
-            k += 1
-        cursor[r], free[r] = k, f
+        done, free = [0] * pp, new.fill(pp, 0.0, np.float64)
+        start, end = new.fill(total, -1.0, np.float64), new.fill(total, -1.0, np.float64)
+        arrive = new.fill(2 * space + 1, -1.0, np.float64)
+    else:
+        done, free = prefix.done, new.copy(prefix.free, np.float64)
+        start, end = new.copy(prefix.start, np.float64), new.copy(prefix.end, np.float64)
+        arrive = new.copy(prefix.arrive, np.float64)
+    cursor = new.copy([int(offsets[r]) + d for r, d in enumerate(done)], np.int64)
+    watched = new.fill(space if watch else 0, False, np.bool_)
+    for p in watch:
+        watched[p] = True
+    columns = steps.columns.arrays if compiled else steps.columns.lists
+    duration = steps.duration if compiled else steps.duration.tolist()
+    sweep = new.fill(total, -1, np.int64)
+    remade = (compiled[0] if compiled else loops.sweep)(
+        *columns, duration, space, new.fill(space if steps.delay else 0, steps.delay, np.float64),
+        watched, new.fill(len(watched), -1, np.int64), steps.end_of, steps.made_at, cursor, free,
+        start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
+        new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
+    stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}
+    found = None if remade[0] < 0 else tuple(int(x) for x in remade)
+    return Run(start, end, sweep, arrive, stuck, found)

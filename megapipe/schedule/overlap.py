@@ -131,7 +131,7 @@ def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
     """
     table = run.plan.table
     offsets = table.offsets.tolist()
-    last = [(run.end_list[hi - 1], r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+    last = [(float(run.end_flat[hi - 1]), r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
             if hi > lo]
     if not last:
         return []

@@ -7,13 +7,14 @@ that order is a topological order of the waits, so a later run only has to take,
 in that order, the latest of its rank's previous end and its needs' arrivals, and add the
 step's duration: the engine's own float operations, without its round-robin bookkeeping (about
 a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
-reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two runs of one
-schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
+reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two
+runs of one schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
 always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
 original schedule in the order its first candidate ran): it checks the order as it goes (every
 step once, each rank's in list order, nothing read before it is made) and gives up, for the
 engine to run, where it does not hold; where it holds, the times are the engine's, since with
-one maker per product they do not depend on the order steps run in.
+one maker per product they do not depend on the order steps run in. The loop itself is
+``loops.in_order`` (Python, or compiled for large runs where numba is installed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 
 import numpy as np
 
+from . import loops
 from .engine import Run, run_in_order
 
 
@@ -75,11 +77,20 @@ def rerun(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
     table, steps = plan.table, plan.steps
     if len(order) != len(table) or not _in_list_order(table, order):
         return None
-    done = _in_order(order.tolist(), table.rank.tolist(), steps, float(steps.delay), table.pp)
-    if done is None:
-        return None
-    start, end, arrive = done
-    return Run(start, end, sweep, arrive, {})
+    n, space = len(table), steps.space
+    compiled = loops.compiled_loops(n)
+    if compiled is None:
+        start, end, free, arrive = [0.0] * n, [0.0] * n, [0.0] * table.pp, [-1.0] * (2 * space + 1)
+        ok = loops.in_order(order.tolist(), table.rank.tolist(), *steps.columns.lists[1:],
+                            steps.duration.tolist(), float(steps.delay), space, start, end, free,
+                            arrive)
+    else:
+        start, end, free = np.zeros(n), np.zeros(n), np.zeros(table.pp)
+        arrive = np.full(2 * space + 1, -1.0)
+        ok = compiled[1](order.astype(np.int64, copy=False), table.rank.astype(np.int64),
+                         *steps.columns.arrays[1:], steps.duration, float(steps.delay), space,
+                         start, end, free, arrive)
+    return Run(start, end, sweep, arrive, {}) if ok else None
 
 
 def _in_list_order(table, order: np.ndarray) -> bool:
@@ -89,42 +100,3 @@ def _in_list_order(table, order: np.ndarray) -> bool:
     same_rank = table.rank[1:] == table.rank[:-1]
     in_order = (position[1:][same_rank] > position[:-1][same_rank]).all()
     return bool(in_order and (position >= 0).all())
-
-
-def _in_order(order: list[int], rank: list[int], steps, latency: float, pp: int):
-    """Start, end and arrivals of each step taken in ``order`` (the hot loop, with the engine's
-    own float operations), or None at the first step that needs a product not made yet."""
-    need0, need1, need2, make0, make1, duration = (
-        steps.need0, steps.need1, steps.need2, steps.make0, steps.make1, steps.duration)
-    n, space = len(order), steps.space
-    start, end, free = [0.0] * n, [0.0] * n, [0.0] * pp
-    arrive = [-1.0] * (2 * space + 1)
-    for k in order:
-        r = rank[k]
-        s, a = free[r], need0[k]
-        if a >= 0:
-            x = arrive[a]
-            if x < 0.0:
-                return None
-            s, a = (x if x > s else s), need1[k]
-            if a >= 0:
-                x = arrive[a]
-                if x < 0.0:
-                    return None
-                s, a = (x if x > s else s), need2[k]
-                if a >= 0:
-                    x = arrive[a]
-                    if x < 0.0:
-                        return None
-                    s = x if x > s else s
-        f = s + duration[k]
-        start[k], end[k], free[r] = s, f, f
-        p, q = make0[k], make1[k]
-        arrive[p] = f
-        if q >= 0:
-            arrive[q] = f
-        if latency:
-            arrive[p + space] = f + latency
-            if q >= 0:
-                arrive[q + space] = f + latency
-    return start, end, arrive

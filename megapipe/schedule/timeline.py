@@ -22,7 +22,7 @@ import numpy as np
 
 from .actions import Kind
 from .deps import DEFAULT_DURATIONS
-from .engine import Prefix, Run, Steps, run_in_order
+from .engine import Prefix, Run, StepColumns, Steps, run_in_order
 from .rerun import rerun, run_steps
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from .ir import Schedule
@@ -40,7 +40,7 @@ class MadeTimes(Mapping):
         pid = self._space.id_of(key)
         if pid is None or self._arrive[pid] < 0:
             raise KeyError(key)
-        return self._arrive[pid]
+        return float(self._arrive[pid])
 
     def _made(self) -> np.ndarray:
         return np.flatnonzero(np.asarray(self._arrive[: self._space.size]) >= 0)
@@ -59,7 +59,7 @@ class _Structure:
     space: ProductSpace
     make: np.ndarray
     need: np.ndarray  # (n, 3) cells
-    lists: tuple[list, ...]  # offsets, need0, need1, need2, make0, make1
+    columns: StepColumns
     unique: bool
     watch: frozenset
 
@@ -90,9 +90,7 @@ class StepPlan:
         if key not in schedule.memo:
             schedule.memo[key] = _structure(schedule, latency)
         found = schedule.memo[key]
-        offsets, need0, need1, need2, make0, make1 = found.lists
-        steps = Steps(offsets, need0, need1, need2, make0, make1, duration.tolist(),
-                      found.space.size, latency)
+        steps = Steps(found.columns, duration, found.space.size, latency)
         return cls(schedule.table, found.space, found.make, found.need, duration, steps,
                    found.unique, found.watch)
 
@@ -143,10 +141,9 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
             filled[actions] += 1
     make = np.full((len(table), 2), -1, dtype=np.int64)
     make[comps.action, comps.half] = made
-    lists = (table.offsets.tolist(), *(_as_list(c) for c in columns), _as_list(make[:, 0]),
-             _as_list(make[:, 1]))
     repeated = np.flatnonzero(count > 1)
-    return _Structure(space, make, need.T, lists, len(repeated) == 0,
+    return _Structure(space, make, need.T, StepColumns(table.offsets, need, make),
+                      len(repeated) == 0,
                       frozenset(repeated.tolist()))
 
 
@@ -161,11 +158,6 @@ def _need_cell(schedule: Schedule, comps: Comps, need, space: ProductSpace, make
     static = known & ~late & (source >= 0) & (source < comps.action)
     static &= rank_of[np.maximum(source, 0)] == comps.rank
     return np.where(static, -1, np.where(late, pid + space.size, pid))
-
-
-def _as_list(column: np.ndarray) -> list:
-    """``column.tolist()``, cheaply when every entry is -1 (a list of one repeated object)."""
-    return [-1] * len(column) if not (column >= 0).any() else column.tolist()
 
 
 class Timeline:
@@ -187,11 +179,11 @@ class Timeline:
 
     @functools.cached_property
     def start_flat(self) -> np.ndarray:
-        return np.fromiter(self.start_list, np.float64, len(self.start_list))
+        return np.asarray(self.start_list, dtype=np.float64)
 
     @functools.cached_property
     def end_flat(self) -> np.ndarray:
-        return np.fromiter(self.end_list, np.float64, len(self.end_list))
+        return np.asarray(self.end_list, dtype=np.float64)
 
     def _per_rank(self, flat: np.ndarray) -> tuple[tuple[float, ...], ...]:
         return tuple(tuple(flat[lo:hi].tolist()) for lo, hi in zip(self.offsets, self.offsets[1:]))
@@ -315,17 +307,16 @@ def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix | None:
     if plan.space != before.plan.space:
         return None
     new, old = plan.table.offsets.tolist(), before.offsets.tolist()
-    start: list[float] = []
-    end: list[float] = []
+    start = np.full(new[-1], -1.0)
+    end = np.full(new[-1], -1.0)
     free, dropped = [], []
     for r, count in enumerate(done):
-        lo, rest = old[r], new[r + 1] - new[r] - count
-        start += before.start_list[lo:lo + count] + [-1.0] * rest
-        end += before.end_list[lo:lo + count] + [-1.0] * rest
-        free.append(before.end_list[lo + count - 1] if count else 0.0)
+        lo, at = old[r], new[r]
+        start[at:at + count] = before.start_flat[lo:lo + count]
+        end[at:at + count] = before.end_flat[lo:lo + count]
+        free.append(float(before.end_flat[lo + count - 1]) if count else 0.0)
         dropped.append(before.plan.make[lo + count:old[r + 1]].reshape(-1))
-    arrive = list(before.arrive)  # a copy: ``before`` keeps its own
-    for p in np.concatenate(dropped).tolist():
-        if p >= 0:
-            arrive[p] = -1.0
+    arrive = np.array(before.arrive, dtype=np.float64)  # a copy: ``before`` keeps its own
+    products = np.concatenate(dropped)
+    arrive[products[products >= 0]] = -1.0
     return Prefix(done, free, start, end, arrive)

@@ -121,8 +121,8 @@ def _sum(values: np.ndarray):
 def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
             costs: Costs) -> SimResult:
     table = work.table
-    start = np.fromiter(run.start, np.float64, len(run.start))
-    end = np.fromiter(run.end, np.float64, len(run.end))
+    start = np.asarray(run.start, dtype=np.float64)
+    end = np.asarray(run.end, dtype=np.float64)
     by_stream = pieces.pieces(start)
     compute, comm = by_stream[COMPUTE], by_stream[COMM]
     takes = (table.kind == F) | (table.kind == OVERLAP)
@@ -171,7 +171,7 @@ def _timeline(work: Schedule, run: Run, costs: Costs) -> tuple[TimedAction, ...]
     for step in order.tolist():
         rank = int(table.rank[step])
         action = work.row(rank)[step - int(table.offsets[rank])]
-        start, end = run.start[step], run.end[step]
+        start, end = float(run.start[step]), float(run.end[step])
         segments = time_step(action, start, costs)
         halves = ()
         if action.kind is action.kind.OVERLAP:

@@ -1,4 +1,4 @@
-"""The compiled loops (numba) give the bits the Python loops give: a third of the golden sweep
+"""The compiled loops (numba) give the bits the Python loops give: a sixth of the golden sweep
 and the engine's own cases (stuck ranks, products made twice, a p2p latency, reruns) run with
 every run compiled, however small."""
 
@@ -27,7 +27,7 @@ def _compiled_from(monkeypatch, steps: int) -> None:
     monkeypatch.setattr(loops, "COMPILED_FROM_STEPS", steps)
 
 
-@pytest.mark.parametrize("group", range(1, len(GROUPS), 3), ids=lambda g: group_key(*GROUPS[g]))
+@pytest.mark.parametrize("group", range(1, len(GROUPS), 6), ids=lambda g: group_key(*GROUPS[g]))
 def test_compiled_loops_give_the_golden_outputs(monkeypatch, group):
     """Groups the default golden test skips (odd ones), one microbatch count each."""
     _compiled_from(monkeypatch, 0)

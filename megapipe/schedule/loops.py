@@ -88,25 +88,15 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
         n_now -= 1
         k, stop, f = cursor[r], offsets[r + 1], free[r]
         while k < stop:
-            s, a, wait = f, need0[k], -1
-            if a >= 0:  # needs are packed: a step with none has need0 = -1
+            s, wait = f, -1
+            for a in (need0[k], need1[k], need2[k]):  # packed: the first -1 ends them
+                if a < 0:
+                    break
                 x = arrive[a]
                 if x < 0.0:
                     wait = a
-                else:
-                    s, a = (x if x > s else s), need1[k]
-                    if a >= 0:
-                        x = arrive[a]
-                        if x < 0.0:
-                            wait = a
-                        else:
-                            s, a = (x if x > s else s), need2[k]
-                            if a >= 0:
-                                x = arrive[a]
-                                if x < 0.0:
-                                    wait = a
-                                else:
-                                    s = x if x > s else s
+                    break
+                s = x if x > s else s
             if wait >= 0:
                 p = wait - space if wait >= space else wait
                 if parked_on[r] != p:
@@ -163,22 +153,14 @@ def in_order(order, rank, need0, need1, need2, make0, make1, duration, latency, 
     and ``arrive``. False at the first step that needs a product not made yet."""
     for k in order:
         r = rank[k]
-        s, a = free[r], need0[k]
-        if a >= 0:
+        s = free[r]
+        for a in (need0[k], need1[k], need2[k]):  # packed: the first -1 ends them
+            if a < 0:
+                break
             x = arrive[a]
             if x < 0.0:
                 return False
-            s, a = (x if x > s else s), need1[k]
-            if a >= 0:
-                x = arrive[a]
-                if x < 0.0:
-                    return False
-                s, a = (x if x > s else s), need2[k]
-                if a >= 0:
-                    x = arrive[a]
-                    if x < 0.0:
-                        return False
-                    s = x if x > s else s
+            s = x if x > s else s
         f = s + duration[k]
         start[k], end[k], free[r] = s, f, f
         p, q = make0[k], make1[k]

@@ -3,7 +3,8 @@
 ``sweep`` is the engine's round robin (``engine`` says what it computes); ``in_order`` is the
 rerun of a finished run's order (``rerun``). Both are written in the subset of Python that numba
 compiles: flat columns in, results written into columns passed in, no dicts, no objects, no
-calls (so ``sweep`` is one long function). The engine runs them as plain Python on lists, or,
+helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long
+function). The engine runs them as plain Python on lists, or,
 where numba is installed (``pip install megapipe[fast]``) and a run has at least
 ``COMPILED_FROM_STEPS`` steps, compiled on numpy arrays (``compiled_loops``;
 ``MEGAPIPE_NO_NUMBA=1`` keeps them in Python): the same float operations in the same order, so

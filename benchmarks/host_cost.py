@@ -25,7 +25,7 @@ import time
 import torch
 
 from overlap_replay import ReplaySettings, _config
-from replay_stage import ReplayStage
+from replay_stage import ReplayStage, precise_sleeps
 
 
 def _uniform(ms: float):
@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print the N top functions by own time (cProfile)")
     a = parser.parse_args(argv)
     torch.set_num_threads(1)
+    precise_sleeps()  # as the replay's ranks do
     s = ReplaySettings("", (), moe_layers=a.moe_layers, delay_wgrad=not a.no_delay_wgrad)
     profile = _uniform(a.node_ms)
     with make_streams("cpu") as streams:

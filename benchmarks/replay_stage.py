@@ -16,6 +16,8 @@ gloo all-to-alls and p2p) is the real engine.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from typing import Any, Callable
 
@@ -24,6 +26,19 @@ import torch
 from megapipe.models.gpt import GPTStage
 from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node
 from megapipe.sim.profile import NodeProfile, role_of
+
+
+PR_SET_TIMERSLACK = 29  # linux/prctl.h
+TIMER_SLACK_NS = 1  # the smallest slack (0 would restore the default, 50 us)
+
+
+def precise_sleeps() -> bool:
+    """Wake this thread's sleeps, and those of threads it starts later, without Linux's default
+    50 us timer slack: a replayed node then ends closer to its profile time, as a kernel does
+    (a 9 ms sleep overshot by 0.13 ms here, 0.07 ms without the slack). False off Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) == 0
 
 
 def sleep_until(deadline: float) -> None:

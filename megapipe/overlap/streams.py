@@ -12,8 +12,8 @@ another.
   communication stream may be created with high priority.
 - CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once and its
   event is already complete. A communication stream (``WorkerStream``) is one worker thread
-  running submitted work in order; its events are locks the worker releases. gloo collectives and torch ops
-  release the GIL, so work on the two really runs at the same time.
+  running submitted work in order; its events are locks the worker releases. gloo collectives
+  and torch ops release the GIL, so work on the two really runs at the same time.
 
 Rule: a process group is driven from exactly one stream. The co-scheduler runs every comm node
 on the communication stream and ``Streams.claim`` refuses a group already claimed by another

@@ -1,4 +1,4 @@
-"""The engine's host time per node: one process, no distributed, every node's profile time 0.
+"""The engine's host time per node: one process, no distributed, every node's time 0 (or X ms).
 
 The replay (``overlap.py --replay``) hides each node's own work inside its profile time; what
 stays exposed is the engine's work around the node (tape boundaries, autograd's start and end,
@@ -8,10 +8,12 @@ parallelism (the all-to-alls are local), for the steady-state layer pair: ``moe_
 layers' forward beside another microbatch's backward of them, run one after the other (plain
 tape path) and combined (``combined_step``, deferred expert weight gradients). Printed per node
 (forward and backward nodes of the pair): the process's CPU time (both threads, so it does not
-depend on what else the machine runs) and the wall time, median over rounds.
+depend on what else the machine runs) and the wall time, median over rounds. ``--node-ms X``
+gives every node X ms instead and solves the host cost per node at which the simulator's pair
+equals the measured one, as the replay's calibration does (``replay_calibration``).
 
     python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
-        [--profile N]  # also print the N top functions by own time (cProfile, both threads)
+        [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
 """
 
 from __future__ import annotations
@@ -129,14 +131,16 @@ def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tup
     return plain, pair_time(Action.overlap(forward, backward), s.delay_wgrad)
 
 
-def _host_cost_line(s: ReplaySettings, profile, chunks: int, label: str, wall: float,
-                    nodes: int) -> str:
+def _host_cost_line(s: ReplaySettings, profile, chunks: int, label: str, wall: float) -> str:
+    """The measured pair ``label`` beside the simulator's, and the host cost per F/B node at
+    which the two agree (``replay_calibration.solve_host_cost``)."""
     from replay_calibration import solve_host_cost
 
     index = LABELS.index(label)
     h = solve_host_cost(lambda h: _simulated(s, profile, chunks, h)[index], wall)
-    return (f"  {label:<8} wall {wall:8.1f} ms, simulated {_simulated(s, profile, chunks, 0)[index]:8.1f}"
-            f" ms -> host cost {h:.3f} ms per node")
+    simulated = _simulated(s, profile, chunks, 0.0)[index]
+    return (f"  {label:<8} wall {wall:8.1f} ms, simulated {simulated:8.1f} ms -> host cost "
+            f"{h:.3f} ms per node")
 
 
 def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                   " ms/node")
         print(f"  combined / plain CPU: {figures['combined'][0] / figures['plain'][0]:.2f}")
         for label in LABELS if a.node_ms > 0 else ():
-            print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1], pair.nodes))
+            print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1]))
         for label in LABELS if a.profile else ():
             _profiled(pair, label, max(a.rounds // 3, 1), a.profile)
     return 0

@@ -133,6 +133,9 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
     forward_s = profile.time(role, "F", chunks) / 1e3
     backward_s = profile.time(role, "B", chunks) / 1e3
     weight_s = profile.time(role, "W", chunks) / 1e3
+    times = profile.node_times(role, chunks)
+    if not (forward_s or backward_s or weight_s):  # nothing to wait for (a MoE layer's finish)
+        return Node(node.name, node.kind, node.fn, node.group, times)
 
     def fn(state: LayerState, inputs: tuple) -> tuple:
         start = time.perf_counter()
@@ -145,7 +148,7 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
         return outputs
 
     # the times travel with the node: the co-scheduler places deferred weight gradients by them
-    return Node(node.name, node.kind, fn, node.group, profile.node_times(role, chunks))
+    return Node(node.name, node.kind, fn, node.group, times)
 
 
 def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:

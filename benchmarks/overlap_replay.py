@@ -304,6 +304,9 @@ def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int, host: dic
 
 
 def _worker(rank: int, s: ReplaySettings, out) -> None:
+    from replay_stage import precise_sleeps
+
+    precise_sleeps()  # before any stream's worker thread starts: they inherit it
     dist.init_process_group("gloo")
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups

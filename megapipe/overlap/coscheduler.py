@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.plan import Node, WarnOnce, layer_graph, node_plan_of
+from megapipe.overlap.plan import Node, WarnOnce, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -131,12 +131,12 @@ class CoScheduler:
         """Record one forward layer, co-scheduled with the next pending backward layer."""
         if self._finished:
             raise RuntimeError("CoScheduler.run_layer after finish()")
-        plan = self.plan_of(layer)
-        self._forward_layer = self.tape.begin_layer(plan, tuple(inputs))
-        graph = layer_graph(plan)
-        self._forward_shapes.append(layer_shape(graph.shape))
-        self._execute(self.planner.forward_layer(graph.shape, _times(graph.nodes)))
-        return self._forward_outputs(self._forward_layer)
+        record = self.tape.begin_layer(self.plan_of(layer), tuple(inputs))
+        self._forward_layer = record
+        self._forward_shapes.append(layer_shape(record.shape))
+        times = _times([node.node for node in record.nodes])
+        self._execute(self.planner.forward_layer(record.shape, times))
+        return self._forward_outputs(record)
 
     def finish(self) -> Grads | None:
         """Run the leftover backward layers and the deferred weight gradients; order the compute
@@ -200,8 +200,10 @@ class CoScheduler:
             microbatch = self.bwd_microbatch
         if stream is streams.comm:
             streams.claim(node.group, stream)
-        label = (microbatch, issue.layer, node.name, issue.side, node.kind.value)
-        return stream, stream.submit(self._traced(step, stream, label, issue))
+        if self.trace is not None:
+            label = (microbatch, issue.layer, node.name, issue.side, node.kind.value)
+            step = self._traced(step, stream, label, issue)
+        return stream, stream.submit(step)
 
     def _reads_callers_input(self, issue: Issue) -> bool:
         """Whether the node reads what the caller made on the compute stream: a forward layer's
@@ -272,9 +274,11 @@ class CoScheduler:
                 else:
                     queue.run(issue.count if issue.node == FILL else None)
 
-        layer = max(issue.layer, 0)
-        label = (self.bwd_microbatch, layer, "wgrad", "W", "compute")
-        self.streams.compute.submit(self._traced(run, self.streams.compute, label, issue))
+        compute = self.streams.compute
+        if self.trace is not None:
+            label = (self.bwd_microbatch, max(issue.layer, 0), "wgrad", "W", "compute")
+            run = self._traced(run, compute, label, issue)
+        compute.submit(run)
 
     def _backward_done(self) -> None:
         """The backward's last node was issued: hand its input gradients to the hook."""
@@ -311,8 +315,7 @@ class CoScheduler:
         self, fn: Callable[[], Any], stream: Stream, label: tuple, issue: Issue
     ) -> Callable[[], Any]:
         trace = self.trace
-        if trace is None:
-            return fn
+        assert trace is not None
         slot = self._trace_slots.get(issue.slot)
         if slot is None:
             slot = self._trace_slots[issue.slot] = trace.new_slot()

@@ -12,8 +12,8 @@ another.
   communication stream may be created with high priority.
 - CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once and its
   event is already complete. A communication stream (``WorkerStream``) is one worker thread
-  running submitted work in order; its events are futures. gloo collectives and torch ops
-  release the GIL, so work on the two really runs at the same time.
+  running submitted work in order; its events are locks the worker releases. gloo collectives
+  and torch ops release the GIL, so work on the two really runs at the same time.
 
 Rule: a process group is driven from exactly one stream. The co-scheduler runs every comm node
 on the communication stream and ``Streams.claim`` refuses a group already claimed by another
@@ -27,7 +27,6 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -93,24 +92,58 @@ class Stream(ABC):
 # ---- CPU ----------------------------------------------------------------------------------
 
 
-class FutureEvent(Event):
-    """A CPU event: a future set by whichever thread ran the work."""
+class DoneEvent(Event):
+    """A CPU event complete from the start, with its value: the work already ran on the
+    calling thread (the CPU compute stream)."""
 
-    def __init__(self, future: Future | None = None, value: Any = None) -> None:
-        if future is None:
-            future = Future()
-            future.set_result(value)
-        self.future = future
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
 
     def synchronize(self) -> None:
-        self.future.result()
+        pass
 
     def query(self) -> bool:
-        return self.future.done()
+        return True
 
     def value_on(self, stream: Stream) -> Any:
-        # whatever the consumer, the value is complete once the future is: block until then
-        return self.future.result()
+        return self.value
+
+
+class WorkerEvent(Event):
+    """A CPU event that the worker thread completes once the work ran: a plain lock, held until
+    then, and the work's value or error (a ``Future`` would cost a ``Condition`` per node)."""
+
+    __slots__ = ("_lock", "_done", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def complete(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Called once, by the thread that ran the work."""
+        self._value, self._error = value, error
+        self._done = True
+        self._lock.release()
+
+    def synchronize(self) -> None:
+        if not self._done:
+            with self._lock:  # free once complete; each waiter takes and gives it back in turn
+                pass
+        if self._error is not None:
+            raise self._error
+
+    def query(self) -> bool:
+        return self._done
+
+    def value_on(self, stream: Stream) -> Any:
+        # whatever the consumer, the value is complete once the work is: block until then
+        self.synchronize()
+        return self._value
 
 
 class InlineStream(Stream):
@@ -122,13 +155,13 @@ class InlineStream(Stream):
         self.name = name
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
-        return FutureEvent(value=fn(*args, **kwargs))
+        return DoneEvent(fn(*args, **kwargs))
 
     def wait_event(self, event: Event) -> None:
         event.synchronize()
 
     def record_event(self) -> Event:
-        return FutureEvent()
+        return DoneEvent()
 
 
 class StreamFailed(RuntimeError):
@@ -154,30 +187,31 @@ class WorkerStream(Stream):
             item = self._queue.get()
             if item is None:
                 return
-            future, fn, grad_enabled = item
-            if not future.set_running_or_notify_cancel():
-                continue
+            event, fn, args, kwargs, grad_enabled = item
             if self._failed is not None:
-                future.set_exception(
-                    StreamFailed(
-                        f"stream {self.name!r} skipped work after an earlier failure: "
-                        f"{self._failed!r}"
-                    )
-                )
+                event.complete(error=StreamFailed(
+                    f"stream {self.name!r} skipped work after an earlier failure: "
+                    f"{self._failed!r}"
+                ))
                 continue
             try:
-                with torch.set_grad_enabled(grad_enabled):
-                    future.set_result(fn())
-            except BaseException as error:  # handed to the host through the future
+                if grad_enabled == torch.is_grad_enabled():
+                    value = fn(*args, **kwargs)
+                else:
+                    with torch.set_grad_enabled(grad_enabled):
+                        value = fn(*args, **kwargs)
+            except BaseException as error:  # handed to the host through the event
                 self._failed = error
-                future.set_exception(error)
+                event.complete(error=error)
+            else:
+                event.complete(value)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         if not self._thread.is_alive():
             raise RuntimeError(f"stream {self.name!r} is closed")
-        future: Future = Future()
-        self._queue.put((future, lambda: fn(*args, **kwargs), torch.is_grad_enabled()))
-        return FutureEvent(future)
+        event = WorkerEvent()
+        self._queue.put((event, fn, args, kwargs, torch.is_grad_enabled()))
+        return event
 
     def wait_event(self, event: Event) -> None:
         if not event.query():

@@ -9,6 +9,7 @@ reads; ``LayerShape.steps`` walks a layer that has a partner, ``lone_slots`` one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 from .wgrad_fill import COMM, COMPUTE
@@ -91,7 +92,18 @@ def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> li
 
 
 def layer_shape(shape: Shape) -> LayerShape:
-    """Number the nodes of a shape and find what each reads (see ``Shape``)."""
+    """Number the nodes of a shape and find what each reads (see ``Shape``). A shape given as
+    a tuple is looked up in a small cache first: the engine asks for the same few shapes for
+    every layer of every step, and a ``LayerShape`` is immutable."""
+    if isinstance(shape, tuple):
+        try:
+            return _cached_layer_shape(shape)
+        except TypeError:  # a list somewhere inside: not hashable
+            pass
+    return _layer_shape(shape)
+
+
+def _layer_shape(shape: Shape) -> LayerShape:
     kinds: list[str] = []
     reads: list[tuple[int, ...]] = []
     forks: list[tuple[int, tuple[tuple[int, ...], ...]]] = []
@@ -121,3 +133,6 @@ def layer_shape(shape: Shape) -> LayerShape:
         last = before + tuple(ends)
     readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(kinds)))
     return LayerShape(tuple(kinds), tuple(reads), readers, tuple(forks), tuple(items))
+
+
+_cached_layer_shape = lru_cache(maxsize=256)(_layer_shape)

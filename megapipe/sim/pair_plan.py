@@ -51,6 +51,7 @@ its split sizes) does not delay the compute launch. Both give each stream the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Sequence
 
 from .layer_shape import LayerShape, NodeRef, Shape, Side, Slot, Step, layer_shape
@@ -95,11 +96,17 @@ def pair_slots(forward: Shape | None, backward: Shape | None) -> list[Slot]:
     partner's nodes then go alone, a fork's branches pipelined). See the module docstring."""
     f_shape = layer_shape(forward) if forward else None
     b_shape = layer_shape(backward) if backward else None
-    if f_shape is None or b_shape is None:
-        if b_shape is not None:
-            return b_shape.lone_slots("B")
-        return f_shape.lone_slots("F") if f_shape is not None else []
-    return _pair_steps(f_shape.steps("F"), b_shape.steps("B"))
+    return list(_shape_slots(f_shape, b_shape))
+
+
+@lru_cache(maxsize=256)
+def _shape_slots(forward: LayerShape | None, backward: LayerShape | None) -> tuple[Slot, ...]:
+    """``pair_slots`` of two numbered layers (cached: every step pairs the same few shapes)."""
+    if forward is None or backward is None:
+        if backward is not None:
+            return tuple(backward.lone_slots("B"))
+        return tuple(forward.lone_slots("F")) if forward is not None else ()
+    return tuple(_pair_steps(forward.steps("F"), backward.steps("B")))
 
 
 def _pair_steps(forward: list[Step], backward: list[Step]) -> list[Slot]:
@@ -204,13 +211,7 @@ class StepPlanner:
         if forward is not None:
             self._forward_layers.append(forward)
         b_shape = self.backward_layers[backward] if backward is not None else None
-        if forward is not None and b_shape is not None:
-            slots = _pair_steps(forward.steps("F"), b_shape.steps("B"))
-        elif b_shape is not None:
-            slots = b_shape.lone_slots("B")
-        else:
-            assert forward is not None
-            slots = forward.lone_slots("F")
+        slots = _shape_slots(forward, b_shape)
         b_comm = [n for n, (comm, _) in enumerate(slots) if any(s == "B" for s, _ in comm)]
         for n, (comm, compute) in enumerate(slots):
             self._slot += 1

@@ -70,3 +70,20 @@ def test_worker_uses_the_submitters_grad_mode():
 def test_make_streams_rejects_unknown_devices():
     with pytest.raises(ValueError, match="'meta' is not supported"):
         make_streams("meta")
+
+
+def test_a_worker_event_releases_every_waiter_and_keeps_its_value():
+    with make_streams("cpu") as streams:
+        gate = threading.Event()
+        event = streams.comm.submit(lambda: (gate.wait(5), 7)[1])
+        assert not event.query()
+        results = []
+        waiters = [threading.Thread(target=lambda: results.append(event.value_on(streams.compute)))
+                   for _ in range(3)]
+        for waiter in waiters:
+            waiter.start()
+        gate.set()
+        for waiter in waiters:
+            waiter.join(5)
+        assert results == [7, 7, 7] and event.query()
+        assert event.value_on(streams.compute) == 7  # and again, after completion

@@ -1,0 +1,201 @@
+"""The engine's host time per node: one process, no distributed, every node's time 0 (or X ms).
+
+The replay (``overlap.py --replay``) hides each node's own work inside its profile time; what
+stays exposed is the engine's work around the node (tape boundaries, autograd's start and end,
+the hand-off to the comm stream's worker, the deferred-W bookkeeping). This measures that work
+alone, on the replay's stage (``replay_stage.ReplayStage``) with every time 0 and no expert
+parallelism (the all-to-alls are local), for the steady-state layer pair: ``moe_layers`` MoE
+layers' forward beside another microbatch's backward of them, run one after the other (plain
+tape path) and combined (``combined_step``, deferred expert weight gradients). Printed per node
+(forward and backward nodes of the pair): the process's CPU time (both threads, so it does not
+depend on what else the machine runs) and the wall time, median over rounds. ``--node-ms X``
+gives every node X ms instead and solves the host cost per node at which the simulator's pair
+equals the measured one, as the replay's calibration does (``replay_calibration``).
+
+    python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
+        [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from overlap_replay import ReplaySettings, _config
+from replay_stage import ReplayStage, precise_sleeps
+
+
+def _uniform(ms: float):
+    """Every F, B and W time ``ms`` (0: the real work alone)."""
+    from megapipe.sim.profile import COMM_KEYS, COMPUTE_KEYS, NodeProfile
+
+    return NodeProfile.from_dict({"compute": dict.fromkeys(COMPUTE_KEYS, ms),
+                                  "comm": dict.fromkeys(COMM_KEYS, ms)})
+
+
+def _stage(s: ReplaySettings, profile) -> ReplayStage:
+    return ReplayStage(profile, _config(s, 3), range(s.moe_layers, 2 * s.moe_layers),
+                       False, False, None)
+
+
+def _plans(stage: ReplayStage, chunks: int) -> list:
+    from megapipe.overlap.plan import ChunkedPlan
+
+    plans = stage.layer_plans()
+    return [list(p.chunked(chunks)) if chunks > 1 and isinstance(p, ChunkedPlan) else p
+            for p in plans]
+
+
+def _node_count(plans: list) -> int:
+    """Forward plus backward nodes of one pair of these plans."""
+    from megapipe.overlap.plan import layer_graph
+
+    return 2 * sum(len(layer_graph(plan).nodes) for plan in plans)
+
+
+class _Pair:
+    """One plain and one combined run of the layer pair on ``stage``."""
+
+    def __init__(self, s: ReplaySettings, chunks: int, streams, profile) -> None:
+        self.stage = _stage(s, profile)
+        self.plans = _plans(self.stage, chunks)
+        self.nodes = _node_count(self.plans)
+        self.streams = streams
+        self.delay_wgrad = s.delay_wgrad
+        self.generator = torch.Generator().manual_seed(0)
+        self.shape = (1, self.stage.config.seq_length, self.stage.config.hidden_size)
+
+    def _hidden(self) -> torch.Tensor:
+        return torch.randn(self.shape, generator=self.generator).requires_grad_()
+
+    def prepare(self):
+        """A recorded tape and its output gradients (not timed)."""
+        from megapipe.overlap.tape import record_forward
+
+        outputs, tape = record_forward(self.plans, (self._hidden(),))
+        return tape, [torch.ones_like(outputs[0])], self._hidden()
+
+    def plain(self, tape, grads, x) -> None:
+        """The nodes one after the other (as the replay's pair: W inside B)."""
+        from megapipe.overlap.tape import record_forward, run_backward
+
+        record_forward(self.plans, (x,))
+        run_backward(tape, grads)
+
+    def combined(self, tape, grads, x) -> None:
+        from megapipe.overlap.coscheduler import combined_step
+
+        combined_step(self.plans, (x,), tape, grads, self.streams,
+                      delay_wgrad_compute=self.delay_wgrad)
+        self.streams.comm.synchronize()
+
+
+LABELS = ("plain", "combined")
+
+
+def _timed_rounds(pair: _Pair, rounds: int) -> dict:
+    """Per label, the median (CPU ms, wall ms) of ``rounds`` runs (plain and combined take
+    turns; one warm-up run each)."""
+    cpu: dict = {label: [] for label in LABELS}
+    wall: dict = {label: [] for label in LABELS}
+    for r in range(rounds + 1):
+        for label in LABELS if r % 2 else LABELS[::-1]:
+            args = pair.prepare()
+            c0, w0 = time.process_time(), time.perf_counter()
+            getattr(pair, label)(*args)
+            cpu[label].append((time.process_time() - c0) * 1e3)
+            wall[label].append((time.perf_counter() - w0) * 1e3)
+            pair.stage.zero_grad(set_to_none=True)
+    return {label: (statistics.median(cpu[label][1:]), statistics.median(wall[label][1:]))
+            for label in LABELS}
+
+
+def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
+    """The simulator's pair (plain, combined) ms with ``host_cost`` ms per F and B node."""
+    from megapipe.schedule.ir import Action, Kind
+    from megapipe.sim.node_steps import NodeCosts, node_ops
+    from megapipe.sim.steps import op_times
+
+    def pair_time(action, defer: bool) -> float:
+        nodes = NodeCosts(profile, 3, s.moe_layers, a2a_chunks=chunks, defer_wgrad=defer,
+                          host_runs_compute=True, wgrad_by_time=True, host_cost=host_cost)
+        return max(end for _, end in op_times(node_ops(action, nodes), 0.0))
+
+    forward, backward = Action(1, Kind.F, 1), Action(1, Kind.B, 0)
+    plain = pair_time(forward, False) + pair_time(backward, False)
+    return plain, pair_time(Action.overlap(forward, backward), s.delay_wgrad)
+
+
+def _host_cost_line(s: ReplaySettings, profile, chunks: int, label: str, wall: float) -> str:
+    """The measured pair ``label`` beside the simulator's, and the host cost per F/B node at
+    which the two agree (``replay_calibration.solve_host_cost``)."""
+    from replay_calibration import solve_host_cost
+
+    index = LABELS.index(label)
+    h = solve_host_cost(lambda h: _simulated(s, profile, chunks, h)[index], wall)
+    simulated = _simulated(s, profile, chunks, 0.0)[index]
+    return (f"  {label:<8} wall {wall:8.1f} ms, simulated {simulated:8.1f} ms -> host cost "
+            f"{h:.3f} ms per node")
+
+
+def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
+    """cProfile of ``rounds`` runs of ``label`` on the host thread and the comm worker."""
+    host, worker = cProfile.Profile(), cProfile.Profile()
+    comm = pair.streams.comm
+    comm.submit(worker.enable).synchronize()
+    run = getattr(pair, label)
+    for _ in range(rounds):
+        args = pair.prepare()
+        host.enable()
+        run(*args)
+        host.disable()
+        pair.stage.zero_grad(set_to_none=True)
+    comm.submit(worker.disable).synchronize()
+    stats = pstats.Stats(host)
+    stats.add(worker)
+    print(f"--- {label}: top {top} by own time, {rounds} runs x {pair.nodes} nodes "
+          "(host thread + comm worker)")
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megapipe.overlap import make_streams
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--moe-layers", type=int, default=4)
+    parser.add_argument("--a2a-chunks", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--node-ms", type=float, default=0.0,
+                        help="every node's time (0: the real work alone); > 0 also solves the "
+                        "host cost per node against the simulator, as the replay's calibration")
+    parser.add_argument("--no-delay-wgrad", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print the N top functions by own time (cProfile)")
+    a = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    precise_sleeps()  # as the replay's ranks do
+    s = ReplaySettings("", (), moe_layers=a.moe_layers, delay_wgrad=not a.no_delay_wgrad)
+    profile = _uniform(a.node_ms)
+    with make_streams("cpu") as streams:
+        pair = _Pair(s, a.a2a_chunks, streams, profile)
+        figures = _timed_rounds(pair, a.rounds)
+        print(f"layer pair of {a.moe_layers} MoE layers, {a.a2a_chunks} chunk(s), {pair.nodes} "
+              f"F+B nodes, every node {a.node_ms:g} ms, {a.rounds} rounds (median):")
+        for label, (cpu, wall) in figures.items():
+            print(f"  {label:<8} CPU {cpu / pair.nodes:.3f} ms/node, wall {wall / pair.nodes:.3f}"
+                  " ms/node")
+        print(f"  combined / plain CPU: {figures['combined'][0] / figures['plain'][0]:.2f}")
+        for label in LABELS if a.node_ms > 0 else ():
+            print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1]))
+        for label in LABELS if a.profile else ():
+            _profiled(pair, label, max(a.rounds // 3, 1), a.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -8,8 +8,8 @@ in that order, the latest of its rank's previous end and its needs' arrivals, an
 step's duration: the engine's own float operations, without its round-robin bookkeeping (about
 a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
 reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two
-runs of one schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products made twice
-always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
+runs of one schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products
+made twice always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
 original schedule in the order its first candidate ran): it checks the order as it goes (every
 step once, each rank's in list order, nothing read before it is made) and gives up, for the
 engine to run, where it does not hold; where it holds, the times are the engine's, since with

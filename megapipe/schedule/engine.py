@@ -92,8 +92,9 @@ class Run:
     remade: tuple[int, int, int] | None = None
 
 
-class _Columns:
-    """New columns for a loop: lists for Python, numpy arrays for the compiled loops."""
+class LoopColumns:
+    """Columns for one of ``loops``' loops: lists where it runs in Python, numpy arrays where it
+    runs compiled (the engine here, ``rerun`` for its reruns)."""
 
     def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
@@ -105,6 +106,12 @@ class _Columns:
         if self.compiled:
             return np.array(values, dtype=dtype)
         return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+    def of_steps(self, steps: "Steps") -> tuple:
+        """offsets, need0, need1, need2, make0, make1 and duration of ``steps``."""
+        if self.compiled:
+            return (*steps.columns.arrays, steps.duration)
+        return (*steps.columns.lists, steps.duration.tolist())
 
 
 def run_in_order(
@@ -118,7 +125,7 @@ def run_in_order(
     pp = len(offsets) - 1
     plain = steps.end_of is None and steps.made_at is None
     compiled = loops.compiled_loops(total) if plain else None
-    new = _Columns(compiled is not None)
+    new = LoopColumns(compiled is not None)
     if prefix is None:
         done, free = [0] * pp, new.fill(pp, 0.0, np.float64)
         start, end = new.fill(total, -1.0, np.float64), new.fill(total, -1.0, np.float64)
@@ -131,11 +138,9 @@ def run_in_order(
     watched = new.fill(space if watch else 0, False, np.bool_)
     for p in watch:
         watched[p] = True
-    columns = steps.columns.arrays if compiled else steps.columns.lists
-    duration = steps.duration if compiled else steps.duration.tolist()
     sweep = new.fill(total, -1, np.int64)
     remade = (compiled[0] if compiled else loops.sweep)(
-        *columns, duration, space, new.fill(space if steps.delay else 0, steps.delay, np.float64),
+        *new.of_steps(steps), space, new.fill(space if steps.delay else 0, steps.delay, np.float64),
         watched, new.fill(len(watched), -1, np.int64), steps.end_of, steps.made_at, cursor, free,
         start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
         new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from . import loops
-from .engine import Run, run_in_order
+from .engine import LoopColumns, Run, run_in_order
 
 
 class RunOrder:
@@ -79,17 +79,12 @@ def rerun(plan, order: np.ndarray, sweep: list[int] | None) -> Run | None:
         return None
     n, space = len(table), steps.space
     compiled = loops.compiled_loops(n)
-    if compiled is None:
-        start, end, free, arrive = [0.0] * n, [0.0] * n, [0.0] * table.pp, [-1.0] * (2 * space + 1)
-        ok = loops.in_order(order.tolist(), table.rank.tolist(), *steps.columns.lists[1:],
-                            steps.duration.tolist(), float(steps.delay), space, start, end, free,
-                            arrive)
-    else:
-        start, end, free = np.zeros(n), np.zeros(n), np.zeros(table.pp)
-        arrive = np.full(2 * space + 1, -1.0)
-        ok = compiled[1](order.astype(np.int64, copy=False), table.rank.astype(np.int64),
-                         *steps.columns.arrays[1:], steps.duration, float(steps.delay), space,
-                         start, end, free, arrive)
+    new = LoopColumns(compiled is not None)
+    start, end = new.fill(n, 0.0, np.float64), new.fill(n, 0.0, np.float64)
+    free, arrive = new.fill(table.pp, 0.0, np.float64), new.fill(2 * space + 1, -1.0, np.float64)
+    ok = (compiled[1] if compiled else loops.in_order)(
+        new.copy(order, np.int64), new.copy(table.rank, np.int64), *new.of_steps(steps)[1:],
+        float(steps.delay), space, start, end, free, arrive)
     return Run(start, end, sweep, arrive, {}) if ok else None
 
 

@@ -26,3 +26,27 @@ def test_pool_reports_failing_rank_traceback(rank_pools):
         rank_pools(2).run(_fail_on_rank_one)
     # the pool stays usable after a task failed
     assert rank_pools(2).run(_allreduce_rank)[1] == (1, 1.0)
+
+
+def _make_groups(count):
+    groups = [dist.new_group([0, 1]) for _ in range(count)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(groups)
+
+
+def test_a_pool_past_the_thread_limit_starts_afresh(monkeypatch):
+    """Each gloo group keeps threads until its process ends; past THREAD_LIMIT the pool
+    replaces its ranks before the next task, which then runs as usual."""
+    from support import rank_pool
+
+    with rank_pool.RankPool(2) as pool:
+        monkeypatch.setattr(rank_pool, "THREAD_LIMIT", pool._most_threads() + 10)
+        first = [p.pid for p in pool._procs]
+        assert pool.run(_make_groups, 2) == [2, 2]
+        assert [p.pid for p in pool._procs] == first  # under the limit: the same ranks
+        pool.run(_make_groups, 10)
+        assert pool._most_threads() > rank_pool.THREAD_LIMIT
+        assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
+        assert [p.pid for p in pool._procs] != first
+        assert pool._most_threads() <= rank_pool.THREAD_LIMIT

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-from megapipe.megatron.mcore_support import check_ddp
+from megapipe.megatron.mcore_support import activation_shape, check_ddp, finish_router_step
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -191,6 +191,8 @@ class MegatronForwardBackward:
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
             if not forward_only and not self.options.reduce_grads:
                 self._finalize_like_megatron(chunks, stages)
+            elif not forward_only:
+                finish_router_step(chunks)  # Megatron's expert-bias update, per-step resets
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -241,6 +243,8 @@ class MegatronForwardBackward:
             if layout == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
+        if megatron and layout == "sbh" and o.hidden_size is None:  # Megatron's own shape
+            shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
         dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
         executor = PipelineExecutor(
             schedule,

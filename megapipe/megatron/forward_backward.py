@@ -257,6 +257,9 @@ class MegatronForwardBackward:
             timeout=o.timeout,
             delay_wgrad_compute=o.delay_wgrad_compute,
             record_trace=o.record_trace,
+            # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
+            # the tape in every schedule (McoreGPTStage.needs_tape)
+            use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
         )
         self._executors[key] = (executor, stages)
         return executor, stages

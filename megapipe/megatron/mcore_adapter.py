@@ -89,13 +89,19 @@ class McoreGPTStage(nn.Module):
         half = [m for m in chain_of(chunk) if type(m).__name__ == "Float16Module"]
         self.__dict__["_half"] = half[0] if half else None
         self._check_delayed_wgrad(gpt)
+        # the engine's generic I/W split differentiates with autograd.grad, which Megatron's
+        # checkpoints refuse and which would re-run a TE layer's whole backward: such chunks
+        # run on megapipe's tape in every schedule (its W step is the weight-gradient queue)
+        self.__dict__["needs_tape"] = (
+            self.defers_weight_grads or gpt.config.recompute_granularity is not None
+        )
         self.node_runner: NodeRunner | None = None
 
     def _check_delayed_wgrad(self, gpt: nn.Module) -> None:
         """Every deferred weight gradient sits in a module the plans drive; with any, the
         chunk always runs as node plans (Megatron's own forward would leave them undriven)."""
-        self.__dict__["_plans_always"] = bool(delayed_modules(gpt))
-        if not self._plans_always:
+        self.__dict__["defers_weight_grads"] = bool(delayed_modules(gpt))
+        if not self.defers_weight_grads:
             return
         driven: list[nn.Module] = []
         layers = list(gpt.decoder.layers)
@@ -148,7 +154,7 @@ class McoreGPTStage(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runner = self.node_runner
         if runner is None:
-            if not (self._plans_always and torch.is_grad_enabled()):
+            if not (self.defers_weight_grads and torch.is_grad_enabled()):
                 return self.module(*args, **kwargs)
             runner = _PlainRunner()
         return self._forward_nodes(runner, args, kwargs)

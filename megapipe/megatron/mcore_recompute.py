@@ -11,9 +11,11 @@ A Megatron node re-run must not disturb what Megatron keeps on its modules, beca
 happens in a backward, possibly beside another microbatch's forward of the same layer:
 
 - The token dispatcher keeps one microbatch's routing metadata on itself between the nodes of
-  a forward. ``DispatcherSwitch`` stands in for ``MoELayer.token_dispatcher`` and gives each
-  microbatch its own copy while its nodes run (per thread, so a re-run on the compute stream
-  and another microbatch's combine on the comm stream each see their own).
+  a forward (and clears some of it once used). ``DispatcherSwitch`` stands in for
+  ``MoELayer.token_dispatcher`` and gives each microbatch its own copy while its nodes run,
+  per thread, so a re-run on the compute stream and another microbatch's combine on the comm
+  stream each see their own; a re-run starts from a copy of the dispatcher as the node's first
+  run found it.
 - The router counts tokens (expert bias, global aux loss) and logs its losses as side effects
   of a forward. A re-run sees the router buffers as its first run saw them and leaves both
   the buffers and the MoE metrics as it found them, so nothing is counted twice.
@@ -101,11 +103,17 @@ def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
                 return node.fn(state, inputs)
             if not hasattr(state, "dispatcher"):
                 state.dispatcher = switch.fresh()
-            with switch.using(state.dispatcher):
-                if node.kind != NodeKind.COMPUTE:
+                state.dispatcher_at = {}
+            if node.kind != NodeKind.COMPUTE:  # never re-run: the microbatch's dispatcher
+                with switch.using(state.dispatcher):
                     return node.fn(state, inputs)
-                with _first_run_view(state, node.name, buffers, release):
-                    return node.fn(state, inputs)
+            if not state.recomputing:  # a re-run starts from the dispatcher this run found
+                state.dispatcher_at[node.name] = copy.copy(state.dispatcher)
+                dispatcher = state.dispatcher
+            else:
+                dispatcher = copy.copy(state.dispatcher_at[node.name])
+            with switch.using(dispatcher), _first_run_view(state, node.name, buffers, release):
+                return node.fn(state, inputs)
 
         return Node(node.name, node.kind, fn, node.group, node.times)
 

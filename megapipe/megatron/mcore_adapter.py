@@ -78,6 +78,9 @@ class McoreGPTStage(nn.Module):
             )
         self.__dict__["release"] = release()
         check_config(gpt.config)
+        problem = self.release.config_problem(gpt.config)
+        if problem is not None:
+            raise NotImplementedError(problem)
         check_groups(gpt)
         if getattr(gpt, "mtp_process", False) and not gpt.post_process:
             raise NotImplementedError(

@@ -18,6 +18,7 @@ Differences, by release (what ``McoreRelease`` answers):
 | ``MultiTokenPredictionLayer._get_embeddings`` returns ``padding_mask`` | no | no | yes | yes |
 | the MoE metrics tracker | dict in ``moe_utils`` | same | ``MoEMetricsTracker`` | same |
 | ``_update_router_expert_bias`` takes the TPxDPxCP group | no | no | yes | yes |
+| MTP with full recompute runs in Megatron itself | yes | yes | no (refused) | yes |
 """
 
 from __future__ import annotations
@@ -69,6 +70,17 @@ class McoreRelease:
 
     def at_least(self, minor: int) -> bool:
         return self.version >= (0, minor, 0)
+
+    def config_problem(self, config: Any) -> str | None:
+        """A configuration this release's own Megatron cannot run (so there are no Megatron
+        numbers to mirror), as one line; None otherwise."""
+        if (self.version[:2] == (0, 18) and config.mtp_num_layers
+                and config.recompute_granularity == "full"):
+            return (f"megatron-core {self} cannot run MTP layers under full recompute (its "
+                    "MultiTokenPredictionLayer passes padding_mask to a _checkpointed_forward "
+                    "that does not take it); use another release or recompute_granularity="
+                    "'selective'")
+        return None
 
     # ---------------------------------------------------------------- TransformerLayer
     def pre_mlp(self, layer: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,11 +22,16 @@ def chain_of(chunk: nn.Module) -> list[nn.Module]:
     return chain
 
 
+def from_megatron(module: nn.Module) -> bool:
+    """Whether ``module``'s class is Megatron's or derives from one of Megatron's."""
+    return any(cls.__module__.startswith("megatron.") for cls in type(module).__mro__)
+
+
 def find_gpt_model(chunk: nn.Module) -> nn.Module | None:
     """The Megatron-Core ``GPTModel`` in ``chunk`` (itself or wrapped), else None. Imports
     Megatron only when the chunk comes from it."""
     chain = chain_of(chunk)
-    if not any(type(m).__module__.startswith("megatron.") for m in chain):
+    if not any(from_megatron(m) for m in chain):
         return None
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -48,7 +53,7 @@ def find_megatron_model(chunk: nn.Module) -> nn.Module | None:
     ``GPTModel`` (``HybridModel``, ``MambaModel``, ...) and a GPT model whose mirrored methods
     a subclass overrides; None for a chunk that is not Megatron's."""
     chain = chain_of(chunk)
-    if not any(type(m).__module__.startswith("megatron.") for m in chain):
+    if not any(from_megatron(m) for m in chain):
         return None
     from megatron.core.models.common.language_module.language_module import LanguageModule
 

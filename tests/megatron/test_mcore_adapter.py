@@ -1,9 +1,12 @@
-"""Megatron-Core's own MoE GPT through megapipe: Megatron's numbers, in every schedule, overlapped.
+"""Megatron-Core's own MoE GPT through megapipe: Megatron's numbers, release by release.
 
-Each case runs on 4 gloo ranks (one shared pool): Megatron's own ``get_forward_backward_func``
-(no overlap; its DDP and ``finalize_model_grads``) as the reference, then megapipe's front end
-on freshly built chunks with the same weights and data, plain and with
-``overlap_moe_expert_parallel_comm=True``. Auxiliary loss on (coefficient 0.01), fp32.
+Each case runs on 4 gloo ranks (one pool per megatron-core release, its processes importing
+that release): Megatron's own ``get_forward_backward_func`` (no overlap; its DDP and
+``finalize_model_grads``) as the reference, then megapipe's front end on freshly built chunks
+with the same weights and data, plain and with ``overlap_moe_expert_parallel_comm=True``.
+Auxiliary loss on (coefficient 0.01), fp32; the bf16 cases compare with Megatron's own
+combined 1F1B. The oldest and the newest release run every case; the two between run a
+focused subset that still covers every feature once (``FOCUS``), to keep the suite's time.
 """
 
 from __future__ import annotations
@@ -17,23 +20,51 @@ pytest.importorskip(
     "installs it)",
 )
 
-from support.mcore_cases import (  # noqa: E402
-    McoreCase,
-    bf16_combined_case,
-    compare_case,
-    warm_up,
-)
+from support import mcore_cases, mcore_checks  # noqa: E402
+from support.mcore_models import McoreCase  # noqa: E402
+from support.mcore_releases import RELEASES, ReleaseUnavailable, release_dir  # noqa: E402
 
+FULL_MATRIX = (RELEASES[0], RELEASES[-1])  # every case; the releases between: FOCUS only
+
+# (case, in the focused subset, releases it needs); grouped by layout (tp, pp, ep), since a
+# new layout makes Megatron's process groups again
 CASES = [
-    McoreCase(pp=1, ep=1),
-    McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"),
-    McoreCase(pp=2, ep=2),  # megapipe's combined 1F1B: Megatron has none without vpp
-    McoreCase(pp=2, ep=1, tie=True),
-    McoreCase(pp=2, vpp=2, ep=2),
-    McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"),
-    McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"),
-    McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"),
-    McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True),
+    (McoreCase(pp=1, ep=1), False, None),
+    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), False, None),
+    # Megatron's deferred weight gradients (TE's contract), driven after each node's backward
+    (McoreCase(pp=1, ep=2, delay_wgrad=True, mtp=1), False, None),
+    # a pre-MLP norm returning (output, residual), as the fused residual RMSNorm does (0.17+)
+    (McoreCase(pp=1, ep=2, fused_norm=True), True, ("0.17", "0.18", "0.19")),
+    (McoreCase(pp=2, ep=1, tie=True), False, None),
+    (McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"), False, None),
+    (McoreCase(pp=2, ep=2), True, None),  # megapipe's combined 1F1B: Megatron has none w/o vpp
+    (McoreCase(pp=2, vpp=2, ep=2), False, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"), False, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"), False, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), False, None),
+    # full recompute node by node; the expert-bias update after megapipe's own reduction
+    (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), True, None),
+    (McoreCase(pp=2, vpp=2, ep=2, recompute="full", recompute_method="block",
+               schedule="zbv"), False, None),
+    (McoreCase(pp=2, vpp=2, ep=2, recompute="selective", shared_expert=True,
+               schedule="zb1p"), False, None),
+    # deferred weight gradients in the zero-bubble W step and beside the all-to-all
+    (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"),
+     True, None),
+    # tensor + sequence parallelism, MTP, selective recompute, shared experts, expert bias
+    (McoreCase(pp=1, ep=2, tp=2, reduce="ddp", shared_expert=True, expert_bias=True, mtp=1,
+               recompute="selective"), True, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), True, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), False,
+     ("0.16", "0.17", "0.19")),  # 0.18.2's own MTP fails under full recompute (refused)
+]
+
+BF16_CASES = [
+    (McoreCase(pp=1, ep=2, shared_expert=True), False),  # Megatron's combined 1F1B at pp 1
+    (McoreCase(pp=2, vpp=2, ep=2), False),  # and its interleaved combined 1F1B
+    (McoreCase(pp=1, ep=2, tp=2, shared_expert=True, expert_bias=True, mtp=1,
+               recompute="selective"), True),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, mtp=1), False),
 ]
 
 # Megatron's split, paired as in its combined 1F1B: (comm stream node, compute stream node)
@@ -43,6 +74,37 @@ FOUR_PAIRS = [
     (("B", "dispatch"), ("F", "mlp")),
     (("F", "combine"), ("B", "attn")),
 ]
+
+_RESULTS: dict = {}
+
+
+def _runs(version: str, case: McoreCase, focus: bool, needs: tuple | None) -> None:
+    if needs is not None and not version.startswith(needs):
+        pytest.skip(f"megatron-core {version} does not take part in {case}")
+    if version not in FULL_MATRIX and not focus:
+        pytest.skip(f"megatron-core {version} runs the focused subset (time); "
+                    f"{', '.join(FULL_MATRIX)} run every case")
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request, rank_pools):
+    """One megatron-core release: its pool of 4 processes, which import it. Cached releases
+    are fetched once (tests/support/mcore_releases.py); without a network they skip."""
+    version = request.param
+    try:
+        directory = release_dir(version)
+    except ReleaseUnavailable as missing:
+        pytest.skip(str(missing))
+    spec = (version, str(directory) if directory is not None else None)
+    tag = f"megatron-core-{version}"
+    # Megatron 0.19 compiles its expert-bias update with torch.compile (about 25 s on CPU per
+    # process); its __version__ asks git for a hash unless told not to
+    pool = rank_pools(4, tag, env={"TORCHDYNAMO_DISABLE": "1", "NO_VCS_VERSION": "1"})
+    _run_on_pool(pool, mcore_cases.warm_up, spec)
+    yield spec, pool
+    rank_pools.close(4, tag)
+    for key in [k for k in _RESULTS if k[0] == version]:
+        del _RESULTS[key]
 
 
 def _run_on_pool(pool, fn, *args):
@@ -55,15 +117,17 @@ def _run_on_pool(pool, fn, *args):
         pool.timeout = limit
 
 
-@pytest.fixture(scope="module")
-def results(rank_pools):
-    pool = rank_pools(4)
-    _run_on_pool(pool, warm_up)
-    return {case: _run_on_pool(pool, compare_case, case) for case in CASES}
+def _result(release, case: McoreCase, kind: str = "fp32") -> list:
+    spec, pool = release
+    key = (spec[0], case, kind)
+    if key not in _RESULTS:
+        fn = mcore_cases.compare_case if kind == "fp32" else mcore_cases.bf16_combined_case
+        _RESULTS[key] = _run_on_pool(pool, fn, spec, case)
+    return _RESULTS[key]
 
 
 def _assert_grads(got: dict, want: dict, exact: bool, what: str) -> None:
-    assert got.keys() == want.keys(), (what, set(got) ^ set(want))
+    assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want))[:8])
     for name, ref in want.items():
         if exact:
             assert torch.equal(got[name], ref), (what, name)
@@ -73,145 +137,123 @@ def _assert_grads(got: dict, want: dict, exact: bool, what: str) -> None:
                                        msg=lambda m: f"{what} {name}: {m}")
 
 
-def _merged(outs: list[dict], run: str) -> tuple[dict, dict]:
-    """A run's losses per DP rank and gradients per global parameter name, over all ranks;
-    data-parallel replicas of a gradient must agree bitwise."""
-    losses, grads = {}, {}
+def _tensors(arrays: dict) -> dict[str, torch.Tensor]:
+    return {name: torch.from_numpy(value) for name, value in arrays.items()}
+
+
+def _merged(outs: list[dict], run: str, key: str = "grads") -> tuple[dict, dict]:
+    """A run's losses per DP rank and tensors per global name, over all ranks; replicas of a
+    tensor must agree bitwise."""
+    losses, tensors = {}, {}
     for out in outs:
         if out[run]["losses"]:
             losses[out[run]["dp_rank"]] = out[run]["losses"]
-        for name, grad in out[run]["grads"].items():
-            if name in grads:
-                assert torch.equal(grads[name], grad), (run, "replicas differ", name)
-            grads[name] = grad
-    return losses, grads
+        for name, value in _tensors(out[run][key]).items():
+            if name in tensors:
+                assert torch.equal(tensors[name], value), (run, "replicas differ", name)
+            tensors[name] = value
+    return losses, tensors
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_megapipe_gives_megatrons_numbers(results, case):
+def _weight_used_twice(case: McoreCase) -> bool:
+    """A chunk that uses one weight twice (tied embeddings, or MTP's embedding in the chunk
+    that embeds the tokens) accumulates per use on the tape and per step in plain autograd."""
+    return case.tie or (case.mtp > 0 and case.pp == 1)
+
+
+@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_megapipe_gives_megatrons_numbers(release, case, focus, needs):
     """Losses bitwise (the forward performs Megatron's operations); every gradient within 1e-6
-    relative, bitwise where the reduction is Megatron's own (its DDP). The zbv and dualpipev
-    cases place the model in a V, so they compare the model's gradients over all ranks."""
-    exact = case.reduce == "ddp" and not case.tie
-    ref_losses, ref_grads = _merged(results[case], "reference")
+    relative, bitwise where the reduction is Megatron's own (its DDP); every weight has its
+    gradient (also with deferred weight gradients: nothing is left pending); the expert biases
+    after the step are Megatron's (and moved). The zbv and dualpipev cases place the model in
+    a V, so they compare the model's gradients over all ranks."""
+    _runs(release[0][0], case, focus, needs)
+    outs = _result(release, case)
+    exact = case.reduce == "ddp" and not _weight_used_twice(case)
+    ref_losses, ref_grads = _merged(outs, "reference")
     assert len(ref_losses) == case.dp and len(ref_grads) > 20
     for run in ("plain", "overlap"):
-        losses, grads = _merged(results[case], run)
+        losses, grads = _merged(outs, run)
         assert losses == ref_losses, run
         _assert_grads(grads, ref_grads, exact and run == "plain", run)
+        assert all(out[run]["pending_wgrads"] == 0 for out in outs)
+        if case.expert_bias:
+            _, ref_bias = _merged(outs, "reference", "expert_bias")
+            _, bias = _merged(outs, run, "expert_bias")
+            assert ref_bias and all(b.abs().max() > 0 for b in ref_bias.values())
+            _assert_grads(bias, ref_bias, exact=True, what=f"{run} expert bias")
     if case.v_placement:
         return
-    for rank, out in enumerate(results[case]):  # same placement: rank by rank
-        _assert_grads(out["plain"]["grads"], out["reference"]["grads"], exact, f"rank {rank}")
+    for rank, out in enumerate(outs):  # same placement: rank by rank
+        _assert_grads(_tensors(out["plain"]["grads"]), _tensors(out["reference"]["grads"]),
+                      exact, f"rank {rank}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_combined_is_bitwise_the_plain_run(results, case):
-    for rank, out in enumerate(results[case]):
-        plain, overlap = out["plain"]["grads"], out["overlap"]["grads"]
-        _assert_grads(overlap, plain, exact=not case.tie, what=f"rank {rank} overlap")
+@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_combined_is_bitwise_the_plain_run(release, case, focus, needs):
+    _runs(release[0][0], case, focus, needs)
+    for rank, out in enumerate(_result(release, case)):
+        plain, overlap = _tensors(out["plain"]["grads"]), _tensors(out["overlap"]["grads"])
+        _assert_grads(overlap, plain, exact=not _weight_used_twice(case),
+                      what=f"rank {rank} overlap")
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(results, case):
-    for rank, out in enumerate(results[case]):
+@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, focus, needs):
+    """Every rank that pairs MoE layers pairs them in Megatron's four pairs (a rank can have
+    none: in dualpipev, rank 0 holds the dense first layer and the MoE last one, and pairs each
+    one's forward with the other's backward)."""
+    _runs(release[0][0], case, focus, needs)
+    outs = _result(release, case)
+    assert any(out["overlap"]["pairs"] for out in outs), "no paired slots"
+    for rank, out in enumerate(outs):
         pairs = out["overlap"]["pairs"]
-        assert pairs, f"rank {rank}: no paired slots"
         assert len(pairs) % 4 == 0, (rank, pairs)
         for start in range(0, len(pairs), 4):
             assert list(pairs[start:start + 4]) == FOUR_PAIRS, (rank, start, pairs)
 
 
-BF16_CASES = [
-    McoreCase(pp=1, ep=2, shared_expert=True),  # Megatron's combined 1F1B without pipelining
-    McoreCase(pp=2, vpp=2, ep=2),  # and its interleaved combined 1F1B
-]
-
-
-@pytest.mark.parametrize("case", BF16_CASES, ids=str)
-def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(rank_pools, case):
+@pytest.mark.parametrize("case,focus", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
+def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, focus):
     """bf16 as a Megatron script sets it up (config.bf16, Float16Module, DDP with fp32 gradient
     buffers, finalize_model_grads): megapipe's combined step gives bitwise the losses and
-    gradients of Megatron's own overlapped schedule (overlap_moe_expert_parallel_comm)."""
-    outs = _run_on_pool(rank_pools(4), bf16_combined_case, case)
+    gradients of Megatron's own overlapped schedule (overlap_moe_expert_parallel_comm), with
+    tensor and sequence parallelism, MTP and selective recompute where Megatron overlaps them."""
+    _runs(release[0][0], case, focus, None)
+    outs = _result(release, case, "bf16")
     ref_losses, ref_grads = _merged(outs, "reference")
     losses, grads = _merged(outs, "overlap")
     assert len(ref_losses) == case.dp and losses == ref_losses
     _assert_grads(grads, ref_grads, exact=True, what="bf16 overlap")
+    if case.expert_bias:
+        _assert_grads(_merged(outs, "overlap", "expert_bias")[1],
+                      _merged(outs, "reference", "expert_bias")[1], exact=True, what="bias")
 
 
-def _config(**overrides):
-    from types import SimpleNamespace
-
-    fields = dict(
-        tensor_model_parallel_size=1, sequence_parallel=False, context_parallel_size=1,
-        expert_tensor_parallel_size=1, mtp_num_layers=None, fp8=None, fp4=None,
-        cuda_graph_impl="none", recompute_granularity=None, cpu_offloading=False,
-        fine_grained_activation_offloading=False, moe_shared_expert_overlap=False,
-        num_moe_experts=4, moe_token_dispatcher_type="alltoall", fp16=False,
-        calculate_per_token_loss=False,
-    )
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
-
-
-@pytest.mark.parametrize("override,named", [
-    ({"tensor_model_parallel_size": 2}, "tensor parallelism"),
-    ({"sequence_parallel": True}, "sequence parallelism"),
-    ({"moe_token_dispatcher_type": "flex"}, "flex/DeepEP"),
-    ({"mtp_num_layers": 1}, "MTP"),
-    ({"fp8": "hybrid"}, "FP8"),
-    ({"cuda_graph_impl": "local"}, "CUDA graphs"),
-    ({"recompute_granularity": "full"}, "recomputation"),
-    ({"fp16": True}, "loss scaling"),
-    ({"calculate_per_token_loss": True}, "calculate_per_token_loss"),
-])
-def test_unsupported_features_are_named(override, named):
-    from megapipe.megatron.mcore_support import check_supported
-
-    check_supported(_config())  # the tests' configuration passes
-    with pytest.raises(NotImplementedError, match=named):
-        check_supported(_config(**override))
+def test_undriven_deferred_weight_gradients_are_missing_under_megatrons_schedule(release):
+    """The negative control of the deferred-weight-gradient cases: Megatron's own schedule
+    without its overlap never calls backward_dw(), so the TE-contract layers end the step with
+    no gradient and their work still pending; under megapipe nothing is pending (above)."""
+    version = release[0][0]
+    if version not in FULL_MATRIX:
+        pytest.skip(f"megatron-core {version} runs the focused subset (time)")
+    spec, pool = release
+    case = McoreCase(pp=1, ep=2, delay_wgrad=True)
+    outs = _run_on_pool(pool, mcore_cases.undriven_case, spec, case)
+    assert all(out["pending_wgrads"] > 0 for out in outs)
+    grads = outs[0]["grads"]
+    assert not any("linear_qkv" in name for name in grads), "the deferred ones got no gradient"
 
 
-def test_an_unsupported_megatron_version_is_one_clear_error(monkeypatch):
-    import megatron.core
-
-    from megapipe.megatron.mcore_support import check_mcore_version
-
-    assert check_mcore_version() == "0.16.1"
-    monkeypatch.setattr(megatron.core, "__version__", "0.15.0")
-    with pytest.raises(RuntimeError, match=r"megatron-core 0\.15\.0 is not supported.*0\.16\.1"):
-        check_mcore_version()
-
-
-def test_other_modules_pass_through_unwrapped():
-    from megapipe.megatron.mcore_adapter import as_stage_module
-    from megapipe.megatron.mcore_support import find_gpt_model
-
-    module = torch.nn.Linear(2, 2)
-    assert as_stage_module(module) is module and find_gpt_model(module) is None
-
-
-def test_megatron_ddp_is_refused_where_it_would_reduce_wrongly():
-    from types import SimpleNamespace
-
-    from megapipe.megatron.mcore_support import check_ddp
-
-    class DistributedDataParallel(torch.nn.Module):  # stands for Megatron's (same module path)
-        __module__ = "megatron.core.distributed.distributed_data_parallel"
-
-        def __init__(self, overlap_grad_reduce):
-            super().__init__()
-            self.module = torch.nn.Linear(2, 2)
-            self.ddp_config = SimpleNamespace(overlap_grad_reduce=overlap_grad_reduce)
-
-        def finish_grad_sync(self):
-            pass
-
-    check_ddp(torch.nn.Linear(2, 2), reduce_grads=True)  # no DDP: nothing to refuse
-    check_ddp(DistributedDataParallel(False), reduce_grads=False)
-    with pytest.raises(ValueError, match="reduce_grads=False"):
-        check_ddp(DistributedDataParallel(False), reduce_grads=True)
-    with pytest.raises(NotImplementedError, match="overlap_grad_reduce"):
-        check_ddp(DistributedDataParallel(True), reduce_grads=False)
+def test_refusals_name_what_is_not_mirrored(release):
+    """Each setting the adapter does not mirror is refused in one line naming it, before any
+    collective; every config field of the release is classified or at its default."""
+    spec, pool = release
+    checks = _run_on_pool(pool, mcore_checks.refusal_checks, spec)[0]
+    for name, (message, expected) in checks.items():
+        if expected is None:
+            assert message is None, (name, message)
+        else:
+            assert message is not None and expected in message, (name, message)
+            assert "\n" not in message, (name, message)

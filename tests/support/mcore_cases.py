@@ -36,18 +36,29 @@ def warm_up(release: Release) -> str:
     return megatron.core.__version__
 
 
+_LAYOUT: list = [None]  # the (tp, pp, ep) Megatron's parallel_state was set up for
+
+
 def _setup(case: McoreCase) -> None:
+    """Megatron's parallel state for ``case``: its groups are made again only when the layout
+    changes (each group costs gloo threads until the process ends), the virtual pipeline size
+    and the seeds are set for every case."""
     megatron_cpu.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
 
-    parallel_state.destroy_model_parallel()
     _reset_moe_metrics()
-    parallel_state.initialize_model_parallel(
-        case.tp, case.pp, case.vpp if case.vpp > 1 else None,
-        expert_model_parallel_size=case.ep, expert_tensor_parallel_size=1,
-        create_gloo_process_groups=False,
-    )
+    vpp = case.vpp if case.vpp > 1 else None
+    layout = (case.tp, case.pp, case.ep)
+    if _LAYOUT[0] != layout or not parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            case.tp, case.pp, vpp, expert_model_parallel_size=case.ep,
+            expert_tensor_parallel_size=1, create_gloo_process_groups=False,
+        )
+        _LAYOUT[0] = layout
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0 if vpp else None)
     random.model_parallel_cuda_manual_seed(1234)
 
 
@@ -89,6 +100,18 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
         return model.build_schedule_plan(tokens, positions, None, labels=labels), _loss_func
     output = model(tokens, positions, None, labels=labels)
     return output, _loss_func
+
+
+def portable(value: Any) -> Any:
+    """``value`` with every tensor as a numpy array: results cross the process boundary by
+    value (tensors would each keep a shared-memory file descriptor open in the test process)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(portable(v) for v in value)
+    return value
 
 
 def _grads(chunks, names) -> dict[str, torch.Tensor]:
@@ -217,21 +240,21 @@ def compare_case(release: Release, case: McoreCase,
     for run in runs:
         out[run] = megapipe_run(case, overlap=run != "plain", trace=run == "overlap")
     dist.barrier()
-    return out
+    return portable(out)
 
 
 def undriven_case(release: Release, case: McoreCase) -> dict:
     """The negative control of ``delay_wgrad_compute``: Megatron's own (non-overlapped) schedule
     never calls ``backward_dw()``, so the TE-contract layers end the step without gradients."""
+    use_release(*release)  # first: a restarted pool process has imported no Megatron yet
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    use_release(*release)
     _setup(case)
     config, chunks, names = build_chunks(replace(case, schedule=None))
     config.delay_wgrad_compute = True
     out = _run(replace(case, schedule=None), get_forward_backward_func(), chunks, names)
     dist.barrier()
-    return out
+    return portable(out)
 
 
 def _bf16_chunks(case: McoreCase, megatron_overlap: bool):
@@ -262,11 +285,11 @@ def _bf16_chunks(case: McoreCase, megatron_overlap: bool):
 def bf16_combined_case(release: Release, case: McoreCase) -> dict:
     """bf16: Megatron's own combined 1F1B (its overlap) against megapipe's combined step on
     the same bf16 chunks (Megatron's DDP reduction in both)."""
+    use_release(*release)  # first: a restarted pool process has imported no Megatron yet
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
     from megapipe import get_forward_backward_func
 
-    use_release(*release)
     _setup(case)
     chunks, names = _bf16_chunks(replace(case, schedule=None), megatron_overlap=True)
     out = {"reference": _run(replace(case, schedule=None), megatron_func(), chunks, names)}
@@ -280,4 +303,4 @@ def bf16_combined_case(release: Release, case: McoreCase) -> dict:
     finally:
         func.close()
     dist.barrier()
-    return out
+    return portable(out)

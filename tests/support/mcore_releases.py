@@ -91,7 +91,10 @@ def use_release(version: str, directory: str | None) -> None:
     check it is ``version``. Idempotent; must run before anything imports Megatron."""
     if directory is not None and directory not in sys.path:
         if "megatron.core" in sys.modules:
-            raise RuntimeError("megatron.core was imported before the release was chosen")
+            raise RuntimeError(
+                f"megatron.core was imported (from {sys.modules['megatron.core'].__file__}) "
+                f"before release {version} was chosen"
+            )
         sys.path.insert(0, directory)
     import megatron.core
 

@@ -178,9 +178,11 @@ def _recompute(c: Any) -> str | None:
 def _expert_tp(c: Any) -> str | None:
     etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
     if etp > 1 and c.num_moe_experts:
-        return ("expert tensor parallelism is not mirrored: its all-gather and reduce-scatter run "
-                "inside the experts' node beside the all-to-all's process group and are not "
-                "covered by the tests here; set expert_tensor_parallel_size=1")
+        return (f"expert_tensor_parallel_size={etp} is not verified: the adapter would run its "
+                "all-gather and reduce-scatter inside the experts' node (compute stream, its own "
+                "group), but Megatron's own expert-tensor-parallel path needs uneven all-gathers "
+                "that gloo cannot run, so there is no CPU reference to test it against; set "
+                "expert_tensor_parallel_size=1 (expert parallelism folds into tensor x data)")
     return None
 
 

@@ -214,6 +214,23 @@ def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, foc
             assert list(pairs[start:start + 4]) == FOUR_PAIRS, (rank, start, pairs)
 
 
+_COMBINED_DEFERRED = [c for c in CASES if c[0].delay_wgrad and c[0].schedule is None]
+
+
+@pytest.mark.parametrize("case,focus,needs", _COMBINED_DEFERRED,
+                         ids=[str(c[0]) for c in _COMBINED_DEFERRED])
+def test_backward_dw_runs_where_megapipe_puts_its_deferred_weight_gradients(
+        release, case, focus, needs):
+    """Megatron's backward_dw() calls run as megapipe's W items (Megatron's local layers give
+    the queue nothing else): beside a backward dispatch in the combined step, as the trace
+    shows. (In zb1p they stay queued for the W step, which the trace of the pairs does not
+    show; that case checks that none is left pending and every gradient is Megatron's.)"""
+    _runs(release[0][0], case, focus, needs)
+    outs = _result(release, case)
+    assert all(out["overlap"]["wgrads"] for out in outs)
+    assert any(out["overlap"]["wgrad_beside_dispatch"] for out in outs)
+
+
 @pytest.mark.parametrize("case,focus", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
 def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, focus):
     """bf16 as a Megatron script sets it up (config.bf16, Float16Module, DDP with fp32 gradient

@@ -198,6 +198,12 @@ def megapipe_run(case: McoreCase, overlap: bool, trace: bool = False) -> dict[st
 
         step = func.last_result
         result["pairs"] = pair_names(step.trace) if step is not None and step.trace else []
+        spans = step.trace.by_start() if step is not None and step.trace else []
+        result["wgrads"] = sorted({s.node for s in spans if s.direction == "W"})
+        result["wgrad_beside_dispatch"] = any(
+            p.direction == "B" and p.node.endswith("dispatch")
+            for w in spans if w.direction == "W" for p in spans if p.slot == w.slot
+        )
     result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
     return result
 

@@ -59,6 +59,7 @@ class PretrainArgs:
     moe_pad_expert_input_to_capacity: bool
     bf16: bool
     fp16: bool
+    deterministic_mode: bool
     high_priority_stream_groups: tuple[str, ...]
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None

@@ -58,6 +58,11 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
                            "moments and gradient accumulation/reduction")
     precision.add_argument("--fp16", action="store_true",
                            help="not supported (one clear error): use --bf16")
+    precision.add_argument("--deterministic-mode", action="store_true",
+                           help="deterministic kernels only (torch's deterministic algorithms, "
+                           "deterministic fused-attention backward, cuBLAS workspace setting), so "
+                           "a GPU run repeats bit for bit and a resume equals the uninterrupted "
+                           "run; an operation without a deterministic kernel is an error")
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=4)
     train.add_argument("--global-batch-size", type=int, default=32)

@@ -146,10 +146,11 @@ def describe(job: Job) -> list[str]:
 
 def precision_text(args: PretrainArgs) -> str:
     """What the first log line says about precision."""
+    kernels = ", deterministic kernels" if args.deterministic_mode else ""
     if not args.bf16:
-        return "fp32"
+        return f"fp32{kernels}"
     router = f", router {args.moe_router_dtype}" if args.moe_router_dtype else ""
-    return f"bf16 with fp32 main weights, moments and gradients{router}"
+    return f"bf16 with fp32 main weights, moments and gradients{router}{kernels}"
 
 
 def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:

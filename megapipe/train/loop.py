@@ -7,6 +7,7 @@ checkpoints written, why it stopped early) so tests can compare runs bitwise.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,7 @@ from megapipe.parallel.launch import init_distributed
 from megapipe.train.args import PretrainArgs
 from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
 from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.determinism import deterministic_kernels
 from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
@@ -46,6 +48,11 @@ def train(
     ``plan`` is the resume decision made before the processes started (``plan_resume``); when
     it is None every rank makes it here, and the ranks check that they agree.
     """
+    with deterministic_kernels() if args.deterministic_mode else nullcontext():
+        return _train(args, write, plan)
+
+
+def _train(args: PretrainArgs, write: Callable[[str], None], plan: ResumePlan | None) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=timeout_of(args))
     result = TrainResult()

@@ -97,10 +97,11 @@ class DataParallelSync:
         self.sharded = any(b.sharded for bs in buffers.values() for b in bs)
         self.streams = dp_streams(device)
         self.trace: NodeTrace | None = None
-        self._stage_of: dict[int, int] = {}
+        self._stage_of: dict[int, int] = {}  # id(param) or id(buffer) -> its stage
         self._where: dict[int, tuple[FlatBuffer, int]] = {}  # id(param) -> buffer, bucket
         for stage, stage_buffers in buffers.items():
             for buffer in stage_buffers:
+                self._stage_of[id(buffer)] = stage
                 for param in buffer.params:
                     self._stage_of[id(param)] = stage
                     self._where[id(param)] = (buffer, buffer.bucket_of[id(param)])
@@ -184,14 +185,17 @@ class DataParallelSync:
         if first >= stop:
             return
         self._next[key] = stop
+        if buffer.group_size == 1 and self.dp == 1:
+            return  # nothing to sum, nothing to divide
         ready = self.streams.compute.record_event()
         self.streams.comm.wait_event(ready)
         for bucket in buffer.buckets[first:stop]:
             self._pending.append(self.streams.comm.submit(self._reduce, buffer, bucket))
 
     def _reduce(self, buffer: FlatBuffer, bucket: Bucket) -> None:
-        what = "reduce-scatter" if buffer.sharded and buffer.group_size > 1 else "all-reduce"
-        with self._span(f"{what} {buffer.kind} bucket {bucket.index}", "R"):
+        what = ("average" if buffer.group_size == 1 else
+                "reduce-scatter" if buffer.sharded else "all-reduce")
+        with self._span(f"{what} {self._name(buffer, bucket)}", "R"):
             whole = buffer.grad[bucket.start:bucket.end]
             lo, hi = buffer.shard_range(bucket)
             if buffer.group_size > 1:
@@ -242,7 +246,7 @@ class DataParallelSync:
 
     def _gather(self, buffer: FlatBuffer, bucket: Bucket) -> None:
         assert buffer.data is not None
-        with self._span(f"all-gather {buffer.kind} bucket {bucket.index}", "G"):
+        with self._span(f"all-gather {self._name(buffer, bucket)}", "G"):
             lo, hi = buffer.shard_range(bucket)
             _all_gather(buffer.data[bucket.start:bucket.end], buffer.data[lo:hi],
                         group=buffer.group)
@@ -290,6 +294,12 @@ class DataParallelSync:
         owns those groups and return its value (waits: outside the hot path)."""
         self.streams.comm.wait_event(self.streams.compute.record_event())
         return self.streams.comm.submit(fn, *args).value_on(self.streams.compute)
+
+    def _name(self, buffer: FlatBuffer, bucket: Bucket) -> str:
+        """``s2 dense bucket 0 (1.2 MB)``: stage, kind, index, gradient bytes."""
+        megabytes = (bucket.end - bucket.start) * buffer.grad.element_size() / 1e6
+        return (f"s{self._stage_of[id(buffer)]} {buffer.kind} bucket {bucket.index} "
+                f"({megabytes:.3g} MB)")
 
     def _span(self, label: str, direction: str, wait: bool = False) -> Any:
         if self.trace is None:

@@ -3,9 +3,9 @@
 A reduction that overlaps the backward needs to know, for each stage (model chunk) of this
 rank, when in the step its gradients become final. The rank's action list says it:
 
-- *before its last backward*: before the action holding the stage's last B or I. From here the
-  stage's gradients are being finished (Megatron's DDP leaves ``no_sync`` here, so its hooks
-  start each bucket's reduction as the bucket fills);
+- *before* and *after its last backward*: around the action holding the stage's last B or I.
+  There the stage's gradients are being finished (Megatron's DDP leaves ``no_sync`` for that
+  action, so its hooks start each bucket's reduction as the bucket fills);
 - *its gradients are final*: after the last action that adds to them (its last B, I or W; an
   OVERLAP counts for the stage of its backward half). The chunk's last backward of the step is
   done; its reduction can start.
@@ -16,10 +16,11 @@ forward*, and the order in which the stages first run forward.
 ``GradPoints.of(actions, bidirectional)`` reads these points from the rank's lowered action
 list once. During a training step the executor tells a ``GradSyncHooks`` object of each point
 through ``StepGradEvents`` (``step_started``, ``before_first_forward``,
-``before_last_backward``, ``stage_grads_final``, ``step_finished``); forward-only steps tell it
-nothing. DualPipe's two copies of a model part (bidirectional schedules) sum their gradients
-only after the last action (``grad_sync.sum_mirrored_grads``), so there every stage's
-``before_last_backward`` and ``stage_grads_final`` come at the end of the step, after that sum.
+``before_last_backward``, ``after_last_backward``, ``stage_grads_final``, ``step_finished``);
+forward-only steps tell it nothing. DualPipe's two copies of a model part (bidirectional
+schedules) sum their gradients only after the last action (``grad_sync.sum_mirrored_grads``),
+so there every stage's last-backward and final points come at the end of the step, after that
+sum.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class GradSyncHooks(Protocol):
 
     ``step_started(forward_order)``: the step begins; ``forward_order`` lists this rank's stages
     in the order of their first forward. Then, as the actions run, ``before_first_forward(s)``,
-    ``before_last_backward(s)`` and ``stage_grads_final(s)`` once per stage, and last
-    ``step_finished()``, after DualPipe's mirrored gradients were summed.
+    ``before_last_backward(s)``, ``after_last_backward(s)`` and ``stage_grads_final(s)`` once
+    per stage, and last ``step_finished()``, after DualPipe's mirrored gradients were summed.
     """
 
     def step_started(self, forward_order: Sequence[int]) -> None: ...
@@ -47,6 +48,8 @@ class GradSyncHooks(Protocol):
     def before_first_forward(self, stage: int) -> None: ...
 
     def before_last_backward(self, stage: int) -> None: ...
+
+    def after_last_backward(self, stage: int) -> None: ...
 
     def stage_grads_final(self, stage: int) -> None: ...
 
@@ -59,7 +62,7 @@ class GradPoints:
 
     forward_order: tuple[int, ...]
     first_forward: dict[int, tuple[int, ...]] = field(default_factory=dict)  # before action i
-    last_backward: dict[int, tuple[int, ...]] = field(default_factory=dict)  # before action i
+    last_backward: dict[int, tuple[int, ...]] = field(default_factory=dict)  # around action i
     grads_final: dict[int, tuple[int, ...]] = field(default_factory=dict)  # after action i
     at_end: tuple[int, ...] = ()  # stages whose two points come after the mirrored sum
 
@@ -115,6 +118,8 @@ class StepGradEvents:
         """After action ``index`` ran."""
         if self.hooks is None:
             return
+        for stage in self.points.last_backward.get(index, ()):
+            self.hooks.after_last_backward(stage)
         for stage in self.points.grads_final.get(index, ()):
             self.hooks.stage_grads_final(stage)
 
@@ -124,5 +129,6 @@ class StepGradEvents:
             return
         for stage in self.points.at_end:
             self.hooks.before_last_backward(stage)
+            self.hooks.after_last_backward(stage)
             self.hooks.stage_grads_final(stage)
         self.hooks.step_finished()

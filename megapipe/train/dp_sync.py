@@ -131,6 +131,9 @@ class DataParallelSync:
         if self.overlap:
             self._counting.add(stage)
 
+    def after_last_backward(self, stage: int) -> None:
+        pass  # deferred weight gradients may still come (a W): counted until final
+
     def stage_grads_final(self, stage: int) -> None:
         self._check_gathers_waited(stage)
         self._counting.discard(stage)

@@ -16,6 +16,7 @@ from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES
 
 FLOAT_FLAGS = ("lr", "min-lr", "weight-decay", "clip-grad", "moe-aux-loss-coeff",
                "moe-emulated-link-gbps", "moe-emulated-link-latency-us", "exit-duration-in-mins",
+               "dp-emulated-link-gbps",
                "distributed-timeout-minutes")
 """Real-valued flags; NaN or infinity in any of them is refused up front."""
 
@@ -175,6 +176,14 @@ def _check_data_parallel(args: PretrainArgs) -> None:
         )
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    link = args.dp_emulated_link_gbps
+    if link is not None and not link > 0:
+        raise ArgsError(f"--dp-emulated-link-gbps={link:g} must be > 0")
+    if link is not None and not args.flat_grad_buffers:
+        raise ArgsError(
+            f"--dp-emulated-link-gbps={link:g} needs --overlap-grad-reduce or "
+            "--use-distributed-optimizer (it slows their bucketed collectives)"
+        )
     size = args.ddp_bucket_size
     if size is None:
         return

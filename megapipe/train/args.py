@@ -76,6 +76,7 @@ class PretrainArgs:
     use_distributed_optimizer: bool
     overlap_param_gather: bool
     ddp_bucket_size: int | None
+    dp_emulated_link_gbps: float | None
     pipeline_schedule: str | None
     save: str | None
     load: str | None
@@ -199,6 +200,14 @@ class PretrainArgs:
 
         return EmulatedLink(self.moe_emulated_link_gbps * 1e9,
                             self.moe_emulated_link_latency_us * 1e-6)
+
+    def dp_link(self) -> "EmulatedLink | None":
+        """The emulated data-parallel interconnect (CPU overlap studies), or None when off."""
+        if self.dp_emulated_link_gbps is None:
+            return None
+        from megapipe.moe.link import EmulatedLink
+
+        return EmulatedLink(self.dp_emulated_link_gbps * 1e9)
 
     def replace(self, **changes: object) -> "PretrainArgs":
         return dataclasses.replace(self, **changes)

@@ -34,11 +34,16 @@ overlap the next step's first forwards. ``finish_param_gather`` waits for whatev
 waited for had a parameter used outside its module's forward call: that is an error.
 
 With a ``trace`` (a ``NodeTrace``) set, every collective is a span of kind ``"dp"`` on stream
-``"dp"`` and each wait of the compute stream for it a span of kind ``"dp_wait"``.
+``"dp"`` and each wait of the compute stream for it a span of kind ``"dp_wait"``. With an
+emulated ``link`` (``--dp-emulated-link-gbps``, CPU overlap studies) every collective lasts at
+least the time its ring traffic takes on that link: (n - 1) / n of the bucket's bytes per rank
+for a reduce-scatter or an all-gather, twice that for an all-reduce (``moe.link.EmulatedLink``:
+the stream's thread sleeps on CPU, the stream itself on CUDA).
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, Sequence
 
@@ -46,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import (
     CudaEvent, CudaStream, Event, InlineStream, Streams, WorkerStream,
@@ -89,9 +95,11 @@ class DataParallelSync:
         device: torch.device,
         overlap: bool,
         overlap_param_gather: bool = False,
+        link: EmulatedLink | None = None,
     ) -> None:
         self.buffers = buffers
         self.dp = dp
+        self.link = link
         self.overlap = overlap
         self.overlap_param_gather = overlap_param_gather
         self.sharded = any(b.sharded for bs in buffers.values() for b in bs)
@@ -202,10 +210,12 @@ class DataParallelSync:
             whole = buffer.grad[bucket.start:bucket.end]
             lo, hi = buffer.shard_range(bucket)
             if buffer.group_size > 1:
+                started = time.perf_counter()
                 if buffer.sharded:
                     _reduce_scatter(buffer.grad[lo:hi], whole, group=buffer.group)
                 else:
                     dist.all_reduce(whole, group=buffer.group)
+                self._link_wait(whole, 1 if buffer.sharded else 2, buffer.group_size, started)
             if self.dp > 1:
                 buffer.grad[lo:hi].div_(self.dp)
 
@@ -251,8 +261,16 @@ class DataParallelSync:
         assert buffer.data is not None
         with self._span(f"all-gather {self._name(buffer, bucket)}", "G"):
             lo, hi = buffer.shard_range(bucket)
-            _all_gather(buffer.data[bucket.start:bucket.end], buffer.data[lo:hi],
-                        group=buffer.group)
+            whole = buffer.data[bucket.start:bucket.end]
+            started = time.perf_counter()
+            _all_gather(whole, buffer.data[lo:hi], group=buffer.group)
+            self._link_wait(whole, 1, buffer.group_size, started)
+
+    def _link_wait(self, whole: torch.Tensor, passes: int, ranks: int, started: float) -> None:
+        """Stretch a collective to its ring traffic's time on the emulated link (if any)."""
+        if self.link is not None:
+            sent = passes * (ranks - 1) * whole.numel() * whole.element_size() // ranks
+            self.link.wait_rest(sent, started, whole.device)
 
     def finish_param_gather(self) -> None:
         """The compute stream waits for every parameter gather not yet waited for."""

@@ -149,6 +149,10 @@ def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
     dp.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
                     help="with --overlap-grad-reduce: parameters (elements) per bucket (default "
                     "Megatron's max(40M, 1M x dp))")
+    dp.add_argument("--dp-emulated-link-gbps", type=float, default=None,
+                    help="emulate a data-parallel link of this many GB/s for the bucketed "
+                    "reductions and gathers (CPU overlap studies; off by default, the log says "
+                    "when it is on)")
 
 
 def _add_profiling_flags(p: argparse.ArgumentParser) -> None:

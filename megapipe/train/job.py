@@ -37,7 +37,9 @@ from megapipe.train.dp_sync import DataParallelSync
 from megapipe.train.flat_adamw import FlatAdamW
 from megapipe.train.grad_buffers import stage_buffers
 from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
-from megapipe.train.optim import LRSchedule, build_optimizer, unique_params
+from megapipe.train.optim import (
+    LRSchedule, build_optimizer, optimizer_state_bytes, unique_params,
+)
 
 
 @dataclass
@@ -147,7 +149,7 @@ def _optimizer(
         for s in sorted(stages)
     }
     sync = DataParallelSync(stages, buffers, args.dp, device, overlap=args.overlap_grad_reduce,
-                            overlap_param_gather=args.overlap_param_gather)
+                            overlap_param_gather=args.overlap_param_gather, link=args.dp_link())
     return sync, FlatAdamW(buffers, sync, args.lr, args.weight_decay,
                            mixed_precision=args.bf16, norm_stages=norm_stages)
 
@@ -175,8 +177,30 @@ def describe(job: Job) -> list[str]:
     link = args.emulated_link()
     if link is not None:
         lines.append(link.describe())
+    if job.dp_sync is not None:
+        lines.append(data_parallel_text(job))
     lines.append(placement_line())
     return lines
+
+
+def data_parallel_text(job: Job) -> str:
+    """What the log says of bucketed data parallelism (``--overlap-grad-reduce``,
+    ``--use-distributed-optimizer``)."""
+    args, sync = job.args, job.dp_sync
+    assert sync is not None
+    buckets = sum(len(b.buckets) for bs in sync.buffers.values() for b in bs)
+    when = "as each is final in the backward" if args.overlap_grad_reduce else "after the step"
+    text = f"data parallel: gradients reduced in {buckets} bucket(s) on rank 0, {when}"
+    if args.use_distributed_optimizer:
+        text += (f"; AdamW state sharded over dp {args.dp} (experts over expert-dp "
+                 f"{args.dp // args.ep}), updated weights all-gathered "
+                 + ("behind the next step's forwards" if args.overlap_param_gather
+                    else "after the step"))
+    text += f"; optimizer state {optimizer_state_bytes(job.optimizer) / 2**20:.2f} MiB on rank 0"
+    link = args.dp_link()
+    if link is not None:
+        text += f"; emulated DP link ON: {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+    return text
 
 
 def precision_text(args: PretrainArgs) -> str:

@@ -117,18 +117,13 @@ def gather_outside_forward_case() -> str:
 def optimizer_state_bytes(argv: list[str]) -> int:
     """Bytes of optimizer state on this rank for the job the flags build."""
     from megapipe.train.args import parse_pretrain_args
+    from megapipe.train.checkpoint import ensure_optimizer_state
     from megapipe.train.job import build_job
-    from megapipe.train.flat_adamw import FlatAdamW
+    from megapipe.train.optim import optimizer_state_bytes
 
     job = build_job(parse_pretrain_args(argv, env={}))
     try:
-        optimizer = job.optimizer
-        if isinstance(optimizer, FlatAdamW):
-            return optimizer.state_bytes()
-        from megapipe.train.checkpoint import ensure_optimizer_state
-
-        ensure_optimizer_state(optimizer)
-        return sum(t.numel() * t.element_size() for state in optimizer.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor))
+        ensure_optimizer_state(job.optimizer)  # what a torch AdamW makes at its first step
+        return optimizer_state_bytes(job.optimizer)
     finally:
         job.close()

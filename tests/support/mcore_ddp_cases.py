@@ -94,7 +94,7 @@ def _groups(case: McoreCase):
 
 def ddp_overlap_case(case: McoreCase) -> dict[str, Any]:
     """Megatron's schedule (its interleaved 1F1B, or no pipelining) as the reference, then
-    megapipe's combined schedule ``case.schedule`` on freshly built chunks."""
+    megapipe's schedule ``case.schedule``, plain and combined, on freshly built chunks."""
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
     from megapipe import get_forward_backward_func
@@ -102,13 +102,15 @@ def ddp_overlap_case(case: McoreCase) -> dict[str, Any]:
     megatron_cpu.apply_optimizer_patches()
     _setup(case)
     out = {"reference": _train(replace(case, schedule=None), megatron_func())}
-    func = get_forward_backward_func(
-        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=_groups(case), timeout=120.0,
-        overlap_moe_expert_parallel_comm=True, reduce_grads=False,
-    )
-    try:
-        out["megapipe"] = _train(case, func)
-    finally:
-        func.close()
+    groups = _groups(case)
+    for run, overlap in (("plain", False), ("overlap", True)):
+        func = get_forward_backward_func(
+            pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=groups, timeout=120.0,
+            overlap_moe_expert_parallel_comm=overlap, reduce_grads=False,
+        )
+        try:
+            out[run] = _train(case, func)
+        finally:
+            func.close()
     dist.barrier()
     return out

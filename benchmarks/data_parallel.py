@@ -24,7 +24,7 @@ Memory: the optimizer state on every rank (AdamW's moments and step counters) of
 (AdamW on every parameter, no flags) beside B's (sharded), and their ratio; dense parameters are
 sharded over dp, experts over expert-dp (dp / ep).
 
-    python benchmarks/data_parallel.py [--rounds 6] [--dp-link-gbps 0.5] [-- PRETRAIN FLAGS]
+    python benchmarks/data_parallel.py [--rounds 8] [--dp-link-gbps 0.01] [--bucket 20000] [-- PRETRAIN FLAGS]
 
 Not part of the test suite; about two minutes on a 2-core machine.
 """
@@ -173,10 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--dp-link-gbps", type=float, default=0.5)
-    parser.add_argument("--bucket", type=int, default=100_000)
+    parser.add_argument("--dp-link-gbps", type=float, default=0.01)
+    parser.add_argument("--bucket", type=int, default=20_000)
     args = parser.parse_args(argv)
     settings = Settings(args.rounds, args.warmup, args.dp_link_gbps, args.bucket, tuple(extra))
     _print(run_ranks(_worker, WORLD, settings), settings)

@@ -107,13 +107,15 @@ class DataParallelSync:
         self.trace: NodeTrace | None = None
         self._stage_of: dict[int, int] = {}  # id(param) or id(buffer) -> its stage
         self._where: dict[int, tuple[FlatBuffer, int]] = {}  # id(param) -> buffer, bucket
+        self._hooks: list[Any] = []  # handles: gradient hooks, gather waits
         for stage, stage_buffers in buffers.items():
             for buffer in stage_buffers:
                 self._stage_of[id(buffer)] = stage
                 for param in buffer.params:
                     self._stage_of[id(param)] = stage
                     self._where[id(param)] = (buffer, buffer.bucket_of[id(param)])
-                    param.register_post_accumulate_grad_hook(self._grad_arrived)
+                    self._hooks.append(
+                        param.register_post_accumulate_grad_hook(self._grad_arrived))
         self._golden: dict[int, int] | None = None  # id(param) -> gradients in its last backward
         self._early: dict[int, bool] = {}  # id(buffer) -> whether hooks may start its buckets
         self._counts: dict[int, int] = {}
@@ -121,9 +123,8 @@ class DataParallelSync:
         self._next: dict[int, int] = {}  # id(buffer) -> its next bucket to start
         self._pending: list[Event] = []  # reductions started this step
         self._gathers: dict[tuple[int, int], Event] = {}  # (id(buffer), bucket) -> all-gather
-        self._hooks: list[Any] = []
         if self.sharded and overlap_param_gather:
-            self._hooks = self._register_gather_waits(stages)
+            self._hooks += self._register_gather_waits(stages)
 
     # ------------------------------------------------------------- GradSyncHooks
     def step_started(self, forward_order: Sequence[int]) -> None:
@@ -330,8 +331,10 @@ class DataParallelSync:
                                DP_WAIT_KIND if wait else DP_KIND)
 
     def close(self) -> None:
+        """Remove the hooks and stop the stream's thread (after ``finish_*``)."""
         for handle in self._hooks:
             handle.remove()
+        self._hooks = []
         self.streams.comm.close()
 
 

@@ -23,7 +23,7 @@ shards (what the optimizer steps and a checkpoint stores).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -178,7 +178,7 @@ def stage_buffers(
     expert_group: dist.ProcessGroup | None,
     bucket_size: int | None,
     sharded: bool,
-    is_expert: "callable",
+    is_expert: Callable[[torch.Tensor], bool],
 ) -> list[FlatBuffer]:
     """A stage's buffers: dense parameters over ``dense_group``, expert parameters
     (``is_expert(param)``) over ``expert_group``; a kind without parameters has none."""

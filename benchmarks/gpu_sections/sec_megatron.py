@@ -5,7 +5,9 @@ Megatron's overlap needs expert parallelism (ep > 1) and NCCL refuses two ranks 
 two processes share the GPU over gloo (its ``all_to_all_single`` and ``all_reduce`` take CUDA
 tensors), pp = 1, ep = 2 (Megatron's dp 2). Each rank builds the same small GPT (local spec,
 first layer dense, then MoE layers of 4 experts top-2) in bf16 as a Megatron script does
-(``config.bf16``, ``Float16Module``, DDP with fp32 gradient buffers, ``finalize_model_grads``),
+(``config.bf16``, ``Float16Module``, DDP with fp32 gradient buffers; no ``finalize_model_grads``:
+gloo has no coalesced all-reduce of CUDA tensors, so each rank's gradients are compared before
+the data-parallel reduction),
 runs one step of 4 microbatches with Megatron's ``get_forward_backward_func`` and
 ``overlap_moe_expert_parallel_comm=True``, then the same step with megapipe's
 ``get_forward_backward_func`` (combined 1f1b) on freshly built chunks with the same weights, all
@@ -133,11 +135,7 @@ def _prepare_megatron(s: Settings) -> None:
 def _chunk(s: Settings, megatron_overlap: bool):  # noqa: ANN202
     """This rank's GPT chunk as a Megatron bf16 script builds it, weights keyed by global name."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -155,7 +153,9 @@ def _chunk(s: Settings, megatron_overlap: bool):  # noqa: ANN202
         masked_softmax_fusion=False, apply_rope_fusion=False,
         overlap_moe_expert_parallel_comm=megatron_overlap,
     )
-    config.finalize_model_grads_func = finalize_model_grads
+    # no finalize_model_grads: the ranks' fp32 main gradients are compared before any
+    # reduction (gloo has no coalesced all-reduce of CUDA tensors, which Megatron's DDP uses)
+    config.finalize_model_grads_func = None
     model = GPTModel(config, get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
                      vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
     ep_rank = parallel_state.get_expert_model_parallel_rank()

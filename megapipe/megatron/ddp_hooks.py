@@ -60,11 +60,12 @@ def check_data_parallel(chunk: nn.Module, schedule: Schedule) -> None:
     fsdp = _fsdp(chunk)
     if fsdp is not None:
         raise NotImplementedError(
-            f"{type(fsdp).__name__} is not supported: Megatron-FSDP gathers a layer's sharded "
-            "parameters in hooks around the whole TransformerLayer's forward call (and "
-            "reduce-scatters after its backward), while megapipe's adapter runs each layer as "
-            "separate nodes through the layer's internals, so those hooks never run; use "
-            "DistributedDataParallel with use_distributed_optimizer=True (ZeRO-1 sharding)"
+            f"{type(fsdp).__name__} is not supported: Megatron-FSDP turns the parameters into "
+            "sharded DTensors and unshards them in hooks around module forward calls (with its "
+            "default optim_grads_params sharding, around each whole TransformerLayer), while "
+            "megapipe's adapter runs a layer as separate nodes through the layer's internals, "
+            "so those hooks would not run where they must; use DistributedDataParallel with "
+            "use_distributed_optimizer=True (ZeRO-1 sharding)"
         )
     ddp = megatron_ddp(chunk)
     overlap = getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False)

@@ -269,7 +269,7 @@ class MegatronForwardBackward:
         megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
         if self.options.reduce_grads or not megatron:
             return None
-        chunk_of = {stage: j for j, stage in enumerate(sorted(stages))}
+        chunk_of = {stage: j for j, stage in enumerate(stages)}  # the order of ``chunks``
         return MegatronGradSync(megatron[0].config, chunks, chunk_of)
 
     def _check_forward_order(self, schedule: Schedule) -> None:

@@ -86,7 +86,7 @@ def test_megatron_fsdp_and_dualpipe_with_overlapped_ddp_are_refused_in_one_line(
 
     dualpipe = build_schedule("dualpipe", 2, 4)
     with pytest.raises(NotImplementedError, match="FullyShardedDataParallel is not supported: "
-                       "Megatron-FSDP gathers"):
+                       "Megatron-FSDP turns the parameters into sharded DTensors"):
         check_data_parallel(_megatron_like("FullyShardedDataParallel"), dualpipe)
     overlapped = _megatron_like("DistributedDataParallel", finish_grad_sync=lambda: None,
                                 ddp_config=SimpleNamespace(overlap_grad_reduce=True))

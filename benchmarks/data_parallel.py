@@ -24,7 +24,8 @@ Memory: the optimizer state on every rank (AdamW's moments and step counters) of
 (AdamW on every parameter, no flags) beside B's (sharded), and their ratio; dense parameters are
 sharded over dp, experts over expert-dp (dp / ep).
 
-    python benchmarks/data_parallel.py [--rounds 8] [--dp-link-gbps 0.01] [--bucket 20000] [-- PRETRAIN FLAGS]
+    python benchmarks/data_parallel.py [--rounds 8] [--dp-link-gbps 0.01] [--bucket 20000]
+                                       [-- PRETRAIN FLAGS]
 
 Not part of the test suite; about two minutes on a 2-core machine.
 """

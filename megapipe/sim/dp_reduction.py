@@ -106,8 +106,8 @@ def dp_reduction(schedule: Schedule, result: SimResult, costs: DPCosts) -> DPRed
         ready = []
         for stage, (start, end) in spans.items():
             for k in range(costs.buckets):
-                at = last if schedule.bidirectional else start + (k + 1) / costs.buckets * (end - start)
-                ready.append(at)
+                share = (k + 1) / costs.buckets
+                ready.append(last if schedule.bidirectional else start + share * (end - start))
         free = 0.0
         for at in sorted(ready):
             free = max(free, at) + per_bucket

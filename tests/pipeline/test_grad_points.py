@@ -11,7 +11,7 @@ from megapipe.schedule.rank_plan import checked_lowering
 SCHEDULES = [
     ("1f1b", 1, {}), ("1f1b", 2, {}), ("interleaved-1f1b", 2, {"vpp": 2}),
     ("interleaved-1f1b", 2, {"vpp": 2, "overlap": True}), ("zb1p", 2, {}), ("zbv", 2, {}),
-    ("dualpipev", 2, {"overlap": True}), ("gpipe", 2, {}),
+    ("dualpipev", 2, {"overlap": True}), ("gpipe", 2, {}), ("looped-bfs", 2, {"vpp": 2}),
 ]
 
 

@@ -34,7 +34,8 @@ def early_reduction_case(sharded: bool) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _toy(0)
     reference = _toy(0)
-    buffers = {0: stage_buffers(model, dist.group.WORLD, None, 64 * world, sharded, is_expert_param)}
+    buffers = {0: stage_buffers(model, dist.group.WORLD, None, 64 * world, sharded,
+                                is_expert_param)}
     sync = DataParallelSync({0: model}, buffers, world, torch.device("cpu"), overlap=True)
     out: dict[str, Any] = {"started_early": []}
     try:

@@ -1,4 +1,4 @@
-"""The data-parallel layout (buckets, shards, pieces) and the checkpoint boxes, without processes."""
+"""The data-parallel layout (buckets, shards, pieces) and the checkpoint boxes (no processes)."""
 
 import math
 import random
@@ -37,7 +37,8 @@ def test_parameters_become_views_of_the_flat_buffers():
     for param, value in zip(model.parameters(), before):
         assert torch.equal(param, value)
         assert param.untyped_storage().data_ptr() == buffer.data.untyped_storage().data_ptr()
-        assert param.main_grad.untyped_storage().data_ptr() == buffer.grad.untyped_storage().data_ptr()
+        grad_storage = param.main_grad.untyped_storage().data_ptr()
+        assert grad_storage == buffer.grad.untyped_storage().data_ptr()
     model(torch.randn(4, 5)).sum().backward()  # autograd still fills .grad
     assert all(p.grad is not None for p in model.parameters())
     pieces = sorted((id(p.param), p.lo, p.hi) for p in buffer.pieces())

@@ -71,7 +71,7 @@ def _train(args: PretrainArgs, write: Callable[[str], None], plan: ResumePlan | 
             result.first_iteration = resume(job, say, plan)
             _run(job, result, exits, say)
     finally:
-        job.executor.close()  # its communication-stream thread
+        job.close()  # the communication streams' threads
     return result
 
 
@@ -159,6 +159,8 @@ def save(job: Job, iteration: int) -> str:
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
     info = {"train_iters": args.train_iters}
     descriptor = descriptor_parts(args, job.schedule.name, info)
+    if job.dp_sync is not None:
+        job.dp_sync.finish_param_gather()  # the whole updated model, on every rank
     path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, descriptor,
                            args.keep_last)
     return str(path)

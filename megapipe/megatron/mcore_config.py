@@ -82,6 +82,8 @@ SCHEDULE = frozenset({
     "batch_p2p_sync", "use_ring_exchange_p2p", "deallocate_pipeline_outputs",
     "overlap_p2p_comm_warmup_flush", "microbatch_group_size_per_vp_stage",
     "barrier_with_L1_time", "overlap_moe_expert_parallel_comm",
+    # Megatron DDP's hooks: the front end calls them where Megatron's schedules do (ddp_hooks)
+    "no_sync_func", "grad_sync_func", "param_sync_func",
     "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream",
 })
 
@@ -250,9 +252,6 @@ REASONS = {
                                                        "schedules set",
     "moe_grad_scale_func": "Megatron's aux-loss scaling hook is not applied by megapipe",
     "mtp_grad_scale_func": "Megatron's MTP-loss scaling hook is not applied by megapipe",
-    "no_sync_func": "the front end does not drive Megatron DDP's sync hooks",
-    "grad_sync_func": "the front end does not drive Megatron DDP's sync hooks",
-    "param_sync_func": "the front end does not drive Megatron's parameter all-gather hooks",
     "enable_autocast": "Megatron's schedules wrap the forward in torch.autocast; the front end "
                        "does not",
     "overlap_dispatch_backward_with_experts_wgrad": "Megatron's own wgrad stream beside the "

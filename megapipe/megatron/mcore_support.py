@@ -110,8 +110,8 @@ def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
 
 
 def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
-    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``) after
-    the step, not overlapped with the backward."""
+    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``); with
+    tensor parallelism the reduction must be Megatron's."""
     gpt = find_gpt_model(chunk)
     if reduce_grads and gpt is not None and gpt.config.tensor_model_parallel_size > 1:
         raise ValueError(
@@ -128,14 +128,8 @@ def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
         raise ValueError(
             f"{type(chunk).__name__} wraps Megatron's DistributedDataParallel: its gradients "
             "live in main_grad and finalize_model_grads reduces them; pass reduce_grads=False "
-            "to leave the reduction to it (megapipe then calls config.finalize_model_grads_func "
-            "as Megatron's schedules do)"
-        )
-    if getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False):
-        raise NotImplementedError(
-            "Megatron DDP's overlap_grad_reduce=True is not supported: it needs the schedule "
-            "to drive DDP's no_sync/grad_sync hooks per microbatch, which megapipe does not; "
-            "use overlap_grad_reduce=False (the reduction then runs in finalize_model_grads)"
+            "to leave the reduction to it (megapipe then calls the config's DDP hooks as "
+            "Megatron's schedules do)"
         )
 
 

@@ -23,11 +23,13 @@ from support.mcore_releases import use_release
 Release = tuple[str, "str | None"]  # (version, directory to import it from)
 
 
-def warm_up(release: Release) -> str:
-    """Import the release and patch it for CPU (seconds per process, once per pool)."""
+def warm_up(release: Release | None = None) -> str:
+    """Import the release (None: the installed one) and patch it for CPU (seconds per process,
+    once per pool)."""
     import importlib
 
-    use_release(*release)
+    if release is not None:
+        use_release(*release)
     megatron_cpu.apply()
     for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.distributed"):
         importlib.import_module(name)

@@ -64,7 +64,8 @@ def _config_checks(version: tuple[int, ...]) -> dict[str, tuple[str | None, str 
     check("CUDA graphs", "cuda_graph_impl", cuda_graph_impl="local")
     check("FP8", "TransformerConfig.fp8", fp8="hybrid")
     check("activation offloading", "cpu_offloading", cpu_offloading=True)
-    check("DDP's sync hooks", "param_sync_func", param_sync_func=lambda *a: None)
+    check("DDP's sync hooks", None, param_sync_func=lambda *a: None,
+          grad_sync_func=lambda *a: None, no_sync_func=lambda: None)
     check("autocast", "enable_autocast", enable_autocast=True)
     check("routing replay", "moe_enable_routing_replay", moe_enable_routing_replay=True)
     check("MTP", None, mtp_num_layers=1)

@@ -253,8 +253,8 @@ def test_undriven_deferred_weight_gradients_are_missing_under_megatrons_schedule
     without its overlap never calls backward_dw(), so the TE-contract layers end the step with
     no gradient and their work still pending; under megapipe nothing is pending (above)."""
     version = release[0][0]
-    if version not in FULL_MATRIX:
-        pytest.skip(f"megatron-core {version} runs the focused subset (time)")
+    if version != RELEASES[-1]:
+        pytest.skip(f"the negative control runs on the newest release, {RELEASES[-1]} (time)")
     spec, pool = release
     case = McoreCase(pp=1, ep=2, delay_wgrad=True)
     outs = _run_on_pool(pool, mcore_cases.undriven_case, spec, case)
@@ -267,10 +267,10 @@ def test_refusals_name_what_is_not_mirrored(release):
     """Each setting the adapter does not mirror is refused in one line naming it, before any
     collective; every config field of the release is classified or at its default."""
     spec, pool = release
-    checks = _run_on_pool(pool, mcore_checks.refusal_checks, spec)[0]
-    for name, (message, expected) in checks.items():
-        if expected is None:
-            assert message is None, (name, message)
-        else:
-            assert message is not None and expected in message, (name, message)
-            assert "\n" not in message, (name, message)
+    for checks in _run_on_pool(pool, mcore_checks.refusal_checks, spec):  # every rank
+        for name, (message, expected) in checks.items():
+            if expected is None:
+                assert message is None, (name, message)
+            else:
+                assert message is not None and expected in message, (name, message)
+                assert "\n" not in message, (name, message)

@@ -1,9 +1,10 @@
 """Rank-side refusal checks of the Megatron-Core adapter, for one release (run in its pool).
 
-``refusal_checks`` returns, on rank 0, ``{check: (message or None, expected text or None)}``:
-the one-line refusal each setting the adapter does not mirror gets (expected text: what the
-line must name), or None where the setting is mirrored. The other ranks take part in the
-model-parallel setup only.
+``refusal_checks`` returns ``{check: (message or None, expected text or None)}`` from every
+rank: the one-line refusal each setting the adapter does not mirror gets (expected text: what
+the line must name), or None where the setting is mirrored. It runs in the layout of the
+deferred-weight-gradient control before it (pp 1, ep 2), so Megatron's groups are not made
+again; every rank runs the same forwards, so their all-to-alls match.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _forward_checks(version: tuple[int, ...]) -> dict[str, tuple[str | None, str
     from megapipe.overlap.tape import TapeRunner
 
     out: dict[str, tuple[str | None, str | None]] = {}
-    case = McoreCase(pp=1, ep=1)
+    case = McoreCase(pp=1, ep=2)
     _, (chunk,), _ = build_chunks(case)
     stage = McoreGPTStage(chunk)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
@@ -176,9 +177,7 @@ def refusal_checks(release: tuple[str, str | None]) -> dict | None:
     from megapipe.megatron.mcore_release import parse_version
 
     version = parse_version(release[0])
-    _setup(McoreCase(pp=1, ep=1))
-    out = None
-    if dist.get_rank() == 0:
-        out = {**_config_checks(version), **_forward_checks(version)}
+    _setup(McoreCase(pp=1, ep=2))
+    out = {**_config_checks(version), **_forward_checks(version)}
     dist.barrier()
     return out

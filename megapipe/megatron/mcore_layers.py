@@ -19,7 +19,7 @@ sequence parallelism the compute nodes run inside Megatron's model-parallel RNG 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -56,7 +56,6 @@ class ForwardCall:
     # the MTP layers' rolled ids: (input ids, position ids, padding mask) for the next one
     mtp_ids: tuple[Any, Any, Any] | None = None
     delay_wgrad: bool = False
-    wrap: Callable[[nn.Module, list[Node]], list[Node]] = field(default=lambda layer, plan: plan)
 
     def preprocess(self, gpt: nn.Module) -> torch.Tensor | None:
         """Run ``GPTModel._preprocess``; keep what it derives, return the decoder input."""
@@ -69,14 +68,15 @@ class ForwardCall:
         self.mtp_ids = (self.input_ids, self.position_ids, self.padding_mask)
         return decoder_input
 
-    def layer_kwargs(self, padding_mask: Any = "call") -> dict[str, Any]:
-        """The keyword arguments ``TransformerBlock.forward`` gives each layer."""
+    def layer_kwargs(self, padding_mask: Any = None, own_mask: bool = False) -> dict[str, Any]:
+        """The keyword arguments ``TransformerBlock.forward`` gives each layer (an MTP layer
+        gives its inner layer its own, rolled, padding mask: ``own_mask``)."""
         return dict(
             attention_mask=self.attention_mask, rotary_pos_emb=self.rotary_pos_emb,
             rotary_pos_cos=self.rotary_pos_cos, rotary_pos_sin=self.rotary_pos_sin,
             packed_seq_params=self.packed_seq_params,
             sequence_len_offset=self.sequence_len_offset,
-            padding_mask=self.padding_mask if padding_mask == "call" else padding_mask,
+            padding_mask=padding_mask if own_mask else self.padding_mask,
         )
 
 
@@ -90,10 +90,6 @@ def rng_fork(config: Any) -> ContextManager:
     return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
-def _work(*calls: tuple[str, Callable[[], None]]) -> list[tuple[str, Callable[[], None]]]:
-    return list(calls)
-
-
 # -------------------------------------------------------------------------------- dense
 def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
                before: Optional[Callable[[LayerState, Tensors], Tensors]] = None,
@@ -101,26 +97,28 @@ def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
                ) -> list[Node]:
     """A dense ``TransformerLayer`` as one compute node (``before``/``after``: an MTP layer's
     own preprocessing and final norm around it)."""
-    work = _work(("attention.backward_dw", layer.self_attention.backward_dw),
-                 ("mlp.backward_dw", layer.mlp.backward_dw)) if call.delay_wgrad else []
+    work = [("attention.backward_dw", layer.self_attention.backward_dw),
+            ("mlp.backward_dw", layer.mlp.backward_dw)] if call.delay_wgrad else []
 
     def dense(state: LayerState, inputs: Tensors) -> Tensors:
-        lead, hidden, padding = _enter(state, inputs, before, call)
+        lead, hidden, kwargs = _enter(state, inputs, before, call)
         (hidden,) = after_backward(state, work, (hidden,))
         with rng_fork(layer.config):
-            output, _ = layer(hidden_states=hidden, **call.layer_kwargs(padding))
+            output, _ = layer(hidden_states=hidden, **kwargs)
         return (*lead, *(after(state, output) if after else (output,)))
 
-    return call.wrap(layer, [Node(name, NodeKind.COMPUTE, dense)])
+    return [Node(name, NodeKind.COMPUTE, dense)]
 
 
 def _enter(state: LayerState, inputs: Tensors, before: Any, call: ForwardCall
-           ) -> tuple[Tensors, torch.Tensor, Any]:
-    """(tensors passed on untouched, the layer's hidden input, its padding mask)."""
+           ) -> tuple[Tensors, torch.Tensor, dict[str, Any]]:
+    """(tensors passed on untouched, the layer's hidden input, its keyword arguments);
+    ``before(state, inputs)`` -> (passed on, hidden, padding mask) for an MTP layer."""
     if before is None:
         (hidden,) = inputs
-        return (), hidden, "call"
-    return before(state, inputs)
+        return (), hidden, call.layer_kwargs()
+    lead, hidden, padding = before(state, inputs)
+    return lead, hidden, call.layer_kwargs(padding, own_mask=True)
 
 
 # -------------------------------------------------------------------------------- MoE
@@ -134,22 +132,21 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
     tokens, probabilities)."""
     moe, release, config = layer.mlp, call.release, layer.config
     shared = moe.use_shared_expert and not moe.shared_expert_overlap
-    attn_work = _work(
+    attn_work = [
         ("attention.backward_dw", layer.self_attention.backward_dw),
         ("shared_experts.backward_dw",
          lambda: moe.backward_dw(routed_experts=False, shared_experts=True)),
-    ) if call.delay_wgrad else []
-    mlp_work = _work(
+    ] if call.delay_wgrad else []
+    mlp_work = [
         ("experts.backward_dw", lambda: moe.backward_dw(routed_experts=True, shared_experts=False)),
-    ) if call.delay_wgrad else []
+    ] if call.delay_wgrad else []
     carried = 0  # how many passed-on tensors lead the tuples (set by the attn node)
 
     def attn(state: LayerState, inputs: Tensors) -> Tensors:
         nonlocal carried
-        lead, hidden, padding = _enter(state, inputs, before, call)
+        lead, hidden, kwargs = _enter(state, inputs, before, call)
         carried = len(lead)
         (hidden,) = after_backward(state, attn_work, (hidden,))
-        kwargs = call.layer_kwargs(padding)
         with rng_fork(config):
             hidden, _ = layer._forward_attention(hidden_states=hidden, **kwargs)
             normed, residual = release.pre_mlp(layer, hidden)
@@ -190,12 +187,12 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
         return (*lead, *(after(state, hidden) if after else (hidden,)))
 
     group = moe.token_dispatcher.ep_group
-    return call.wrap(layer, [
+    return [
         Node(f"{name}.attn", NodeKind.COMPUTE, attn),
         Node(f"{name}.dispatch", NodeKind.COMM, dispatch, group=group),
         Node(f"{name}.mlp", NodeKind.COMPUTE, mlp),
         Node(f"{name}.combine", NodeKind.COMM, combine, group=group),
-    ])
+    ]
 
 
 def is_moe_layer(layer: nn.Module) -> bool:
@@ -242,12 +239,12 @@ def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> list[Node]:
 
     plan = layer_plan(inner, call, f"mtp{index}", before=before, after=after)
     if call.delay_wgrad:  # the projection's backward_dw, with the first node's
-        plan = [_with_work(plan[0], call, ("eh_proj.backward_dw", mtp_layer.eh_proj.backward_dw))
+        plan = [_with_work(plan[0], ("eh_proj.backward_dw", mtp_layer.eh_proj.backward_dw))
                 ] + plan[1:]
     return plan
 
 
-def _with_work(node: Node, call: ForwardCall, work: tuple[str, Callable[[], None]]) -> Node:
+def _with_work(node: Node, work: tuple[str, Callable[[], None]]) -> Node:
     """``node`` with one more delayed weight gradient driven after its backward."""
 
     def fn(state: LayerState, inputs: Tensors) -> Tensors:

@@ -158,6 +158,17 @@ def _forward_checks(version: tuple[int, ...]) -> dict[str, tuple[str | None, str
                                               "MyGPT overrides GPTModel.forward")
     chunk.__class__ = MyGPT.__mro__[1]
 
+    # called outside megapipe's engine, a chunk whose layers defer weight gradients runs its
+    # node plans with plain autograd, so its backward still drives every backward_dw()
+    _, (chunk,), _ = build_chunks(replace(case, delay_wgrad=True))
+    chunk.config.delay_wgrad_compute = True
+    stage = McoreGPTStage(chunk)
+    stage(tokens, positions, None, labels=tokens).float().mean().backward()
+    undriven = [n for n, p in chunk.named_parameters() if p.grad is None]
+    out["a direct call drives backward_dw"] = (
+        f"pending {TEContractLinear.pending(chunk)}, no gradient: {undriven[:3]}"
+        if undriven or TEContractLinear.pending(chunk) else None, None)
+
     # a deferred weight gradient no node drives (the output layer's)
     _, (chunk,), _ = build_chunks(replace(case, delay_wgrad=True))
     chunk.config.delay_wgrad_compute = True

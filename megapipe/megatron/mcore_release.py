@@ -18,6 +18,7 @@ Differences, by release (what ``McoreRelease`` answers):
 | ``MultiTokenPredictionLayer._get_embeddings`` returns ``padding_mask`` | no | no | yes | yes |
 | the MoE metrics tracker | dict in ``moe_utils`` | same | ``MoEMetricsTracker`` | same |
 | ``_update_router_expert_bias`` takes the TPxDPxCP group | no | no | yes | yes |
+| quantile-balancing routing (its bias updated at the step's end) | no | no | no | yes |
 | MTP with full recompute runs in Megatron itself | yes | yes | no (refused) | yes |
 """
 
@@ -159,19 +160,23 @@ class McoreRelease:
 
     def update_expert_bias(self, chunks: list[Any], config: Any) -> None:
         """What ``finalize_model_grads`` does for the router after the gradients are reduced:
-        the expert-bias update (all-reduce of the token counts over TPxDPxCP) and the reset of
-        the per-step counters (token counts, global aux-loss counts)."""
+        the expert-bias update (all-reduce of the token counts over TPxDPxCP), 0.19's
+        quantile-balancing bias update (over DPxCP) and the reset of the per-step counters
+        (token counts, global aux-loss counts, quantile sums)."""
         import importlib
 
         # the module, not the function of the same name the package re-exports
         finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
+        from megatron.core import parallel_state
+
         if config.moe_router_enable_expert_bias:
             if self.at_least(18):
-                from megatron.core import parallel_state
-
                 group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
                 finalize._update_router_expert_bias(chunks, config, tp_dp_cp_group=group)
             else:
                 finalize._update_router_expert_bias(chunks, config)
+        if config.moe_router_load_balancing_type == "quantile_balancing":  # 0.19's own bias
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            finalize._update_router_qb_beta(chunks, config, dp_cp_group=group)
         finalize.reset_model_temporary_tensors(config, chunks)

@@ -5,8 +5,8 @@ that release): Megatron's own ``get_forward_backward_func`` (no overlap; its DDP
 ``finalize_model_grads``) as the reference, then megapipe's front end on freshly built chunks
 with the same weights and data, plain and with ``overlap_moe_expert_parallel_comm=True``.
 Auxiliary loss on (coefficient 0.01), fp32; the bf16 cases compare with Megatron's own
-combined 1F1B. The oldest and the newest release run every case; the two between run a
-focused subset that still covers every feature once (``FOCUS``), to keep the suite's time.
+combined 1F1B. Every release runs one case per feature; the oldest and the newest also run
+the cases the suite had before; the newest runs every combination (``CASES``: time).
 """
 
 from __future__ import annotations
@@ -24,47 +24,50 @@ from support import mcore_cases, mcore_checks  # noqa: E402
 from support.mcore_models import McoreCase  # noqa: E402
 from support.mcore_releases import RELEASES, ReleaseUnavailable, release_dir  # noqa: E402
 
-FULL_MATRIX = (RELEASES[0], RELEASES[-1])  # every case; the releases between: FOCUS only
+# Where each case runs (time: a release's pool costs about a minute of CPU per ten cases):
+# EVERY release runs one case per feature, so each release is checked for every feature;
+# ENDS (the oldest and the newest) also run the cases the suite had before the newer releases;
+# NEWEST also runs the remaining combinations.
+EVERY, ENDS, NEWEST = "every", "ends", "newest"
 
-# (case, in the focused subset, releases it needs); grouped by layout (tp, pp, ep), since a
-# new layout makes Megatron's process groups again
+# (case, where, releases it needs); grouped by layout (tp, pp, ep), since a new layout makes
+# Megatron's process groups again
 CASES = [
-    (McoreCase(pp=1, ep=1), False, None),
-    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), False, None),
+    (McoreCase(pp=1, ep=1), ENDS, None),
+    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), ENDS, None),
     # Megatron's deferred weight gradients (TE's contract), driven after each node's backward
-    (McoreCase(pp=1, ep=2, delay_wgrad=True, mtp=1), False, None),
+    (McoreCase(pp=1, ep=2, delay_wgrad=True, mtp=1), NEWEST, None),
     # a pre-MLP norm returning (output, residual), as the fused residual RMSNorm does (0.17+)
-    (McoreCase(pp=1, ep=2, fused_norm=True), True, ("0.17", "0.18", "0.19")),
-    (McoreCase(pp=2, ep=1, tie=True), False, None),
-    (McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"), False, None),
-    (McoreCase(pp=2, ep=2), True, None),  # megapipe's combined 1F1B: Megatron has none w/o vpp
-    (McoreCase(pp=2, vpp=2, ep=2), False, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"), False, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"), False, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), False, None),
+    (McoreCase(pp=1, ep=2, fused_norm=True), EVERY, ("0.17", "0.18", "0.19")),
+    (McoreCase(pp=2, ep=1, tie=True), ENDS, None),
+    (McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"), ENDS, None),
+    (McoreCase(pp=2, ep=2), EVERY, None),  # megapipe's combined 1F1B: Megatron has none w/o vpp
+    (McoreCase(pp=2, vpp=2, ep=2), ENDS, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"), ENDS, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"), ENDS, None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), ENDS, None),
     # full recompute node by node; the expert-bias update after megapipe's own reduction
-    (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), True, None),
+    (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), EVERY, None),
     (McoreCase(pp=2, vpp=2, ep=2, recompute="full", recompute_method="block",
-               schedule="zbv"), False, None),
+               schedule="zbv"), NEWEST, None),
     (McoreCase(pp=2, vpp=2, ep=2, recompute="selective", shared_expert=True,
-               schedule="zb1p"), False, None),
+               schedule="zb1p"), NEWEST, None),
     # deferred weight gradients in the zero-bubble W step and beside the all-to-all
     (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"),
-     True, None),
+     EVERY, None),
     # tensor + sequence parallelism, MTP, selective recompute, shared experts, expert bias
     (McoreCase(pp=1, ep=2, tp=2, reduce="ddp", shared_expert=True, expert_bias=True, mtp=1,
-               recompute="selective"), True, None),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), True, None),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), False,
-     ("0.16", "0.17", "0.19")),  # 0.18.2's own MTP fails under full recompute (refused)
+               recompute="selective"), EVERY, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), EVERY, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), NEWEST, None),
 ]
 
 BF16_CASES = [
-    (McoreCase(pp=1, ep=2, shared_expert=True), False),  # Megatron's combined 1F1B at pp 1
-    (McoreCase(pp=2, vpp=2, ep=2), False),  # and its interleaved combined 1F1B
+    (McoreCase(pp=1, ep=2, shared_expert=True), ENDS),  # Megatron's combined 1F1B at pp 1
+    (McoreCase(pp=2, vpp=2, ep=2), ENDS),  # and its interleaved combined 1F1B
     (McoreCase(pp=1, ep=2, tp=2, shared_expert=True, expert_bias=True, mtp=1,
-               recompute="selective"), True),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, mtp=1), False),
+               recompute="selective"), EVERY),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, mtp=1), NEWEST),
 ]
 
 # Megatron's split, paired as in its combined 1F1B: (comm stream node, compute stream node)
@@ -78,12 +81,15 @@ FOUR_PAIRS = [
 _RESULTS: dict = {}
 
 
-def _runs(version: str, case: McoreCase, focus: bool, needs: tuple | None) -> None:
+def _runs(version: str, case: McoreCase, where: str, needs: tuple | None) -> None:
     if needs is not None and not version.startswith(needs):
         pytest.skip(f"megatron-core {version} does not take part in {case}")
-    if version not in FULL_MATRIX and not focus:
-        pytest.skip(f"megatron-core {version} runs the focused subset (time); "
-                    f"{', '.join(FULL_MATRIX)} run every case")
+    if where == NEWEST and version != RELEASES[-1]:
+        pytest.skip(f"this combination runs on the newest release, {RELEASES[-1]} (time); "
+                    "every release runs each feature")
+    if where == ENDS and version not in (RELEASES[0], RELEASES[-1]):
+        pytest.skip(f"megatron-core {version} runs one case per feature (time); the oldest and "
+                    "the newest release run this one")
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -161,14 +167,14 @@ def _weight_used_twice(case: McoreCase) -> bool:
     return case.tie or (case.mtp > 0 and case.pp == 1)
 
 
-@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_megapipe_gives_megatrons_numbers(release, case, focus, needs):
+@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_megapipe_gives_megatrons_numbers(release, case, where, needs):
     """Losses bitwise (the forward performs Megatron's operations); every gradient within 1e-6
     relative, bitwise where the reduction is Megatron's own (its DDP); every weight has its
     gradient (also with deferred weight gradients: nothing is left pending); the expert biases
     after the step are Megatron's (and moved). The zbv and dualpipev cases place the model in
     a V, so they compare the model's gradients over all ranks."""
-    _runs(release[0][0], case, focus, needs)
+    _runs(release[0][0], case, where, needs)
     outs = _result(release, case)
     exact = case.reduce == "ddp" and not _weight_used_twice(case)
     ref_losses, ref_grads = _merged(outs, "reference")
@@ -190,21 +196,21 @@ def test_megapipe_gives_megatrons_numbers(release, case, focus, needs):
                       exact, f"rank {rank}")
 
 
-@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_combined_is_bitwise_the_plain_run(release, case, focus, needs):
-    _runs(release[0][0], case, focus, needs)
+@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_combined_is_bitwise_the_plain_run(release, case, where, needs):
+    _runs(release[0][0], case, where, needs)
     for rank, out in enumerate(_result(release, case)):
         plain, overlap = _tensors(out["plain"]["grads"]), _tensors(out["overlap"]["grads"])
         _assert_grads(overlap, plain, exact=not _weight_used_twice(case),
                       what=f"rank {rank} overlap")
 
 
-@pytest.mark.parametrize("case,focus,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, focus, needs):
+@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, where, needs):
     """Every rank that pairs MoE layers pairs them in Megatron's four pairs (a rank can have
     none: in dualpipev, rank 0 holds the dense first layer and the MoE last one, and pairs each
     one's forward with the other's backward)."""
-    _runs(release[0][0], case, focus, needs)
+    _runs(release[0][0], case, where, needs)
     outs = _result(release, case)
     assert any(out["overlap"]["pairs"] for out in outs), "no paired slots"
     for rank, out in enumerate(outs):
@@ -217,27 +223,27 @@ def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, foc
 _COMBINED_DEFERRED = [c for c in CASES if c[0].delay_wgrad and c[0].schedule is None]
 
 
-@pytest.mark.parametrize("case,focus,needs", _COMBINED_DEFERRED,
+@pytest.mark.parametrize("case,where,needs", _COMBINED_DEFERRED,
                          ids=[str(c[0]) for c in _COMBINED_DEFERRED])
 def test_backward_dw_runs_where_megapipe_puts_its_deferred_weight_gradients(
-        release, case, focus, needs):
+        release, case, where, needs):
     """Megatron's backward_dw() calls run as megapipe's W items (Megatron's local layers give
     the queue nothing else): beside a backward dispatch in the combined step, as the trace
     shows. (In zb1p they stay queued for the W step, which the trace of the pairs does not
     show; that case checks that none is left pending and every gradient is Megatron's.)"""
-    _runs(release[0][0], case, focus, needs)
+    _runs(release[0][0], case, where, needs)
     outs = _result(release, case)
     assert all(out["overlap"]["wgrads"] for out in outs)
     assert any(out["overlap"]["wgrad_beside_dispatch"] for out in outs)
 
 
-@pytest.mark.parametrize("case,focus", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
-def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, focus):
+@pytest.mark.parametrize("case,where", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
+def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, where):
     """bf16 as a Megatron script sets it up (config.bf16, Float16Module, DDP with fp32 gradient
     buffers, finalize_model_grads): megapipe's combined step gives bitwise the losses and
     gradients of Megatron's own overlapped schedule (overlap_moe_expert_parallel_comm), with
     tensor and sequence parallelism, MTP and selective recompute where Megatron overlaps them."""
-    _runs(release[0][0], case, focus, None)
+    _runs(release[0][0], case, where, None)
     outs = _result(release, case, "bf16")
     ref_losses, ref_grads = _merged(outs, "reference")
     losses, grads = _merged(outs, "overlap")

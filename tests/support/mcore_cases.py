@@ -128,14 +128,16 @@ def _grads(chunks, names) -> dict[str, torch.Tensor]:
 
 
 def _expert_biases(chunks, names) -> dict[str, torch.Tensor]:
-    """Each router's expert bias (a buffer), keyed by the global name of its weight."""
+    """Each router's expert bias (a buffer; 0.19's quantile-balancing ``qb_beta`` too), keyed
+    by the global name of its weight."""
     out = {}
     for chunk, chunk_names in zip(chunks, names):
         for name, module in chunk.named_modules():
-            bias = getattr(module, "expert_bias", None)
             weight = chunk_names.get(f"{name}.weight")
-            if isinstance(bias, torch.Tensor) and weight is not None:
-                out[weight.replace(".weight", ".expert_bias")] = bias.detach().clone()
+            for kind in ("expert_bias", "qb_beta"):
+                bias = getattr(module, kind, None)
+                if isinstance(bias, torch.Tensor) and weight is not None:
+                    out[weight.replace(".weight", f".{kind}")] = bias.detach().clone()
     return out
 
 

@@ -46,6 +46,7 @@ class McoreCase:
     recompute: str | None = None  # "selective" (core_attn, layernorm, shared_experts, mlp), "full"
     recompute_method: str = "uniform"
     expert_bias: bool = False  # aux-loss-free balancing (sigmoid router with expert bias)
+    balancing: str = "aux_loss"  # moe_router_load_balancing_type (0.19: "quantile_balancing")
     delay_wgrad: bool = False  # TE-contract linear layers with delay_wgrad_compute
     fused_norm: bool = False  # a pre-MLP norm that returns (output, residual), 0.17+
 
@@ -60,6 +61,7 @@ class McoreCase:
     def __str__(self) -> str:
         extra = "".join(f"+{f}" for f in ("tie", "shared_expert", "expert_bias", "delay_wgrad",
                                           "fused_norm") if getattr(self, f))
+        extra += f"+{self.balancing}" if self.balancing != "aux_loss" else ""
         extra += f"+mtp{self.mtp}" if self.mtp else ""
         extra += (f"+recompute={self.recompute}"
                   + (f"/{self.recompute_method}" if self.recompute == "full" else "")
@@ -90,6 +92,8 @@ def make_config(case: McoreCase, dtype: torch.dtype = torch.float32, **overrides
         batch_p2p_sync=False, deallocate_pipeline_outputs=False,
         mtp_num_layers=case.mtp or None,
     )
+    if case.balancing != "aux_loss":
+        fields.update(moe_router_load_balancing_type=case.balancing, moe_aux_loss_coeff=0.0)
     if case.expert_bias:
         fields.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
                       moe_router_bias_update_rate=0.01)

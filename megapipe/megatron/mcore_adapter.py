@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from megapipe.megatron.mcore_config import check_config
-from megapipe.megatron.mcore_layers import ForwardCall, final_norm, layer_plan, mtp_plan
+from megapipe.megatron.mcore_layers import (
+    ForwardCall, final_norm, is_moe_layer, layer_plan, mtp_plan,
+)
 from megapipe.megatron.mcore_recompute import (
     recompute_layer, recompute_mtp, recomputed_layers,
 )
@@ -112,8 +114,17 @@ class McoreGPTStage(nn.Module):
             for mtp_layer in gpt.mtp.layers:
                 layers.append(self.release.mtp_inner_layer(mtp_layer))
                 driven.append(mtp_layer.eh_proj)
-        for layer in layers:
-            driven += [layer.self_attention, layer.mlp]
+        for layer in layers:  # what each node's backward_dw calls reach (mcore_layers)
+            driven.append(layer.self_attention)
+            if not is_moe_layer(layer):
+                driven.append(layer.mlp)
+                continue
+            moe, config = layer.mlp, layer.config
+            driven.append(moe.experts)
+            if moe.use_shared_expert and not moe.shared_expert_overlap:
+                driven.append(moe.shared_experts)
+            if config.moe_latent_size and config.overlap_moe_expert_parallel_comm:
+                driven += [moe.fc1_latent_proj, moe.fc2_latent_proj]  # MoELayer.backward_dw's
         check_driven(gpt, driven)
 
     @property

@@ -82,8 +82,10 @@ class ForwardCall:
 
 def rng_fork(config: Any) -> ContextManager:
     """Megatron's model-parallel RNG fork under sequence parallelism (what its block and MTP
-    layers run inside), else nothing."""
-    if not config.sequence_parallel:
+    layers run inside), where dropout draws from it; else nothing. (Without dropout nothing
+    draws, and leaving the fork out keeps the comm stream's thread, on CPU, from switching
+    the process-wide generator beside the compute stream.)"""
+    if not config.sequence_parallel or not (config.hidden_dropout or config.attention_dropout):
         return nullcontext()
     from megatron.core import tensor_parallel
 

@@ -53,6 +53,7 @@ def _setup(case: McoreCase) -> None:
     vpp = case.vpp if case.vpp > 1 else None
     layout = (case.tp, case.pp, case.ep)
     if _LAYOUT[0] != layout or not parallel_state.model_parallel_is_initialized():
+        _destroy_groups(parallel_state)
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
             case.tp, case.pp, vpp, expert_model_parallel_size=case.ep,
@@ -62,6 +63,32 @@ def _setup(case: McoreCase) -> None:
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
     parallel_state.set_virtual_pipeline_model_parallel_rank(0 if vpp else None)
     random.model_parallel_cuda_manual_seed(1234)
+
+
+def _destroy_groups(parallel_state: Any) -> None:
+    """End the process groups of the previous layout, Megatron's and megapipe's: on gloo each
+    keeps threads until it is destroyed (a pool past its thread limit starts afresh, seconds)."""
+    groups: dict[int, Any] = {}
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            groups[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+
+    if parallel_state.model_parallel_is_initialized():
+        for value in vars(parallel_state).values():
+            collect(value)
+    for value in _GROUPS.values():
+        collect(list(vars(value).values()))
+    _GROUPS.clear()
+    for group in groups.values():
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _reset_moe_metrics() -> None:

@@ -106,13 +106,18 @@ def release(request, rank_pools):
     except ReleaseUnavailable as missing:
         pytest.skip(str(missing))
     spec = (version, str(directory) if directory is not None else None)
-    tag = f"megatron-core-{version}"
-    # Megatron 0.19 compiles its expert-bias update with torch.compile (about 25 s on CPU per
-    # process); its __version__ asks git for a hash unless told not to
+    # the installed release runs in the shared pool of 4 (its processes import it anyway), a
+    # fetched one in a pool of its own, ended after its tests. Megatron 0.19 compiles its
+    # expert-bias update with torch.compile (about 25 s on CPU per process) unless dynamo is
+    # off, so it always gets a pool with that set; its __version__ asks git for a hash unless
+    # told not to
+    shared = directory is None and not version.startswith("0.19")
+    tag = None if shared else f"megatron-core-{version}"
     pool = rank_pools(4, tag, env={"TORCHDYNAMO_DISABLE": "1", "NO_VCS_VERSION": "1"})
     _run_on_pool(pool, mcore_cases.warm_up, spec)
     yield spec, pool
-    rank_pools.close(4, tag)
+    if tag is not None:
+        rank_pools.close(4, tag)
     for key in [k for k in _RESULTS if k[0] == version]:
         del _RESULTS[key]
 

@@ -48,14 +48,10 @@ CASES = [
     (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), ENDS, None),
     # full recompute node by node; the expert-bias update after megapipe's own reduction
     (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), EVERY, None),
-    (McoreCase(pp=2, vpp=2, ep=2, recompute="full", recompute_method="block",
-               schedule="zbv"), NEWEST, None),
     # 0.19's quantile balancing: its bias updated after megapipe's reduction too, its counts
     # not doubled by full recompute's re-runs
     (McoreCase(pp=2, vpp=2, ep=2, balancing="quantile_balancing", recompute="full"), NEWEST,
      ("0.19",)),
-    (McoreCase(pp=2, vpp=2, ep=2, recompute="selective", shared_expert=True,
-               schedule="zb1p"), NEWEST, None),
     # deferred weight gradients in the zero-bubble W step and beside the all-to-all
     (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"),
      EVERY, None),
@@ -64,6 +60,14 @@ CASES = [
                recompute="selective"), EVERY, None),
     (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), EVERY, None),
     (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), NEWEST, None),
+    # tensor + sequence parallelism in the other schedules that overlap
+    (McoreCase(pp=2, ep=2, tp=2, reduce="ddp"), NEWEST, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", recompute="selective", shared_expert=True,
+               schedule="zb1p"), NEWEST, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", recompute="full",
+               recompute_method="block", schedule="zbv"), NEWEST, None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", shared_expert=True,
+               schedule="dualpipev"), NEWEST, None),
 ]
 
 BF16_CASES = [

@@ -7,12 +7,11 @@ arguments it is the chunk: ``stage(input_ids, position_ids, attention_mask, labe
 tape), the same call runs the ``GPTModel`` as node plans through that runner, with exactly the
 operations of ``GPTModel.forward``:
 
-| plan        | nodes                                                                 |
-|-------------|-----------------------------------------------------------------------|
-| embedding   | one compute node: ``GPTModel._preprocess`` (first stage only)          |
-| each layer  | a dense layer: one compute node; a MoE layer: attn -> dispatch -> mlp -> combine (``mcore_layers``) |
-| MTP layers  | the same split, with the MTP layer's own pre- and postprocessing (last stage) |
-| head        | one compute node: final norm (unless MTP applied it) and ``GPTModel._postprocess`` |
+- embedding: one compute node, ``GPTModel._preprocess`` (first stage only);
+- each layer: a dense layer one compute node, a MoE layer attn -> dispatch -> mlp -> combine
+  (``mcore_layers``);
+- MTP layers: the same split, with the MTP layer's own pre- and postprocessing (last stage);
+- head: one compute node, the final norm (unless MTP applied it) and ``GPTModel._postprocess``.
 
 This is Megatron's own split for its combined 1F1B. What is checked when the adapter is built,
 before any collective: the release (``mcore_release``), every config field
@@ -293,7 +292,8 @@ def _float16_end(half: nn.Module, end: str) -> bool:
     group = (parallel_state.get_pipeline_model_parallel_group() if half.pg_collection is None
              else half.pg_collection.pp)
     if end == "first":
-        return utils.is_vp_first_stage(half.vp_stage, half.vp_size) and utils.is_pp_first_stage(group)
+        return (utils.is_vp_first_stage(half.vp_stage, half.vp_size)
+                and utils.is_pp_first_stage(group))
     return utils.is_vp_last_stage(half.vp_stage, half.vp_size) and utils.is_pp_last_stage(group)
 
 

@@ -70,7 +70,8 @@ MIRRORED = frozenset({
     "mtp_loss_scaling_factor", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
     "use_mup", "config_logger_dir",
     # mirrored by the adapter itself (mcore_layers, mcore_wgrad, mcore_release)
-    "fp32_residual_connection", "fused_residual_rmsnorm", "delay_wgrad_compute", "gradient_accumulation_fusion",
+    "fp32_residual_connection", "fused_residual_rmsnorm", "delay_wgrad_compute",
+    "gradient_accumulation_fusion",
     "async_tensor_model_parallel_allreduce", "use_te_rng_tracker", "transformer_impl",
     "expert_model_parallel_size", "hetereogenous_dist_checkpoint",
 })

@@ -2,11 +2,13 @@
 and ``MultiTokenPredictionLayer`` in the training forward, split where Megatron's combined
 1F1B splits them.
 
-| plan | nodes |
-|---|---|
-| dense layer | one compute node: the ``TransformerLayer`` |
-| MoE layer | attn (compute: attention, pre-MLP norm, shared experts, route, preprocess) -> dispatch (comm: token all-to-all) -> mlp (compute: routed experts) -> combine (comm: all-to-all, postprocess, bias-dropout-add) |
-| MTP layer | a MoE or dense layer whose first node starts with the MTP layer's own preprocessing (roll the ids, embed, norms, ``eh_proj``) and whose last node ends with its final norm |
+- dense layer: one compute node, the ``TransformerLayer``;
+- MoE layer: attn (compute: attention, pre-MLP norm, shared experts, route, preprocess) ->
+  dispatch (comm: token all-to-all) -> mlp (compute: routed experts) -> combine (comm:
+  all-to-all, postprocess, bias-dropout-add);
+- MTP layer: a MoE or dense layer whose first node starts with the MTP layer's own
+  preprocessing (roll the ids, embed, norms, ``eh_proj``) and whose last node ends with its
+  final norm.
 
 The residual, the shared experts' output and the router probabilities ride along in the node
 tuples; tensors that need no gradient (masks, rotary embeddings, ids) live in the per-call

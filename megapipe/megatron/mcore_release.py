@@ -38,7 +38,10 @@ _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\+[0-9A-Za-z.]+)?$")
 def parse_version(version: str) -> tuple[int, int, int] | None:
     """``(major, minor, patch)`` of a release version (``+local`` suffix allowed), else None."""
     match = _VERSION.match(version.strip())
-    return tuple(int(part) for part in match.groups()) if match else None  # type: ignore[return-value]
+    if match is None:
+        return None
+    major, minor, patch = (int(part) for part in match.groups())
+    return major, minor, patch
 
 
 def check_version(version: str) -> tuple[int, int, int]:
@@ -156,7 +159,8 @@ class McoreRelease:
             return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+        tracker = get_moe_layer_wise_logging_tracker()
+        return {name: entry["values"] for name, entry in tracker.items()}
 
     def update_expert_bias(self, chunks: list[Any], config: Any) -> None:
         """What ``finalize_model_grads`` does for the router after the gradients are reduced:
@@ -172,7 +176,9 @@ class McoreRelease:
 
         if config.moe_router_enable_expert_bias:
             if self.at_least(18):
-                group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+                group = parallel_state.get_tensor_and_data_parallel_group(
+                    with_context_parallel=True
+                )
                 finalize._update_router_expert_bias(chunks, config, tp_dp_cp_group=group)
             else:
                 finalize._update_router_expert_bias(chunks, config)

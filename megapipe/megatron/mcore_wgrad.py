@@ -38,7 +38,8 @@ class _AfterBackward(torch.autograd.Function):
     """Identity on a node's inputs; its backward queues (or runs) the node's weight work."""
 
     @staticmethod
-    def forward(ctx, state: LayerState, work: Work, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, state: LayerState, work: Work,  # type: ignore[override]
+                *tensors: torch.Tensor):
         ctx.state, ctx.work = state, work
         return tensors if len(tensors) > 1 else tensors[0]
 
@@ -91,7 +92,8 @@ def check_driven(chunk: nn.Module, driven: Sequence[nn.Module]) -> None:
     """Every module of ``chunk`` that defers its weight gradient must sit inside one of the
     ``driven`` modules (whose ``backward_dw`` the node plans call)."""
     covered = {id(m) for root in driven for m in root.modules()}
-    missing = [name for name, m in chunk.named_modules() if defers_wgrad(m) and id(m) not in covered]
+    missing = [name for name, m in chunk.named_modules()
+               if defers_wgrad(m) and id(m) not in covered]
     if missing:
         raise NotImplementedError(
             f"delay_wgrad_compute: {', '.join(missing)} defer their weight gradients to "

@@ -21,7 +21,7 @@ GPUs (no patches; NCCL), 4 GPUs:
 
     torchrun --nproc-per-node 4 examples/megatron_core_gpt.py
 
-Needs ``pip install 'megapipe[megatron]'`` (megatron-core 0.16.1).
+Needs ``pip install 'megapipe[megatron]'`` (any megatron-core release from 0.16.1 to 0.19.2).
 """
 
 from __future__ import annotations
@@ -50,15 +50,12 @@ def use_megatron_on_cpu() -> None:
     megatron_cpu.apply()
 
 
-def build_model(device: torch.device, schedule: str | None) -> list[torch.nn.Module]:
-    """Megatron's MoE GPT, one chunk per virtual stage, as a Megatron script builds it, with
-    the model parts megapipe's schedule places on this rank (V placement for zbv/dualpipev)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def make_config(device: torch.device):
+    """8 layers: a dense first layer (``moe_layer_freq``), then MoE layers with 4 experts (top
+    2) and a shared expert."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=8, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
         moe_layer_freq=[0] + [1] * 7, moe_shared_expert_intermediate_size=64,
@@ -70,15 +67,37 @@ def build_model(device: torch.device, schedule: str | None) -> list[torch.nn.Mod
         bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+
+
+def part_spec(config, part: int, num_parts: int):
+    """The layer specs of model part ``part``: Megatron's per-layer specs, which honour
+    ``moe_layer_freq`` (one layer spec for all layers would make every layer MoE)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl, get_gpt_decoder_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    specs = list(get_gpt_decoder_layer_specs(config, use_transformer_engine=False))
+    per_part = len(specs) // num_parts
+    return TransformerBlockSubmodules(
+        layer_specs=specs[part * per_part:(part + 1) * per_part], layer_norm=LNImpl
+    )
+
+
+def build_model(device: torch.device, schedule: str | None) -> list[torch.nn.Module]:
+    """Megatron's MoE GPT, one chunk per virtual stage, as a Megatron script builds it, with
+    the model parts megapipe's schedule places on this rank (V placement for zbv/dualpipev)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = make_config(device)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     placement = build_schedule(schedule or "interleaved-1f1b", PP, NUM_MICROBATCHES, vpp=VPP)
     chunks = []
     for j, stage in enumerate(placement.stages_of_rank(pp_rank)):  # loop: part r + j * PP
         part = placement.model_part(stage)
         chunks.append(GPTModel(
-            config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=part == 0,
-            post_process=part == PP * VPP - 1, position_embedding_type="rope", vp_stage=j,
+            config, part_spec(config, part, PP * VPP), vocab_size=VOCAB,
+            max_sequence_length=SEQ, pre_process=part == 0, post_process=part == PP * VPP - 1,
+            position_embedding_type="rope", vp_stage=j,
         ).to(device))
     return chunks
 

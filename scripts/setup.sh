@@ -21,9 +21,14 @@ $PIP install -q -e ".[test,triton]"
 if ! $PIP install -q -e ".[fast]"; then
   echo "setup.sh: numba could not be installed; the schedule layer's loops run in Python" >&2
 fi
-# The Megatron-Core adapter's tests need the pinned megatron-core (pure Python plus a small
-# dataset helper; never TransformerEngine or Apex). Where it cannot be installed those tests
-# skip and say why; everything else still runs.
+# The Megatron-Core adapter's tests need megatron-core (pure Python plus a small dataset helper;
+# never TransformerEngine or Apex): the extra installs what pip can install here (0.16.1 on
+# Python 3.11). Where it cannot be installed those tests skip and say why.
 if ! $PIP install -q -e ".[megatron]"; then
   echo "setup.sh: megatron-core could not be installed; tests/megatron/test_mcore_adapter.py will skip" >&2
 fi
+# The adapter's tests also run against the other supported releases (0.17.1, 0.18.2, 0.19.2:
+# cp312/cp313 wheels only, whose Python sources run on 3.11): fetched once into
+# .venv/mcore-releases/ (the tests fetch them too, and skip a release only without a network).
+.venv/bin/python tests/support/mcore_releases.py || \
+  echo "setup.sh: could not fetch every megatron-core release; the tests say which they skip" >&2

@@ -7,20 +7,39 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+class RankPools:
+    """``pools(n)``: a RankPool of n gloo processes, kept for the whole session.
+    ``pools(n, tag, env)``: a separate pool for one purpose (e.g. one Megatron-Core release,
+    whose processes import it), with extra environment variables; ``close(n, tag)`` ends it
+    early, once its tests are done."""
+
+    def __init__(self) -> None:
+        self._pools = {}
+
+    def __call__(self, world_size: int, tag: str | None = None, env: dict | None = None):
+        from support.rank_pool import RankPool
+
+        key = (world_size, tag)
+        if key not in self._pools:
+            self._pools[key] = RankPool(world_size, env=env)
+        return self._pools[key]
+
+    def close(self, world_size: int, tag: str | None = None) -> None:
+        pool = self._pools.pop((world_size, tag), None)
+        if pool is not None:
+            pool.close()
+
+    def close_all(self) -> None:
+        for pool in self._pools.values():
+            pool.stop()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
 @pytest.fixture(scope="session")
 def rank_pools():
-    """``rank_pools(n)`` returns a RankPool of n gloo processes, kept for the whole session."""
-    from support.rank_pool import RankPool
-
-    pools = {}
-
-    def get(world_size: int) -> RankPool:
-        if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
-        return pools[world_size]
-
-    yield get
-    for pool in pools.values():
-        pool.stop()
-    for pool in pools.values():
-        pool.close()
+    """Long-lived gloo process pools, one per world size (and tag): see ``RankPools``."""
+    pools = RankPools()
+    yield pools
+    pools.close_all()

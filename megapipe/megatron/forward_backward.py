@@ -58,7 +58,7 @@ from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
 from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-from megapipe.megatron.mcore_support import check_ddp
+from megapipe.megatron.mcore_support import activation_shape, check_ddp, finish_router_step
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -195,6 +195,8 @@ class MegatronForwardBackward:
             hooks = None if forward_only else self._megatron_hooks(chunks, stages)
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only,
                                              grad_hooks=hooks)
+            if not forward_only and self.options.reduce_grads:
+                finish_router_step(chunks)  # Megatron's expert-bias update, per-step resets
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -245,6 +247,8 @@ class MegatronForwardBackward:
             if layout == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
+        if megatron and layout == "sbh" and o.hidden_size is None:  # Megatron's own shape
+            shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
         dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
         executor = PipelineExecutor(
             schedule,
@@ -257,6 +261,9 @@ class MegatronForwardBackward:
             timeout=o.timeout,
             delay_wgrad_compute=o.delay_wgrad_compute,
             record_trace=o.record_trace,
+            # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
+            # the tape in every schedule (McoreGPTStage.needs_tape)
+            use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
         )
         self._executors[key] = (executor, stages)
         return executor, stages

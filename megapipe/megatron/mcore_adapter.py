@@ -7,85 +7,58 @@ arguments it is the chunk: ``stage(input_ids, position_ids, attention_mask, labe
 tape), the same call runs the ``GPTModel`` as node plans through that runner, with exactly the
 operations of ``GPTModel.forward``:
 
-| plan        | nodes                                                                   |
-|-------------|-------------------------------------------------------------------------|
-| embedding   | one compute node: ``GPTModel._preprocess`` (first stage only)            |
-| dense layer | one compute node: the ``TransformerLayer``                               |
-| MoE layer   | attn (compute: attention, pre-MLP norm, shared experts, route, preprocess) |
-|             | -> dispatch (comm: the token all-to-all) -> mlp (compute: routed experts) |
-|             | -> combine (comm: combine all-to-all, postprocess, bias-dropout-add)     |
-| head        | one compute node: final norm and ``GPTModel._postprocess`` (last stage)  |
+- embedding: one compute node, ``GPTModel._preprocess`` (first stage only);
+- each layer: a dense layer one compute node, a MoE layer attn -> dispatch -> mlp -> combine
+  (``mcore_layers``);
+- MTP layers: the same split, with the MTP layer's own pre- and postprocessing (last stage);
+- head: one compute node, the final norm (unless MTP applied it) and ``GPTModel._postprocess``.
 
-This is Megatron's own split for its combined 1F1B (``fine_grained_callables``). The residual,
-the shared experts' output and the router probabilities ride along in the node tuples, so each
-node's backward is driven by the tape; per-call inputs that need no gradient (masks, rotary
-embeddings, labels) are held by the forward call that builds the plans.
-
-It relies on Megatron internals (``_preprocess``, ``_forward_attention``, the MoE layer's
-``route``/``preprocess``/``dispatch``/``routed_experts_compute``/``combine``/``postprocess``,
-``_forward_post_mlp``, ``_postprocess``), so the supported versions are pinned
-(``mcore_support.SUPPORTED_MCORE_VERSIONS``, the ``megapipe[megatron]`` extra) and the tests
-exercise them.
-Features the split does not cover are refused when the adapter is built (``mcore_support``).
+This is Megatron's own split for its combined 1F1B. What is checked when the adapter is built,
+before any collective: the release (``mcore_release``), every config field
+(``mcore_config``), the forward's arguments (each one it does not mirror is refused when given),
+the process groups, and that every deferred weight gradient is driven (``mcore_wgrad``).
+Full recompute wraps the layers Megatron would recompute (``mcore_recompute``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+import inspect
+from typing import Any
 
 import torch
 from torch import nn
 
-from megapipe.megatron.mcore_support import (
-    check_groups,
-    check_mcore_version,
-    check_supported,
-    chain_of,
-    find_gpt_model,
+from megapipe.megatron.mcore_config import check_config
+from megapipe.megatron.mcore_layers import (
+    ForwardCall, final_norm, is_moe_layer, layer_plan, mtp_plan,
 )
-from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner
+from megapipe.megatron.mcore_recompute import (
+    recompute_layer, recompute_mtp, recomputed_layers,
+)
+from megapipe.megatron.mcore_release import release
+from megapipe.megatron.mcore_support import (
+    chain_of, check_groups, find_megatron_model,
+)
+from megapipe.megatron.mcore_wgrad import check_driven, delayed_modules
+from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
 
 Tensors = tuple[Any, ...]
 
-@dataclass
-class _Call:
-    """The arguments of one forward call that every node may read (no gradients flow
-    through them), and what ``_preprocess`` derived from them."""
+# GPTModel.forward's arguments the node plans mirror; any other one given with a value other
+# than its default is refused (so an argument a new release adds cannot slip through)
+MIRRORED_ARGUMENTS = frozenset({
+    "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
+    "runtime_gather_output", "loss_mask", "padding_mask", "output_processor",
+    "output_processor_context",
+})
 
-    input_ids: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    attention_mask: Optional[torch.Tensor]
-    decoder_input: Optional[torch.Tensor] = None
-    labels: Optional[torch.Tensor] = None
-    packed_seq_params: Any = None
-    runtime_gather_output: Optional[bool] = None
-    loss_mask: Optional[torch.Tensor] = None
-    padding_mask: Optional[torch.Tensor] = None
-    fp32_output: bool = True
-    rotary_pos_emb: Any = None
-    rotary_pos_cos: Any = None
-    rotary_pos_sin: Any = None
-    sequence_len_offset: Any = None
 
-    def preprocess(self, gpt: nn.Module) -> torch.Tensor | None:
-        """Run ``GPTModel._preprocess``; keep what it derives, return the decoder input."""
-        (decoder_input, self.rotary_pos_emb, self.rotary_pos_cos, self.rotary_pos_sin,
-         self.sequence_len_offset, self.padding_mask) = gpt._preprocess(
-            input_ids=self.input_ids, position_ids=self.position_ids,
-            decoder_input=self.decoder_input, packed_seq_params=self.packed_seq_params,
-            padding_mask=self.padding_mask,
-        )[:6]
-        return decoder_input
+class _PlainRunner:
+    """Runs each layer plan with ordinary autograd (``run_nodes``): the chunk's forward outside
+    megapipe's tape, for chunks whose weight gradients must be driven by the plans."""
 
-    def layer_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments ``TransformerBlock.forward`` gives each layer."""
-        return dict(
-            attention_mask=self.attention_mask, rotary_pos_emb=self.rotary_pos_emb,
-            rotary_pos_cos=self.rotary_pos_cos, rotary_pos_sin=self.rotary_pos_sin,
-            packed_seq_params=self.packed_seq_params,
-            sequence_len_offset=self.sequence_len_offset, padding_mask=self.padding_mask,
-        )
+    def run_layer(self, nodes: list[Node], inputs: Tensors) -> Tensors:
+        return run_nodes(nodes, inputs)
 
 
 class McoreGPTStage(nn.Module):
@@ -93,26 +66,65 @@ class McoreGPTStage(nn.Module):
 
     ``module`` is the chunk as given (parameters are shared, not copied); ``config`` is the
     ``GPTModel``'s ``TransformerConfig``. ``set_input_tensor`` is Megatron's;
-    ``set_aux_loss_scale(s)`` sets ``MoEAuxLossAutoScaler``'s scale to ``s`` as Megatron's
-    schedules do (``1 / num_microbatches``).
+    ``set_aux_loss_scale(s)`` sets the scale of ``MoEAuxLossAutoScaler`` (and of
+    ``MTPLossAutoScaler`` with MTP) to ``s``, as Megatron's schedules do (1 / num_microbatches).
     """
 
     def __init__(self, chunk: nn.Module) -> None:
         super().__init__()
-        gpt = find_gpt_model(chunk)
+        gpt = find_megatron_model(chunk)
         if gpt is None:
             raise TypeError(
                 f"{type(chunk).__name__} is not (and does not wrap) a Megatron-Core GPTModel"
             )
-        check_mcore_version()
-        check_supported(gpt.config)
+        self.__dict__["release"] = release()
+        check_config(gpt.config)
+        problem = self.release.config_problem(gpt.config)
+        if problem is not None:
+            raise NotImplementedError(problem)
         check_groups(gpt)
+        if getattr(gpt, "mtp_process", False) and not gpt.post_process:
+            raise NotImplementedError(
+                "a chunk with MTP layers but without the output layer (MTP on a stage of its "
+                "own) is not mirrored; build the MTP layers on the chunk with the head"
+            )
         self.module = chunk
         self.__dict__["gpt"] = gpt  # the same module, not registered twice
-        self.__dict__["_half_wrapped"] = any(
-            type(m).__name__ == "Float16Module" for m in chain_of(chunk)
+        half = [m for m in chain_of(chunk) if type(m).__name__ == "Float16Module"]
+        self.__dict__["_half"] = half[0] if half else None
+        self._check_delayed_wgrad(gpt)
+        # the engine's generic I/W split differentiates with autograd.grad, which Megatron's
+        # checkpoints refuse and which would re-run a TE layer's whole backward: such chunks
+        # run on megapipe's tape in every schedule (its W step is the weight-gradient queue)
+        self.__dict__["needs_tape"] = (
+            self.defers_weight_grads or gpt.config.recompute_granularity is not None
         )
         self.node_runner: NodeRunner | None = None
+
+    def _check_delayed_wgrad(self, gpt: nn.Module) -> None:
+        """Every deferred weight gradient sits in a module the plans drive; with any, the
+        chunk always runs as node plans (Megatron's own forward would leave them undriven)."""
+        self.__dict__["defers_weight_grads"] = bool(delayed_modules(gpt))
+        if not self.defers_weight_grads:
+            return
+        driven: list[nn.Module] = []
+        layers = list(gpt.decoder.layers)
+        if getattr(gpt, "mtp_process", False):
+            for mtp_layer in gpt.mtp.layers:
+                layers.append(self.release.mtp_inner_layer(mtp_layer))
+                driven.append(mtp_layer.eh_proj)
+        for layer in layers:  # what each node's backward_dw calls reach (mcore_layers)
+            driven.append(layer.self_attention)
+            if not is_moe_layer(layer):
+                driven.append(layer.mlp)
+                continue
+            moe, config = layer.mlp, layer.config
+            driven.append(moe.experts)
+            if moe.use_shared_expert and not moe.shared_expert_overlap:
+                driven.append(moe.shared_experts)
+            if config.moe_latent_size and config.overlap_moe_expert_parallel_comm:
+                driven += [moe.fc1_latent_proj, moe.fc2_latent_proj]  # MoELayer.backward_dw's
+        check_driven(gpt, driven)
 
     @property
     def config(self) -> Any:
@@ -122,12 +134,16 @@ class McoreGPTStage(nn.Module):
         self.gpt.set_input_tensor(input_tensor)
 
     def set_aux_loss_scale(self, scale: float) -> None:
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
         device = next(self.gpt.parameters()).device
-        MoEAuxLossAutoScaler.set_loss_scale(
-            torch.full((1,), scale, dtype=torch.float32, device=device)
-        )
+        value = torch.full((1,), scale, dtype=torch.float32, device=device)
+        if self.config.num_moe_experts is not None:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(value)
+        if self.config.mtp_num_layers is not None:
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+            MTPLossAutoScaler.set_loss_scale(value)
 
     def check_stage(self, stage: int, first: bool, last: bool) -> None:
         """The chunk must have the embedding exactly when its stage is the first, and the
@@ -149,52 +165,79 @@ class McoreGPTStage(nn.Module):
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.node_runner is None:
-            return self.module(*args, **kwargs)
-        return self._forward_nodes(*args, **kwargs)
+        runner = self.node_runner
+        if runner is None:
+            if not (self.defers_weight_grads and torch.is_grad_enabled()):
+                return self.module(*args, **kwargs)
+            runner = _PlainRunner()
+        return self._forward_nodes(runner, args, kwargs)
 
     # ------------------------------------------------------------------ node plans
-    def _forward_nodes(
-        self,
-        input_ids: Optional[torch.Tensor],
-        position_ids: Optional[torch.Tensor],
-        attention_mask: Optional[torch.Tensor],
-        decoder_input: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        inference_context: Any = None,
-        packed_seq_params: Any = None,
-        extra_block_kwargs: Optional[dict] = None,
-        runtime_gather_output: Optional[bool] = None,
-        *,
-        inference_params: Any = None,
-        loss_mask: Optional[torch.Tensor] = None,
-        padding_mask: Optional[torch.Tensor] = None,
-        fp32_output: bool = True,
-    ) -> torch.Tensor:
-        """``GPTModel.forward`` (training), every plan through ``self.node_runner``."""
-        if inference_context is not None or inference_params is not None or extra_block_kwargs:
-            raise NotImplementedError(
-                "the adapter runs training forwards: inference_context, inference_params and "
-                "extra_block_kwargs are not supported while megapipe drives the chunk"
-            )
-        gpt, runner = self.gpt, self.node_runner
-        assert runner is not None
-        call = _Call(
-            input_ids, position_ids, attention_mask, decoder_input, labels, packed_seq_params,
-            runtime_gather_output, loss_mask, padding_mask, fp32_output,
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """``GPTModel.forward``'s arguments by name (defaults filled in); one clear error for
+        an argument given with a value the plans do not mirror."""
+        fp32_output = kwargs.pop("fp32_output", True)
+        if self._half is not None and _float16_end(self._half, "first"):
+            from megatron.core.transformer.module import fp32_to_float16
+
+            args = fp32_to_float16(args, self._half.float16_convertor)  # as Float16Module does
+        signature = inspect.signature(type(self.gpt).forward)
+        bound = signature.bind(self.gpt, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        values.pop("self")
+        for name, value in values.items():
+            default = signature.parameters[name].default
+            if name not in MIRRORED_ARGUMENTS and value is not default and value is not None:
+                raise NotImplementedError(
+                    f"GPTModel.forward({name}=...) is not mirrored by megapipe's Megatron-Core "
+                    "adapter (it runs training forwards); call the chunk without it"
+                )
+        values["fp32_output"] = fp32_output
+        return values
+
+    def _forward_nodes(self, runner: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``GPTModel.forward`` (training), every plan through ``runner``."""
+        a = self._bind(args, dict(kwargs))
+        gpt, config = self.gpt, self.config
+        call = ForwardCall(
+            self.release, a["input_ids"], a["position_ids"], a["attention_mask"],
+            a["decoder_input"], a["labels"], None, a["runtime_gather_output"], a["loss_mask"],
+            a["padding_mask"], a.get("output_processor"), a.get("output_processor_context"),
+            delay_wgrad=bool(config.delay_wgrad_compute),
         )
         if gpt.pre_process:
-            values: Tensors = runner.run_layer(self._embedding_plan(call), (input_ids,))
+            values: Tensors = runner.run_layer(self._embedding_plan(call), (a["input_ids"],))
         else:
             call.preprocess(gpt)  # rotary embeddings etc.: no gradient flows through them
             values = (gpt.decoder.input_tensor,)
-        for layer in gpt.decoder.layers:
-            values = runner.run_layer(self._layer_plan(layer, call), values)
+        layers = list(gpt.decoder.layers)
+        recomputed = recomputed_layers(config, len(layers))
+        for index, layer in enumerate(layers):
+            plan = layer_plan(layer, call, f"layer{layer.layer_number - 1}")
+            if index in recomputed:
+                plan = recompute_layer(plan, layer, self.release, list(layer.parameters()))
+            values = runner.run_layer(plan, values)
+        if not layers and not gpt.pre_process and gpt.decoder.final_layernorm is None:
+            values = runner.run_layer(self._clone_plan(), values)  # as TransformerBlock does
+        if getattr(gpt, "mtp_process", False):
+            for index in range(len(gpt.mtp.layers)):
+                plan = mtp_plan(gpt, index, call)
+                if recompute_mtp(config):
+                    params = list(gpt.mtp.layers[index].parameters())
+                    params += list(gpt.embedding.parameters())
+                    if index == 0 and gpt.decoder.final_layernorm is not None:
+                        params += list(gpt.decoder.final_layernorm.parameters())
+                    plan = recompute_layer(
+                        plan, self.release.mtp_inner_layer(gpt.mtp.layers[index]),
+                        self.release, params,
+                    )
+                values = runner.run_layer(plan, values)
         if gpt.post_process:
-            values = runner.run_layer(self._head_plan(call), values)
+            values = runner.run_layer(self._head_plan(call, a["fp32_output"]), values)
         return values[0]
 
-    def _embedding_plan(self, call: _Call) -> list[Node]:
+    def _embedding_plan(self, call: ForwardCall) -> list[Node]:
         from megatron.core.utils import make_viewless_tensor
 
         def embedding(state: LayerState, inputs: Tensors) -> Tensors:
@@ -203,17 +246,23 @@ class McoreGPTStage(nn.Module):
 
         return [Node("embedding", NodeKind.COMPUTE, embedding)]
 
-    def _head_plan(self, call: _Call) -> list[Node]:
+    def _clone_plan(self) -> list[Node]:
+        def clone(state: LayerState, inputs: Tensors) -> Tensors:
+            return (inputs[0].clone(),)
+
+        return [Node("empty_block", NodeKind.COMPUTE, clone)]
+
+    def _head_plan(self, call: ForwardCall, fp32_output: bool) -> list[Node]:
         from megatron.core.transformer.module import float16_to_fp32
-        from megatron.core.utils import make_viewless_tensor
 
         gpt = self.gpt
+        mtp = getattr(gpt, "mtp_process", False)
 
         def head(state: LayerState, inputs: Tensors) -> Tensors:
-            (hidden,) = inputs
-            if gpt.decoder.final_layernorm is not None:
-                hidden = gpt.decoder.final_layernorm(hidden)
-                hidden = make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)
+            if mtp:  # the MTP block's output: the decoder's and each MTP layer's, stacked
+                hidden = torch.cat(inputs, dim=0)
+            else:
+                hidden = final_norm(gpt, inputs[0])
             output = gpt._postprocess(
                 hidden_states=hidden, input_ids=call.input_ids, position_ids=call.position_ids,
                 labels=call.labels, rotary_pos_emb=call.rotary_pos_emb,
@@ -223,72 +272,34 @@ class McoreGPTStage(nn.Module):
                 packed_seq_params=call.packed_seq_params,
                 sequence_len_offset=call.sequence_len_offset,
                 runtime_gather_output=call.runtime_gather_output,
+                **call.release.postprocess_kwargs(
+                    call.padding_mask, call.output_processor, call.output_processor_context
+                ),
             )
-            if self._half_wrapped and call.fp32_output:  # what Float16Module does last
-                output = float16_to_fp32(output)
+            if self._half is not None and fp32_output and _float16_end(self._half, "last"):
+                output = float16_to_fp32(output)  # what Float16Module does last
             return (output,)
 
         return [Node("head", NodeKind.COMPUTE, head)]
 
-    def _layer_plan(self, layer: nn.Module, call: _Call) -> list[Node]:
-        from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        name = f"layer{layer.layer_number - 1}"
-        if not isinstance(layer.mlp, MoELayer):
+def _float16_end(half: nn.Module, end: str) -> bool:
+    """Whether ``Float16Module`` casts at this end ("first": its inputs, "last": its output):
+    Megatron decides by its own pipeline and virtual-stage ranks."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import utils
 
-            def dense(state: LayerState, inputs: Tensors) -> Tensors:
-                (hidden,) = inputs
-                output, _ = layer(hidden_states=hidden, **call.layer_kwargs())
-                return (output,)
-
-            return [Node(name, NodeKind.COMPUTE, dense)]
-        return moe_layer_plan(layer, call, name)
-
-
-def moe_layer_plan(layer: nn.Module, call: _Call, name: str) -> list[Node]:
-    """Megatron's four-node split of a MoE ``TransformerLayer`` (module docstring). The tuples
-    carry (residual, [shared experts' output], tokens, probabilities)."""
-    moe = layer.mlp
-    shared = moe.use_shared_expert
-    lead = 2 if shared else 1  # residual and, with shared experts, their output
-
-    def attn(state: LayerState, inputs: Tensors) -> Tensors:
-        (hidden,) = inputs
-        kwargs = call.layer_kwargs()
-        hidden, _ = layer._forward_attention(hidden_states=hidden, **kwargs)
-        normed = layer._forward_pre_mlp_layernorm(hidden)
-        shared_out = moe.shared_experts_compute(normed)
-        padding = kwargs["padding_mask"]
-        if padding is not None:  # as MoELayer.forward hands it to the router
-            padding = padding.transpose(0, 1).bool()
-        probs, routing_map = moe.route(normed, padding)
-        tokens, probs = moe.preprocess(normed, probs, routing_map)
-        return (hidden, shared_out, tokens, probs) if shared else (hidden, tokens, probs)
-
-    def dispatch(state: LayerState, inputs: Tensors) -> Tensors:
-        tokens, probs = moe.dispatch(*inputs[lead:])
-        return (*inputs[:lead], tokens, probs)
-
-    def mlp(state: LayerState, inputs: Tensors) -> Tensors:
-        output, bias = moe.routed_experts_compute(*inputs[lead:])
-        assert bias is None, "the MoE layer's experts returned a bias Megatron does not support"
-        return (*inputs[:lead], output)
-
-    def combine(state: LayerState, inputs: Tensors) -> Tensors:
-        residual, shared_out = inputs[0], (inputs[1] if shared else None)
-        output = moe.postprocess(moe.combine(inputs[-1]), shared_out)
-        return (layer._forward_post_mlp((output, None), residual),)
-
-    return [
-        Node(f"{name}.attn", NodeKind.COMPUTE, attn),
-        Node(f"{name}.dispatch", NodeKind.COMM, dispatch, group=moe.token_dispatcher.ep_group),
-        Node(f"{name}.mlp", NodeKind.COMPUTE, mlp),
-        Node(f"{name}.combine", NodeKind.COMM, combine, group=moe.token_dispatcher.ep_group),
-    ]
+    group = (parallel_state.get_pipeline_model_parallel_group() if half.pg_collection is None
+             else half.pg_collection.pp)
+    if end == "first":
+        return (utils.is_vp_first_stage(half.vp_stage, half.vp_size)
+                and utils.is_pp_first_stage(group))
+    return utils.is_vp_last_stage(half.vp_stage, half.vp_size) and utils.is_pp_last_stage(group)
 
 
 def as_stage_module(chunk: nn.Module) -> nn.Module:
-    """``McoreGPTStage(chunk)`` for a Megatron-Core GPTModel chunk, else ``chunk`` itself."""
-    if isinstance(chunk, McoreGPTStage) or find_gpt_model(chunk) is None:
+    """``McoreGPTStage(chunk)`` for a Megatron-Core GPTModel chunk, else ``chunk`` itself (a
+    Megatron model that is not a GPTModel is refused by ``find_megatron_model``)."""
+    if isinstance(chunk, McoreGPTStage) or find_megatron_model(chunk) is None:
         return chunk
     return McoreGPTStage(chunk)

@@ -1,20 +1,18 @@
-"""What the Megatron-Core adapter supports, checked before anything runs.
+"""What the Megatron-Core adapter needs of a chunk and its surroundings, checked before anything
+runs (the release and the config are checked in ``mcore_release`` and ``mcore_config``).
 
-The installed megatron-core version (the adapter relies on Megatron internals, so versions are
-pinned: ``SUPPORTED_MCORE_VERSIONS``, the ``megapipe[megatron]`` extra), the config features the
-node split covers (each refused feature is named with the reason), Megatron's DDP (supported
-when it does the reduction), and the process groups the two streams drive. Also how to find
-the ``GPTModel`` inside a chunk a script wrapped (``Float16Module``, ``DistributedDataParallel``).
+How to find the ``GPTModel`` inside a chunk a script wrapped (``Float16Module``,
+``DistributedDataParallel``), refusing other Megatron models and subclasses whose forward the
+adapter would not mirror; Megatron's DDP (supported when it reduces after the step), the
+reduction megapipe can do itself, the process groups the two streams drive, and the shape of the
+activations Megatron sends between stages.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
-
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
-
 
 def chain_of(chunk: nn.Module) -> list[nn.Module]:
     """``chunk`` and the modules it wraps through ``.module`` (DDP, Float16Module, ...)."""
@@ -24,15 +22,81 @@ def chain_of(chunk: nn.Module) -> list[nn.Module]:
     return chain
 
 
+def from_megatron(module: nn.Module) -> bool:
+    """Whether ``module``'s class is Megatron's or derives from one of Megatron's."""
+    return any(cls.__module__.startswith("megatron.") for cls in type(module).__mro__)
+
+
 def find_gpt_model(chunk: nn.Module) -> nn.Module | None:
     """The Megatron-Core ``GPTModel`` in ``chunk`` (itself or wrapped), else None. Imports
     Megatron only when the chunk comes from it."""
     chain = chain_of(chunk)
-    if not any(type(m).__module__.startswith("megatron.") for m in chain):
+    if not any(from_megatron(m) for m in chain):
         return None
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return next((m for m in chain if isinstance(m, GPTModel)), None)
+
+
+# the methods whose operations the adapter re-creates: a subclass that overrides one of them
+# would compute something else than the adapter mirrors
+_MIRRORED_METHODS = {
+    "GPTModel": ("forward",),
+    "TransformerLayer": ("forward", "_forward_mlp"),
+    "MultiTokenPredictionLayer": ("forward", "_proj_and_transformer_layer"),
+    "MultiTokenPredictionBlock": ("forward",),
+}
+
+
+def find_megatron_model(chunk: nn.Module) -> nn.Module | None:
+    """``find_gpt_model``, refusing in one line a Megatron language model that is not a
+    ``GPTModel`` (``HybridModel``, ``MambaModel``, ...) and a GPT model whose mirrored methods
+    a subclass overrides; None for a chunk that is not Megatron's."""
+    chain = chain_of(chunk)
+    if not any(from_megatron(m) for m in chain):
+        return None
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    gpt = find_gpt_model(chunk)
+    if gpt is None:
+        other = next((m for m in chain if isinstance(m, LanguageModule)), None)
+        if other is not None:
+            raise NotImplementedError(
+                f"{type(other).__name__} chunks are not adapted: megapipe's Megatron-Core adapter "
+                "overlaps GPTModel chunks (Megatron's GPT with attention, dense and MoE layers); "
+                "build the model as a GPTModel"
+            )
+        return None
+    check_mirrored_classes(gpt)
+    return gpt
+
+
+def check_mirrored_classes(gpt: nn.Module) -> None:
+    """Refuse a module whose class overrides a method the adapter re-creates."""
+    import megatron.core.models.gpt.gpt_model as gpt_model
+    import megatron.core.transformer.multi_token_prediction as mtp
+    import megatron.core.transformer.transformer_layer as transformer_layer
+
+    bases = {
+        "GPTModel": gpt_model.GPTModel,
+        "TransformerLayer": transformer_layer.TransformerLayer,
+        "MultiTokenPredictionLayer": mtp.MultiTokenPredictionLayer,
+        "MultiTokenPredictionBlock": mtp.MultiTokenPredictionBlock,
+    }
+    # Megatron's own subclass that keeps TransformerLayer's MLP path without CUDA graphs
+    allowed = {getattr(transformer_layer, "MoETransformerLayer", None)}
+    for module in gpt.modules():
+        for base_name, methods in _MIRRORED_METHODS.items():
+            base = bases[base_name]
+            if not isinstance(module, base) or type(module) is base or type(module) in allowed:
+                continue
+            for method in methods:
+                if getattr(type(module), method) is not getattr(base, method):
+                    raise NotImplementedError(
+                        f"{type(module).__name__} overrides {base_name}.{method}, whose "
+                        "operations megapipe's Megatron-Core adapter re-creates; it would not "
+                        "compute what the subclass computes"
+                    )
 
 
 def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
@@ -46,7 +110,17 @@ def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
 
 
 def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
-    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``)."""
+    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``); with
+    tensor parallelism the reduction must be Megatron's."""
+    gpt = find_gpt_model(chunk)
+    if reduce_grads and gpt is not None and gpt.config.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"tensor_model_parallel_size={gpt.config.tensor_model_parallel_size}: megapipe's own "
+            "reduction (reduce_grads=True) does not all-reduce the sequence-parallel and "
+            "qk-layernorm gradients over the tensor-parallel group; wrap the chunks in "
+            "Megatron's DistributedDataParallel and pass reduce_grads=False so that "
+            "finalize_model_grads reduces them"
+        )
     ddp = megatron_ddp(chunk)
     if ddp is None:
         return
@@ -57,62 +131,6 @@ def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
             "to leave the reduction to it (megapipe then calls the config's DDP hooks as "
             "Megatron's schedules do)"
         )
-
-
-def check_mcore_version() -> str:
-    """The installed megatron-core version; one clear error when it is not supported."""
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
-    if version not in SUPPORTED_MCORE_VERSIONS:
-        raise RuntimeError(
-            f"megatron-core {version} is not supported by megapipe's adapter (it relies on "
-            f"Megatron internals); supported: {', '.join(SUPPORTED_MCORE_VERSIONS)} "
-            "(pip install 'megapipe[megatron]')"
-        )
-    return version
-
-
-# (what the adapter cannot run, how to tell from the config, why)
-_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("tensor parallelism", lambda c: c.tensor_model_parallel_size > 1,
-     "its collectives inside attention and MLP are not split into nodes"),
-    ("sequence parallelism", lambda c: c.sequence_parallel, "needs tensor parallelism"),
-    ("context parallelism", lambda c: c.context_parallel_size > 1,
-     "its attention all-gathers are not split into nodes"),
-    ("expert tensor parallelism", lambda c: (c.expert_tensor_parallel_size or 1) > 1,
-     "its all-gathers beside the all-to-all are not split into nodes"),
-    ("multi-token prediction (MTP)", lambda c: c.mtp_num_layers, "MTP layers are not adapted"),
-    ("FP8/FP4", lambda c: c.fp8 or c.fp4, "needs TransformerEngine"),
-    ("calculate_per_token_loss", lambda c: c.calculate_per_token_loss,
-     "megapipe's executor divides every microbatch's loss by num_microbatches, Megatron's "
-     "per-token mode does not (it scales by the token count in finalize_model_grads)"),
-    ("fp16", lambda c: c.fp16,
-     "the front end does not apply Megatron's loss scaling (config.grad_scale_func); use bf16"),
-    ("CUDA graphs", lambda c: c.cuda_graph_impl != "none",
-     "a graph replays whole layers, not the nodes the co-scheduler interleaves"),
-    ("activation recomputation (recompute_granularity)",
-     lambda c: c.recompute_granularity is not None,
-     "Megatron's checkpointed regions span a whole layer, across the adapter's nodes, and "
-     "re-run its dispatch; node-level recompute is built for megapipe's GPT only (set "
-     "recompute_granularity=None)"),
-    ("activation offloading", lambda c: c.cpu_offloading or c.fine_grained_activation_offloading,
-     "not adapted"),
-    ("moe_shared_expert_overlap", lambda c: c.moe_shared_expert_overlap,
-     "it hides the shared experts inside the dispatcher; the co-scheduler overlaps instead"),
-    ("a token dispatcher other than alltoall (allgather, flex/DeepEP/HybridEP)",
-     lambda c: c.num_moe_experts is not None and c.moe_token_dispatcher_type != "alltoall",
-     "only the alltoall dispatcher's dispatch and combine are split into comm nodes"),
-)
-
-
-def check_supported(config: Any) -> None:
-    """Refuse, naming the feature and why, what the node split does not cover."""
-    for name, used, why in _UNSUPPORTED:
-        if used(config):
-            raise NotImplementedError(
-                f"megapipe's Megatron-Core adapter does not support {name}: {why}"
-            )
 
 
 def check_groups(gpt: nn.Module) -> None:
@@ -131,3 +149,24 @@ def check_groups(gpt: nn.Module) -> None:
                 "drives them from two streams, so they must be separate groups (as "
                 "parallel_state.initialize_model_parallel creates them)"
             )
+
+
+def finish_router_step(chunks: list[nn.Module]) -> None:
+    """After megapipe's own reduction (``reduce_grads=True``): what Megatron's
+    ``finalize_model_grads`` does for the routers of the chunks' MoE layers (the expert-bias
+    update of aux-loss-free balancing, the reset of the per-step token counts)."""
+    gpts = [g for g in (find_gpt_model(c) for c in chunks) if g is not None]
+    if not gpts or gpts[0].config.num_moe_experts is None:
+        return
+    from megapipe.megatron.mcore_release import release
+
+    release().update_expert_bias(gpts, gpts[0].config)
+
+
+def activation_shape(config: Any, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
+    """The (sequence, batch, hidden) shape Megatron sends between stages: the sequence is split
+    over the tensor-parallel ranks under sequence parallelism (and over context parallelism)."""
+    seq = seq_length // config.context_parallel_size
+    if config.sequence_parallel:
+        seq //= config.tensor_model_parallel_size
+    return (seq, micro_batch_size, config.hidden_size)

@@ -1,20 +1,28 @@
-"""The rank layout of the PP x DP (x EP folded into DP) grid, and its process groups.
+"""The rank layout of the PP x DP x TP grid (EP folded into TP x DP), and its process groups.
 
-Layout (Megatron order, data-parallel fastest, pipeline outermost)::
+Layout (Megatron's ``initialize_model_parallel`` order: tensor parallel fastest, then data
+parallel, pipeline outermost; experts with expert tensor parallelism 1)::
 
-    rank     = pp_rank * dp + dp_rank
-    ep_rank  = dp_rank % ep           # position inside the expert-parallel block
-    edp_rank = dp_rank // ep          # which replica of the experts (expert-data-parallel)
+    rank     = (pp_rank * dp + dp_rank) * tp + tp_rank
+    slot     = dp_rank * tp + tp_rank     # position among the tp * dp ranks of a pipeline stage
+    ep_rank  = slot % ep                  # position inside the expert-parallel block
+    edp_rank = slot // ep                 # which replica of the experts (expert-data-parallel)
 
-- PP group: the ``pp`` ranks with the same ``dp_rank`` (stride ``dp``); pipeline p2p runs here.
-- DP group: the ``dp`` consecutive ranks with the same ``pp_rank``; dense gradients reduce here.
-- EP group: ``ep`` consecutive ranks inside a DP group; the token all-to-all runs here, so it
+- TP group: the ``tp`` consecutive ranks with the same ``pp_rank`` and ``dp_rank``.
+- PP group: the ``pp`` ranks with the same ``dp_rank`` and ``tp_rank`` (stride ``tp * dp``);
+  pipeline p2p runs here.
+- DP group: the ``dp`` ranks with the same ``pp_rank`` and ``tp_rank`` (stride ``tp``); dense
+  gradients reduce here.
+- EP group: ``ep`` consecutive ranks of a pipeline stage; the token all-to-all runs here, so it
   stays on the fastest links when ranks are packed onto nodes in order.
-- Expert-DP group: the ``dp // ep`` ranks of a DP group with the same ``ep_rank`` (stride
+- Expert-DP group: the ``tp * dp // ep`` ranks of a stage with the same ``ep_rank`` (stride
   ``ep``); they hold the same experts, so expert gradients reduce here.
 
-Example pp=2, dp=4, ep=2 (8 ranks): PP [0,4] [1,5] [2,6] [3,7]; DP [0,1,2,3] [4,5,6,7];
-EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7].
+With ``tp = 1`` this is the PP x DP layout (EP and expert-DP inside the DP group). Example
+pp=2, dp=4, ep=2 (8 ranks): PP [0,4] [1,5] [2,6] [3,7]; DP [0,1,2,3] [4,5,6,7];
+EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7]. A Megatron script passes the same
+sizes to ``initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)`` and
+``ParallelConfig(pp, dp, ep, tp)`` and gets the same groups.
 
 ``rank_layout`` is a pure function (tested without processes); ``create_groups`` calls
 ``dist.new_group`` for every group in the same order on every rank, as torch requires.
@@ -31,8 +39,8 @@ import torch.distributed as dist
 from megapipe.parallel.config import ParallelConfig
 
 Groups = tuple[tuple[int, ...], ...]
-# The four kinds of group, in the order they are created.
-GROUP_NAMES = ("pp", "dp", "ep", "expert_dp")
+# The kinds of group, in the order they are created.
+GROUP_NAMES = ("pp", "dp", "ep", "expert_dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -44,55 +52,66 @@ class RankCoordinates:
     dp_rank: int
     ep_rank: int
     expert_dp_rank: int
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Which global ranks form each PP, DP, EP and expert-DP group (in creation order)."""
+    """Which global ranks form each PP, DP, EP, expert-DP and TP group (in creation order)."""
 
     config: ParallelConfig
     pp_groups: Groups
     dp_groups: Groups
     ep_groups: Groups
     expert_dp_groups: Groups
+    tp_groups: Groups = ()
 
     def coordinates(self, rank: int) -> RankCoordinates:
         world = self.config.world_size
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"rank={rank!r} is outside the world of {world} ranks")
-        pp_rank, dp_rank = divmod(rank, self.config.dp)
-        edp_rank, ep_rank = divmod(dp_rank, self.config.ep)
-        return RankCoordinates(rank, pp_rank, dp_rank, ep_rank, edp_rank)
+        c = self.config
+        pp_rank, slot = divmod(rank, c.tp * c.dp)
+        dp_rank, tp_rank = divmod(slot, c.tp)
+        edp_rank, ep_rank = divmod(slot, c.ep)
+        return RankCoordinates(rank, pp_rank, dp_rank, ep_rank, edp_rank, tp_rank)
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
-        """The four groups (by name) that contain ``rank``."""
+        """The groups (by name, ``GROUP_NAMES``) that contain ``rank``."""
         self.coordinates(rank)
         return {
             name: next(g for g in getattr(self, f"{name}_groups") if rank in g)
             for name in GROUP_NAMES
+            if getattr(self, f"{name}_groups")
         }
 
 
 def rank_layout(config: ParallelConfig) -> RankLayout:
     """The rank layout of ``config`` (see the module docstring); pure, no processes needed."""
-    pp, dp, ep = config.pp, config.dp, config.ep
+    pp, dp, ep, tp = config.pp, config.dp, config.ep, config.tp
+    per_stage = tp * dp
 
-    def rank(pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * dp + dp_rank
+    def rank(pp_rank: int, slot: int) -> int:
+        return pp_rank * per_stage + slot
 
-    pp_groups = tuple(tuple(rank(p, d) for p in range(pp)) for d in range(dp))
-    dp_groups = tuple(tuple(rank(p, d) for d in range(dp)) for p in range(pp))
+    tp_groups = tuple(  # none without tensor parallelism: no singleton groups to create
+        tuple(rank(p, d * tp + t) for t in range(tp)) for p in range(pp) for d in range(dp)
+    ) if tp > 1 else ()
+    pp_groups = tuple(tuple(rank(p, s) for p in range(pp)) for s in range(per_stage))
+    dp_groups = tuple(
+        tuple(rank(p, d * tp + t) for d in range(dp)) for p in range(pp) for t in range(tp)
+    )
     ep_groups = tuple(
         tuple(rank(p, block * ep + e) for e in range(ep))
         for p in range(pp)
-        for block in range(dp // ep)
+        for block in range(per_stage // ep)
     )
     expert_dp_groups = tuple(
-        tuple(rank(p, block * ep + e) for block in range(dp // ep))
+        tuple(rank(p, block * ep + e) for block in range(per_stage // ep))
         for p in range(pp)
         for e in range(ep)
     )
-    return RankLayout(config, pp_groups, dp_groups, ep_groups, expert_dp_groups)
+    return RankLayout(config, pp_groups, dp_groups, ep_groups, expert_dp_groups, tp_groups)
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,8 @@ class ProcessGroups:
     dp_ranks: tuple[int, ...]
     ep_ranks: tuple[int, ...]
     expert_dp_ranks: tuple[int, ...]
+    tp: dist.ProcessGroup | None = None  # None without tensor parallelism (tp = 1)
+    tp_ranks: tuple[int, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -134,6 +155,10 @@ class ProcessGroups:
     def expert_dp_rank(self) -> int:
         return self.coordinates.expert_dp_rank
 
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinates.tp_rank
+
 
 def group_options(name: str, high_priority: Sequence[str], backend: str) -> dict[str, Any]:
     """``dist.new_group`` keyword arguments for group ``name``: on NCCL, a group named in
@@ -150,7 +175,7 @@ def create_groups(
     high_priority: Sequence[str] = (),
     timeout: timedelta | None = None,
 ) -> ProcessGroups:
-    """Build every PP, DP, EP and expert-DP group and return the ones holding this rank.
+    """Build every PP, DP, EP, expert-DP and TP group and return the ones holding this rank.
 
     Must be called on every rank of an initialised default group, with the same config; the
     world size is checked first, so a mismatch fails before any group is created.
@@ -188,7 +213,7 @@ def assemble_groups(
     group_of: Callable[[str, tuple[int, ...]], dist.ProcessGroup],
 ) -> ProcessGroups:
     """``rank``'s ProcessGroups, with ``group_of(name, ranks)`` giving the torch group of each of
-    its four groups (``name`` in ``GROUP_NAMES``).
+    its groups (``name`` in ``GROUP_NAMES``).
 
     ``create_groups`` builds the groups itself; a caller that created them otherwise (for
     instance once, over part of a larger world) assembles the same object from its own.
@@ -206,6 +231,8 @@ def assemble_groups(
         dp_ranks=mine["dp"],
         ep_ranks=mine["ep"],
         expert_dp_ranks=mine["expert_dp"],
+        tp=group_of("tp", mine["tp"]) if "tp" in mine else None,
+        tp_ranks=mine.get("tp", (rank,)),
     )
 
 

@@ -145,6 +145,12 @@ class PipelineExecutor:
         measure_activations: bool = False,
     ) -> None:
         check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
+        if grad_reduction == "dp" and groups is not None and groups.config.tp > 1:
+            raise NotImplementedError(
+                f"grad_reduction='dp' with tp={groups.config.tp}: megapipe's reduction does not "
+                "all-reduce sequence-parallel gradients over the tensor-parallel group; leave "
+                "the reduction to the caller (grad_reduction='none', e.g. Megatron's DDP)"
+            )
         self.schedule = schedule
         self.groups = groups
         self.grad_reduction = grad_reduction

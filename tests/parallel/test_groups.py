@@ -8,10 +8,11 @@ from megapipe.parallel.groups import create_groups, rank_layout
 
 def _grids(max_world: int = 8):
     for pp in range(1, max_world + 1):
-        for dp in range(1, max_world // pp + 1):
-            for ep in range(1, dp + 1):
-                if dp % ep == 0:
-                    yield ParallelConfig(pp, dp, ep)
+        for tp in (1, 2, 4):
+            for dp in range(1, max_world // (pp * tp) + 1):
+                for ep in range(1, tp * dp + 1):
+                    if (tp * dp) % ep == 0:
+                        yield ParallelConfig(pp, dp, ep, tp)
 
 
 def test_example_layout_pp2_dp4_ep2():
@@ -25,11 +26,27 @@ def test_example_layout_pp2_dp4_ep2():
     assert layout.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7), "expert_dp": (4, 6)}
 
 
+def test_example_layout_tp2_pp2_ep2_is_megatrons():
+    """Megatron's initialize_model_parallel(2, 2, expert_model_parallel_size=2) on 8 ranks:
+    tensor parallel fastest, then data parallel; EP over consecutive ranks of a stage."""
+    layout = rank_layout(ParallelConfig(pp=2, dp=2, ep=2, tp=2))
+    assert layout.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert layout.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert layout.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert layout.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    c = layout.coordinates(6)
+    assert (c.pp_rank, c.dp_rank, c.tp_rank, c.ep_rank, c.expert_dp_rank) == (1, 1, 0, 0, 1)
+    assert rank_layout(ParallelConfig(pp=2, dp=4)).tp_groups == ()  # tp 1: no groups to make
+
+
 @pytest.mark.parametrize("config", list(_grids()), ids=str)
 def test_layout_invariants(config):
     layout = rank_layout(config)
     world = set(range(config.world_size))
-    sizes = {"pp": config.pp, "dp": config.dp, "ep": config.ep, "expert_dp": config.dp // config.ep}
+    sizes = {"pp": config.pp, "dp": config.dp, "ep": config.ep, "expert_dp": config.expert_dp}
+    if config.tp > 1:
+        sizes["tp"] = config.tp
     for name, size in sizes.items():
         groups = getattr(layout, f"{name}_groups")
         flat = [r for g in groups for r in g]
@@ -38,11 +55,16 @@ def test_layout_invariants(config):
     for rank in world:
         c = layout.coordinates(rank)
         mine = layout.groups_of(rank)
+        assert rank == (c.pp_rank * config.dp + c.dp_rank) * config.tp + c.tp_rank  # Megatron's
         assert mine["pp"][c.pp_rank] == rank and mine["dp"][c.dp_rank] == rank
         assert mine["ep"][c.ep_rank] == rank and mine["expert_dp"][c.expert_dp_rank] == rank
-        # PP peers share the data-parallel position; EP and expert-DP live inside the DP group
+        # PP peers share the data- and tensor-parallel position; DP peers the tensor position
         assert all(layout.coordinates(r).dp_rank == c.dp_rank for r in mine["pp"])
-        assert set(mine["ep"]) <= set(mine["dp"]) and set(mine["expert_dp"]) <= set(mine["dp"])
+        assert all(layout.coordinates(r).tp_rank == c.tp_rank for r in mine["pp"] + mine["dp"])
+        stage = {r for r in world if layout.coordinates(r).pp_rank == c.pp_rank}
+        assert set(mine["ep"]) <= stage and set(mine["expert_dp"]) <= stage
+        if config.tp == 1:  # EP and expert-DP then live inside the DP group
+            assert set(mine["ep"]) <= set(mine["dp"]) and set(mine["expert_dp"]) <= set(mine["dp"])
         # expert-DP peers hold the same experts: same EP position, one per EP block
         assert all(layout.coordinates(r).ep_rank == c.ep_rank for r in mine["expert_dp"])
         assert set(mine["ep"]) & set(mine["expert_dp"]) == {rank}
@@ -55,6 +77,8 @@ def test_layout_invariants(config):
         (dict(pp=1, dp=-2), "dp must be >= 1, got dp=-2"),
         (dict(pp=1, dp=2, ep=0), "ep must be >= 1, got ep=0"),
         (dict(pp=1, dp=6, ep=4), "ep=4 must divide dp=6"),
+        (dict(pp=1, dp=3, ep=4, tp=2), r"ep=4 must divide tp x dp = 2 x 3"),
+        (dict(pp=1, dp=1, tp=0), "tp must be >= 1, got tp=0"),
     ],
 )
 def test_bad_sizes_rejected(kwargs, message):
@@ -72,6 +96,11 @@ def test_bad_types_and_world_rejected():
     assert ParallelConfig.from_world_size(8, pp=2, ep=2) == ParallelConfig(2, 4, 2)
     with pytest.raises(ValueError, match="world_size=8 does not match pp x dp = 2 x 2 = 4"):
         ParallelConfig(2, 2).check_world_size(8)
+    assert ParallelConfig.from_world_size(8, pp=2, ep=2, tp=2) == ParallelConfig(2, 2, 2, 2)
+    with pytest.raises(ValueError, match="world_size=8 does not match pp x dp x tp"):
+        ParallelConfig(2, 1, tp=2).check_world_size(8)
+    with pytest.raises(ValueError, match="not divisible by pp x tp = 2 x 3"):
+        ParallelConfig.from_world_size(8, pp=2, tp=3)
     with pytest.raises(ValueError, match="rank=8 is outside the world of 8 ranks"):
         rank_layout(ParallelConfig(2, 4)).coordinates(8)
 
@@ -146,5 +175,5 @@ def test_high_priority_groups_get_nccl_high_priority_streams(monkeypatch):
     created.clear()
     create_groups(config, high_priority=["ep"])
     assert all(kw == {} for _, kw in created)  # nothing to set on gloo
-    with pytest.raises(ValueError, match=r"high_priority=\['tp'\] are not group names"):
-        create_groups(config, high_priority=["tp"])
+    with pytest.raises(ValueError, match=r"high_priority=\['xp'\] are not group names"):
+        create_groups(config, high_priority=["xp"])

@@ -1,171 +1,107 @@
-"""Rank-side code for the Megatron-Core adapter tests: Megatron's model, Megatron's schedules
-and megapipe's front end on the same weights and data (run inside a RankPool of 4).
+"""Rank-side code for the Megatron-Core adapter tests: Megatron's schedules and megapipe's front
+end on the same weights and data (run inside a RankPool of 4 per megatron-core release).
 
-Every case uses the whole pool (4 ranks: dp = 4 / pp), because Megatron's ``parallel_state``
-spans the world; it is re-initialised per case. Weights are a pure function of each
-parameter's *global* name (global layer and expert index), so chunks built for any placement
-(loop or V) and any ep hold the same model. Gradients come back keyed by global name, so runs
-with different placements compare directly.
+Every task starts with ``use_release`` (the pool's processes import one release). Every case
+uses the whole pool (4 ranks: dp = 4 / (pp * tp)), because Megatron's ``parallel_state`` spans
+the world; it is re-initialised per case. Models come from ``mcore_models``.
 """
 
 from __future__ import annotations
 
-import re
-import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from support import megatron_cpu
+from support.mcore_models import (
+    MICRO_BATCH, SEQ, VOCAB, McoreCase, TEContractLinear, build_chunks,
+)
+from support.mcore_releases import use_release
 
-NUM_LAYERS = 4
-VOCAB = 64
-SEQ = 8
-MICRO_BATCH = 2
-WORLD = 4
-
-
-@dataclass(frozen=True)
-class McoreCase:
-    """One configuration: Megatron's layout (pp, vpp, ep) and megapipe's schedule on it."""
-
-    pp: int
-    vpp: int = 1
-    ep: int = 1
-    schedule: str | None = None  # megapipe's schedule; None: Megatron's default for pp/vpp
-    microbatches: int = 4
-    tie: bool = False  # share_embeddings_and_output_weights
-    shared_expert: bool = False
-    reduce: str = "megapipe"  # "megapipe": reduce_grads=True; "ddp": Megatron's DDP + finalize
-
-    @property
-    def dp(self) -> int:
-        return WORLD // self.pp
-
-    @property
-    def v_placement(self) -> bool:
-        return self.schedule in ("zbv", "dualpipev")
-
-    def __str__(self) -> str:
-        extra = "".join(f"+{f}" for f in ("tie", "shared_expert") if getattr(self, f))
-        return (f"{self.schedule or 'megatron-default'}(pp={self.pp},vpp={self.vpp},ep={self.ep},"
-                f"dp={self.dp},reduce={self.reduce}{extra})")
+Release = tuple[str, "str | None"]  # (version, directory to import it from)
 
 
-def warm_up() -> None:
-    """Import Megatron-Core and patch it for CPU (seconds per process, once per pool)."""
+def warm_up(release: Release | None = None) -> str:
+    """Import the release (None: the installed one) and patch it for CPU (seconds per process,
+    once per pool)."""
     import importlib
 
+    if release is not None:
+        use_release(*release)
     megatron_cpu.apply()
     for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.distributed"):
         importlib.import_module(name)
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+_LAYOUT: list = [None]  # the (tp, pp, ep) Megatron's parallel_state was set up for
 
 
 def _setup(case: McoreCase) -> None:
+    """Megatron's parallel state for ``case``: its groups are made again only when the layout
+    changes (each group costs gloo threads until the process ends), the virtual pipeline size
+    and the seeds are set for every case."""
     megatron_cpu.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        1, case.pp, case.vpp if case.vpp > 1 else None, expert_model_parallel_size=case.ep,
-        create_gloo_process_groups=False,
-    )
+    _reset_moe_metrics()
+    vpp = case.vpp if case.vpp > 1 else None
+    layout = (case.tp, case.pp, case.ep)
+    if _LAYOUT[0] != layout or not parallel_state.model_parallel_is_initialized():
+        _destroy_groups(parallel_state)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            case.tp, case.pp, vpp, expert_model_parallel_size=case.ep,
+            expert_tensor_parallel_size=1, create_gloo_process_groups=False,
+        )
+        _LAYOUT[0] = layout
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0 if vpp else None)
     random.model_parallel_cuda_manual_seed(1234)
 
 
-def _config(case: McoreCase, dtype: torch.dtype = torch.float32):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def _destroy_groups(parallel_state: Any) -> None:
+    """End the process groups of the previous layout, Megatron's and megapipe's: on gloo each
+    keeps threads until it is destroyed (a pool past its thread limit starts afresh, seconds)."""
+    groups: dict[int, Any] = {}
 
-    return TransformerConfig(
-        num_layers=NUM_LAYERS, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
-        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
-        moe_layer_freq=[0] + [1] * (NUM_LAYERS - 1),
-        moe_shared_expert_intermediate_size=16 if case.shared_expert else None,
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.01, pipeline_model_parallel_size=case.pp,
-        virtual_pipeline_model_parallel_size=case.vpp if case.vpp > 1 else None,
-        expert_model_parallel_size=case.ep, pipeline_dtype=dtype, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, add_bias_linear=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, batch_p2p_comm=False,
-        batch_p2p_sync=False, deallocate_pipeline_outputs=False,
-    )
+    def collect(value: Any) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            groups[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
 
-
-def _parts_of_rank(case: McoreCase, pp_rank: int) -> list[int]:
-    """The model parts this pipeline rank holds, in chunk order (megapipe's placements)."""
-    from megapipe.schedule import build_schedule
-
-    name = case.schedule or ("interleaved-1f1b" if case.vpp > 1 else "1f1b")
-    schedule = build_schedule(name, case.pp, case.microbatches, vpp=case.vpp)
-    return [schedule.model_part(s) for s in schedule.stages_of_rank(pp_rank)]
+    if parallel_state.model_parallel_is_initialized():
+        for value in vars(parallel_state).values():
+            collect(value)
+    for value in _GROUPS.values():
+        collect(list(vars(value).values()))
+    _GROUPS.clear()
+    for group in groups.values():
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
-def _global_name(name: str, part: int, layers_per_part: int, ep_rank: int, local: int) -> str:
-    name = re.sub(r"^(module\.)+", "", name)
-    name = re.sub(r"decoder\.layers\.(\d+)\.",
-                  lambda m: f"decoder.layers.{part * layers_per_part + int(m.group(1))}.", name)
-    return re.sub(r"local_experts\.(\d+)\.",
-                  lambda m: f"local_experts.{ep_rank * local + int(m.group(1))}.", name)
+def _reset_moe_metrics() -> None:
+    """Megatron keeps one process-wide tracker of MoE metrics, sized by the first model's layer
+    count; each case starts a fresh one (its model may have MTP layers)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # before 0.18: a dict in moe_utils
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-
-def _init_weights(chunk: torch.nn.Module, names: dict[str, str], tie: bool) -> None:
-    """Every parameter drawn from a generator keyed by its global name (the tied output
-    weight by the embedding's)."""
-    with torch.no_grad():
-        for name, p in chunk.named_parameters():
-            key = names[name]
-            if tie and key == "output_layer.weight":
-                key = "embedding.word_embeddings.weight"
-            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-            values = torch.randn(p.shape, generator=g) * 0.02
-            if key.endswith("layernorm.weight"):
-                values += 1.0
-            p.copy_(values)
-
-
-def build_chunks(case: McoreCase, dtype: torch.dtype = torch.float32, ddp: bool = False):
-    """This rank's chunks (GPTModel, in DDP when asked) and their global parameter names."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    config = _config(case, dtype)
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    num_parts = case.pp * case.vpp if not case.v_placement else 2 * case.pp
-    chunks, names = [], []
-    for j, part in enumerate(_parts_of_rank(case, pp_rank)):
-        model = GPTModel(
-            config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-            pre_process=part == 0, post_process=part == num_parts - 1,
-            share_embeddings_and_output_weights=case.tie, position_embedding_type="rope",
-            vp_stage=j if (case.vpp > 1 or case.v_placement) else None,
-        )
-        local = 4 // case.ep
-        chunk_names = {
-            n: _global_name(n, part, NUM_LAYERS // num_parts, ep_rank, local)
-            for n, _ in model.named_parameters()
-        }
-        _init_weights(model, chunk_names, case.tie)
-        if ddp:
-            model = _ddp(config, model, j)
-            chunk_names = {f"module.{n}": v for n, v in chunk_names.items()}
-        chunks.append(model)
-        names.append(chunk_names)
-    return config, chunks, names
-
-
-def _ddp(config, model, index):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False)
-    return DistributedDataParallel(config, ddp_config, model, disable_bucketing=index > 0)
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def microbatches(case: McoreCase, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -195,6 +131,18 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     return output, _loss_func
 
 
+def portable(value: Any) -> Any:
+    """``value`` with every tensor as a numpy array: results cross the process boundary by
+    value (tensors would each keep a shared-memory file descriptor open in the test process)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(portable(v) for v in value)
+    return value
+
+
 def _grads(chunks, names) -> dict[str, torch.Tensor]:
     out = {}
     for chunk, chunk_names in zip(chunks, names):
@@ -206,7 +154,21 @@ def _grads(chunks, names) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(case: McoreCase, func, chunks, names, zero: bool = True) -> dict[str, Any]:
+def _expert_biases(chunks, names) -> dict[str, torch.Tensor]:
+    """Each router's expert bias (a buffer; 0.19's quantile-balancing ``qb_beta`` too), keyed
+    by the global name of its weight."""
+    out = {}
+    for chunk, chunk_names in zip(chunks, names):
+        for name, module in chunk.named_modules():
+            weight = chunk_names.get(f"{name}.weight")
+            for kind in ("expert_bias", "qb_beta"):
+                bias = getattr(module, kind, None)
+                if isinstance(bias, torch.Tensor) and weight is not None:
+                    out[weight.replace(".weight", f".{kind}")] = bias.detach().clone()
+    return out
+
+
+def _run(case: McoreCase, func, chunks, names) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     data = microbatches(case, parallel_state.get_data_parallel_rank())
@@ -223,16 +185,19 @@ def _run(case: McoreCase, func, chunks, names, zero: bool = True) -> dict[str, A
     return {
         "losses": [d["lm loss"].item() for d in losses],
         "grads": _grads(chunks, names),
+        "expert_bias": _expert_biases(chunks, names),
+        "pending_wgrads": sum(TEContractLinear.pending(c) for c in chunks),
         "dp_rank": parallel_state.get_data_parallel_rank(),
     }
 
 
 def megatron_reference(case: McoreCase) -> dict[str, Any]:
-    """Megatron's own schedule (no overlap), its DDP and finalize_model_grads."""
+    """Megatron's own schedule (no overlap), its DDP and finalize_model_grads; delayed weight
+    gradients off (Megatron drives them only in its own overlap)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    config, chunks, names = build_chunks(replace(case, schedule=None), ddp=True)
+    config, chunks, names = build_chunks(replace(case, schedule=None), ddp=True, delay_wgrad=False)
     config.finalize_model_grads_func = finalize_model_grads
     return _run(replace(case, schedule=None), get_forward_backward_func(), chunks, names)
 
@@ -248,10 +213,12 @@ def megapipe_run(case: McoreCase, overlap: bool, trace: bool = False) -> dict[st
     config, chunks, names = build_chunks(case, ddp=ddp)
     if ddp:
         config.finalize_model_grads_func = finalize_model_grads
-    groups = _megapipe_groups(case)
+    if case.delay_wgrad:
+        config.delay_wgrad_compute = True  # Megatron's own check wants its overlap and bf16
     func = get_forward_backward_func(
-        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=groups, timeout=60.0,
-        overlap_moe_expert_parallel_comm=overlap, reduce_grads=not ddp, record_trace=trace,
+        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=megapipe_groups(case),
+        timeout=60.0, overlap_moe_expert_parallel_comm=overlap, reduce_grads=not ddp,
+        record_trace=trace, delay_wgrad_compute=overlap and case.delay_wgrad,
     )
     try:
         result = _run(case, func, chunks, names)
@@ -262,10 +229,12 @@ def megapipe_run(case: McoreCase, overlap: bool, trace: bool = False) -> dict[st
 
         step = func.last_result
         result["pairs"] = pair_names(step.trace) if step is not None and step.trace else []
-        result["moe_layers_run"] = sorted({
-            (s.microbatch, s.layer) for s in (step.trace.spans if step and step.trace else [])
-            if s.node.endswith("dispatch") and s.direction == "F"
-        })
+        spans = step.trace.by_start() if step is not None and step.trace else []
+        result["wgrads"] = sorted({s.node for s in spans if s.direction == "W"})
+        result["wgrad_beside_dispatch"] = any(
+            p.direction == "B" and p.node.endswith("dispatch")
+            for w in spans if w.direction == "W" for p in spans if p.slot == w.slot
+        )
     result["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
     return result
 
@@ -273,26 +242,56 @@ def megapipe_run(case: McoreCase, overlap: bool, trace: bool = False) -> dict[st
 _GROUPS: dict[tuple, Any] = {}
 
 
-def _megapipe_groups(case: McoreCase):
-    """megapipe's process groups for the case's layout (made once per layout; Megatron's rank
-    order, data parallel fastest, is megapipe's too)."""
+def megapipe_groups(case: McoreCase):
+    """megapipe's process groups for the case's layout (made once per layout), checked against
+    the groups Megatron's ``initialize_model_parallel`` made for the same sizes."""
+    from megatron.core import parallel_state as ps
+
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
 
-    key = (case.pp, case.ep)
+    key = (case.pp, case.ep, case.tp)
     if key not in _GROUPS:
-        _GROUPS[key] = create_groups(ParallelConfig(pp=case.pp, dp=case.dp, ep=case.ep))
-    return _GROUPS[key]
+        _GROUPS[key] = create_groups(ParallelConfig(pp=case.pp, dp=case.dp, ep=case.ep,
+                                                    tp=case.tp))
+    groups = _GROUPS[key]
+    ranks = dist.get_process_group_ranks
+    megatron = {
+        "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(),
+        "expert_dp": ps.get_expert_data_parallel_group(),
+        "tp": ps.get_tensor_model_parallel_group(),
+    }
+    for name, group in megatron.items():
+        mine = getattr(groups, f"{name}_ranks")
+        assert tuple(ranks(group)) == tuple(mine), (name, ranks(group), mine)
+    return groups
 
 
-def compare_case(case: McoreCase, runs: tuple[str, ...] = ("plain", "overlap")) -> dict:
+def compare_case(release: Release, case: McoreCase,
+                 runs: tuple[str, ...] = ("plain", "overlap")) -> dict:
     """On one rank: Megatron's reference and megapipe's runs of ``case``."""
+    use_release(*release)
     _setup(case)
     out = {"reference": megatron_reference(case)}
     for run in runs:
         out[run] = megapipe_run(case, overlap=run != "plain", trace=run == "overlap")
     dist.barrier()
-    return out
+    return portable(out)
+
+
+def undriven_case(release: Release, case: McoreCase) -> dict:
+    """The negative control of ``delay_wgrad_compute``: Megatron's own (non-overlapped) schedule
+    never calls ``backward_dw()``, so the TE-contract layers end the step without gradients."""
+    use_release(*release)  # first: a restarted pool process has imported no Megatron yet
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    _setup(case)
+    config, chunks, names = build_chunks(replace(case, schedule=None))
+    config.delay_wgrad_compute = True
+    out = _run(replace(case, schedule=None), get_forward_backward_func(), chunks, names)
+    dist.barrier()
+    return portable(out)
 
 
 def _bf16_chunks(case: McoreCase, megatron_overlap: bool):
@@ -320,9 +319,10 @@ def _bf16_chunks(case: McoreCase, megatron_overlap: bool):
     return wrapped, names
 
 
-def bf16_combined_case(case: McoreCase) -> dict:
+def bf16_combined_case(release: Release, case: McoreCase) -> dict:
     """bf16: Megatron's own combined 1F1B (its overlap) against megapipe's combined step on
     the same bf16 chunks (Megatron's DDP reduction in both)."""
+    use_release(*release)  # first: a restarted pool process has imported no Megatron yet
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
     from megapipe import get_forward_backward_func
@@ -332,7 +332,7 @@ def bf16_combined_case(case: McoreCase) -> dict:
     out = {"reference": _run(replace(case, schedule=None), megatron_func(), chunks, names)}
     chunks, names = _bf16_chunks(case, megatron_overlap=False)
     func = get_forward_backward_func(
-        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=_megapipe_groups(case),
+        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=megapipe_groups(case),
         timeout=60.0, overlap_moe_expert_parallel_comm=True, reduce_grads=False,
     )
     try:
@@ -340,4 +340,4 @@ def bf16_combined_case(case: McoreCase) -> dict:
     finally:
         func.close()
     dist.barrier()
-    return out
+    return portable(out)

@@ -1,4 +1,5 @@
-"""Run Megatron-Core 0.16.1 on CPU with gloo: monkeypatches for its CUDA hard-codes (test code).
+"""Run Megatron-Core (0.16 to 0.19) on CPU with gloo: monkeypatches for its CUDA hard-codes (test
+code).
 
 Megatron-Core assumes CUDA in a few dozen places that have nothing to do with the numbers:
 ``device=torch.cuda.current_device()`` in ~30 constructors, CUDA streams and events in the
@@ -9,7 +10,11 @@ meaning (the current device is the CPU, a stream is the host thread, an event is
 complete, the RNG tracker keeps CPU generator states). It also works around two Megatron bugs
 seen on machines without TransformerEngine: ``moe_utils.te_general_gemm`` is referenced but only
 defined when TransformerEngine imports, and the dispatcher turns split sizes into numpy arrays
-only for CUDA tensors (CPU tensors then break ``all_to_all_single`` at ep > 1).
+only for CUDA tensors (CPU tensors then break ``all_to_all_single`` at ep > 1). Two more for
+features the tests use: Megatron's torch norm refuses ``sequence_parallel`` (built here as
+Apex's fused norm builds it: a torch norm whose parameters are marked sequence-parallel), and
+``CheckpointWithoutOutput`` (selective ``layernorm`` recompute) asks TransformerEngine's FP8
+state even without FP8 (``fp8=False`` is taken as "given").
 
 These patches live here, never in megapipe/: megapipe runs Megatron's models unchanged on GPUs.
 ``apply()`` is idempotent; it changes process-wide state, so call it only in processes that run
@@ -156,13 +161,53 @@ def apply() -> None:
     torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # tied embeddings' init copy
     random.CudaRNGStatesTracker = _CpuRngTracker
+    # no CUDA generator: the checkpoints' saved "CUDA" state is empty (the CPU state and the
+    # tracker's states, which they also save and restore, are the ones dropout draws from)
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
     random.initialize_rng_tracker(force_reset=True)
     schedules.torch = _CpuTorch()
     fused_softmax.get_default_causal_mask = _causal_mask
     moe_utils.te_general_gemm = None  # Megatron reads it though only TE's import defines it
     moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    _patch_torch_norm()
+    _patch_checkpoint_without_output()
     _APPLIED = True
+
+
+def _patch_torch_norm() -> None:
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        config.sequence_parallel = False  # build the torch norm, then mark it as Apex does
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def _patch_checkpoint_without_output() -> None:
+    from megatron.core.tensor_parallel import random
+
+    cls = random.CheckpointWithoutOutput
+    original = cls.__init__
+
+    def init(self, fp8=False):
+        original(self, fp8)
+        if not fp8:
+            self.fp8 = False
+
+    cls.__init__ = init
 
 
 class _CpuTensorTorch(_CpuTorch):

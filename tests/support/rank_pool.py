@@ -52,9 +52,11 @@ THREAD_LIMIT = 300
 class RankPool:
     """n long-lived gloo processes that run tasks on every rank."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0) -> None:
+    def __init__(self, world_size: int, timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.env = dict(env or {})  # extra environment of the rank processes
         self._start()
 
     def _start(self) -> None:
@@ -62,8 +64,17 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        ranks = start_local_ranks(_serve, self.world_size, (self._tasks, self._results),
-                                  daemon=True)
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)  # spawned processes start with the parent's environment
+        try:
+            ranks = start_local_ranks(_serve, self.world_size, (self._tasks, self._results),
+                                      daemon=True)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self._procs = ranks.processes
 
     def _most_threads(self) -> int:

@@ -226,8 +226,8 @@ def _pair(s: ReplaySettings, groups) -> dict:
     """The steady-state layer pair alone: forward of ``moe_layers`` MoE layers beside another
     microbatch's backward of them, combined vs one after the other (ms, median of 3)."""
     from megapipe.overlap import make_streams
-    from megapipe.overlap.coscheduler import combined_step
-    from megapipe.overlap.tape import record_forward, run_backward
+    from megapipe.overlap.combined import combined_step
+    from megapipe.overlap.combined import record_forward, run_backward
 
     from replay_stage import ReplayStage
 

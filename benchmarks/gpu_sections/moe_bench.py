@@ -31,10 +31,10 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
-from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
+from megapipe.overlap.combined import CombinedStep, BackwardHalf, combined_step
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.combined import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.mixed_precision import cast_to_bf16
 
@@ -210,7 +210,7 @@ class PairBench:
         combined_step(plans, (self.x_fwd,), None, None, self.streams, trace=trace,
                       fwd_microbatch=1)
         wgrad = WeightGradQueue() if variant.delay_wgrad else None
-        CoScheduler(self.streams, TapeBackward(tape, (self.grad,), 0, wgrad), trace=trace).finish()
+        CombinedStep(self.streams, BackwardHalf(tape, (self.grad,), 0, wgrad), trace=trace).finish()
 
     def traced(self, combined: bool, variant: Variant = BASE) -> Traced:
         """One traced run, alone (one side at a time) or combined."""

@@ -26,7 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from megapipe.overlap.wgrad import WeightGradQueue
-    from megapipe.sim.wgrad_fill import NodeTimes
+    from megapipe.schedule.node_timing import NodeTimes
 
 
 class NodeKind(str, Enum):
@@ -53,9 +53,9 @@ class LayerState:
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
-Hold = Callable[[Sequence[Any]], None]
-"""``hold(values)``: the engine takes hold of these tensors until their backward or later use
-(the pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
+Track = Callable[[Sequence[Any]], None]
+"""``track(values)``: the engine keeps these tensors until their backward or later use (the
+pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Node:
     """One step of a layer. ``group``: the process group a comm node drives (optional); the
     co-scheduler checks that each group is driven from one stream only. ``times``: the node's
     expected times (optional; when every node of a combined step has them, the co-scheduler
-    places deferred weight gradients by time: ``megapipe.sim.wgrad_fill``)."""
+    places deferred weight gradients by time: ``megapipe.schedule.node_timing``)."""
 
     name: str
     kind: NodeKind
@@ -104,19 +104,20 @@ Source = tuple[int, slice]  # (node index, or -1 for the layer's input; which of
 @dataclass(frozen=True)
 class LayerGraph:
     """A layer plan as a graph: its nodes in a forward order (every node after the nodes it
-    reads), where each node's inputs come from, and the plan's shape for the issue planner
-    (``megapipe.sim.pair_plan``: a node's kind, or per fork the kinds of each branch)."""
+    reads), where each node's inputs come from, and the plan's node kinds for the pair order
+    (``megapipe.schedule.pair_order``: per item a node's kind, or per fork the kinds of each
+    branch)."""
 
     nodes: tuple[Node, ...]
     sources: tuple[tuple[Source, ...], ...]
-    shape: tuple[Any, ...]
+    kinds: tuple[Any, ...]
 
 
 def layer_graph(plan: Sequence[Any]) -> LayerGraph:
     """The graph of a plan of ``Node`` and ``Fork`` items (a fork sits between two nodes)."""
     nodes: list[Node] = []
     sources: list[tuple[Source, ...]] = []
-    shape: list[Any] = []
+    kinds: list[Any] = []
     last = -1  # the node whose outputs the next item reads (-1: the layer's input)
     for position, item in enumerate(plan):
         if isinstance(item, Node):
@@ -124,7 +125,7 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
                 continue  # the node after a fork: added with the fork
             sources.append(((last, slice(None)),))
             nodes.append(item)
-            shape.append(NodeKind(item.kind).value)
+            kinds.append(NodeKind(item.kind).value)
             last = len(nodes) - 1
             continue
         if not isinstance(item, Fork):
@@ -144,12 +145,12 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
             ends.append(previous)
         sources.append(((last, slice(None, -k * width)),) + tuple(ends))
         nodes.append(after)
-        shape.append(tuple(tuple(NodeKind(n.kind).value for n in b) for b in item.branches))
-        shape.append(NodeKind(after.kind).value)
+        kinds.append(tuple(tuple(NodeKind(n.kind).value for n in b) for b in item.branches))
+        kinds.append(NodeKind(after.kind).value)
         last = len(nodes) - 1
     if not nodes:
         raise TypeError("a layer plan must hold at least one Node")
-    return LayerGraph(tuple(nodes), tuple(sources), tuple(shape))
+    return LayerGraph(tuple(nodes), tuple(sources), tuple(kinds))
 
 
 def run_nodes(
@@ -189,7 +190,7 @@ class ChunkedPlan(list):
 class NodeRunner(Protocol):
     """Runs one layer plan for a model's forward (a ``StageModule``'s ``node_runner``):
     recorded on a tape (``TapeRunner``) or co-scheduled with another microbatch's backward
-    (``CoScheduler``)."""
+    (``CombinedStep``)."""
 
     def run_layer(
         self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]

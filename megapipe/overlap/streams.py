@@ -78,7 +78,7 @@ class Stream(ABC):
         clock now" (streams whose work runs on a host thread); a CUDA stream records an event."""
         return None
 
-    def hold(self, values: Any) -> None:
+    def record_use(self, values: Any) -> None:
         """The tensors in ``values`` (made on another stream) are used by work on this stream:
         keep their memory until that work is done (CUDA ``record_stream``; nothing on CPU)."""
 
@@ -269,7 +269,7 @@ class CudaEvent(Event):
             raise TypeError(f"a CUDA event's value can go only to a CudaStream, not {stream!r}")
         stream.wait_event(self)
         if stream.stream != self.producer.stream:
-            stream.hold(self.value)
+            stream.record_use(self.value)
         return self.value
 
 
@@ -311,7 +311,7 @@ class CudaStream(Stream):
     def mark(self) -> CudaMark:
         return CudaMark(self.stream)
 
-    def hold(self, values: Any) -> None:
+    def record_use(self, values: Any) -> None:
         for t in _tensors(values):
             if t.is_cuda:
                 t.record_stream(self.stream)

@@ -78,14 +78,14 @@ def open_step(
 ) -> tuple[NodeTrace | None, StepProfile]:
     """The ``NodeTrace`` of one step (when tracing or profiling a training step, else None) and
     its ``StepProfile`` (recording only when profiled). Action spans are timed on the compute
-    stream of ``streams`` (the executor's ``StreamSteps``) when it has one, else on the
+    stream of ``streams`` (the executor's, in a combined schedule) when it has one, else on the
     device's current CUDA stream, else on the host clock (CPU)."""
     if forward_only or not (record or profile is not None):
         return None, StepProfile()
     trace = NodeTrace(annotate=profile is not None and profile.annotate)
     if profile is None:
         return trace, StepProfile()
-    stream: Stream | str = "compute" if streams is None else streams.streams.compute
+    stream: Stream | str = "compute" if streams is None else streams.compute
     if streams is None and device is not None and device.type == "cuda":
         stream = CudaStream("compute", device, stream=torch.cuda.current_stream(device))
     return trace, StepProfile(trace, stream)

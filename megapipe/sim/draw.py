@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
-from .intervals import subtract
+from ..schedule.intervals import subtract
 from .simulate import SimResult
 from .steps import COMM, COMPUTE
 

@@ -2,7 +2,7 @@
 
 With ``Costs(nodes=NodeCosts(...))`` the simulator times every F, B, I, W and OVERLAP step as
 the engine runs it: the step's layers (embedding on the first stage, ``moe_layers`` MoE layers,
-head on the last) are planned by ``pair_plan.StepPlanner``, the co-scheduler's own rule, so an
+head on the last) are planned by ``schedule.pair_order.IssueOrder``, the co-scheduler's own rule, so an
 OVERLAP step follows the dataflow pair order (each node after its own inputs, each stream in the
 planned order, no joins), deferred weight gradients run where the plan puts them, and a lone step
 with ``a2a_chunks`` k > 1 pipelines its k chunks, and an OVERLAP's halves hand their outputs
@@ -22,9 +22,9 @@ from math import ceil
 from typing import TYPE_CHECKING, Sequence
 
 from ..schedule.ir import Action, Kind
-from .pair_plan import COMM, COMPUTE, FILL, HEAD, REST, TAIL, Issue, StepPlanner
+from ..schedule.pair_order import COMM, COMPUTE, FILL, HEAD, REST, TAIL, Issue, IssueOrder
 from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
-from .wgrad_fill import NodeTimes
+from ..schedule.node_timing import NodeTimes
 
 if TYPE_CHECKING:
     from ..schedule.ir import Schedule
@@ -49,7 +49,7 @@ class NodeCosts:
     schedules): an I keeps attention's weight gradient (only the experts' GEMMs defer); in a
     plain schedule the generic split moves every weight gradient to W.
 
-    ``wgrad_by_time``: the engine's nodes carry their times (``wgrad_fill.NodeTimes``, as the
+    ``wgrad_by_time``: the engine's nodes carry their times (``schedule.node_timing.NodeTimes``, as the
     replay benchmark's do), so the planner places deferred weight gradients by the time rule;
     without (a training run's nodes carry none) by the count rule.
 
@@ -148,7 +148,7 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
     b_layers = nodes.layers(backward.stage) if backward is not None else []
     defer = nodes.defer_wgrad and backward is not None and backward.kind is Kind.B
     b_times = [nodes.node_times(roles) for roles in b_layers]
-    planner = StepPlanner([nodes.shape(r) for r in b_layers], defer_wgrad=defer,
+    planner = IssueOrder([nodes.shape(r) for r in b_layers], defer_wgrad=defer,
                           backward_times=b_times if nodes.wgrad_by_time else None,
                           host_runs_compute=nodes.host_runs_compute)
     f_layers = nodes.layers(forward.stage) if forward is not None else []

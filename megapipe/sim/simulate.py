@@ -33,7 +33,7 @@ from ..schedule.table import B, F, I, OVERLAP, is_comm
 from ..schedule.table_checks import faults
 from ..schedule.timeline import MadeTimes, StepPlan
 from .costs import Costs
-from .intervals import uncovered_length
+from ..schedule.intervals import uncovered_length
 from .result import SimResult, TimedAction
 from .step_costs import COMM, COMPUTE, StepCosts
 from .steps import Segment, time_step

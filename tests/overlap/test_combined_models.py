@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.models import GPTConfig, build_stage, gpt_loss
-from megapipe.overlap.coscheduler import combined_step
+from megapipe.overlap.combined import combined_step
 from megapipe.overlap.streams import make_streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.combined import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 

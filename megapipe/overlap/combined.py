@@ -1,0 +1,405 @@
+"""Running nodes: one microbatch alone, or the combined step (one forward beside one backward).
+
+A node runs forward with ``forward_node`` (its function on its detached inputs) and backward
+with ``backward_node`` (one call into autograd's engine: the call ``torch.autograd.backward``
+makes, without its argument checks, since the gradients come from autograd itself); the tape
+(``tape.Tape``) keeps what each leaves for the other. ``record_forward`` and ``run_backward`` run
+a stage's nodes one after the other (the sequential path, bitwise plain autograd).
+
+``CombinedStep(streams, backward)`` is a node runner: the stage's forward hands it its layers
+one by one (``run_layer``), it records each on a new tape and issues the layer's nodes beside
+the next backward layer of the other microbatch's tape in the order ``megapipe.schedule.
+pair_order`` gives (the one statement of the pair order; its docstring has the table). Each
+issue goes to its stream: a node's forward or backward is ``Tape.forward_node`` or
+``Tape.backward_node``, deferred weight gradients (W) a ``WeightGradQueue`` run on the compute
+stream. ``finish()`` runs the backward layers that had no partner and the W items still
+waiting, and orders the compute stream after the comm stream.
+
+- **Dataflow.** A node waits only for the nodes its ``Issue.needs`` name (an event wait, made on
+  the other stream), never for a slot to end: on CUDA the host issues a whole layer pair
+  without waiting; on CPU (the compute stream is the host thread) the host waits exactly when a
+  compute node needs a comm node's output.
+- **One comm stream.** Every comm node runs on the communication stream in the order's sequence,
+  which depends on the layers' node kinds only, so every rank issues its collectives alike.
+- **Bitwise.** The operations are those of the sequential tape (``record_forward``,
+  ``run_backward``, the same W GEMMs), only their order differs, and the two sides belong to
+  different microbatches. On CUDA, autograd runs each backward op on the stream its forward op
+  ran on, so a comm node's backward overlaps only when its forward also ran on the comm stream
+  (every forward recorded here).
+
+A lone forward or backward is a combined step with one half missing (the executor runs every
+training step of a combined schedule this way), and with ``a2a_chunks`` k > 1 a layer without a
+partner overlaps its own all-to-all chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.autograd import Variable
+
+from megapipe.overlap.node_trace import NodeTrace
+from megapipe.overlap.plan import Node, Track, WarnOnce, node_plan_of
+from megapipe.overlap.streams import Event, Stream, Streams
+from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values, checked
+from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.schedule.node_timing import NodeTimes
+from megapipe.schedule.pair_order import (
+    COMM, FILL, HEAD, REST, Issue, IssueOrder, compute_first_positions,
+)
+
+_run_backward = Variable._execution_engine.run_backward  # what torch.autograd.backward calls
+
+
+def forward_node(tape: Tape, layer: LayerRecord, index: int) -> Values:
+    """Run the forward of node ``index`` of ``layer`` (recorded on ``tape``)."""
+    record = layer.nodes[index]
+    inputs = record.inputs if record.inputs is not None else tape.node_inputs(layer, index)
+    outputs = checked(record.node.fn(layer.state, inputs), f"node {record.node.name!r}")
+    tape.node_ran_forward(layer, index, outputs)
+    return outputs
+
+
+def backward_node(tape: Tape, layer: LayerRecord, index: int) -> Grads:
+    """Run the backward of node ``index`` of ``layer``; returns its inputs' gradients."""
+    grads = tape.backward_grads(layer, index)
+    roots, root_grads = [], []
+    for out, grad in zip(layer.nodes[index].outputs or (), grads):
+        # an output without a gradient (unused, or an integer tensor) is left out, as
+        # autograd leaves it out
+        if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+            roots.append(out)
+            root_grads.append(grad)
+    if roots:
+        _run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
+    return tape.node_ran_backward(layer, index)
+
+
+def record_forward(layer_plans: Sequence[Sequence[Any]], inputs: Sequence[Any],
+                   track: Track | None = None) -> tuple[Values, Tape]:
+    """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
+
+    ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
+    (their ``.grad`` is not touched). ``track`` becomes the tape's ``track``.
+    """
+    runner = TapeRunner(track, route_input_grads=False)
+    values = checked(inputs, "stage inputs")
+    for plan in layer_plans:
+        values = runner.run_layer(plan, values)
+    return values, runner.tape
+
+
+def run_backward(tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None,
+                 wgrad: WeightGradQueue | None = None) -> Grads:
+    """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
+
+    ``grad_outputs`` are the gradients of the tape's outputs (None: read the outputs' ``.grad``,
+    e.g. after ``loss.backward()`` on them). ``wgrad`` (a ``WeightGradQueue``) defers the weight
+    gradients of ops that support it into the queue; the caller flushes the queue.
+    """
+    grads = grad_outputs
+    while tape.remaining_backward_layers():
+        layer = tape.begin_layer_backward(grads, wgrad)
+        for index in reversed(range(len(layer.nodes))):
+            backward_node(tape, layer, index)
+        grads = None
+    if tape.input_grads is None:
+        raise RuntimeError("the tape's first layer never ran backward")
+    return tape.input_grads
+
+
+class TapeRunner:
+    """Records the layers a model runs through ``run_layer`` on a tape, node after node (e.g. as
+    ``GPTStage.node_runner``). Gradients of tensors that enter the first layer flow on into them
+    (their graph, or their ``.grad`` for leaves) as plain autograd would, unless
+    ``route_input_grads`` is False; ``run_backward`` also returns them."""
+
+    def __init__(self, track: Track | None = None, route_input_grads: bool = True) -> None:
+        self.tape = Tape(route_input_grads, track)
+
+    def run_layer(self, plan: Sequence[Any], inputs: Sequence[Any]) -> Values:
+        layer = self.tape.begin_layer(plan, inputs)
+        for index in range(len(layer.nodes)):
+            forward_node(self.tape, layer, index)
+        assert layer.outputs is not None
+        return layer.outputs
+
+
+@dataclass
+class BackwardHalf:
+    """The backward half of a combined step: a recorded tape and its outputs' gradients.
+
+    ``grads`` None reads the ``.grad`` of the tape's outputs. ``wgrad`` collects the weight
+    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I step); with
+    ``run_wgrad`` they run on the compute stream in the gaps the pair order gives them, without
+    it they stay queued for the caller (an I half whose W comes later).
+    """
+
+    tape: Tape
+    grads: Sequence[torch.Tensor | None] | None = None
+    microbatch: int | None = None
+    wgrad: WeightGradQueue | None = None
+    run_wgrad: bool = True
+
+
+class CombinedStep:
+    """Runs a forward layer by layer (``run_layer``) beside the backward of another microbatch.
+
+    Give it the backward half (None: a forward alone), drive the forward through ``run_layer``
+    (from the stage's layer plans, or from a model's own forward as its ``node_runner``), then
+    call ``finish()``; it returns the gradients of the backward tape's inputs. The forward is
+    recorded on ``self.tape``. ``route_input_grads``: the forward tape's input gradients also
+    flow on into its inputs (a model forward may transform its input before the first layer).
+    ``on_backward_done(grads)`` is called on the host as soon as the backward's last node has run
+    (the executor sends the gradient on from there). ``a2a_chunks`` k > 1 records every layer
+    whose plan is a ``ChunkedPlan`` in its k-chunk form. ``track``: the activation meter.
+    """
+
+    def __init__(
+        self,
+        streams: Streams,
+        backward: BackwardHalf | None = None,
+        *,
+        trace: NodeTrace | None = None,
+        fwd_microbatch: int | None = None,
+        route_input_grads: bool = True,
+        on_backward_done: Callable[[Grads], None] | None = None,
+        a2a_chunks: int = 1,
+        track: Track | None = None,
+    ) -> None:
+        self.streams = streams
+        self.tape = Tape(route_input_grads, track)
+        self.backward = backward
+        self.trace = trace
+        self.microbatch = {"F": fwd_microbatch, "B": backward.microbatch if backward else None}
+        self.on_backward_done = on_backward_done
+        self.a2a_chunks = a2a_chunks
+        self.warn_once = WarnOnce()  # layer types without a node plan, warned about once each
+        b_layers = backward.tape.layers if backward is not None else []
+        if any(layer.backward_count or not layer.recorded for layer in b_layers):
+            raise RuntimeError("a combined step needs a recorded tape whose backward has not begun")
+        times = [_times(layer.nodes) for layer in b_layers]
+        defer = backward is not None and backward.run_wgrad and backward.wgrad is not None
+        self.order = IssueOrder(
+            [layer.kinds for layer in b_layers], defer_wgrad=defer,
+            backward_times=times if all(t is not None for t in times) else None,  # time rule
+            host_runs_compute=streams.compute.runs_on_host)
+        # deferring: one W queue per backward layer, so the order can run a layer's in parts
+        self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
+            if defer and backward is not None and backward.wgrad is not None else None
+        self._forward: list[LayerRecord] = []
+        self._events: list[Event | None] = []  # per issue: its event (None for W)
+        self._trace_slots: dict[int, int] = {}
+        self._finished = False
+
+    # ---- public --------------------------------------------------------------------------
+    def plan_of(self, layer: Any) -> list[Any]:
+        """The node plan ``run_layer`` records for ``layer`` (``plan.node_plan_of``)."""
+        return node_plan_of(layer, self.warn_once, self.a2a_chunks)
+
+    def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:
+        """Record one forward layer, beside the next backward layer; return its outputs."""
+        if self._finished:
+            raise RuntimeError("CombinedStep.run_layer after finish()")
+        record = self.tape.begin_layer(self.plan_of(layer), inputs)
+        self._forward.append(record)
+        self._issue(self.order.forward_layer(record.kinds, _times(record.nodes)))
+        return self._on_compute(("F", len(self._forward) - 1, len(record.nodes) - 1),
+                                lambda: record.outputs)
+
+    def finish(self) -> Grads | None:
+        """Run the leftover backward layers and the W items still waiting; order the compute
+        stream after the comm stream (on CPU: wait for the comm thread). Returns the gradients
+        of the backward tape's inputs (None without one)."""
+        if self._finished:
+            raise RuntimeError("CombinedStep.finish() called twice")
+        self._finished = True
+        self._issue(self.order.finish())
+        compute = self.streams.compute
+        compute.wait_event(self.streams.comm.record_event())
+        if self.backward is None:
+            return None
+        grads = self.backward.tape.input_grads
+        compute.record_use(grads)
+        return grads
+
+    # ---- carrying out the order ----------------------------------------------------------
+    def _issue(self, issues: Sequence[Issue]) -> None:
+        """Put each issue on its stream, in host order (``compute_first`` on a queuing host)."""
+        start = len(self._events)
+        self._events += [None] * len(issues)
+        positions = range(len(issues)) if self.streams.compute.runs_on_host else \
+            compute_first_positions(issues)
+        try:
+            for n in positions:
+                issue = issues[n]
+                if issue.side == "W":
+                    self._issue_wgrad(issue)
+                    continue
+                self._events[start + n] = self._issue_node(issue)
+                if issue.side == "B" and issue.layer == 0 and issue.node == 0:
+                    self._backward_done()
+        except BaseException:
+            _quietly_wait(self.streams.comm.record_event())  # never abandon a tape in use
+            raise
+
+    def _issue_node(self, issue: Issue) -> Event:
+        streams = self.streams
+        stream = streams.comm if issue.stream == COMM else streams.compute
+        crossed = bool(issue.needs)
+        for need in issue.needs:  # made on the other stream: wait for its event
+            stream.wait_event(self._events[need])  # type: ignore[arg-type]
+        if issue.side == "F":
+            layer = self._forward[issue.layer]
+            first = not self.order.forward_layers[issue.layer].reads[issue.node]
+            run = self._forward_node
+        else:
+            assert self.backward is not None
+            layer = self.backward.tape.layers[issue.layer]
+            first = issue.layer == len(self.order.backward_layers) - 1 and \
+                not self.order.backward_layers[issue.layer].readers[issue.node]
+            run = self._backward_node
+        node = layer.nodes[issue.node].node
+        if stream is streams.comm:
+            if first:  # it reads what the caller made on the compute stream
+                stream.wait_event(streams.compute.record_event())
+                crossed = True
+            if node.group is not None:
+                streams.claim(node.group, stream)
+        if self.trace is not None:
+            run = self._traced(run, stream, issue, node)
+        return stream.submit(run, layer, issue.node, stream if crossed else None)
+
+    def _forward_node(self, layer: LayerRecord, index: int, crossed: Stream | None) -> Values:
+        if crossed is not None:  # its inputs were made on the other stream
+            crossed.record_use(self.tape.node_inputs(layer, index))
+        return forward_node(self.tape, layer, index)
+
+    def _backward_node(self, layer: LayerRecord, index: int, crossed: Stream | None) -> Grads:
+        assert self.backward is not None
+        if index == len(layer.nodes) - 1:  # the layer's first backward node: begin it here
+            grads = self.backward.grads if layer.index == len(self.backward.tape.layers) - 1 \
+                else None
+            wgrad = self.backward.wgrad if self._layer_wgrad is None \
+                else self._layer_wgrad[layer.index]
+            begun = self.backward.tape.begin_layer_backward(
+                None if grads is None else tuple(grads), wgrad=wgrad)
+            assert begun is layer, (begun.index, layer.index)
+        if crossed is not None:
+            crossed.record_use(layer.nodes[index].grads)
+        return backward_node(self.backward.tape, layer, index)
+
+    def _issue_wgrad(self, issue: Issue) -> None:
+        assert self.backward is not None
+        layers = self._layer_wgrad or []
+        if issue.node == REST:
+            queues = [q for q in layers + [self.backward.wgrad] if q is not None and len(q)]
+        else:
+            queues = [layers[issue.layer]] if len(layers[issue.layer]) else []
+        if not queues:
+            return
+        count = issue.count if issue.node == FILL else None
+
+        def run(crossed: Stream | None) -> None:
+            for queue in queues:
+                queue.run(ceil(len(queue) / 2) if issue.node == HEAD else count)
+
+        compute = self.streams.compute
+        if self.trace is not None:
+            run = self._traced(run, compute, issue, None)
+        compute.submit(run, None)
+
+    def _backward_done(self) -> None:
+        """The backward's last node was issued: hand its input gradients to the caller."""
+        if self.on_backward_done is not None:
+            assert self.backward is not None
+            tape = self.backward.tape
+            self.on_backward_done(self._on_compute(("B", 0, 0), lambda: tape.input_grads))
+
+    def _on_compute(self, made_by: tuple[str, int, int], values: Callable[[], Any]) -> Any:
+        """``values()``, made by the node ``made_by`` (side, layer, node), made safe for the
+        caller's work on the compute stream: when that node ran on the comm stream, the compute
+        stream waits for it first (on CPU: for the comm thread; its error is raised here)."""
+        position = self.order.position[made_by]
+        if self.order.issues[position].stream != COMM:
+            return values()
+        compute = self.streams.compute
+        try:
+            compute.wait_event(self._events[position])  # type: ignore[arg-type]
+        except BaseException:
+            _quietly_wait(self.streams.comm.record_event())
+            raise
+        made = values()
+        compute.record_use(made)
+        return made
+
+    def _traced(self, run: Callable[..., Any], stream: Stream, issue: Issue,
+                node: Node | None) -> Callable[..., Any]:
+        trace = self.trace
+        assert trace is not None
+        slot = self._trace_slots.get(issue.slot)
+        if slot is None:
+            slot = self._trace_slots[issue.slot] = trace.new_slot()
+        side = "B" if issue.side == "W" else issue.side
+        name, kind = ("wgrad", "compute") if node is None else (node.name, node.kind.value)
+        label = (self.microbatch[side], max(issue.layer, 0), name, issue.side, stream, kind, slot)
+
+        def traced(*args: Any) -> Any:
+            with trace.span(*label):
+                return run(*args)
+
+        return traced
+
+
+def _times(nodes: Sequence[Any]) -> tuple[NodeTimes, ...] | None:
+    """The nodes' expected times (``Node.times``), or None unless every node has them."""
+    times = tuple(record.node.times for record in nodes)
+    return None if any(t is None for t in times) else times  # type: ignore[return-value]
+
+
+def _quietly_wait(event: Event) -> None:
+    try:
+        event.synchronize()
+    except BaseException:  # the caller is already raising the first error
+        pass
+
+
+def combined_step(
+    fwd_plans: Sequence[Any],
+    fwd_inputs: Sequence[Any],
+    bwd_tape: Tape | None,
+    bwd_grads: Sequence[torch.Tensor | None] | None,
+    streams: Streams,
+    *,
+    delay_wgrad_compute: bool = False,
+    wgrad: WeightGradQueue | None = None,
+    trace: NodeTrace | None = None,
+    fwd_microbatch: int | None = None,
+    bwd_microbatch: int | None = None,
+) -> tuple[Values, Tape, Grads | None]:
+    """Forward of ``fwd_plans`` on ``fwd_inputs`` beside the backward of ``bwd_tape``.
+
+    Returns ``(forward outputs, forward tape, gradients of the backward tape's inputs)``; the
+    forward outputs and tape are exactly those ``record_forward`` would give, the gradients
+    those of ``run_backward`` (followed by running the deferred weight gradients, which
+    ``delay_wgrad_compute`` or a given ``wgrad`` queue defer).
+    """
+    if wgrad is None and delay_wgrad_compute:
+        wgrad = WeightGradQueue()
+    backward = None
+    if bwd_tape is not None:
+        backward = BackwardHalf(bwd_tape, bwd_grads, bwd_microbatch, wgrad)
+    step = CombinedStep(streams, backward, trace=trace, fwd_microbatch=fwd_microbatch,
+                        route_input_grads=False)
+    values: Values = tuple(fwd_inputs)
+    try:
+        for plan in fwd_plans:
+            values = step.run_layer(plan, values)
+    except BaseException:
+        _quietly_wait(streams.comm.record_event())
+        raise
+    grads = step.finish()
+    return values, step.tape, grads

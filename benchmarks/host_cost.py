@@ -176,7 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-delay-wgrad", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N top functions by own time (cProfile)")
+    parser.add_argument("--megatron", action="store_true",
+                        help="instead: host time per layer pair of Megatron-Core's combined_1f1b "
+                        "beside megapipe's combined step (megatron_host.py)")
     a = parser.parse_args(argv)
+    if a.megatron:
+        from megatron_host import run
+
+        return run(a.rounds)
     torch.set_num_threads(1)
     precise_sleeps()  # as the replay's ranks do
     s = ReplaySettings("", (), moe_layers=a.moe_layers, delay_wgrad=not a.no_delay_wgrad)

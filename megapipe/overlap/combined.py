@@ -206,7 +206,8 @@ class CombinedStep:
             raise RuntimeError("CombinedStep.run_layer after finish()")
         record = self.tape.begin_layer(self.plan_of(layer), inputs)
         self._forward.append(record)
-        self._issue(self.order.forward_layer(record.kinds, _times(record.nodes)))
+        times = _times(record.nodes) if self.order.clock is not None else None  # time rule
+        self._issue(self.order.forward_layer(record.kinds, times))
         return self._on_compute(("F", len(self._forward) - 1, len(record.nodes) - 1),
                                 lambda: record.outputs)
 
@@ -248,37 +249,53 @@ class CombinedStep:
 
     def _issue_node(self, issue: Issue) -> Event:
         streams = self.streams
-        stream = streams.comm if issue.stream == COMM else streams.compute
-        crossed = bool(issue.needs)
+        comm = issue.stream == COMM
+        stream = streams.comm if comm else streams.compute
         for need in issue.needs:  # made on the other stream: wait for its event
             stream.wait_event(self._events[need])  # type: ignore[arg-type]
-        if issue.side == "F":
+        crossed = stream if issue.needs else None
+        forward = issue.side == "F"
+        if forward:
             layer = self._forward[issue.layer]
-            first = not self.order.forward_layers[issue.layer].reads[issue.node]
-            run = self._forward_node
         else:
             assert self.backward is not None
             layer = self.backward.tape.layers[issue.layer]
-            first = issue.layer == len(self.order.backward_layers) - 1 and \
-                not self.order.backward_layers[issue.layer].readers[issue.node]
-            run = self._backward_node
-        node = layer.nodes[issue.node].node
-        if stream is streams.comm:
-            if first:  # it reads what the caller made on the compute stream
+        if comm:
+            if self._reads_caller(issue):  # what the caller made on the compute stream
                 stream.wait_event(streams.compute.record_event())
-                crossed = True
-            if node.group is not None:
-                streams.claim(node.group, stream)
+                crossed = stream
+            group = layer.nodes[issue.node].node.group
+            if group is not None:
+                streams.claim(group, stream)
+        if crossed is not None and crossed.keeps_memory:  # made on the other stream, used here
+            crossed.record_use(self._made_elsewhere(layer, issue))
+        run = self._forward_node if forward else self._backward_node
         if self.trace is not None:
-            run = self._traced(run, stream, issue, node)
-        return stream.submit(run, layer, issue.node, stream if crossed else None)
+            run = self._traced(run, stream, issue, layer.nodes[issue.node].node)
+        return stream.submit(run, layer, issue.node)
 
-    def _forward_node(self, layer: LayerRecord, index: int, crossed: Stream | None) -> Values:
-        if crossed is not None:  # its inputs were made on the other stream
-            crossed.record_use(self.tape.node_inputs(layer, index))
+    def _made_elsewhere(self, layer: LayerRecord, issue: Issue) -> Any:
+        """What a node reads that another stream made (a CUDA host issued it already): a forward
+        node's producers' outputs, a backward node's output gradients."""
+        record = layer.nodes[issue.node]
+        if issue.side == "B":
+            return record.grads
+        return [layer.given_inputs if source < 0 else layer.nodes[source].outputs
+                for source, _ in record.sources]
+
+    def _reads_caller(self, issue: Issue) -> bool:
+        """Whether a node reads what the caller gave: a forward layer's input (it reads no node
+        of its layer), or the backward's very first node (the given gradients)."""
+        order = self.order
+        if issue.side == "F":
+            return not order.forward_layers[issue.layer].reads[issue.node]
+        return issue.layer == len(order.backward_layers) - 1 and \
+            not order.backward_layers[issue.layer].readers[issue.node]
+
+    def _forward_node(self, layer: LayerRecord, index: int) -> Values:
         return forward_node(self.tape, layer, index)
 
-    def _backward_node(self, layer: LayerRecord, index: int, crossed: Stream | None) -> Grads:
+    def _backward_node(self, layer: LayerRecord, index: int) -> Grads:
         assert self.backward is not None
         if index == len(layer.nodes) - 1:  # the layer's first backward node: begin it here
             grads = self.backward.grads if layer.index == len(self.backward.tape.layers) - 1 \
@@ -288,8 +305,6 @@ class CombinedStep:
             begun = self.backward.tape.begin_layer_backward(
                 None if grads is None else tuple(grads), wgrad=wgrad)
             assert begun is layer, (begun.index, layer.index)
-        if crossed is not None:
-            crossed.record_use(layer.nodes[index].grads)
         return backward_node(self.backward.tape, layer, index)
 
     def _issue_wgrad(self, issue: Issue) -> None:
@@ -303,14 +318,14 @@ class CombinedStep:
             return
         count = issue.count if issue.node == FILL else None
 
-        def run(crossed: Stream | None) -> None:
+        def run() -> None:
             for queue in queues:
                 queue.run(ceil(len(queue) / 2) if issue.node == HEAD else count)
 
         compute = self.streams.compute
         if self.trace is not None:
             run = self._traced(run, compute, issue, None)
-        compute.submit(run, None)
+        compute.submit(run)
 
     def _backward_done(self) -> None:
         """The backward's last node was issued: hand its input gradients to the caller."""

@@ -104,17 +104,33 @@ Source = tuple[int, slice]  # (node index, or -1 for the layer's input; which of
 @dataclass(frozen=True)
 class LayerGraph:
     """A layer plan as a graph: its nodes in a forward order (every node after the nodes it
-    reads), where each node's inputs come from, and the plan's node kinds for the pair order
-    (``megapipe.schedule.pair_order``: per item a node's kind, or per fork the kinds of each
-    branch)."""
+    reads), where each node's inputs come from, how many nodes read each node's outputs, and
+    the plan's node kinds for the pair order (``megapipe.schedule.pair_order``: per item a
+    node's kind, or per fork the kinds of each branch)."""
 
     nodes: tuple[Node, ...]
     sources: tuple[tuple[Source, ...], ...]
+    readers: tuple[int, ...]
     kinds: tuple[Any, ...]
+
+
+_KIND = {"compute": "compute", "comm": "comm"}  # a NodeKind (a str) or its value -> the value
+_WHOLE = slice(None)
+
+
+def _kind(node: Node) -> str:
+    kind = _KIND.get(node.kind)
+    return kind if kind is not None else NodeKind(node.kind).value  # NodeKind names the error
 
 
 def layer_graph(plan: Sequence[Any]) -> LayerGraph:
     """The graph of a plan of ``Node`` and ``Fork`` items (a fork sits between two nodes)."""
+    if all(type(item) is Node for item in plan):  # a chain: each node reads the one before
+        if not plan:
+            raise TypeError("a layer plan must hold at least one Node")
+        count = len(plan)
+        return LayerGraph(tuple(plan), tuple(((n - 1, _WHOLE),) for n in range(count)),
+                          (1,) * (count - 1) + (0,), tuple(_kind(node) for node in plan))
     nodes: list[Node] = []
     sources: list[tuple[Source, ...]] = []
     kinds: list[Any] = []
@@ -123,9 +139,9 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
         if isinstance(item, Node):
             if position and isinstance(plan[position - 1], Fork):
                 continue  # the node after a fork: added with the fork
-            sources.append(((last, slice(None)),))
+            sources.append(((last, _WHOLE),))
             nodes.append(item)
-            kinds.append(NodeKind(item.kind).value)
+            kinds.append(_kind(item))
             last = len(nodes) - 1
             continue
         if not isinstance(item, Fork):
@@ -141,16 +157,21 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
             for node in branch:
                 sources.append((previous,))
                 nodes.append(node)
-                previous = (len(nodes) - 1, slice(None))
+                previous = (len(nodes) - 1, _WHOLE)
             ends.append(previous)
         sources.append(((last, slice(None, -k * width)),) + tuple(ends))
         nodes.append(after)
-        kinds.append(tuple(tuple(NodeKind(n.kind).value for n in b) for b in item.branches))
-        kinds.append(NodeKind(after.kind).value)
+        kinds.append(tuple(tuple(_kind(n) for n in b) for b in item.branches))
+        kinds.append(_kind(after))
         last = len(nodes) - 1
     if not nodes:
         raise TypeError("a layer plan must hold at least one Node")
-    return LayerGraph(tuple(nodes), tuple(sources), tuple(kinds))
+    readers = [0] * len(nodes)
+    for node_sources in sources:
+        for index, _ in node_sources:
+            if index >= 0:
+                readers[index] += 1
+    return LayerGraph(tuple(nodes), tuple(sources), tuple(readers), tuple(kinds))
 
 
 def run_nodes(
@@ -223,13 +244,14 @@ def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_chunks: int = 1) -> list[A
     backward then run one after the other; warned once per layer type). With ``a2a_chunks`` > 1
     a ``ChunkedPlan`` gives its chunked form."""
     plan = layer
-    node_plan = getattr(layer, "node_plan", None)
-    if not is_plan(plan) and callable(node_plan):
-        plan = node_plan()
-    if is_plan(plan):
+    if type(plan) is not list and not is_plan(plan):
+        node_plan = getattr(layer, "node_plan", None)
+        if callable(node_plan):
+            plan = node_plan()
+    if type(plan) is list or is_plan(plan):  # a plan (the tape checks its items)
         if a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
             return list(plan.chunked(a2a_chunks))
-        return list(plan)
+        return plan
     if not callable(layer):
         raise TypeError(
             f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "

@@ -56,6 +56,8 @@ class Stream(ABC):
     # True: ``submit`` returns only when the work is done (the CPU compute stream is the host
     # thread itself); False: ``submit`` queues it (a worker thread, a CUDA stream)
     runs_on_host: bool = False
+    # True: ``record_use`` keeps memory (a CUDA caching allocator); False: it does nothing
+    keeps_memory: bool = False
 
     @abstractmethod
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
@@ -275,6 +277,8 @@ class CudaEvent(Event):
 
 class CudaStream(Stream):
     """A CUDA stream; ``fn`` runs on the host at once with this stream current."""
+
+    keeps_memory = True
 
     def __init__(
         self,

@@ -37,20 +37,15 @@ from megapipe.overlap.wgrad import WeightGradQueue
 
 Values = tuple[Any, ...]
 Grads = tuple[torch.Tensor | None, ...]
+_WHOLE = slice(None)
 
 
 def detached(values: Sequence[Any]) -> Values:
     """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            leaf = v.detach()
-            if v.requires_grad:
-                leaf.requires_grad_(True)
-            out.append(leaf)
-        else:
-            out.append(v)
-    return tuple(out)
+    return tuple(
+        (v.detach().requires_grad_() if v.requires_grad else v.detach())
+        if isinstance(v, torch.Tensor) else v for v in values
+    )
 
 
 def checked(values: Any, where: str) -> Values:
@@ -68,15 +63,15 @@ class NodeRecord:
 
     __slots__ = ("node", "sources", "inputs", "outputs", "grads", "waiting", "readers", "sizes")
 
-    def __init__(self, node: Node, sources: tuple[Source, ...]) -> None:
+    def __init__(self, node: Node, sources: tuple[Source, ...], readers: int) -> None:
         self.node = node
         self.sources = sources
         self.inputs: Values | None = None
         self.outputs: Values | None = None
         self.grads: list[torch.Tensor | None] | None = None
         self.waiting = 0
-        self.readers = 0
-        self.sizes: tuple[int, ...] = ()  # how many inputs came from each source
+        self.readers = readers
+        self.sizes: tuple[int, ...] = ()  # how many inputs came from each source (a join)
 
     @property
     def live(self) -> bool:
@@ -149,14 +144,10 @@ class Tape:
             raise RuntimeError(
                 f"layer {self.layers[-1].index} is still being recorded; finish it before the next"
             )
-        if not plan or not all(isinstance(n, (Node, Fork)) for n in plan):
+        if not plan:
             raise TypeError(f"a layer plan must be a non-empty list of Node, got {plan!r}")
-        graph = layer_graph(plan)
-        records = [NodeRecord(node, sources) for node, sources in zip(graph.nodes, graph.sources)]
-        for record in records:
-            for index, _ in record.sources:
-                if index >= 0:
-                    records[index].readers += 1
+        graph = layer_graph(plan)  # its items must be Node and Fork
+        records = list(map(NodeRecord, graph.nodes, graph.sources, graph.readers))
         inputs = checked(inputs, "layer inputs")
         layer = LayerRecord(len(self.layers), records, inputs, graph.kinds)
         records[0].inputs = detached(inputs)
@@ -184,6 +175,15 @@ class Tape:
         record = layer.nodes[index]
         if record.inputs is not None:
             return record.inputs
+        if len(record.sources) == 1:  # one source (a node of a chain: the node before it)
+            source, part = record.sources[0]
+            producer = layer.nodes[source] if source >= 0 else None
+            values = layer.given_inputs if producer is None else producer.outputs
+            if values is None:
+                raise RuntimeError(f"node {record.node.name!r} reads node "
+                                   f"{layer.nodes[source].node.name!r}, whose forward has not run")
+            record.inputs = detached(values if part == _WHOLE else values[part])
+            return record.inputs
         parts = []
         for source, part in record.sources:
             producer = layer.nodes[source] if source >= 0 else None
@@ -193,7 +193,7 @@ class Tape:
             values = layer.given_inputs if producer is None else producer.outputs
             parts.append(values[part])
         record.sizes = tuple(len(p) for p in parts)
-        record.inputs = detached(parts[0] if len(parts) == 1 else tuple(v for p in parts for v in p))
+        record.inputs = detached(tuple(v for p in parts for v in p))
         return record.inputs
 
     @property
@@ -241,7 +241,7 @@ class Tape:
         """The gradients of node ``index``'s outputs, once every node that read them gave its
         share (an error naming the node otherwise)."""
         record = layer.nodes[index]
-        if record.outputs is None or not layer.recorded:
+        if record.outputs is None:
             raise RuntimeError(f"layer {layer.index}: node {index} cannot run backward now")
         grads = record.grads
         if record.waiting or grads is None:

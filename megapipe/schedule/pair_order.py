@@ -127,8 +127,9 @@ class LayerWalk:
 
 @lru_cache(maxsize=256)
 def layer_walk(kinds: tuple) -> LayerWalk:
-    """Number the nodes of a layer's kinds (``LayerKinds``, as a tuple) and find what each
-    reads. Cached: every step walks the same few layers, and a ``LayerWalk`` is immutable."""
+    """Number the nodes of a layer's kinds (``LayerKinds`` as tuples; ``walk_of`` takes lists)
+    and find what each reads. Cached: every step walks the same few layers, and a
+    ``LayerWalk`` is immutable."""
     flat: list[str] = []
     reads: list[tuple[int, ...]] = []
     groups: list[NodeGroup] = []
@@ -189,8 +190,8 @@ def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> li
 def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
     """The slots of one forward layer beside one backward layer (either may be None: the other's
     nodes then go alone). See the module docstring."""
-    f = layer_walk(as_key(forward)) if forward else None
-    b = layer_walk(as_key(backward)) if backward else None
+    f = walk_of(forward) if forward else None
+    b = walk_of(backward) if backward else None
     return list(_slots(f, b))
 
 
@@ -223,9 +224,20 @@ def _slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slot,
     return tuple(slots)
 
 
-def as_key(kinds: LayerKinds) -> tuple:
-    """``kinds`` as nested tuples (the cache key of ``layer_walk``)."""
-    return tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k) for k in kinds)
+@lru_cache(maxsize=256)
+def _backward_comm_slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[int, ...]:
+    """The slots of ``_slots(forward, backward)`` that hold a backward comm node."""
+    return tuple(n for n, (comm, _) in enumerate(_slots(forward, backward))
+                 if any(side == "B" for side, _ in comm))
+
+
+def walk_of(kinds: LayerKinds) -> LayerWalk:
+    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
+    try:
+        return layer_walk(kinds)  # type: ignore[arg-type]
+    except TypeError:  # a list somewhere: not hashable
+        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
+                                for k in kinds))
 
 
 class IssueOrder:
@@ -245,7 +257,7 @@ class IssueOrder:
     def __init__(self, backward_layers: Iterable[LayerKinds] = (), defer_wgrad: bool = False,
                  backward_times: Sequence[LayerTimes] | None = None,
                  host_runs_compute: bool = False):
-        self.backward_layers = [layer_walk(as_key(kinds)) for kinds in backward_layers]
+        self.backward_layers = [walk_of(kinds) for kinds in backward_layers]
         self.defer_wgrad = defer_wgrad and bool(self.backward_layers)
         self.clock: IssueClock | None = None
         if self.defer_wgrad and backward_times is not None:
@@ -265,7 +277,7 @@ class IssueOrder:
         """The issues that come with the next forward layer (and its times: the time rule)."""
         if self._finished:
             raise RuntimeError("IssueOrder.forward_layer after finish()")
-        forward = layer_walk(as_key(kinds))
+        forward = walk_of(kinds)
         if self.clock is not None:
             if times is not None:
                 _check_times([times], [forward], "forward layer times")
@@ -307,16 +319,19 @@ class IssueOrder:
         f_layer = len(self.forward_layers)
         if forward is not None:
             self.forward_layers.append(forward)
-        slots = _slots(forward, self.backward_layers[backward] if backward is not None else None)
-        b_comm = [n for n, (comm, _) in enumerate(slots) if any(s == "B" for s, _ in comm)]
+        b_walk = self.backward_layers[backward] if backward is not None else None
+        slots = _slots(forward, b_walk)
+        b_comm = _backward_comm_slots(forward, b_walk)
+        count_rule = self.defer_wgrad and self.clock is None
         for n, (comm, compute) in enumerate(slots):
             self._slot += 1
             for side, node in comm:
                 self._issue_node(COMM, side, f_layer if side == "F" else backward, node)
-            self._issue_due_w()
+            if self._w_due:
+                self._issue_due_w()
             for side, node in compute:
                 self._issue_node(COMPUTE, side, f_layer if side == "F" else backward, node)
-            if self.defer_wgrad and self.clock is None and n in b_comm:  # the count rule
+            if count_rule and n in b_comm:  # the count rule
                 self._w_due += [(waiting, TAIL, self._slot) for waiting in self._w_waiting]
                 self._w_waiting = []
                 if n == b_comm[-1]:
@@ -339,11 +354,17 @@ class IssueOrder:
             inputs = self.forward_layers[layer].reads[node]
         else:
             inputs = self.backward_layers[layer].readers[node]
-        if inputs:
-            made = [self.position[(side, layer, n)] for n in inputs]
+        issues = self.issues
+        if len(inputs) == 1:
+            made = self.position[(side, layer, inputs[0])]
+            needs = (made,) if issues[made].stream != stream else ()
+        elif inputs:
+            position = self.position
+            needs = tuple(sorted(p for p in (position[(side, layer, n)] for n in inputs)
+                                 if issues[p].stream != stream))
         else:
-            made = [] if self._side_end[side] is None else [self._side_end[side]]
-        needs = tuple(sorted(p for p in made if self.issues[p].stream != stream))
+            end = self._side_end[side]
+            needs = (end,) if end is not None and issues[end].stream != stream else ()
         clock = self.clock
         if clock is not None and stream == COMPUTE:  # the time rule: W items into the gap
             for w_layer, count, duration in clock.fill(needs):

@@ -229,10 +229,13 @@ class CombinedStep:
 
     # ---- carrying out the order ----------------------------------------------------------
     def _issue(self, issues: Sequence[Issue]) -> None:
-        """Put each issue on its stream, in host order (``compute_first`` on a queuing host)."""
+        """Put each issue on its stream, in host order (``compute_first`` on a queuing host): a
+        node after the events it needs, as ``forward_node`` or ``_backward_node``; W items as a
+        run of their queues on the compute stream."""
+        streams = self.streams
         start = len(self._events)
         self._events += [None] * len(issues)
-        positions = range(len(issues)) if self.streams.compute.runs_on_host else \
+        positions = range(len(issues)) if streams.compute.runs_on_host else \
             compute_first_positions(issues)
         try:
             for n in positions:
@@ -240,39 +243,35 @@ class CombinedStep:
                 if issue.side == "W":
                     self._issue_wgrad(issue)
                     continue
-                self._events[start + n] = self._issue_node(issue)
-                if issue.side == "B" and issue.layer == 0 and issue.node == 0:
+                comm = issue.stream == COMM
+                stream = streams.comm if comm else streams.compute
+                for need in issue.needs:  # made on the other stream: wait for its event
+                    stream.wait_event(self._events[need])  # type: ignore[arg-type]
+                crossed = bool(issue.needs)
+                forward = issue.side == "F"
+                if forward:
+                    tape, layer = self.tape, self._forward[issue.layer]
+                else:
+                    assert self.backward is not None
+                    tape, layer = self.backward.tape, self.backward.tape.layers[issue.layer]
+                node = layer.nodes[issue.node].node
+                if comm:
+                    if self._reads_caller(issue):  # what the caller made on the compute stream
+                        stream.wait_event(streams.compute.record_event())
+                        crossed = True
+                    if node.group is not None:
+                        streams.claim(node.group, stream)
+                if crossed and stream.keeps_memory:  # made on the other stream, used here
+                    stream.record_use(self._made_elsewhere(layer, issue))
+                run = forward_node if forward else self._backward_node
+                if self.trace is not None:
+                    run = self._traced(run, stream, issue, node)
+                self._events[start + n] = stream.submit(run, tape, layer, issue.node)
+                if not forward and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:
-            _quietly_wait(self.streams.comm.record_event())  # never abandon a tape in use
+            _quietly_wait(streams.comm.record_event())  # never abandon a tape in use
             raise
-
-    def _issue_node(self, issue: Issue) -> Event:
-        streams = self.streams
-        comm = issue.stream == COMM
-        stream = streams.comm if comm else streams.compute
-        for need in issue.needs:  # made on the other stream: wait for its event
-            stream.wait_event(self._events[need])  # type: ignore[arg-type]
-        crossed = stream if issue.needs else None
-        forward = issue.side == "F"
-        if forward:
-            layer = self._forward[issue.layer]
-        else:
-            assert self.backward is not None
-            layer = self.backward.tape.layers[issue.layer]
-        if comm:
-            if self._reads_caller(issue):  # what the caller made on the compute stream
-                stream.wait_event(streams.compute.record_event())
-                crossed = stream
-            group = layer.nodes[issue.node].node.group
-            if group is not None:
-                streams.claim(group, stream)
-        if crossed is not None and crossed.keeps_memory:  # made on the other stream, used here
-            crossed.record_use(self._made_elsewhere(layer, issue))
-        run = self._forward_node if forward else self._backward_node
-        if self.trace is not None:
-            run = self._traced(run, stream, issue, layer.nodes[issue.node].node)
-        return stream.submit(run, layer, issue.node)
 
     def _made_elsewhere(self, layer: LayerRecord, issue: Issue) -> Any:
         """What a node reads that another stream made (a CUDA host issued it already): a forward
@@ -292,20 +291,17 @@ class CombinedStep:
         return issue.layer == len(order.backward_layers) - 1 and \
             not order.backward_layers[issue.layer].readers[issue.node]
 
-    def _forward_node(self, layer: LayerRecord, index: int) -> Values:
-        return forward_node(self.tape, layer, index)
-
-    def _backward_node(self, layer: LayerRecord, index: int) -> Grads:
+    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
+        """``backward_node``; the layer's first backward node begins the layer on its stream
+        (after the layer before it ended there or on the other stream)."""
         assert self.backward is not None
-        if index == len(layer.nodes) - 1:  # the layer's first backward node: begin it here
-            grads = self.backward.grads if layer.index == len(self.backward.tape.layers) - 1 \
-                else None
+        if index == len(layer.nodes) - 1:
+            grads = self.backward.grads if layer.index == len(tape.layers) - 1 else None
             wgrad = self.backward.wgrad if self._layer_wgrad is None \
                 else self._layer_wgrad[layer.index]
-            begun = self.backward.tape.begin_layer_backward(
-                None if grads is None else tuple(grads), wgrad=wgrad)
+            begun = tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)
             assert begun is layer, (begun.index, layer.index)
-        return backward_node(self.backward.tape, layer, index)
+        return backward_node(tape, layer, index)
 
     def _issue_wgrad(self, issue: Issue) -> None:
         assert self.backward is not None

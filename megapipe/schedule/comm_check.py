@@ -174,20 +174,20 @@ def check_runs(lowered: Schedule) -> None:
     ``lower`` would make it) is proved to finish in O(actions) by ``comm_certificate``; any
     other is simulated.
     """
-    if lowered.memo.get("runs"):
+    if lowered.derived.runs:
         return
     source, run = _computations(lowered)
     if run is None or not certified(lowered, run, source):
         _simulate_runs(lowered)
-    lowered.memo["runs"] = True
+    lowered.derived.runs = True
 
 
 def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
     """The compute-only schedule of ``lowered``'s computations (the one it was lowered from,
     if any) and its timeline (None if it cannot be run)."""
-    if "compute_source" in lowered.memo:
-        source = lowered.memo["compute_source"]
-        return source, lowered.memo["compute_timeline"]
+    derived = lowered.derived
+    if derived.lowered_from is not None:
+        return derived.lowered_from, derived.source_timeline
     table = lowered.table
     source = lowered.replace_actions(table.select(~is_comm(table.kind)))
     try:

@@ -49,9 +49,10 @@ def neighbours(stage: np.ndarray, step, per_pipeline: int) -> tuple[np.ndarray, 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
     """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
     placement = schedule.placement
-    if "padded_placement" not in schedule.memo:  # -1 on both sides: one clipped lookup
-        schedule.memo["padded_placement"] = np.concatenate([[-1], placement, [-1]])
-    padded = schedule.memo["padded_placement"]
+    derived = schedule.derived
+    if derived.padded_placement is None:  # -1 on both sides: one clipped lookup
+        derived.padded_placement = np.concatenate([[-1], placement, [-1]])
+    padded = derived.padded_placement
     return padded[np.clip(np.asarray(stage) + 1, 0, len(placement) + 1)]
 
 

@@ -6,7 +6,7 @@ the same order, sweep by sweep. Where every product has one maker and the first 
 that order is a topological order of the waits, so a later run only has to take, step by step
 in that order, the latest of its rank's previous end and its needs' arrivals, and add the
 step's duration: the engine's own float operations, without its round-robin bookkeeping (about
-a third of its cost). ``run_steps`` keeps a finished run's order on the schedule (``memo``) and
+a third of its cost). ``run_steps`` keeps a finished run's order with the schedule (``Derived.run_order``) and
 reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two
 runs of one schedule); steps timed by a function (``Steps.end_of``, ``made_at``) or products
 made twice always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
@@ -60,12 +60,12 @@ def run_steps(schedule, plan, watch: frozenset = frozenset()) -> Run:
     """The run of ``plan`` (a ``timeline.StepPlan`` of ``schedule``): rerun in the order of an
     earlier finished run of the schedule's steps where it can be (module docstring), else run
     by the engine, keeping the order of a finished run for the next time."""
-    found = schedule.memo.get("run_order")
+    found = schedule.derived.run_order
     if found is not None and _rerunnable(plan):
         return rerun(plan, found.order, found.sweep)
     run = run_in_order(plan.steps, watch=watch)
     if _rerunnable(plan) and not run.stuck and run.remade is None:
-        schedule.memo["run_order"] = RunOrder.of(run)
+        schedule.derived.run_order = RunOrder.of(run)
     return run
 
 

@@ -4,7 +4,7 @@
 rank is free and every product it needs is made (on any rank): the in-order run of ``engine``.
 The overlap pass uses it to find pairs that wait on each other; lowering uses its times to
 decide where a receive is posted; validation uses it to find ranks that wait on each other.
-A schedule's timeline is computed once and kept in ``schedule.memo``.
+A schedule's timeline is computed once and kept with it (``Schedule.derived``).
 
 ``StepPlan`` turns a table into the engine's steps; the simulator builds its own steps with it.
 A need made by a single action earlier on the same rank is left out of the steps: it is made
@@ -85,11 +85,11 @@ class StepPlan:
     @classmethod
     def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "StepPlan":
         """The steps of ``schedule`` (compute-only) with these durations and p2p latency; what
-        they need and make is worked out once per schedule (``memo``)."""
-        key = ("steps", bool(latency))
-        if key not in schedule.memo:
-            schedule.memo[key] = _structure(schedule, latency)
-        found = schedule.memo[key]
+        they need and make is worked out once per schedule (``Derived.structures``)."""
+        structures = schedule.derived.structures
+        if bool(latency) not in structures:
+            structures[bool(latency)] = _structure(schedule, latency)
+        found = structures[bool(latency)]
         steps = Steps(found.columns, duration, found.space.size, latency)
         return cls(schedule.table, found.space, found.make, found.need, duration, steps,
                    found.unique, found.watch)
@@ -228,7 +228,7 @@ def action_durations(table: ActionTable, durations: dict) -> np.ndarray:
 
 
 def duration_key(durations: dict | None):
-    """A hashable stand-in for ``durations`` (memo keys)."""
+    """A hashable stand-in for ``durations`` (the keys of ``Derived.timelines`` and ``lowered``)."""
     return None if durations is None else tuple(sorted((k.value, v) for k, v in durations.items()))
 
 
@@ -240,9 +240,9 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     rank is reported stuck like one in a cycle of waits. ``durations`` maps F, B, I, W (and
     optionally OVERLAP) to positive numbers; default ``DEFAULT_DURATIONS``.
     """
-    memo_key = ("timeline", duration_key(durations))
-    if memo_key in schedule.memo:
-        return schedule.memo[memo_key]
+    key = duration_key(durations)
+    if key in schedule.derived.timelines:
+        return schedule.derived.timelines[key]
     durations = check_durations(durations)
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
@@ -252,7 +252,7 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
     plan = StepPlan.build(schedule, action_durations(table, durations))
     result = Timeline(plan, run_steps(schedule, plan))
-    schedule.memo[memo_key] = result
+    schedule.derived.timelines[key] = result
     return result
 
 
@@ -260,14 +260,14 @@ def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
     """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
     the run of a schedule with the same actions fused in pairs) where the steps can run in that
     order with one maker per product (``rerun.rerun``), else as ``timeline`` runs it."""
-    if ("timeline", None) in schedule.memo or order is None:
+    if None in schedule.derived.timelines or order is None:
         return timeline(schedule)
     plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
     run = rerun(plan, order, None) if plan.unique else None
     if run is None:
         return timeline(schedule)
     result = Timeline(plan, run)
-    schedule.memo[("timeline", None)] = result
+    schedule.derived.timelines[None] = result
     return result
 
 
@@ -279,8 +279,8 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
     keeps its times; the run resumes from there. Only where each product has one maker (the
     result then does not depend on the order actions run in); otherwise it runs afresh.
     """
-    if ("timeline", None) in schedule.memo:
-        return schedule.memo[("timeline", None)]
+    if None in schedule.derived.timelines:
+        return schedule.derived.timelines[None]
     table = schedule.table
     plan = StepPlan.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
     if not (plan.unique and before.plan.unique):
@@ -297,7 +297,7 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
         done.append(int(np.searchsorted(ran, cut, "left")))
     prefix = _prefix(plan, before, done)
     result = Timeline(plan, run_in_order(plan.steps, prefix=prefix))
-    schedule.memo[("timeline", None)] = result
+    schedule.derived.timelines[None] = result
     return result
 
 

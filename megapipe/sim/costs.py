@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..schedule.ir import Kind
 
 if TYPE_CHECKING:
-    from .node_steps import NodeCosts
+    from .programs import NodeCosts
 
 
 def _check_duration(name: str, value: float) -> None:
@@ -46,7 +46,7 @@ class Costs:
       and router); the rest is the experts. Backward compute is split the same way. 0.5 by
       default: in large MoE models (DeepSeek-V3) attention and expert compute are comparable.
     - ``nodes``: time every step node by node, in the engine's issue order, from a node-time
-      profile (``node_steps.NodeCosts``); the fields above then serve only ``p2p_latency``.
+      profile (``programs.NodeCosts``); the fields above then serve only ``p2p_latency``.
     """
 
     forward: float = 1.0

@@ -11,7 +11,7 @@ of its rank has ended and every input it needs has arrived:
 An input produced on another rank arrives ``costs.p2p_latency`` after its producer ends. Both
 halves of an OVERLAP hand their outputs on when the OVERLAP ends, except when steps are timed
 node by node (``Costs.nodes``): then each half hands its output on as the executor's early
-sends do (``node_steps.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
+sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
 The run is the in-order run of ``megapipe.schedule.engine`` (the round robin of the ranks, in
@@ -35,8 +35,8 @@ from ..schedule.timeline import MadeTimes, StepPlan
 from .costs import Costs
 from ..schedule.intervals import uncovered_length
 from .result import SimResult, TimedAction
+from .programs import Segment, time_step
 from .step_costs import COMM, COMPUTE, StepCosts
-from .steps import Segment, time_step
 
 __all__ = ["SimResult", "TimedAction", "simulate"]
 

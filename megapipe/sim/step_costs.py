@@ -1,8 +1,8 @@
 """What each step of a schedule costs under a cost model, for every step at once.
 
 Steps with the same kinds and stage multipliers are timed by the same program of pieces
-(``steps.step_ops``): a template. The simulation needs each step's end as a function of its start,
-and the metrics need every piece. Both come from ``steps.op_times``, which runs a template's
+(``programs.step_ops``): a template. The simulation needs each step's end as a function of its start,
+and the metrics need every piece. Both come from ``programs.op_times`` (``schedule.node_timing``), which runs a template's
 program on one start or on the starts of all its steps together (the same float operations,
 element by element), so the figures are those of timing each step on its own.
 
@@ -20,8 +20,8 @@ import numpy as np
 from ..schedule.ir import Action, Kind
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
-from .node_steps import half_ends
-from .steps import COMM, COMPUTE, op_times, step_ops
+from ..schedule.node_timing import COMM, COMPUTE
+from .programs import half_ends, op_times, step_ops
 
 _EXACT_LIMIT = 2 ** 53
 
@@ -86,7 +86,7 @@ class StepCosts:
 
     def made_at(self, step: int, start: float, end: float) -> tuple[float, float]:
         """When step ``step``'s two products are handed on (an OVERLAP timed node by node:
-        its halves' early sends, ``node_steps.half_ends``; anything else: at its end)."""
+        its halves' early sends, ``programs.half_ends``; anything else: at its end)."""
         ops = self.ops[self.template[step]]
         nodes = self.costs.nodes
         if nodes is None or not ops or ops[0].action.kind is Kind.W:

@@ -45,11 +45,11 @@ CARRIES: dict[Kind, tuple[str, int, int]] = {
 }
 
 
-def neighbour(schedule: Schedule, stage: int, step: int) -> int | None:
-    """The stage ``step`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``, ``AFTER``)."""
-    if step == SELF:
+def neighbour(schedule: Schedule, stage: int, offset: int) -> int | None:
+    """The stage ``offset`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``, ``AFTER``)."""
+    if offset == SELF:
         return stage
-    return schedule.prev_stage(stage) if step == BEFORE else schedule.next_stage(stage)
+    return schedule.prev_stage(stage) if offset == BEFORE else schedule.next_stage(stage)
 
 
 def product_of(comp: Action) -> Product:
@@ -66,8 +66,8 @@ def needs_of(schedule: Schedule, comp: Action) -> list[Product]:
     if rules is None:
         raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
     needs = []
-    for letter, step in rules:
-        stage = neighbour(schedule, comp.stage, step)
+    for letter, offset in rules:
+        stage = neighbour(schedule, comp.stage, offset)
         if stage is not None:
             needs.append((letter, stage, comp.microbatch))
     return needs

@@ -52,8 +52,8 @@ class Derived:
 
     ``rows``: rank -> its action list (``Schedule.row``); ``placement`` and ``padded_placement``
     (-1 on both ends: one clipped lookup, ``flows.stage_rank``); ``structures``: p2p latency or
-    not -> what the steps of its timeline need and make (``timeline.StepPlan``); ``timelines``:
-    durations key -> its timeline; ``run_order``: the order a finished run took its steps in
+    not -> what the actions of its timeline need and make (``timeline.ActionGraph``); ``timelines``:
+    durations key -> its timeline; ``run_order``: the order a finished run took its actions in
     (``rerun``); ``lowered``: durations key -> the lowered schedule (``lower``), which itself
     keeps in ``lowered_from`` and ``source_timeline`` the compute-only schedule and timeline it
     came from; ``valid``: ``validate`` passed; ``runs``: a lowered schedule's run under batched
@@ -237,12 +237,12 @@ class Schedule:
         return [self.table.texts_of(rank) for rank in range(self.pp)]
 
     def format_grid(self) -> str:
-        """A step (row) by rank (column) grid of the action texts."""
+        """A grid of the action texts: the k-th action of each rank (column) in row k."""
         cells = self._texts()
         width = max([len(c) for row in cells for c in row] + [6])
-        steps = max((len(row) for row in cells), default=0)
-        lines = ["step  " + " ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
-        for i in range(steps):
+        rows = max((len(row) for row in cells), default=0)
+        lines = ["#     " + " ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
+        for i in range(rows):
             row = [(cells[r][i] if i < len(cells[r]) else "").ljust(width) for r in range(self.pp)]
             lines.append(f"{i:<5} " + " ".join(row).rstrip())
         return "\n".join(lines)

@@ -181,7 +181,7 @@ class _Attempt:
 
     def original_order(self) -> np.ndarray | None:
         """The rows of the original in the order the latest run took them (each pair's
-        backward, then its forward), if that run kept its order (``rerun.run_steps``)."""
+        backward, then its forward), if that run kept its order (``rerun.run_actions``)."""
         found = self.combined.derived.run_order
         if found is None:
             return None

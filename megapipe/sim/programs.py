@@ -1,7 +1,7 @@
-"""The program of a step: its nodes in the engine's issue order, each with a duration.
+"""The program of an action: its nodes in the engine's issue order, each with a duration.
 
-Every F, B, I, W and OVERLAP step the simulator times is a program of ``NodeOp``s: the pair
-order (``schedule.pair_order.IssueOrder``, the engine's own rule) lays out the step's layers, a
+Every F, B, I, W and OVERLAP action the simulator times is a program of ``NodeOp``s: the pair
+order (``schedule.pair_order.IssueOrder``, the engine's own rule) lays out the action's layers, a
 cost model gives each node its duration, and ``schedule.node_timing.time_issues`` (the one
 node-level timing model) times the program. Two cost models:
 
@@ -11,9 +11,9 @@ node-level timing model) times the program. Two cost models:
   ``dispatch`` / ``combine``. Outside an OVERLAP every node waits for the one before it, so the
   all-to-all is exposed; inside one, forward layer k goes beside backward layer L-1-k in the pair
   order (attention-F | combine-B, experts-B | dispatch-F, experts-F | dispatch-B, attention-B |
-  combine-F), so with free communication an OVERLAP takes exactly F + B. A W, or a step of no
+  combine-F), so with free communication an OVERLAP takes exactly F + B. A W, or an action of no
   MoE layer, is one compute node.
-- **node model** (``Costs(nodes=NodeCosts(...))``): the step's layers as the engine runs them
+- **node model** (``Costs(nodes=NodeCosts(...))``): the action's layers as the engine runs them
   (embedding on a first stage, ``moe_layers`` MoE layers of five nodes, head on a last), each
   node lasting its profile time (``profile.NodeProfile``), deferred weight gradients where the
   order puts them (by count, or by time with ``wgrad_by_time``), a lone layer's chunks
@@ -54,8 +54,8 @@ EARLY_RULES = (EACH, "single-send pairs", WHOLE, AT_END)
 
 @dataclass(frozen=True)
 class Segment:
-    """One timed node of a step on one stream of a rank: ``part`` names it (the layer model's
-    ``attention``, ``experts``, ``dispatch``, ``combine``, or ``compute`` for a whole step; the
+    """One timed node of an action on one stream of a rank: ``part`` names it (the layer model's
+    ``attention``, ``experts``, ``dispatch``, ``combine``, or ``compute`` for a whole action; the
     node model's profile roles), ``action`` is the plain F/B/I/W it belongs to."""
 
     stream: str
@@ -72,7 +72,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class NodeOp:
-    """One node of a step's program: its stream, what it is, its duration and the positions
+    """One node of an action's program: its stream, what it is, its duration and the positions
     of the earlier nodes it ``needs`` (an issue for ``time_issues``)."""
 
     stream: str
@@ -85,7 +85,7 @@ class NodeOp:
 
 @dataclass(frozen=True)
 class NodeCosts:
-    """What a step is made of, node by node (the node model of the module docstring).
+    """What an action is made of, node by node (the node model of the module docstring).
 
     ``num_stages``: the stages of one pipeline (``Schedule.stages_per_pipeline``; DualPipe's
     second pipeline's stages count from ``num_stages`` on): its first holds the embedding, its
@@ -121,10 +121,11 @@ class NodeCosts:
             raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
         if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
                 or self.moe_layers < 0:
-            raise ValueError(f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
+            raise ValueError(
+                f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
 
     def stage_class(self, stage: int) -> int:
-        """0 a middle stage, 1 the first, 2 the last, 3 both (their steps differ)."""
+        """0 a middle stage, 1 the first, 2 the last, 3 both (their actions differ)."""
         position = stage % self.num_stages
         return int(position == 0) + 2 * int(position == self.num_stages - 1)
 
@@ -149,7 +150,7 @@ class NodeCosts:
         return tuple(self.profile.node_times(role, self.a2a_chunks) for role in roles)
 
     def backward_time(self, role: str, kind: Kind) -> float:
-        """A node's backward: B, plus its W where the step computes it."""
+        """A node's backward: B, plus its W where the action computes it."""
         time = self.profile.time(role, "B", self.a2a_chunks)
         weight = self.profile.time(role, "W", self.a2a_chunks)
         if role == "attn":
@@ -170,7 +171,7 @@ def _halves(action: Action) -> tuple[Action | None, Action | None]:
     return (action, None) if action.kind is Kind.F else (None, action)
 
 
-def step_ops(action: Action, costs: "Costs") -> list[NodeOp]:
+def action_ops(action: Action, costs: "Costs") -> list[NodeOp]:
     """The program of a compute action under ``costs`` (module docstring)."""
     if costs.nodes is not None:
         return node_ops(action, costs.nodes)
@@ -280,9 +281,9 @@ def _duration(op: NodeOp) -> float:
     return op.duration
 
 
-def time_step(action: Action, start: float, costs: "Costs") -> tuple[Segment, ...]:
+def time_action(action: Action, start: float, costs: "Costs") -> tuple[Segment, ...]:
     """The timed nodes of a compute action started at ``start`` on an otherwise idle rank."""
-    ops = step_ops(action, costs)
+    ops = action_ops(action, costs)
     return tuple(Segment(op.stream, op.part, op.action, op.layer, begin, end)
                  for op, (begin, end) in zip(ops, op_times(ops, start)))
 

@@ -27,6 +27,7 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
 from megapipe.train.args import PretrainArgs
+from megapipe.train.config import JobConfig, job_config
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
@@ -41,6 +42,7 @@ class Job:
     """One rank's training state (see the module docstring)."""
 
     args: PretrainArgs
+    config: JobConfig
     device: torch.device
     groups: ProcessGroups
     schedule: Schedule
@@ -72,30 +74,31 @@ def job_device() -> torch.device:
 
 
 def build_job(args: PretrainArgs) -> Job:
-    """Groups, schedule, stages, executor, data, optimizer (needs the default process group)."""
+    """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
+    each part from its typed configuration (``config.job_config``)."""
+    config = job_config(args)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     device = job_device()
-    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
+    overlap, optim = config.overlap, config.optimizer
+    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in overlap.high_priority_stream_groups]
     groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
-    schedule = args.build_schedule()
-    config = args.gpt_config()
+    schedule = config.schedule.build()
     stages = {
-        s: build_stage(config, schedule.model_part(s), schedule.stages_per_pipeline,
+        s: build_stage(config.model, schedule.model_part(s), schedule.stages_per_pipeline,
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     modules = [stages[s] for s in sorted(stages)]
-    if args.bf16:
+    if optim.bf16:
         cast_to_bf16(modules, unique_params(modules))
-    activation = torch.bfloat16 if args.bf16 else torch.float32
+    activation = torch.bfloat16 if optim.bf16 else torch.float32
+    model = config.model
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
-        spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size), activation),
-        delay_wgrad_compute=args.delay_wgrad_compute,
-        moe_a2a_chunks=args.moe_a2a_chunks,
-        record_trace=args.overlap_moe_expert_parallel_comm,
-        measure_activations=args.log_activation_memory,
+        spec=TensorSpec((args.micro_batch_size, model.seq_length, model.hidden_size), activation),
+        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
+        record_trace=overlap.record_trace, measure_activations=args.log_activation_memory,
         timeout=timeout_of(args).total_seconds(),
     )
     files = resolve_data_files(args.data_path)
@@ -104,13 +107,14 @@ def build_job(args: PretrainArgs) -> Job:
                            groups.dp_rank, args.seed)
     valid = validation_batches(splits, args.eval_iters, args.global_batch_size,
                                args.micro_batch_size, args.dp, groups.dp_rank)
-    decay_end = args.lr_decay_iters or args.train_iters
     return Job(
-        args=args, device=device, groups=groups, schedule=schedule, stages=stages,
-        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
-        optimizer=build_optimizer(modules, args.lr, args.weight_decay, mixed_precision=args.bf16),
-        lr_schedule=LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters,
-                               max(1, decay_end - args.lr_warmup_iters), args.lr_decay_style),
+        args=args, config=config, device=device, groups=groups, schedule=schedule,
+        stages=stages, executor=executor, files=files, splits=splits, batches=batches,
+        valid=valid,
+        optimizer=build_optimizer(modules, optim.lr, optim.weight_decay,
+                                  mixed_precision=optim.bf16),
+        lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
+                               max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),
         norm_params=unique_params([stages[s] for s in sorted(stages)
                                    if s < schedule.stages_per_pipeline]),

@@ -70,7 +70,7 @@ def train(
 
 def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
     """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
-    args = job.args
+    args, checkpoint = job.args, job.config.checkpoint
     logger = TrainingLogger(args.train_iters, args.log_interval, enabled=dist.get_rank() == 0,
                             tensorboard_dir=args.tensorboard_dir, write=say)
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -89,25 +89,28 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
                           lr=stats.lr, grad_norm=stats.grad_norm,
                           step_time=time.perf_counter() - start, tokens=tokens_per_iter,
-                          exposed_a2a=stats.exposed_a2a, act_mem=stats.act_mem)
+                          a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
+                          act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
             result.exit_reason = exits.reason(iteration)
-            due = bool(args.save_interval) and iteration % args.save_interval == 0
+            due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
             final = iteration == args.train_iters or result.exit_reason is not None
-            if args.save and (due or final):
+            if checkpoint.save and (due or final):
                 result.saved.append(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
             if result.exit_reason is not None:
-                saved = f"checkpoint {result.saved[-1]}" if args.save else "nothing (no --save)"
+                saved = (f"checkpoint {result.saved[-1]}" if checkpoint.save
+                         else "nothing (no --save)")
                 say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
                 return
         if result.losses:
+            overlap = logger.overlap_summary()
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
-                f"{result.losses[-1]:.4f}")
+                f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}"))
     finally:
         profiler.close()
         logger.close()
@@ -147,11 +150,11 @@ def _check_ranks_agree(plan: ResumePlan) -> None:
 
 def save(job: Job, iteration: int) -> str:
     """Write the checkpoint of ``iteration`` (every rank its shard); returns its directory."""
-    args = job.args
-    assert args.save is not None
+    args, checkpoint = job.args, job.config.checkpoint
+    assert checkpoint.save is not None
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
     info = {"train_iters": args.train_iters}
     descriptor = descriptor_parts(args, job.schedule.name, info)
-    path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, descriptor,
-                           args.keep_last)
+    path = save_checkpoint(checkpoint.save, iteration, job.stages, job.optimizer, extra,
+                           descriptor, checkpoint.keep_last)
     return str(path)

@@ -49,7 +49,7 @@ EACH, SINGLE, WHOLE = "each half", "single-send pairs", "whole batch"
 RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 
 
-def comm_run(row: Sequence[Action], index: int) -> list[Action]:
+def comm_batch(row: Sequence[Action], index: int) -> list[Action]:
     """The run of comm actions right after ``row[index]``."""
     end = index + 1
     while end < len(row) and row[end].kind in COMM_KINDS:
@@ -75,7 +75,7 @@ def candidates(lowered: Schedule) -> EarlySends:
     for rank, row in enumerate(lowered.actions):
         for index, action in enumerate(row):
             if action.kind is Kind.OVERLAP:
-                sends = own_sends(action, comm_run(row, index))
+                sends = own_sends(action, comm_batch(row, index))
                 if sends:
                     found[(rank, index)] = sends
     return found
@@ -105,7 +105,7 @@ def early_model(lowered: Schedule, early: EarlySends) -> Schedule:
             sends = early.get((rank, index - 1))
             if not sends:
                 continue
-            run = comm_run(row, index - 1)
+            run = comm_batch(row, index - 1)
             for number, batch in enumerate(early_batches(run, sends)):
                 if number:
                     out.append(action.forward)  # the separator: ready at once, makes nothing new
@@ -123,7 +123,7 @@ def _holds(lowered: Schedule, early: EarlySends) -> bool:
     return True
 
 
-def plan_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
+def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     """The OVERLAP sends that go out one by one, and which rule gave them (module docstring);
     every other OVERLAP posts its whole batch once both halves are done."""
     found = candidates(lowered)
@@ -138,7 +138,7 @@ def plan_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
 class PairSends:
     """Posts the run after one OVERLAP as its halves finish (``post_ready`` after each hand-over).
 
-    ``early``: the sends that go out one by one (``plan_early_sends``); empty: the whole run goes
+    ``early``: the sends that go out one by one (``choose_early_sends``); empty: the whole run goes
     once every send in it is ready. The executor posts whatever is left after the pair.
     """
 

@@ -38,7 +38,7 @@ from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
-from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
+from megapipe.pipeline.early_sends import PairSends, comm_batch, choose_early_sends
 from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
@@ -46,7 +46,7 @@ from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forwar
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
 from megapipe.pipeline.step_tensors import StepTensors
 from megapipe.schedule.ir import Action, Kind, Schedule
-from megapipe.schedule.rank_plan import checked_lowering, forward_only_schedule
+from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 """``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
@@ -183,7 +183,7 @@ class PipelineExecutor:
         self._streams: Streams | None = None  # made on first use, in a combined schedule
         self._warn_once = WarnOnce()
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
-        self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
+        self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
         self._p2p: PipelineP2P | None = None
 
     def _device(self) -> torch.device | None:
@@ -293,7 +293,7 @@ class PipelineExecutor:
             early = self.early_sends.get((self.pp_rank, index), ()) \
                 if actions is self.actions else ()
             self._run_combined(action, state, PairSends(
-                state.tensors, comm_run(actions, index), early))
+                state.tensors, comm_batch(actions, index), early))
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
             self._forward(action.forward, state)
             self._backward(action.backward, state)

@@ -22,7 +22,7 @@ Product = tuple[str, int, int]
 # A tensor that travels between ranks, named by its sender: ("F" | "B", sending stage, microbatch).
 Message = tuple[str, int, int]
 
-# Steps along a pipeline: the stage itself (0), the one before it (-1), the one after it (+1).
+# Offsets along a pipeline: the stage itself (0), the one before it (-1), the one after it (+1).
 SELF, BEFORE, AFTER = 0, -1, 1
 # Per plain computation: the products it needs, as (letter, where its stage lies), in order.
 NEEDS: dict[Kind, tuple[tuple[str, int], ...]] = {

@@ -20,7 +20,7 @@ from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
 from megapipe.train.profiling import RunProfiler
-from megapipe.train.resume import ResumePlan, descriptor_parts, plan_resume
+from megapipe.train.resume import ResumeChoice, descriptor_parts, choose_resume
 from megapipe.train.step import evaluate, train_step
 
 
@@ -39,11 +39,11 @@ class TrainResult:
 
 
 def train(
-    args: PretrainArgs, write: Callable[[str], None] = print, plan: ResumePlan | None = None
+    args: PretrainArgs, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
-    ``plan`` is the resume decision made before the processes started (``plan_resume``); when
+    ``choice`` is the resume decision made before the processes started (``choose_resume``); when
     it is None every rank makes it here, and the ranks check that they agree.
     """
     if not dist.is_initialized():
@@ -61,7 +61,7 @@ def train(
         say(line)
     try:
         with ExitPolicy(args, job.device) as exits:
-            result.first_iteration = resume(job, say, plan)
+            result.first_iteration = resume(job, say, choice)
             _run(job, result, exits, say)
     finally:
         job.executor.close()  # its communication-stream thread
@@ -116,29 +116,29 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
         logger.close()
 
 
-def resume(job: Job, say: Callable[[str], None], plan: ResumePlan | None = None) -> int:
-    """Load the checkpoint the resume plan names into the job; returns its iteration (0: none)."""
-    if plan is None:
-        plan = plan_resume(job.args)
-        for line in plan.warnings:
+def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice | None = None) -> int:
+    """Load the checkpoint the resume choice names into the job; returns its iteration (0: none)."""
+    if choice is None:
+        choice = choose_resume(job.args)
+        for line in choice.warnings:
             say(line)
-    _check_ranks_agree(plan)
-    if plan.checkpoint is None:
-        if plan.note:
-            say(plan.note)
+    _check_ranks_agree(choice)
+    if choice.checkpoint is None:
+        if choice.note:
+            say(choice.note)
         return 0
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    loaded = load_checkpoint(plan.checkpoint.path, job.stages, job.optimizer, extra,
-                             plan.saved_world)
+    loaded = load_checkpoint(choice.checkpoint.path, job.stages, job.optimizer, extra,
+                             choice.saved_world)
     job.lr_schedule.load_state_dict(loaded["scheduler"])
     job.batches.load_state_dict(loaded["data"])
-    say(f"resumed from {plan.checkpoint.path} at iteration {plan.checkpoint.iteration}")
-    return plan.checkpoint.iteration
+    say(f"resumed from {choice.checkpoint.path} at iteration {choice.checkpoint.iteration}")
+    return choice.checkpoint.iteration
 
 
-def _check_ranks_agree(plan: ResumePlan) -> None:
+def _check_ranks_agree(choice: ResumeChoice) -> None:
     """Every rank resumes the same checkpoint (a shared filesystem seen alike by all)."""
-    mine = None if plan.checkpoint is None else str(plan.checkpoint.path)
+    mine = None if choice.checkpoint is None else str(choice.checkpoint.path)
     everyone: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if len(set(everyone)) > 1:

@@ -127,7 +127,7 @@ def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
     hidden = model.embedding(ids)
     run_nodes(plans[2], (hidden,), state)
     parts = state.layer_parts
-    assert set(parts) == {0, 1} and parts[0].row_slot is not parts[1].row_slot
+    assert set(parts) == {0, 1} and parts[0].row_choice is not parts[1].row_choice
     state.wgrad_queue = "queue"
     assert parts[1].wgrad_queue == "queue" and not parts[0].recomputing
 

@@ -1,4 +1,4 @@
-"""Steps timed node by node from a profile, in the engine's issue order (``sim/programs``)."""
+"""Actions timed node by node from a profile, in the engine's issue order (``sim/programs``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megapipe.schedule.rank_plan import (
+from megapipe.schedule.rank_views import (
     checked_lowering,
     forward_only_schedule,
     in_flight_limit,

@@ -75,14 +75,14 @@ class _Pair:
 
     def prepare(self):
         """A recorded tape and its output gradients (not timed)."""
-        from megapipe.overlap.combined import record_forward
+        from megapipe.overlap.sequential import record_forward
 
         outputs, tape = record_forward(self.plans, (self._hidden(),))
         return tape, [torch.ones_like(outputs[0])], self._hidden()
 
     def plain(self, tape, grads, x) -> None:
         """The nodes one after the other (as the replay's pair: W inside B)."""
-        from megapipe.overlap.combined import record_forward, run_backward
+        from megapipe.overlap.sequential import record_forward, run_backward
 
         record_forward(self.plans, (x,))
         run_backward(tape, grads)

@@ -227,7 +227,7 @@ def _pair(s: ReplaySettings, groups) -> dict:
     microbatch's backward of them, combined vs one after the other (ms, median of 3)."""
     from megapipe.overlap import make_streams
     from megapipe.overlap.combined import combined_step
-    from megapipe.overlap.combined import record_forward, run_backward
+    from megapipe.overlap.sequential import record_forward, run_backward
 
     from replay_stage import ReplayStage
 

@@ -31,10 +31,10 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
-from megapipe.overlap.combined import CombinedStep, BackwardHalf, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Streams
-from megapipe.overlap.combined import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.mixed_precision import cast_to_bf16
 

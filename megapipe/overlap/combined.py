@@ -1,19 +1,19 @@
-"""Running nodes: one microbatch alone, or the combined step (one forward beside one backward).
+"""The combined step: one microbatch's forward beside another's backward, node by node.
 
 A node runs forward with ``forward_node`` (its function on its detached inputs) and backward
 with ``backward_node`` (one call into autograd's engine: the call ``torch.autograd.backward``
 makes, without its argument checks, since the gradients come from autograd itself); the tape
-(``tape.Tape``) keeps what each leaves for the other. ``record_forward`` and ``run_backward`` run
-a stage's nodes one after the other (the sequential path, bitwise plain autograd).
+(``tape.Tape``) keeps what each leaves for the other. ``sequential`` runs a stage's nodes one
+after the other with them (the tape path, bitwise plain autograd).
 
 ``CombinedStep(streams, backward)`` is a node runner: the stage's forward hands it its layers
 one by one (``run_layer``), it records each on a new tape and issues the layer's nodes beside
 the next backward layer of the other microbatch's tape in the order ``megapipe.schedule.
-pair_order`` gives (the one statement of the pair order; its docstring has the table). Each
-issue goes to its stream: a node's forward or backward is ``Tape.forward_node`` or
-``Tape.backward_node``, deferred weight gradients (W) a ``WeightGradQueue`` run on the compute
-stream. ``finish()`` runs the backward layers that had no partner and the W items still
-waiting, and orders the compute stream after the comm stream.
+pair_order`` gives (the one statement of the pair order; its docstring has the table), each on
+its stream (``_issue``): ``forward_node``, ``backward_node``, or deferred weight gradients (W)
+from a ``WeightGradQueue`` on the compute stream. ``finish()`` runs the backward layers that
+had no partner and the W items still waiting, and orders the compute stream after the comm
+stream.
 
 - **Dataflow.** A node waits only for the nodes its ``Issue.needs`` name (an event wait, made on
   the other stream), never for a slot to end: on CUDA the host issues a whole layer pair
@@ -21,7 +21,7 @@ waiting, and orders the compute stream after the comm stream.
   compute node needs a comm node's output.
 - **One comm stream.** Every comm node runs on the communication stream in the order's sequence,
   which depends on the layers' node kinds only, so every rank issues its collectives alike.
-- **Bitwise.** The operations are those of the sequential tape (``record_forward``,
+- **Bitwise.** The operations are those of the tape path (``sequential.record_forward``,
   ``run_backward``, the same W GEMMs), only their order differs, and the two sides belong to
   different microbatches. On CUDA, autograd runs each backward op on the stream its forward op
   ran on, so a comm node's backward overlaps only when its forward also ran on the comm stream
@@ -44,7 +44,7 @@ from torch.autograd import Variable
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import Node, Track, WarnOnce, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
-from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values, checked
+from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values, checked, detached
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.schedule.node_timing import NodeTimes
 from megapipe.schedule.pair_order import (
@@ -52,13 +52,40 @@ from megapipe.schedule.pair_order import (
 )
 
 _run_backward = Variable._execution_engine.run_backward  # what torch.autograd.backward calls
+_WHOLE = slice(None)
+
+
+def node_inputs(layer: LayerRecord, index: int) -> Values:
+    """The detached inputs of node ``index`` of ``layer``, gathered from its sources on first
+    use (the previous node's outputs, for a node of a chain)."""
+    record = layer.nodes[index]
+    if record.inputs is not None:
+        return record.inputs
+    if len(record.sources) == 1:  # one source (a node of a chain: the node before it)
+        source, part = record.sources[0]
+        values = layer.given_inputs if source < 0 else layer.nodes[source].outputs
+        if values is None:
+            raise RuntimeError(f"node {record.node.name!r} reads node "
+                               f"{layer.nodes[source].node.name!r}, whose forward has not run")
+        record.inputs = detached(values if part == _WHOLE else values[part])
+        return record.inputs
+    parts = []
+    for source, part in record.sources:
+        values = layer.given_inputs if source < 0 else layer.nodes[source].outputs
+        if values is None:
+            raise RuntimeError(f"node {record.node.name!r} reads node "
+                               f"{layer.nodes[source].node.name!r}, whose forward has not run")
+        parts.append(values[part])
+    record.sizes = tuple(len(p) for p in parts)
+    record.inputs = detached(tuple(v for p in parts for v in p))
+    return record.inputs
 
 
 def forward_node(tape: Tape, layer: LayerRecord, index: int) -> Values:
     """Run the forward of node ``index`` of ``layer`` (recorded on ``tape``)."""
     record = layer.nodes[index]
-    inputs = record.inputs if record.inputs is not None else tape.node_inputs(layer, index)
-    outputs = checked(record.node.fn(layer.state, inputs), f"node {record.node.name!r}")
+    outputs = checked(record.node.fn(layer.state, node_inputs(layer, index)),
+                      f"node {record.node.name!r}")
     tape.node_ran_forward(layer, index, outputs)
     return outputs
 
@@ -76,56 +103,6 @@ def backward_node(tape: Tape, layer: LayerRecord, index: int) -> Grads:
     if roots:
         _run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
     return tape.node_ran_backward(layer, index)
-
-
-def record_forward(layer_plans: Sequence[Sequence[Any]], inputs: Sequence[Any],
-                   track: Track | None = None) -> tuple[Values, Tape]:
-    """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
-
-    ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
-    (their ``.grad`` is not touched). ``track`` becomes the tape's ``track``.
-    """
-    runner = TapeRunner(track, route_input_grads=False)
-    values = checked(inputs, "stage inputs")
-    for plan in layer_plans:
-        values = runner.run_layer(plan, values)
-    return values, runner.tape
-
-
-def run_backward(tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None,
-                 wgrad: WeightGradQueue | None = None) -> Grads:
-    """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
-
-    ``grad_outputs`` are the gradients of the tape's outputs (None: read the outputs' ``.grad``,
-    e.g. after ``loss.backward()`` on them). ``wgrad`` (a ``WeightGradQueue``) defers the weight
-    gradients of ops that support it into the queue; the caller flushes the queue.
-    """
-    grads = grad_outputs
-    while tape.remaining_backward_layers():
-        layer = tape.begin_layer_backward(grads, wgrad)
-        for index in reversed(range(len(layer.nodes))):
-            backward_node(tape, layer, index)
-        grads = None
-    if tape.input_grads is None:
-        raise RuntimeError("the tape's first layer never ran backward")
-    return tape.input_grads
-
-
-class TapeRunner:
-    """Records the layers a model runs through ``run_layer`` on a tape, node after node (e.g. as
-    ``GPTStage.node_runner``). Gradients of tensors that enter the first layer flow on into them
-    (their graph, or their ``.grad`` for leaves) as plain autograd would, unless
-    ``route_input_grads`` is False; ``run_backward`` also returns them."""
-
-    def __init__(self, track: Track | None = None, route_input_grads: bool = True) -> None:
-        self.tape = Tape(route_input_grads, track)
-
-    def run_layer(self, plan: Sequence[Any], inputs: Sequence[Any]) -> Values:
-        layer = self.tape.begin_layer(plan, inputs)
-        for index in range(len(layer.nodes)):
-            forward_node(self.tape, layer, index)
-        assert layer.outputs is not None
-        return layer.outputs
 
 
 @dataclass

@@ -37,7 +37,6 @@ from megapipe.overlap.wgrad import WeightGradQueue
 
 Values = tuple[Any, ...]
 Grads = tuple[torch.Tensor | None, ...]
-_WHOLE = slice(None)
 
 
 def detached(values: Sequence[Any]) -> Values:
@@ -120,8 +119,8 @@ class LayerRecord:
 class Tape:
     """The layer records of one microbatch, in forward order (module docstring).
 
-    ``begin_layer`` adds a layer; each node's forward then reads ``node_inputs`` and reports its
-    outputs to ``node_ran_forward``. ``begin_layer_backward`` takes the last layer not yet gone
+    ``begin_layer`` adds a layer; each node's forward then reports its outputs to
+    ``node_ran_forward``. ``begin_layer_backward`` takes the last layer not yet gone
     backward; each node's backward reports its input gradients to ``node_ran_backward``, which
     delivers them to the nodes that made those inputs. ``route_input_grads``: the gradients of
     the first layer's inputs also flow on into the inputs' own graph or ``.grad``, as plain
@@ -168,33 +167,6 @@ class Tape:
         layer.forward_count += 1
         if layer.forward_count == len(layer.nodes):
             layer.outputs = detached(outputs)
-
-    def node_inputs(self, layer: LayerRecord, index: int) -> Values:
-        """The detached inputs of node ``index``, gathered from its sources on first use (the
-        previous node's outputs, for a node of a chain)."""
-        record = layer.nodes[index]
-        if record.inputs is not None:
-            return record.inputs
-        if len(record.sources) == 1:  # one source (a node of a chain: the node before it)
-            source, part = record.sources[0]
-            producer = layer.nodes[source] if source >= 0 else None
-            values = layer.given_inputs if producer is None else producer.outputs
-            if values is None:
-                raise RuntimeError(f"node {record.node.name!r} reads node "
-                                   f"{layer.nodes[source].node.name!r}, whose forward has not run")
-            record.inputs = detached(values if part == _WHOLE else values[part])
-            return record.inputs
-        parts = []
-        for source, part in record.sources:
-            producer = layer.nodes[source] if source >= 0 else None
-            if producer is not None and producer.outputs is None:
-                raise RuntimeError(f"node {record.node.name!r} reads node "
-                                   f"{producer.node.name!r}, whose forward has not run")
-            values = layer.given_inputs if producer is None else producer.outputs
-            parts.append(values[part])
-        record.sizes = tuple(len(p) for p in parts)
-        record.inputs = detached(tuple(v for p in parts for v in p))
-        return record.inputs
 
     @property
     def outputs(self) -> Values:

@@ -25,7 +25,7 @@ from megapipe.overlap.grouped_gemm import (  # noqa: E402
     grouped_forward, grouped_input_grad, grouped_weight_grad, use_grouped_mm,
 )
 from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
-from megapipe.overlap.combined import run_backward  # noqa: E402
+from megapipe.overlap.sequential import run_backward  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 from megapipe.train.mixed_precision import cast_to_bf16  # noqa: E402
 from megapipe.train.optim import build_optimizer  # noqa: E402

@@ -27,7 +27,7 @@ from megapipe.overlap.combined import combined_step  # noqa: E402
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 from megapipe.overlap.plan import Node, NodeKind  # noqa: E402
 from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
-from megapipe.overlap.combined import record_forward, run_backward  # noqa: E402
+from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 
 

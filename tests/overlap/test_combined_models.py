@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megapipe.models import GPTConfig, build_stage, gpt_loss
 from megapipe.overlap.combined import combined_step
 from megapipe.overlap.streams import make_streams
-from megapipe.overlap.combined import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 

@@ -19,7 +19,7 @@ from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )
-from megapipe.overlap.combined import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.mixed_precision import cast_to_bf16
 

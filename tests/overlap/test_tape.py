@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
-from megapipe.overlap.combined import TapeRunner, backward_node, record_forward, run_backward
+from megapipe.overlap.combined import backward_node
+from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 

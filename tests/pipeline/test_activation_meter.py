@@ -17,7 +17,7 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.overlap.main_grad import accumulated_grad, attach_main_grads
 from megapipe.overlap.plan import LayerState, Node, NodeKind
-from megapipe.overlap.combined import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.executor import PipelineExecutor

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.overlap.combined import CombinedStep, BackwardHalf, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
-from megapipe.overlap.combined import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.schedule.pair_order import FILL, HEAD
@@ -238,7 +238,7 @@ def test_a_group_is_driven_from_one_stream_only():
 
 def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
     """The Megatron front-end pattern: a model forward calls run_layer on a node runner."""
-    from megapipe.overlap.combined import TapeRunner
+    from megapipe.overlap.sequential import TapeRunner
 
     def model_forward(stack, runner, x):
         out = x

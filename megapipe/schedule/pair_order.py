@@ -17,14 +17,16 @@ one *slot*; otherwise the backward's group goes alone (the forward's once the ba
 done). For two MoE layers (attention, dispatch, experts, combine, finish) that is Megatron's
 pair, with the deferred weight gradients (W) of the count rule:
 
-| slot | comm stream  | compute stream                                          |
-|------|--------------|---------------------------------------------------------|
-| 1    |              | B finish                                                |
-| 2    | B combine    | F attention, then the W tail of the previous B layer    |
-| 3    | F dispatch   | B experts                                               |
-| 4    | B dispatch   | F experts, then the W head of this B layer              |
-| 5    | F combine    | B attention                                             |
-| 6    |              | F finish                                                |
+| slot | comm stream | compute stream                                   |
+|------|-------------|--------------------------------------------------|
+| 1    |             | B finish                                         |
+| 2    | B combine   | F attention, then W tail of the previous B layer |
+| 3    | F dispatch  | B experts                                        |
+| 4    | B dispatch  | F experts, then W head of this B layer           |
+| 5    | F combine   | B attention                                      |
+| 6    |             | F finish                                         |
+
+(``format_pair_table`` makes this table from the order itself; a test keeps the two equal.)
 
 **Dataflow, no joins.** A slot only says what runs beside what; nothing waits for a slot to
 end. Each node waits for the nodes it reads (a backward node: the nodes that read it), or for
@@ -419,14 +421,25 @@ def compute_first_positions(issues: Sequence[Issue]) -> list[int]:
 
 
 def format_pair_table(forward: LayerKinds, backward: LayerKinds,
-                      names: Sequence[str] | None = None) -> str:
-    """The pair of one forward and one backward layer as the table of the module docstring
-    (without the W items), from ``pair_slots``: what the docs print is what the engine runs."""
+                      names: Sequence[str] | None = None, defer_wgrad: bool = False) -> str:
+    """One forward layer beside one backward layer as the table of the module docstring, made
+    from the order itself (``issue_order`` of two such pairs; the second, the steady state, is
+    shown): what the docs print is what the engine runs. ``defer_wgrad``: with the count rule's
+    W items in the compute column."""
+    issues = issue_order([forward, forward], [backward, backward], defer_wgrad)
+    pair = [i for i in issues if (i.side, i.layer) in (("F", 1), ("B", 0))]
+    slots = sorted({i.slot for i in pair})
 
-    def text(refs: tuple[NodeRef, ...]) -> str:
-        return ", ".join(f"{side} {names[n] if names else n}" for side, n in refs)
+    def text(issue: Issue) -> str:
+        if issue.side == "W":
+            return "W head of this B layer" if issue.node == HEAD else \
+                "W tail of the previous B layer"
+        return f"{issue.side} {names[issue.node] if names else issue.node}"
 
     rows = ["| slot | comm stream | compute stream |", "|---|---|---|"]
-    for number, (comm, compute) in enumerate(pair_slots(forward, backward), 1):
-        rows.append(f"| {number} | {text(comm)} | {text(compute)} |")
+    for number, slot in enumerate(slots, 1):
+        members = [i for i in issues if i.slot == slot and (i.side == "W" or i in pair)]
+        comm = ", ".join(text(i) for i in members if i.stream == COMM)
+        compute = ", then ".join(text(i) for i in members if i.stream == COMPUTE)
+        rows.append(f"| {number} | {comm} | {compute} |")
     return "\n".join(rows)

@@ -4,7 +4,8 @@ import pytest
 
 from megapipe.schedule.node_timing import NodeTimes, time_issues
 from megapipe.schedule.pair_order import (
-    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, compute_first, issue_order, pair_slots,
+    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, compute_first, format_pair_table,
+    issue_order, pair_slots,
 )
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
@@ -135,11 +136,11 @@ def _timed_plan(layers):
     """The time rule on DeepSeek's pair: each node's times, the experts' W as 3 items."""
     times = [NodeTimes(DEEPSEEK[("F", n)], DEEPSEEK[("B", n)], (6.4 / 3,) * 3 if n == 2 else ())
              for n in range(5)]
-    planner = IssueOrder([MOE] * layers, defer_wgrad=True, backward_times=[times] * layers)
+    order = IssueOrder([MOE] * layers, defer_wgrad=True, backward_times=[times] * layers)
     for _ in range(layers):
-        planner.forward_layer(MOE, times)
-    planner.finish()
-    return planner.issues
+        order.forward_layer(MOE, times)
+    order.finish()
+    return order.issues
 
 
 def _timed_duration(issues):
@@ -239,3 +240,28 @@ def test_every_node_of_chunked_layers_is_issued_once_after_its_inputs(forward, b
     sizes = {"F": [8 if shape is MOE2 else len(shape) for shape in forward],
              "B": [8 if shape is MOE2 else len(shape) for shape in backward]}
     assert len(done) == sum(sizes["F"]) + sum(sizes["B"])
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of the first markdown table in ``text`` with a 'slot' header, spaces trimmed."""
+    start = text.index("| slot")
+    rows = []
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        if not set(line) <= set("|- "):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_pair_table_of_the_docs_and_the_docstring_is_the_order_itself():
+    from pathlib import Path
+
+    from megapipe.schedule import pair_order
+
+    table = _table_rows(format_pair_table(MOE, MOE, NAMES, defer_wgrad=True))
+    assert table[1:3] == [["1", "", "B finish"],
+                          ["2", "B combine", "F attention, then W tail of the previous B layer"]]
+    doc = Path(__file__).resolve().parents[2] / "docs" / "combined-step.md"
+    assert _table_rows(doc.read_text()) == table
+    assert _table_rows(pair_order.__doc__) == table

@@ -8,7 +8,9 @@ parallelism (the all-to-alls are local), for the steady-state layer pair: ``moe_
 layers' forward beside another microbatch's backward of them, run one after the other (plain
 tape path) and combined (``combined_step``, deferred expert weight gradients). Printed per node
 (forward and backward nodes of the pair): the process's CPU time (both threads, so it does not
-depend on what else the machine runs) and the wall time, median over rounds. ``--node-ms X``
+depend on what else the machine runs) and the wall time, median over rounds, beside the model's
+own work (``model``: the same layers by plain autograd, no tape, no streams); the difference is
+the engine's own host time per node. ``--node-ms X``
 gives every node X ms instead and solves the host cost per node at which the simulator's pair
 equals the measured one, as the replay's calibration does (``replay_calibration``).
 
@@ -73,12 +75,29 @@ class _Pair:
     def _hidden(self) -> torch.Tensor:
         return torch.randn(self.shape, generator=self.generator).requires_grad_()
 
-    def prepare(self):
-        """A recorded tape and its output gradients (not timed)."""
+    def prepare(self, label: str = "plain"):
+        """A recorded tape and its output gradients (not timed); for ``model`` the same layers
+        recorded by plain autograd."""
+        from megapipe.overlap.plan import run_nodes
         from megapipe.overlap.sequential import record_forward
 
+        if label == "model":
+            values = (self._hidden(),)
+            for plan in self.plans:
+                values = run_nodes(plan, values)
+            return values[0], torch.ones_like(values[0]), self._hidden()
         outputs, tape = record_forward(self.plans, (self._hidden(),))
         return tape, [torch.ones_like(outputs[0])], self._hidden()
+
+    def model(self, output, grad, x) -> None:
+        """The model's own work: the forward of ``x`` and the backward of ``output`` with plain
+        autograd (no tape, no streams): what any engine has to run."""
+        from megapipe.overlap.plan import run_nodes
+
+        values = (x,)
+        for plan in self.plans:
+            values = run_nodes(plan, values)
+        torch.autograd.backward(output, grad)
 
     def plain(self, tape, grads, x) -> None:
         """The nodes one after the other (as the replay's pair: W inside B)."""
@@ -98,21 +117,21 @@ class _Pair:
 LABELS = ("plain", "combined")
 
 
-def _timed_rounds(pair: _Pair, rounds: int) -> dict:
-    """Per label, the median (CPU ms, wall ms) of ``rounds`` runs (plain and combined take
-    turns; one warm-up run each)."""
-    cpu: dict = {label: [] for label in LABELS}
-    wall: dict = {label: [] for label in LABELS}
+def _timed_rounds(pair: _Pair, rounds: int, labels: tuple[str, ...] = LABELS) -> dict:
+    """Per label, the median (CPU ms, wall ms) of ``rounds`` runs (the labels take turns; one
+    warm-up run each)."""
+    cpu: dict = {label: [] for label in labels}
+    wall: dict = {label: [] for label in labels}
     for r in range(rounds + 1):
-        for label in LABELS if r % 2 else LABELS[::-1]:
-            args = pair.prepare()
+        for label in labels if r % 2 else labels[::-1]:
+            args = pair.prepare(label)
             c0, w0 = time.process_time(), time.perf_counter()
             getattr(pair, label)(*args)
             cpu[label].append((time.process_time() - c0) * 1e3)
             wall[label].append((time.perf_counter() - w0) * 1e3)
             pair.stage.zero_grad(set_to_none=True)
     return {label: (statistics.median(cpu[label][1:]), statistics.median(wall[label][1:]))
-            for label in LABELS}
+            for label in labels}
 
 
 def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
@@ -149,7 +168,7 @@ def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
     comm.submit(worker.enable).synchronize()
     run = getattr(pair, label)
     for _ in range(rounds):
-        args = pair.prepare()
+        args = pair.prepare(label)
         host.enable()
         run(*args)
         host.disable()
@@ -189,12 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     profile = _uniform(a.node_ms)
     with make_streams("cpu") as streams:
         pair = _Pair(s, a.a2a_chunks, streams, profile)
-        figures = _timed_rounds(pair, a.rounds)
+        figures = _timed_rounds(pair, a.rounds, ("model",) + LABELS)
         print(f"layer pair of {a.moe_layers} MoE layers, {a.a2a_chunks} chunk(s), {pair.nodes} "
               f"F+B nodes, every node {a.node_ms:g} ms, {a.rounds} rounds (median):")
         for label, (cpu, wall) in figures.items():
             print(f"  {label:<8} CPU {cpu / pair.nodes:.3f} ms/node, wall {wall / pair.nodes:.3f}"
                   " ms/node")
+        model = figures["model"][0]
+        print(f"  engine's own CPU per node (the row minus model): plain "
+              f"{(figures['plain'][0] - model) / pair.nodes:.3f}, combined "
+              f"{(figures['combined'][0] - model) / pair.nodes:.3f} ms")
         print(f"  combined / plain CPU: {figures['combined'][0] / figures['plain'][0]:.2f}")
         for label in LABELS if a.node_ms > 0 else ():
             print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1]))

@@ -238,26 +238,23 @@ class CombinedStep:
                         crossed = True
                     if node.group is not None:
                         streams.claim(node.group, stream)
-                if crossed and stream.keeps_memory:  # made on the other stream, used here
-                    stream.record_use(self._made_elsewhere(layer, issue))
-                run = forward_node if forward else self._backward_node
+                keep = crossed and stream.keeps_memory  # made on the other stream, used here
+                if forward:
+                    if keep:  # the producers' outputs: a CUDA host issued them already
+                        stream.record_use([layer.given_inputs if s < 0 else layer.nodes[s].outputs
+                                           for s, _ in layer.nodes[issue.node].sources])
+                    run, args = forward_node, (tape, layer, issue.node)
+                else:  # its output gradients are known once its layer's backward began
+                    run, args = self._backward_node, (tape, layer, issue.node,
+                                                      stream if keep else None)
                 if self.trace is not None:
                     run = self._traced(run, stream, issue, node)
-                self._events[start + n] = stream.submit(run, tape, layer, issue.node)
+                self._events[start + n] = stream.submit(run, *args)
                 if not forward and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:
             _quietly_wait(streams.comm.record_event())  # never abandon a tape in use
             raise
-
-    def _made_elsewhere(self, layer: LayerRecord, issue: Issue) -> Any:
-        """What a node reads that another stream made (a CUDA host issued it already): a forward
-        node's producers' outputs, a backward node's output gradients."""
-        record = layer.nodes[issue.node]
-        if issue.side == "B":
-            return record.grads
-        return [layer.given_inputs if source < 0 else layer.nodes[source].outputs
-                for source, _ in record.sources]
 
     def _reads_caller(self, issue: Issue) -> bool:
         """Whether a node reads what the caller gave: a forward layer's input (it reads no node
@@ -268,9 +265,11 @@ class CombinedStep:
         return issue.layer == len(order.backward_layers) - 1 and \
             not order.backward_layers[issue.layer].readers[issue.node]
 
-    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
+    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int,
+                       keep_on: Stream | None) -> Grads:
         """``backward_node``; the layer's first backward node begins the layer on its stream
-        (after the layer before it ended there or on the other stream)."""
+        (after the layer before it ended there or on the other stream). ``keep_on``: the stream
+        the output gradients cross to (their memory is kept for it: CUDA)."""
         assert self.backward is not None
         if index == len(layer.nodes) - 1:
             grads = self.backward.grads if layer.index == len(tape.layers) - 1 else None
@@ -278,6 +277,8 @@ class CombinedStep:
                 else self._layer_wgrad[layer.index]
             begun = tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)
             assert begun is layer, (begun.index, layer.index)
+        if keep_on:
+            keep_on.record_use(layer.nodes[index].grads)
         return backward_node(tape, layer, index)
 
     def _issue_wgrad(self, issue: Issue) -> None:

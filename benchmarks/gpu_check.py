@@ -1,20 +1,25 @@
 """Every figure that matters from one GPU, in one command (``scripts/gpu_check.sh`` runs it).
 
-Sections, in priority order, each in its own process with its own timeout within ``--budget``
-(the modules are in ``benchmarks/gpu_sections/``, one per section):
+Sections, ordered by value, each in its own process with its own timeout within ``--budget``
+(the modules are in ``benchmarks/gpu_sections/``, one per section; ``registry.py`` lists them):
 
     env       device, clocks, memory, versions; copy bandwidth, bf16 GEMM TFLOP/s
     tests     pytest tests/gpu -rA
-    syncs     host reads of one combined step by node (only the documented one), sync-debug
-              sites as file:line, the host's wait in the documented read
+    syncs     host reads of one combined step by node (only the documented one), no
+              synchronizing CUDA call, the host's wait in the documented read
+    executor  pp = 1, 1f1b, 8 microbatches, deterministic kernels: plain vs combined bitwise,
+              a plain-vs-plain control, a slow comm stream as race detector; step and host
+              times, GPU idle share
     streams   profiler trace of one combined step: streams per node, concurrent kernel ms
     overlap   ep = 1 MoE layer pair and step, sequential vs combined (also deferred wgrad and
-              chunked all-to-alls), modelled all-to-all
+              chunked all-to-alls), modelled all-to-all, node timeline of the headline pair
     gemm      experts' GEMMs: per-expert loop vs grouped_mm (megapipe's grouped_gemm)
     kernels   Triton permute/unpermute vs torch and vs the copy bandwidth
-    executor  pp = 1, 1f1b, 8 microbatches: plain vs combined bitwise, step times, idle share
+    pretrain  world size 1 on NCCL, --deterministic-mode, 20 iterations: exit, save and resume
+              bitwise, tokens/s
     ep_gloo   two processes on one GPU over gloo: ep = 2 vs ep = 1, combined vs plain
-    pretrain  world size 1 on NCCL, 20 iterations: exit, save and resume bitwise, tokens/s
+    megatron  Megatron-Core's GPT (when a megatron-core wheel was carried): megapipe's combined
+              step vs Megatron's combined_1f1b, bitwise
 
 Everything that trains or times runs in bf16 with fp32 main gradients (``--bf16``).
 
@@ -24,10 +29,12 @@ GPU-only parts as skipped with the reason; the test suite runs it.
 Writes at most four files into ``--out``: ``gpu_check.json`` (everything), ``gpu_check.md`` (the
 readable report), ``gpu_check.log`` (every section's output) and ``streams_trace.json.gz`` (the
 profiler trace of one combined step); ``scripts/gpu_check.sh`` adds ``setup.log``. Both reports
-are rewritten after each section, so a run cut short keeps what it measured. Prints a table at
+are rewritten after each section, and the running section writes its figures as they come to
+``gpu_check.current.json`` there (folded into the reports when it ends), so a run killed at any
+moment keeps what it measured. Prints a table at
 the end; the last line is ``N passed, N failed, N skipped``; exit code 1 when a section failed.
 
-    python benchmarks/gpu_check.py --out DIR [--budget 540] [--dry-run] [--sections a,b]
+    python benchmarks/gpu_check.py --out DIR [--budget 360] [--dry-run] [--sections a,b]
 """
 
 from __future__ import annotations
@@ -54,12 +61,13 @@ REPO = Path(__file__).resolve().parents[1]
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the reports (created)")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="seconds for all sections together (default 540)")
+    parser.add_argument("--budget", type=float, default=360.0,
+                        help="seconds for all sections together (default 360)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every section on the CPU with tiny sizes")
     parser.add_argument("--sections", default=None,
-                        help="comma list of sections to run (default: all, in priority order)")
+                        help="comma list of sections to run (default: all, in priority order); "
+                        "with --budget, a rerun of a subset in the time left")
     parser.add_argument("--keep-scratch", action="store_true",
                         help="keep the scratch folder (per-section JSON, checkpoints)")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")

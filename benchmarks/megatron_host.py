@@ -198,8 +198,12 @@ def run(rounds: int) -> int:
 
     from megapipe.parallel.launch import start_local_ranks
 
+    import warnings
+
     try:
-        import megatron.core  # noqa: F401
+        with warnings.catch_warnings():  # Megatron's notes on Apex and TransformerEngine
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
     except ImportError:
         print("--megatron needs megatron-core (bash scripts/setup.sh installs 0.16.1)")
         return 2

@@ -1,6 +1,6 @@
 """Replay: the real engine with every node lasting its time in a profile (``overlap.py --replay``).
 
-Four gloo processes (pp = 2, dp = 2, ep = 2) run the real executor, streams, co-scheduler and p2p
+Four gloo processes (pp = 2, dp = 2, ep = 2) run the real executor, streams, combined step and p2p
 on a tiny MoE GPT whose every node (attention, dispatch, experts, combine, embedding, head) does
 its real work and then sleeps until its profile time has passed (``replay_stage``): the host
 and the cores are left free as a GPU kernel leaves them, so the CPU's limits drop out and what

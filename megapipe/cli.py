@@ -2,7 +2,8 @@
 
 ``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap [--max-extra-in-flight K]]`` builds a
 schedule, prints it as a rank-by-step grid with its simulated metrics (with overlap also the
-peak in flight plain and combined and the makespan at each in-flight budget), and optionally
+peak in flight plain and combined and the makespan at each in-flight budget; with
+``--dp-reduce T`` the data-parallel reduction after the step and overlapped), and optionally
 writes it as CSV (torch's format), a PNG timeline and a Chrome trace. ``megapipe schedule --pick
 --pp P -m M --activation-bytes B --memory-budget BYTES`` instead prints the fastest schedule,
 vpp, in-flight budget and recompute choice whose activations fit (``sim/pick.py``). Bad arguments end with a one-line error and exit code 2.
@@ -73,6 +74,11 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--moe-layers", type=int, default=1,
                    help="MoE layers per stage, each with a dispatch and a combine (default 1)")
     p.add_argument("--p2p-latency", type=float, default=0.0, help="stage-to-stage latency")
+    p.add_argument("--dp-reduce", type=float, default=None, metavar="T",
+                   help="time of one stage's data-parallel gradient reduction: also print how "
+                        "much of it is exposed after the step and overlapped with the backward")
+    p.add_argument("--dp-buckets", type=_positive_int, default=1, metavar="N",
+                   help="with --dp-reduce: buckets per stage (default 1)")
     p.add_argument("--pick", action="store_true",
                    help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
                         "whose activations fit --memory-budget (needs --activation-bytes)")
@@ -133,6 +139,10 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     print()
     print(f"simulated with {costs.describe()}")
     print(result.summary())
+    if args.dp_reduce is not None:
+        from .sim.dp_reduction import DPCosts, dp_reduction
+
+        print(dp_reduction(schedule, result, DPCosts(args.dp_reduce, args.dp_buckets)).summary())
     if overlap:
         _print_budgets(args, costs, extra)
     if args.csv:

@@ -16,9 +16,10 @@
 #     a .pth file adds its site-packages (pip and setuptools come from there too); then
 #     pip install --no-index --no-deps --no-build-isolation -e .
 #  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at a folder of
-#     links in which megapipe/kernels is the repository's kernels/ (as pyproject maps it).
+#     links in which megapipe/kernels is the repository's kernels/ (as pyproject maps it), and
+#     PYTHONSAFEPATH=1 so the repository root the sections run from does not shadow it.
 # GPU_CHECK_SETUP=venv or links forces one way (default auto: as above).
-# BUDGET (default 540) is passed as --budget: seconds for all sections together.
+# BUDGET (default 360) is passed as --budget: seconds for all sections together.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -56,8 +57,9 @@ pick_python() {
   return 1
 }
 
-imports_megapipe() {  # $1: python; megapipe and its kernels must resolve to this checkout
-  (cd / && "$1" -c "
+imports_megapipe() {  # $1: python; megapipe and its kernels must resolve to this checkout,
+  # checked from the repository root, where the sections run (its megapipe/ has no kernels/)
+  (cd "$ROOT" && "$1" -c "
 import os, sys, megapipe.kernels, megapipe.train
 where = os.path.realpath(megapipe.kernels.__file__)
 assert where.startswith(os.path.realpath(sys.argv[1]) + os.sep), where
@@ -92,6 +94,9 @@ links_setup() {  # $1: python; exports PYTHONPATH to a folder of links
   ln -s "$ROOT"/megapipe/* "$farm/megapipe/" && ln -s "$ROOT/kernels" "$farm/megapipe/kernels" \
     || return 1
   export PYTHONPATH="$farm${PYTHONPATH:+:$PYTHONPATH}"
+  # the sections run from the repository root: without this (Python >= 3.11) its megapipe/,
+  # which has no kernels/, would come first on sys.path and shadow the folder of links
+  export PYTHONSAFEPATH=1
   imports_megapipe "$1"
 }
 
@@ -114,7 +119,8 @@ say "running with $RUN_PY"
 if [ "$SETUP_ONLY" = 1 ]; then
   echo "python: $RUN_PY"
   echo "PYTHONPATH: ${PYTHONPATH:-}"
+  echo "PYTHONSAFEPATH: ${PYTHONSAFEPATH:-}"
   exit 0
 fi
 export PYTHONUNBUFFERED=1
-exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-540}" "$@"
+exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-360}" "$@"

@@ -23,29 +23,38 @@ class SectionSpec:
         return f"gpu_sections.sec_{self.name}"
 
 
+DETERMINISTIC = (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)  # before the process's first GEMM
+
+# Ordered by value: the evidence that megapipe is right on a GPU first (tests, syncs, the
+# executor's bitwise runs), then what it buys (streams, overlap), then the parts around it.
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("env", 40, 15, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
+    SectionSpec("env", 30, 10, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
                 "TFLOP/s (the ceilings the other sections compare with)", needs_cuda=False),
-    SectionSpec("tests", 120, 30, "pytest tests/gpu -rA", needs_cuda=False),
-    SectionSpec("syncs", 45, 15, "host syncs of one combined step: every host read by node (only "
-                "the dispatch's documented one), sync-debug sites, the host's wait in the read"),
-    SectionSpec("streams", 50, 20, "profiler trace of one combined step: the stream of each "
+    SectionSpec("tests", 60, 20, "pytest tests/gpu -rA", needs_cuda=False),
+    SectionSpec("syncs", 30, 10, "host syncs of one combined step: every host read by node (only "
+                "the dispatch's documented one), no synchronizing CUDA call, the host's wait in "
+                "the read"),
+    SectionSpec("executor", 60, 25, "pp = 1, 1f1b, 8 microbatches, bf16, deterministic kernels: "
+                "plain vs combined bitwise (with a plain-vs-plain control, and with a slow comm "
+                "stream as race detector), step times, host time, GPU idle share",
+                env=DETERMINISTIC),
+    SectionSpec("streams", 30, 10, "profiler trace of one combined step: the stream of each "
                 "node's kernels, milliseconds of compute and comm kernels at once"),
-    SectionSpec("overlap", 180, 60, "ep = 1 MoE layer pair and step in bf16, sequential vs "
+    SectionSpec("overlap", 75, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "
                 "combined (also deferred wgrad, chunked all-to-alls), all-to-all modelled on "
-                "the comm stream"),
-    SectionSpec("gemm", 35, 10, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
+                "the comm stream; the two most telling shapes"),
+    SectionSpec("gemm", 25, 8, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
                 "us per call"),
-    SectionSpec("kernels", 50, 15, "Triton permute/unpermute forward and backward: GB/s vs torch "
+    SectionSpec("kernels", 35, 10, "Triton permute/unpermute forward and backward: GB/s vs torch "
                 "and vs the copy bandwidth; compile times",
                 env=(("TRITON_CACHE_DIR", "{scratch}/triton-cache-kernels"),)),
-    SectionSpec("executor", 60, 20, "pp = 1, 1f1b, 8 microbatches, bf16: plain vs combined "
-                "bitwise, step times without and with a modelled link, GPU idle share",
-                env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
-    SectionSpec("ep_gloo", 60, 20, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
-                "combined vs plain, fp32 and bf16", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
-    SectionSpec("pretrain", 90, 40, "world size 1 on NCCL, bf16, 20 iterations; exit, save and "
-                "resume bitwise; tokens/s", env=(("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)),
+    SectionSpec("pretrain", 75, 30, "world size 1 on NCCL, bf16, --deterministic-mode, 20 "
+                "iterations; exit, save and resume bitwise; tokens/s", env=DETERMINISTIC),
+    SectionSpec("ep_gloo", 40, 15, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
+                "combined vs plain, fp32 and bf16", env=DETERMINISTIC),
+    SectionSpec("megatron", 45, 15, "Megatron-Core's GPT (a carried megatron-core wheel) on two "
+                "processes over gloo on the GPU, bf16, pp = 1, ep = 2: megapipe's combined step "
+                "vs Megatron's own combined_1f1b, bitwise", env=DETERMINISTIC),
 )
 
 

@@ -5,7 +5,9 @@ only the budget and the minimums apply.)
 
 Every section runs as ``python -m gpu_sections.child NAME`` in a new process session, with its
 stdout and stderr appended to the one log (``gpu_check.log``, under a header per section), and
-writes its result JSON into the scratch folder as it goes. The runner gives it the time the
+writes its result JSON as it goes to ``gpu_check.current.json`` in the output folder itself
+(``IN_PROGRESS``), so a kill of the whole check at any moment leaves the finished sections in
+the reports and the running one's partial figures beside them. The runner gives it the time the
 budget allows (``budget.py``); the child is told a little less so it can stop early and keep
 what it measured; past the full allowance its whole process group is stopped (TERM, then KILL)
 and the section fails with "timed out", keeping the partial results. After each section the
@@ -28,6 +30,7 @@ from gpu_sections.budget import Budget
 from gpu_sections.registry import SectionSpec
 from gpu_sections.result import empty, status_of
 
+IN_PROGRESS = "gpu_check.current.json"  # the running section's result, in the output folder
 WRAP_UP_S = 8.0  # the child's own limit is this much shorter than the runner's
 KILL_GRACE_S = 5.0  # between TERM and KILL
 
@@ -106,7 +109,7 @@ def finish_result(data: dict[str, Any], code: int | None, timed_out: bool, secon
 
 
 def run_section(spec: SectionSpec, settings: RunSettings, allowed: float) -> dict[str, Any]:
-    result_path = settings.scratch / f"{spec.name}.json"
+    result_path = settings.out / IN_PROGRESS
     result_path.unlink(missing_ok=True)
     with open(settings.log, "a") as log:
         log.write(f"\n===== section {spec.name} (allowed {allowed:.0f} s) =====\n")
@@ -116,6 +119,7 @@ def run_section(spec: SectionSpec, settings: RunSettings, allowed: float) -> dic
     data = empty(spec.name)
     if result_path.exists():
         data = json.loads(result_path.read_text())
+        result_path.unlink()  # folded into the reports by the caller
     elif not timed_out:
         data["error"] = f"the section wrote no result (exit code {code}; see gpu_check.log)"
     data["what"] = spec.what

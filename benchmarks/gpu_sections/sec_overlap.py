@@ -21,7 +21,7 @@ On the first configuration, at the sleep link of ratio 1, the combined step also
 expert weight gradients deferred (``delay_wgrad_compute``) and with the all-to-alls in 2
 chunks (``moe_a2a_chunks``), against the same sequential time.
 
-Targets (issue 12, reported, never asserted): pair speedup >= 1.8 and exposed all-to-all <= 10%
+Targets (reported, never asserted): pair speedup >= 1.8 and exposed all-to-all <= 10%
 at ratio 1; host issue time under half the GPU time at hidden 4096.
 """
 
@@ -38,14 +38,13 @@ from gpu_sections.gpu_timing import Timed
 from gpu_sections.link_model import copy_unavailable, make_link
 from gpu_sections.moe_bench import BASE, PairBench, Shape, Variant, build_layers
 
+# the two most telling shapes (the first GPU run measured four more; they said the same)
 REAL = (
     Shape(hidden=4096, heads=32, experts=8, top_k=2, ffn=14336, tokens=4096),  # Mixtral-like
     Shape(hidden=7168, heads=56, experts=32, top_k=8, ffn=2048, tokens=4096),  # DeepSeek-V3, EP 8
-    Shape(hidden=2048, heads=16, experts=32, top_k=8, ffn=1408, tokens=8192, batch=2),
-    Shape(hidden=4096, heads=32, experts=16, top_k=2, ffn=4096, tokens=8192, batch=2),
 )
 DRY = (Shape(hidden=64, heads=4, experts=4, top_k=2, ffn=32, tokens=64, batch=2),)
-RATIOS = (0.5, 1.0, 2.0)
+RATIOS = (1.0, 2.0)
 VARIANTS = (Variant(delay_wgrad=True), Variant(chunks=2))  # first configuration, sleep x1
 COLUMNS = ["config", "link", "a2a ms", "a2a GB/s", "fwd ms", "bwd ms", "sequential ms",
            "combined ms", "speedup", "ceiling", "exposed a2a", "host / GPU", "GPU idle"]
@@ -98,6 +97,8 @@ def _configuration(ctx, result, shape: Shape, dtype, reps: int, with_copy: bool,
             label = _link_label(kind, link, ratio)
             row = _measure(pair, reps)
             pairs.append(_row(shape, label, row))
+            if headline and kind == "sleep" and ratio == 1.0:
+                _node_timeline(result, shape, label, row["combined_spans"])
             if ratio == 1.0:
                 _targets(ctx, result, shape, f"{kind} link", row, headline and kind == "sleep")
             if headline and kind == "sleep" and ratio == 1.0:
@@ -137,7 +138,7 @@ def _measure(bench: PairBench, reps: int, variant: Variant = BASE,
     a2a_ms = alone.comm_ms / (4 * len(bench.layers))  # dispatch and combine, F and B
     payload = bench.shape.payload_bytes(bench.x_fwd.dtype)
     return {
-        "plain": plain, "a2a_ms": a2a_ms,
+        "plain": plain, "a2a_ms": a2a_ms, "combined_spans": combined.spans,
         "a2a_gbs": payload / (a2a_ms * 1e6) if a2a_ms else None,
         "fwd_ms": alone.total("F"), "bwd_ms": alone.total("B"),
         "sequential_ms": plain.device_ms, "combined_ms": combined.device_ms,
@@ -147,6 +148,15 @@ def _measure(bench: PairBench, reps: int, variant: Variant = BASE,
         "host_share": combined.host_ms / combined.device_ms,
         "idle": timeline.idle_share(combined.spans),
     }
+
+
+def _node_timeline(result, shape: Shape, link: str, spans: list) -> None:  # noqa: ANN001
+    """Every node of the headline combined pair on its stream, in GPU milliseconds: where the
+    all-to-all stays exposed, and what the compute stream waited for."""
+    rows = [[s.label, s.stream, s.kind, s.start, s.end, s.duration]
+            for s in sorted(spans, key=lambda s: (s.start, s.end))]
+    result.table(f"node timeline of the combined pair, {shape.short()}, {link}",
+                 ["node", "stream", "kind", "start ms", "end ms", "ms"], rows)
 
 
 def _row(shape: Shape, link: str, m: dict) -> list:

@@ -12,7 +12,7 @@ one combined step (the forward of microbatch 1 beside the backward of microbatch
   ``torch.cuda.set_sync_debug_mode("warn")``, each charged to the innermost line of megapipe that
   led to it (``sync_sites.py``); then the plain path (forward, then backward, on the tape). The
   documented read waits on an event behind a non-blocking copy into pinned memory, which the
-  sync-debug mode does not flag: a clean combined step shows none;
+  sync-debug mode does not flag: both must show none (checked);
 - **the host's wait in the documented read** (GPU): ``HostCounts.wait`` timed during that step,
   since it stalls the one host thread that issues both streams.
 """
@@ -57,6 +57,9 @@ def run(ctx, result) -> None:  # noqa: ANN001
             key = "combined" if combined else "plain"
             result.figure(f"{key}_syncs", log.total, "syncs",
                           f"synchronizing CUDA calls, {label}", headline=combined)
+            result.check(f"no synchronizing CUDA call in one {label} (the documented read "
+                         "waits on an event, which is not one)", log.total == 0,
+                         "; ".join(f"{site} x{n}" for site, n in log.table()[:5]))
             result.table(f"synchronizing CUDA calls in one {label} ({LAYERS} MoE layers each "
                          "side)", ["site (innermost megapipe line)", "count"], log.table())
             result.table(f"the same, by the line that raised the warning ({label})",

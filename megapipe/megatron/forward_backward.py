@@ -38,10 +38,12 @@ Megatron-Core ``GPTModel`` chunks (also inside Megatron's ``Float16Module`` and
 overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called
 with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
 layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
-``reduce_grads=False`` the call ends, as Megatron's schedules do, with
-``config.finalize_model_grads_func(model, None)`` when the script set it (Megatron's DDP
-reduction, tied embeddings); with ``reduce_grads=True`` megapipe reduces (chunks must not be
-DDP-wrapped then).
+``reduce_grads=False`` the data-parallel reduction is Megatron's: megapipe calls the hooks a
+script set on the config (``config.no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
+``finalize_model_grads_func``) where Megatron's schedules do, so Megatron's
+``DistributedDataParallel`` with ``overlap_grad_reduce``, the distributed optimizer and
+``overlap_param_gather`` work in every megapipe schedule (``ddp_hooks``); with
+``reduce_grads=True`` megapipe reduces (chunks must not be DDP-wrapped then).
 ``decoder_seq_length`` and ``first_val_step`` are accepted for signature compatibility and
 unused (no encoder-decoder models, no validation-step special case).
 """
@@ -54,6 +56,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
 from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
 from megapipe.megatron.mcore_support import check_ddp
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
@@ -165,6 +168,7 @@ class MegatronForwardBackward:
         if not forward_only:
             for chunk in chunks:
                 check_ddp(chunk, self.options.reduce_grads)
+                check_data_parallel(chunk, executor.schedule)
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != len(chunks):
                 raise ValueError(
@@ -188,9 +192,9 @@ class MegatronForwardBackward:
                         if stage in schedule.stages_for(i):
                             targets[i] = _LossTarget(stage, i)
             placeholders = [None] * num_microbatches
-            self.last_result = executor.step(placeholders, targets, forward_only=forward_only)
-            if not forward_only and not self.options.reduce_grads:
-                self._finalize_like_megatron(chunks, stages)
+            hooks = None if forward_only else self._megatron_hooks(chunks, stages)
+            self.last_result = executor.step(placeholders, targets, forward_only=forward_only,
+                                             grad_hooks=hooks)
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
@@ -257,18 +261,16 @@ class MegatronForwardBackward:
         self._executors[key] = (executor, stages)
         return executor, stages
 
-    def _finalize_like_megatron(self, chunks: list[nn.Module], stages: dict) -> None:
-        """With ``reduce_grads=False``, Megatron-Core chunks get what Megatron's schedules do
-        after the last backward: ``config.finalize_model_grads_func(model, None)`` when the
-        script set it (DDP reduction, tied-embedding and expert gradients)."""
+    def _megatron_hooks(
+        self, chunks: list[nn.Module], stages: dict[int, nn.Module]
+    ) -> MegatronGradSync | None:
+        """With ``reduce_grads=False``, Megatron-Core chunks get the data-parallel hooks their
+        config holds, called where Megatron's schedules call them (``ddp_hooks``)."""
         megatron = [s for s in stages.values() if isinstance(s, McoreGPTStage)]
-        if not megatron:
-            return
-        config = megatron[0].config
-        finalize = getattr(config, "finalize_model_grads_func", None)
-        if finalize is None:
-            return
-        finalize(chunks, None)  # no token count: calculate_per_token_loss is refused
+        if self.options.reduce_grads or not megatron:
+            return None
+        chunk_of = {stage: j for j, stage in enumerate(stages)}  # the order of ``chunks``
+        return MegatronGradSync(megatron[0].config, chunks, chunk_of)
 
     def _check_forward_order(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
@@ -364,7 +366,7 @@ def get_forward_backward_func(
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
     ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
 
-    The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
+    The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
     implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
     Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)

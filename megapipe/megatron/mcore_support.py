@@ -3,7 +3,7 @@
 The installed megatron-core version (the adapter relies on Megatron internals, so versions are
 pinned: ``SUPPORTED_MCORE_VERSIONS``, the ``megapipe[megatron]`` extra), the config features the
 node split covers (each refused feature is named with the reason), Megatron's DDP (supported
-when it reduces after the step), and the process groups the two streams drive. Also how to find
+when it does the reduction), and the process groups the two streams drive. Also how to find
 the ``GPTModel`` inside a chunk a script wrapped (``Float16Module``, ``DistributedDataParallel``).
 """
 
@@ -46,8 +46,7 @@ def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
 
 
 def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
-    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``) after
-    the step, not overlapped with the backward."""
+    """Megatron's DDP is supported when it does the reduction (``reduce_grads=False``)."""
     ddp = megatron_ddp(chunk)
     if ddp is None:
         return
@@ -55,14 +54,8 @@ def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
         raise ValueError(
             f"{type(chunk).__name__} wraps Megatron's DistributedDataParallel: its gradients "
             "live in main_grad and finalize_model_grads reduces them; pass reduce_grads=False "
-            "to leave the reduction to it (megapipe then calls config.finalize_model_grads_func "
-            "as Megatron's schedules do)"
-        )
-    if getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False):
-        raise NotImplementedError(
-            "Megatron DDP's overlap_grad_reduce=True is not supported: it needs the schedule "
-            "to drive DDP's no_sync/grad_sync hooks per microbatch, which megapipe does not; "
-            "use overlap_grad_reduce=False (the reduction then runs in finalize_model_grads)"
+            "to leave the reduction to it (megapipe then calls the config's DDP hooks as "
+            "Megatron's schedules do)"
         )
 
 
@@ -97,7 +90,7 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("fp16", lambda c: c.fp16,
      "the front end does not apply Megatron's loss scaling (config.grad_scale_func); use bf16"),
     ("CUDA graphs", lambda c: c.cuda_graph_impl != "none",
-     "a graph replays whole layers, not the nodes the co-scheduler interleaves"),
+     "a graph replays whole layers, not the nodes the combined step interleaves"),
     ("activation recomputation (recompute_granularity)",
      lambda c: c.recompute_granularity is not None,
      "Megatron's checkpointed regions span a whole layer, across the adapter's nodes, and "
@@ -106,7 +99,7 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("activation offloading", lambda c: c.cpu_offloading or c.fine_grained_activation_offloading,
      "not adapted"),
     ("moe_shared_expert_overlap", lambda c: c.moe_shared_expert_overlap,
-     "it hides the shared experts inside the dispatcher; the co-scheduler overlaps instead"),
+     "it hides the shared experts inside the dispatcher; the combined step overlaps instead"),
     ("a token dispatcher other than alltoall (allgather, flex/DeepEP/HybridEP)",
      lambda c: c.num_moe_experts is not None and c.moe_token_dispatcher_type != "alltoall",
      "only the alltoall dispatcher's dispatch and combine are split into comm nodes"),

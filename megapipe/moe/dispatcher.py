@@ -24,7 +24,7 @@ count exchange is issued, the exchanged counts start a non-blocking copy into pi
 memory with an event behind it; the device-side work that needs no host sizes (the grouped
 GEMM offsets) is issued next, and only then, as late as possible, the host waits on that event
 and reads the sizes. On CUDA this stalls the host thread (not the compute stream: the
-co-scheduler has queued the slot's compute node before it) for the count exchange only. Every
+combined step has queued the slot's compute node before it) for the count exchange only. Every
 other node, and the whole backward, runs without any host sync. With a capacity
 (``order_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
 there is no host read at all, nor a count exchange.

@@ -84,8 +84,12 @@ class EmulatedLink:
         return self._gpu_rate[index]
 
     def delay(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` unchanged, after waiting as if all of them crossed the link (forward and
-        backward): the link of an exchange without peers (ep = 1)."""
+        """A copy of ``rows`` written after waiting as if all of them crossed the link (forward
+        and backward): the link of an exchange without peers (ep = 1). As over a real link, the
+        rows arrive in a new buffer when the transfer ends, so on CUDA a consumer that does not
+        wait for the communication stream reads memory not yet written: a missing cross-stream
+        wait changes the bits of any bitwise comparison run with a link (the GPU check's race
+        detector)."""
         return _LinkDelay.apply(rows, self)
 
     def describe(self) -> str:
@@ -102,12 +106,12 @@ class _LinkDelay(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, link: EmulatedLink) -> torch.Tensor:  # type: ignore[override]
         ctx.link = link
         _wait_whole(link, rows)
-        return rows.view_as(rows)
+        return rows.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         _wait_whole(ctx.link, grad)
-        return grad, None
+        return grad.clone(), None
 
 
 def _wait_whole(link: EmulatedLink, tensor: torch.Tensor) -> None:

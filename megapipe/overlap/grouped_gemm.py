@@ -7,10 +7,13 @@
 With ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``; looked up with ``hasattr``)
 each is one kernel over all groups, driven by the groups' end offsets as an int32 *device*
 tensor, so nothing is read back to the host. It is used when the caller passes those offsets
-and the kernel takes the operands: on CUDA bf16 on compute capability >= 8.0 (torch's own rule),
-on CPU float32/bf16/float16; every row stride a multiple of 16 bytes. Otherwise a Python loop
-over the groups (host ``counts``) does the same products. On CPU the two give the same bits
-(tested), so a run does not change when torch gains the kernel.
+and the kernel takes the operands without reading them on the host: on CUDA, bf16 operands on
+compute capability 9.x or 10.x (Hopper, datacenter Blackwell: torch's CUTLASS kernel; on any
+other GPU, and for other dtypes, torch 2.9-2.11 fall back to a loop that copies the offsets to
+the host, a sync in the hot path); on CPU float32/bf16/float16; every row stride a multiple of
+16 bytes. Otherwise a Python loop over the groups (the host ``counts`` the dispatch already
+read) does the same products. The two give the same bits (tested on CPU, and on an H100 by the
+GPU check), so a run does not change when torch gains the kernel.
 """
 
 from __future__ import annotations
@@ -33,12 +36,19 @@ def _aligned(*sizes: int, element_size: int) -> bool:
     return all(size * element_size % 16 == 0 for size in sizes)
 
 
+def cuda_kernel_reads_no_offsets(capability: tuple[int, int]) -> bool:
+    """Whether torch's CUDA ``grouped_mm`` runs its device kernel (no host read of the offsets)
+    on a GPU of this compute capability: 9.x and 10.x only (module docstring)."""
+    return capability[0] in (9, 10)
+
+
 def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> bool:
     """Whether the one-kernel path applies to ``x`` and ``weight`` (module docstring)."""
     if offsets is None or _kernel() is None or x.dtype != weight.dtype:
         return False
     if x.is_cuda:
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+        if x.dtype != torch.bfloat16 or not cuda_kernel_reads_no_offsets(
+                torch.cuda.get_device_capability(x.device)):
             return False
     elif x.device.type != "cpu" or x.dtype not in _CPU_DTYPES:
         return False

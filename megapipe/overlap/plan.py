@@ -2,7 +2,7 @@
 
 A MoE layer is ``attention (+router) -> dispatch -> experts -> combine -> finish``; a dense layer
 is one compute node. ``run_nodes`` runs a plan in order with plain autograd (the layer's own
-``forward``); the co-scheduler interleaves the nodes of two microbatches instead, so the forward
+``forward``); the combined step interleaves the nodes of two microbatches instead, so the forward
 code of a layer is written once.
 
 A node's function takes the layer's per-microbatch ``LayerState`` and a tuple of tensors, and
@@ -60,9 +60,9 @@ pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 @dataclass(frozen=True)
 class Node:
-    """One step of a layer. ``group``: the process group a comm node drives (optional); the
-    co-scheduler checks that each group is driven from one stream only. ``times``: the node's
-    expected times (optional; when every node of a combined step has them, the co-scheduler
+    """One node of a layer. ``group``: the process group a comm node drives (optional); the
+    combined step checks that each group is driven from one stream only. ``times``: the node's
+    expected times (optional; when every node of a combined step has them, the combined step
     places deferred weight gradients by time: ``megapipe.schedule.node_timing``)."""
 
     name: str
@@ -198,7 +198,7 @@ class ChunkedPlan(list):
     """A node plan (a list of ``Node``) that can also split itself into ``k`` chunks.
 
     ``chunked(k)`` returns the same layer as a plan with a ``Fork`` of k branches whose
-    results equal the plain plan's; the co-scheduler uses it when asked for chunked all-to-alls
+    results equal the plain plan's; the combined step uses it when asked for chunked all-to-alls
     (``a2a_chunks``). Anything that takes a list of nodes takes this plan as is.
     """
 

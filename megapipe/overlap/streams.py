@@ -15,7 +15,7 @@ another.
   running submitted work in order; its events are locks the worker releases. gloo collectives
   and torch ops release the GIL, so work on the two really runs at the same time.
 
-Rule: a process group is driven from exactly one stream. The co-scheduler runs every comm node
+Rule: a process group is driven from exactly one stream. The combined step runs every comm node
 on the communication stream and ``Streams.claim`` refuses a group already claimed by another
 stream; since every rank issues its comm nodes in the same order on that one stream, the
 collectives match across ranks.

@@ -9,7 +9,8 @@ combined schedule every training step of a ``StageModule`` runs on the streams a
 one). After the last action the
 outstanding sends are completed, DualPipe's mirrored gradients summed and, unless
 ``grad_reduction="none"``, data-parallel gradients averaged and tied embeddings summed
-(``grad_sync``).
+(``grad_sync``). A reduction that overlaps the backward instead is told, through
+``grad_hooks``, when each stage's last backward of the step is done (``grad_points``).
 
 Everything is checked before the first action runs: the schedule is validated (a lowered one
 must run to the end under the batched p2p model), the stages must be exactly those the
@@ -38,7 +39,8 @@ from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
-from megapipe.pipeline.early_sends import PairSends, comm_batch, choose_early_sends
+from megapipe.pipeline.early_sends import PairSends, choose_early_sends, comm_batch
+from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
 from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
@@ -90,6 +92,7 @@ class _Step:
     tensors: StepTensors
     targets: Sequence[Any] | None
     forward_only: bool
+    grads: StepGradEvents
     trace: NodeTrace | None = None  # the nodes' spans (``record_trace`` or a profiled step)
     result: StepResult = field(default_factory=StepResult)
     profile: StepProfile = field(default_factory=StepProfile)  # records nothing unless profiled
@@ -175,6 +178,7 @@ class PipelineExecutor:
                 "of the activation each stage sends forward, or spec(stage, microbatch)"
             )
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
+        self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
         check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
         self.record_trace = record_trace
         self.measure_activations = measure_activations
@@ -216,6 +220,7 @@ class PipelineExecutor:
         targets: Sequence[Any] | None = None,
         forward_only: bool = False,
         profile: ProfileOptions | None = None,
+        grad_hooks: GradSyncHooks | None = None,
     ) -> StepResult:
         """Run one step over all microbatches: forward and backward, or forward only.
 
@@ -223,12 +228,18 @@ class PipelineExecutor:
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
         ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
         steps); after a training step they are synchronised. ``profile`` records every compute
-        action and pipeline wait in ``StepResult.trace`` too (``step_profile``).
+        action and pipeline wait in ``StepResult.trace`` too (``step_profile``). A training
+        step tells ``grad_hooks`` when each stage's gradients become final (``grad_points``).
         """
         check_inputs(
             self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,
             microbatches, targets, forward_only,
         )
+        if grad_hooks is not None and self.grad_reduction != "none":
+            raise ValueError(
+                f"grad_hooks reduce the gradients themselves; the executor's grad_reduction="
+                f"{self.grad_reduction!r} would reduce them again (build it with 'none')"
+            )
         for module in self.stages.values():
             if is_stage_module(module):
                 module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
@@ -238,12 +249,15 @@ class PipelineExecutor:
         state = _Step(
             StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec,
                         wait_span=recorder.wait_span),
-            targets, forward_only, trace, profile=recorder,
+            targets, forward_only, StepGradEvents(
+                self.grad_points, None if forward_only else grad_hooks
+            ), trace, profile=recorder,
         )
         meter = ActivationMeter(  # told of what the workers and the data in transit hold
             self._device(), [p for m in self.stages.values() for p in m.parameters()],
             holders=[state.tensors, *self.workers.values()],
         ) if self.measure_activations else None
+        state.grads.start()
         try:
             with meter if meter is not None else contextlib.nullcontext():
                 self._run_actions(actions, state)
@@ -258,14 +272,17 @@ class PipelineExecutor:
         if not forward_only:
             sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
                             self.groups, self.grad_reduction)
+            state.grads.finish()
         return state.result
 
     def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:
         index = 0
         while index < len(actions):
             if actions[index].is_compute:
+                state.grads.before(index)
                 with state.profile.action(actions[index]):
                     self._run_compute(actions, index, state)
+                state.grads.after(index)
                 index += 1
                 continue
             end = index

@@ -1,7 +1,7 @@
 """What a profiled step records besides the nodes: each compute action and each pipeline wait.
 
 A training step of the executor normally records (with ``record_trace``) only the nodes the
-co-scheduler ran on the two streams (``NodeTrace``). A *profiled* step (``executor.step(...,
+combined step ran on the two streams (``NodeTrace``). A *profiled* step (``executor.step(...,
 profile=ProfileOptions())``, used by ``--profile-trace``) adds to the same trace, on the compute
 stream's clock:
 
@@ -94,7 +94,7 @@ def open_step(
 def take_trace(result: Any, trace: NodeTrace) -> None:
     """Fill a ``StepResult``'s trace fields from the step's trace: ``trace`` when it holds any
     span, the node timings (``a2a_time``, ``compute_time``, ``exposed_comm_fraction``) when the
-    co-scheduler recorded any node (a plain schedule's profiled step has only actions)."""
+    combined step recorded any node (a plain schedule's profiled step has only actions)."""
     spans = trace.spans
     if spans:
         result.trace = trace

@@ -16,6 +16,7 @@ from megapipe.train.flags import HIGH_PRIORITY_GROUPS, LR_DECAY_STYLES
 
 FLOAT_FLAGS = ("lr", "min-lr", "weight-decay", "clip-grad", "moe-aux-loss-coeff",
                "moe-emulated-link-gbps", "moe-emulated-link-latency-us", "exit-duration-in-mins",
+               "dp-emulated-link-gbps",
                "distributed-timeout-minutes")
 """Real-valued flags; NaN or infinity in any of them is refused up front."""
 
@@ -30,6 +31,7 @@ def validate(args: PretrainArgs) -> None:
     """Every rule the run depends on, checked before any process group starts."""
     _check_numbers(args)
     _check_parallel(args)
+    _check_data_parallel(args)
     _check_overlap_budget(args)
     _check_recompute(args)
     _check_model_and_schedule(args)
@@ -162,6 +164,42 @@ def _check_parallel(args: PretrainArgs) -> None:
         raise ArgsError(
             f"--global-batch-size={args.global_batch_size} is not divisible by "
             f"--micro-batch-size x dp = {args.micro_batch_size} x {args.dp} = {per_step}"
+        )
+
+
+def _check_data_parallel(args: PretrainArgs) -> None:
+    """Megatron's rules for the distributed optimizer and its overlaps, and the bucket size."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgsError(
+            "--overlap-param-gather needs --use-distributed-optimizer (without it every rank "
+            "holds the whole updated model and nothing is gathered)"
+        )
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce (Megatron's rule)")
+    link = args.dp_emulated_link_gbps
+    if link is not None and not link > 0:
+        raise ArgsError(f"--dp-emulated-link-gbps={link:g} must be > 0")
+    if link is not None and not args.flat_grad_buffers:
+        raise ArgsError(
+            f"--dp-emulated-link-gbps={link:g} needs --overlap-grad-reduce or "
+            "--use-distributed-optimizer (it slows their bucketed collectives)"
+        )
+    size = args.ddp_bucket_size
+    if size is None:
+        return
+    if not args.overlap_grad_reduce:
+        raise ArgsError(
+            f"--ddp-bucket-size={size} needs --overlap-grad-reduce (without it each stage's "
+            "gradients reduce after the step, in one bucket)"
+        )
+    from megapipe.train.grad_buffers import ALIGN  # torch: only when the flag is given
+
+    least = ALIGN * args.dp
+    if size < least:
+        raise ArgsError(
+            f"--ddp-bucket-size={size} is too small: every bucket is one collective per step "
+            f"and is padded so that each of the dp={args.dp} ranks' shards holds a multiple "
+            f"of {ALIGN} elements; use at least {ALIGN} x dp = {least}"
         )
 
 

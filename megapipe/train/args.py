@@ -59,6 +59,7 @@ class PretrainArgs:
     moe_pad_expert_input_to_capacity: bool
     bf16: bool
     fp16: bool
+    deterministic_mode: bool
     high_priority_stream_groups: tuple[str, ...]
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
@@ -71,6 +72,11 @@ class PretrainArgs:
     recompute_modules: tuple[str, ...] | None
     delay_wgrad_compute: bool
     moe_a2a_chunks: int
+    overlap_grad_reduce: bool
+    use_distributed_optimizer: bool
+    overlap_param_gather: bool
+    ddp_bucket_size: int | None
+    dp_emulated_link_gbps: float | None
     pipeline_schedule: str | None
     save: str | None
     load: str | None
@@ -110,6 +116,19 @@ class PretrainArgs:
     @property
     def dp(self) -> int:
         return self.world_size // self.pp
+
+    @property
+    def flat_grad_buffers(self) -> bool:
+        """Whether gradients live in bucketed flat buffers (``train.grad_buffers``)."""
+        return self.overlap_grad_reduce or self.use_distributed_optimizer
+
+    @property
+    def bucket_size(self) -> int | None:
+        """Elements per gradient bucket: the flag, else Megatron's max(40M, 1M x dp); None (one
+        bucket per stage) without ``--overlap-grad-reduce``."""
+        if not self.overlap_grad_reduce:
+            return None
+        return self.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
 
     @property
     def num_microbatches(self) -> int:
@@ -177,6 +196,14 @@ class PretrainArgs:
 
         return EmulatedLink(self.moe_emulated_link_gbps * 1e9,
                             self.moe_emulated_link_latency_us * 1e-6)
+
+    def dp_link(self) -> "EmulatedLink | None":
+        """The emulated data-parallel interconnect (CPU overlap studies), or None when off."""
+        if self.dp_emulated_link_gbps is None:
+            return None
+        from megapipe.moe.link import EmulatedLink
+
+        return EmulatedLink(self.dp_emulated_link_gbps * 1e9)
 
     def replace(self, **changes: object) -> "PretrainArgs":
         return dataclasses.replace(self, **changes)

@@ -10,7 +10,9 @@ schedule) loads under another and DCP reshards it:
   expert is its own key, ``model/{name}/expert{e}`` with ``e`` the global expert index;
 - an optimizer state follows its parameter: ``optim/{name}[/expert{e}]/{field}`` (AdamW's
   ``exp_avg``, ``exp_avg_sq``, with ``--bf16`` the fp32 ``main_param``; the scalar ``step``
-  once per parameter);
+  once per parameter); the distributed optimizer (``FlatAdamW``, sharded) writes under the same
+  keys only the element ranges of its shards (``checkpoint_pieces.PieceTensor``), so its
+  checkpoints load into any dp size, with or without it;
 - ``rng/rank{r}`` holds each rank's RNG states; a run with another world size restores rank
   ``r``'s from saved rank ``r % saved_world``; ``extra/...`` holds the states every rank shares
   (LR schedule, data position).
@@ -22,6 +24,7 @@ de-duplication). ``checkpoint_files`` makes the folder whole-or-nothing and veri
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -32,6 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
+from megapipe.train.checkpoint_pieces import PieceTensor
+from megapipe.train.flat_adamw import FlatAdamW
 from megapipe.train.mixed_precision import MixedPrecisionAdamW
 from megapipe.train.checkpoint_files import (
     FORMAT, describe_files, file_digest, iteration_dir, prepare_temporary, prune, publish,
@@ -60,11 +65,36 @@ def _pieces(key: str, tensor: torch.Tensor, first_expert: int | None) -> Iterato
         yield f"{key}/expert{first_expert + local}", tensor[local]
 
 
+def _range_pieces(
+    key: str, param: torch.Tensor, lo: int, hi: int, values: torch.Tensor, first: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Elements ``lo..hi`` of ``param`` flattened (``values``, 1-D) under ``key``, or per
+    expert: a whole tensor where the range covers it, else a ``PieceTensor``."""
+    if first is None:
+        shapes = [(key, tuple(param.shape), 0)]
+    else:
+        each = param[0].numel()
+        shapes = [(f"{key}/expert{first + e}", tuple(param.shape[1:]), e * each)
+                  for e in range(param.shape[0])]
+    for sub_key, shape, base in shapes:
+        numel = math.prod(shape)
+        a, b = max(lo, base), min(hi, base + numel)
+        if a >= b:
+            continue
+        part = values[a - lo:b - lo]
+        if a == base and b == base + numel:
+            yield sub_key, part.view(shape)
+        else:
+            yield sub_key, PieceTensor(shape, a - base, b - base, part)
+
+
 def checkpoint_entries(
-    stages: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
+    stages: Mapping[int, nn.Module],
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW,
 ) -> Entries:
     """Every key this rank holds -> the tensors that hold it (views sharing storage)."""
     entries: Entries = {}
+    names: dict[int, tuple[str, int | None]] = {}
     for stage in sorted(stages):
         module = stages[stage]
         offsets = _expert_offsets(module)
@@ -73,21 +103,37 @@ def checkpoint_entries(
             if getattr(param, "expert_parallel", False) and first is None:
                 raise ValueError(f"expert parameter {name} is not part of a GroupedExperts "
                                  "module: its global expert indices are unknown")
+            names[id(param)] = (name, first)
             for key, view in _pieces(f"model/{name}", param.detach(), first):
                 entries.setdefault(key, []).append(view)
+            if isinstance(optimizer, FlatAdamW):
+                continue
             for field, value in optimizer.state.get(param, {}).items():
                 if not isinstance(value, torch.Tensor):
                     continue
                 pieces = _pieces(f"optim/{name}", value, None if field == "step" else first)
                 for key, view in pieces:
                     entries.setdefault(f"{key}/{field}", []).append(view)
+    if isinstance(optimizer, FlatAdamW):
+        for piece, state in optimizer.state_pieces():
+            name, first = names[id(piece.param)]
+            for field, value in state.items():
+                if field == "step":
+                    entries.setdefault(f"optim/{name}/step", []).append(value)
+                    continue
+                for key, view in _range_pieces(f"optim/{name}", piece.param, piece.lo,
+                                               piece.hi, value, first):
+                    entries.setdefault(f"{key}/{field}", []).append(view)
     return entries
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer | MixedPrecisionAdamW) -> None:
+def ensure_optimizer_state(
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW,
+) -> None:
     """Give every parameter AdamW's state so DCP can load into it (a fresh AdamW has none; a
-    ``MixedPrecisionAdamW`` has its state, main weights included, from construction)."""
-    if isinstance(optimizer, MixedPrecisionAdamW):
+    ``MixedPrecisionAdamW`` or ``FlatAdamW`` has its state, main weights included, from
+    construction)."""
+    if isinstance(optimizer, (MixedPrecisionAdamW, FlatAdamW)):
         return
     for group in optimizer.param_groups:
         fused = bool(group.get("fused"))
@@ -135,7 +181,7 @@ def save_checkpoint(
     save: str | Path,
     iteration: int,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW,
     extra: Mapping[str, Any],
     descriptor: Mapping[str, Any],
     keep_last: int | None = None,
@@ -168,7 +214,7 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | Path,
     stages: Mapping[int, nn.Module],
-    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW,
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW,
     extra: Mapping[str, Any],
     saved_world: int,
 ) -> dict[str, Any]:
@@ -185,7 +231,11 @@ def load_checkpoint(
     for key, tensors in entries.items():
         loaded = flat[key]
         for tensor in tensors:
-            if tensor is not loaded:
+            if isinstance(tensor, PieceTensor) and tensor is not loaded:
+                tensor.copy_pieces_from(loaded)
+            elif tensor is not loaded:
                 tensor.copy_(loaded)
+    if isinstance(optimizer, (MixedPrecisionAdamW, FlatAdamW)):
+        optimizer.copy_main_to_model()  # the same bits as the loaded model weights
     _set_rng_state(flat[rng_key])
     return {key: flat[f"extra/{key}"] for key in extra}

@@ -58,6 +58,11 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
                            "moments and gradient accumulation/reduction")
     precision.add_argument("--fp16", action="store_true",
                            help="not supported (one clear error): use --bf16")
+    precision.add_argument("--deterministic-mode", action="store_true",
+                           help="deterministic kernels only (torch's deterministic algorithms, "
+                           "deterministic fused-attention backward, cuBLAS workspace setting), so "
+                           "a GPU run repeats bit for bit and a resume equals the uninterrupted "
+                           "run; an operation without a deterministic kernel is an error")
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=4)
     train.add_argument("--global-batch-size", type=int, default=32)
@@ -105,6 +110,7 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
                      "off by default, the log says when it is on)")
     par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
                      help="latency per all-to-all of the emulated link, microseconds")
+    _add_data_parallel_flags(p)
     _add_recompute_flags(p)
     io = p.add_argument_group("data, checkpoints, logging")
     io.add_argument("--data-path", nargs="+", default=[],
@@ -123,6 +129,30 @@ def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argp
     _add_fault_tolerance_flags(p)
     _add_profiling_flags(p)
     return p
+
+
+def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron's data-parallel flags: bucketed reductions, the distributed optimizer."""
+    dp = p.add_argument_group("data parallelism")
+    dp.add_argument("--overlap-grad-reduce", action="store_true",
+                    help="reduce each bucket of gradients over data parallelism as soon as the "
+                    "step's backward has finished it, on a communication stream, instead of "
+                    "all gradients after the step")
+    dp.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="shard the fp32 main weights and AdamW moments over the data-parallel "
+                    "group (experts over expert-DP): reduce-scatter the gradients, all-gather "
+                    "the updated weights")
+    dp.add_argument("--overlap-param-gather", action="store_true",
+                    help="with --use-distributed-optimizer and --overlap-grad-reduce: all-gather "
+                    "the updated weights behind the next step's first forwards (each module "
+                    "waits for its own buckets)")
+    dp.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                    help="with --overlap-grad-reduce: parameters (elements) per bucket (default "
+                    "Megatron's max(40M, 1M x dp))")
+    dp.add_argument("--dp-emulated-link-gbps", type=float, default=None,
+                    help="emulate a data-parallel link of this many GB/s for the bucketed "
+                    "reductions and gathers (CPU overlap studies; off by default, the log says "
+                    "when it is on)")
 
 
 def _add_profiling_flags(p: argparse.ArgumentParser) -> None:

@@ -27,14 +27,20 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
 from megapipe.train.args import PretrainArgs
-from megapipe.train.config import JobConfig, job_config
+from megapipe.train.config import JobConfig, OptimizerConfig, job_config
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
     validation_batches,
 )
+from megapipe.pipeline.grad_sync import is_expert_param
+from megapipe.train.dp_sync import DataParallelSync
+from megapipe.train.flat_adamw import FlatAdamW
+from megapipe.train.grad_buffers import stage_buffers
 from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
-from megapipe.train.optim import LRSchedule, build_optimizer, unique_params
+from megapipe.train.optim import (
+    LRSchedule, build_optimizer, optimizer_state_bytes, unique_params,
+)
 
 
 @dataclass
@@ -52,10 +58,17 @@ class Job:
     splits: Splits
     batches: TrainBatches
     valid: list[list[Microbatch]]
-    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW
+    optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW
     lr_schedule: LRSchedule
     all_params: list[nn.Parameter]
     norm_params: list[nn.Parameter]  # each model part once per pipeline (DualPipe mirrors)
+    dp_sync: DataParallelSync | None = None  # bucketed reductions (train.dp_sync), if asked
+
+    def close(self) -> None:
+        """Stop the threads of the communication streams."""
+        self.executor.close()
+        if self.dp_sync is not None:
+            self.dp_sync.close()
 
     def moe_layers(self) -> list[nn.Module]:
         return [layer for stage in self.stages.values() for layer in stage.moe_layers()]
@@ -90,12 +103,15 @@ def build_job(args: PretrainArgs) -> Job:
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     modules = [stages[s] for s in sorted(stages)]
-    if optim.bf16:
-        cast_to_bf16(modules, unique_params(modules))
+    if optim.bf16:  # flat buffers give the parameters their main_grad themselves
+        cast_to_bf16(modules, [] if args.flat_grad_buffers else unique_params(modules))
     activation = torch.bfloat16 if optim.bf16 else torch.float32
+    norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
+    dp_sync, optimizer = _optimizer(args, optim, stages, groups, device, norm_stages)
     model = config.model
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
+        grad_reduction="none" if dp_sync is not None else "dp",
         spec=TensorSpec((args.micro_batch_size, model.seq_length, model.hidden_size), activation),
         delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
         record_trace=overlap.record_trace, measure_activations=args.log_activation_memory,
@@ -110,15 +126,34 @@ def build_job(args: PretrainArgs) -> Job:
     return Job(
         args=args, config=config, device=device, groups=groups, schedule=schedule,
         stages=stages, executor=executor, files=files, splits=splits, batches=batches,
-        valid=valid,
-        optimizer=build_optimizer(modules, optim.lr, optim.weight_decay,
-                                  mixed_precision=optim.bf16),
+        valid=valid, optimizer=optimizer,
         lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
                                max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),
-        norm_params=unique_params([stages[s] for s in sorted(stages)
-                                   if s < schedule.stages_per_pipeline]),
+        norm_params=unique_params([stages[s] for s in norm_stages]),
+        dp_sync=dp_sync,
     )
+
+
+def _optimizer(
+    args: PretrainArgs, optim: OptimizerConfig, stages: dict[int, nn.Module],
+    groups: ProcessGroups, device: torch.device, norm_stages: list[int],
+) -> tuple[DataParallelSync | None, torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW]:
+    """AdamW over the parameters, or with ``--overlap-grad-reduce`` /
+    ``--use-distributed-optimizer`` the flat buffers, their collectives and AdamW over them."""
+    modules = [stages[s] for s in sorted(stages)]
+    if not args.flat_grad_buffers:
+        return None, build_optimizer(modules, optim.lr, optim.weight_decay,
+                                     mixed_precision=optim.bf16)
+    buffers = {
+        s: stage_buffers(stages[s], groups.dp, groups.expert_dp, args.bucket_size,
+                         args.use_distributed_optimizer, is_expert_param)
+        for s in sorted(stages)
+    }
+    sync = DataParallelSync(stages, buffers, args.dp, device, overlap=args.overlap_grad_reduce,
+                            overlap_param_gather=args.overlap_param_gather, link=args.dp_link())
+    return sync, FlatAdamW(buffers, sync, optim.lr, optim.weight_decay,
+                           mixed_precision=optim.bf16, norm_stages=norm_stages)
 
 
 def describe(job: Job) -> list[str]:
@@ -144,16 +179,39 @@ def describe(job: Job) -> list[str]:
     link = args.emulated_link()
     if link is not None:
         lines.append(link.describe())
+    if job.dp_sync is not None:
+        lines.append(data_parallel_text(job))
     lines.append(placement_line())
     return lines
 
 
+def data_parallel_text(job: Job) -> str:
+    """What the log says of bucketed data parallelism (``--overlap-grad-reduce``,
+    ``--use-distributed-optimizer``)."""
+    args, sync = job.args, job.dp_sync
+    assert sync is not None
+    buckets = sum(len(b.buckets) for bs in sync.buffers.values() for b in bs)
+    when = "as each is final in the backward" if args.overlap_grad_reduce else "after the step"
+    text = f"data parallel: gradients reduced in {buckets} bucket(s) on rank 0, {when}"
+    if args.use_distributed_optimizer:
+        text += (f"; AdamW state sharded over dp {args.dp} (experts over expert-dp "
+                 f"{args.dp // args.ep}), updated weights all-gathered "
+                 + ("behind the next step's forwards" if args.overlap_param_gather
+                    else "after the step"))
+    text += f"; optimizer state {optimizer_state_bytes(job.optimizer) / 2**20:.2f} MiB on rank 0"
+    link = args.dp_link()
+    if link is not None:
+        text += f"; emulated DP link ON: {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
+    return text
+
+
 def precision_text(args: PretrainArgs) -> str:
     """What the first log line says about precision."""
+    kernels = ", deterministic kernels" if args.deterministic_mode else ""
     if not args.bf16:
-        return "fp32"
+        return f"fp32{kernels}"
     router = f", router {args.moe_router_dtype}" if args.moe_router_dtype else ""
-    return f"bf16 with fp32 main weights, moments and gradients{router}"
+    return f"bf16 with fp32 main weights, moments and gradients{router}{kernels}"
 
 
 def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:

@@ -7,6 +7,7 @@ checkpoints written, why it stopped early) so tests can compare runs bitwise.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,6 +17,7 @@ from megapipe.parallel.launch import init_distributed
 from megapipe.train.args import PretrainArgs
 from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
 from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.determinism import deterministic_kernels
 from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
@@ -46,6 +48,12 @@ def train(
     ``choice`` is the resume decision made before the processes started (``choose_resume``); when
     it is None every rank makes it here, and the ranks check that they agree.
     """
+    with deterministic_kernels() if args.deterministic_mode else nullcontext():
+        return _train(args, write, choice)
+
+
+def _train(args: PretrainArgs, write: Callable[[str], None],
+           choice: ResumeChoice | None) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=timeout_of(args))
     result = TrainResult()
@@ -64,7 +72,7 @@ def train(
             result.first_iteration = resume(job, say, choice)
             _run(job, result, exits, say)
     finally:
-        job.executor.close()  # its communication-stream thread
+        job.close()  # the communication streams' threads
     return result
 
 
@@ -155,6 +163,8 @@ def save(job: Job, iteration: int) -> str:
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
     info = {"train_iters": args.train_iters}
     descriptor = descriptor_parts(args, job.schedule.name, info)
+    if job.dp_sync is not None:
+        job.dp_sync.finish_param_gather()  # the whole updated model, on every rank
     path = save_checkpoint(checkpoint.save, iteration, job.stages, job.optimizer, extra,
                            descriptor, checkpoint.keep_last)
     return str(path)

@@ -28,6 +28,19 @@ from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.mixed_precision import MixedPrecisionAdamW
 
 
+def optimizer_state_bytes(optimizer: object) -> int:
+    """Bytes of optimizer state this rank holds: AdamW's moments and step counters, and fp32
+    main weights where they are a copy (bf16); not the model's parameters. An optimizer that
+    counts its own (``state_bytes()``, the distributed optimizer's shards) says so itself; a
+    torch AdamW holds nothing before its first step."""
+    own = getattr(optimizer, "state_bytes", None)
+    if callable(own):
+        return int(own())
+    return sum(t.numel() * t.element_size()
+               for state in getattr(optimizer, "state").values()
+               for t in state.values() if isinstance(t, torch.Tensor))
+
+
 def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
     """Parameters of ``modules`` in order, each once (a shared tensor is not counted twice)."""
     seen: set[int] = set()

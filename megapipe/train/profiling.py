@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megapipe.overlap.node_trace import NodeTrace
 from megapipe.pipeline.executor import StepResult
 from megapipe.pipeline.step_profile import ProfileOptions
 from megapipe.train.job import Job
@@ -57,13 +58,26 @@ class RunProfiler:
             self._torch = _start_torch_profiler(self.job.device)
         return ProfileOptions(annotate=self.use_torch)
 
-    def record(self, iteration: int, step: StepResult) -> None:
-        """Keep what the profiled step recorded (resolving device spans, after the step)."""
-        if not self.traces(iteration) or step.trace is None:
+    def record(self, iteration: int, step: StepResult, sync: Any = None) -> None:
+        """Keep what the profiled step recorded (resolving device spans, after the step), and
+        the data-parallel collectives ``sync`` (``DataParallelSync``) recorded since
+        ``open_dp_trace``."""
+        if not self.traces(iteration):
             return
-        for s in step.trace.spans:
+        spans = list(step.trace.spans) if step.trace is not None else []
+        if sync is not None and sync.trace is not None:
+            spans += sync.trace.spans
+            sync.trace = None
+        for s in spans:
             self.rows.append((iteration, s.kind, s.stream, s.direction, s.microbatch, s.layer,
                               s.node, s.start, s.end))
+
+    def open_dp_trace(self, iteration: int, sync: Any) -> None:
+        """From now on record ``sync``'s collectives for iteration ``iteration`` when it is
+        traced: called before the previous step's parameter gathers start (they serve this
+        iteration's forwards) and again at the iteration's start."""
+        if sync is not None and self.traces(iteration) and sync.trace is None:
+            sync.trace = NodeTrace()
 
     def after(self, iteration: int) -> None:
         """After iteration ``iteration``: at M, stop the PyTorch profiler, gather, write."""

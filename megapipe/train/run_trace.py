@@ -7,7 +7,10 @@ document in the trace-event format (ui.perfetto.dev, chrome://tracing):
 - one process per rank (pid = global rank, "rank r (pp p, dp d)") with three threads:
   ``compute`` (tid 0: each compute action, and nested in it its compute nodes and its waits for
   pipeline receives), ``comm`` (tid 1: the all-to-all nodes) and ``exposed all-to-all`` (tid 2:
-  the parts of each all-to-all during which no compute node of the rank ran);
+  the parts of each all-to-all during which no compute node of the rank ran); with bucketed
+  data parallelism (``train.dp_sync``) two more: ``data parallel`` (tid 3: each bucket's
+  reduction or parameter all-gather on its communication stream) and ``waits for data
+  parallel`` (tid 4: the time the compute stream waited for them, the exposed part);
 - node slices are named ``F3 s2 layer1.dispatch`` (direction, microbatch, stage, node) and carry
   step, microbatch, stage, layer, node and direction as args;
 - one process per pipeline rank of the simulated schedule (pid = world size + rank, "simulated
@@ -34,8 +37,10 @@ from megapipe.sim.trace import trace_events
 from megapipe.train.measured_costs import measured_costs, node_times
 
 FORMAT = "megapipe-profile-trace"
-COMPUTE_TID, COMM_TID, EXPOSED_TID = 0, 1, 2
-THREADS = {COMPUTE_TID: "compute", COMM_TID: "comm", EXPOSED_TID: "exposed all-to-all"}
+COMPUTE_TID, COMM_TID, EXPOSED_TID, DP_TID, DP_WAIT_TID = 0, 1, 2, 3, 4
+THREADS = {COMPUTE_TID: "compute", COMM_TID: "comm", EXPOSED_TID: "exposed all-to-all",
+           DP_TID: "data parallel", DP_WAIT_TID: "waits for data parallel"}
+DP_KINDS = {"dp": DP_TID, "dp_wait": DP_WAIT_TID}  # train.dp_sync's span kinds
 US = 1e6
 
 
@@ -92,7 +97,7 @@ def _with_stages(spans: list[Span]) -> list[Span]:
     inside: set[Span] = set()
     out = []
     for span in spans:
-        if span.kind == "action":
+        if span.kind == "action" or span.kind in DP_KINDS:
             out.append(span)
             continue
         if span.kind == "wait":
@@ -138,7 +143,7 @@ def _slice(name: str, cat: str, pid: int, tid: int, start: float, end: float, or
 
 
 def _span_name(span: Span) -> str:
-    if span.kind == "action":
+    if span.kind == "action" or span.kind in DP_KINDS:
         return span.node
     if span.kind == "wait":
         return f"wait {span.node}"
@@ -172,7 +177,7 @@ def measured_events(records: Sequence[RankRecord], spans: Sequence[Span],
         name = f"rank {record.rank} (pp {record.pp_rank}, dp {record.dp_rank})"
         events += _process(record.rank, name, record.rank, THREADS)
     for span in sorted(spans, key=lambda s: (s.rank, s.start, -s.end)):
-        tid = COMM_TID if span.kind == "comm" else COMPUTE_TID
+        tid = COMM_TID if span.kind == "comm" else DP_KINDS.get(span.kind, COMPUTE_TID)
         events.append(_slice(_span_name(span), span.kind, span.rank, tid, span.start, span.end,
                              origin, _span_args(span)))
     for span, start, end in exposed_parts(spans):

@@ -19,6 +19,7 @@ from megapipe.train.data import Microbatch
 from megapipe.train.job import Job
 from megapipe.train.logging import check_finite_loss
 from megapipe.train.profiling import RunProfiler
+from megapipe.train.flat_adamw import FlatAdamW
 from megapipe.train.optim import clip_grads, global_grad_norm
 
 
@@ -90,18 +91,32 @@ def train_step(
     tokens, labels = to_device(batch, job.device)
     job.optimizer.zero_grad(set_to_none=True)
     options = profiler.options(iteration) if profiler is not None else None
-    step = job.executor.step(tokens, labels, profile=options)
+    sync = job.dp_sync
     if profiler is not None:
-        profiler.record(iteration, step)
+        profiler.open_dp_trace(iteration, sync)
+    step = job.executor.step(tokens, labels, profile=options, grad_hooks=sync)
+    if sync is not None:
+        sync.finish_grad_sync()
+    if profiler is not None:
+        profiler.record(iteration, step, sync)
     loss = global_mean(list(step.losses.values()), job.device)
     aux = global_mean(pop_aux_losses(job), job.device)
     a2a = a2a_hidden_exposed(step, job.device) if job.executor.record_trace else None
     act_mem = peak_activation_bytes(step, job.device)
     check_finite_loss(loss, iteration)
     lr = job.lr_schedule.step(job.optimizer)
-    norm = global_grad_norm(job.norm_params, job.groups.pp, job.groups.ep, job.device)
-    clip_grads(job.all_params, job.config.optimizer.clip_grad, norm)
-    job.optimizer.step()
+    optimizer, clip = job.optimizer, job.config.optimizer.clip_grad
+    if isinstance(optimizer, FlatAdamW) and optimizer.sharded:
+        norm = optimizer.grad_norm(job.groups.pp, job.groups.ep, job.device)
+        optimizer.clip(clip, norm)
+    else:
+        norm = global_grad_norm(job.norm_params, job.groups.pp, job.groups.ep, job.device)
+        clip_grads(job.all_params, clip, norm)
+    optimizer.step()
+    if sync is not None:
+        if profiler is not None:
+            profiler.open_dp_trace(iteration + 1, sync)
+        sync.start_param_gather()
     hidden, exposed = a2a if a2a is not None else (None, None)
     return StepStats(loss, aux, lr, norm, hidden, exposed, act_mem)
 
@@ -109,6 +124,8 @@ def train_step(
 def evaluate(job: Job) -> float:
     """Mean validation loss over the job's validation batches (forward only, nothing kept)."""
     losses: list[torch.Tensor] = []
+    if job.dp_sync is not None:
+        job.dp_sync.finish_param_gather()  # forward-only steps run no gather waits
     for batch in job.valid:
         tokens, labels = to_device(batch, job.device)
         losses.extend(job.executor.step(tokens, labels, forward_only=True).losses.values())

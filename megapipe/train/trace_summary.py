@@ -11,7 +11,9 @@ Everything is computed from the trace's own events, so the summary says what the
   busy during its compute nodes, and during an action without nodes (a plain schedule, a W) less
   its pipeline waits. A gap is put down to the pipeline receive it waited on, else to the
   all-to-all running during it, else to the rank not having started (or having finished) its
-  actions of the step, else to host work (scheduling between nodes).
+  actions of the step, else to host work (scheduling between nodes);
+- per rank, with bucketed data parallelism: the time of its collectives on the data-parallel
+  stream and how long the compute stream waited for them (the exposed part).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class RankFigures:
     comm_ms: float = 0.0  # per step
     exposed_ms: float = 0.0  # per step
     busy_ms: float = 0.0  # per step
+    dp_ms: float = 0.0  # per step: data-parallel collectives on their stream
+    dp_waited_ms: float = 0.0  # per step: the compute stream's waits for them
     bubbles: list[Bubble] = field(default_factory=list)
 
     @property
@@ -104,8 +108,10 @@ def _busy(actions: list[dict], compute: list[dict], waits: list[dict]) -> list[t
     return union(busy)
 
 
-def _cause(gap: tuple, actions: list[dict], waits: list[dict], comm: list[dict]) -> str:
-    for slices, text in ((waits, "waits for {}"), (comm, "waits for all-to-all {}")):
+def _cause(gap: tuple, actions: list[dict], waits: list[dict], comm: list[dict],
+           dp_waits: list[dict]) -> str:
+    for slices, text in ((waits, "waits for {}"), (comm, "waits for all-to-all {}"),
+                         (dp_waits, "{}")):
         overlap = [(covered_length(gap, [(e["ts"], _end(e))]), e["name"]) for e in slices]
         best = max(overlap, default=(0.0, ""))
         if best[0] > 0:
@@ -122,7 +128,8 @@ def summarize(document: dict) -> TraceSummary:
     """The figures of the module docstring, from the trace's events."""
     meta = document["otherData"]["megapipe"]
     events = document["traceEvents"]
-    cats = {c: _by(events, c) for c in ("action", "compute", "comm", "wait", "exposed")}
+    cats = {c: _by(events, c)
+            for c in ("action", "compute", "comm", "wait", "exposed", "dp", "dp_wait")}
     steps = sorted({step for _, step in cats["action"]})
     windows = {}
     for step in steps:
@@ -138,16 +145,21 @@ def summarize(document: dict) -> TraceSummary:
             got = {c: cats[c].get(key, []) for c in cats}
             figures.comm_ms += sum(e["dur"] for e in got["comm"]) / 1e3
             figures.exposed_ms += sum(e["dur"] for e in got["exposed"]) / 1e3
+            figures.dp_ms += sum(e["dur"] for e in got["dp"]) / 1e3
+            figures.dp_waited_ms += sum(e["dur"] for e in got["dp_wait"]) / 1e3
             busy = _busy(got["action"], got["compute"], got["wait"])
             figures.busy_ms += sum(b - a for a, b in busy) / 1e3
             for gap in subtract(windows[step], busy):
                 bubbles.append(Bubble(step, (gap[0] - windows[step][0]) / 1e3,
                                       (gap[1] - gap[0]) / 1e3,
-                                      _cause(gap, got["action"], got["wait"], got["comm"])))
+                                      _cause(gap, got["action"], got["wait"], got["comm"],
+                                             got["dp_wait"])))
         count = max(len(steps), 1)
         figures.comm_ms /= count
         figures.exposed_ms /= count
         figures.busy_ms /= count
+        figures.dp_ms /= count
+        figures.dp_waited_ms /= count
         figures.bubbles = sorted(bubbles, key=lambda b: -b.length_ms)
         ranks.append(figures)
     step_ms = [(windows[s][1] - windows[s][0]) / 1e3 for s in steps]
@@ -172,6 +184,10 @@ def format_summary(summary: TraceSummary, path: str) -> str:
                "all-to-all not traced (a plain schedule runs it inside its actions)")
         lines.append(f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}): {a2a}; compute busy "
                      f"{r.busy_ms:.2f} ms per step")
+        if r.dp_ms > 0:
+            share = r.dp_waited_ms / r.dp_ms
+            lines.append(f"  data parallel: collectives {r.dp_ms:.2f} ms per step, the compute "
+                         f"stream waited {r.dp_waited_ms:.2f} ms for them ({share:.1%} exposed)")
         for b in r.bubbles[:BUBBLES_SHOWN]:
             lines.append(f"  bubble {b.length_ms:.2f} ms (iteration {b.step}, at "
                          f"+{b.offset_ms:.2f} ms): {b.cause}")

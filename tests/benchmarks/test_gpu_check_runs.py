@@ -3,6 +3,7 @@ the node timeline of a combined step, the whole dry run, and the offline set-up 
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -172,8 +173,40 @@ def test_the_dry_run_runs_every_section_and_reports_the_gpu_parts_as_skipped(tmp
     assert files == ["gpu_check.json", "gpu_check.log", "gpu_check.md", "streams_trace.json.gz"]
 
 
+def test_a_check_killed_mid_section_leaves_the_finished_sections_and_the_running_ones_figures(
+        tmp_path):
+    """A kill of the whole check (the device machine's time limit) at any moment: the reports
+    in the output folder hold every finished section, and the running one's figures so far are
+    beside them in gpu_check.current.json."""
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out),
+         "--sections", "env,tests", "--budget", "200"],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    current = out / "gpu_check.current.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if current.exists() and json.loads(current.read_text() or "{}").get("name") == "tests":
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the check ended before it could be killed mid-section"
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert [s["name"] for s in report["sections"]] == ["env"]
+    assert report["sections"][0]["figures"]["copy_gbs"]["value"] > 0
+    assert "## env: passed" in (out / "gpu_check.md").read_text()
+    running = json.loads(current.read_text())
+    assert running["name"] == "tests" and running["error"] is None
+
+
 @pytest.mark.parametrize("mode", ["links", "venv"])
-def test_the_set_up_makes_megapipe_importable_offline(tmp_path, mode):
+def test_the_set_up_makes_megapipe_importable_offline_where_the_sections_run(tmp_path, mode):
+    """Checked from the repository root, where the sections run: there the repository's own
+    megapipe/ (without kernels/) comes first on sys.path unless the set-up prevents it."""
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP=mode,
                GPU_CHECK_VENV=str(tmp_path / "venv"), PIP_NO_INDEX="1")
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
@@ -185,9 +218,24 @@ def test_the_set_up_makes_megapipe_importable_offline(tmp_path, mode):
     if mode == "venv":
         assert python == str(tmp_path / "venv" / "bin" / "python")
     else:
-        assert python == sys.executable and pythonpath
+        assert python == sys.executable and pythonpath and lines["PYTHONSAFEPATH"] == "1"
+    section_env = dict(os.environ, PYTHONPATH=pythonpath,
+                       PYTHONSAFEPATH=lines.get("PYTHONSAFEPATH", ""))
     check = subprocess.run(
         [python, "-c", "import os, megapipe.kernels as k; print(os.path.realpath(k.__file__))"],
-        cwd="/", env=dict(os.environ, PYTHONPATH=pythonpath), capture_output=True, text=True,
-        timeout=120)
+        cwd=REPO, env=section_env, capture_output=True, text=True, timeout=120)
     assert check.stdout.strip() == str(REPO / "kernels" / "__init__.py"), check.stderr
+
+
+def test_a_section_runs_from_the_repository_root_with_the_fallback_set_up(tmp_path):
+    """The whole chain in links mode: set-up, then a section that imports megapipe.kernels."""
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP="links", PIP_NO_INDEX="1",
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
+                           "--dry-run", "--sections", "kernels", "--budget", "200"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr + log[-3000:]
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [(s["name"], s["error"]) for s in data["sections"]] == [("kernels", None)]
+    assert "using PYTHONPATH" in (tmp_path / "out" / "setup.log").read_text()

@@ -2,10 +2,15 @@
 
 Skipped without CUDA. One GPU, ep = 1 (no process group): the comm nodes still run on the
 communication stream. Determinism: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` is set before the first
-cuBLAS call and the bitwise test runs under ``torch.use_deterministic_algorithms(True,
-warn_only=True)``.
+cuBLAS call and the bitwise test runs under ``deterministic_kernels(strict=False)``.
 
-Every backward tape here is recorded through a co-scheduler (``combined_step`` with no backward
+The race detector: on 64 x 64 tensors every kernel ends before the host issues the next, so a
+missing cross-stream wait would almost never change a bit. The ``slow-moe`` stacks run 2048
+tokens of hidden 512 with an ``EmulatedLink`` of 1 ms per all-to-all, whose rows are written
+after the wait on the communication stream: a compute node that does not wait for its comm node
+reads unwritten memory, and the bits differ.
+
+Every backward tape here is recorded through a combined step (``combined_step`` with no backward
 half), as the engine does: autograd runs each backward op on the stream of its forward op, so
 only a comm node whose forward ran on the comm stream has its backward there.
 """
@@ -29,20 +34,36 @@ from megapipe.overlap.plan import Node, NodeKind  # noqa: E402
 from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
 from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
+from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 
 
 def _toy_stacks(device):
     from support.overlap_toys import toy_stack
 
-    return toy_stack("dmm", hidden=64, seed=1).to(device), toy_stack("mdm", hidden=64, seed=2).to(device)
+    stacks = toy_stack("dmm", hidden=64, seed=1).to(device), toy_stack("mdm", hidden=64, seed=2).to(device)
+    return stacks, (64, 64)
+
+
+def _moe(device, hidden: int, link=None):  # noqa: ANN001, ANN202
+    from megapipe.moe.layer import MoEConfig, MoELayer
+
+    cfg = MoEConfig(hidden_size=hidden, num_experts=4, top_k=2, ffn_hidden_size=2 * hidden,
+                    aux_loss_coeff=0.01, link=link)
+    build = lambda seed: torch.nn.ModuleList([MoELayer(cfg, layer_index=i, seed=seed) for i in range(2)])
+    return build(1).to(device), build(2).to(device)
 
 
 def _moe_stacks(device):
-    from megapipe.moe.layer import MoEConfig, MoELayer
+    return _moe(device, 64), (64, 64)
 
-    cfg = MoEConfig(hidden_size=64, num_experts=4, top_k=2, ffn_hidden_size=128, aux_loss_coeff=0.01)
-    build = lambda seed: torch.nn.ModuleList([MoELayer(cfg, layer_index=i, seed=seed) for i in range(2)])
-    return build(1).to(device), build(2).to(device)
+
+def _slow_moe_stacks(device):
+    from megapipe.moe.link import EmulatedLink
+
+    rows, hidden = 2048, 512
+    payload = rows * 2 * hidden * 4  # top-2 rows of fp32
+    link = EmulatedLink(bandwidth_bytes_per_s=payload / 1e-3)  # 1 ms per all-to-all
+    return _moe(device, hidden, link), (rows, hidden)
 
 
 def _record(plans, inputs, streams):
@@ -55,10 +76,10 @@ def _run(make_stacks, mode: str, defer: bool):
     """mode: 'sequential' (tape only), 'cpu-streams' or 'cuda-streams' (combined step)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
-    stack_f, stack_b = make_stacks(device)
-    x_i = torch.randn(64, 64, device=device, requires_grad=True)
-    x_j = torch.randn(64, 64, device=device, requires_grad=True)
-    g_j = torch.randn(64, 64, device=device)
+    (stack_f, stack_b), shape = make_stacks(device)
+    x_i = torch.randn(*shape, device=device, requires_grad=True)
+    x_j = torch.randn(*shape, device=device, requires_grad=True)
+    g_j = torch.randn(*shape, device=device)
     plans_b = [layer.node_plan() for layer in stack_b]
     plans_f = [layer.node_plan() for layer in stack_f]
     if mode == "sequential":
@@ -77,14 +98,12 @@ def _run(make_stacks, mode: str, defer: bool):
     return [outs[0].detach().clone(), gx[0].clone()] + params
 
 
-@pytest.mark.parametrize("make_stacks", [_toy_stacks, _moe_stacks], ids=["toy", "moe"])
+@pytest.mark.parametrize("make_stacks", [_toy_stacks, _moe_stacks, _slow_moe_stacks],
+                         ids=["toy", "moe", "slow-moe"])
 @pytest.mark.parametrize("defer", [False, True])
 def test_cuda_streams_give_the_bits_of_the_cpu_implementation(make_stacks, defer):
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_kernels(strict=False):
         runs = {mode: _run(make_stacks, mode, defer) for mode in ("sequential", "cpu-streams", "cuda-streams")}
-    finally:
-        torch.use_deterministic_algorithms(False)
     reference = runs["sequential"]
     for mode in ("cpu-streams", "cuda-streams"):
         assert len(runs[mode]) == len(reference)

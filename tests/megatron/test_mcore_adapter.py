@@ -213,5 +213,4 @@ def test_megatron_ddp_is_refused_where_it_would_reduce_wrongly():
     check_ddp(DistributedDataParallel(False), reduce_grads=False)
     with pytest.raises(ValueError, match="reduce_grads=False"):
         check_ddp(DistributedDataParallel(False), reduce_grads=True)
-    with pytest.raises(NotImplementedError, match="overlap_grad_reduce"):
-        check_ddp(DistributedDataParallel(True), reduce_grads=False)
+    check_ddp(DistributedDataParallel(True), reduce_grads=False)  # its hooks run (ddp_hooks)

@@ -32,3 +32,16 @@ def test_link_with_ep1_stretches_dispatch_and_combine_both_ways_and_keeps_the_bi
     assert min(times) >= modelled, (times, modelled)
     assert backward_s >= 2 * modelled, (backward_s, modelled)  # the combine's and the dispatch's
     assert torch.equal(layer(x), plain(x))
+
+
+def test_rows_arrive_in_a_new_buffer_both_ways():
+    """As over a real link, the delayed rows (and their gradient) are a new buffer written after
+    the wait, so on CUDA a consumer that skips the wait for the comm stream reads unwritten
+    memory: a missing wait changes the bits of a bitwise run with a link."""
+    link = EmulatedLink(bandwidth_bytes_per_s=1e12)
+    x = torch.randn(4, 8, requires_grad=True)
+    out = link.delay(x)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    grad = torch.randn(4, 8)
+    (x_grad,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(x_grad, grad) and x_grad.data_ptr() != grad.data_ptr()

@@ -1,4 +1,4 @@
-"""The co-scheduler: bitwise equal to the sequential path, the four pairs, real concurrency."""
+"""The combined step: bitwise equal to the sequential path, the four pairs, real concurrency."""
 
 import copy
 import time
@@ -345,7 +345,7 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
     assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one
 
 
-# expected times (ms) the co-scheduler may plan with: comm nodes three times the compute ones,
+# expected times (ms) the combined step may plan with: comm nodes three times the compute ones,
 # the toy experts' two deferred GEMMs 1 ms each
 TOY_TIMES = {"attention": NodeTimes(1.0, 1.0), "dispatch": NodeTimes(3.0, 3.0),
              "experts": NodeTimes(1.0, 1.0, (1.0, 1.0)), "combine": NodeTimes(3.0, 3.0),

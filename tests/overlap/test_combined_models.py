@@ -1,5 +1,5 @@
 """The engine on the real model: GPT stages (dense-first, MoE layers) through the tape and the
-co-scheduler give exactly the bits of plain autograd and of the sequential path."""
+combined step give exactly the bits of plain autograd and of the sequential path."""
 
 import pytest
 import torch

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megapipe.overlap.grouped_gemm import (
-    grouped_forward, grouped_input_grad, grouped_weight_grad, use_grouped_mm,
+    cuda_kernel_reads_no_offsets, grouped_forward, grouped_input_grad, grouped_weight_grad,
+    use_grouped_mm,
 )
 from megapipe.overlap.main_grad import attach_main_grads
 from megapipe.overlap.plan import LayerState
@@ -91,3 +92,14 @@ def test_bf16_weights_defer_into_fp32_main_grad_with_the_same_bits():
 def test_mixed_dtypes_without_autocast_are_named():
     with pytest.raises(TypeError, match="x is torch.bfloat16 but weight is torch.float32"):
         grouped_matmul(torch.randn(4, 3).bfloat16(), [2, 2], torch.randn(2, 3, 3))
+
+
+@pytest.mark.parametrize("capability,kernel", [
+    ((8, 0), False),  # A100: torch's fallback copies the offsets to the host
+    ((8, 9), False),
+    ((9, 0), True),  # H100 / H200: the CUTLASS kernel reads them on the device
+    ((10, 0), True),  # B200 / GB200
+    ((12, 0), False),
+])
+def test_cuda_runs_the_kernel_only_where_it_reads_no_offsets_on_the_host(capability, kernel):
+    assert cuda_kernel_reads_no_offsets(capability) is kernel

@@ -121,7 +121,7 @@ def recompute_cases(cases: list[Case], settings: dict[str, dict],
 
 
 def pair_names(trace) -> list[tuple[tuple[str, str], ...]]:
-    """Per co-scheduler slot with two nodes: ((direction, node), ...) sorted by stream."""
+    """Per combined step slot with two nodes: ((direction, node), ...) sorted by stream."""
     pairs = []
     for slot in trace.slots():
         nodes = [s for s in slot if s.direction in ("F", "B")]
@@ -163,7 +163,7 @@ def concurrency_run(case: Case, latency_s: float) -> dict | None:
     )
     _run(case, overlap=True, delay=False, config=config)  # warm-up (first exchanges are slow)
     _, _, result, wall = _run(case, overlap=True, delay=False, config=config, trace=True)
-    # the co-scheduler's paired slots (a comm node of one microbatch beside a compute node of
+    # the combined step's paired slots (a comm node of one microbatch beside a compute node of
     # the other): their wall time against the summed time of their nodes
     paired_wall = paired_sum = 0.0
     for slot in result.trace.slots():

@@ -163,3 +163,55 @@ def apply() -> None:
     moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     _APPLIED = True
+
+
+class _CpuTensorTorch(_CpuTorch):
+    """``torch`` as Megatron's optimizer and gradient clipping see it: ``device="cuda"``
+    tensors, zeros included, land on the CPU."""
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, **kwargs)
+
+
+def _cpu_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: Any, per_tensor: bool,
+                 *args: Any) -> tuple[torch.Tensor, None]:
+    """Megatron's local ``multi_tensor_l2norm`` (the norm of the per-tensor norms), on CPU."""
+    norms = [[torch.norm(t) for t in tensors] for tensors in tensor_lists]
+    return torch.tensor([float(torch.norm(torch.tensor(norms)))], dtype=torch.float), None
+
+
+_TENSOR_TYPE = torch.Tensor.type
+_OPTIMIZER_APPLIED = False
+
+
+def _megatron_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.type()``: Megatron's optimizer accepts only ``torch.cuda.*Tensor`` names, so to
+    code of Megatron's a CPU tensor names its CUDA type; every other caller sees the truth."""
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or self.is_cuda:
+        return name
+    import sys
+
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    if caller.startswith("megatron.") and name.startswith("torch.") and ".cuda." not in name:
+        return "torch.cuda." + name[len("torch."):]
+    return name
+
+
+def apply_optimizer_patches() -> None:
+    """Also run Megatron's optimizers (``DistributedOptimizer``, gradient clipping) on CPU:
+    their ``device="cuda"`` buffers, their CUDA-only type checks and the local L2-norm
+    fallback's CUDA result. Idempotent; after ``apply()``."""
+    global _OPTIMIZER_APPLIED
+    if _OPTIMIZER_APPLIED:
+        return
+    apply()
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+
+    torch.Tensor.type = _megatron_type  # type: ignore[method-assign]
+    clip_grads.torch = _CpuTensorTorch()
+    clip_grads.l2_norm_impl = _cpu_l2_norm
+    optimizer.torch = _CpuTensorTorch()
+    _OPTIMIZER_APPLIED = True

@@ -113,19 +113,6 @@ def message_of_comm(schedule: Schedule, action: Action) -> Message:
     return (rule[0], -1 if source is None else source, action.microbatch)
 
 
-def send_action(message: Message) -> Action:
-    kind, stage, mb = message
-    return Action(stage, Kind.SEND_F if kind == "F" else Kind.SEND_B, mb)
-
-
-def recv_action(schedule: Schedule, message: Message) -> Action:
-    """The RECV that takes ``message`` in, written with the receiving stage as torch does."""
-    kind, stage, mb = message
-    if kind == "F":
-        return Action(schedule.next_stage(stage), Kind.RECV_F, mb)
-    return Action(schedule.prev_stage(stage), Kind.RECV_B, mb)
-
-
 def peer_rank(schedule: Schedule, action: Action) -> int:
     """The rank on the other end of a SEND or RECV (an error if there is none)."""
     rule = CARRIES.get(action.kind)

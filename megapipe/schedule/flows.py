@@ -188,17 +188,3 @@ def _received_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np
         stage = np.where(remote, need.stage, stage)
     letter[SEND_LETTER[comps.kind] < 0] = -1
     return letter, stage
-
-
-def carried_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
-    """Per SEND/RECV: the letter code and sending stage of its message (-1 stage where the
-    stage it names has none before or after it; ``deps.message_of_comm``)."""
-    source, exists = neighbours(comps.stage, CARRY_SOURCE[comps.kind],
-                                schedule.stages_per_pipeline)
-    return CARRY_LETTER[comps.kind], np.where(exists, source, -1)
-
-
-def peers(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
-    """Per SEND/RECV: the rank on the other end, and whether there is one."""
-    other, exists = neighbours(comps.stage, CARRY_PEER[comps.kind], schedule.stages_per_pipeline)
-    return stage_rank(schedule, other), exists

@@ -115,22 +115,16 @@ class PipelineExecutor:
     ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
     ``module(input)`` (the Megatron front end runs the user's forward step through it).
 
-    Stages that implement ``StageModule`` (``stage_module.py``) run node by node in combined
-    schedules (any OVERLAP action): every training F/B/I as a ``CombinedStep`` on the streams
-    (an OVERLAP action with both halves, the others with one), all comm nodes on one
-    communication stream (made once, closed by ``close()``); their auxiliary-loss scale is set
-    to 1/num_microbatches each step. A module with ``layer_plans()`` that is not a whole
-    ``StageModule`` is refused (``stage_module.check_stage_module``). ``use_tape=True`` runs
-    them on the tape in plain schedules too (same bits, one autograd call per node).
-    ``delay_wgrad_compute`` (Megatron's flag; needs a combined schedule) defers the expert
-    weight gradients of each backward to run while a backward all-to-all is in flight.
-    ``moe_a2a_chunks`` k > 1 (needs a combined schedule) records every MoE layer with its
-    all-to-alls in k expert groups, so a step with no partner overlaps its own chunks.
-    ``record_trace`` records a
-    ``NodeTrace`` per step and fills the timing fields of ``StepResult``. Pipeline p2p stays on
-    the calling thread: a pair's receives are posted in the batch before its OVERLAP action; its
-    sends go out from inside it as each half's result is made (``early_sends``: proven
-    deadlock-free per schedule, ``early_send_rule`` says which rule applies).
+    In combined schedules (any OVERLAP action) every training F/B/I of ``StageModule`` stages
+    (``stage_module.py``) runs as a ``CombinedStep`` (``_run_combined``), its comm nodes on one
+    communication stream (made once, closed by ``close()``); a module with ``layer_plans()``
+    that is not a whole ``StageModule`` is refused. Each step sets the stages' auxiliary-loss
+    scale to 1/num_microbatches. ``use_tape=True`` runs them on the tape in plain schedules too
+    (same bits). ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients
+    into the backward all-to-alls' time; ``moe_a2a_chunks`` k > 1 records MoE layers with their
+    all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
+    timing fields of ``StepResult``. Pipeline p2p stays on the calling thread; a pair's sends go
+    out from inside it as each half's result is made (``early_sends``, ``early_send_rule``).
     """
 
     def __init__(

@@ -19,7 +19,8 @@ comm and compute run on one thread; megapipe runs here with the same one-thread 
 that thread per step (``time.thread_time``; other processes cannot change it), median over the
 rounds, divided by ``MICROBATCHES x MOE_LAYERS`` (one layer's forward and backward of one
 microbatch: a layer pair's worth). Rank 0 prints; the last line is ``host ratio
-megapipe/megatron: X.XX``.
+megapipe/megatron: X.XX``: megapipe's step over Megatron's step of the same round, median over
+the rounds, mean of the two ranks.
 """
 
 from __future__ import annotations
@@ -185,6 +186,10 @@ def _rank(rank: int, rounds: int, out: str) -> None:
     megapipe_func.close()
     steps["megapipe-gpt"].executor.close()
     medians = {label: statistics.median(v) for label, v in times.items()}
+    # the ratio of each round (its steps minutes apart at most), median over rounds: steadier
+    # than the ratio of medians where the machine's load changes during the run
+    medians["ratio"] = statistics.median(m / g for m, g in zip(times["megapipe"],
+                                                               times["megatron"]))
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, medians)
     if rank == 0:
@@ -224,6 +229,6 @@ def run(rounds: int) -> int:
     for label in LABELS:
         values = [m[label] * 1e3 / pairs for m in per_rank]
         print(f"  {label:<13} {values[0]:.3f} / {values[1]:.3f} ms per layer pair")
-    ratio = statistics.mean(m["megapipe"] / m["megatron"] for m in per_rank)
-    print(f"host ratio megapipe/megatron: {ratio:.2f}")
+    ratio = statistics.mean(m["ratio"] for m in per_rank)
+    print(f"host ratio megapipe/megatron: {ratio:.2f} (per round, median; mean of the ranks)")
     return 0

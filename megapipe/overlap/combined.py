@@ -93,15 +93,13 @@ def forward_node(tape: Tape, layer: LayerRecord, index: int) -> Values:
 def backward_node(tape: Tape, layer: LayerRecord, index: int) -> Grads:
     """Run the backward of node ``index`` of ``layer``; returns its inputs' gradients."""
     grads = tape.backward_grads(layer, index)
-    roots, root_grads = [], []
-    for out, grad in zip(layer.nodes[index].outputs or (), grads):
-        # an output without a gradient (unused, or an integer tensor) is left out, as
-        # autograd leaves it out
-        if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad:
-            roots.append(out)
-            root_grads.append(grad)
-    if roots:
-        _run_backward(tuple(roots), tuple(root_grads), False, False, (), True, True)
+    # an output without a gradient (unused, or an integer tensor) is left out, as autograd
+    # leaves it out
+    pairs = [(out, grad) for out, grad in zip(layer.nodes[index].outputs or (), grads)
+             if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
+    if pairs:
+        roots, root_grads = zip(*pairs)
+        _run_backward(roots, root_grads, False, False, (), True, True)
     return tape.node_ran_backward(layer, index)
 
 

@@ -39,12 +39,13 @@ Values = tuple[Any, ...]
 Grads = tuple[torch.Tensor | None, ...]
 
 
+_Tensor = torch.Tensor
+
+
 def detached(values: Sequence[Any]) -> Values:
     """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
-    return tuple(
-        (v.detach().requires_grad_() if v.requires_grad else v.detach())
-        if isinstance(v, torch.Tensor) else v for v in values
-    )
+    return tuple([(v.detach().requires_grad_() if v.requires_grad else v.detach())
+                  if isinstance(v, _Tensor) else v for v in values])
 
 
 def checked(values: Any, where: str) -> Values:
@@ -231,8 +232,8 @@ class Tape:
         record = layer.nodes[index]
         inputs = record.inputs
         assert inputs is not None
-        input_grads = tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None
-                            for x in inputs)
+        input_grads = tuple([x.grad if isinstance(x, _Tensor) and x.requires_grad else None
+                             for x in inputs])
         record.inputs = record.outputs = record.grads = None
         layer.backward_count += 1
         sources = record.sources

@@ -16,6 +16,14 @@ equals the measured one, as the replay's calibration does (``replay_calibration`
 
     python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
         [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
+    python benchmarks/host_cost.py --engine [--rounds 1500]
+
+``--engine`` measures the engine's own host work alone: the same pair of layers of five nodes
+(compute, comm, compute, comm, compute) whose every node is one elementwise multiply, with both
+streams on the calling thread (as a GPU host issues both), CPU time of that thread, median over
+rounds: plain autograd over the nodes, the tape path, the combined step; the difference to
+plain autograd per node is the engine's. ``--megatron`` compares with Megatron-Core
+(``megatron_host.py``).
 """
 
 from __future__ import annotations
@@ -181,6 +189,66 @@ def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
     stats.sort_stats("tottime").print_stats(top)
 
 
+def _engine(rounds: int) -> int:
+    """``--engine`` (module docstring)."""
+    from megapipe.overlap import combined_step, record_forward, run_backward
+    from megapipe.overlap.plan import Node, NodeKind, run_nodes
+    from megapipe.overlap.streams import InlineStream, Streams
+
+    torch.set_num_threads(1)
+    weight = torch.nn.Parameter(torch.ones(8))
+    kinds = [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
+    plans = [[Node(f"n{i}", k, lambda state, t: (t[0] * weight,)) for i, k in enumerate(kinds)]
+             for _ in range(4)]
+    nodes = 2 * 4 * len(kinds)
+    streams = Streams(InlineStream("compute"), InlineStream("comm"))
+
+    def leaf() -> torch.Tensor:
+        return torch.randn(4, 8, requires_grad=True)
+
+    def autograd() -> float:
+        values = (leaf(),)
+        for plan in plans:
+            values = run_nodes(plan, values)
+        x, grad = leaf(), torch.ones(4, 8)
+        start = time.thread_time()
+        other = (x,)
+        for plan in plans:
+            other = run_nodes(plan, other)
+        torch.autograd.backward(values[0], grad)
+        return time.thread_time() - start
+
+    def plain() -> float:
+        _, tape = record_forward(plans, (leaf(),))
+        x, grads = leaf(), [torch.ones(4, 8)]
+        start = time.thread_time()
+        record_forward(plans, (x,))
+        run_backward(tape, grads)
+        return time.thread_time() - start
+
+    def combined() -> float:
+        _, tape = record_forward(plans, (leaf(),))
+        x, grads = leaf(), [torch.ones(4, 8)]
+        start = time.thread_time()
+        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True)
+        return time.thread_time() - start
+
+    runs = {"autograd": autograd, "plain": plain, "combined": combined}
+    samples: dict[str, list[float]] = {label: [] for label in runs}
+    for r in range(rounds + 100):  # 100 warm-up rounds
+        for label, run in runs.items():
+            seconds = run()
+            if r >= 100:
+                samples[label].append(seconds)
+    us = {label: statistics.median(v) * 1e6 / nodes for label, v in samples.items()}
+    print(f"trivial nodes, {nodes} F+B nodes, one thread, CPU time, median of {rounds} rounds:")
+    for label, value in us.items():
+        print(f"  {label:<8} {value:5.1f} us/node")
+    print(f"engine's own host time per node: plain {us['plain'] - us['autograd']:.1f} us, "
+          f"combined {us['combined'] - us['autograd']:.1f} us")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from megapipe.overlap import make_streams
 
@@ -197,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--megatron", action="store_true",
                         help="instead: host time per layer pair of Megatron-Core's combined_1f1b "
                         "beside megapipe's combined step (megatron_host.py)")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: the engine's own host time per node on trivial nodes")
     a = parser.parse_args(argv)
+    if a.engine:
+        return _engine(a.rounds)
     if a.megatron:
         from megatron_host import run
 

@@ -53,3 +53,10 @@ def test_the_megatron_comparison_runs_both_engines_and_ends_with_the_ratio(capsy
     assert all("ms per layer pair" in row for row in rows.values())
     assert lines[-1].startswith("host ratio megapipe/megatron: ")
     assert float(lines[-1].split(": ")[1].split()[0]) > 0
+
+
+def test_the_engine_alone_prints_its_host_time_per_node(capsys):
+    assert main(["--engine", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "40 F+B nodes" in out and out.count("us/node") == 3
+    assert out.strip().splitlines()[-1].startswith("engine's own host time per node: plain ")

@@ -8,12 +8,22 @@ parallelism (the all-to-alls are local), for the steady-state layer pair: ``moe_
 layers' forward beside another microbatch's backward of them, run one after the other (plain
 tape path) and combined (``combined_step``, deferred expert weight gradients). Printed per node
 (forward and backward nodes of the pair): the process's CPU time (both threads, so it does not
-depend on what else the machine runs) and the wall time, median over rounds. ``--node-ms X``
+depend on what else the machine runs) and the wall time, median over rounds, beside the model's
+own work (``model``: the same layers by plain autograd, no tape, no streams); the difference is
+the engine's own host time per node. ``--node-ms X``
 gives every node X ms instead and solves the host cost per node at which the simulator's pair
 equals the measured one, as the replay's calibration does (``replay_calibration``).
 
     python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
         [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
+    python benchmarks/host_cost.py --engine [--rounds 1500]
+
+``--engine`` measures the engine's own host work alone: the same pair of layers of five nodes
+(compute, comm, compute, comm, compute) whose every node is one elementwise multiply, with both
+streams on the calling thread (as a GPU host issues both), CPU time of that thread, median over
+rounds: plain autograd over the nodes, the tape path, the combined step; the difference to
+plain autograd per node is the engine's. ``--megatron`` compares with Megatron-Core
+(``megatron_host.py``).
 """
 
 from __future__ import annotations
@@ -73,22 +83,39 @@ class _Pair:
     def _hidden(self) -> torch.Tensor:
         return torch.randn(self.shape, generator=self.generator).requires_grad_()
 
-    def prepare(self):
-        """A recorded tape and its output gradients (not timed)."""
-        from megapipe.overlap.tape import record_forward
+    def prepare(self, label: str = "plain"):
+        """A recorded tape and its output gradients (not timed); for ``model`` the same layers
+        recorded by plain autograd."""
+        from megapipe.overlap.plan import run_nodes
+        from megapipe.overlap.sequential import record_forward
 
+        if label == "model":
+            values = (self._hidden(),)
+            for plan in self.plans:
+                values = run_nodes(plan, values)
+            return values[0], torch.ones_like(values[0]), self._hidden()
         outputs, tape = record_forward(self.plans, (self._hidden(),))
         return tape, [torch.ones_like(outputs[0])], self._hidden()
 
+    def model(self, output, grad, x) -> None:
+        """The model's own work: the forward of ``x`` and the backward of ``output`` with plain
+        autograd (no tape, no streams): what any engine has to run."""
+        from megapipe.overlap.plan import run_nodes
+
+        values = (x,)
+        for plan in self.plans:
+            values = run_nodes(plan, values)
+        torch.autograd.backward(output, grad)
+
     def plain(self, tape, grads, x) -> None:
         """The nodes one after the other (as the replay's pair: W inside B)."""
-        from megapipe.overlap.tape import record_forward, run_backward
+        from megapipe.overlap.sequential import record_forward, run_backward
 
         record_forward(self.plans, (x,))
         run_backward(tape, grads)
 
     def combined(self, tape, grads, x) -> None:
-        from megapipe.overlap.coscheduler import combined_step
+        from megapipe.overlap.combined import combined_step
 
         combined_step(self.plans, (x,), tape, grads, self.streams,
                       delay_wgrad_compute=self.delay_wgrad)
@@ -98,28 +125,27 @@ class _Pair:
 LABELS = ("plain", "combined")
 
 
-def _timed_rounds(pair: _Pair, rounds: int) -> dict:
-    """Per label, the median (CPU ms, wall ms) of ``rounds`` runs (plain and combined take
-    turns; one warm-up run each)."""
-    cpu: dict = {label: [] for label in LABELS}
-    wall: dict = {label: [] for label in LABELS}
+def _timed_rounds(pair: _Pair, rounds: int, labels: tuple[str, ...] = LABELS) -> dict:
+    """Per label, the median (CPU ms, wall ms) of ``rounds`` runs (the labels take turns; one
+    warm-up run each)."""
+    cpu: dict = {label: [] for label in labels}
+    wall: dict = {label: [] for label in labels}
     for r in range(rounds + 1):
-        for label in LABELS if r % 2 else LABELS[::-1]:
-            args = pair.prepare()
+        for label in labels if r % 2 else labels[::-1]:
+            args = pair.prepare(label)
             c0, w0 = time.process_time(), time.perf_counter()
             getattr(pair, label)(*args)
             cpu[label].append((time.process_time() - c0) * 1e3)
             wall[label].append((time.perf_counter() - w0) * 1e3)
             pair.stage.zero_grad(set_to_none=True)
     return {label: (statistics.median(cpu[label][1:]), statistics.median(wall[label][1:]))
-            for label in LABELS}
+            for label in labels}
 
 
 def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
     """The simulator's pair (plain, combined) ms with ``host_cost`` ms per F and B node."""
     from megapipe.schedule.ir import Action, Kind
-    from megapipe.sim.node_steps import NodeCosts, node_ops
-    from megapipe.sim.steps import op_times
+    from megapipe.sim.programs import NodeCosts, node_ops, op_times
 
     def pair_time(action, defer: bool) -> float:
         nodes = NodeCosts(profile, 3, s.moe_layers, a2a_chunks=chunks, defer_wgrad=defer,
@@ -150,7 +176,7 @@ def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
     comm.submit(worker.enable).synchronize()
     run = getattr(pair, label)
     for _ in range(rounds):
-        args = pair.prepare()
+        args = pair.prepare(label)
         host.enable()
         run(*args)
         host.disable()
@@ -161,6 +187,66 @@ def _profiled(pair: _Pair, label: str, rounds: int, top: int) -> None:
     print(f"--- {label}: top {top} by own time, {rounds} runs x {pair.nodes} nodes "
           "(host thread + comm worker)")
     stats.sort_stats("tottime").print_stats(top)
+
+
+def _engine(rounds: int) -> int:
+    """``--engine`` (module docstring)."""
+    from megapipe.overlap import combined_step, record_forward, run_backward
+    from megapipe.overlap.plan import Node, NodeKind, run_nodes
+    from megapipe.overlap.streams import InlineStream, Streams
+
+    torch.set_num_threads(1)
+    weight = torch.nn.Parameter(torch.ones(8))
+    kinds = [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
+    plans = [[Node(f"n{i}", k, lambda state, t: (t[0] * weight,)) for i, k in enumerate(kinds)]
+             for _ in range(4)]
+    nodes = 2 * 4 * len(kinds)
+    streams = Streams(InlineStream("compute"), InlineStream("comm"))
+
+    def leaf() -> torch.Tensor:
+        return torch.randn(4, 8, requires_grad=True)
+
+    def autograd() -> float:
+        values = (leaf(),)
+        for plan in plans:
+            values = run_nodes(plan, values)
+        x, grad = leaf(), torch.ones(4, 8)
+        start = time.thread_time()
+        other = (x,)
+        for plan in plans:
+            other = run_nodes(plan, other)
+        torch.autograd.backward(values[0], grad)
+        return time.thread_time() - start
+
+    def plain() -> float:
+        _, tape = record_forward(plans, (leaf(),))
+        x, grads = leaf(), [torch.ones(4, 8)]
+        start = time.thread_time()
+        record_forward(plans, (x,))
+        run_backward(tape, grads)
+        return time.thread_time() - start
+
+    def combined() -> float:
+        _, tape = record_forward(plans, (leaf(),))
+        x, grads = leaf(), [torch.ones(4, 8)]
+        start = time.thread_time()
+        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True)
+        return time.thread_time() - start
+
+    runs = {"autograd": autograd, "plain": plain, "combined": combined}
+    samples: dict[str, list[float]] = {label: [] for label in runs}
+    for r in range(rounds + 100):  # 100 warm-up rounds
+        for label, run in runs.items():
+            seconds = run()
+            if r >= 100:
+                samples[label].append(seconds)
+    us = {label: statistics.median(v) * 1e6 / nodes for label, v in samples.items()}
+    print(f"trivial nodes, {nodes} F+B nodes, one thread, CPU time, median of {rounds} rounds:")
+    for label, value in us.items():
+        print(f"  {label:<8} {value:5.1f} us/node")
+    print(f"engine's own host time per node: plain {us['plain'] - us['autograd']:.1f} us, "
+          f"combined {us['combined'] - us['autograd']:.1f} us")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,19 +262,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-delay-wgrad", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also print the N top functions by own time (cProfile)")
+    parser.add_argument("--megatron", action="store_true",
+                        help="instead: host time per layer pair of Megatron-Core's combined_1f1b "
+                        "beside megapipe's combined step (megatron_host.py)")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: the engine's own host time per node on trivial nodes")
     a = parser.parse_args(argv)
+    if a.engine:
+        return _engine(a.rounds)
+    if a.megatron:
+        from megatron_host import run
+
+        return run(a.rounds)
     torch.set_num_threads(1)
     precise_sleeps()  # as the replay's ranks do
     s = ReplaySettings("", (), moe_layers=a.moe_layers, delay_wgrad=not a.no_delay_wgrad)
     profile = _uniform(a.node_ms)
     with make_streams("cpu") as streams:
         pair = _Pair(s, a.a2a_chunks, streams, profile)
-        figures = _timed_rounds(pair, a.rounds)
+        figures = _timed_rounds(pair, a.rounds, ("model",) + LABELS)
         print(f"layer pair of {a.moe_layers} MoE layers, {a.a2a_chunks} chunk(s), {pair.nodes} "
               f"F+B nodes, every node {a.node_ms:g} ms, {a.rounds} rounds (median):")
         for label, (cpu, wall) in figures.items():
             print(f"  {label:<8} CPU {cpu / pair.nodes:.3f} ms/node, wall {wall / pair.nodes:.3f}"
                   " ms/node")
+        model = figures["model"][0]
+        print(f"  engine's own CPU per node (the row minus model): plain "
+              f"{(figures['plain'][0] - model) / pair.nodes:.3f}, combined "
+              f"{(figures['combined'][0] - model) / pair.nodes:.3f} ms")
         print(f"  combined / plain CPU: {figures['combined'][0] / figures['plain'][0]:.2f}")
         for label in LABELS if a.node_ms > 0 else ():
             print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1]))

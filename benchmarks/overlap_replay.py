@@ -1,6 +1,6 @@
 """Replay: the real engine with every node lasting its time in a profile (``overlap.py --replay``).
 
-Four gloo processes (pp = 2, dp = 2, ep = 2) run the real executor, streams, co-scheduler and p2p
+Four gloo processes (pp = 2, dp = 2, ep = 2) run the real executor, streams, combined step and p2p
 on a tiny MoE GPT whose every node (attention, dispatch, experts, combine, embedding, head) does
 its real work and then sleeps until its profile time has passed (``replay_stage``): the host
 and the cores are left free as a GPU kernel leaves them, so the CPU's limits drop out and what
@@ -85,7 +85,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
     """The simulator's view of one run (CPU host: the compute stream is the host thread;
     ``early``: the executor's ``early_send_rule``, None: the simulator's default;
     ``host_cost``: ms per node, ``replay_calibration``; ``profile``: default the run's)."""
-    from megapipe.sim.node_steps import NodeCosts
+    from megapipe.sim.programs import NodeCosts
 
     nodes = NodeCosts(profile or _profile(s), schedule.stages_per_pipeline, s.moe_layers,
                       a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
@@ -96,7 +96,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
 
 def chunks_for(s: ReplaySettings, name: str) -> int:
     """``--a2a-chunks`` as given, else the simulator's pick (``choose_a2a_chunks``)."""
-    from megapipe.sim.node_steps import choose_a2a_chunks
+    from megapipe.sim.programs import choose_a2a_chunks
 
     if s.a2a_chunks is not None:
         return s.a2a_chunks
@@ -226,8 +226,8 @@ def _pair(s: ReplaySettings, groups) -> dict:
     """The steady-state layer pair alone: forward of ``moe_layers`` MoE layers beside another
     microbatch's backward of them, combined vs one after the other (ms, median of 3)."""
     from megapipe.overlap import make_streams
-    from megapipe.overlap.coscheduler import combined_step
-    from megapipe.overlap.tape import record_forward, run_backward
+    from megapipe.overlap.combined import combined_step
+    from megapipe.overlap.sequential import record_forward, run_backward
 
     from replay_stage import ReplayStage
 
@@ -260,8 +260,7 @@ def _pair(s: ReplaySettings, groups) -> dict:
 def _predict_pair(s: ReplaySettings, host_cost: float = 0.0) -> tuple[float, float]:
     """The simulator's pair: (combined, sequential) ms."""
     from megapipe.schedule.ir import Action, Kind
-    from megapipe.sim.node_steps import NodeCosts, node_ops
-    from megapipe.sim.steps import op_times
+    from megapipe.sim.programs import NodeCosts, node_ops, op_times
 
     profile = _profile(s)
     nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True,

@@ -9,8 +9,8 @@ passed (so the sleep is in whichever thread runs the node's backward: the comm s
 for a comm node). Weight gradients the backward deferred into the layer's queue
 (``delay_wgrad_compute``, an I step) are wrapped to last the W time between them; a backward
 that computed them at once lasts B + W instead. Each timed node also carries its profile times
-(``Node.times``), so the co-scheduler places deferred weight gradients by time, as the
-simulator does (``wgrad_by_time``). Everything else (streams, co-scheduler, tape,
+(``Node.times``), so the combined step places deferred weight gradients by time, as the
+simulator does (``wgrad_by_time``). Everything else (streams, combined step, tape,
 gloo all-to-alls and p2p) is the real engine.
 """
 
@@ -147,7 +147,7 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
         sleep_until(start + forward_s)
         return outputs
 
-    # the times travel with the node: the co-scheduler places deferred weight gradients by them
+    # the times travel with the node: the combined step places deferred weight gradients by them
     return Node(node.name, node.kind, fn, node.group, times)
 
 

@@ -122,7 +122,7 @@ def main() -> None:
     if loops.warm_up():
         print(f"compiled loops (numba): loaded in {time.perf_counter() - began:.2f} s (once per "
               f"process; compiled the first time on a machine), used from "
-              f"{loops.COMPILED_FROM_STEPS} steps")
+              f"{loops.COMPILED_FROM_ACTIONS} actions")
     else:
         print("compiled loops: not used (numba not installed, or MEGAPIPE_NO_NUMBA=1): the loops "
               "run in Python")

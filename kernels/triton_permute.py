@@ -1,13 +1,13 @@
 """Triton kernels for token permute (gather) and unpermute (weighted sum), with autograd.
 
 Same index conventions (padding rows included) and summation order as
-``megapipe.kernels.reference``: every kernel is a gather over a token's k routing slots summed in
+``megapipe.kernels.reference``: every kernel is a gather over a token's k routing choices summed in
 order j = 0..k-1 in float32, so no atomics are used and results are deterministic run to run.
-One program per row (permute, unpermute backward) or per token (the slot sums) walks the hidden
+One program per row (permute, unpermute backward) or per token (the choice sums) walks the hidden
 dimension in blocks of up to ``MAX_BLOCK`` columns: each program then moves whole rows with wide
 vector loads. (The first GPU run had one program per 128-column block: 256-byte programs, 24 %
 of the copy bandwidth for the permute.) Tiling changes no sum: each output element is still
-summed over its slots in order j = 0..k-1.
+summed over its choices in order j = 0..k-1.
 
 Triton decides at import time whether kernels are compiled or interpreted (``TRITON_INTERPRET=1``
 must be set before this module is first imported); the interpreter runs them on CPU tensors.
@@ -23,35 +23,35 @@ MAX_BLOCK = 2048  # columns per block: 4 KB of bf16 per block, 8 to 16 bytes per
 
 
 @triton.jit
-def _permute_kernel(tokens, row_slot, out, hidden, top_k, BLOCK: tl.constexpr):
-    """out[r] = tokens[row_slot[r] // k]; a padding row (slot -1) gets zeros."""
+def _permute_kernel(tokens, row_choice, out, hidden, top_k, BLOCK: tl.constexpr):
+    """out[r] = tokens[row_choice[r] // k]; a padding row (choice -1) gets zeros."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(row_slot + row).to(tl.int64)
-    source = tokens + tl.maximum(slot, 0) // top_k * hidden
+    choice = tl.load(row_choice + row).to(tl.int64)
+    source = tokens + tl.maximum(choice, 0) // top_k * hidden
     target = out + row * hidden
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hidden
-        valid = mask & ((slot + tl.zeros([BLOCK], dtype=tl.int64)) >= 0)
+        valid = mask & ((choice + tl.zeros([BLOCK], dtype=tl.int64)) >= 0)
         values = tl.load(source + cols, mask=valid, other=0.0)
         tl.store(target + cols, values, mask=mask)
 
 
 @triton.jit
-def _sum_slots_kernel(
-    rows, probs, token_slots, out, hidden, top_k, HAS_PROBS: tl.constexpr, BLOCK: tl.constexpr
+def _sum_choices_kernel(
+    rows, probs, choice_rows, out, hidden, top_k, HAS_PROBS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """out[t] = sum_j probs[t, j] * rows[token_slots[t, j]] (probs optional), float32 sum."""
+    """out[t] = sum_j probs[t, j] * rows[choice_rows[t, j]] (probs optional), float32 sum."""
     token = tl.program_id(0).to(tl.int64)
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < hidden
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in range(top_k):
-            slot = tl.load(token_slots + token * top_k + j).to(tl.int64)
-            # a dropped choice (slot -1) contributes nothing
-            valid = mask & ((slot + tl.zeros([BLOCK], dtype=tl.int64)) >= 0)
-            values = tl.load(rows + tl.maximum(slot, 0) * hidden + cols,
+            choice = tl.load(choice_rows + token * top_k + j).to(tl.int64)
+            # a dropped choice (choice -1) contributes nothing
+            valid = mask & ((choice + tl.zeros([BLOCK], dtype=tl.int64)) >= 0)
+            values = tl.load(rows + tl.maximum(choice, 0) * hidden + cols,
                              mask=valid, other=0.0).to(tl.float32)
             if HAS_PROBS:
                 weight = tl.load(probs + token * top_k + j).to(tl.float32)
@@ -62,19 +62,19 @@ def _sum_slots_kernel(
 
 @triton.jit
 def _unpermute_backward_kernel(
-    grad_out, rows, probs, row_slot, grad_rows, grad_probs, hidden, top_k, scratch,
+    grad_out, rows, probs, row_choice, grad_rows, grad_probs, hidden, top_k, scratch,
     BLOCK: tl.constexpr,
 ):
-    """grad_rows[r] = p * grad_out[t]; grad_probs[slot] = <grad_out[t], rows[r]>; a padding
-    row (slot -1) gets a zero gradient and writes its dot product to the scratch entry
+    """grad_rows[r] = p * grad_out[t]; grad_probs[choice] = <grad_out[t], rows[r]>; a padding
+    row (choice -1) gets a zero gradient and writes its dot product to the scratch entry
     ``grad_probs[scratch]`` (discarded), so no real entry is written twice."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(row_slot + row)
-    valid = slot >= 0
-    target = tl.where(valid, slot, scratch)
-    slot = tl.maximum(slot, 0)
-    token = slot // top_k
-    weight = tl.where(valid, tl.load(probs + slot).to(tl.float32), 0.0)
+    choice = tl.load(row_choice + row)
+    valid = choice >= 0
+    target = tl.where(valid, choice, scratch)
+    choice = tl.maximum(choice, 0)
+    token = choice // top_k
+    weight = tl.where(valid, tl.load(probs + choice).to(tl.float32), 0.0)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -96,18 +96,18 @@ def _block(hidden: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4 if block >= 512 else 2}
 
 
-def _sum_slots(
-    rows: torch.Tensor, probs: torch.Tensor | None, token_slots: torch.Tensor, dtype: torch.dtype
+def _sum_choices(
+    rows: torch.Tensor, probs: torch.Tensor | None, choice_rows: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    num_tokens, top_k = token_slots.shape
+    num_tokens, top_k = choice_rows.shape
     hidden = rows.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=rows.device)
     if num_tokens and hidden:
-        weights = probs.contiguous() if probs is not None else token_slots  # unused when absent
-        _sum_slots_kernel[(num_tokens,)](
+        weights = probs.contiguous() if probs is not None else choice_rows  # unused when absent
+        _sum_choices_kernel[(num_tokens,)](
             rows.contiguous(),
             weights,
-            token_slots.contiguous(),
+            choice_rows.contiguous(),
             out,
             hidden,
             top_k,
@@ -119,36 +119,36 @@ def _sum_slots(
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, row_slot, token_slots):  # type: ignore[override]
-        ctx.save_for_backward(token_slots)
+    def forward(ctx, tokens, row_choice, choice_rows):  # type: ignore[override]
+        ctx.save_for_backward(choice_rows)
         hidden = tokens.shape[1]
-        out = torch.empty(row_slot.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
-        if row_slot.numel() and hidden:
-            _permute_kernel[(row_slot.numel(),)](
+        out = torch.empty(row_choice.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
+        if row_choice.numel() and hidden:
+            _permute_kernel[(row_choice.numel(),)](
                 tokens.contiguous(),
-                row_slot.contiguous(),
+                row_choice.contiguous(),
                 out,
                 hidden,
-                token_slots.shape[1],
+                choice_rows.shape[1],
                 **_block(hidden),
             )
         return out
 
     @staticmethod
     def backward(ctx, grad_rows):  # type: ignore[override]
-        (token_slots,) = ctx.saved_tensors
-        return _sum_slots(grad_rows, None, token_slots, grad_rows.dtype), None, None
+        (choice_rows,) = ctx.saved_tensors
+        return _sum_choices(grad_rows, None, choice_rows, grad_rows.dtype), None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, probs, row_slot, token_slots):  # type: ignore[override]
-        ctx.save_for_backward(rows, probs, row_slot)
-        return _sum_slots(rows, probs, token_slots, rows.dtype)
+    def forward(ctx, rows, probs, row_choice, choice_rows):  # type: ignore[override]
+        ctx.save_for_backward(rows, probs, row_choice)
+        return _sum_choices(rows, probs, choice_rows, rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        rows, probs, row_slot = ctx.saved_tensors
+        rows, probs, row_choice = ctx.saved_tensors
         num_rows, hidden = rows.shape
         grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         grad_probs = torch.zeros(probs.numel() + 1, dtype=torch.float32, device=probs.device)
@@ -157,7 +157,7 @@ class _Unpermute(torch.autograd.Function):
                 grad_out.contiguous(),
                 rows.contiguous(),
                 probs.contiguous(),
-                row_slot.contiguous(),
+                row_choice.contiguous(),
                 grad_rows,
                 grad_probs,
                 hidden,
@@ -170,14 +170,14 @@ class _Unpermute(torch.autograd.Function):
 
 
 def permute_tokens(
-    tokens: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor
+    tokens: torch.Tensor, row_choice: torch.Tensor, choice_rows: torch.Tensor
 ) -> torch.Tensor:
     """Triton version of ``reference.permute_tokens``."""
-    return _Permute.apply(tokens, row_slot, token_slots)
+    return _Permute.apply(tokens, row_choice, choice_rows)
 
 
 def unpermute_tokens(
-    rows: torch.Tensor, probs: torch.Tensor, row_slot: torch.Tensor, token_slots: torch.Tensor
+    rows: torch.Tensor, probs: torch.Tensor, row_choice: torch.Tensor, choice_rows: torch.Tensor
 ) -> torch.Tensor:
     """Triton version of ``reference.unpermute_tokens``."""
-    return _Unpermute.apply(rows, probs, row_slot, token_slots)
+    return _Unpermute.apply(rows, probs, row_choice, choice_rows)

@@ -15,7 +15,7 @@ def test_schedule_prints_grid_and_metrics(capsys):
                  "--overlap"]) == 0
     out = capsys.readouterr().out
     assert "interleaved-1f1b + overlap: pp=4 vpp=2 microbatches=8" in out
-    assert "step  rank 0" in out and "(0F7;4B0)OVERLAP_F_B" in out
+    assert "#     rank 0" in out and "(0F7;4B0)OVERLAP_F_B" in out
     assert "makespan          57" in out
     assert "bubble per rank   9 9 9 9" in out  # (pp-1)(F+B) with the default costs 1,2,1
 

@@ -4,7 +4,7 @@ Each case asserts the exit code, exactly one line on stderr that names the offen
 traceback, and that every checkpoint already saved is byte-for-byte still there. Pretrain cases
 call ``megapipe.train.main.main`` in this process with the launch of the ranks replaced by a
 recorder: a bad input must be refused before any process starts (the recorder fails the case if
-it is reached), a good one must reach it with the right resume plan. One real checkpoint
+it is reached), a good one must reach it with the right resume choice. One real checkpoint
 (2 iterations of the tiny model, 4 ranks, ``--save-interval 1``) is written once for the module.
 """
 
@@ -214,8 +214,8 @@ def world(saved, tmp_path, monkeypatch) -> World:
 
     monkeypatch.setattr(pretrain, "run_local", launch)
     plans = []
-    real_plan = pretrain.plan_resume
-    monkeypatch.setattr(pretrain, "plan_resume", lambda args: plans.append(real_plan(args))
+    real_plan = pretrain.choose_resume
+    monkeypatch.setattr(pretrain, "choose_resume", lambda args: plans.append(real_plan(args))
                         or plans[-1])
     w.plans = plans
     return w

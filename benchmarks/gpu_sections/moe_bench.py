@@ -8,7 +8,7 @@ microbatch 0 over the same layers three ways:
 
 - ``plain_ms``: forward then backward on the tape, on the current stream (no overlap; a comm
   node's modelled link then runs inline on that stream) -- the sequential time;
-- ``traced(combined=False)``: the same nodes issued through the co-scheduler one side at a time
+- ``traced(combined=False)``: the same nodes issued through the combined step one side at a time
   (forward alone, then backward alone), traced node by node -- each node's own time;
 - ``traced(combined=True)``: the combined step, traced node by node.
 
@@ -31,10 +31,10 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
-from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.mixed_precision import cast_to_bf16
 
@@ -186,7 +186,7 @@ class PairBench:
     def prepare(self, variant: Variant = BASE, on_streams: bool = True) -> tuple[list, Any]:
         """The plans and a fresh microbatch-0 tape (recorded, not timed).
 
-        ``on_streams``: record it through the co-scheduler, as the executor records every
+        ``on_streams``: record it through the combined step, as the executor records every
         forward, so its comm nodes ran on the comm stream -- on CUDA autograd runs a backward op
         on the stream of its forward op, so only then does the backward's all-to-all run on
         the comm stream. Otherwise on the current stream (the sequential path)."""
@@ -200,7 +200,7 @@ class PairBench:
 
     def issue(self, plans: list, tape: Any, combined: bool, variant: Variant = BASE,
               trace: NodeTrace | None = None) -> None:
-        """One run through the co-scheduler: combined, or one side at a time (forward alone,
+        """One run through the combined step: combined, or one side at a time (forward alone,
         then backward alone). Returns once issued (CUDA) or done (CPU)."""
         if combined:
             combined_step(plans, (self.x_fwd,), tape, (self.grad,), self.streams,
@@ -210,7 +210,7 @@ class PairBench:
         combined_step(plans, (self.x_fwd,), None, None, self.streams, trace=trace,
                       fwd_microbatch=1)
         wgrad = WeightGradQueue() if variant.delay_wgrad else None
-        CoScheduler(self.streams, TapeBackward(tape, (self.grad,), 0, wgrad), trace=trace).finish()
+        CombinedStep(self.streams, BackwardHalf(tape, (self.grad,), 0, wgrad), trace=trace).finish()
 
     def traced(self, combined: bool, variant: Variant = BASE) -> Traced:
         """One traced run, alone (one side at a time) or combined."""

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from megapipe.kernels import HAS_TRITON, reference
-from megapipe.moe.dispatcher import plan_permutation
+from megapipe.moe.dispatcher import order_by_expert
 
 from gpu_sections.gpu_timing import median_ms, time_ms
 from gpu_sections.measure import copy_gbs
@@ -54,20 +54,20 @@ def _operations(module, r: Routing, device: torch.device) -> dict[str, Callable[
     generator = torch.Generator(device=device).manual_seed(0)
     scores = torch.randn(r.tokens, r.experts, device=device, generator=generator)
     probs, indices = scores.softmax(-1).topk(r.top_k, dim=-1)
-    row_slot, token_slots, _ = plan_permutation(indices, r.experts)
+    row_choice, choice_rows, _ = order_by_expert(indices, r.experts)
     tokens = torch.randn(r.tokens, r.hidden, device=device, dtype=torch.bfloat16,
                          generator=generator).requires_grad_()
-    rows_in = torch.randn(row_slot.numel(), r.hidden, device=device, dtype=torch.bfloat16,
+    rows_in = torch.randn(row_choice.numel(), r.hidden, device=device, dtype=torch.bfloat16,
                           generator=generator).requires_grad_()
     probs = probs.detach().requires_grad_()
-    permuted = module.permute_tokens(tokens, row_slot, token_slots)
-    combined = module.unpermute_tokens(rows_in, probs, row_slot, token_slots)
+    permuted = module.permute_tokens(tokens, row_choice, choice_rows)
+    combined = module.unpermute_tokens(rows_in, probs, row_choice, choice_rows)
     grad_rows, grad_tokens = torch.ones_like(permuted), torch.ones_like(combined)
     return {
-        "permute forward": lambda: module.permute_tokens(tokens, row_slot, token_slots),
+        "permute forward": lambda: module.permute_tokens(tokens, row_choice, choice_rows),
         "permute backward": lambda: torch.autograd.grad(permuted, tokens, grad_rows,
                                                         retain_graph=True),
-        "unpermute forward": lambda: module.unpermute_tokens(rows_in, probs, row_slot, token_slots),
+        "unpermute forward": lambda: module.unpermute_tokens(rows_in, probs, row_choice, choice_rows),
         "unpermute backward": lambda: torch.autograd.grad(combined, (rows_in, probs), grad_tokens,
                                                           retain_graph=True),
     }

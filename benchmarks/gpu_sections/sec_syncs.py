@@ -29,7 +29,7 @@ import torch
 
 from megapipe.moe.dispatcher import HostCounts
 from megapipe.overlap.streams import make_streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 
 from gpu_sections.gpu_timing import synchronize
 from gpu_sections.moe_bench import PairBench, Shape, build_layers

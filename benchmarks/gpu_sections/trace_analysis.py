@@ -1,8 +1,8 @@
 """Read a profiler (Chrome) trace: which GPU stream each node's kernels ran on, and when.
 
-The streams section wraps every node the co-scheduler issues in a profiler annotation named
+The streams section wraps every node the combined step issues in a profiler annotation named
 ``megapipe:<label>|<stream>|<kind>`` (``annotation_name``): ``AnnotatedTrace`` is megapipe's
-``NodeTrace`` (which the co-scheduler already calls around every node) opening that range too.
+``NodeTrace`` (which the combined step already calls around every node) opening that range too.
 In the exported trace a kernel is tied to the host call that launched it by a correlation id;
 the launch happened inside the
 annotation of the node being issued (one host thread issues both streams on CUDA, and it waits

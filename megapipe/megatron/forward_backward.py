@@ -373,7 +373,7 @@ def get_forward_backward_func(
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
     ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
 
-    The user's ``forward_step_func`` drives the forward: the engine sets the co-scheduler as
+    The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
     implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
     Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)

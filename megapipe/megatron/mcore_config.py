@@ -223,7 +223,7 @@ RULES: dict[str, Rule] = {
         if c.num_moe_experts and c.moe_token_dispatcher_type != "alltoall" else None),
     "moe_shared_expert_overlap": lambda c: (
         "moe_shared_expert_overlap hides the shared experts inside the dispatcher; megapipe's "
-        "co-scheduler overlaps instead (Megatron's overlap refuses it too)"
+        "combined step overlaps instead (Megatron's overlap refuses it too)"
         if c.moe_shared_expert_overlap else None),
     "mlp_chunks_for_training": lambda c: (
         f"mlp_chunks_for_training={c.mlp_chunks_for_training} runs each MoE layer once per "
@@ -236,11 +236,11 @@ REASONS = {
     "tp_comm_overlap": "TransformerEngine's userbuffer overlap of tensor-parallel communication",
     "fp8": "FP8 needs TransformerEngine, which is not verified here",
     "fp4": "FP4 needs TransformerEngine, which is not verified here",
-    "cuda_graph_impl": "a CUDA graph replays whole layers, not the nodes the co-scheduler "
+    "cuda_graph_impl": "a CUDA graph replays whole layers, not the nodes the combined step "
                        "interleaves",
-    "enable_cuda_graph": "a CUDA graph replays whole layers, not the nodes the co-scheduler "
+    "enable_cuda_graph": "a CUDA graph replays whole layers, not the nodes the combined step "
                          "interleaves",
-    "external_cuda_graph": "a CUDA graph replays whole layers, not the nodes the co-scheduler "
+    "external_cuda_graph": "a CUDA graph replays whole layers, not the nodes the combined step "
                            "interleaves",
     "cpu_offloading": "activation offloading is not mirrored",
     "fine_grained_activation_offloading": "activation offloading is not mirrored",

@@ -2,7 +2,7 @@
 
 A forward or backward step with no other microbatch beside it hides nothing behind its
 all-to-alls. Split into chunks, one chunk's dispatch or combine runs beside another chunk's
-expert compute (``megapipe.sim.pair_plan.chunk_slots``). The chunks here are *expert groups*:
+expert compute (``megapipe.schedule.pair_order.chunk_slots``). The chunks here are *expert groups*:
 the experts each EP rank holds are cut into k contiguous groups, and chunk g carries the rows of
 every token routed to an expert of group g, on every rank:
 
@@ -50,8 +50,8 @@ def expert_groups(num_local_experts: int, chunks: int) -> list[tuple[int, int]]:
 
 
 @dataclass
-class GroupPlan:
-    """Split sizes of one expert group's exchange (see ``DispatchPlan``)."""
+class GroupLayout:
+    """Split sizes of one expert group's exchange (see ``DispatchLayout``)."""
 
     rows: tuple[int, int]  # its block [start, end) of the layer's group-major rows
     input_splits: list[int]  # rows sent to each EP rank
@@ -83,7 +83,7 @@ class ChunkedDispatch:
             self._labels[indices.device] = labels
         return labels[indices]
 
-    def plan(self, rows_per_label: torch.Tensor, capacity: int | None = None) -> list[GroupPlan]:
+    def layouts(self, rows_per_label: torch.Tensor, capacity: int | None = None) -> list[GroupLayout]:
         """Plan every group: with a ``capacity`` (every expert padded to it on every rank) the
         sizes are static; else exchange the per-expert counts (one small all-to-all) and read
         them on the host once (the layer's one host read, ``dispatcher.HostCounts``)."""
@@ -100,12 +100,12 @@ class ChunkedDispatch:
                 recv = torch.empty_like(send)
                 dist.all_to_all_single(recv, send, group=d.group)
             send_counts, recv_counts = HostCounts(torch.stack([send, recv])).wait()
-        plans, start = [], 0
+        layouts, start = [], 0
         for first, size in self.groups:
             members = range(first, first + size)
             sent = [sum(send_counts[r][l] for l in members) for r in range(ep)]
             received = [[recv_counts[r][l] for l in members] for r in range(ep)]
-            plans.append(GroupPlan(
+            layouts.append(GroupLayout(
                 rows=(start, start + sum(sent)),
                 input_splits=sent,
                 output_splits=[sum(row) for row in received],
@@ -113,34 +113,34 @@ class ChunkedDispatch:
                 tokens_per_local_expert=[sum(row[i] for row in received) for i in range(size)],
             ))
             start += sum(sent)
-        return plans
+        return layouts
 
-    def dispatch(self, group: int, rows: torch.Tensor, plans: list[GroupPlan],
+    def dispatch(self, group: int, rows: torch.Tensor, layouts: list[GroupLayout],
                  started: float | None = None) -> torch.Tensor:
         """Send group ``group``'s block of the group-major ``rows``; returns its rows
         expert-major (local expert, then source rank)."""
-        d, plan = self.dispatcher, plans[group]
-        block = rows[plan.rows[0] : plan.rows[1]]
+        d, layout = self.dispatcher, layouts[group]
+        block = rows[layout.rows[0] : layout.rows[1]]
         if d.group is None:
             return block if d.link is None else d.link.delay(block)
         received = all_to_all(
-            block, plan.output_splits, plan.input_splits, d.group, d.link, started
+            block, layout.output_splits, layout.input_splits, d.group, d.link, started
         )
         size, ep = self.groups[group][1], d.ep_size
         if size > 1:
-            sizes = [c for row in plan.received_counts for c in row]  # rank-major chunks
+            sizes = [c for row in layout.received_counts for c in row]  # rank-major chunks
             expert_major = [r * size + e for e in range(size) for r in range(ep)]
             received = _reorder_chunks(received, sizes, expert_major)
         return received
 
-    def combine(self, group: int, rows: torch.Tensor, plans: list[GroupPlan]) -> torch.Tensor:
+    def combine(self, group: int, rows: torch.Tensor, layouts: list[GroupLayout]) -> torch.Tensor:
         """Inverse of ``dispatch``: the group's expert outputs back, in this rank's order."""
-        d, plan = self.dispatcher, plans[group]
+        d, layout = self.dispatcher, layouts[group]
         if d.group is None:
             return rows if d.link is None else d.link.delay(rows)
         size, ep = self.groups[group][1], d.ep_size
         if size > 1:
-            sizes = [plan.received_counts[r][e] for e in range(size) for r in range(ep)]
+            sizes = [layout.received_counts[r][e] for e in range(size) for r in range(ep)]
             rank_major = [e * ep + r for r in range(ep) for e in range(size)]
             rows = _reorder_chunks(rows, sizes, rank_major)
-        return all_to_all(rows, plan.input_splits, plan.output_splits, d.group, d.link)
+        return all_to_all(rows, layout.input_splits, layout.output_splits, d.group, d.link)

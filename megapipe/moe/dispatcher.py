@@ -1,7 +1,7 @@
 """Token dispatcher: moves permuted tokens to the ranks holding their experts and back.
 
 Expert e lives on EP rank ``e // num_local_experts``. Locally, tokens are first permuted into
-expert order (``plan_permutation``; rows for experts of EP rank 0 come first, and so on). Then:
+expert order (``order_by_expert``; rows for experts of EP rank 0 come first, and so on). Then:
 
 - ``dispatch``: exchange the per-expert row counts (one small all-to-all), exchange the rows with
   ``all_to_all_single`` and uneven splits, and reorder what arrived from rank-major
@@ -12,7 +12,7 @@ expert order (``plan_permutation``; rows for experts of EP rank 0 come first, an
 
 Both are differentiable: the all-to-all is an autograd Function whose backward is the reverse
 all-to-all. With no EP group (or size 1) no collective is issued. Everything the backward or
-``combine`` needs (split sizes) lives in a ``DispatchPlan`` that the layer keeps in its
+``combine`` needs (split sizes) lives in a ``DispatchLayout`` that the layer keeps in its
 ``LayerState``. An optional ``EmulatedLink`` stretches every token all-to-all (forward and
 backward) to its modelled time; a dispatch's modelled time covers its count exchange too (one
 transfer per all-to-all node, whichever way it goes).
@@ -24,9 +24,9 @@ count exchange is issued, the exchanged counts start a non-blocking copy into pi
 memory with an event behind it; the device-side work that needs no host sizes (the grouped
 GEMM offsets) is issued next, and only then, as late as possible, the host waits on that event
 and reads the sizes. On CUDA this stalls the host thread (not the compute stream: the
-co-scheduler has queued the slot's compute node before it) for the count exchange only. Every
+combined step has queued the slot's compute node before it) for the count exchange only. Every
 other node, and the whole backward, runs without any host sync. With a capacity
-(``plan_permutation`` pads every expert to ``capacity`` rows) the split sizes are static and
+(``order_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
 there is no host read at all, nor a count exchange.
 """
 
@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import plan_permutation
+from megapipe.moe.permutation import order_by_expert
 
-__all__ = ["DispatchPlan", "HostCounts", "TokenDispatcher", "all_to_all", "plan_permutation"]
+__all__ = ["DispatchLayout", "HostCounts", "TokenDispatcher", "all_to_all", "order_by_expert"]
 
 
 @dataclass
-class DispatchPlan:
+class DispatchLayout:
     """Split sizes of one dispatch, needed by combine and by the backward passes."""
 
     input_splits: list[int]  # rows this rank sends to each EP rank
@@ -177,7 +177,7 @@ class TokenDispatcher:
 
     def dispatch(
         self, rows: torch.Tensor, rows_per_expert: torch.Tensor, capacity: int | None = None
-    ) -> tuple[torch.Tensor, DispatchPlan]:
+    ) -> tuple[torch.Tensor, DispatchLayout]:
         """Send expert-ordered ``rows`` to their experts' ranks; returns expert-major local rows.
 
         ``rows_per_expert [E]`` (device) counts this rank's rows per expert; ``capacity``, when
@@ -187,34 +187,34 @@ class TokenDispatcher:
         # the link models one transfer per dispatch: its time covers the count exchange too
         started = time.perf_counter()
         if capacity is not None:
-            plan = self._padded_plan(capacity, rows.device)
+            layout = self._padded_layout(capacity, rows.device)
         elif self.group is None:
-            plan = self._local_plan(rows_per_expert)
+            layout = self._local_layout(rows_per_expert)
         else:
-            plan = self._exchange_counts(rows_per_expert)
+            layout = self._exchange_counts(rows_per_expert)
         if self.group is None:
             if self.link is not None:
                 rows = self.link.delay(rows)  # ep = 1: a link that every row crosses
-            return rows, plan
+            return rows, layout
         ep, local = self.ep_size, self.num_local_experts
         received = all_to_all(
-            rows, plan.output_splits, plan.input_splits, self.group, self.link, started
+            rows, layout.output_splits, layout.input_splits, self.group, self.link, started
         )
         if local > 1:
-            sizes = [c for row in plan.received_counts for c in row]  # rank-major chunks
+            sizes = [c for row in layout.received_counts for c in row]  # rank-major chunks
             expert_major = [r * local + e for e in range(local) for r in range(ep)]
             received = _reorder_chunks(received, sizes, expert_major)
-        return received, plan
+        return received, layout
 
-    def _local_plan(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
+    def _local_layout(self, rows_per_expert: torch.Tensor) -> DispatchLayout:
         """Every expert is local: read the row counts on the host (the one host read)."""
         host = HostCounts(rows_per_expert)
         offsets = _end_offsets(rows_per_expert)  # device work that needs no host sizes
         counts = host.wait()
         total = sum(counts)
-        return DispatchPlan([total], [total], [counts], counts, offsets)
+        return DispatchLayout([total], [total], [counts], counts, offsets)
 
-    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchPlan:
+    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchLayout:
         """Exchange per-expert counts over EP and read them on the host (the one host read)."""
         send_counts = rows_per_expert.reshape(self.ep_size, self.num_local_experts).contiguous()
         recv_counts = torch.empty_like(send_counts)
@@ -222,7 +222,7 @@ class TokenDispatcher:
         host = HostCounts(torch.stack([send_counts, recv_counts]))  # issued right after
         offsets = _end_offsets(recv_counts.sum(dim=0))  # device work that needs no host sizes
         sent, received_counts = host.wait()  # as late as possible: the sizes are needed now
-        return DispatchPlan(
+        return DispatchLayout(
             input_splits=[sum(row) for row in sent],
             output_splits=[sum(row) for row in received_counts],
             received_counts=received_counts,
@@ -232,12 +232,12 @@ class TokenDispatcher:
             local_offsets=offsets,
         )
 
-    def _padded_plan(self, capacity: int, device: torch.device) -> DispatchPlan:
+    def _padded_layout(self, capacity: int, device: torch.device) -> DispatchLayout:
         """Every expert has ``capacity`` rows on every EP rank: the sizes need no exchange."""
         ep, local = self.ep_size, self.num_local_experts
         per_expert = capacity * ep  # rows of one local expert after dispatch
         offsets = torch.arange(1, local + 1, device=device, dtype=torch.int32) * per_expert
-        return DispatchPlan(
+        return DispatchLayout(
             input_splits=[local * capacity] * ep,
             output_splits=[local * capacity] * ep,
             received_counts=[[capacity] * local for _ in range(ep)],
@@ -245,13 +245,13 @@ class TokenDispatcher:
             local_offsets=offsets,
         )
 
-    def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def combine(self, rows: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
         """Inverse of ``dispatch``: expert outputs back to this rank, in its permuted order."""
         if self.group is None:
             return rows if self.link is None else self.link.delay(rows)
         ep, local = self.ep_size, self.num_local_experts
         if local > 1:
-            sizes = [plan.received_counts[r][e] for e in range(local) for r in range(ep)]
+            sizes = [layout.received_counts[r][e] for e in range(local) for r in range(ep)]
             rank_major = [e * ep + r for r in range(ep) for e in range(local)]
             rows = _reorder_chunks(rows, sizes, rank_major)
-        return all_to_all(rows, plan.input_splits, plan.output_splits, self.group, self.link)
+        return all_to_all(rows, layout.input_splits, layout.output_splits, self.group, self.link)

@@ -53,7 +53,7 @@ from megapipe.moe.chunks import ChunkedDispatch
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import plan_permutation
+from megapipe.moe.permutation import order_by_expert
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, run_nodes,
@@ -221,20 +221,20 @@ class MoELayer(nn.Module):
                 started = None
                 if g == 0:  # the count exchange (and the layer's one host read) of all groups
                     started = time.perf_counter()
-                    state.group_plans = chunked.plan(state.rows_per_expert, state.capacity)
-                return (chunked.dispatch(g, tensors[0], state.group_plans, started),)
+                    state.group_layouts = chunked.layouts(state.rows_per_expert, state.capacity)
+                return (chunked.dispatch(g, tensors[0], state.group_layouts, started),)
             return fn
 
         def experts(g: int) -> NodeFn:
             def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                counts = state.group_plans[g].tokens_per_local_expert
+                counts = state.group_layouts[g].tokens_per_local_expert
                 first = chunked.groups[g][0]
                 return (self.experts(tensors[0], counts, state=state, group_first=first),)
             return fn
 
         def combine(g: int) -> NodeFn:
             def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                return (chunked.combine(g, tensors[0], state.group_plans),)
+                return (chunked.combine(g, tensors[0], state.group_layouts),)
             return fn
 
         branches = tuple(
@@ -273,10 +273,10 @@ class MoELayer(nn.Module):
         routed = self.router(tokens)
         capacity = self.config.capacity(tokens.shape[0])
         indices = routed.indices if relabel is None else relabel(routed.indices)
-        row_slot, token_slots, rows_per_expert = plan_permutation(
+        row_choice, choice_rows, rows_per_expert = order_by_expert(
             indices, self.config.num_experts, capacity
         )
-        rows = permute_tokens(tokens, row_slot, token_slots)
+        rows = permute_tokens(tokens, row_choice, choice_rows)
         c = self.config
         aux = c.aux_loss_coeff * routed.load_balancing_loss + c.z_loss_coeff * routed.z_loss
         if not state.recomputing:  # once per forward: a recompute (full_recompute) re-runs this
@@ -285,8 +285,8 @@ class MoELayer(nn.Module):
         if (c.aux_loss_coeff > 0 or c.z_loss_coeff > 0) and aux.requires_grad:
             rows = attach_aux_loss(rows, aux, state.aux_loss_scale)
         state.input_shape = x.shape
-        state.row_slot = row_slot
-        state.token_slots = token_slots
+        state.row_choice = row_choice
+        state.choice_rows = choice_rows
         state.rows_per_expert = rows_per_expert
         state.capacity = capacity
         shared = (tokens,) if self.shared_expert is not None else ()
@@ -296,7 +296,7 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        expert_rows, state.dispatch_plan = self.dispatcher.dispatch(
+        expert_rows, state.dispatch_layout = self.dispatcher.dispatch(
             rows, state.rows_per_expert, state.capacity
         )
         return (expert_rows,)
@@ -307,8 +307,8 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         return (
             self.experts(
-                expert_rows, state.dispatch_plan.tokens_per_local_expert, state=state,
-                offsets=state.dispatch_plan.local_offsets,
+                expert_rows, state.dispatch_layout.tokens_per_local_expert, state=state,
+                offsets=state.dispatch_layout.local_offsets,
             ),
         )
 
@@ -316,7 +316,7 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
-        return (self.dispatcher.combine(expert_out, state.dispatch_plan),)
+        return (self.dispatcher.combine(expert_out, state.dispatch_layout),)
 
     def _finish(
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
@@ -324,7 +324,7 @@ class MoELayer(nn.Module):
         shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
         parts = tensors[self.num_shared + 1 :]  # one per chunk of a chunked plan
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = unpermute_tokens(rows, probs, state.row_slot, state.token_slots)
+        out = unpermute_tokens(rows, probs, state.row_choice, state.choice_rows)
         if self.shared_expert is not None:
             out = out + self.shared_expert(shared[0])
         return (out.reshape(state.input_shape),)

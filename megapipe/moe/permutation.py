@@ -12,7 +12,7 @@ indices (deterministic too).
   it first and padding rows after them (Megatron's ``--moe-pad-expert-input-to-capacity``);
   ``n = E * capacity``. The row counts are then known on the host without reading anything
   back, so the all-to-all split sizes need no host read either. A padding row has
-  ``row_slot = -1``: permute writes zeros there and unpermute ignores it.
+  ``row_choice = -1``: permute writes zeros there and unpermute ignores it.
 """
 
 from __future__ import annotations
@@ -27,37 +27,37 @@ def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tenso
     return edges[1:] - edges[:-1]
 
 
-def plan_permutation(
+def order_by_expert(
     indices: torch.Tensor, num_experts: int, capacity: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Order routing choices ``indices [t, k]`` by expert (see the module docstring).
 
-    Returns ``row_slot [n]`` (flat slot t*k+j of each row, expert-major, token order within an
-    expert; -1 for a padding row), ``token_slots [t, k]`` (row of each choice, -1 if dropped)
+    Returns ``row_choice [n]`` (flat slot t*k+j of each row, expert-major, token order within an
+    expert; -1 for a padding row), ``choice_rows [t, k]`` (row of each choice, -1 if dropped)
     and ``rows_per_expert [E]`` (int64; all equal to ``capacity`` when one is given).
     """
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]
     counts = expert_counts(sorted_experts, num_experts)
-    num_slots = flat.numel()
+    num_choices = flat.numel()
     if capacity is None:
-        token_slots = torch.empty(num_slots, dtype=torch.int64, device=flat.device)
-        token_slots.scatter_(0, order, torch.arange(num_slots, device=flat.device))
-        return order, token_slots.view_as(indices), counts
+        choice_rows = torch.empty(num_choices, dtype=torch.int64, device=flat.device)
+        choice_rows.scatter_(0, order, torch.arange(num_choices, device=flat.device))
+        return order, choice_rows.view_as(indices), counts
     starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(num_slots, device=flat.device) - starts[sorted_experts]
+    position = torch.arange(num_choices, device=flat.device) - starts[sorted_experts]
     kept = position < capacity
     padded_rows = num_experts * capacity
     # dropped choices go to distinct scratch rows past the end, so every index is unique
     row = torch.where(
         kept,
         sorted_experts * capacity + position,
-        padded_rows + torch.arange(num_slots, device=flat.device),
+        padded_rows + torch.arange(num_choices, device=flat.device),
     )
-    row_slot = torch.full((padded_rows + num_slots,), -1, dtype=torch.int64, device=flat.device)
-    row_slot.scatter_(0, row, order)
-    token_slots = torch.empty(num_slots, dtype=torch.int64, device=flat.device)
-    token_slots.scatter_(0, order, torch.where(kept, row, -1))
+    row_choice = torch.full((padded_rows + num_choices,), -1, dtype=torch.int64, device=flat.device)
+    row_choice.scatter_(0, row, order)
+    choice_rows = torch.empty(num_choices, dtype=torch.int64, device=flat.device)
+    choice_rows.scatter_(0, order, torch.where(kept, row, -1))
     rows_per_expert = torch.full_like(counts, capacity)
-    return row_slot[:padded_rows], token_slots.view_as(indices), rows_per_expert
+    return row_choice[:padded_rows], choice_rows.view_as(indices), rows_per_expert

@@ -1,6 +1,6 @@
-"""megapipe.overlap: node plans, the tape, streams and the co-scheduler (the combined step)."""
+"""megapipe.overlap: node plans, the tape, streams and the combined step."""
 
-from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, layer_graph, run_nodes,
@@ -8,12 +8,13 @@ from megapipe.overlap.plan import (
 from megapipe.overlap.streams import (
     CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams,
 )
-from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
+from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 
 __all__ = [
-    "ChunkedPlan", "CoScheduler", "Fork", "layer_graph", "CudaStream", "Event", "InlineStream", "LayerState", "Node", "NodeKind",
-    "NodeRunner", "NodeSpan", "NodeTrace", "Stream", "Streams", "Tape", "TapeBackward",
-    "TapeRunner", "WeightGradQueue", "WorkerStream", "combined_step", "grouped_matmul",
-    "make_streams", "record_forward", "run_backward", "run_nodes",
+    "BackwardHalf", "ChunkedPlan", "CombinedStep", "CudaStream", "Event", "Fork", "InlineStream",
+    "LayerState", "Node", "NodeKind", "NodeRunner", "NodeSpan", "NodeTrace", "Stream", "Streams",
+    "Tape", "TapeRunner", "WeightGradQueue", "WorkerStream", "combined_step", "grouped_matmul",
+    "layer_graph", "make_streams", "record_forward", "run_backward", "run_nodes",
 ]

@@ -1,7 +1,7 @@
-"""A recorder of the nodes the co-scheduler issued: who ran where, when.
+"""A recorder of the nodes the combined step issued: who ran where, when.
 
 Each span names the microbatch, the layer, the node, the direction (F forward, B backward,
-W deferred weight gradients), the stream, the co-scheduler's slot (spans with one slot were
+W deferred weight gradients), the stream, the combined step's slot (spans with one slot were
 issued side by side), and start/end times in seconds (``time.perf_counter`` scale).
 
 Times are those of the stream that ran the work, so the exposed-communication fraction means the
@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from megapipe.sim.intervals import covered_total, union
+from megapipe.schedule.intervals import covered_total, union
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class NodeSpan:
     kind: str  # "compute" or "comm"
     start: float
     end: float
-    slot: int = -1  # spans with the same slot were issued side by side by the co-scheduler
+    slot: int = -1  # spans with the same slot were issued side by side by the combined step
 
     @property
     def duration(self) -> float:
@@ -60,7 +60,7 @@ def _profiler_range(label: str) -> Any:
 
 
 class NodeTrace:
-    """Thread-safe list of ``NodeSpan`` (the co-scheduler appends from two threads on CPU)."""
+    """Thread-safe list of ``NodeSpan`` (the combined step appends from two threads on CPU)."""
 
     def __init__(
         self, clock: Callable[[], float] = time.perf_counter, annotate: bool = False
@@ -122,7 +122,7 @@ class NodeTrace:
             return list(self._spans)
 
     def new_slot(self) -> int:
-        """A slot number never handed out before by this trace (co-schedulers sharing one
+        """A slot number never handed out before by this trace (combined steps sharing one
         trace number their slots from here, so ``slots()`` never mixes two runners)."""
         with self._lock:
             self._slots += 1
@@ -135,7 +135,7 @@ class NodeTrace:
             self._origin = None
 
     def slots(self) -> list[list[NodeSpan]]:
-        """Spans grouped by co-scheduler slot, in issue order (what ran beside what)."""
+        """Spans grouped by combined-step slot, in issue order (what ran beside what)."""
         groups: dict[int, list[NodeSpan]] = {}
         for span in self.by_start():
             groups.setdefault(span.slot, []).append(span)

@@ -2,7 +2,7 @@
 
 A MoE layer is ``attention (+router) -> dispatch -> experts -> combine -> finish``; a dense layer
 is one compute node. ``run_nodes`` runs a plan in order with plain autograd (the layer's own
-``forward``); the co-scheduler interleaves the nodes of two microbatches instead, so the forward
+``forward``); the combined step interleaves the nodes of two microbatches instead, so the forward
 code of a layer is written once.
 
 A node's function takes the layer's per-microbatch ``LayerState`` and a tuple of tensors, and
@@ -26,7 +26,7 @@ import torch
 
 if TYPE_CHECKING:
     from megapipe.overlap.wgrad import WeightGradQueue
-    from megapipe.sim.wgrad_fill import NodeTimes
+    from megapipe.schedule.node_timing import NodeTimes
 
 
 class NodeKind(str, Enum):
@@ -53,17 +53,17 @@ class LayerState:
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
-Hold = Callable[[Sequence[Any]], None]
-"""``hold(values)``: the engine takes hold of these tensors until their backward or later use
-(the pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
+Track = Callable[[Sequence[Any]], None]
+"""``track(values)``: the engine keeps these tensors until their backward or later use (the
+pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 
 @dataclass(frozen=True)
 class Node:
-    """One step of a layer. ``group``: the process group a comm node drives (optional); the
-    co-scheduler checks that each group is driven from one stream only. ``times``: the node's
-    expected times (optional; when every node of a combined step has them, the co-scheduler
-    places deferred weight gradients by time: ``megapipe.sim.wgrad_fill``)."""
+    """One node of a layer. ``group``: the process group a comm node drives (optional); the
+    combined step checks that each group is driven from one stream only. ``times``: the node's
+    expected times (optional; when every node of a combined step has them, the combined step
+    places deferred weight gradients by time: ``megapipe.schedule.node_timing``)."""
 
     name: str
     kind: NodeKind
@@ -104,27 +104,44 @@ Source = tuple[int, slice]  # (node index, or -1 for the layer's input; which of
 @dataclass(frozen=True)
 class LayerGraph:
     """A layer plan as a graph: its nodes in a forward order (every node after the nodes it
-    reads), where each node's inputs come from, and the plan's shape for the issue planner
-    (``megapipe.sim.pair_plan``: a node's kind, or per fork the kinds of each branch)."""
+    reads), where each node's inputs come from, how many nodes read each node's outputs, and
+    the plan's node kinds for the pair order (``megapipe.schedule.pair_order``: per item a
+    node's kind, or per fork the kinds of each branch)."""
 
     nodes: tuple[Node, ...]
     sources: tuple[tuple[Source, ...], ...]
-    shape: tuple[Any, ...]
+    readers: tuple[int, ...]
+    kinds: tuple[Any, ...]
+
+
+_KIND = {"compute": "compute", "comm": "comm"}  # a NodeKind (a str) or its value -> the value
+_WHOLE = slice(None)
+
+
+def _kind(node: Node) -> str:
+    kind = _KIND.get(node.kind)
+    return kind if kind is not None else NodeKind(node.kind).value  # NodeKind names the error
 
 
 def layer_graph(plan: Sequence[Any]) -> LayerGraph:
     """The graph of a plan of ``Node`` and ``Fork`` items (a fork sits between two nodes)."""
+    if all(type(item) is Node for item in plan):  # a chain: each node reads the one before
+        if not plan:
+            raise TypeError("a layer plan must hold at least one Node")
+        count = len(plan)
+        return LayerGraph(tuple(plan), tuple(((n - 1, _WHOLE),) for n in range(count)),
+                          (1,) * (count - 1) + (0,), tuple(_kind(node) for node in plan))
     nodes: list[Node] = []
     sources: list[tuple[Source, ...]] = []
-    shape: list[Any] = []
+    kinds: list[Any] = []
     last = -1  # the node whose outputs the next item reads (-1: the layer's input)
     for position, item in enumerate(plan):
         if isinstance(item, Node):
             if position and isinstance(plan[position - 1], Fork):
                 continue  # the node after a fork: added with the fork
-            sources.append(((last, slice(None)),))
+            sources.append(((last, _WHOLE),))
             nodes.append(item)
-            shape.append(NodeKind(item.kind).value)
+            kinds.append(_kind(item))
             last = len(nodes) - 1
             continue
         if not isinstance(item, Fork):
@@ -140,16 +157,21 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
             for node in branch:
                 sources.append((previous,))
                 nodes.append(node)
-                previous = (len(nodes) - 1, slice(None))
+                previous = (len(nodes) - 1, _WHOLE)
             ends.append(previous)
         sources.append(((last, slice(None, -k * width)),) + tuple(ends))
         nodes.append(after)
-        shape.append(tuple(tuple(NodeKind(n.kind).value for n in b) for b in item.branches))
-        shape.append(NodeKind(after.kind).value)
+        kinds.append(tuple(tuple(_kind(n) for n in b) for b in item.branches))
+        kinds.append(_kind(after))
         last = len(nodes) - 1
     if not nodes:
         raise TypeError("a layer plan must hold at least one Node")
-    return LayerGraph(tuple(nodes), tuple(sources), tuple(shape))
+    readers = [0] * len(nodes)
+    for node_sources in sources:
+        for index, _ in node_sources:
+            if index >= 0:
+                readers[index] += 1
+    return LayerGraph(tuple(nodes), tuple(sources), tuple(readers), tuple(kinds))
 
 
 def run_nodes(
@@ -176,7 +198,7 @@ class ChunkedPlan(list):
     """A node plan (a list of ``Node``) that can also split itself into ``k`` chunks.
 
     ``chunked(k)`` returns the same layer as a plan with a ``Fork`` of k branches whose
-    results equal the plain plan's; the co-scheduler uses it when asked for chunked all-to-alls
+    results equal the plain plan's; the combined step uses it when asked for chunked all-to-alls
     (``a2a_chunks``). Anything that takes a list of nodes takes this plan as is.
     """
 
@@ -189,7 +211,7 @@ class ChunkedPlan(list):
 class NodeRunner(Protocol):
     """Runs one layer plan for a model's forward (a ``StageModule``'s ``node_runner``):
     recorded on a tape (``TapeRunner``) or co-scheduled with another microbatch's backward
-    (``CoScheduler``)."""
+    (``CombinedStep``)."""
 
     def run_layer(
         self, nodes: Sequence[Node], inputs: tuple[torch.Tensor, ...]
@@ -222,13 +244,14 @@ def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_chunks: int = 1) -> list[A
     backward then run one after the other; warned once per layer type). With ``a2a_chunks`` > 1
     a ``ChunkedPlan`` gives its chunked form."""
     plan = layer
-    node_plan = getattr(layer, "node_plan", None)
-    if not is_plan(plan) and callable(node_plan):
-        plan = node_plan()
-    if is_plan(plan):
+    if type(plan) is not list and not is_plan(plan):
+        node_plan = getattr(layer, "node_plan", None)
+        if callable(node_plan):
+            plan = node_plan()
+    if type(plan) is list or is_plan(plan):  # a plan (the tape checks its items)
         if a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
             return list(plan.chunked(a2a_chunks))
-        return list(plan)
+        return plan
     if not callable(layer):
         raise TypeError(
             f"run_layer needs a list of Node, a layer with node_plan(), or a callable layer; "

@@ -15,7 +15,7 @@ another.
   running submitted work in order; its events are locks the worker releases. gloo collectives
   and torch ops release the GIL, so work on the two really runs at the same time.
 
-Rule: a process group is driven from exactly one stream. The co-scheduler runs every comm node
+Rule: a process group is driven from exactly one stream. The combined step runs every comm node
 on the communication stream and ``Streams.claim`` refuses a group already claimed by another
 stream; since every rank issues its comm nodes in the same order on that one stream, the
 collectives match across ranks.
@@ -56,6 +56,8 @@ class Stream(ABC):
     # True: ``submit`` returns only when the work is done (the CPU compute stream is the host
     # thread itself); False: ``submit`` queues it (a worker thread, a CUDA stream)
     runs_on_host: bool = False
+    # True: ``record_use`` keeps memory (a CUDA caching allocator); False: it does nothing
+    keeps_memory: bool = False
 
     @abstractmethod
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
@@ -78,7 +80,7 @@ class Stream(ABC):
         clock now" (streams whose work runs on a host thread); a CUDA stream records an event."""
         return None
 
-    def hold(self, values: Any) -> None:
+    def record_use(self, values: Any) -> None:
         """The tensors in ``values`` (made on another stream) are used by work on this stream:
         keep their memory until that work is done (CUDA ``record_stream``; nothing on CPU)."""
 
@@ -269,12 +271,14 @@ class CudaEvent(Event):
             raise TypeError(f"a CUDA event's value can go only to a CudaStream, not {stream!r}")
         stream.wait_event(self)
         if stream.stream != self.producer.stream:
-            stream.hold(self.value)
+            stream.record_use(self.value)
         return self.value
 
 
 class CudaStream(Stream):
     """A CUDA stream; ``fn`` runs on the host at once with this stream current."""
+
+    keeps_memory = True
 
     def __init__(
         self,
@@ -311,7 +315,7 @@ class CudaStream(Stream):
     def mark(self) -> CudaMark:
         return CudaMark(self.stream)
 
-    def hold(self, values: Any) -> None:
+    def record_use(self, values: Any) -> None:
         for t in _tensors(values):
             if t.is_cuda:
                 t.record_stream(self.stream)

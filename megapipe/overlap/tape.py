@@ -1,32 +1,29 @@
-"""The tape: a stage's forward recorded node by node, and its backward driven node by node.
+"""The tape: what a microbatch's forward, recorded node by node, leaves for its backward.
 
-``record_forward(layer_plans, inputs)`` runs each layer's nodes in order. Every node boundary
-detaches the tensors (a fresh leaf that requires grad exactly when the original did), so each
-node owns a small autograd graph of its own. ``run_backward(tape, grads)`` then walks the nodes
-last first: ``torch.autograd.backward(node outputs, their gradients)`` accumulates parameter
-gradients into ``.grad`` as ordinary autograd would and leaves the gradients of the node's
-inputs in the inputs' ``.grad``; those are the gradients of the previous node's outputs. Each
-node's tensors are dropped as soon as its backward has run.
+A ``Tape`` holds one ``LayerRecord`` per layer and one ``NodeRecord`` per node: where the node's
+inputs come from, its detached inputs (every node boundary detaches: a fresh leaf that requires
+grad exactly when the original did, so each node owns a small autograd graph of its own), its
+outputs (the roots of that graph) and, during backward, its outputs' gradients as the nodes that
+read them deliver them. The tape keeps this bookkeeping; the nodes themselves run in
+``combined_step`` (``forward_node``, ``backward_node``: alone by ``record_forward`` and
+``run_backward``, or beside another microbatch's by ``CombinedStep``). Each node's tensors are
+dropped as soon as its backward has run.
 
-Why: the co-scheduler must run the backward of one node (say the combine all-to-all) on one
-stream while the forward of another microbatch's node runs on another; explicit node-sized
-graphs make that possible, and because the nodes perform exactly the operations of
-``run_nodes`` the results are bitwise equal to plain autograd over the same plan.
+The nodes perform exactly the operations of ``run_nodes``, so the results are bitwise those of
+plain autograd over the same plan. Caveats, all shared with that guarantee:
 
-Layer boundaries: ``record_layer`` returns the layer's outputs as fresh leaves too. A model
-that runs its layers through a ``TapeRunner`` may apply ordinary torch ops between layers
-("glue"); their backward runs when the next layer's input gradients are known.
-
-Caveats, all shared with the bitwise guarantee:
 - Anything that needs a gradient must flow through the node tuples. A tensor that a node leaves
   in the ``LayerState`` is cut off from autograd; the state is for metadata (indices, sizes).
 - Gradients that meet at one tensor (a residual used by several nodes) are summed in the order
-  plain autograd sums them: on one device the engine runs a backward in decreasing creation
-  order, the tape walks the nodes last first, and the gradient a later node returns for a
-  passed-through tensor enters the earlier node's backward as the first term, so the left fold
-  is the same (tested with a tensor used five times across three nodes).
+  plain autograd sums them: the engine runs a backward in decreasing creation order, the tape
+  walks the nodes last first, and the gradient a later node returns for a passed-through tensor
+  enters the earlier node's backward as the first term (tested with a tensor used five times).
 - A tensor that needs grad and feeds several layers from outside (not via the previous layer's
   outputs) must be a leaf: its graph can be walked only once.
+
+Layer boundaries: a recorded layer's outputs are fresh leaves too. A model that runs its layers
+through a node runner may apply ordinary torch ops between layers ("glue"); their backward runs
+when the next layer's input gradients are known.
 """
 
 from __future__ import annotations
@@ -35,103 +32,142 @@ from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.plan import Fork, Hold, LayerState, Node, layer_graph
-from megapipe.overlap.records import (
-    Grads, LayerRecord, NodeRecord, Values, check_values, deliver, detach_boundary, node_backward,
-)
+from megapipe.overlap.plan import Fork, LayerState, Node, Source, Track, layer_graph
 from megapipe.overlap.wgrad import WeightGradQueue
 
-class Tape:
-    """What a stage's backward needs: the layer records of one microbatch, in forward order.
+Values = tuple[Any, ...]
+Grads = tuple[torch.Tensor | None, ...]
 
-    Build it with ``record_forward`` (or ``record_layer`` per layer / a ``TapeRunner``); walk it
-    back with ``run_backward`` or, node by node, with ``begin_layer_backward`` and
-    ``backward_step`` (the co-scheduler does that).
+
+_Tensor = torch.Tensor
+
+
+def detached(values: Sequence[Any]) -> Values:
+    """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
+    return tuple([(v.detach().requires_grad_() if v.requires_grad else v.detach())
+                  if isinstance(v, _Tensor) else v for v in values])
+
+
+def checked(values: Any, where: str) -> Values:
+    if type(values) is tuple:
+        return values
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"{where} must return a tuple of tensors, got {type(values).__name__}")
+    return tuple(values)
+
+
+class NodeRecord:
+    """One node of one microbatch: where its inputs come from, its detached inputs, its outputs
+    (the roots of its graph) and, during backward, its outputs' gradients as its readers give
+    them (``waiting``: readers still to give theirs)."""
+
+    __slots__ = ("node", "sources", "inputs", "outputs", "grads", "waiting", "readers", "sizes")
+
+    def __init__(self, node: Node, sources: tuple[Source, ...], readers: int) -> None:
+        self.node = node
+        self.sources = sources
+        self.inputs: Values | None = None
+        self.outputs: Values | None = None
+        self.grads: list[torch.Tensor | None] | None = None
+        self.waiting = 0
+        self.readers = readers
+        self.sizes: tuple[int, ...] = ()  # how many inputs came from each source (a join)
+
+    @property
+    def live(self) -> bool:
+        return self.outputs is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = list(self.inputs or ()) + list(self.outputs or ())
+        return [t for t in held if isinstance(t, torch.Tensor)]
+
+
+class LayerRecord:
+    """One layer of one microbatch: the inputs it was given, its nodes (in the forward order of
+    its ``LayerGraph``), the outputs handed to the caller, and how many nodes ran each way."""
+
+    __slots__ = ("index", "nodes", "state", "given_inputs", "outputs", "kinds", "forward_count",
+                 "backward_count")
+
+    def __init__(self, index: int, nodes: list[NodeRecord], given_inputs: Values,
+                 kinds: tuple[Any, ...]) -> None:
+        self.index = index
+        self.nodes = nodes
+        self.state = LayerState()
+        self.given_inputs = given_inputs
+        self.outputs: Values | None = None
+        self.kinds = kinds  # ``LayerGraph.kinds``, for the pair order
+        self.forward_count = 0
+        self.backward_count = 0
+
+    @property
+    def recorded(self) -> bool:
+        return self.forward_count == len(self.nodes)
+
+    @property
+    def gone_backward(self) -> bool:
+        return self.backward_count == len(self.nodes)
+
+    @property
+    def next_backward(self) -> int:
+        """The last node whose backward has not run (-1 when all have, or none may yet)."""
+        if not self.recorded:
+            return -1
+        return next((i for i in reversed(range(len(self.nodes)))
+                     if self.nodes[i].outputs is not None), -1)
+
+
+class Tape:
+    """The layer records of one microbatch, in forward order (module docstring).
+
+    ``begin_layer`` adds a layer; each node's forward then reports its outputs to
+    ``node_ran_forward``. ``begin_layer_backward`` takes the last layer not yet gone
+    backward; each node's backward reports its input gradients to ``node_ran_backward``, which
+    delivers them to the nodes that made those inputs. ``route_input_grads``: the gradients of
+    the first layer's inputs also flow on into the inputs' own graph or ``.grad``, as plain
+    autograd would (else they are only kept in ``input_grads``). ``track`` is told of every
+    tensor the tape keeps (the activation meter).
     """
 
-    def __init__(self, route_input_grads: bool = True) -> None:
+    def __init__(self, route_input_grads: bool = True, track: Track | None = None) -> None:
         self.layers: list[LayerRecord] = []
-        # gradients of the first layer's inputs, once its backward ran
-        self.input_grads: Grads | None = None
-        # whether those also flow on into the inputs' own graph / .grad (as plain autograd would)
+        self.input_grads: Grads | None = None  # of the first layer's inputs, once they ran
         self.route_input_grads = route_input_grads
-        self._pending_grads: Grads | None = None  # gradients of the layer next to go backward
-        # told of every tensor the tape takes hold of: node outputs, and the inputs of layers
-        # after the first (glue between layers makes new ones)
-        self.on_hold: Hold | None = None
+        self.track = track
+        self._pending_grads: Grads | None = None  # of the layer next to go backward
 
     # ---- forward -------------------------------------------------------------------------
-    def begin_layer(self, nodes: Sequence[Any], inputs: Sequence[Any]) -> LayerRecord:
+    def begin_layer(self, plan: Sequence[Any], inputs: Sequence[Any]) -> LayerRecord:
         """Start recording a layer (a plan of ``Node`` and ``Fork`` items) on ``inputs``; run
-        its nodes with ``forward_step``."""
+        its nodes with ``forward_node``."""
         if self.layers and not self.layers[-1].recorded:
             raise RuntimeError(
                 f"layer {self.layers[-1].index} is still being recorded; finish it before the next"
             )
-        nodes = list(nodes)
-        if not nodes or not all(isinstance(n, (Node, Fork)) for n in nodes):
-            raise TypeError(f"a layer plan must be a non-empty list of Node, got {nodes!r}")
-        graph = layer_graph(nodes)
-        inputs = check_values(inputs, "layer inputs")
-        records = [NodeRecord(n, src) for n, src in zip(graph.nodes, graph.sources)]
-        for record in records:
-            for index, _ in record.sources:
-                if index >= 0:
-                    records[index].readers += 1
-        layer = LayerRecord(
-            index=len(self.layers), nodes=records, state=LayerState(), given_inputs=inputs,
-            shape=graph.shape,
-        )
-        records[0].inputs = detach_boundary(inputs)
-        if self.on_hold is not None and self.layers:  # the first layer's: the stage's input
-            self.on_hold(inputs)
+        if not plan:
+            raise TypeError(f"a layer plan must be a non-empty list of Node, got {plan!r}")
+        graph = layer_graph(plan)  # its items must be Node and Fork
+        records = list(map(NodeRecord, graph.nodes, graph.sources, graph.readers))
+        inputs = checked(inputs, "layer inputs")
+        layer = LayerRecord(len(self.layers), records, inputs, graph.kinds)
+        records[0].inputs = detached(inputs)
+        if self.track is not None and self.layers:  # the first layer's: the stage's input
+            self.track(inputs)
         self.layers.append(layer)
         return layer
 
-    def forward_inputs(self, layer: LayerRecord, index: int) -> Values:
-        """The detached inputs of node ``index`` (gathered from its sources on first use)."""
+    def node_ran_forward(self, layer: LayerRecord, index: int, outputs: Values) -> None:
+        """Node ``index`` of ``layer`` ran forward and made ``outputs``; after the layer's last
+        node the layer's outputs (fresh leaves) are set."""
         record = layer.nodes[index]
-        if record.inputs is None:
-            parts = []
-            for source, part in record.sources:
-                producer = layer.nodes[source] if source >= 0 else None
-                if producer is not None and not producer.ran_forward:
-                    raise RuntimeError(
-                        f"node {record.node.name!r} reads node {producer.node.name!r}, whose "
-                        "forward has not run"
-                    )
-                values = layer.given_inputs if producer is None else producer.outputs
-                parts.append(tuple(values or ())[part])
-            record.source_sizes = tuple(len(p) for p in parts)
-            record.inputs = detach_boundary(tuple(v for p in parts for v in p))
-        elif not record.source_sizes:
-            record.source_sizes = (len(record.inputs),)
-        return record.inputs
-
-    def forward_step(self, layer: LayerRecord, index: int | None = None) -> NodeRecord:
-        """Run the forward of node ``index`` (default: the next in the layer's forward order);
-        after the layer's last node the layer's outputs are set."""
-        index = layer.next_forward if index is None else index
-        if index >= len(layer.nodes) or layer.nodes[index].ran_forward:
+        if record.outputs is not None:
             raise RuntimeError(f"layer {layer.index}: node {index} already ran forward")
-        record = layer.nodes[index]
-        inputs = self.forward_inputs(layer, index)
-        outputs = check_values(record.node.fn(layer.state, inputs), f"node {record.node.name!r}")
         record.outputs = outputs
-        if self.on_hold is not None:
-            self.on_hold(outputs)
-        record.ran_forward = True
-        if layer.recorded:
-            layer.outputs = detach_boundary(layer.nodes[-1].outputs or ())
-        return record
-
-    def record_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> Values:
-        """Record a whole layer; return its outputs as fresh leaves."""
-        layer = self.begin_layer(nodes, inputs)
-        while not layer.recorded:
-            self.forward_step(layer)
-        assert layer.outputs is not None
-        return layer.outputs
+        if self.track is not None:
+            self.track(outputs)
+        layer.forward_count += 1
+        if layer.forward_count == len(layer.nodes):
+            layer.outputs = detached(outputs)
 
     @property
     def outputs(self) -> Values:
@@ -141,37 +177,20 @@ class Tape:
         return self.layers[-1].outputs
 
     # ---- backward ------------------------------------------------------------------------
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def peek_backward_layer(self) -> LayerRecord | None:
-        """The layer whose backward runs next (None when every layer's backward ran)."""
-        for layer in reversed(self.layers):
-            if not layer.backward_done:
-                return layer
-        return None
-
     def remaining_backward_layers(self) -> int:
-        return sum(1 for layer in self.layers if not layer.backward_done)
+        return sum(1 for layer in self.layers if not layer.gone_backward)
 
-    def begin_layer_backward(
-        self,
-        grads: Sequence[torch.Tensor | None] | None = None,
-        wgrad: WeightGradQueue | None = None,
-    ) -> LayerRecord:
+    def begin_layer_backward(self, grads: Sequence[torch.Tensor | None] | None = None,
+                             wgrad: WeightGradQueue | None = None) -> LayerRecord:
         """Take the last layer whose backward has not run; ``grads`` are its outputs' gradients.
 
-        ``grads`` is needed for the first layer to go backward (the tape's outputs); later
-        layers get theirs from the layer after them. ``None`` for the first reads the
-        ``.grad`` of the tape's outputs (e.g. after ``loss.backward()`` on them). ``wgrad`` (or
-        None) becomes the layer state's ``wgrad_queue``, where its deferrable ops put their
-        weight gradients.
+        ``grads`` is needed for the first layer to go backward (the tape's outputs; None reads
+        their ``.grad``); later layers get theirs from the layer after them. ``wgrad`` becomes
+        the layer state's ``wgrad_queue``, where its deferrable ops put their weight gradients.
         """
-        pending = [layer for layer in self.layers if not layer.backward_done]
-        if not pending:
+        layer = next((lay for lay in reversed(self.layers) if not lay.gone_backward), None)
+        if layer is None:
             raise RuntimeError("every layer of the tape already ran backward")
-        layer = pending[-1]
         if not layer.recorded:
             raise RuntimeError(f"layer {layer.index} was never finished forward")
         assert layer.outputs is not None
@@ -180,41 +199,55 @@ class Tape:
         if grads is None:
             if layer is not self.layers[-1]:
                 raise RuntimeError(f"layer {layer.index}: no gradients for its outputs")
-            grads = tuple(
-                o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
-                for o in layer.outputs
-            )
+            grads = tuple(o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
+                          for o in layer.outputs)
         if len(grads) != len(layer.outputs):
-            raise ValueError(
-                f"layer {layer.index} has {len(layer.outputs)} outputs but got "
-                f"{len(grads)} gradients"
-            )
+            raise ValueError(f"layer {layer.index} has {len(layer.outputs)} outputs but got "
+                             f"{len(grads)} gradients")
         self._pending_grads = None
         layer.outputs = None  # the leaves handed out are no longer needed
-        layer.nodes[-1].pending_grads = list(grads)
+        layer.nodes[-1].grads = list(grads)
         layer.state.wgrad_queue = wgrad
         return layer
 
-    def backward_step(self, layer: LayerRecord, index: int | None = None) -> Grads:
-        """Run the backward of node ``index`` (default: the last whose backward has not run);
-        its outputs' gradients must all be known. Returns the gradients of its inputs."""
-        index = layer.next_backward if index is None else index
-        record = layer.nodes[index] if 0 <= index < len(layer.nodes) else None
-        if record is None or record.ran_backward or not layer.recorded:
+    def backward_grads(self, layer: LayerRecord, index: int) -> list[torch.Tensor | None]:
+        """The gradients of node ``index``'s outputs, once every node that read them gave its
+        share (an error naming the node otherwise)."""
+        record = layer.nodes[index]
+        if record.outputs is None:
             raise RuntimeError(f"layer {layer.index}: node {index} cannot run backward now")
-        if record.waiting or record.pending_grads is None:
+        grads = record.grads
+        if record.waiting or grads is None:
             raise RuntimeError(
-                f"node {record.node.name!r}: the gradients of its outputs are not all known yet"
-            )
-        grads, record.pending_grads = record.pending_grads, None
-        input_grads = node_backward(record, grads)
-        record.ran_backward = True
-        start = 0
-        for (source, part), size in zip(record.sources, record.source_sizes):
+                f"node {record.node.name!r}: the gradients of its outputs are not all known yet")
+        if len(grads) != len(record.outputs):
+            raise ValueError(f"node {record.node.name!r} has {len(record.outputs)} outputs but "
+                             f"got {len(grads)} gradients")
+        return grads
+
+    def node_ran_backward(self, layer: LayerRecord, index: int) -> Grads:
+        """Node ``index`` of ``layer`` ran backward: its inputs' gradients (in their ``.grad``)
+        go to the nodes that made them, its tensors are dropped; after the layer's last node,
+        the layer's input gradients go on (``_finish_layer_backward``). Returns them."""
+        record = layer.nodes[index]
+        inputs = record.inputs
+        assert inputs is not None
+        input_grads = tuple([x.grad if isinstance(x, _Tensor) and x.requires_grad else None
+                             for x in inputs])
+        record.inputs = record.outputs = record.grads = None
+        layer.backward_count += 1
+        sources = record.sources
+        if len(sources) == 1:  # one source gave every input (a node of a chain)
+            source, part = sources[0]
             if source >= 0:
-                deliver(layer.nodes[source], part, input_grads[start : start + size])
-            start += size
-        if layer.backward_done:
+                _deliver(layer.nodes[source], part, input_grads)
+        else:
+            start = 0
+            for (source, part), size in zip(sources, record.sizes):
+                if source >= 0:
+                    _deliver(layer.nodes[source], part, input_grads[start:start + size])
+                start += size
+        if layer.backward_count == len(layer.nodes):
             self._finish_layer_backward(layer, input_grads)
         return input_grads
 
@@ -230,7 +263,7 @@ class Tape:
         for value, grad in zip(given, input_grads):
             if grad is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
                 continue
-            position = _position(prev_outputs, value)
+            position = next((i for i, v in enumerate(prev_outputs or ()) if v is value), None)
             if position is not None and position not in direct:
                 direct[position] = grad
             else:
@@ -252,16 +285,6 @@ class Tape:
             grads.append(g)
         self._pending_grads = tuple(grads)
 
-    def backward_layer(
-        self,
-        grads: Sequence[torch.Tensor | None] | None = None,
-        wgrad: WeightGradQueue | None = None,
-    ) -> None:
-        """Run the backward of the last pending layer, all its nodes in order."""
-        layer = self.begin_layer_backward(grads, wgrad)
-        while not layer.backward_done:
-            self.backward_step(layer)
-
     # ---- accounting ----------------------------------------------------------------------
     def live_tensors(self) -> int:
         """How many node-boundary tensors the tape still holds (each keeps its graph alive)."""
@@ -272,60 +295,15 @@ class Tape:
         return sum(1 for layer in self.layers for r in layer.nodes if r.live)
 
 
-def _position(values: Values | None, tensor: torch.Tensor) -> int | None:
-    if values is None:
-        return None
-    for i, v in enumerate(values):
-        if v is tensor:
-            return i
-    return None
-
-
-def record_forward(
-    layer_plans: Sequence[Sequence[Node]], inputs: Sequence[Any], on_hold: Hold | None = None
-) -> tuple[Values, Tape]:
-    """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
-
-    ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
-    (their ``.grad`` is not touched). ``on_hold`` becomes the tape's ``on_hold``.
-    """
-    tape = Tape(route_input_grads=False)
-    tape.on_hold = on_hold
-    values = check_values(inputs, "stage inputs")
-    for plan in layer_plans:
-        values = tape.record_layer(plan, values)
-    return values, tape
-
-
-def run_backward(
-    tape: Tape,
-    grad_outputs: Sequence[torch.Tensor | None] | None = None,
-    wgrad: WeightGradQueue | None = None,
-) -> Grads:
-    """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
-
-    ``grad_outputs`` are the gradients of the tape's outputs (None: read the outputs' ``.grad``,
-    e.g. after ``loss.backward()`` on them). ``wgrad`` (a ``WeightGradQueue``) defers the weight
-    gradients of ops that support it into the queue; the caller flushes the queue.
-    """
-    grads = grad_outputs
-    while tape.remaining_backward_layers():
-        tape.backward_layer(grads, wgrad)
-        grads = None
-    if tape.input_grads is None:
-        raise RuntimeError("the tape's first layer never ran backward")
-    return tape.input_grads
-
-
-class TapeRunner:
-    """Records the layers a model runs through ``run_layer`` (e.g. ``GPTStage.node_runner``).
-
-    Gradients of tensors that enter the first layer flow on into them (their graph, or their
-    ``.grad`` for leaves) as plain autograd would, and ``run_backward`` also returns them.
-    """
-
-    def __init__(self) -> None:
-        self.tape = Tape(route_input_grads=True)
-
-    def run_layer(self, nodes: Sequence[Node], inputs: Sequence[Any]) -> Values:
-        return self.tape.record_layer(nodes, inputs)
+def _deliver(record: NodeRecord, part: slice, grads: Sequence[torch.Tensor | None]) -> None:
+    """Gradients for the outputs ``part`` of ``record``, from one node that read them."""
+    assert record.outputs is not None
+    if record.grads is None:
+        if record.readers == 1 and part == slice(None):  # a chain: the reader gives them all
+            record.grads = list(grads)
+            return
+        record.grads = [None] * len(record.outputs)
+        record.waiting = record.readers
+    for position, grad in zip(range(len(record.outputs))[part], grads):
+        record.grads[position] = grad
+    record.waiting -= 1

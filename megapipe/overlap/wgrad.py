@@ -32,25 +32,25 @@ from megapipe.overlap.grouped_gemm import (
 from megapipe.overlap.main_grad import accumulate_grad_rows
 
 if TYPE_CHECKING:
-    from megapipe.overlap.plan import Hold, LayerState
+    from megapipe.overlap.plan import LayerState, Track
 
 
 class WeightGradQueue:
     """Deferred weight-gradient computations, run in the order they were queued.
 
-    ``on_hold`` (optional) is told of the tensors each item keeps until it runs (``put``'s
+    ``track`` (optional) is told of the tensors each item keeps until it runs (``put``'s
     ``keeps``), so the activation meter counts them."""
 
-    def __init__(self, on_hold: "Hold | None" = None) -> None:
+    def __init__(self, track: "Track | None" = None) -> None:
         self._work: deque[tuple[str, Callable[[], None]]] = deque()
-        self.on_hold = on_hold
+        self.track = track
 
     def put(
         self, fn: Callable[[], None], name: str = "wgrad", keeps: Sequence[Any] = ()
     ) -> None:
         """Queue ``fn``; ``keeps``: the tensors it holds until it runs (other values skipped)."""
-        if self.on_hold is not None:
-            self.on_hold(keeps)
+        if self.track is not None:
+            self.track(keeps)
         self._work.append((name, fn))
 
     def __len__(self) -> int:

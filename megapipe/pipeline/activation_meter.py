@@ -8,13 +8,13 @@ whether it is saved, held, or both:
   installed for the duration of a step, see every tensor autograd saves; it counts from the
   first save until the last graph node that saved it is freed (after its backward, or with its
   graph);
-- *held by the pipeline*: ``hold(values)`` is called where the engine takes hold of a tensor
+- *held by the pipeline*: ``track(values)`` is called where the engine keeps a tensor
   (a stage's received or handed-over input, its output until sent and until its backward, the
   scaled loss, the tape's node-boundary tensors, what a deferred weight gradient keeps for
   later); it counts from then until the storage is freed.
 
-``holders`` (objects with a ``hold`` attribute: the executor's stage workers and data in
-transit) get ``hold`` while the meter measures, None after. ``peak_bytes`` is the most bytes
+``holders`` (objects with a ``track`` attribute: the executor's stage workers and data in
+transit) get ``track`` while the meter measures, None after. ``peak_bytes`` is the most bytes
 counted at once. Storages of ``params`` (the stages'
 parameters, and views of them) are never counted: they are not activations. Only host-side
 metadata is read (storage address and size), so the meter adds no device synchronisation;
@@ -29,7 +29,7 @@ On CUDA the meter also reads the caching allocator's peak: ``cuda_peak_bytes`` i
 statistic is reset at the start; host-side counters, no sync). It includes every temporary too.
 
 Saved-tensor hooks are per thread: ops of the communication stream's worker thread (CPU
-all-to-alls, which save no activations) are not seen; ``hold`` is thread-safe.
+all-to-alls, which save no activations) are not seen; ``track`` is thread-safe.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class ActivationMeter:
     def _unpack(saved: _Saved) -> torch.Tensor:
         return saved.tensor
 
-    def hold(self, values: Iterable[Any]) -> None:
+    def track(self, values: Iterable[Any]) -> None:
         """The pipeline holds these tensors (other values are skipped): count each storage
         not counted yet until it is freed."""
         for value in values:
@@ -148,13 +148,13 @@ class ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         for holder in self.holders:
-            holder.hold = self.hold
+            holder.track = self.track
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None
         for holder in self.holders:
-            holder.hold = None
+            holder.track = None
         if self._on_cuda():
             self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_start

@@ -8,17 +8,16 @@ gradient once the backward's last node has run.
 
 What may go early is decided once per schedule and proven deadlock-free under the lowering's
 batched p2p model (``check_runs``: a rank's batches complete in the order posted; a send and its
-receive complete together once both of their batches are active), by running the model on the
-schedule as it will be posted (``early_model``):
+receive complete together once both of their batches are active), run on the schedule with its
+comm runs posted as they will be (``early_layout``):
 
 - *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the run after it,
   kept in their lowered order, so per-peer matching is unchanged) each go in a batch of their
   own as soon as ready, the run's receives with the first; the rest of the run after the pair.
-  In the model a batch boundary inside the run is made by a *separator*: a copy of the
-  OVERLAP's forward, which needs only what the OVERLAP needed (so it is ready at once after it)
-  and makes nothing new. At run time a send goes once it and every send before it are ready,
-  so the real batches are these or coarser, which in the model are active, and complete, no
-  later. Tried for every OVERLAP first, then (``SINGLE``) for OVERLAPs with one own send only;
+  In the model these batches are posted one after the other right after the OVERLAP. At run
+  time a send goes once it and every send before it are ready, so the real batches are these
+  or coarser, which in the model are active, and complete, no later. Tried for every OVERLAP
+  first, then (``SINGLE``) for OVERLAPs with one own send only;
 - *the whole batch* for every other OVERLAP: the run after it is posted as it stands, as soon as
   both halves are done, i.e. before the held weight gradients and the end of the step. The model
   cannot tell this from "after the OVERLAP", so it is always safe.
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from megapipe.schedule.comm_check import check_runs
+from megapipe.schedule.comm_check import Layout, check_runs
 from megapipe.schedule.errors import ScheduleError
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
 
@@ -49,7 +48,7 @@ EACH, SINGLE, WHOLE = "each half", "single-send pairs", "whole batch"
 RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 
 
-def comm_run(row: Sequence[Action], index: int) -> list[Action]:
+def comm_batch(row: Sequence[Action], index: int) -> list[Action]:
     """The run of comm actions right after ``row[index]``."""
     end = index + 1
     while end < len(row) and row[end].kind in COMM_KINDS:
@@ -75,7 +74,7 @@ def candidates(lowered: Schedule) -> EarlySends:
     for rank, row in enumerate(lowered.actions):
         for index, action in enumerate(row):
             if action.kind is Kind.OVERLAP:
-                sends = own_sends(action, comm_run(row, index))
+                sends = own_sends(action, comm_batch(row, index))
                 if sends:
                     found[(rank, index)] = sends
     return found
@@ -92,38 +91,28 @@ def early_batches(run: Sequence[Action], early: Sequence[Action]) -> list[list[A
     return batches + ([rest] if rest else [])
 
 
-def early_model(lowered: Schedule, early: EarlySends) -> Schedule:
-    """``lowered`` with the runs after the OVERLAPs in ``early`` split as ``early_batches``."""
-    rows = []
-    for rank, row in enumerate(lowered.actions):
-        out: list[Action] = []
-        index = 0
-        while index < len(row):
-            action = row[index]
-            out.append(action)
-            index += 1
-            sends = early.get((rank, index - 1))
-            if not sends:
-                continue
-            run = comm_run(row, index - 1)
-            for number, batch in enumerate(early_batches(run, sends)):
-                if number:
-                    out.append(action.forward)  # the separator: ready at once, makes nothing new
-                out += batch
-            index += len(run)
-        rows.append(out)
-    return lowered.replace_actions(rows)
+def early_layout(lowered: Schedule, early: EarlySends) -> Layout:
+    """How the runs after the OVERLAPs in ``early`` are posted (``early_batches``), as the
+    batched p2p model's layout (``comm_check.check_runs``)."""
+    layout: Layout = {}
+    for (rank, index), sends in early.items():
+        row = lowered.row(rank)
+        run = comm_batch(row, index)
+        position = {action: index + 1 + n for n, action in enumerate(run)}
+        layout[(rank, index + 1)] = [[position[a] for a in batch]
+                                     for batch in early_batches(run, sends)]
+    return layout
 
 
 def _holds(lowered: Schedule, early: EarlySends) -> bool:
     try:
-        check_runs(early_model(lowered, early))
+        check_runs(lowered, early_layout(lowered, early))
     except ScheduleError:
         return False
     return True
 
 
-def plan_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
+def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     """The OVERLAP sends that go out one by one, and which rule gave them (module docstring);
     every other OVERLAP posts its whole batch once both halves are done."""
     found = candidates(lowered)
@@ -138,7 +127,7 @@ def plan_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
 class PairSends:
     """Posts the run after one OVERLAP as its halves finish (``post_ready`` after each hand-over).
 
-    ``early``: the sends that go out one by one (``plan_early_sends``); empty: the whole run goes
+    ``early``: the sends that go out one by one (``choose_early_sends``); empty: the whole run goes
     once every send in it is ready. The executor posts whatever is left after the pair.
     """
 

@@ -4,8 +4,9 @@ The executor walks this rank's action list once per step. Each maximal run of co
 actions is posted as one batch when reached; a compute action first waits for the batch that
 holds the tensor it consumes (``step_tensors.StepTensors``: the data in transit), then runs the
 stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
-combined schedule every training step of a ``StageModule`` runs on the streams through
-``StreamSteps.run`` (an OVERLAP action with both halves). After the last action the
+combined schedule every training step of a ``StageModule`` runs on the streams as one
+``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with
+one). After the last action the
 outstanding sends are completed, DualPipe's mirrored gradients summed and, unless
 ``grad_reduction="none"``, data-parallel gradients averaged and tied embeddings summed
 (``grad_sync``). A reduction that overlaps the backward instead is told, through
@@ -28,23 +29,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.overlap.combined import CombinedStep
 from megapipe.overlap.node_trace import NodeTrace
+from megapipe.overlap.plan import WarnOnce
+from megapipe.overlap.streams import Streams, make_streams
+from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
-from megapipe.pipeline.early_sends import PairSends, comm_run, plan_early_sends
+from megapipe.pipeline.early_sends import PairSends, choose_early_sends, comm_batch
 from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
 from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
-from megapipe.pipeline.stream_steps import BackwardHalf, ForwardHalf, StreamSteps
 from megapipe.pipeline.step_tensors import StepTensors
 from megapipe.schedule.ir import Action, Kind, Schedule
-from megapipe.schedule.rank_plan import checked_lowering, forward_only_schedule
+from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 """``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
@@ -89,6 +93,7 @@ class _Step:
     targets: Sequence[Any] | None
     forward_only: bool
     grads: StepGradEvents
+    trace: NodeTrace | None = None  # the nodes' spans (``record_trace`` or a profiled step)
     result: StepResult = field(default_factory=StepResult)
     profile: StepProfile = field(default_factory=StepProfile)  # records nothing unless profiled
 
@@ -110,20 +115,16 @@ class PipelineExecutor:
     ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
     ``module(input)`` (the Megatron front end runs the user's forward step through it).
 
-    Stages that implement ``StageModule`` (``stage_module.py``) run node by node in combined
-    schedules (any OVERLAP action): every training F/B/I on the streams through
-    ``StreamSteps`` (an OVERLAP action as a real combined step, the others alone), all comm
-    nodes on one communication stream (made once, closed by ``close()``); their auxiliary-loss
-    scale is set to 1/num_microbatches each step. ``use_tape=True`` runs them on the tape in
-    plain schedules too (same bits, one autograd call per node). ``delay_wgrad_compute``
-    (Megatron's flag; needs a combined schedule) defers the expert weight gradients of each
-    backward to run while a backward all-to-all is in flight. ``moe_a2a_chunks`` k > 1 (needs a
-    combined schedule) records every MoE layer with its all-to-alls in k expert groups, so a step
-    with no partner overlaps its own chunks (``stream_steps``). ``record_trace`` records a
-    ``NodeTrace`` per step and fills the timing fields of ``StepResult``. Pipeline p2p stays on
-    the calling thread: a pair's receives are posted in the batch before its OVERLAP action; its
-    sends go out from inside it as each half's result is made (``early_sends``: proven
-    deadlock-free per schedule, ``early_send_rule`` says which rule applies).
+    In combined schedules (any OVERLAP action) every training F/B/I of ``StageModule`` stages
+    (``stage_module.py``) runs as a ``CombinedStep`` (``_run_combined``), its comm nodes on one
+    communication stream (made once, closed by ``close()``); a module with ``layer_plans()``
+    that is not a whole ``StageModule`` is refused. Each step sets the stages' auxiliary-loss
+    scale to 1/num_microbatches. ``use_tape=True`` runs them on the tape in plain schedules too
+    (same bits). ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients
+    into the backward all-to-alls' time; ``moe_a2a_chunks`` k > 1 records MoE layers with their
+    all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
+    timing fields of ``StepResult``. Pipeline p2p stays on the calling thread; a pair's sends go
+    out from inside it as each half's result is made (``early_sends``, ``early_send_rule``).
     """
 
     def __init__(
@@ -181,23 +182,30 @@ class PipelineExecutor:
         check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
         self.record_trace = record_trace
         self.measure_activations = measure_activations
-        self._streams: StreamSteps | None = None
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.moe_a2a_chunks = moe_a2a_chunks
+        self._streams: Streams | None = None  # made on first use, in a combined schedule
+        self._warn_once = WarnOnce()
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
-        self.early_sends, self.early_send_rule = plan_early_sends(self.lowered)
-        if self.has_overlap:
-            self._streams = StreamSteps(
-                self._device() or "cpu", delay_wgrad_compute, moe_a2a_chunks
-            )
+        self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
         self._p2p: PipelineP2P | None = None
 
     def _device(self) -> torch.device | None:
         first = next((p for m in self.stages.values() for p in m.parameters()), None)
         return first.device if first is not None else None
 
+    @property
+    def streams(self) -> Streams:
+        """The compute and communication streams (a combined schedule's), made on first use."""
+        if self._streams is None:
+            self._streams = make_streams(self._device() or "cpu")
+        return self._streams
+
     def close(self) -> None:
         """Stop the communication stream's worker (combined schedules); idempotent."""
         if self._streams is not None:
             self._streams.close()
+            self._streams = None
 
     def __enter__(self) -> "PipelineExecutor":
         return self
@@ -236,16 +244,14 @@ class PipelineExecutor:
             if is_stage_module(module):
                 module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
-        trace, recorder = open_step(self.record_trace, profile, forward_only, self._streams,
-                                    self._device())
-        if self._streams is not None:
-            self._streams.trace = trace
+        trace, recorder = open_step(self.record_trace, profile, forward_only,
+                                    self.streams if self.has_overlap else None, self._device())
         state = _Step(
             StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec,
                         wait_span=recorder.wait_span),
             targets, forward_only, StepGradEvents(
                 self.grad_points, None if forward_only else grad_hooks
-            ), profile=recorder,
+            ), trace, profile=recorder,
         )
         meter = ActivationMeter(  # told of what the workers and the data in transit hold
             self._device(), [p for m in self.stages.values() for p in m.parameters()],
@@ -258,8 +264,6 @@ class PipelineExecutor:
         finally:
             for worker in self.workers.values():
                 worker.clear()
-            if self._streams is not None:
-                self._streams.trace = None
         if trace is not None:
             take_trace(state.result, trace)
         if meter is not None:
@@ -300,72 +304,89 @@ class PipelineExecutor:
     # ------------------------------------------------------------------ compute
     def _run_compute(self, actions: Sequence[Action], index: int, state: _Step) -> None:
         action = actions[index]
-        if action.kind is Kind.OVERLAP:
-            self._run_overlap(action, state, PairSends(
-                state.tensors, comm_run(actions, index),
-                self.early_sends.get((self.pp_rank, index), ()) if actions is self.actions else (),
-            ))
+        if action.kind is Kind.W:
+            self.workers[action.stage].backward_weight(action.microbatch)
+        elif self._combined(action, state):
+            early = self.early_sends.get((self.pp_rank, index), ()) \
+                if actions is self.actions else ()
+            self._run_combined(action, state, PairSends(
+                state.tensors, comm_batch(actions, index), early))
+        elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
+            self._forward(action.forward, state)
+            self._backward(action.backward, state)
         elif action.kind is Kind.F:
             self._forward(action, state)
         elif action.kind in (Kind.B, Kind.I):
             self._backward(action, state)
-        elif action.kind is Kind.W:
-            self.workers[action.stage].backward_weight(action.microbatch)
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
-    def _run_overlap(self, action: Action, state: _Step, sends: PairSends) -> None:
-        """An OVERLAP action: both halves in one ``StreamSteps.run``, each half's result handed
-        on (and sent, ``sends``) as soon as it is made; stages that are not ``StageModule``s
-        run F then B (warned once per type)."""
-        f, b = action.forward, action.backward
-        assert self._streams is not None  # an OVERLAP action makes the schedule a combined one
-        f_worker, b_worker = self.workers[f.stage], self.workers[b.stage]
-        if state.forward_only or not self._streams.warn_if_not_node_protocol(f_worker, b_worker):
-            self._forward(f, state)
-            self._backward(b, state)
-            return
+    def _combined(self, action: Action, state: _Step) -> bool:
+        """Whether a training action of a combined schedule runs as a combined step: its stages
+        are ``StageModule``s (an OVERLAP of other modules runs F then B, warned once per type)
+        and a lone backward's forward ran on the tape."""
+        if not self.has_overlap or state.forward_only:
+            return False
+        for half in action.computations():
+            worker = self.workers[half.stage]
+            if not worker.can_tape:
+                if action.kind is Kind.OVERLAP:
+                    kind = type(worker.module)
+                    self._warn_once(kind, f"{kind.__name__} (stage {worker.stage}) does not "
+                                    "follow the node protocol (not a StageModule); its OVERLAP "
+                                    "actions run forward then backward, without overlap")
+                return False
+            if half.kind is not Kind.F and action.kind is not Kind.OVERLAP \
+                    and not worker.has_tape(half.microbatch):
+                return False
+        return True
 
-        def output_made(output: torch.Tensor) -> None:
+    def _run_combined(self, action: Action, state: _Step, sends: PairSends) -> None:
+        """One combined step: an OVERLAP's forward beside its backward, or a lone F, B or I
+        (every all-to-all is then issued from the one comm stream). Each half's result is handed
+        on (and sent, ``sends``) as soon as it is made, before the step's leftover work."""
+        f = action.forward if action.kind is Kind.OVERLAP else (
+            action if action.kind is Kind.F else None)
+        b = action.backward if action.kind is Kind.OVERLAP else (
+            None if action.kind is Kind.F else action)
+        stage_input = state.tensors.forward_input(f) if f is not None else None
+        half, on_backward_done = None, None
+        if b is not None:
+            b_worker = self.workers[b.stage]
+            wgrad = WeightGradQueue(b_worker.track) if self.delay_wgrad_compute else None
+            half = b_worker.backward_half(b.microbatch, state.tensors.grad_output(b),
+                                          keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
+
+            def on_backward_done(grads: Any) -> None:
+                assert b is not None
+                self._backward_done(b, b_worker.end_backward(b.microbatch, grads, half), state)
+                sends.post_ready()
+
+        f_worker = self.workers[f.stage] if f is not None else None
+        step = CombinedStep(
+            self.streams, half, trace=state.trace,
+            fwd_microbatch=f.microbatch if f is not None else None,
+            route_input_grads=f_worker is not None and f_worker.routes_input_grads,
+            on_backward_done=on_backward_done, a2a_chunks=self.moe_a2a_chunks,
+            track=f_worker.track if f_worker is not None else None,
+        )
+        if f is not None and f_worker is not None:
+            try:
+                output = f_worker.forward(f.microbatch, stage_input, runner=step)
+            except BaseException:
+                _drain(self.streams)
+                raise
             self._hand_forward(f, output, state)
             sends.post_ready()
-
-        def grad_made(grad_input: torch.Tensor | None) -> None:
-            self._backward_done(b, grad_input, state)
-            sends.post_ready()
-
-        self._streams.run(
-            ForwardHalf(f_worker, f.microbatch, state.tensors.forward_input(f)),
-            self._backward_half(b, state),
-            on_output=output_made, on_grad_input=grad_made,
-        )
-        self._count_live(state)
-
-    def _on_streams(self, worker: StageWorker, state: _Step) -> bool:
-        """Whether a lone step runs on the streams: training steps of node-protocol stages
-        in a combined schedule (so every EP collective is issued from the comm stream)."""
-        return self._streams is not None and not state.forward_only and worker.can_tape
-
-    def _backward_half(self, action: Action, state: _Step) -> BackwardHalf:
-        return BackwardHalf(
-            self.workers[action.stage], action.microbatch,
-            state.tensors.grad_output(action), keep_weight_grads=action.kind is Kind.I,
-        )
+        step.finish()
+        if f is not None:
+            self._count_live(state)
 
     def _forward(self, action: Action, state: _Step) -> None:
         stage_input = state.tensors.forward_input(action)
-        worker = self.workers[action.stage]
-        if self._on_streams(worker, state):
-            assert self._streams is not None
-            output = self._streams.run(ForwardHalf(worker, action.microbatch, stage_input)).output
-            assert output is not None
-        else:
-            output = worker.forward(
-                action.microbatch, stage_input, keep_graph=not state.forward_only
-            )
-        self._forward_done(action, output, state)
-
-    def _forward_done(self, action: Action, output: torch.Tensor, state: _Step) -> None:
+        output = self.workers[action.stage].forward(
+            action.microbatch, stage_input, keep_graph=not state.forward_only
+        )
         self._hand_forward(action, output, state)
         self._count_live(state)
 
@@ -398,15 +419,11 @@ class PipelineExecutor:
 
     def _backward(self, action: Action, state: _Step) -> None:
         worker = self.workers[action.stage]
-        if self._on_streams(worker, state) and worker.has_tape(action.microbatch):
-            assert self._streams is not None
-            grad_input = self._streams.run(backward=self._backward_half(action, state)).grad_input
+        grad_output = state.tensors.grad_output(action)
+        if action.kind is Kind.B:
+            grad_input = worker.backward(action.microbatch, grad_output)
         else:
-            grad_output = state.tensors.grad_output(action)
-            if action.kind is Kind.B:
-                grad_input = worker.backward(action.microbatch, grad_output)
-            else:
-                grad_input = worker.backward_input(action.microbatch, grad_output)
+            grad_input = worker.backward_input(action.microbatch, grad_output)
         self._backward_done(action, grad_input, state)
 
     def _backward_done(
@@ -420,3 +437,11 @@ class PipelineExecutor:
                 f"{action}; its input must be a floating-point tensor that the output depends on"
             )
         state.tensors.hand_backward(action, grad_input)
+
+
+def _drain(streams: Streams) -> None:
+    """After an error: let the comm stream finish what it runs before the tapes go away."""
+    try:
+        streams.comm.synchronize()
+    except BaseException:  # the caller is already raising the first error
+        pass

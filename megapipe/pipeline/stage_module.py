@@ -16,6 +16,11 @@ node, so its all-to-alls overlap another microbatch's compute in combined schedu
   auxiliary losses are averaged over microbatches like the main loss.
 
 ``megapipe.models.GPTStage`` implements it; so does the Megatron-Core adapter.
+
+A chunk that implements only part of it (``layer_plans()`` without the rest, as an earlier
+contract allowed: the executor used to set an ``aux_loss_scale`` attribute on its MoE modules)
+is refused with one error naming what is missing (``check_stage_module``): run as a plain module
+it would silently lose the 1/num_microbatches scale of its auxiliary-loss gradients.
 """
 
 from __future__ import annotations
@@ -42,9 +47,28 @@ class StageModule(Protocol):
     def set_aux_loss_scale(self, scale: float) -> None: ...
 
 
+MEMBERS = ("layer_plans", "node_runner", "set_input_tensor", "set_aux_loss_scale")
+
+
 def is_stage_module(module: nn.Module) -> bool:
     """Whether ``module`` implements the ``StageModule`` protocol."""
     return isinstance(module, StageModule)
+
+
+def check_stage_module(module: nn.Module, stage: int) -> None:
+    """Refuse a module that follows the protocol in part: it has ``layer_plans()`` (so it was
+    written for the engine) but lacks another member (module docstring)."""
+    if not hasattr(module, "layer_plans") or is_stage_module(module):
+        return
+    missing = [name for name in MEMBERS if not hasattr(module, name)]
+    raise TypeError(
+        f"stage {stage}: {type(module).__name__} has layer_plans() but is not a whole "
+        f"StageModule: it lacks {', '.join(missing)} (megapipe.pipeline.stage_module). The "
+        "engine no longer sets an aux_loss_scale attribute on MoE modules: implement "
+        "set_aux_loss_scale(scale) (the engine calls it with 1/num_microbatches every step), a "
+        "node_runner attribute (None) and set_input_tensor(tensor), or drop layer_plans() to "
+        "run as a plain module without overlap"
+    )
 
 
 @contextmanager

@@ -11,10 +11,10 @@ Two ways to run a stage, performing the same operations (so results are bitwise 
   generically (``split_backward``);
 - *node by node on a tape* (a ``StageModule``, ``megapipe.pipeline.stage_module``): the
   forward is recorded through a node runner (``forward(..., runner=...)``; a ``TapeRunner``
-  alone, or a ``CoScheduler`` beside another microbatch's backward), and the backward is taken
-  out of the stash with ``take_tape_backward`` and put back with ``finish_tape_backward``
-  around a co-scheduler's walk. Its I defers only the weight gradients of the ops that support
-  it (``WeightGradQueue``: the experts' grouped matmuls).
+  alone, or a ``CombinedStep`` beside another microbatch's backward), and the backward is taken
+  out of the stash with ``backward_half`` and given back with ``end_backward`` around a
+  combined step's walk. Its I defers only the weight gradients of the ops that support it
+  (``WeightGradQueue``: the experts' grouped matmuls).
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from megapipe.overlap.coscheduler import TapeBackward
-from megapipe.overlap.plan import Hold, NodeRunner
-from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
+from megapipe.overlap.combined import BackwardHalf
+from megapipe.overlap.sequential import TapeRunner, run_backward
+from megapipe.overlap.plan import NodeRunner, Track
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.split_backward import DeferredWeightGrad, input_backward
-from megapipe.pipeline.stage_module import is_stage_module, running_layers_with
+from megapipe.pipeline.stage_module import (
+    check_stage_module, is_stage_module, running_layers_with,
+)
 
 ForwardFn = Callable[[nn.Module, Any], torch.Tensor]
 """``forward_fn(module, stage_input) -> output``: how a stage computes one microbatch."""
@@ -54,10 +57,10 @@ class StageWorker:
     """Runs one stage's forward and backward steps and keeps its per-microbatch stash.
 
     ``use_tape`` runs every training forward of a ``StageModule`` on the tape even without a
-    co-scheduler (both paths perform the same operations; the tape costs one autograd call per
-    node). ``hold`` (set by the executor for a measured step) is told of every tensor the stage
+    combined step (both paths perform the same operations; the tape costs one autograd call per
+    node). ``track`` (set by the executor for a measured step) is told of every tensor the stage
     keeps for a later step: its output, the scaled loss, the tape's node-boundary tensors and
-    what deferred weight gradients keep (``activation_meter``; its input is held where it
+    what deferred weight gradients keep (``activation_meter``; its input is tracked where it
     arrives, ``step_tensors``).
     """
 
@@ -71,6 +74,7 @@ class StageWorker:
         self.stage = stage
         self.module = module
         self.forward_fn = forward_fn
+        check_stage_module(module, stage)
         self.can_tape = is_stage_module(module)
         if use_tape and not self.can_tape:
             raise ValueError(
@@ -78,7 +82,7 @@ class StageWorker:
                 f"set_input_tensor, set_aux_loss_scale); {type(module).__name__} is not one"
             )
         self.use_tape = use_tape
-        self.hold: Hold | None = None
+        self.track: Track | None = None
         self._stash: dict[int, _Entry] = {}
 
     @property
@@ -112,9 +116,10 @@ class StageWorker:
 
         A floating-point tensor input (a received activation) becomes a leaf that requires
         grad, so backward can return its gradient; other inputs (token ids) pass unchanged.
-        ``runner`` records the forward layer by layer through that node runner (a
-        ``CoScheduler``); without one the forward runs on a tape of its own when ``use_tape``
-        is set, else with plain autograd.
+        ``runner`` (a ``CombinedStep``) records the forward layer by layer: driven here, each
+        of ``layer_plans()`` through ``runner.run_layer``, or by the module's own forward
+        through its ``node_runner`` for a custom ``forward_fn``. Without a runner the forward
+        runs on a tape of its own when ``use_tape`` is set, else with plain autograd.
         """
         if microbatch in self._stash:
             raise RuntimeError(
@@ -134,41 +139,31 @@ class StageWorker:
                 "(it is not a StageModule)"
             )
         if runner is None and self.use_tape:
-            runner = TapeRunner()
-        output, tape = self._record(stage_input, runner)
-        self._held([output])
-        self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)
-        return output
-
-    def _held(self, values: list[Any]) -> None:
-        if self.hold is not None:
-            self.hold(values)
-
-    def _record(
-        self, stage_input: Any, runner: NodeRunner | None
-    ) -> tuple[torch.Tensor, Tape | None]:
-        """Plain autograd (no runner), or every layer plan through ``runner`` (whose tape is
-        returned): driven here for the default forward, by the module's own forward (via its
-        ``node_runner``) for a custom ``forward_fn``."""
+            runner = TapeRunner(self.track, route_input_grads=self.routes_input_grads)
+        tape: Tape | None = None
         if runner is None:
-            return self.forward_fn(self.module, stage_input), None
-        if self.forward_fn is module_forward and isinstance(runner, TapeRunner):
-            outputs, tape = record_forward(self.module.layer_plans(), (stage_input,), self.hold)
-            return outputs[0], tape
-        runner.tape.on_hold = self.hold  # type: ignore[attr-defined]
-        if self.forward_fn is module_forward:
+            output = self.forward_fn(self.module, stage_input)
+        elif self.forward_fn is module_forward:
             values: tuple[Any, ...] = (stage_input,)
             for plan in self.module.layer_plans():
                 values = runner.run_layer(plan, values)
-            return values[0], runner.tape  # type: ignore[attr-defined]
-        with running_layers_with(self.module, runner):
-            output = self.forward_fn(self.module, stage_input)
-        return output, runner.tape  # type: ignore[attr-defined]
+            output, tape = values[0], runner.tape  # type: ignore[attr-defined]
+        else:
+            with running_layers_with(self.module, runner):
+                output = self.forward_fn(self.module, stage_input)
+            tape = runner.tape  # type: ignore[attr-defined]
+        self._tracked([output])
+        self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)
+        return output
+
+    def _tracked(self, values: list[Any]) -> None:
+        if self.track is not None:
+            self.track(values)
 
     def attach_loss(self, microbatch: int, scaled_loss: torch.Tensor) -> None:
         """On a last stage: backward starts from ``scaled_loss`` instead of the output."""
         self._entry(microbatch, "attach a loss to").loss = scaled_loss
-        self._held([scaled_loss])
+        self._tracked([scaled_loss])
 
     # ------------------------------------------------------------------ backward
     def _output_grads(self, entry: _Entry, grad_output: torch.Tensor | None) -> list[torch.Tensor]:
@@ -186,8 +181,8 @@ class StageWorker:
         """B: accumulate parameter gradients and return the input gradient (None on stage 0)."""
         entry = self._entry(microbatch, "B")
         if entry.tape is not None:
-            work = self.take_tape_backward(microbatch, grad_output, keep_weight_grads=False)
-            return self.finish_tape_backward(microbatch, run_backward(work.tape, work.grads))
+            half = self.backward_half(microbatch, grad_output, keep_weight_grads=False)
+            return self.end_backward(microbatch, run_backward(half.tape, half.grads))
         del self._stash[microbatch]
         if grad_output is None and entry.loss is not None:
             torch.autograd.backward([entry.loss])
@@ -201,9 +196,9 @@ class StageWorker:
         """I: return the input gradient now; keep what the weight gradient needs for W."""
         entry = self._entry(microbatch, "I")
         if entry.tape is not None:
-            work = self.take_tape_backward(microbatch, grad_output, keep_weight_grads=True)
-            grad_inputs = run_backward(work.tape, work.grads, wgrad=work.wgrad)
-            return self.finish_tape_backward(microbatch, grad_inputs, work)
+            half = self.backward_half(microbatch, grad_output, keep_weight_grads=True)
+            grad_inputs = run_backward(half.tape, half.grads, wgrad=half.wgrad)
+            return self.end_backward(microbatch, grad_inputs, half)
         if entry.deferred is not None:
             raise RuntimeError(f"stage {self.stage}: I of microbatch {microbatch} ran twice")
         if grad_output is None and entry.loss is not None:
@@ -211,22 +206,22 @@ class StageWorker:
         else:
             outputs, grads = entry.outputs, self._output_grads(entry, grad_output)
         grad_inputs, entry.deferred = input_backward(outputs, grads, entry.inputs, self.params())
-        self._held(entry.deferred.tensors())
+        self._tracked(entry.deferred.tensors())
         leaves = entry.inputs
         entry.outputs, entry.inputs, entry.loss = [], [], None
         return grad_inputs[0] if leaves else None
 
-    def take_tape_backward(
+    def backward_half(
         self,
         microbatch: int,
         grad_output: torch.Tensor | None,
         keep_weight_grads: bool,
         wgrad: WeightGradQueue | None = None,
-    ) -> TapeBackward:
+    ) -> BackwardHalf:
         """The first half of a backward on the tape (B, or I with ``keep_weight_grads``): the
-        microbatch's tape with the gradients of its outputs, for a ``CoScheduler`` or
-        ``run_backward``; then call ``finish_tape_backward``. An I always defers into a queue
-        kept for its W; a B defers into ``wgrad`` when given (``delay_wgrad_compute``)."""
+        microbatch's tape with the gradients of its outputs, for a ``CombinedStep`` or
+        ``run_backward``; then call ``end_backward``. An I always defers into a queue kept for
+        its W; a B defers into ``wgrad`` when given (``delay_wgrad_compute``)."""
         what = "I" if keep_weight_grads else "B"
         entry = self._entry(microbatch, what)
         if entry.tape is None:
@@ -239,19 +234,19 @@ class StageWorker:
         grads = self._output_grads(entry, grad_output)
         entry.outputs = []
         if keep_weight_grads:
-            wgrad = WeightGradQueue(self.hold)
-        return TapeBackward(entry.tape, grads, microbatch, wgrad, run_wgrad=not keep_weight_grads)
+            wgrad = WeightGradQueue(self.track)
+        return BackwardHalf(entry.tape, grads, microbatch, wgrad, run_wgrad=not keep_weight_grads)
 
-    def finish_tape_backward(
-        self, microbatch: int, grad_inputs: Any, work: TapeBackward | None = None
+    def end_backward(
+        self, microbatch: int, grad_inputs: Any, half: BackwardHalf | None = None
     ) -> torch.Tensor | None:
-        """The second half: a B frees the stash entry; an I (``work`` with queued weight
+        """The second half: a B frees the stash entry; an I (``half`` with queued weight
         gradients it must not run) keeps them for its W. Returns the stage's input gradient."""
         entry = self._entry(microbatch, "the end of a backward")
-        if work is None or work.run_wgrad:
+        if half is None or half.run_wgrad:
             del self._stash[microbatch]
         else:
-            entry.deferred, entry.tape, entry.loss = work.wgrad, None, None
+            entry.deferred, entry.tape, entry.loss = half.wgrad, None, None
         return self._tape_input_grad(entry, grad_inputs)
 
     def backward_weight(self, microbatch: int) -> None:

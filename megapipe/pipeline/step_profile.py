@@ -1,7 +1,7 @@
 """What a profiled step records besides the nodes: each compute action and each pipeline wait.
 
 A training step of the executor normally records (with ``record_trace``) only the nodes the
-co-scheduler ran on the two streams (``NodeTrace``). A *profiled* step (``executor.step(...,
+combined step ran on the two streams (``NodeTrace``). A *profiled* step (``executor.step(...,
 profile=ProfileOptions())``, used by ``--profile-trace``) adds to the same trace, on the compute
 stream's clock:
 
@@ -78,14 +78,14 @@ def open_step(
 ) -> tuple[NodeTrace | None, StepProfile]:
     """The ``NodeTrace`` of one step (when tracing or profiling a training step, else None) and
     its ``StepProfile`` (recording only when profiled). Action spans are timed on the compute
-    stream of ``streams`` (the executor's ``StreamSteps``) when it has one, else on the
+    stream of ``streams`` (the executor's, in a combined schedule) when it has one, else on the
     device's current CUDA stream, else on the host clock (CPU)."""
     if forward_only or not (record or profile is not None):
         return None, StepProfile()
     trace = NodeTrace(annotate=profile is not None and profile.annotate)
     if profile is None:
         return trace, StepProfile()
-    stream: Stream | str = "compute" if streams is None else streams.streams.compute
+    stream: Stream | str = "compute" if streams is None else streams.compute
     if streams is None and device is not None and device.type == "cuda":
         stream = CudaStream("compute", device, stream=torch.cuda.current_stream(device))
     return trace, StepProfile(trace, stream)
@@ -94,7 +94,7 @@ def open_step(
 def take_trace(result: Any, trace: NodeTrace) -> None:
     """Fill a ``StepResult``'s trace fields from the step's trace: ``trace`` when it holds any
     span, the node timings (``a2a_time``, ``compute_time``, ``exposed_comm_fraction``) when the
-    co-scheduler recorded any node (a plain schedule's profiled step has only actions)."""
+    combined step recorded any node (a plain schedule's profiled step has only actions)."""
     spans = trace.spans
     if spans:
         result.trace = trace

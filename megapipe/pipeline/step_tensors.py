@@ -14,7 +14,7 @@ action list for one step, keyed by (stage, microbatch):
   gradient: its backward starts from the loss);
 - ``finish_sends`` completes the sends still in flight at the end of the step.
 
-``hold`` (a measured step) is told of every tensor taken into transit: a received buffer, a
+``track`` (a measured step) is told of every tensor taken into transit: a received buffer, a
 hand-over to a local stage or to a send (``activation_meter`` counts it until it is freed).
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megapipe.overlap.plan import Hold
+from megapipe.overlap.plan import Track
 from megapipe.pipeline.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn
 from megapipe.schedule.ir import Action, Kind, Schedule
 
@@ -51,11 +51,11 @@ class StepTensors:
     posted: set[Action] = field(default_factory=set)  # comm actions already posted (early sends)
     # a profiled step times each wait for a receive (``step_profile.StepProfile.wait``)
     wait_span: Callable[[Kind, int, int], AbstractContextManager] | None = None
-    hold: Hold | None = None  # a measured step's activation meter
+    track: Track | None = None  # a measured step's activation meter
 
-    def _held(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.hold is not None:
-            self.hold((tensor,))
+    def _tracked(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.track is not None:
+            self.track((tensor,))
         return tensor
 
     # ------------------------------------------------------------------ hand-over
@@ -65,9 +65,9 @@ class StepTensors:
         nxt = self.schedule.next_stage(s)
         assert nxt is not None
         if self.schedule.stage_to_rank[nxt] == self.pp_rank:
-            self.forward_inputs[(nxt, i)] = self._held(output.detach())
+            self.forward_inputs[(nxt, i)] = self._tracked(output.detach())
         else:
-            self.outbox_forward[(s, i)] = self._held(output.detach())
+            self.outbox_forward[(s, i)] = self._tracked(output.detach())
 
     def hand_backward(self, action: Action, grad_input: torch.Tensor) -> None:
         """The input gradient of B/I(s, i) (not stage 0) goes to stage s-1, here or via SEND_B."""
@@ -75,9 +75,9 @@ class StepTensors:
         prev = self.schedule.prev_stage(s)
         assert prev is not None
         if self.schedule.stage_to_rank[prev] == self.pp_rank:
-            self.grad_outputs[(prev, i)] = self._held(grad_input)
+            self.grad_outputs[(prev, i)] = self._tracked(grad_input)
         else:
-            self.outbox_backward[(s, i)] = self._held(grad_input)
+            self.outbox_backward[(s, i)] = self._tracked(grad_input)
 
     def forward_input(self, action: Action) -> Any:
         """What F(s, i) computes on: microbatch i on a first stage, else stage s-1's output."""
@@ -142,11 +142,11 @@ class StepTensors:
                 ops.append(CommOp(action, p2p.peer_of(action, prev), tensor))
             elif kind is Kind.RECV_F:
                 prev = sched.prev_stage(s)
-                buffer = self._held(p2p.receive_buffer(action, prev))
+                buffer = self._tracked(p2p.receive_buffer(action, prev))
                 ops.append(CommOp(action, p2p.peer_of(action, prev), buffer))
                 receives.append((Kind.RECV_F, s, i, buffer))
             elif kind is Kind.RECV_B:
-                buffer = self._held(p2p.receive_buffer(action, s))
+                buffer = self._tracked(p2p.receive_buffer(action, s))
                 ops.append(CommOp(action, p2p.peer_of(action, sched.next_stage(s)), buffer))
                 receives.append((Kind.RECV_B, s, i, buffer))
             else:

@@ -4,7 +4,7 @@ from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv
 from .lower import check_runs, lower
 from .budget import apply_overlap_within
-from .overlap import apply_overlap
+from .combine_pass import apply_overlap
 from .registry import SCHEDULES, build_schedule
 from .validate import validate
 

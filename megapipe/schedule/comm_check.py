@@ -136,17 +136,35 @@ class _RankState:
         return self.cursor == len(self.items) and self.completed == len(self.batches)
 
 
-def _split_batches(row) -> _RankState:
+Layout = dict[ListPosition, list[list[int]]]
+"""(rank, index of the first action of a run of comm actions) -> the batches that run is posted
+as, one after the other (indices in the rank's list; every index of the run once)."""
+
+
+def _split_batches(row, layout: dict[int, list[list[int]]]) -> _RankState:
+    """The rank's items: computations, and its runs of comm actions as batches (one per run, or
+    as ``layout`` gives them for a run that starts at one of its keys)."""
     state = _RankState(items=[])
+    taken: set[int] = set()
     for index, action in enumerate(row):
-        if action.kind in COMM_KINDS:
-            if not state.items or state.items[-1][0] != "batch":
-                state.items.append(("batch", []))
-                state.batches.append(state.items[-1][1])
-            state.items[-1][1].append(index)
-            state.batch_of[index] = len(state.batches) - 1
-        else:
+        if index in taken:
+            continue
+        if action.kind not in COMM_KINDS:
             state.items.append(("compute", index))
+            continue
+        if index in layout:
+            for batch in layout[index]:
+                state.items.append(("batch", list(batch)))
+                state.batches.append(state.items[-1][1])
+                for member in batch:
+                    state.batch_of[member] = len(state.batches) - 1
+                    taken.add(member)
+            continue
+        if not state.items or state.items[-1][0] != "batch" or index - 1 in taken:
+            state.items.append(("batch", []))
+            state.batches.append(state.items[-1][1])
+        state.items[-1][1].append(index)
+        state.batch_of[index] = len(state.batches) - 1
     return state
 
 
@@ -166,28 +184,33 @@ def _ready(lowered: Schedule, rank: int, state: _RankState, action) -> bool:
     return True
 
 
-def check_runs(lowered: Schedule) -> None:
+def check_runs(lowered: Schedule, layout: Layout | None = None) -> None:
     """Check that ``lowered`` finishes under the batched p2p model; raise ``ScheduleError``
     naming every stuck rank, the action it waits at and what that action waits for.
 
-    Checked once per schedule. A schedule ``lower`` made (or whose SEND/RECV placement is as
-    ``lower`` would make it) is proved to finish in O(actions) by ``comm_certificate``; any
-    other is simulated.
+    ``layout`` posts some runs of comm actions as several batches, one after the other (the
+    executor's early sends, ``pipeline.early_sends``); by default each run is one batch. Checked
+    once per schedule (with the default layout). A schedule ``lower`` made (or whose SEND/RECV
+    placement is as ``lower`` would make it) is proved to finish in O(actions) by
+    ``comm_certificate``; any other, and any other layout, is simulated.
     """
-    if lowered.memo.get("runs"):
+    if layout:
+        _simulate_runs(lowered, layout)
+        return
+    if lowered.derived.runs:
         return
     source, run = _computations(lowered)
     if run is None or not certified(lowered, run, source):
         _simulate_runs(lowered)
-    lowered.memo["runs"] = True
+    lowered.derived.runs = True
 
 
 def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
     """The compute-only schedule of ``lowered``'s computations (the one it was lowered from,
     if any) and its timeline (None if it cannot be run)."""
-    if "compute_source" in lowered.memo:
-        source = lowered.memo["compute_source"]
-        return source, lowered.memo["compute_timeline"]
+    derived = lowered.derived
+    if derived.lowered_from is not None:
+        return derived.lowered_from, derived.source_timeline
     table = lowered.table
     source = lowered.replace_actions(table.select(~is_comm(table.kind)))
     try:
@@ -196,11 +219,14 @@ def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
         return source, None
 
 
-def _simulate_runs(lowered: Schedule) -> None:
-    """Simulate ``lowered`` under the batched p2p model (module docstring); raise
-    ``ScheduleError`` if it deadlocks."""
+def _simulate_runs(lowered: Schedule, layout: Layout | None = None) -> None:
+    """Simulate ``lowered`` under the batched p2p model (module docstring), its comm runs posted
+    as ``layout`` says; raise ``ScheduleError`` if it deadlocks."""
     matching = check_channel_order(lowered)
-    states = [_split_batches(row) for row in lowered.actions]
+    per_rank: list[dict[int, list[list[int]]]] = [{} for _ in lowered.actions]
+    for (rank, index), batches in (layout or {}).items():
+        per_rank[rank][index] = batches
+    states = [_split_batches(row, per_rank[r]) for r, row in enumerate(lowered.actions)]
     done: set[ListPosition] = set()
     progressed = True
     while progressed:

@@ -22,7 +22,7 @@ Product = tuple[str, int, int]
 # A tensor that travels between ranks, named by its sender: ("F" | "B", sending stage, microbatch).
 Message = tuple[str, int, int]
 
-# Steps along a pipeline: the stage itself (0), the one before it (-1), the one after it (+1).
+# Offsets along a pipeline: the stage itself (0), the one before it (-1), the one after it (+1).
 SELF, BEFORE, AFTER = 0, -1, 1
 # Per plain computation: the products it needs, as (letter, where its stage lies), in order.
 NEEDS: dict[Kind, tuple[tuple[str, int], ...]] = {
@@ -45,11 +45,11 @@ CARRIES: dict[Kind, tuple[str, int, int]] = {
 }
 
 
-def neighbour(schedule: Schedule, stage: int, step: int) -> int | None:
-    """The stage ``step`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``, ``AFTER``)."""
-    if step == SELF:
+def neighbour(schedule: Schedule, stage: int, offset: int) -> int | None:
+    """The stage ``offset`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``, ``AFTER``)."""
+    if offset == SELF:
         return stage
-    return schedule.prev_stage(stage) if step == BEFORE else schedule.next_stage(stage)
+    return schedule.prev_stage(stage) if offset == BEFORE else schedule.next_stage(stage)
 
 
 def product_of(comp: Action) -> Product:
@@ -66,8 +66,8 @@ def needs_of(schedule: Schedule, comp: Action) -> list[Product]:
     if rules is None:
         raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
     needs = []
-    for letter, step in rules:
-        stage = neighbour(schedule, comp.stage, step)
+    for letter, offset in rules:
+        stage = neighbour(schedule, comp.stage, offset)
         if stage is not None:
             needs.append((letter, stage, comp.microbatch))
     return needs
@@ -111,19 +111,6 @@ def message_of_comm(schedule: Schedule, action: Action) -> Message:
         raise ValueError(f"{action} is not a SEND or RECV action")
     source = neighbour(schedule, action.stage, rule[1])
     return (rule[0], -1 if source is None else source, action.microbatch)
-
-
-def send_action(message: Message) -> Action:
-    kind, stage, mb = message
-    return Action(stage, Kind.SEND_F if kind == "F" else Kind.SEND_B, mb)
-
-
-def recv_action(schedule: Schedule, message: Message) -> Action:
-    """The RECV that takes ``message`` in, written with the receiving stage as torch does."""
-    kind, stage, mb = message
-    if kind == "F":
-        return Action(schedule.next_stage(stage), Kind.RECV_F, mb)
-    return Action(schedule.prev_stage(stage), Kind.RECV_B, mb)
 
 
 def peer_rank(schedule: Schedule, action: Action) -> int:

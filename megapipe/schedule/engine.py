@@ -1,12 +1,12 @@
 """The in-order run both the timeline and the simulator use: every rank runs its list in order,
-each step once every product it needs has arrived; each product is looked at once per wait.
+each action once every product it needs has arrived; each product is looked at once per wait.
 
 Semantics (the definition the schedule layer has always had): the ranks are swept round robin,
 0 to pp-1, each running as far as it can, until a sweep moves nothing. ``run_in_order`` gives
 exactly that result, order included (a product made twice is read as it stood when the reader
 ran), without retrying blocked ranks: a rank that waits is parked on the product it waits for
 and woken when it is made, in the sweep where the round robin would have moved it (this sweep if
-its maker has a lower rank, the next one otherwise). Work is O(steps + waits).
+its maker has a lower rank, the next one otherwise). Work is O(actions + waits).
 
 Products are integers below ``space``; a need is a cell: ``p`` for product p as made, or
 ``space + p`` for product p as it arrives from another rank (made + ``delay``). The loops
@@ -24,8 +24,8 @@ import numpy as np
 from . import loops
 
 
-class StepColumns:
-    """What each step needs and makes, as int64 columns (``need``: (3, n) cells, -1 none;
+class ActionColumns:
+    """What each action needs and makes, as int64 columns (``need``: (3, n) cells, -1 none;
     ``make``: (n, 2) products, -1 none) and the ranks' ``offsets``; their lists are made once,
     when a loop runs in Python (``loops``)."""
 
@@ -42,17 +42,17 @@ class StepColumns:
 
 
 @dataclass
-class Steps:
-    """Flat per-step inputs; rank r's steps are ``offsets[r]:offsets[r + 1]`` (``columns``).
+class ActionInputs:
+    """Flat per-action inputs; rank r's actions are ``offsets[r]:offsets[r + 1]`` (``columns``).
 
-    ``columns``: the cells each step waits for and the products it makes; ``duration``: end =
-    start + duration, unless ``end_of(step, start)`` is given. ``delay`` is added to a product
-    for readers of cell ``space + p``. ``made_at(step, start, end)``, if given, says when the
-    step's two products are made (an OVERLAP whose halves hand their outputs on before it ends:
+    ``columns``: the cells each action waits for and the products it makes; ``duration``: end =
+    start + duration, unless ``end_of(action, start)`` is given. ``delay`` is added to a product
+    for readers of cell ``space + p``. ``made_at(action, start, end)``, if given, says when the
+    action's two products are made (an OVERLAP whose halves hand their outputs on before it ends:
     early sends); else both at its end.
     """
 
-    columns: StepColumns
+    columns: ActionColumns
     duration: np.ndarray
     space: int
     delay: float = 0.0
@@ -66,7 +66,7 @@ class Steps:
 
 @dataclass
 class Prefix:
-    """Where a run starts when the first ``done[r]`` steps of each rank already ran (with these
+    """Where a run starts when the first ``done[r]`` actions of each rank already ran (with these
     ``start``, ``end``, ``free`` per rank and cells ``arrive``): the rest is run from there."""
 
     done: list[int]
@@ -78,10 +78,10 @@ class Prefix:
 
 @dataclass
 class Run:
-    """What ``run_in_order`` found: per-step start, end and sweep (-1 where a step never ran),
+    """What ``run_in_order`` found: per-action start, end and sweep (-1 where an action never ran),
     the time each cell became available (``arrive``, -1.0 where never), where each stuck rank
-    stopped (``{rank: step}``), and, with ``watch``, the first product made twice
-    (``(step, first maker step, product)``), at which the run stopped. The columns are lists,
+    stopped (``{rank: action}``), and, with ``watch``, the first product made twice
+    (``(action, first maker action, product)``), at which the run stopped. The columns are lists,
     or numpy arrays where the compiled loops ran (``loops``)."""
 
     start: list[float] | np.ndarray
@@ -107,23 +107,23 @@ class LoopColumns:
             return np.array(values, dtype=dtype)
         return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
-    def of_steps(self, steps: "Steps") -> tuple:
-        """offsets, need0, need1, need2, make0, make1 and duration of ``steps``."""
+    def of_actions(self, actions: "ActionInputs") -> tuple:
+        """offsets, need0, need1, need2, make0, make1 and duration of ``actions``."""
         if self.compiled:
-            return (*steps.columns.arrays, steps.duration)
-        return (*steps.columns.lists, steps.duration.tolist())
+            return (*actions.columns.arrays, actions.duration)
+        return (*actions.columns.lists, actions.duration.tolist())
 
 
 def run_in_order(
-    steps: Steps, watch: frozenset = frozenset(), prefix: Prefix | None = None
+    actions: ActionInputs, watch: frozenset = frozenset(), prefix: Prefix | None = None
 ) -> Run:
-    """Run ``steps`` (module docstring). A product in ``watch`` made a second time stops the
+    """Run ``actions`` (module docstring). A product in ``watch`` made a second time stops the
     run there (the simulator reports it). Cell ``2 * space`` is never filled (a need nobody
-    makes). With ``prefix``, the steps it holds are taken as run; only valid where every product
-    has one maker, since then the result does not depend on the order steps run in."""
-    offsets, total, space = steps.offsets, len(steps.duration), steps.space
+    makes). With ``prefix``, the actions it holds are taken as run; only valid where every product
+    has one maker, since then the result does not depend on the order actions run in."""
+    offsets, total, space = actions.offsets, len(actions.duration), actions.space
     pp = len(offsets) - 1
-    plain = steps.end_of is None and steps.made_at is None
+    plain = actions.end_of is None and actions.made_at is None
     compiled = loops.compiled_loops(total) if plain else None
     new = LoopColumns(compiled is not None)
     if prefix is None:
@@ -140,8 +140,8 @@ def run_in_order(
         watched[p] = True
     sweep = new.fill(total, -1, np.int64)
     remade = (compiled[0] if compiled else loops.sweep)(
-        *new.of_steps(steps), space, new.fill(space if steps.delay else 0, steps.delay, np.float64),
-        watched, new.fill(len(watched), -1, np.int64), steps.end_of, steps.made_at, cursor, free,
+        *new.of_actions(actions), space, new.fill(space if actions.delay else 0, actions.delay, np.float64),
+        watched, new.fill(len(watched), -1, np.int64), actions.end_of, actions.made_at, cursor, free,
         start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
         new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
     stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}

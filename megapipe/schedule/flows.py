@@ -16,7 +16,7 @@ from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
 from .ir import Schedule
 from .table import KINDS, Comps
 
-assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the step to the stage"
+assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the offset to the stage"
 
 LETTERS = ("F", "G", "W")  # product letters, coded 0, 1, 2
 MESSAGE_LETTERS = ("F", "B")  # message letters, coded 0, 1
@@ -26,7 +26,7 @@ def _by_code(rule: dict, pick, missing) -> np.ndarray:
     return np.array([pick(rule[k]) if k in rule else missing for k in KINDS], dtype=np.int64)
 
 
-# Per kind code: the letter and step of need j (-1 letter: no such need), the product letter made,
+# Per kind code: the letter and offset of need j (-1 letter: no such need), the product letter made,
 # the message letter and direction of what it sends, what a SEND/RECV carries.
 NEED_LETTER = [_by_code(NEEDS, lambda r, j=j: LETTERS.index(r[j][0]) if j < len(r) else -1, -1)
                for j in range(2)]
@@ -39,19 +39,20 @@ CARRY_SOURCE = _by_code(CARRIES, lambda r: r[1], 0)
 CARRY_PEER = _by_code(CARRIES, lambda r: r[2], 0)
 
 
-def neighbours(stage: np.ndarray, step, per_pipeline: int) -> tuple[np.ndarray, np.ndarray]:
-    """The stage ``step`` away (``SELF``, ``BEFORE``, ``AFTER``; scalar or per element) and
+def neighbours(stage: np.ndarray, offset, per_pipeline: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stage ``offset`` away (``SELF``, ``BEFORE``, ``AFTER``; scalar or per element) and
     whether it exists (the ends of a pipeline have no stage before or after them)."""
-    moved = stage % per_pipeline + step  # steps are -1, 0, 1: in the pipeline or just off it
-    return stage + step, (moved >= 0) & (moved < per_pipeline)
+    moved = stage % per_pipeline + offset  # offsets are -1, 0, 1: in the pipeline or just off it
+    return stage + offset, (moved >= 0) & (moved < per_pipeline)
 
 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
     """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
     placement = schedule.placement
-    if "padded_placement" not in schedule.memo:  # -1 on both sides: one clipped lookup
-        schedule.memo["padded_placement"] = np.concatenate([[-1], placement, [-1]])
-    padded = schedule.memo["padded_placement"]
+    derived = schedule.derived
+    if derived.padded_placement is None:  # -1 on both sides: one clipped lookup
+        derived.padded_placement = np.concatenate([[-1], placement, [-1]])
+    padded = derived.padded_placement
     return padded[np.clip(np.asarray(stage) + 1, 0, len(placement) + 1)]
 
 
@@ -187,17 +188,3 @@ def _received_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np
         stage = np.where(remote, need.stage, stage)
     letter[SEND_LETTER[comps.kind] < 0] = -1
     return letter, stage
-
-
-def carried_messages(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
-    """Per SEND/RECV: the letter code and sending stage of its message (-1 stage where the
-    stage it names has none before or after it; ``deps.message_of_comm``)."""
-    source, exists = neighbours(comps.stage, CARRY_SOURCE[comps.kind],
-                                schedule.stages_per_pipeline)
-    return CARRY_LETTER[comps.kind], np.where(exists, source, -1)
-
-
-def peers(schedule: Schedule, comps: Comps) -> tuple[np.ndarray, np.ndarray]:
-    """Per SEND/RECV: the rank on the other end, and whether there is one."""
-    other, exists = neighbours(comps.stage, CARRY_PEER[comps.kind], schedule.stages_per_pipeline)
-    return stage_rank(schedule, other), exists

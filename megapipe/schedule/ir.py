@@ -10,8 +10,8 @@ unchanged.
 from __future__ import annotations
 
 import csv
-from dataclasses import FrozenInstanceError
-from typing import Iterable, Sequence
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -26,6 +26,10 @@ from .actions import (  # noqa: F401 - the IR's public names
     parse_action,
 )
 from .table import ActionTable
+
+if TYPE_CHECKING:
+    from .rerun import RunOrder
+    from .timeline import Timeline
 
 
 def loop_placement(pp: int, num_stages: int) -> tuple[int, ...]:
@@ -42,6 +46,33 @@ def v_placement(pp: int, num_stages: int) -> tuple[int, ...]:
     return tuple(placement)
 
 
+@dataclass
+class Derived:
+    """What is worked out from a schedule once and kept with it (a schedule never changes).
+
+    ``rows``: rank -> its action list (``Schedule.row``); ``placement`` and ``padded_placement``
+    (-1 on both ends: one clipped lookup, ``flows.stage_rank``); ``structures``: p2p latency or
+    not -> what the actions of its timeline need and make (``timeline.ActionGraph``); ``timelines``:
+    durations key -> its timeline; ``run_order``: the order a finished run took its actions in
+    (``rerun``); ``lowered``: durations key -> the lowered schedule (``lower``), which itself
+    keeps in ``lowered_from`` and ``source_timeline`` the compute-only schedule and timeline it
+    came from; ``valid``: ``validate`` passed; ``runs``: a lowered schedule's run under batched
+    p2p is proven to finish (``comm_check.check_runs``).
+    """
+
+    rows: dict[int, tuple[Action, ...]] = field(default_factory=dict)
+    placement: Any = None
+    padded_placement: Any = None
+    structures: dict[bool, Any] = field(default_factory=dict)
+    timelines: dict[Any, "Timeline"] = field(default_factory=dict)
+    run_order: "RunOrder | None" = None
+    lowered: dict[Any, "Schedule"] = field(default_factory=dict)
+    lowered_from: "Schedule | None" = None
+    source_timeline: "Timeline | None" = None
+    valid: bool = False
+    runs: bool = False
+
+
 class Schedule:
     """Per-rank action lists and the facts needed to interpret them.
 
@@ -52,7 +83,7 @@ class Schedule:
 
     ``actions`` may be per-rank lists of ``Action`` or an ``ActionTable``. A schedule never
     changes, so what is derived from it (its timeline, its lowering, a passed validation) is
-    kept in ``memo`` and computed once.
+    kept in ``derived`` (a ``Derived``) and computed once.
     """
 
     def __init__(
@@ -70,7 +101,7 @@ class Schedule:
         fields = dict(
             _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
-            options={} if options is None else options, memo={},
+            options={} if options is None else options, derived=Derived(),
         )
         for key, value in fields.items():
             object.__setattr__(self, key, value)
@@ -129,10 +160,10 @@ class Schedule:
         """Rank ``rank``'s action list (made on first use, without the other ranks')."""
         if self._rows is not None:
             return self._rows[rank]
-        key = ("row", rank)
-        if key not in self.memo:
-            self.memo[key] = self.table.actions_of(rank)
-        return self.memo[key]
+        rows = self.derived.rows
+        if rank not in rows:
+            rows[rank] = self.table.actions_of(rank)
+        return rows[rank]
 
     def action_at(self, row: int) -> Action:
         """The action in row ``row`` of the table (ranks one after another)."""
@@ -142,9 +173,10 @@ class Schedule:
     @property
     def placement(self) -> np.ndarray:
         """``stage_to_rank`` as an array."""
-        if "placement" not in self.memo:
-            self.memo["placement"] = np.asarray(self.stage_to_rank, dtype=np.int64).reshape(-1)
-        return self.memo["placement"]
+        derived = self.derived
+        if derived.placement is None:
+            derived.placement = np.asarray(self.stage_to_rank, dtype=np.int64).reshape(-1)
+        return derived.placement
 
     @property
     def pp(self) -> int:
@@ -205,12 +237,12 @@ class Schedule:
         return [self.table.texts_of(rank) for rank in range(self.pp)]
 
     def format_grid(self) -> str:
-        """A step (row) by rank (column) grid of the action texts."""
+        """A grid of the action texts: the k-th action of each rank (column) in row k."""
         cells = self._texts()
         width = max([len(c) for row in cells for c in row] + [6])
-        steps = max((len(row) for row in cells), default=0)
-        lines = ["step  " + " ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
-        for i in range(steps):
+        rows = max((len(row) for row in cells), default=0)
+        lines = ["#     " + " ".join(f"rank {r}".ljust(width) for r in range(self.pp))]
+        for i in range(rows):
             row = [(cells[r][i] if i < len(cells[r]) else "").ljust(width) for r in range(self.pp)]
             lines.append(f"{i:<5} " + " ".join(row).rstrip())
         return "\n".join(lines)

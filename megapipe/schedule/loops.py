@@ -6,7 +6,7 @@ compiles: flat columns in, results written into columns passed in, no dicts, no 
 helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long
 function). The engine runs them as plain Python on lists, or,
 where numba is installed (``pip install megapipe[fast]``) and a run has at least
-``COMPILED_FROM_STEPS`` steps, compiled on numpy arrays (``compiled_loops``;
+``COMPILED_FROM_ACTIONS`` actions, compiled on numpy arrays (``compiled_loops``;
 ``MEGAPIPE_NO_NUMBA=1`` keeps them in Python): the same float operations in the same order, so
 the same bits either way (``tests/schedule/test_loops.py`` runs golden sweep cases through
 both). Compiled code is cached on disk (numba's ``cache=True``): the first run on a machine
@@ -27,8 +27,8 @@ import os
 import numpy as np
 
 # Loading the compiled loops costs a process about 0.35 s (numba's import and the cached machine
-# code), as long as the Python loops take for about 400k steps; a schedule runs them a few times.
-COMPILED_FROM_STEPS = 200_000
+# code), as long as the Python loops take for about 400k actions; a schedule runs them a few times.
+COMPILED_FROM_ACTIONS = 200_000
 
 
 @functools.cache
@@ -41,19 +41,19 @@ def _compiled():
     return jit(sweep), jit(in_order)
 
 
-def compiled_loops(steps: int):
-    """``(sweep, in_order)`` compiled, for a run of ``steps`` steps; None where numba is not
+def compiled_loops(actions: int):
+    """``(sweep, in_order)`` compiled, for a run of ``actions`` actions; None where numba is not
     installed, ``MEGAPIPE_NO_NUMBA=1`` is set, or the run is too short to gain from it."""
-    if steps < COMPILED_FROM_STEPS or os.environ.get("MEGAPIPE_NO_NUMBA") == "1":
+    if actions < COMPILED_FROM_ACTIONS or os.environ.get("MEGAPIPE_NO_NUMBA") == "1":
         return None
     return _compiled()
 
 
 def warm_up() -> bool:
     """Load the compiled loops now (compile them, the first time on a machine) by running each
-    on one step, rather than inside the first large run; False where they are not used
+    on one action, rather than inside the first large run; False where they are not used
     (``compiled_loops``)."""
-    found = compiled_loops(COMPILED_FROM_STEPS)
+    found = compiled_loops(COMPILED_FROM_ACTIONS)
     if found is None:
         return False
     none, one = np.full(1, -1, dtype=np.int64), np.ones(1)
@@ -73,8 +73,8 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
     """Run the round robin from ``cursor``/``free`` (updated in place) until no rank can move,
     writing ``start``, ``end``, ``sweep_of`` and ``arrive``. ``delay`` (per product, empty:
     none) and ``watched`` (per product, empty: none) are the rarer parts of making a product;
-    ``end_of``/``made_at`` (None, or callables: Python only) time a step from its start.
-    Returns ``(step, first maker, product)`` of the first watched product made twice, at which
+    ``end_of``/``made_at`` (None, or callables: Python only) time an action from its start.
+    Returns ``(action, first maker, product)`` of the first watched product made twice, at which
     the run stopped, else ``(-1, -1, -1)``."""
     has_delay, has_watch = len(delay) > 0, len(watched) > 0
     n_now, n_later, t, pos = len(offsets) - 1, 0, 0, 0
@@ -125,7 +125,7 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
                         first_maker[product] = k
                     if has_delay:
                         arrive[product + space] = when + delay[product]
-            # Wake the ranks parked on what the step made: in this sweep if they come after r,
+            # Wake the ranks parked on what the action made: in this sweep if they come after r,
             # else in the next one.
             for h in range(2):
                 product, when = (p, fp) if h == 0 else (q, fq)
@@ -149,9 +149,9 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
 
 def in_order(order, rank, need0, need1, need2, make0, make1, duration, latency, space,
              start, end, free, arrive):
-    """Take the steps in ``order``: each starts at the latest of its rank's previous end and its
+    """Take the actions in ``order``: each starts at the latest of its rank's previous end and its
     needs' arrivals (the engine's own float operations), writing ``start``, ``end``, ``free``
-    and ``arrive``. False at the first step that needs a product not made yet."""
+    and ``arrive``. False at the first action that needs a product not made yet."""
     for k in order:
         r = rank[k]
         s = free[r]

@@ -46,11 +46,11 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
 
     ``durations`` (F, B, I, W and optionally OVERLAP to positive numbers) only moves RECVs
     earlier or later for overlap; any choice gives a deadlock-free, order-matched schedule.
-    The result is kept in ``schedule.memo``: lowering the same schedule again costs nothing.
+    The result is kept with the schedule (``Derived.lowered``): lowering it again costs nothing.
     """
-    memo_key = ("lowered", duration_key(durations))
-    if memo_key in schedule.memo:
-        return schedule.memo[memo_key]
+    key = duration_key(durations)
+    if key in schedule.derived.lowered:
+        return schedule.derived.lowered[key]
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
@@ -69,9 +69,9 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
             rank, schedule.row(rank)[index],
         )
     lowered = schedule.replace_actions(_lowered_table(schedule, run))
-    lowered.memo["compute_timeline"] = run
-    lowered.memo["compute_source"] = schedule
-    schedule.memo[memo_key] = lowered
+    lowered.derived.source_timeline = run
+    lowered.derived.lowered_from = schedule
+    schedule.derived.lowered[key] = lowered
     return lowered
 
 

@@ -17,7 +17,7 @@ at least pp. A smaller group sends a microbatch to its next chunk before it has 
 rank, which stalls the pipeline (and deadlocks interleaved 1F1B's order). With the default g = pp
 this means M is a multiple of pp; a larger g admits other M. ``overlap=True`` asks for
 OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule goes through
-``megapipe.schedule.overlap.apply_overlap``.
+``megapipe.schedule.combine_pass.apply_overlap``.
 """
 
 from __future__ import annotations

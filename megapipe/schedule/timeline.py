@@ -4,11 +4,11 @@
 rank is free and every product it needs is made (on any rank): the in-order run of ``engine``.
 The overlap pass uses it to find pairs that wait on each other; lowering uses its times to
 decide where a receive is posted; validation uses it to find ranks that wait on each other.
-A schedule's timeline is computed once and kept in ``schedule.memo``.
+A schedule's timeline is computed once and kept with it (``Schedule.derived``).
 
-``StepPlan`` turns a table into the engine's steps; the simulator builds its own steps with it.
-A need made by a single action earlier on the same rank is left out of the steps: it is made
-before the rank gets there and ends before the rank is free, so it can neither hold the step
+``ActionGraph`` turns a table into the engine's actions; the simulator builds its own actions with it.
+A need made by a single action earlier on the same rank is left out of the actions: it is made
+before the rank gets there and ends before the rank is free, so it can neither hold the action
 back nor move it (unless a latency applies to it, in which case it stays).
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from .actions import Kind
 from .deps import DEFAULT_DURATIONS
-from .engine import Prefix, Run, StepColumns, Steps, run_in_order
-from .rerun import rerun, run_steps
+from .engine import Prefix, Run, ActionColumns, ActionInputs, run_in_order
+from .rerun import rerun, run_actions
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from .ir import Schedule
 from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
@@ -54,19 +54,19 @@ class MadeTimes(Mapping):
 
 @dataclass
 class _Structure:
-    """What a table's steps need and make, whatever their durations (``StepPlan``)."""
+    """What a table's actions need and make, whatever their durations (``ActionGraph``)."""
 
     space: ProductSpace
     make: np.ndarray
     need: np.ndarray  # (n, 3) cells
-    columns: StepColumns
+    columns: ActionColumns
     unique: bool
     watch: frozenset
 
 
 @dataclass
-class StepPlan:
-    """A table as engine steps: per action up to three needs (cells), two products, a duration.
+class ActionGraph:
+    """A table as engine actions: per action up to three needs (cells), two products, a duration.
 
     ``make`` is (n, 2) product ids (-1: none); ``unique`` says every product has one maker;
     ``watch`` holds the products made more than once.
@@ -77,21 +77,21 @@ class StepPlan:
     make: np.ndarray
     need: np.ndarray
     duration: np.ndarray
-    steps: Steps
+    inputs: ActionInputs
     unique: bool
     watch: frozenset
     _makers: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "StepPlan":
-        """The steps of ``schedule`` (compute-only) with these durations and p2p latency; what
-        they need and make is worked out once per schedule (``memo``)."""
-        key = ("steps", bool(latency))
-        if key not in schedule.memo:
-            schedule.memo[key] = _structure(schedule, latency)
-        found = schedule.memo[key]
-        steps = Steps(found.columns, duration, found.space.size, latency)
-        return cls(schedule.table, found.space, found.make, found.need, duration, steps,
+    def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "ActionGraph":
+        """The actions of ``schedule`` (compute-only) with these durations and p2p latency; what
+        they need and make is worked out once per schedule (``Derived.structures``)."""
+        structures = schedule.derived.structures
+        if bool(latency) not in structures:
+            structures[bool(latency)] = _structure(schedule, latency)
+        found = structures[bool(latency)]
+        actions = ActionInputs(found.columns, duration, found.space.size, latency)
+        return cls(schedule.table, found.space, found.make, found.need, duration, actions,
                    found.unique, found.watch)
 
     def makers(self) -> np.ndarray:
@@ -142,7 +142,7 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     make = np.full((len(table), 2), -1, dtype=np.int64)
     make[comps.action, comps.half] = made
     repeated = np.flatnonzero(count > 1)
-    return _Structure(space, make, need.T, StepColumns(table.offsets, need, make),
+    return _Structure(space, make, need.T, ActionColumns(table.offsets, need, make),
                       len(repeated) == 0,
                       frozenset(repeated.tolist()))
 
@@ -169,7 +169,7 @@ class Timeline:
     after another (``offsets``).
     """
 
-    def __init__(self, plan: StepPlan, run: Run) -> None:
+    def __init__(self, plan: ActionGraph, run: Run) -> None:
         self.plan = plan
         self.offsets = plan.table.offsets
         self.start_list, self.end_list = run.start, run.end
@@ -228,7 +228,7 @@ def action_durations(table: ActionTable, durations: dict) -> np.ndarray:
 
 
 def duration_key(durations: dict | None):
-    """A hashable stand-in for ``durations`` (memo keys)."""
+    """A hashable stand-in for ``durations`` (the keys of ``Derived.timelines`` and ``lowered``)."""
     return None if durations is None else tuple(sorted((k.value, v) for k, v in durations.items()))
 
 
@@ -240,9 +240,9 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     rank is reported stuck like one in a cycle of waits. ``durations`` maps F, B, I, W (and
     optionally OVERLAP) to positive numbers; default ``DEFAULT_DURATIONS``.
     """
-    memo_key = ("timeline", duration_key(durations))
-    if memo_key in schedule.memo:
-        return schedule.memo[memo_key]
+    key = duration_key(durations)
+    if key in schedule.derived.timelines:
+        return schedule.derived.timelines[key]
     durations = check_durations(durations)
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
@@ -250,24 +250,24 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         rank = int(table.rank[comm[0]])
         action = schedule.action_at(comm[0])
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
-    plan = StepPlan.build(schedule, action_durations(table, durations))
-    result = Timeline(plan, run_steps(schedule, plan))
-    schedule.memo[memo_key] = result
+    plan = ActionGraph.build(schedule, action_durations(table, durations))
+    result = Timeline(plan, run_actions(schedule, plan))
+    schedule.derived.timelines[key] = result
     return result
 
 
 def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
     """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
-    the run of a schedule with the same actions fused in pairs) where the steps can run in that
+    the run of a schedule with the same actions fused in pairs) where the actions can run in that
     order with one maker per product (``rerun.rerun``), else as ``timeline`` runs it."""
-    if ("timeline", None) in schedule.memo or order is None:
+    if None in schedule.derived.timelines or order is None:
         return timeline(schedule)
-    plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    plan = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
     run = rerun(plan, order, None) if plan.unique else None
     if run is None:
         return timeline(schedule)
     result = Timeline(plan, run)
-    schedule.memo[("timeline", None)] = result
+    schedule.derived.timelines[None] = result
     return result
 
 
@@ -279,10 +279,10 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
     keeps its times; the run resumes from there. Only where each product has one maker (the
     result then does not depend on the order actions run in); otherwise it runs afresh.
     """
-    if ("timeline", None) in schedule.memo:
-        return schedule.memo[("timeline", None)]
+    if None in schedule.derived.timelines:
+        return schedule.derived.timelines[None]
     table = schedule.table
-    plan = StepPlan.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
+    plan = ActionGraph.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
     if not (plan.unique and before.plan.unique):
         return timeline(schedule)
     old = before.offsets
@@ -296,12 +296,12 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
         ran = starts[: np.searchsorted(starts < 0, True)] if len(starts) else starts
         done.append(int(np.searchsorted(ran, cut, "left")))
     prefix = _prefix(plan, before, done)
-    result = Timeline(plan, run_in_order(plan.steps, prefix=prefix))
-    schedule.memo[("timeline", None)] = result
+    result = Timeline(plan, run_in_order(plan.inputs, prefix=prefix))
+    schedule.derived.timelines[None] = result
     return result
 
 
-def _prefix(plan: StepPlan, before: Timeline, done: list[int]) -> Prefix | None:
+def _prefix(plan: ActionGraph, before: Timeline, done: list[int]) -> Prefix | None:
     """The state after the first ``done[r]`` actions of each rank, taken from ``before``: their
     times, and every product but those of the later actions ``before`` ran."""
     if plan.space != before.plan.space:

@@ -35,7 +35,7 @@ def validate(schedule: Schedule) -> None:
     Checked once per schedule (a schedule never changes): the executors of every rank of a
     process share the work when they share the schedule object.
     """
-    if schedule.memo.get("valid"):
+    if schedule.derived.valid:
         return
     check_placement(schedule)
     check_pairs(schedule)
@@ -43,7 +43,7 @@ def validate(schedule: Schedule) -> None:
     check_rank_order(schedule)
     _check_progress(schedule)
     _check_lowered_run(schedule)
-    schedule.memo["valid"] = True
+    schedule.derived.valid = True
 
 
 def _compute_part(schedule: Schedule) -> Schedule:

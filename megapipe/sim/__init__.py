@@ -3,7 +3,7 @@
 from .costs import Costs
 from .draw import draw_timeline
 from .simulate import SimResult, TimedAction, simulate
-from .steps import Segment
+from .programs import Segment
 from .trace import write_trace
 
 __all__ = [

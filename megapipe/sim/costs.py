@@ -1,4 +1,4 @@
-"""The cost model of the schedule simulator: how long each piece of a pipeline step takes.
+"""The cost model of the schedule simulator: how long each piece of an action takes.
 
 Durations are in arbitrary time units (the trace writer reads one unit as one millisecond).
 ``forward``, ``backward`` and ``weight`` are the costs of one stage (model chunk) for one
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ..schedule.ir import Kind
 
 if TYPE_CHECKING:
-    from .node_steps import NodeCosts
+    from .programs import NodeCosts
 
 
 def _check_duration(name: str, value: float) -> None:
@@ -40,13 +40,13 @@ class Costs:
       able to use its output; a hand-off between two stages of one rank is immediate.
     - ``dispatch``, ``combine``: duration of one dispatch and one combine all-to-all of one MoE
       layer, the same in the forward and (as the transposed exchange) in the backward.
-    - ``moe_layers``: MoE layers per stage; the compute of a step is split evenly across them.
+    - ``moe_layers``: MoE layers per stage; the compute of an action is split evenly across them.
       0 means a dense model: no all-to-all at all.
     - ``attention_share``: the part of a layer's compute spent before the dispatch (attention
       and router); the rest is the experts. Backward compute is split the same way. 0.5 by
       default: in large MoE models (DeepSeek-V3) attention and expert compute are comparable.
-    - ``nodes``: time every step node by node, in the engine's issue order, from a node-time
-      profile (``node_steps.NodeCosts``); the fields above then serve only ``p2p_latency``.
+    - ``nodes``: time every action node by node, in the engine's issue order, from a node-time
+      profile (``programs.NodeCosts``); the fields above then serve only ``p2p_latency``.
     """
 
     forward: float = 1.0

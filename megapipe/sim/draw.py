@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
-from .intervals import subtract
+from ..schedule.intervals import subtract
 from .simulate import SimResult
-from .steps import COMM, COMPUTE
+from ..schedule.node_timing import COMM, COMPUTE
 
 _COLOURS = {
     Kind.F: "#1f5fbf",  # blue

@@ -135,8 +135,8 @@ def all_choices(
             (kind, with_recompute(plain_costs, trade), 1.0 - trade.saves)
             for kind, trade in (("selective", recompute), ("full", full))
         ]
-        for recomputed, step_costs, kept in options:
-            makespan = simulate(schedule, step_costs).makespan
+        for recomputed, action_costs, kept in options:
+            makespan = simulate(schedule, action_costs).makespan
             choices.append(Choice(name, vpp, budget, recomputed, makespan,
                                   peak_bytes(schedule, activation_bytes, kept)))
     return sorted(choices, key=_rank_key)

@@ -1,7 +1,7 @@
 """A node-time profile: how long each node of a MoE layer takes, forward and backward.
 
 The replay benchmark (``benchmarks/overlap.py --replay``) makes every node of the real engine
-last its profile time, and the simulator (``node_steps``) predicts the same run from the same
+last its profile time, and the simulator (``programs``) predicts the same run from the same
 times. Format (a JSON object; milliseconds per MoE layer; other top-level keys are ignored)::
 
     {"compute": {"attn_F": 4.1, "attn_B": 9.5, "attn_W": 2.4,
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .wgrad_fill import NodeTimes
+from ..schedule.node_timing import NodeTimes
 
 COMPUTE_KEYS = ("attn_F", "attn_B", "attn_W", "mlp_F", "mlp_B", "mlp_W")
 COMM_KEYS = ("dispatch_F", "dispatch_B", "combine_F", "combine_B")

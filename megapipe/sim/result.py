@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..schedule.ir import Action
 from .costs import Costs
-from .steps import Segment
+from .programs import Segment
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ of its rank has ended and every input it needs has arrived:
 - OVERLAP: the inputs of both halves (the combined step starts when both are there).
 
 An input produced on another rank arrives ``costs.p2p_latency`` after its producer ends. Both
-halves of an OVERLAP hand their outputs on when the OVERLAP ends, except when steps are timed
+halves of an OVERLAP hand their outputs on when the OVERLAP ends, except when actions are timed
 node by node (``Costs.nodes``): then each half hands its output on as the executor's early
-sends do (``node_steps.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
+sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
 The run is the in-order run of ``megapipe.schedule.engine`` (the round robin of the ranks, in
-O(actions)); the metrics come from all pieces at once (``step_costs``); the timeline of
+O(actions)); the metrics come from all pieces at once (``action_costs``); the timeline of
 ``TimedAction`` objects is made only when asked for.
 """
 
@@ -25,18 +25,18 @@ import numpy as np
 
 from ..schedule.deps import Product, missing_needs
 from ..schedule.engine import Run
-from ..schedule.rerun import run_steps
+from ..schedule.rerun import run_actions
 from ..schedule.errors import ScheduleError
 from ..schedule.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
 from ..schedule.table import B, F, I, OVERLAP, is_comm
 from ..schedule.table_checks import faults
-from ..schedule.timeline import MadeTimes, StepPlan
+from ..schedule.timeline import MadeTimes, ActionGraph
 from .costs import Costs
-from .intervals import uncovered_length
+from ..schedule.intervals import uncovered_length
 from .result import SimResult, TimedAction
-from .step_costs import COMM, COMPUTE, StepCosts
-from .steps import Segment, time_step
+from .programs import Segment, time_action
+from .action_costs import COMM, COMPUTE, ActionCosts
 
 __all__ = ["SimResult", "TimedAction", "simulate"]
 
@@ -76,14 +76,14 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     work = schedule if table.compute_only else schedule.replace_actions(
         table.select(~is_comm(table.kind)))
     _check_actions(schedule, work)
-    pieces = StepCosts(work.table, costs, schedule.num_stages)
+    pieces = ActionCosts(work.table, costs, schedule.num_stages)
     duration = pieces.durations() if pieces.exact else np.zeros(len(work.table))
-    plan = StepPlan.build(work, duration, costs.p2p_latency)
+    plan = ActionGraph.build(work, duration, costs.p2p_latency)
     if not pieces.exact:
-        plan.steps.end_of = pieces.end_of
+        plan.inputs.end_of = pieces.end_of
     if costs.nodes is not None and table.has_overlap:
-        plan.steps.made_at = pieces.made_at
-    run = run_steps(work, plan, plan.watch)
+        plan.inputs.made_at = pieces.made_at
+    run = run_actions(work, plan, plan.watch)
     if run.remade is not None:
         _raise_remade(work, plan, run)
     if run.stuck:
@@ -91,11 +91,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     return _result(schedule, work, pieces, run, costs)
 
 
-def _raise_remade(work: Schedule, plan: StepPlan, run: Run) -> None:
-    step, first, product = run.remade
+def _raise_remade(work: Schedule, plan: ActionGraph, run: Run) -> None:
+    row, first, product = run.remade
     table = work.table
-    rank, first_rank = int(table.rank[step]), int(table.rank[first])
-    action, first_action = work.action_at(step), work.action_at(first)
+    rank, first_rank = int(table.rank[row]), int(table.rank[first])
+    action, first_action = work.action_at(row), work.action_at(first)
     raise ScheduleError(
         f"{_product_text(plan.space.product(product))} runs twice "
         f"(also in {first_action} on rank {first_rank})",
@@ -103,11 +103,11 @@ def _raise_remade(work: Schedule, plan: StepPlan, run: Run) -> None:
     )
 
 
-def _raise_stuck(schedule: Schedule, work: Schedule, plan: StepPlan, run: Run) -> None:
+def _raise_stuck(schedule: Schedule, work: Schedule, plan: ActionGraph, run: Run) -> None:
     done = MadeTimes(plan.space, run.arrive)
     waits = []
-    for rank, step in run.stuck.items():
-        action = work.row(rank)[step - int(work.table.offsets[rank])]
+    for rank, row in run.stuck.items():
+        action = work.row(rank)[row - int(work.table.offsets[rank])]
         missing = [_product_text(k) for k in missing_needs(schedule, action, done)]
         waits.append(f"rank {rank} at {action} waits for {', '.join(missing)}")
     raise ScheduleError("the schedule cannot finish (deadlock): " + "; ".join(waits))
@@ -118,7 +118,7 @@ def _sum(values: np.ndarray):
     return float(np.cumsum(values)[-1]) if len(values) else 0
 
 
-def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
+def _result(schedule: Schedule, work: Schedule, pieces: ActionCosts, run: Run,
             costs: Costs) -> SimResult:
     table = work.table
     start = np.asarray(run.start, dtype=np.float64)
@@ -149,9 +149,9 @@ def _result(schedule: Schedule, work: Schedule, pieces: StepCosts, run: Run,
 
 
 def _rank_pieces(pieces, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pieces of steps lo..hi-1 that take time, in order."""
-    begin, end, step = pieces
-    a, b = np.searchsorted(step, [lo, hi])
+    """The pieces of actions lo..hi-1 (rows) that take time, in order."""
+    begin, end, rows = pieces
+    a, b = np.searchsorted(rows, [lo, hi])
     begin, end = begin[a:b], end[a:b]
     keep = end > begin
     return begin[keep], end[keep]
@@ -168,11 +168,11 @@ def _timeline(work: Schedule, run: Run, costs: Costs) -> tuple[TimedAction, ...]
     table = work.table
     order = np.lexsort((np.arange(len(table)), np.asarray(run.sweep)))
     out = []
-    for step in order.tolist():
-        rank = int(table.rank[step])
-        action = work.row(rank)[step - int(table.offsets[rank])]
-        start, end = float(run.start[step]), float(run.end[step])
-        segments = time_step(action, start, costs)
+    for row in order.tolist():
+        rank = int(table.rank[row])
+        action = work.row(rank)[row - int(table.offsets[rank])]
+        start, end = float(run.start[row]), float(run.end[row])
+        segments = time_action(action, start, costs)
         halves = ()
         if action.kind is action.kind.OVERLAP:
             halves = tuple(_half(rank, h, segments) for h in action.computations())

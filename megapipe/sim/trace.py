@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 from .simulate import SimResult
-from .steps import COMM, COMPUTE, Segment
+from ..schedule.node_timing import COMM, COMPUTE
+from .programs import Segment
 
 _US_PER_UNIT = 1000.0
 _TID = {COMPUTE: 0, COMM: 1}

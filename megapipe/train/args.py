@@ -183,14 +183,10 @@ class PretrainArgs:
         return ("core_attn",) if self.recompute_modules is None else self.recompute_modules
 
     def build_schedule(self) -> "Schedule":
-        """The pipeline schedule these flags ask for (name, sizes, overlap and its budget)."""
-        from megapipe.schedule import build_schedule
+        """The pipeline schedule these flags ask for (``config.ScheduleConfig``)."""
+        from megapipe.train.config import job_config
 
-        return build_schedule(
-            self.schedule_name, self.pp, self.num_microbatches, self.vpp,
-            overlap=self.overlap_moe_expert_parallel_comm,
-            max_extra_in_flight=self.overlap_max_extra_in_flight,
-        )
+        return job_config(self).schedule.build()
 
     def emulated_link(self) -> "EmulatedLink | None":
         """The emulated all-to-all interconnect (CPU overlap studies), or None when off."""

@@ -27,6 +27,7 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
 from megapipe.train.args import PretrainArgs
+from megapipe.train.config import JobConfig, OptimizerConfig, job_config
 from megapipe.train.flags import HIGH_PRIORITY_GROUPS
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
@@ -47,6 +48,7 @@ class Job:
     """One rank's training state (see the module docstring)."""
 
     args: PretrainArgs
+    config: JobConfig
     device: torch.device
     groups: ProcessGroups
     schedule: Schedule
@@ -85,33 +87,34 @@ def job_device() -> torch.device:
 
 
 def build_job(args: PretrainArgs) -> Job:
-    """Groups, schedule, stages, executor, data, optimizer (needs the default process group)."""
+    """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
+    each part from its typed configuration (``config.job_config``)."""
+    config = job_config(args)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     device = job_device()
-    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in args.high_priority_stream_groups]
+    overlap, optim = config.overlap, config.optimizer
+    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in overlap.high_priority_stream_groups]
     groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
-    schedule = args.build_schedule()
-    config = args.gpt_config()
+    schedule = config.schedule.build()
     stages = {
-        s: build_stage(config, schedule.model_part(s), schedule.stages_per_pipeline,
+        s: build_stage(config.model, schedule.model_part(s), schedule.stages_per_pipeline,
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     modules = [stages[s] for s in sorted(stages)]
-    if args.bf16:  # flat buffers give the parameters their main_grad themselves
+    if optim.bf16:  # flat buffers give the parameters their main_grad themselves
         cast_to_bf16(modules, [] if args.flat_grad_buffers else unique_params(modules))
-    activation = torch.bfloat16 if args.bf16 else torch.float32
+    activation = torch.bfloat16 if optim.bf16 else torch.float32
     norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
-    dp_sync, optimizer = _optimizer(args, stages, groups, device, norm_stages)
+    dp_sync, optimizer = _optimizer(args, optim, stages, groups, device, norm_stages)
+    model = config.model
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
         grad_reduction="none" if dp_sync is not None else "dp",
-        spec=TensorSpec((args.micro_batch_size, args.seq_length, args.hidden_size), activation),
-        delay_wgrad_compute=args.delay_wgrad_compute,
-        moe_a2a_chunks=args.moe_a2a_chunks,
-        record_trace=args.overlap_moe_expert_parallel_comm,
-        measure_activations=args.log_activation_memory,
+        spec=TensorSpec((args.micro_batch_size, model.seq_length, model.hidden_size), activation),
+        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
+        record_trace=overlap.record_trace, measure_activations=args.log_activation_memory,
         timeout=timeout_of(args).total_seconds(),
     )
     files = resolve_data_files(args.data_path)
@@ -120,13 +123,12 @@ def build_job(args: PretrainArgs) -> Job:
                            groups.dp_rank, args.seed)
     valid = validation_batches(splits, args.eval_iters, args.global_batch_size,
                                args.micro_batch_size, args.dp, groups.dp_rank)
-    decay_end = args.lr_decay_iters or args.train_iters
     return Job(
-        args=args, device=device, groups=groups, schedule=schedule, stages=stages,
-        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
-        optimizer=optimizer,
-        lr_schedule=LRSchedule(args.lr, args.min_lr, args.lr_warmup_iters,
-                               max(1, decay_end - args.lr_warmup_iters), args.lr_decay_style),
+        args=args, config=config, device=device, groups=groups, schedule=schedule,
+        stages=stages, executor=executor, files=files, splits=splits, batches=batches,
+        valid=valid, optimizer=optimizer,
+        lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
+                               max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),
         norm_params=unique_params([stages[s] for s in norm_stages]),
         dp_sync=dp_sync,
@@ -134,15 +136,15 @@ def build_job(args: PretrainArgs) -> Job:
 
 
 def _optimizer(
-    args: PretrainArgs, stages: dict[int, nn.Module], groups: ProcessGroups,
-    device: torch.device, norm_stages: list[int],
+    args: PretrainArgs, optim: OptimizerConfig, stages: dict[int, nn.Module],
+    groups: ProcessGroups, device: torch.device, norm_stages: list[int],
 ) -> tuple[DataParallelSync | None, torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW]:
     """AdamW over the parameters, or with ``--overlap-grad-reduce`` /
     ``--use-distributed-optimizer`` the flat buffers, their collectives and AdamW over them."""
     modules = [stages[s] for s in sorted(stages)]
     if not args.flat_grad_buffers:
-        return None, build_optimizer(modules, args.lr, args.weight_decay,
-                                     mixed_precision=args.bf16)
+        return None, build_optimizer(modules, optim.lr, optim.weight_decay,
+                                     mixed_precision=optim.bf16)
     buffers = {
         s: stage_buffers(stages[s], groups.dp, groups.expert_dp, args.bucket_size,
                          args.use_distributed_optimizer, is_expert_param)
@@ -150,8 +152,8 @@ def _optimizer(
     }
     sync = DataParallelSync(stages, buffers, args.dp, device, overlap=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, link=args.dp_link())
-    return sync, FlatAdamW(buffers, sync, args.lr, args.weight_decay,
-                           mixed_precision=args.bf16, norm_stages=norm_stages)
+    return sync, FlatAdamW(buffers, sync, optim.lr, optim.weight_decay,
+                           mixed_precision=optim.bf16, norm_stages=norm_stages)
 
 
 def describe(job: Job) -> list[str]:

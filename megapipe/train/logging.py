@@ -3,12 +3,14 @@
 A line reads::
 
     iter 20/150 | loss 2.8131 | aux 0.0101 | lr 2.97e-03 | grad norm 0.812 | 5,120 tok/s |
-    step 0.40 s | exposed a2a n/a
+    step 0.40 s | a2a hidden 92 ms, exposed 310 ms | act mem n/a
 
 Values are averages over the iterations since the last line (tokens/s over their total time).
-The exposed all-to-all fraction is the share of all-to-all time not hidden behind compute, when
-the executor measures it (``None`` prints ``n/a``). A NaN or infinite loss raises
-``NonFiniteLossError`` naming the iteration, on every rank that sees it.
+``a2a hidden / exposed``: what the overlap bought: per step and rank, the milliseconds of
+all-to-all that ran beside compute and those that ran with no compute beside them, when the
+executor measures them (a combined schedule; ``n/a`` otherwise). ``hidden_total`` sums the
+hidden seconds for the run's last line. A NaN or infinite loss raises ``NonFiniteLossError``
+naming the iteration, on every rank that sees it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-VALUE_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "step_time", "tokens", "exposed_a2a",
-              "act_mem")
+VALUE_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "step_time", "tokens", "a2a_hidden",
+              "a2a_exposed", "act_mem")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -57,6 +59,8 @@ class TrainingLogger:
     _counts: dict[str, int] = field(default_factory=dict)
     _writer: Any = None
     tensorboard_missing: bool = False
+    hidden_total: float = 0.0  # seconds of all-to-all hidden, summed over the run
+    exposed_total: float = 0.0
 
     def __post_init__(self) -> None:
         if self.enabled and self.tensorboard_dir is not None:
@@ -76,6 +80,10 @@ class TrainingLogger:
                 raise KeyError(f"unknown log value {key!r}; known: {', '.join(VALUE_KEYS)}")
             if value is None:
                 continue
+            if key == "a2a_hidden":
+                self.hidden_total += float(value)
+            elif key == "a2a_exposed":
+                self.exposed_total += float(value)
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
             self._counts[key] = self._counts.get(key, 0) + 1
         if self._writer is not None:
@@ -107,8 +115,9 @@ class TrainingLogger:
         parts.append(f"{tokens / time_total:,.0f} tok/s" if time_total > 0 else "n/a tok/s")
         step = self._mean("step_time")
         parts.append(f"step {step:.3f} s" if step is not None else "step n/a")
-        exposed = self._mean("exposed_a2a")
-        parts.append(f"exposed a2a {'n/a' if exposed is None else f'{exposed:.0%}'}")
+        hidden, exposed = self._mean("a2a_hidden"), self._mean("a2a_exposed")
+        parts.append("a2a n/a" if hidden is None or exposed is None else
+                     f"a2a hidden {hidden * 1e3:,.0f} ms, exposed {exposed * 1e3:,.0f} ms")
         act_mem = self._mean("act_mem")  # the largest rank's activation peak, mean over steps
         parts.append(f"act mem {'n/a' if act_mem is None else f'{act_mem / 2**20:.2f} MiB'}")
         return " | ".join(parts)
@@ -121,6 +130,14 @@ class TrainingLogger:
         if self.enabled:
             self.write(line)
         return line
+
+    def overlap_summary(self) -> str | None:
+        """What the overlap bought over the run (None when nothing was measured)."""
+        total = self.hidden_total + self.exposed_total
+        if total <= 0:
+            return None
+        return (f"the overlap hid {self.hidden_total:,.2f} s of {total:,.2f} s of all-to-all "
+                f"per rank ({self.hidden_total / total:.0%})")
 
     def close(self) -> None:
         if self._writer is not None:

@@ -22,7 +22,7 @@ from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe, timeout_of
 from megapipe.train.logging import TrainingLogger
 from megapipe.train.profiling import RunProfiler
-from megapipe.train.resume import ResumePlan, descriptor_parts, plan_resume
+from megapipe.train.resume import ResumeChoice, descriptor_parts, choose_resume
 from megapipe.train.step import evaluate, train_step
 
 
@@ -41,18 +41,19 @@ class TrainResult:
 
 
 def train(
-    args: PretrainArgs, write: Callable[[str], None] = print, plan: ResumePlan | None = None
+    args: PretrainArgs, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
-    ``plan`` is the resume decision made before the processes started (``plan_resume``); when
+    ``choice`` is the resume decision made before the processes started (``choose_resume``); when
     it is None every rank makes it here, and the ranks check that they agree.
     """
     with deterministic_kernels() if args.deterministic_mode else nullcontext():
-        return _train(args, write, plan)
+        return _train(args, write, choice)
 
 
-def _train(args: PretrainArgs, write: Callable[[str], None], plan: ResumePlan | None) -> TrainResult:
+def _train(args: PretrainArgs, write: Callable[[str], None],
+           choice: ResumeChoice | None) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=timeout_of(args))
     result = TrainResult()
@@ -68,7 +69,7 @@ def _train(args: PretrainArgs, write: Callable[[str], None], plan: ResumePlan | 
         say(line)
     try:
         with ExitPolicy(args, job.device) as exits:
-            result.first_iteration = resume(job, say, plan)
+            result.first_iteration = resume(job, say, choice)
             _run(job, result, exits, say)
     finally:
         job.close()  # the communication streams' threads
@@ -77,7 +78,7 @@ def _train(args: PretrainArgs, write: Callable[[str], None], plan: ResumePlan | 
 
 def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
     """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
-    args = job.args
+    args, checkpoint = job.args, job.config.checkpoint
     logger = TrainingLogger(args.train_iters, args.log_interval, enabled=dist.get_rank() == 0,
                             tensorboard_dir=args.tensorboard_dir, write=say)
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -96,53 +97,56 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
                           lr=stats.lr, grad_norm=stats.grad_norm,
                           step_time=time.perf_counter() - start, tokens=tokens_per_iter,
-                          exposed_a2a=stats.exposed_a2a, act_mem=stats.act_mem)
+                          a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
+                          act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
             result.exit_reason = exits.reason(iteration)
-            due = bool(args.save_interval) and iteration % args.save_interval == 0
+            due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
             final = iteration == args.train_iters or result.exit_reason is not None
-            if args.save and (due or final):
+            if checkpoint.save and (due or final):
                 result.saved.append(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
             if result.exit_reason is not None:
-                saved = f"checkpoint {result.saved[-1]}" if args.save else "nothing (no --save)"
+                saved = (f"checkpoint {result.saved[-1]}" if checkpoint.save
+                         else "nothing (no --save)")
                 say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
                 return
         if result.losses:
+            overlap = logger.overlap_summary()
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
-                f"{result.losses[-1]:.4f}")
+                f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}"))
     finally:
         profiler.close()
         logger.close()
 
 
-def resume(job: Job, say: Callable[[str], None], plan: ResumePlan | None = None) -> int:
-    """Load the checkpoint the resume plan names into the job; returns its iteration (0: none)."""
-    if plan is None:
-        plan = plan_resume(job.args)
-        for line in plan.warnings:
+def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice | None = None) -> int:
+    """Load the checkpoint the resume choice names into the job; returns its iteration (0: none)."""
+    if choice is None:
+        choice = choose_resume(job.args)
+        for line in choice.warnings:
             say(line)
-    _check_ranks_agree(plan)
-    if plan.checkpoint is None:
-        if plan.note:
-            say(plan.note)
+    _check_ranks_agree(choice)
+    if choice.checkpoint is None:
+        if choice.note:
+            say(choice.note)
         return 0
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    loaded = load_checkpoint(plan.checkpoint.path, job.stages, job.optimizer, extra,
-                             plan.saved_world)
+    loaded = load_checkpoint(choice.checkpoint.path, job.stages, job.optimizer, extra,
+                             choice.saved_world)
     job.lr_schedule.load_state_dict(loaded["scheduler"])
     job.batches.load_state_dict(loaded["data"])
-    say(f"resumed from {plan.checkpoint.path} at iteration {plan.checkpoint.iteration}")
-    return plan.checkpoint.iteration
+    say(f"resumed from {choice.checkpoint.path} at iteration {choice.checkpoint.iteration}")
+    return choice.checkpoint.iteration
 
 
-def _check_ranks_agree(plan: ResumePlan) -> None:
+def _check_ranks_agree(choice: ResumeChoice) -> None:
     """Every rank resumes the same checkpoint (a shared filesystem seen alike by all)."""
-    mine = None if plan.checkpoint is None else str(plan.checkpoint.path)
+    mine = None if choice.checkpoint is None else str(choice.checkpoint.path)
     everyone: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if len(set(everyone)) > 1:
@@ -154,13 +158,13 @@ def _check_ranks_agree(plan: ResumePlan) -> None:
 
 def save(job: Job, iteration: int) -> str:
     """Write the checkpoint of ``iteration`` (every rank its shard); returns its directory."""
-    args = job.args
-    assert args.save is not None
+    args, checkpoint = job.args, job.config.checkpoint
+    assert checkpoint.save is not None
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
     info = {"train_iters": args.train_iters}
     descriptor = descriptor_parts(args, job.schedule.name, info)
     if job.dp_sync is not None:
         job.dp_sync.finish_param_gather()  # the whole updated model, on every rank
-    path = save_checkpoint(args.save, iteration, job.stages, job.optimizer, extra, descriptor,
-                           args.keep_last)
+    path = save_checkpoint(checkpoint.save, iteration, job.stages, job.optimizer, extra,
+                           descriptor, checkpoint.keep_last)
     return str(path)

@@ -1,7 +1,7 @@
 """``megapipe pretrain``: validate every flag, decide the resume, then run the ranks.
 
 ``main(argv)`` turns the flags into ``PretrainArgs`` and picks the checkpoint to resume
-(``resume.plan_resume``): a bad flag, path or checkpoint prints one line and exits 2 before any
+(``resume.choose_resume``): a bad flag, path or checkpoint prints one line and exits 2 before any
 process group exists. Then it trains as one rank (when torchrun or srun launched this process)
 or starts ``world_size`` local processes and supervises them (``supervise``). A failure inside
 a rank reaches the user as one line naming the rank and the cause (``failures``); the full
@@ -28,7 +28,7 @@ from megapipe.train.checkpoint_files import CheckpointError
 from megapipe.train.failures import debug_enabled, describe_failure, is_secondary
 from megapipe.train.logging import NonFiniteLossError
 from megapipe.train.loop import train
-from megapipe.train.resume import ResumePlan, plan_resume
+from megapipe.train.resume import ResumeChoice, choose_resume
 from megapipe.train.supervise import run_local, write_report
 
 PROG = "megapipe pretrain"
@@ -63,7 +63,7 @@ def _validate_then_run(to_args: Callable[[Any], PretrainArgs], source: Any) -> i
 def run(args: PretrainArgs) -> int:
     """Decide the resume, then train as this rank or start and supervise the ranks here."""
     try:
-        plan = plan_resume(args)
+        choice = choose_resume(args)
     except CheckpointError as err:
         _error(str(err))
         return 2
@@ -73,17 +73,17 @@ def run(args: PretrainArgs) -> int:
         return 2
     launched = launched_world_size() is not None
     if not launched or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
-        for line in plan.warnings:
+        for line in choice.warnings:
             print(f"{PROG}: {line}", file=sys.stderr, flush=True)
     if launched:
         local = _local_world_size()
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        return run_rank(args, plan, _print_report)
+        return run_rank(args, choice, _print_report)
     threads = max(1, (os.cpu_count() or 1) // args.world_size)
 
     def start(folder: Path) -> list[Any]:
-        return start_local_ranks(_local_rank, args.world_size, (args, plan, str(folder)),
+        return start_local_ranks(_local_rank, args.world_size, (args, choice, str(folder)),
                                  threads=threads).processes
 
     return run_local(start, args.exit_signal_handler, _error)
@@ -117,21 +117,21 @@ def missing_gpus(args: PretrainArgs) -> str | None:
     )
 
 
-def _local_rank(rank: int, args: PretrainArgs, plan: ResumePlan, folder: str) -> None:
+def _local_rank(rank: int, args: PretrainArgs, choice: ResumeChoice, folder: str) -> None:
     """A process ``run`` started: one rank of the job (torchrun's variables are set)."""
 
     def report(line: str, secondary: bool) -> None:
         write_report(Path(folder), rank, line, secondary)
 
-    code = run_rank(args, plan, report)
+    code = run_rank(args, choice, report)
     if code:
         raise SystemExit(code)
 
 
-def run_rank(args: PretrainArgs, plan: ResumePlan | None, report: Report) -> int:
+def run_rank(args: PretrainArgs, choice: ResumeChoice | None, report: Report) -> int:
     """Train as this rank; a failure becomes one reported line and exit code 1 (130: Ctrl-C)."""
     try:
-        train(args, plan=plan)
+        train(args, choice=choice)
         return 0
     except BaseException as err:  # every failure is told, none as a bare traceback
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

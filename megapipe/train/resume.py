@@ -1,6 +1,6 @@
 """Which checkpoint a run resumes from, and where it may save, decided before any process starts.
 
-``plan_resume(args)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
+``choose_resume(args)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
 newer ones), and refuses, with one line naming the flag and both values, a checkpoint of another
 model: the model's shape, the sequence length and the seed must match (the parallel layout and
 the schedule may change: the checkpoint's keys are layout-free, see ``checkpoint``). It also
@@ -27,7 +27,7 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumeChoice:
     """The checkpoint to load (None: start from scratch) and the lines to show the user."""
 
     checkpoint: Checkpoint | None
@@ -127,12 +127,12 @@ def _check_save_target(args: PretrainArgs) -> None:
         )
 
 
-def plan_resume(args: PretrainArgs) -> ResumePlan:
+def choose_resume(args: PretrainArgs) -> ResumeChoice:
     """The resume decision for ``args`` (see the module docstring); CheckpointError if none."""
     check_paths(args)
     _check_save_target(args)
     if args.load is None:
-        return ResumePlan(None)
+        return ResumeChoice(None)
     selection = select_checkpoint(args.load)
     if selection.chosen is None:
         if selection.damaged:
@@ -141,6 +141,6 @@ def plan_resume(args: PretrainArgs) -> ResumePlan:
                 f"--load {args.load}: no complete checkpoint ({len(selection.damaged)} damaged; "
                 f"newest {path.name}: {problem})"
             )
-        return ResumePlan(None, note=f"--load {args.load}: no checkpoint yet, starting from scratch")
+        return ResumeChoice(None, note=f"--load {args.load}: no checkpoint yet, starting from scratch")
     check_model(selection.chosen, args)
-    return ResumePlan(selection.chosen, selection.warnings())
+    return ResumeChoice(selection.chosen, selection.warnings())

@@ -1,9 +1,9 @@
 """One training step and one evaluation of a ``Job``, with the values the log reports.
 
 ``train_step(job, batch)`` runs the pipeline schedule over the batch's microbatches, then
-clips and applies AdamW; the reported loss, auxiliary loss and exposed all-to-all share are
-means over every rank that holds them (one small all-reduce each), so every rank logs the same
-numbers.
+clips and applies AdamW; the reported loss, auxiliary loss and the all-to-all time hidden and
+exposed are means over every rank that holds them (one small all-reduce each), so every rank
+logs the same numbers.
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from megapipe.train.optim import clip_grads, global_grad_norm
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one training step reports (global means; ``exposed_a2a`` None without a trace)."""
+    """What one training step reports (global means; ``a2a_hidden`` and ``a2a_exposed``, seconds
+    of all-to-all beside compute and alone, None without a trace)."""
 
     loss: float
     aux_loss: float
     lr: float
     grad_norm: float
-    exposed_a2a: float | None
+    a2a_hidden: float | None
+    a2a_exposed: float | None
     act_mem: float | None = None  # the largest rank's peak bytes saved or held (activation_meter)
 
 
@@ -45,14 +47,17 @@ def global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:
     return float(local[0] / local[1]) if local[1] > 0 else float("nan")
 
 
-def exposed_a2a(step: StepResult, device: torch.device) -> float | None:
-    """Share of all ranks' all-to-all time during which no compute ran (from the node traces)."""
-    local = torch.zeros(2, dtype=torch.float64, device=device)
+def a2a_hidden_exposed(step: StepResult, device: torch.device) -> tuple[float, float] | None:
+    """Seconds of all-to-all per rank with compute beside it and without (mean over the ranks
+    that ran any, from their node traces); None when no rank did."""
+    local = torch.zeros(3, dtype=torch.float64, device=device)
     if step.a2a_time is not None and step.exposed_comm_fraction is not None:
-        local[0] = step.a2a_time * step.exposed_comm_fraction
-        local[1] = step.a2a_time
+        exposed = step.a2a_time * step.exposed_comm_fraction
+        local[0], local[1], local[2] = step.a2a_time - exposed, exposed, 1
     dist.all_reduce(local)
-    return float(local[0] / local[1]) if local[1] > 0 else None
+    if local[2] == 0:
+        return None
+    return float(local[0] / local[2]), float(local[1] / local[2])
 
 
 def peak_activation_bytes(step: StepResult, device: torch.device) -> float | None:
@@ -96,23 +101,24 @@ def train_step(
         profiler.record(iteration, step, sync)
     loss = global_mean(list(step.losses.values()), job.device)
     aux = global_mean(pop_aux_losses(job), job.device)
-    exposed = exposed_a2a(step, job.device) if job.executor.record_trace else None
+    a2a = a2a_hidden_exposed(step, job.device) if job.executor.record_trace else None
     act_mem = peak_activation_bytes(step, job.device)
     check_finite_loss(loss, iteration)
     lr = job.lr_schedule.step(job.optimizer)
-    optimizer = job.optimizer
+    optimizer, clip = job.optimizer, job.config.optimizer.clip_grad
     if isinstance(optimizer, FlatAdamW) and optimizer.sharded:
         norm = optimizer.grad_norm(job.groups.pp, job.groups.ep, job.device)
-        optimizer.clip(job.args.clip_grad, norm)
+        optimizer.clip(clip, norm)
     else:
         norm = global_grad_norm(job.norm_params, job.groups.pp, job.groups.ep, job.device)
-        clip_grads(job.all_params, job.args.clip_grad, norm)
+        clip_grads(job.all_params, clip, norm)
     optimizer.step()
     if sync is not None:
         if profiler is not None:
             profiler.open_dp_trace(iteration + 1, sync)
         sync.start_param_gather()
-    return StepStats(loss, aux, lr, norm, exposed, act_mem)
+    hidden, exposed = a2a if a2a is not None else (None, None)
+    return StepStats(loss, aux, lr, norm, hidden, exposed, act_mem)
 
 
 def evaluate(job: Job) -> float:

@@ -25,7 +25,7 @@ from gpu_sections.runner import finish_result, run_child  # noqa: E402
 from megapipe.moe.link import EmulatedLink  # noqa: E402
 from megapipe.overlap import make_streams  # noqa: E402
 from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
-from megapipe.overlap.tape import record_forward, run_backward  # noqa: E402
+from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
 
 CPU = torch.device("cpu")
 TINY = Shape(hidden=16, heads=2, experts=4, top_k=2, ffn=8, tokens=16, batch=2)

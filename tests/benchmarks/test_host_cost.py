@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -41,3 +42,21 @@ def test_it_prints_the_figures_per_node(capsys):
     out = capsys.readouterr().out
     assert "10 F+B nodes" in out and "combined / plain CPU" in out
     assert out.count("host cost") == 2
+
+
+def test_the_megatron_comparison_runs_both_engines_and_ends_with_the_ratio(capsys):
+    pytest.importorskip("megatron.core")
+    assert main(["--megatron", "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = {line.split()[0]: line for line in lines[1:-1]}
+    assert set(rows) == {"megatron", "megapipe", "megapipe-gpt"}
+    assert all("ms per layer pair" in row for row in rows.values())
+    assert lines[-1].startswith("host ratio megapipe/megatron: ")
+    assert float(lines[-1].split(": ")[1].split()[0]) > 0
+
+
+def test_the_engine_alone_prints_its_host_time_per_node(capsys):
+    assert main(["--engine", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "40 F+B nodes" in out and out.count("us/node") == 3
+    assert out.strip().splitlines()[-1].startswith("engine's own host time per node: plain ")

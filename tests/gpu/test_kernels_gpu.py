@@ -27,15 +27,15 @@ def test_triton_kernels_match_reference_on_cuda():
 def test_triton_kernels_are_deterministic_on_cuda():
     pytest.importorskip("triton")
     from megapipe.kernels import triton_permute
-    from megapipe.moe.dispatcher import plan_permutation
+    from megapipe.moe.dispatcher import order_by_expert
 
     gen = torch.Generator().manual_seed(0)
     indices = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(512)]).cuda()
-    row_slot, token_slots, _ = plan_permutation(indices, 8)
-    rows = torch.randn(row_slot.numel(), 1024, device="cuda")
+    row_choice, choice_rows, _ = order_by_expert(indices, 8)
+    rows = torch.randn(row_choice.numel(), 1024, device="cuda")
     probs = torch.rand(512, 4, device="cuda")
-    first = triton_permute.unpermute_tokens(rows, probs, row_slot, token_slots)
-    again = triton_permute.unpermute_tokens(rows, probs, row_slot, token_slots)
+    first = triton_permute.unpermute_tokens(rows, probs, row_choice, choice_rows)
+    again = triton_permute.unpermute_tokens(rows, probs, row_choice, choice_rows)
     assert torch.equal(first, again)
 
 

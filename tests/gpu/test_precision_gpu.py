@@ -27,7 +27,7 @@ from megapipe.overlap.grouped_gemm import (  # noqa: E402
     use_grouped_mm,
 )
 from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
-from megapipe.overlap.tape import run_backward  # noqa: E402
+from megapipe.overlap.sequential import run_backward  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 from megapipe.train.mixed_precision import cast_to_bf16  # noqa: E402

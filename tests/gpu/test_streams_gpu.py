@@ -10,7 +10,7 @@ tokens of hidden 512 with an ``EmulatedLink`` of 1 ms per all-to-all, whose rows
 after the wait on the communication stream: a compute node that does not wait for its comm node
 reads unwritten memory, and the bits differ.
 
-Every backward tape here is recorded through a co-scheduler (``combined_step`` with no backward
+Every backward tape here is recorded through a combined step (``combined_step`` with no backward
 half), as the engine does: autograd runs each backward op on the stream of its forward op, so
 only a comm node whose forward ran on the comm stream has its backward there.
 """
@@ -28,11 +28,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megapipe.overlap.coscheduler import combined_step  # noqa: E402
+from megapipe.overlap.combined import combined_step  # noqa: E402
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 from megapipe.overlap.plan import Node, NodeKind  # noqa: E402
 from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
-from megapipe.overlap.tape import record_forward, run_backward  # noqa: E402
+from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapipe.kernels import reference
-from megapipe.moe.dispatcher import plan_permutation
+from megapipe.moe.dispatcher import order_by_expert
 
 
 def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None, seed: int):
@@ -24,43 +24,43 @@ def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None,
     indices = torch.stack(
         [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
     )
-    row_slot, token_slots, _ = plan_permutation(indices, num_experts, capacity)
+    row_choice, choice_rows, _ = order_by_expert(indices, num_experts, capacity)
     probs = torch.rand(num_tokens, top_k, generator=gen)
-    return row_slot, token_slots, probs
+    return row_choice, choice_rows, probs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_matches_naive_loop(dtype):
-    row_slot, token_slots, probs = routing(6, 2, 3, capacity=3, seed=0)
-    assert (token_slots < 0).any() and (row_slot < 0).any()  # drops and padding rows
+    row_choice, choice_rows, probs = routing(6, 2, 3, capacity=3, seed=0)
+    assert (choice_rows < 0).any() and (row_choice < 0).any()  # drops and padding rows
     tokens = torch.randn(6, 5).to(dtype)
-    rows = reference.permute_tokens(tokens, row_slot, token_slots)
+    rows = reference.permute_tokens(tokens, row_choice, choice_rows)
     assert rows.dtype == dtype
-    for r, slot in enumerate(row_slot.tolist()):
+    for r, slot in enumerate(row_choice.tolist()):
         expected = torch.zeros(5, dtype=dtype) if slot < 0 else tokens[slot // 2]
         assert torch.equal(rows[r], expected)
     expert_out = torch.randn(rows.shape).to(dtype)
-    out = reference.unpermute_tokens(expert_out, probs.to(dtype), row_slot, token_slots)
+    out = reference.unpermute_tokens(expert_out, probs.to(dtype), row_choice, choice_rows)
     assert out.dtype == dtype
     for t in range(6):
         expected = torch.zeros(5)
         for j in range(2):
-            if token_slots[t, j] >= 0:
-                expected += probs.to(dtype)[t, j].float() * expert_out[token_slots[t, j]].float()
+            if choice_rows[t, j] >= 0:
+                expected += probs.to(dtype)[t, j].float() * expert_out[choice_rows[t, j]].float()
         # float32 sums rounded once to the output dtype
         torch.testing.assert_close(out[t], expected.to(dtype))
 
 
 def test_reference_gradcheck():
-    row_slot, token_slots, probs = routing(5, 3, 4, capacity=3, seed=1)
+    row_choice, choice_rows, probs = routing(5, 3, 4, capacity=3, seed=1)
     tokens = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(
-        lambda x: reference.permute_tokens(x, row_slot, token_slots), (tokens,)
+        lambda x: reference.permute_tokens(x, row_choice, choice_rows), (tokens,)
     )
-    rows = torch.randn(row_slot.numel(), 4, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(row_choice.numel(), 4, dtype=torch.float64, requires_grad=True)
     p = probs.double().requires_grad_()
     torch.autograd.gradcheck(
-        lambda x, w: reference.unpermute_tokens(x, w, row_slot, token_slots), (rows, p)
+        lambda x, w: reference.unpermute_tokens(x, w, row_choice, choice_rows), (rows, p)
     )
 
 
@@ -76,24 +76,24 @@ def compare_triton_with_reference(device: str) -> list[str]:
         dtypes.append((torch.bfloat16, 1e-2))
     for dtype, tol in dtypes:
         for t, k, e, capacity, h in cases:
-            row_slot, token_slots, probs = routing(t, k, e, capacity, seed=t * h)
-            row_slot, token_slots, probs = (
-                row_slot.to(device),
-                token_slots.to(device),
+            row_choice, choice_rows, probs = routing(t, k, e, capacity, seed=t * h)
+            row_choice, choice_rows, probs = (
+                row_choice.to(device),
+                choice_rows.to(device),
                 probs.to(device),
             )
             gen = torch.Generator().manual_seed(t * h + 7)  # the same data on every run
             tokens = torch.randn(t, h, generator=gen).to(device, dtype)
-            grad_rows = torch.randn(row_slot.numel(), h, generator=gen).to(device, dtype)
+            grad_rows = torch.randn(row_choice.numel(), h, generator=gen).to(device, dtype)
             grad_out = torch.randn(t, h, generator=gen).to(device, dtype)
             results = {}
             for name, module in (("triton", triton_permute), ("reference", reference)):
                 x = tokens.clone().requires_grad_()
-                rows = module.permute_tokens(x, row_slot, token_slots)
+                rows = module.permute_tokens(x, row_choice, choice_rows)
                 rows.backward(grad_rows)
                 y = rows.detach().clone().requires_grad_()
                 p = probs.clone().requires_grad_()
-                out = module.unpermute_tokens(y, p, row_slot, token_slots)
+                out = module.unpermute_tokens(y, p, row_choice, choice_rows)
                 out.backward(grad_out)
                 results[name] = (rows, x.grad, out, y.grad, p.grad)
             labels = (
@@ -115,9 +115,9 @@ def compare_triton_with_reference(device: str) -> list[str]:
                     # may be off by h * u * sum|grad_out * rows| (u: fp32 unit roundoff, both
                     # accumulate in fp32), so they may differ by twice that, on top of `tol`.
                     rows = results["reference"][0].detach().float()
-                    slots = token_slots.clamp(min=0)
+                    slots = choice_rows.clamp(min=0)
                     abs_dot = (grad_out.float().abs().unsqueeze(1) * rows.abs()[slots]).sum(-1)
-                    abs_dot = abs_dot * (token_slots >= 0)
+                    abs_dot = abs_dot * (choice_rows >= 0)
                     bound = tol + 2 * h * (torch.finfo(torch.float32).eps / 2) * abs_dot
                     worst = ((a.float() - b.float()).abs() - bound).max().item()
                     if worst > 0:

@@ -121,7 +121,7 @@ def check_ep_matches_single_process(ep: int) -> dict:
             _close(failures, f"{name} grad {pname}", g, expected)
         all_counts = sum(ref[4].rows_per_expert for ref in refs)
         seen_idle_expert |= bool((all_counts == 0).any())
-        seen_drop |= bool((state.token_slots < 0).any())
+        seen_drop |= bool((state.choice_rows < 0).any())
     assert not failures, "\n".join(failures)
     assert seen_idle_expert and seen_drop, "the configurations must cover idle experts and drops"
     return {"configs": len(CONFIGS)}
@@ -182,7 +182,7 @@ def check_emulated_link_sleeps_modelled_time() -> list[str]:
     started = time.perf_counter()
     (received,) = dispatch.fn(state, (rows_leaf,))
     forward_s = time.perf_counter() - started
-    plan = state.dispatch_plan
+    plan = state.dispatch_layout
     row_bytes = H * 4
     sent = (sum(plan.input_splits) - plan.input_splits[rank]) * row_bytes
     received_bytes = (sum(plan.output_splits) - plan.output_splits[rank]) * row_bytes

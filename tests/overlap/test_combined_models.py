@@ -1,14 +1,14 @@
 """The engine on the real model: GPT stages (dense-first, MoE layers) through the tape and the
-co-scheduler give exactly the bits of plain autograd and of the sequential path."""
+combined step give exactly the bits of plain autograd and of the sequential path."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megapipe.models import GPTConfig, build_stage, gpt_loss
-from megapipe.overlap.coscheduler import combined_step
+from megapipe.overlap.combined import combined_step
 from megapipe.overlap.streams import make_streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
 

@@ -19,7 +19,7 @@ from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.mixed_precision import cast_to_bf16
 
@@ -127,7 +127,7 @@ def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
     hidden = model.embedding(ids)
     run_nodes(plans[2], (hidden,), state)
     parts = state.layer_parts
-    assert set(parts) == {0, 1} and parts[0].row_slot is not parts[1].row_slot
+    assert set(parts) == {0, 1} and parts[0].row_choice is not parts[1].row_choice
     state.wgrad_queue = "queue"
     assert parts[1].wgrad_queue == "queue" and not parts[0].recomputing
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
-from megapipe.overlap.tape import Tape, TapeRunner, record_forward, run_backward
+from megapipe.overlap.combined import backward_node
+from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 
 from support.overlap_asserts import assert_same_tensors
@@ -58,7 +60,7 @@ def test_tape_frees_each_node_as_its_backward_runs():
     tape.begin_layer_backward((torch.ones(4, 8),))
     layer = tape.layers[-1]
     while layer.next_backward >= 0:
-        tape.backward_step(layer)
+        backward_node(tape, layer, layer.next_backward)
         live.append(tape.live_tensors())
     assert all(a > b for a, b in zip(live, live[1:]))  # strictly decreasing
     assert tape.live_nodes() == 5
@@ -238,8 +240,8 @@ def test_a_node_whose_output_gradients_are_incomplete_cannot_run_backward():
     w = torch.randn(8, 8, requires_grad=True)
     _, tape = record_forward([_forked_plan(w)], (torch.randn(5, 8, requires_grad=True),))
     layer = tape.begin_layer_backward((torch.ones(5, 8),))
-    tape.backward_step(layer, 5)  # the join
-    tape.backward_step(layer, 2)  # branch 0 (roll, mix): its last node
-    tape.backward_step(layer, 1)
+    backward_node(tape, layer, 5)  # the join
+    backward_node(tape, layer, 2)  # branch 0 (roll, mix): its last node
+    backward_node(tape, layer, 1)
     with pytest.raises(RuntimeError, match="'head': the gradients of its outputs are not all known"):
-        tape.backward_step(layer, 0)  # branch 1 has not run backward yet
+        backward_node(tape, layer, 0)  # branch 1 has not run backward yet

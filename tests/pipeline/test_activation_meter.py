@@ -17,7 +17,7 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.overlap.main_grad import accumulated_grad, attach_main_grads
 from megapipe.overlap.plan import LayerState, Node, NodeKind
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.executor import PipelineExecutor
@@ -47,7 +47,7 @@ def test_parameters_are_not_counted_and_a_held_storage_counts_once_until_freed()
     with ActivationMeter(params=[w]) as meter:
         u = (w[:100] * w[:100]).sum()  # saves views of a parameter: not counted
         y = torch.exp(x)  # saves its result y: 4000 bytes
-        meter.hold([y, y[:10], None, 3])  # held too: the same storage, still 4000
+        meter.track([y, y[:10], None, 3])  # held too: the same storage, still 4000
         assert meter.live_bytes == 4000
         y.sum().backward()  # the graph lets go of y; the hold keeps it counted
         assert meter.live_bytes == 4000
@@ -96,7 +96,7 @@ def test_tape_node_boundaries_are_held():
     layers = [[_node("exp", torch.exp), _node("add", lambda v: v + 1)],
               [_node("double", lambda v: v * 2)]]
     with ActivationMeter() as meter:
-        outs, tape = record_forward(layers, (x,), on_hold=meter.hold)
+        outs, tape = record_forward(layers, (x,), track=meter.track)
         assert meter.live_bytes == 3 * 4000
         run_backward(tape, (torch.ones(1000),))
         del outs, tape
@@ -109,7 +109,7 @@ def test_deferred_weight_gradient_keeps_its_inputs_held():
     x = torch.randn(6, 4, requires_grad=True)
     g = torch.randn(6, 3)
     with ActivationMeter(params=[w]) as meter:
-        queue = WeightGradQueue(on_hold=meter.hold)
+        queue = WeightGradQueue(track=meter.track)
         out = grouped_matmul(x, [2, 4], w, LayerState(wgrad_queue=queue))
         assert meter.live_bytes == x.nbytes  # saved (the weight is a parameter)
         out.backward(g.clone())  # the clone: only the queue keeps it
@@ -144,8 +144,8 @@ def _tape_step(measure: bool, defer: bool, main_grad: bool):
     ids = torch.randint(0, config.vocab_size, (2, config.seq_length))
     meter = ActivationMeter(params=model.parameters())
     with meter if measure else contextlib.nullcontext():
-        queue = WeightGradQueue(meter.hold if measure else None) if defer else None
-        outs, tape = record_forward(model.layer_plans(), (ids,), meter.hold if measure else None)
+        queue = WeightGradQueue(meter.track if measure else None) if defer else None
+        outs, tape = record_forward(model.layer_plans(), (ids,), meter.track if measure else None)
         gpt_loss(outs[0], ids).backward()
         run_backward(tape, None, wgrad=queue)
         if queue is not None:

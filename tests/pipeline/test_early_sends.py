@@ -3,12 +3,12 @@
 import pytest
 
 from megapipe.pipeline.early_sends import (
-    EACH, SINGLE, WHOLE, candidates, early_model, plan_early_sends,
+    EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_layout,
 )
 from megapipe.schedule import build_schedule
 from megapipe.schedule.comm_check import check_runs
 from megapipe.schedule.errors import ScheduleError
-from megapipe.schedule.rank_plan import lower_schedule
+from megapipe.schedule.rank_views import lower_schedule
 from support.combined_cases import early_send_order
 from support.pipeline_cases import Case
 
@@ -26,9 +26,9 @@ SCHEDULES = [
 @pytest.mark.parametrize("name,pp,vpp,m,rule", SCHEDULES, ids=lambda v: str(v))
 def test_early_sends_are_proven_deadlock_free_for_every_combined_schedule(name, pp, vpp, m, rule):
     lowered = lower_schedule(build_schedule(name, pp, m, vpp=vpp, overlap=True))
-    early, found = plan_early_sends(lowered)
+    early, found = choose_early_sends(lowered)
     assert found == rule
-    check_runs(early_model(lowered, early))  # raises ScheduleError if it could deadlock
+    check_runs(lowered, early_layout(lowered, early))  # raises ScheduleError if it could deadlock
     if rule == WHOLE:
         assert early == {}  # each pair's whole batch goes once both halves are done
     if rule == SINGLE:
@@ -36,7 +36,7 @@ def test_early_sends_are_proven_deadlock_free_for_every_combined_schedule(name, 
     if rule != EACH:
         # why not each half: two neighbours that both send early wait on each other
         with pytest.raises(ScheduleError, match="deadlocks"):
-            check_runs(early_model(lowered, candidates(lowered)))
+            check_runs(lowered, early_layout(lowered, candidates(lowered)))
 
 
 def test_each_half_sends_before_its_pair_ends(rank_pools):

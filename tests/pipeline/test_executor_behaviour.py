@@ -56,3 +56,35 @@ def test_broken_schedule_is_named_before_anything_runs():
     broken = Schedule(actions, num_stages=1, num_microbatches=2, stage_to_rank=(0,), name="mine")
     with pytest.raises(ScheduleError, match="rank 0"):
         PipelineExecutor(broken, {0: nn.Linear(2, 2)}, loss_fn=lambda out, target: out.sum())
+
+
+def test_a_chunk_with_layer_plans_but_not_the_whole_protocol_is_refused_naming_what_it_lacks():
+    """The earlier contract (layer_plans() and an aux_loss_scale attribute the executor set)
+    would now run as a plain module with num_microbatches times larger auxiliary-loss
+    gradients: refused at construction instead, naming the missing members."""
+    import torch
+    from torch import nn
+
+    from megapipe import PipelineExecutor
+    from megapipe.overlap.plan import Node, NodeKind
+    from megapipe.schedule import build_schedule
+
+    class EarlierChunk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.aux_loss_scale = 1.0  # what the earlier README said the executor sets
+
+        def layer_plans(self):
+            return [[Node("linear", NodeKind.COMPUTE, lambda state, t: (self.linear(t[0]),))]]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x)
+
+    for overlap in (False, True):
+        with pytest.raises(TypeError) as caught:
+            PipelineExecutor(build_schedule("1f1b", 1, 2, overlap=overlap), {0: EarlierChunk()},
+                             loss_fn=lambda out, target: out.sum())
+        message = str(caught.value)
+        assert "stage 0: EarlierChunk has layer_plans() but is not a whole StageModule" in message
+        assert "it lacks node_runner, set_input_tensor, set_aux_loss_scale" in message

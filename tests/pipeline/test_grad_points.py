@@ -6,7 +6,7 @@ import torch
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.grad_points import GradPoints
 from megapipe.schedule import Kind, build_schedule
-from megapipe.schedule.rank_plan import checked_lowering
+from megapipe.schedule.rank_views import checked_lowering
 
 SCHEDULES = [
     ("1f1b", 1, {}), ("1f1b", 2, {}), ("interleaved-1f1b", 2, {"vpp": 2}),

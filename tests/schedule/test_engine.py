@@ -14,7 +14,7 @@ from megapipe.schedule.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.ir import Schedule
 from megapipe.schedule.engine import run_in_order
 from megapipe.schedule.rerun import RunOrder, rerun
-from megapipe.schedule.timeline import StepPlan, action_durations, timeline
+from megapipe.schedule.timeline import ActionGraph, action_durations, timeline
 from megapipe.sim import Costs, simulate
 
 from sweep_outputs import _perturbed
@@ -95,13 +95,13 @@ def test_a_rerun_in_a_finished_runs_order_equals_the_engine(schedule, latency):
     engine's times, arrivals and sweeps; an order that breaks a rank's list order or takes a
     step before what it needs is refused (None)."""
     durations = action_durations(schedule.table, dict(DEFAULT_DURATIONS))
-    first = StepPlan.build(schedule, durations)
-    run = run_in_order(first.steps)
+    first = ActionGraph.build(schedule, durations)
+    run = run_in_order(first.inputs)
     if run.stuck or not first.unique:
         return
     found = RunOrder.of(run)
-    plan = StepPlan.build(schedule, durations * 1.5 + 0.125, latency)
-    expected = run_in_order(plan.steps)
+    plan = ActionGraph.build(schedule, durations * 1.5 + 0.125, latency)
+    expected = run_in_order(plan.inputs)
     got = rerun(plan, found.order, found.sweep)
     assert (got.start, got.end, got.arrive, got.sweep) == (
         expected.start, expected.end, expected.arrive, expected.sweep)
@@ -126,13 +126,13 @@ def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
     assert (rerun_run.start, rerun_run.end, rerun_run.stuck, dict(rerun_run.made)) == (
         fresh.start, fresh.end, fresh.stuck, dict(fresh.made))
     if name == "interleaved-1f1b":  # no W between a pair's halves: the order holds
-        assert "run_order" not in schedule.memo  # the engine did not run on it
+        assert schedule.derived.run_order is None  # the engine did not run on it
 
 
 def test_a_rerun_refuses_an_order_that_repeats_a_step():
     schedule = build_schedule("1f1b", 2, 3)
-    plan = StepPlan.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
-    run = run_in_order(plan.steps)
+    plan = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    run = run_in_order(plan.inputs)
     order = RunOrder.of(run).order.copy()
     assert rerun(plan, order, None) is not None
     order[-1] = order[-2]  # the last step twice, another never

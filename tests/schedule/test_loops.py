@@ -11,7 +11,7 @@ from megapipe.schedule import loops
 from megapipe.schedule.deps import DEFAULT_DURATIONS
 from megapipe.schedule.engine import Run, run_in_order
 from megapipe.schedule.rerun import RunOrder, rerun
-from megapipe.schedule.timeline import StepPlan, action_durations
+from megapipe.schedule.timeline import ActionGraph, action_durations
 
 from sweep_outputs import MICROBATCHES, group_digests, group_key, groups, read_golden
 from test_engine import schedules
@@ -24,7 +24,7 @@ GOLDEN = read_golden()
 
 
 def _compiled_from(monkeypatch, steps: int) -> None:
-    monkeypatch.setattr(loops, "COMPILED_FROM_STEPS", steps)
+    monkeypatch.setattr(loops, "COMPILED_FROM_ACTIONS", steps)
 
 
 @pytest.mark.parametrize("group", range(1, len(GROUPS), 6), ids=lambda g: group_key(*GROUPS[g]))
@@ -49,11 +49,11 @@ def _as_lists(run: Run | None) -> tuple | None:
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: s.name)
 def test_compiled_runs_and_reruns_equal_the_python_ones(monkeypatch, schedule, latency):
     durations = action_durations(schedule.table, dict(DEFAULT_DURATIONS)) * 1.5 + 0.125
-    plan = StepPlan.build(schedule, durations, latency)
+    plan = ActionGraph.build(schedule, durations, latency)
     runs = {}
     for steps in (10 ** 9, 0):  # Python, then compiled
         _compiled_from(monkeypatch, steps)
-        run = run_in_order(plan.steps, watch=plan.watch)
+        run = run_in_order(plan.inputs, watch=plan.watch)
         assert isinstance(run.start, np.ndarray) == (steps == 0)
         again = by_rank = None
         if plan.unique and not run.stuck:
@@ -67,5 +67,5 @@ def test_compiled_runs_and_reruns_equal_the_python_ones(monkeypatch, schedule, l
 
 def test_warm_up_loads_both_loops():
     assert loops.warm_up()
-    assert loops.compiled_loops(loops.COMPILED_FROM_STEPS) is not None
-    assert loops.compiled_loops(loops.COMPILED_FROM_STEPS - 1) is None
+    assert loops.compiled_loops(loops.COMPILED_FROM_ACTIONS) is not None
+    assert loops.compiled_loops(loops.COMPILED_FROM_ACTIONS - 1) is None

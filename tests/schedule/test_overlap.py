@@ -11,7 +11,7 @@ from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, vali
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
 from megapipe.schedule.timeline import timeline
 from megapipe.schedule.lower import lower
-from megapipe.schedule.overlap import (
+from megapipe.schedule.combine_pass import (
     critical_path,
     makespan,
     pair_is_independent,

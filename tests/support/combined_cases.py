@@ -121,7 +121,7 @@ def recompute_cases(cases: list[Case], settings: dict[str, dict],
 
 
 def pair_names(trace) -> list[tuple[tuple[str, str], ...]]:
-    """Per co-scheduler slot with two nodes: ((direction, node), ...) sorted by stream."""
+    """Per combined step slot with two nodes: ((direction, node), ...) sorted by stream."""
     pairs = []
     for slot in trace.slots():
         nodes = [s for s in slot if s.direction in ("F", "B")]
@@ -163,7 +163,7 @@ def concurrency_run(case: Case, latency_s: float) -> dict | None:
     )
     _run(case, overlap=True, delay=False, config=config)  # warm-up (first exchanges are slow)
     _, _, result, wall = _run(case, overlap=True, delay=False, config=config, trace=True)
-    # the co-scheduler's paired slots (a comm node of one microbatch beside a compute node of
+    # the combined step's paired slots (a comm node of one microbatch beside a compute node of
     # the other): their wall time against the summed time of their nodes
     paired_wall = paired_sum = 0.0
     for slot in result.trace.slots():
@@ -280,32 +280,34 @@ def host_sync_run(case: Case) -> dict | None:
 
 def early_send_order(case: Case) -> dict | None:
     """A combined step with delayed weight gradients, logging in order when each p2p batch is
-    posted and when each OVERLAP's ``StreamSteps.run`` returns."""
+    posted and when each OVERLAP's combined step returns."""
+    from megapipe.pipeline.executor import PipelineExecutor
     from megapipe.pipeline.step_tensors import StepTensors
-    from megapipe.pipeline.stream_steps import StreamSteps
+    from megapipe.schedule.ir import Kind
 
     prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
     if dist.get_rank() >= case.world:
         return None
     log: list[tuple[str, str]] = []
-    post, run = StepTensors.post, StreamSteps.run
+    post, run = StepTensors.post, PipelineExecutor._run_combined
 
     def logged_post(self, actions):
         log.append(("post", " ".join(str(a) for a in actions)))
         return post(self, actions)
 
-    def logged_run(self, forward=None, backward=None, **hooks):
-        done = run(self, forward, backward, **hooks)
-        if forward is not None and backward is not None:
-            log.append(("pair end", f"F{forward.microbatch} B{backward.microbatch}"))
+    def logged_run(self, action, state, sends):
+        done = run(self, action, state, sends)
+        if action.kind is Kind.OVERLAP:
+            f, b = action.forward, action.backward
+            log.append(("pair end", f"F{f.microbatch} B{b.microbatch}"))
         return done
 
-    StepTensors.post, StreamSteps.run = logged_post, logged_run
+    StepTensors.post, PipelineExecutor._run_combined = logged_post, logged_run
     try:
         losses, grads, _, _ = _run(case, overlap=True, delay=True)
         plain = _run(case, overlap=False, delay=False)
     finally:
-        StepTensors.post, StreamSteps.run = post, run
+        StepTensors.post, PipelineExecutor._run_combined = post, run
     return {"log": log, "differences": _differences(plain, (losses, grads))}
 
 

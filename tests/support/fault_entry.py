@@ -25,7 +25,7 @@ import time
 import megapipe.train.loop as loop
 import megapipe.train.main as entry
 from megapipe.pipeline.executor import PipelineExecutor
-from megapipe.train.resume import ResumePlan
+from megapipe.train.resume import ResumeChoice
 
 ACTIONS_BEFORE_FAULT = 3
 _REFERENCE_RUNNING = {"now": False}
@@ -77,15 +77,15 @@ def _record(folder: str, name: str, result) -> None:
 def _install_loss_recorder(folder: str, reference: bool) -> None:
     real_train = entry.train
 
-    def train(args, write=print, plan=None):
+    def train(args, write=print, choice=None):
         if reference and _attempt() == 0:
             alone = args.replace(save=None, load=None)
             _REFERENCE_RUNNING["now"] = True  # no fault in the reference
             try:
-                _record(folder, "reference", real_train(alone, lambda line: None, ResumePlan(None)))
+                _record(folder, "reference", real_train(alone, lambda line: None, ResumeChoice(None)))
             finally:
                 _REFERENCE_RUNNING["now"] = False
-        result = real_train(args, write, plan)
+        result = real_train(args, write, choice)
         _record(folder, f"attempt{_attempt()}", result)
         return result
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megapipe.overlap.tape import Tape
+import megapipe.overlap.combined as nodes
 
 SYNC_OPS = {
     "_local_scalar_dense": "item", "equal": "equal", "is_nonzero": "item", "nonzero": "nonzero",
@@ -144,15 +144,12 @@ class HostSyncs:
 
         setattr(torch.Tensor, name, wrapped)
 
-    def _wrap_step(self, name: str, direction: str) -> None:
-        original = getattr(Tape, name)
-        self._saved[f"Tape.{name}"] = original
+    def _wrap_node(self, name: str, direction: str) -> None:
+        original = getattr(nodes, name)
+        self._saved[f"nodes.{name}"] = original
         syncs = self
 
-        def step(tape: Tape, layer: Any, node: int | None = None) -> Any:
-            index = node
-            if index is None:
-                index = layer.next_forward if direction == "F" else layer.next_backward
+        def run(tape: Any, layer: Any, index: int) -> Any:
             stack = getattr(syncs._local, "nodes", None)
             if stack is None:
                 stack = syncs._local.nodes = []
@@ -161,22 +158,22 @@ class HostSyncs:
             mode = _Mode(syncs) if not getattr(syncs._local, "mode_on", False) else None
             try:
                 if mode is None:
-                    return original(tape, layer, node)
+                    return original(tape, layer, index)
                 syncs._local.mode_on = True
                 with mode:
-                    return original(tape, layer, node)
+                    return original(tape, layer, index)
             finally:
                 if mode is not None:
                     syncs._local.mode_on = False
                 stack.pop()
 
-        setattr(Tape, name, step)
+        setattr(nodes, name, run)
 
     def __enter__(self) -> "HostSyncs":
         for name in WRAPPED_METHODS:
             self._wrap_method(name)
-        self._wrap_step("forward_step", "F")
-        self._wrap_step("backward_step", "B")
+        self._wrap_node("forward_node", "F")
+        self._wrap_node("backward_node", "B")
         self._mode = _Mode(self)
         self._local.mode_on = True
         self._mode.__enter__()
@@ -187,8 +184,8 @@ class HostSyncs:
         self._mode.__exit__(*exc)
         self._local.mode_on = False
         for name, original in self._saved.items():
-            if name.startswith("Tape."):
-                setattr(Tape, name[len("Tape.") :], original)
+            if name.startswith("nodes."):
+                setattr(nodes, name[len("nodes.") :], original)
             else:
                 setattr(torch.Tensor, name, original)
         self._saved.clear()

@@ -25,8 +25,9 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
     assert any("schedule interleaved-1f1b with overlap" in line for line in lines), lines
     assert any(line.startswith("iter 8/8 | loss") for line in lines), lines
     assert 0 < results[0].aux_losses[0] < 1
-    # the overlap engine's node traces give the exposed all-to-all fraction
-    assert any(line.startswith("iter 8/8") and "exposed a2a n/a" not in line for line in lines)
+    # the overlap engine's node traces give the all-to-all time hidden and exposed
+    assert any(line.startswith("iter 8/8") and " | a2a hidden " in line for line in lines)
+    assert "the overlap hid" in lines[-1], lines[-1]
     assert any(line.startswith("iter 8/8") and " MiB" in line.split("act mem")[1] for line in lines)
 
 

@@ -60,7 +60,7 @@ def test_supervise_stops_the_others_after_the_first_failure(tmp_path):
 
 
 def test_a_rank_reports_its_error_in_one_line(monkeypatch):
-    def failing_train(args, plan=None):
+    def failing_train(args, choice=None):
         raise ValueError("the corpus has 3 tokens: too few for two windows\nsecond line")
 
     monkeypatch.setattr(pretrain, "train", failing_train)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megapipe.schedule.rank_plan import (
+from megapipe.schedule.rank_views import (
     checked_lowering,
     forward_only_schedule,
     in_flight_limit,
@@ -44,7 +44,7 @@ def test_gpipe_holds_every_microbatch():
 def test_checked_lowering_is_worked_out_once_per_schedule():
     schedule = build_schedule("interleaved-1f1b", 4, 8, vpp=2, overlap=True)
     lowered = checked_lowering(schedule)
-    assert lowered is checked_lowering(schedule)  # kept in schedule.memo
-    assert schedule.memo["valid"] and lowered.memo["runs"]
+    assert lowered is checked_lowering(schedule)  # kept in schedule.derived
+    assert schedule.derived.valid and lowered.derived.runs
     assert checked_lowering(lowered) is lowered  # a lowered schedule is checked as it is
     assert lowered.row(2) == lowered.actions[2]

@@ -1,4 +1,4 @@
-"""Steps timed node by node from a profile, in the engine's issue order (``sim/node_steps``)."""
+"""Actions timed node by node from a profile, in the engine's issue order (``sim/programs``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import pytest
 from megapipe.schedule import build_schedule
 from megapipe.schedule.ir import Action, Kind
 from megapipe.sim import Costs, simulate
-from megapipe.sim.node_steps import (
-    AT_END, EACH, WHOLE, NodeCosts, choose_a2a_chunks, half_ends, node_ops,
+from megapipe.sim.programs import (
+    AT_END, EACH, WHOLE, NodeCosts, choose_a2a_chunks, half_ends, node_ops, op_times,
 )
 from megapipe.sim.profile import NodeProfile, role_of
-from megapipe.sim.steps import op_times
 
 PROFILE_FILE = Path(__file__).resolve().parents[2] / "benchmarks/profiles/deepseek_v3_h800.json"
 DEEPSEEK = NodeProfile.load(PROFILE_FILE)
@@ -77,7 +76,7 @@ def test_a_program_keeps_each_stream_in_order_and_each_node_after_its_inputs():
             last_end = {"compute": 5.0, "comm": 5.0}
             for op, (begin, end) in zip(ops, times):
                 assert begin >= last_end[op.stream] - 1e-9
-                assert all(begin >= times[d][1] - 1e-9 for d in op.deps)
+                assert all(begin >= times[d][1] - 1e-9 for d in op.needs)
                 last_end[op.stream] = end
 
 

@@ -1,4 +1,4 @@
-"""The co-scheduler: bitwise equal to the sequential path, the four pairs, real concurrency."""
+"""The combined step: bitwise equal to the sequential path, the four pairs, real concurrency."""
 
 import copy
 import time
@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megapipe.overlap.coscheduler import CoScheduler, TapeBackward, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
-from megapipe.overlap.tape import record_forward, run_backward
+from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.sim.pair_plan import FILL, HEAD
-from megapipe.sim.wgrad_fill import NodeTimes
+from megapipe.schedule.pair_order import FILL, HEAD
+from megapipe.schedule.node_timing import NodeTimes
 
 from support.overlap_asserts import assert_same_tensors
 from support.overlap_toys import ToyOpaque, toy_stack
@@ -179,7 +179,7 @@ def test_memory_of_combined_step_is_at_most_sequential():
         if combined:
             live = []
             with make_streams("cpu") as streams:
-                runner = CoScheduler(streams, TapeBackward(tape_j, (torch.ones(4, 8),)))
+                runner = CombinedStep(streams, BackwardHalf(tape_j, (torch.ones(4, 8),)))
                 x = (torch.randn(4, 8),)
                 for layer in stack:
                     x = runner.run_layer(layer, x)
@@ -202,7 +202,7 @@ def test_layer_without_node_protocol_runs_whole_and_warns_once():
     ref = copy.deepcopy(stack)
     x = torch.randn(4, 8)
     with make_streams("cpu") as streams:
-        runner = CoScheduler(streams)
+        runner = CombinedStep(streams)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
@@ -238,7 +238,7 @@ def test_a_group_is_driven_from_one_stream_only():
 
 def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
     """The Megatron front-end pattern: a model forward calls run_layer on a node runner."""
-    from megapipe.overlap.tape import TapeRunner
+    from megapipe.overlap.sequential import TapeRunner
 
     def model_forward(stack, runner, x):
         out = x
@@ -257,7 +257,7 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         xi = x_i.clone().requires_grad_(True)
         if combined:
             with make_streams("cpu") as streams:
-                runner = CoScheduler(streams, TapeBackward(recorder.tape, None, wgrad=WeightGradQueue()))
+                runner = CombinedStep(streams, BackwardHalf(recorder.tape, None, wgrad=WeightGradQueue()))
                 loss_i = model_forward(stack, runner, xi)
                 (gx_j,) = runner.finish()
             tape_i = runner.tape
@@ -318,12 +318,12 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
         layers = [MoELayer(config, layer_index=i, seed=3) for i in range(2)]
         trace = NodeTrace()
         with make_streams("cpu") as streams:
-            forward = CoScheduler(streams, trace=trace, fwd_microbatch=0, a2a_chunks=chunks)
+            forward = CombinedStep(streams, trace=trace, fwd_microbatch=0, a2a_chunks=chunks)
             out = (x,)
             for layer in layers:
                 out = forward.run_layer(layer, out)
             forward.finish()
-            backward = CoScheduler(streams, TapeBackward(forward.tape, (g,), 0, WeightGradQueue()),
+            backward = CombinedStep(streams, BackwardHalf(forward.tape, (g,), 0, WeightGradQueue()),
                                    trace=trace, a2a_chunks=chunks)
             (gx,) = backward.finish()
         results.append([out[0], gx] + [p.grad for layer in layers for p in layer.parameters()])
@@ -345,7 +345,7 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
     assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one
 
 
-# expected times (ms) the co-scheduler may plan with: comm nodes three times the compute ones,
+# expected times (ms) the combined step may plan with: comm nodes three times the compute ones,
 # the toy experts' two deferred GEMMs 1 ms each
 TOY_TIMES = {"attention": NodeTimes(1.0, 1.0), "dispatch": NodeTimes(3.0, 3.0),
              "experts": NodeTimes(1.0, 1.0, (1.0, 1.0)), "combine": NodeTimes(3.0, 3.0),
@@ -371,12 +371,12 @@ def test_weight_gradients_placed_by_time_keep_the_bits(kinds):
         queue = WeightGradQueue()
         if combined:
             with make_streams("cpu") as streams:
-                runner = CoScheduler(streams, TapeBackward(tape_j, (g_j,), wgrad=queue))
+                runner = CombinedStep(streams, BackwardHalf(tape_j, (g_j,), wgrad=queue))
                 values = (x_i.requires_grad_(),)
                 for plan in _timed_plans(stack_f, timed):
                     values = runner.run_layer(plan, values)
                 (gx_j,) = runner.finish()
-            parts.append({i.node for i in runner.planner.issues if i.side == "W"})
+            parts.append({i.node for i in runner.order.issues if i.side == "W"})
         else:
             values, _ = record_forward(_timed_plans(stack_f, timed), (x_i.requires_grad_(),))
             (gx_j,) = run_backward(tape_j, (g_j,), wgrad=queue)

@@ -1,14 +1,15 @@
-"""What each step of a schedule costs under a cost model, for every step at once.
+"""What each action of a schedule costs under a cost model, for every action at once.
 
-Steps with the same kinds and stage multipliers are timed by the same program of pieces
-(``steps.step_ops``): a template. The simulation needs each step's end as a function of its start,
-and the metrics need every piece. Both come from ``steps.op_times``, which runs a template's
-program on one start or on the starts of all its steps together (the same float operations,
-element by element), so the figures are those of timing each step on its own.
+ActionInputs with the same kinds and stage multipliers are timed by the same program of pieces
+(``programs.action_ops``): a template. The simulation needs each action's end as a function of its
+start, and the metrics need every piece. Both come from ``programs.op_times``
+(``schedule.node_timing``), which runs a template's
+program on one start or on the starts of all its actions together (the same float operations,
+element by element), so the figures are those of timing each action on its own.
 
 When every duration is a multiple of one power of two 1/q and every time stays below 2**53 / q,
-float additions are exact: a step then simply ends at start + the template's duration, whatever
-the start (``exact``). Otherwise the program is run for each step as it is simulated.
+float additions are exact: a action then simply ends at start + the template's duration, whatever
+the start (``exact``). Otherwise the program is run for each action as it is simulated.
 """
 
 from __future__ import annotations
@@ -20,26 +21,26 @@ import numpy as np
 from ..schedule.ir import Action, Kind
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
-from .node_steps import half_ends
-from .steps import COMM, COMPUTE, op_times, step_ops
+from ..schedule.node_timing import COMM, COMPUTE
+from .programs import half_ends, op_times, action_ops
 
 _EXACT_LIMIT = 2 ** 53
 
 
-class StepCosts:
-    """The templates of a compute-only table's steps under ``costs``."""
+class ActionCosts:
+    """The templates of a compute-only table's actions under ``costs``."""
 
     def __init__(self, table: ActionTable, costs: Costs, num_stages: int) -> None:
         self.costs = costs
         self.template, examples = self._templates(table, costs, num_stages)
-        self.ops = [step_ops(self._example(table, row), costs) for row in examples]
+        self.ops = [action_ops(self._example(table, row), costs) for row in examples]
         totals = [max([0.0] + [end for _, end in op_times(ops, 0.0)]) for ops in self.ops]
         self.totals = np.asarray(totals, dtype=np.float64)
         self.exact = self._exact(costs)
 
     @staticmethod
     def _templates(table: ActionTable, costs: Costs, num_stages: int):
-        """Per step its template number, and per template the row of a step that has it."""
+        """Per action its template number, and per template the row of a action that has it."""
         if costs.nodes is not None:  # first and last stages hold the embedding and the head
             mult_class = np.array([costs.nodes.stage_class(s) for s in range(max(num_stages, 1))])
         elif costs.stage_multipliers:
@@ -76,18 +77,18 @@ class StepCosts:
         return denominator < _EXACT_LIMIT and bound * denominator < _EXACT_LIMIT
 
     def durations(self) -> np.ndarray:
-        """Per step: end - start (only meaningful when ``exact``)."""
+        """Per action: end - start (only meaningful when ``exact``)."""
         return self.totals[self.template]
 
-    def end_of(self, step: int, start: float) -> float:
-        """When step ``step`` ends if it starts at ``start`` (the program run for this start)."""
-        ends = [end for _, end in op_times(self.ops[self.template[step]], start)]
+    def end_of(self, action: int, start: float) -> float:
+        """When action ``action`` (a row) ends if it starts at ``start`` (the program run for this start)."""
+        ends = [end for _, end in op_times(self.ops[self.template[action]], start)]
         return max([start] + ends)
 
-    def made_at(self, step: int, start: float, end: float) -> tuple[float, float]:
-        """When step ``step``'s two products are handed on (an OVERLAP timed node by node:
-        its halves' early sends, ``node_steps.half_ends``; anything else: at its end)."""
-        ops = self.ops[self.template[step]]
+    def made_at(self, action: int, start: float, end: float) -> tuple[float, float]:
+        """When action ``action``'s (a row's) two products are handed on (an OVERLAP timed node by node:
+        its halves' early sends, ``programs.half_ends``; anything else: at its end)."""
+        ops = self.ops[self.template[action]]
         nodes = self.costs.nodes
         if nodes is None or not ops or ops[0].action.kind is Kind.W:
             return end, end
@@ -96,19 +97,19 @@ class StepCosts:
         return half_ends(ops, op_times(ops, start), nodes.early_sends)
 
     def pieces(self, start: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, step), in step order and,
-        within a step, in the order its program issues them. Each template's program is run
-        once on all its steps' starts, for both streams."""
+        """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, action), in action order and,
+        within a action, in the order its program issues them. Each template's program is run
+        once on all its actions' starts, for both streams."""
         streams = (COMPUTE, COMM)
         rows = [np.flatnonzero(self.template == t) for t in range(len(self.ops))]
         out, first = {}, {}
         for stream in streams:
             count = np.array([sum(op.stream == stream for op in ops) for ops in self.ops])
-            per_step = count[self.template]
-            first[stream] = np.concatenate([[0], np.cumsum(per_step)])
+            per_action = count[self.template]
+            first[stream] = np.concatenate([[0], np.cumsum(per_action)])
             total = int(first[stream][-1])
-            step = np.repeat(np.arange(len(per_step)), per_step)
-            out[stream] = (np.empty(total), np.empty(total), step)
+            action = np.repeat(np.arange(len(per_action)), per_action)
+            out[stream] = (np.empty(total), np.empty(total), action)
         for t, ops in enumerate(self.ops):
             times = op_times(ops, start[rows[t]], np.maximum)
             nth = dict.fromkeys(streams, 0)
@@ -136,4 +137,4 @@ def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 _SMALL_KEYS, _FEW_TEMPLATES = 1 << 16, 64
 
-__all__ = ["StepCosts", "COMM", "COMPUTE"]
+__all__ = ["ActionCosts", "COMM", "COMPUTE"]

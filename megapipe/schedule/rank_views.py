@@ -2,7 +2,7 @@
 
 Pure functions of the schedule (no torch). An executor needs the checked, lowered schedule once
 per process and then only its own rank's list: ``checked_lowering`` validates and lowers once per
-schedule object (the results are kept in ``schedule.memo``; the ranks of one process share the
+schedule object (the results are kept in ``schedule.derived``; the ranks of one process share the
 schedule object), and ``Schedule.row(rank)`` makes the ``Action`` objects of one rank only.
 The tests bound the live activations by ``in_flight_limit``.
 """

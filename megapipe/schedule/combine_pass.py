@@ -181,8 +181,8 @@ class _Attempt:
 
     def original_order(self) -> np.ndarray | None:
         """The rows of the original in the order the latest run took them (each pair's
-        backward, then its forward), if that run kept its order (``rerun.run_steps``)."""
-        found = self.combined.memo.get("run_order")
+        backward, then its forward), if that run kept its order (``rerun.run_actions``)."""
+        found = self.combined.derived.run_order
         if found is None:
             return None
         taken = found.order
@@ -318,7 +318,10 @@ def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     options = dict(schedule.options)
     options["overlap"] = True
     result = combined.replace_actions(combined.table, options=options)
-    for key in (("timeline", None), ("steps", False), "run_order"):  # same actions, same run
-        if key in combined.memo:
-            result.memo[key] = combined.memo[key]
+    derived, kept = combined.derived, result.derived  # same actions, same run
+    if None in derived.timelines:
+        kept.timelines[None] = derived.timelines[None]
+    if False in derived.structures:
+        kept.structures[False] = derived.structures[False]
+    kept.run_order = derived.run_order
     return result

@@ -1,7 +1,7 @@
 """Arithmetic on time intervals ``(start, end)``: how much of one set lies outside another.
 
 The simulator asks how much all-to-all time no compute covers (exposed communication), the
-co-scheduler's trace asks the same of measured spans, and the timeline picture draws the exposed
+combined step's trace asks the same of measured spans, and the timeline picture draws the exposed
 parts. ``cover`` is always sorted by start and disjoint (``union`` makes it so); the lengths are
 added up in a fixed order (each interval's overlaps in cover order, then the intervals in
 order), so the simulator's figures are reproducible to the last bit.

@@ -1,11 +1,12 @@
-"""The pair plan: the issue order the co-scheduler carries out and a simulator models."""
+"""The pair order: the issue order the combined step carries out and the simulator models."""
 
 import pytest
 
-from megapipe.sim.pair_plan import (
-    COMM, COMPUTE, FILL, HEAD, REST, TAIL, StepPlanner, compute_first, pair_slots, step_plan,
+from megapipe.schedule.node_timing import NodeTimes, time_issues
+from megapipe.schedule.pair_order import (
+    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, compute_first, format_pair_table,
+    issue_order, pair_slots,
 )
-from megapipe.sim.wgrad_fill import NodeTimes, time_issues
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
@@ -33,7 +34,7 @@ def test_two_moe_layers_give_megatrons_four_pairs():
 
 
 def test_step_plan_order_waits_and_weight_gradients():
-    issues = step_plan([MOE, MOE], [MOE, MOE], defer_wgrad=True)
+    issues = issue_order([MOE, MOE], [MOE, MOE], defer_wgrad=True)
     comm = [_label(i) for i in issues if i.stream == COMM]
     assert comm == ["B1.combine", "F0.dispatch", "B1.dispatch", "F0.combine",
                     "B0.combine", "F1.dispatch", "B0.dispatch", "F1.combine"]
@@ -73,7 +74,7 @@ def test_step_plan_order_waits_and_weight_gradients():
 ])
 @pytest.mark.parametrize("defer", [False, True])
 def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
-    issues = step_plan(forward, backward, defer_wgrad=defer)
+    issues = issue_order(forward, backward, defer_wgrad=defer)
     f_nodes = [(i.layer, i.node) for i in issues if i.side == "F"]
     b_nodes = [(i.layer, i.node) for i in issues if i.side == "B"]
     assert f_nodes == [(k, n) for k, kinds in enumerate(forward) for n in range(len(kinds))]
@@ -94,7 +95,7 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
 
 
 def test_compute_first_keeps_each_streams_sequence():
-    issues = step_plan([DENSE, MOE, MOE], [MOE, MOE, DENSE], defer_wgrad=True)
+    issues = issue_order([DENSE, MOE, MOE], [MOE, MOE, DENSE], defer_wgrad=True)
     reordered = compute_first(issues)
     assert sorted(map(id, reordered)) == sorted(map(id, issues))
     for stream in (COMPUTE, COMM):
@@ -122,7 +123,7 @@ def _duration(issue):
 def test_plan_hides_the_all_to_all_of_a_deepseek_like_pair_of_four_layers():
     # a model check of the plan, not a timing of the code: four layer pairs take 244 ms in
     # sequence; the old slot order with joins took 141.6 ms (1.72x)
-    issues = step_plan([MOE] * 4, [MOE] * 4, defer_wgrad=True)
+    issues = issue_order([MOE] * 4, [MOE] * 4, defer_wgrad=True)
     sequential = 4 * (sum(DEEPSEEK.values()) + 6.4)
     gpu = max(end for _, end in time_issues(issues, _duration))
     cpu = max(end for _, end in time_issues(issues, _duration, host_runs_compute=True))
@@ -135,11 +136,11 @@ def _timed_plan(layers):
     """The time rule on DeepSeek's pair: each node's times, the experts' W as 3 items."""
     times = [NodeTimes(DEEPSEEK[("F", n)], DEEPSEEK[("B", n)], (6.4 / 3,) * 3 if n == 2 else ())
              for n in range(5)]
-    planner = StepPlanner([MOE] * layers, defer_wgrad=True, backward_times=[times] * layers)
+    order = IssueOrder([MOE] * layers, defer_wgrad=True, backward_times=[times] * layers)
     for _ in range(layers):
-        planner.forward_layer(MOE, times)
-    planner.finish()
-    return planner.issues
+        order.forward_layer(MOE, times)
+    order.finish()
+    return order.issues
 
 
 def _timed_duration(issues):
@@ -174,9 +175,9 @@ def test_time_rule_fills_the_three_compute_gaps_of_each_layer_pair():
 
 def test_time_rule_needs_times_for_every_node_of_the_backward():
     with pytest.raises(ValueError, match="node times per layer"):
-        StepPlanner([MOE], defer_wgrad=True, backward_times=[[NodeTimes(1.0, 1.0)] * 4])
+        IssueOrder([MOE], defer_wgrad=True, backward_times=[[NodeTimes(1.0, 1.0)] * 4])
     # without deferral there is nothing to place: the times are not used
-    assert StepPlanner([MOE], backward_times=[[NodeTimes(1.0, 1.0)] * 5]).clock is None
+    assert IssueOrder([MOE], backward_times=[[NodeTimes(1.0, 1.0)] * 5]).clock is None
 
 
 MOE2 = ["compute", (("comm", "compute", "comm"),) * 2, "compute"]  # a MoE layer in 2 chunks
@@ -207,7 +208,7 @@ def test_a_lone_chunked_layer_pipelines_its_chunks():
         ("B dispatch1", None),
         (None, "B attention"),
     ]
-    issues = step_plan([MOE2], [])
+    issues = issue_order([MOE2], [])
     by_node = {i.node: i for i in issues}
     position = {i.node: n for n, i in enumerate(issues)}
     assert by_node[2].needs == (position[1],)  # experts 0 waits for dispatch 0 only
@@ -228,7 +229,7 @@ def test_a_chunked_layer_beside_a_partner_keeps_the_four_pairs_grouped():
 @pytest.mark.parametrize("forward,backward", [([MOE2, MOE2], [MOE2, MOE2]), ([MOE2], [MOE, MOE2]),
                                               ([DENSE, MOE2], [MOE2, DENSE, MOE2])])
 def test_every_node_of_chunked_layers_is_issued_once_after_its_inputs(forward, backward):
-    issues = step_plan(forward, backward, defer_wgrad=True)
+    issues = issue_order(forward, backward, defer_wgrad=True)
     done = set()
     for position, issue in enumerate(issues):
         assert all(n < position for n in issue.needs)
@@ -239,3 +240,28 @@ def test_every_node_of_chunked_layers_is_issued_once_after_its_inputs(forward, b
     sizes = {"F": [8 if shape is MOE2 else len(shape) for shape in forward],
              "B": [8 if shape is MOE2 else len(shape) for shape in backward]}
     assert len(done) == sum(sizes["F"]) + sum(sizes["B"])
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of the first markdown table in ``text`` with a 'slot' header, spaces trimmed."""
+    start = text.index("| slot")
+    rows = []
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        if not set(line) <= set("|- "):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_pair_table_of_the_docs_and_the_docstring_is_the_order_itself():
+    from pathlib import Path
+
+    from megapipe.schedule import pair_order
+
+    table = _table_rows(format_pair_table(MOE, MOE, NAMES, defer_wgrad=True))
+    assert table[1:3] == [["1", "", "B finish"],
+                          ["2", "B combine", "F attention, then W tail of the previous B layer"]]
+    doc = Path(__file__).resolve().parents[2] / "docs" / "combined-step.md"
+    assert _table_rows(doc.read_text()) == table
+    assert _table_rows(pair_order.__doc__) == table

@@ -1,0 +1,445 @@
+"""The pair order: which node of which microbatch runs on which stream in a combined step.
+
+A combined step runs the forward of one microbatch (F) beside the backward of another (B).
+This module is the one place that says in what order their nodes are issued; the engine
+(``megapipe.overlap.combined``) carries the order out on the two streams and the simulator
+(``megapipe.sim``) times the same order. Pure Python, no torch.
+
+**Which layers pair.** Forward layer k goes beside the next backward layer (the backward walks
+its tape last layer first), counting only layers with a comm node: the backward layers without
+one run alone before the forward layer; a forward layer without one, or with no backward layer
+left, runs alone; the backward layers left when the forward has run out run alone at the end.
+
+**What runs beside what** (``pair_slots``): walk the forward layer's node groups in forward
+order and the backward layer's in backward order (a group: one node, or the same node of every
+branch of a fork); a comm group of one side and a compute group of the other go side by side,
+one *slot*; otherwise the backward's group goes alone (the forward's once the backward is
+done). For two MoE layers (attention, dispatch, experts, combine, finish) that is Megatron's
+pair, with the deferred weight gradients (W) of the count rule:
+
+| slot | comm stream | compute stream                                   |
+|------|-------------|--------------------------------------------------|
+| 1    |             | B finish                                         |
+| 2    | B combine   | F attention, then W tail of the previous B layer |
+| 3    | F dispatch  | B experts                                        |
+| 4    | B dispatch  | F experts, then W head of this B layer           |
+| 5    | F combine   | B attention                                      |
+| 6    |             | F finish                                         |
+
+(``format_pair_table`` makes this table from the order itself; a test keeps the two equal.)
+
+**Dataflow, no joins.** A slot only says what runs beside what; nothing waits for a slot to
+end. Each node waits for the nodes it reads (a backward node: the nodes that read it), or for
+its side's previous layer, through an event when they ran on the other stream (``Issue.needs``),
+and for the work issued before it on its own stream. The comm stream's order depends on the
+layers' node kinds only, so every rank of an expert-parallel group issues its collectives in
+the same order.
+
+**Deferred weight gradients** (``defer_wgrad``, Megatron's ``delay_wgrad_compute``): each
+backward layer queues its own W items (its experts' weight-gradient GEMMs). *Count rule* (nodes
+without times): the *head*, the first ceil(n/2) items, runs after the compute node beside the
+layer's last backward comm node (slot 4); the *tail* waits for the next slot with a backward
+comm node (slot 2 of the next layer, where the forward's attention is usually shorter than the
+combine), or for the end of the step; ``REST`` runs whatever is still queued. *Time rule*
+(every backward node carries ``NodeTimes``): the order is timed as it is planned
+(``node_timing.IssueClock``) and, before each compute node that would wait for the comm stream,
+W items fill the gap (``FILL``, ``count`` items).
+
+**Host order.** ``IssueOrder`` lists the issues as a host whose compute stream is its own
+thread (CPU) issues them: per slot the comm nodes first (queued), then the W items decided in
+the slot before, then the compute nodes. ``compute_first`` reorders for a host that only
+queues work (CUDA): a slot's compute nodes before its comm nodes, so a dispatch that blocks the
+host (reading its split sizes) does not delay the compute launch. Each stream sees the same
+sequence either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable, NamedTuple, Sequence
+
+from .node_timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
+
+Side = str  # "F" forward node, "B" backward node, "W" deferred weight gradients
+LayerKinds = Sequence[Any]
+"""A layer for the pair order: per plan item a node kind, or for a fork the kinds of each
+branch (``megapipe.overlap.plan.LayerGraph.kinds``). Nodes are numbered in that order, branch by
+branch."""
+NodeRef = tuple[Side, int]  # (side, node index in its layer, forward order)
+NodeGroup = tuple[str, tuple[int, ...]]  # (kind, nodes of one layer issued back to back)
+Slot = tuple[tuple[NodeRef, ...], tuple[NodeRef, ...]]  # (comm nodes, compute nodes)
+
+# the ``node`` of a W issue: which share of a backward layer's deferred W items it runs
+HEAD, TAIL, REST, FILL = 0, 1, 2, 3
+
+
+class Issue(NamedTuple):
+    """One thing issued on a stream, in host order.
+
+    ``layer``: F: the forward layer (0 = the step's first); B and W: the backward tape's layer
+    index (W ``REST``: -1). ``node``: F and B: the node's index in its layer (forward order); W:
+    ``HEAD``, ``TAIL``, ``REST`` or ``FILL`` (``count`` items). Issues with the same ``slot`` run
+    side by side. ``needs``: positions of issues on the other stream this one waits for.
+    """
+
+    stream: str
+    side: Side
+    layer: int
+    node: int
+    slot: int
+    needs: tuple[int, ...] = ()
+    count: int = 0
+
+    def label(self) -> str:
+        if self.side == "W":
+            return f"W{self.layer}.{('head', 'tail', 'rest', f'fill{self.count}')[self.node]}"
+        return f"{self.side}{self.layer}.{self.node}"
+
+
+@dataclass(frozen=True)
+class LayerWalk:
+    """A layer's nodes as the pair order sees them: kinds, what each reads, and its walks."""
+
+    kinds: tuple[str, ...]
+    reads: tuple[tuple[int, ...], ...]  # the nodes of the layer each node reads (forward)
+    readers: tuple[tuple[int, ...], ...]  # the nodes that read each node
+    groups: tuple[NodeGroup, ...]  # a paired layer's walk, forward order
+    lone: tuple[tuple[int, ...] | tuple[tuple[int, ...], ...], ...]  # per item: node or chains
+
+    @property
+    def has_comm(self) -> bool:
+        return COMM in self.kinds
+
+    def lone_slots(self, side: Side) -> list[Slot]:
+        """The walk of a layer without a partner: its nodes alone, a fork's chains pipelined
+        (``chunk_slots``: one chain's comm node beside another's compute node)."""
+        per_item: list[list[Slot]] = []
+        for item in self.lone:
+            if item and isinstance(item[0], tuple):  # a fork's chains
+                chains = [list(c) if side == "F" else list(c)[::-1] for c in item]
+                per_item.append(chunk_slots(chains, self.kinds, side))
+            else:
+                ref = ((side, item[0]),)
+                per_item.append([(ref, ()) if self.kinds[item[0]] == COMM else ((), ref)])
+        if side == "B":
+            per_item.reverse()
+        return [slot for slots in per_item for slot in slots]
+
+
+@lru_cache(maxsize=256)
+def layer_walk(kinds: tuple) -> LayerWalk:
+    """Number the nodes of a layer's kinds (``LayerKinds`` as tuples; ``walk_of`` takes lists)
+    and find what each reads. Cached: every step walks the same few layers, and a
+    ``LayerWalk`` is immutable."""
+    flat: list[str] = []
+    reads: list[tuple[int, ...]] = []
+    groups: list[NodeGroup] = []
+    lone: list[Any] = []
+    last: tuple[int, ...] = ()
+    for item in kinds:
+        if isinstance(item, str):
+            if item not in (COMPUTE, COMM):
+                raise ValueError(f"node kind {item!r} is not {COMPUTE!r} or {COMM!r}")
+            flat.append(item)
+            reads.append(last)
+            last = (len(flat) - 1,)
+            groups.append((item, last))
+            lone.append(last)
+            continue
+        before, ends, chains = last, [], []
+        for branch in item:
+            chain, previous = [], before
+            for kind in branch:
+                flat.append(kind)
+                reads.append(previous)
+                previous = (len(flat) - 1,)
+                chain.append(len(flat) - 1)
+            ends += previous
+            chains.append(tuple(chain))
+        for i in range(len(chains[0])):  # the branches' i-th nodes back to back
+            group = tuple(chain[i] for chain in chains)
+            groups.append((flat[group[0]], group))
+        lone.append(tuple(chains))
+        last = before + tuple(ends)
+    readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(flat)))
+    return LayerWalk(tuple(flat), tuple(reads), readers, tuple(groups), tuple(lone))
+
+
+def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
+    """Slots for parallel chains with no other microbatch beside them: in each slot the ready
+    comm node and the ready compute node that come earliest in their chains (then the lowest
+    chain), a node being ready once its chain predecessor ran in an earlier slot. For k chains
+    of (dispatch, experts, combine): dispatch 0 | -, dispatch 1 | experts 0, ..., combine 0 |
+    experts k-1, ..., combine k-1: the comm stream never waits for a whole chunk."""
+    position = [0] * len(chains)
+    slots: list[Slot] = []
+    while any(p < len(chain) for p, chain in zip(position, chains)):
+        chosen: dict[str, tuple[int, int]] = {}
+        for c, chain in enumerate(chains):
+            if position[c] < len(chain):
+                kind = kinds[chain[position[c]]]
+                if kind not in chosen or (position[c], c) < chosen[kind]:
+                    chosen[kind] = (position[c], c)
+        slot: list[tuple[NodeRef, ...]] = [(), ()]
+        for kind, (_, c) in chosen.items():
+            slot[0 if kind == COMM else 1] = ((side, chains[c][position[c]]),)
+            position[c] += 1
+        slots.append((slot[0], slot[1]))
+    return slots
+
+
+def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
+    """The slots of one forward layer beside one backward layer (either may be None: the other's
+    nodes then go alone). See the module docstring."""
+    f = walk_of(forward) if forward else None
+    b = walk_of(backward) if backward else None
+    return list(_slots(f, b))
+
+
+@lru_cache(maxsize=256)
+def _slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slot, ...]:
+    if forward is None or backward is None:
+        if backward is not None:
+            return tuple(backward.lone_slots("B"))
+        return tuple(forward.lone_slots("F")) if forward is not None else ()
+    slots: list[Slot] = []
+    f_groups, b_groups = forward.groups, backward.groups[::-1]
+    i = j = 0
+    while i < len(f_groups) or j < len(b_groups):
+        f = f_groups[i] if i < len(f_groups) else None
+        b = b_groups[j] if j < len(b_groups) else None
+        if f is not None and b is not None and f[0] != b[0]:  # comm of one beside compute
+            f_refs = tuple(("F", n) for n in f[1])
+            b_refs = tuple(("B", n) for n in b[1])
+            slots.append((f_refs, b_refs) if f[0] == COMM else (b_refs, f_refs))
+            i, j = i + 1, j + 1
+            continue
+        side, group = ("B", b) if b is not None else ("F", f)
+        assert group is not None
+        refs = tuple((side, n) for n in group[1])
+        slots.append((refs, ()) if group[0] == COMM else ((), refs))
+        if side == "B":
+            j += 1
+        else:
+            i += 1
+    return tuple(slots)
+
+
+@lru_cache(maxsize=256)
+def _backward_comm_slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[int, ...]:
+    """The slots of ``_slots(forward, backward)`` that hold a backward comm node."""
+    return tuple(n for n, (comm, _) in enumerate(_slots(forward, backward))
+                 if any(side == "B" for side, _ in comm))
+
+
+def walk_of(kinds: LayerKinds) -> LayerWalk:
+    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
+    try:
+        return layer_walk(kinds)  # type: ignore[arg-type]
+    except TypeError:  # a list somewhere: not hashable
+        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
+                                for k in kinds))
+
+
+class IssueOrder:
+    """The issues of one combined step, planned as the engine learns its forward layers.
+
+    ``backward_layers``: the kinds of every layer of the backward tape, forward order (empty: a
+    forward alone). ``forward_layer(kinds)`` returns the issues that come with the next forward
+    layer (lone backward layers first, then the pair); ``finish()`` those of the backward layers
+    left and of the W items still waiting. ``issues`` holds them all; ``end_of[(side, layer,
+    node)]`` is the position of a node's issue.
+
+    ``backward_times`` (``LayerTimes`` per backward layer) switches the W placement from the
+    count rule to the time rule; ``forward_layer`` then takes each forward layer's times too
+    (None: its nodes take no time). ``host_runs_compute``: time as a CPU host runs the issues.
+    """
+
+    def __init__(self, backward_layers: Iterable[LayerKinds] = (), defer_wgrad: bool = False,
+                 backward_times: Sequence[LayerTimes] | None = None,
+                 host_runs_compute: bool = False):
+        self.backward_layers = [walk_of(kinds) for kinds in backward_layers]
+        self.defer_wgrad = defer_wgrad and bool(self.backward_layers)
+        self.clock: IssueClock | None = None
+        if self.defer_wgrad and backward_times is not None:
+            _check_times(backward_times, self.backward_layers, "backward_times")
+            self.clock = IssueClock(backward_times, host_runs_compute)
+        self.issues: list[Issue] = []
+        self.forward_layers: list[LayerWalk] = []
+        self.position: dict[tuple[Side, int, int], int] = {}  # (side, layer, node) -> issue
+        self._next_backward = len(self.backward_layers) - 1
+        self._side_end: dict[Side, int | None] = {"F": None, "B": None}  # last layer's end
+        self._slot = 0
+        self._w_due: list[tuple[int, int, int]] = []  # (layer, HEAD/TAIL, slot) to issue next
+        self._w_waiting: list[int] = []  # layers whose tail waits for a backward comm slot
+        self._finished = False
+
+    def forward_layer(self, kinds: LayerKinds, times: LayerTimes | None = None) -> list[Issue]:
+        """The issues that come with the next forward layer (and its times: the time rule)."""
+        if self._finished:
+            raise RuntimeError("IssueOrder.forward_layer after finish()")
+        forward = walk_of(kinds)
+        if self.clock is not None:
+            if times is not None:
+                _check_times([times], [forward], "forward layer times")
+            self.clock.forward.append(
+                tuple(times) if times is not None else (NodeTimes(0.0, 0.0),) * len(forward.kinds))
+        start = len(self.issues)
+        while self._next_backward >= 0 and not self.backward_layers[self._next_backward].has_comm:
+            self._pair(None, self._take_backward())
+        partner = self._take_backward() if forward.has_comm and self._next_backward >= 0 else None
+        self._pair(forward, partner)
+        return self.issues[start:]
+
+    def finish(self) -> list[Issue]:
+        """The issues of the backward layers left and of the W items still waiting."""
+        if self._finished:
+            raise RuntimeError("IssueOrder.finish() called twice")
+        self._finished = True
+        start = len(self.issues)
+        while self._next_backward >= 0:
+            self._pair(None, self._take_backward())
+        if self.defer_wgrad:
+            self._slot += 1
+            self._w_due += [(layer, TAIL, self._slot) for layer in self._w_waiting]
+            self._w_waiting = []
+            self._issue_due_w()
+            self.issues.append(Issue(COMPUTE, "W", -1, REST, self._slot))
+        else:
+            self._issue_due_w()
+        return self.issues[start:]
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take_backward(self) -> int:
+        self._next_backward -= 1
+        return self._next_backward + 1
+
+    def _pair(self, forward: LayerWalk | None, backward: int | None) -> None:
+        """Issue one forward layer beside one backward layer (either may be None), slot by slot:
+        the comm nodes, the W items due, the compute nodes (module docstring)."""
+        f_layer = len(self.forward_layers)
+        if forward is not None:
+            self.forward_layers.append(forward)
+        b_walk = self.backward_layers[backward] if backward is not None else None
+        slots = _slots(forward, b_walk)
+        b_comm = _backward_comm_slots(forward, b_walk)
+        count_rule = self.defer_wgrad and self.clock is None
+        for n, (comm, compute) in enumerate(slots):
+            self._slot += 1
+            for side, node in comm:
+                self._issue_node(COMM, side, f_layer if side == "F" else backward, node)
+            if self._w_due:
+                self._issue_due_w()
+            for side, node in compute:
+                self._issue_node(COMPUTE, side, f_layer if side == "F" else backward, node)
+            if count_rule and n in b_comm:  # the count rule
+                self._w_due += [(waiting, TAIL, self._slot) for waiting in self._w_waiting]
+                self._w_waiting = []
+                if n == b_comm[-1]:
+                    self._w_due.append((backward, HEAD, self._slot))
+                    self._w_waiting.append(backward)  # type: ignore[arg-type]
+        if forward is not None:
+            self._side_end["F"] = self.position[("F", f_layer, len(forward.kinds) - 1)]
+        if backward is not None:
+            self._side_end["B"] = self.position[("B", backward, 0)]
+
+    def _issue_due_w(self) -> None:
+        for layer, part, slot in self._w_due:
+            self.issues.append(Issue(COMPUTE, "W", layer, part, slot))
+        self._w_due = []
+
+    def _issue_node(self, stream: str, side: Side, layer: Any, node: int) -> None:
+        """Issue one node; it needs the nodes it reads (a backward node: the nodes that read
+        it), or its side's previous layer for the first node of its layer."""
+        if side == "F":
+            inputs = self.forward_layers[layer].reads[node]
+        else:
+            inputs = self.backward_layers[layer].readers[node]
+        issues = self.issues
+        if len(inputs) == 1:
+            made = self.position[(side, layer, inputs[0])]
+            needs = (made,) if issues[made].stream != stream else ()
+        elif inputs:
+            position = self.position
+            needs = tuple(sorted(p for p in (position[(side, layer, n)] for n in inputs)
+                                 if issues[p].stream != stream))
+        else:
+            end = self._side_end[side]
+            needs = (end,) if end is not None and issues[end].stream != stream else ()
+        clock = self.clock
+        if clock is not None and stream == COMPUTE:  # the time rule: W items into the gap
+            for w_layer, count, duration in clock.fill(needs):
+                self.issues.append(Issue(COMPUTE, "W", w_layer, FILL, self._slot, count=count))
+                clock.add(COMPUTE, (), duration)
+        self.position[(side, layer, node)] = len(self.issues)
+        self.issues.append(Issue(stream, side, layer, node, self._slot, needs))
+        if clock is not None:
+            clock.add(stream, needs, clock.node_time(side, layer, node))
+            if side == "B" and stream == COMPUTE:
+                clock.queue(layer, node)
+
+
+def _check_times(times: Sequence[LayerTimes], layers: Sequence[LayerWalk], what: str) -> None:
+    if len(times) != len(layers) or any(
+            len(t) != len(layer.kinds) for t, layer in zip(times, layers)):
+        raise ValueError(
+            f"{what}: {[len(t) for t in times]} node times per layer, but the layers have "
+            f"{[len(layer.kinds) for layer in layers]} nodes")
+
+
+def issue_order(forward_layers: Sequence[LayerKinds], backward_layers: Sequence[LayerKinds] = (),
+                defer_wgrad: bool = False) -> tuple[Issue, ...]:
+    """Every issue of a combined step, in host (CPU) order: the forward of ``forward_layers``
+    beside the backward of a tape of ``backward_layers`` (kinds per layer, forward order)."""
+    order = IssueOrder(backward_layers, defer_wgrad)
+    for kinds in forward_layers:
+        order.forward_layer(kinds)
+    order.finish()
+    return tuple(order.issues)
+
+
+def compute_first(issues: Sequence[Issue]) -> list[Issue]:
+    """The same issues in the order of a host that only queues work (CUDA): each slot's compute
+    issues before the slot's comm issues. Each stream sees the same sequence as in ``issues``."""
+    return [issues[n] for n in compute_first_positions(issues)]
+
+
+def compute_first_positions(issues: Sequence[Issue]) -> list[int]:
+    """``compute_first`` as positions in ``issues``."""
+    out: list[int] = []
+    comm: list[int] = []  # comm issues of the current slot
+    for n, issue in enumerate(issues):
+        if comm and issue.slot > issues[comm[0]].slot:
+            out += comm
+            comm = []
+        if issue.stream == COMM:
+            comm.append(n)
+        else:
+            out.append(n)
+    return out + comm
+
+
+def format_pair_table(forward: LayerKinds, backward: LayerKinds,
+                      names: Sequence[str] | None = None, defer_wgrad: bool = False) -> str:
+    """One forward layer beside one backward layer as the table of the module docstring, made
+    from the order itself (``issue_order`` of two such pairs; the second, the steady state, is
+    shown): what the docs print is what the engine runs. ``defer_wgrad``: with the count rule's
+    W items in the compute column."""
+    issues = issue_order([forward, forward], [backward, backward], defer_wgrad)
+    pair = [i for i in issues if (i.side, i.layer) in (("F", 1), ("B", 0))]
+    slots = sorted({i.slot for i in pair})
+
+    def text(issue: Issue) -> str:
+        if issue.side == "W":
+            return "W head of this B layer" if issue.node == HEAD else \
+                "W tail of the previous B layer"
+        return f"{issue.side} {names[issue.node] if names else issue.node}"
+
+    rows = ["| slot | comm stream | compute stream |", "|---|---|---|"]
+    for number, slot in enumerate(slots, 1):
+        members = [i for i in issues if i.slot == slot and (i.side == "W" or i in pair)]
+        comm = ", ".join(text(i) for i in members if i.stream == COMM)
+        compute = ", then ".join(text(i) for i in members if i.stream == COMPUTE)
+        rows.append(f"| {number} | {comm} | {compute} |")
+    return "\n".join(rows)

@@ -157,13 +157,8 @@ def _rank(rank: int, rounds: int, out: str) -> None:
     init_distributed()
     torch.set_num_threads(1)
     _setup()
-    for name in ("megapipe.pipeline.executor", "megapipe.pipeline.stream_steps"):
-        try:  # where the engine makes its streams (the second: before issue 25)
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "make_streams"):
-            module.make_streams = _one_thread_streams  # module docstring
+    executor_module = importlib.import_module("megapipe.pipeline.executor")
+    executor_module.make_streams = _one_thread_streams  # module docstring
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_func
 
     groups = create_groups(ParallelConfig(pp=1, dp=2, ep=2))
@@ -194,6 +189,7 @@ def _rank(rank: int, rounds: int, out: str) -> None:
     dist.all_gather_object(gathered, medians)
     if rank == 0:
         Path(out).write_text(repr(gathered))
+    dist.barrier()  # neither rank tears gloo down while the other still uses it
     dist.destroy_process_group()
 
 

@@ -100,7 +100,7 @@ def _config_checks(version: tuple[int, ...]) -> dict[str, tuple[str | None, str 
 def _forward_checks(version: tuple[int, ...]) -> dict[str, tuple[str | None, str | None]]:
     """Forward arguments the adapter does not mirror, and the models it does not adapt."""
     from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-    from megapipe.overlap.tape import TapeRunner
+    from megapipe.overlap.sequential import TapeRunner
 
     out: dict[str, tuple[str | None, str | None]] = {}
     case = McoreCase(pp=1, ep=2)

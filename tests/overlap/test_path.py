@@ -54,6 +54,16 @@ def test_every_hop_of_the_documented_path_is_a_call_in_the_code():
         assert call in _calls(_function(ROOT / file, qualified)), (hop, qualified, call)
 
 
+def test_the_readme_and_the_page_state_the_length_of_the_table():
+    """The README's architecture section and the page's heading give the table's own counts."""
+    rows = _path_table()
+    calls, files = len(rows), len({file for _, file, _, _ in rows})
+    readme = (ROOT / "README.md").read_text()
+    assert f"**One OVERLAP action, end to end: {calls} calls through {files} files**" in readme
+    assert f"## From an OVERLAP action to a node on a stream: {calls} calls, {files} files" in (
+        DOC.read_text())
+
+
 def test_a_combined_step_goes_through_every_function_of_the_path(monkeypatch):
     """Run one OVERLAP action on the executor and record the functions of the table it enters."""
     import megapipe.overlap.combined as combined

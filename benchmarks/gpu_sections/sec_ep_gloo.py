@@ -10,7 +10,7 @@ and in bf16 (fp32 main gradients, ``cast_to_bf16``):
   (``megapipe.train.determinism``, attention on the math backend);
 - ep = 2 equals ep = 1: the losses, the dense gradients (this rank's tokens only), and the
   expert gradients (this rank's experts, summed over both ranks' tokens); within 1e-6 in fp32;
-  in bf16 within 2e-2 of each tensor's largest entry (README "Precision": with EP an expert's
+  in bf16 within 2e-2 of each tensor's largest entry (docs/precision.md: with EP an expert's
   weight gradient is one bf16 GEMM over both ranks' rows instead of one per rank).
 """
 

@@ -6,7 +6,7 @@ one combined step (the forward of microbatch 1 beside the backward of microbatch
 - **host reads, by node** (CPU and GPU): under the project's own instrument
   (``tests/support/host_syncs.HostSyncs``: ``item``, ``tolist``, ``cpu``, ``nonzero``,
   ``bincount``, boolean indexing, ... with the node that made each). Every one must be the one
-  documented read of the dispatch (README "The hot path and its one host read":
+  documented read of the dispatch (docs/precision.md "The hot path and its one host read":
   ``HostCounts.wait`` in a forward dispatch node), one per MoE layer forward;
 - **synchronizing CUDA calls** (GPU): the same step under
   ``torch.cuda.set_sync_debug_mode("warn")``, each charged to the innermost line of megapipe that

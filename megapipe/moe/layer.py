@@ -62,7 +62,7 @@ from megapipe.overlap.plan import (
 
 @dataclass
 class MoEConfig:
-    """Shape and behaviour of one MoE layer (see README "MoE layer")."""
+    """Shape and behaviour of one MoE layer (see docs/architecture.md, "MoE layer")."""
 
     hidden_size: int
     num_experts: int

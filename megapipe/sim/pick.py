@@ -50,8 +50,8 @@ class Recompute:
 
 FULL_RECOMPUTE = Recompute(saves=0.7, cost=1.0)
 """Full recompute re-runs every compute node's forward (cost 1) and keeps the node inputs only:
-0.7 saved is an assumption (the demo model measures 0.57 with held tensors counted, README
-"Memory"); pass your own model's fraction."""
+0.7 saved is an assumption (the demo model measures 0.57 with held tensors counted,
+docs/memory.md); pass your own model's fraction."""
 
 
 @dataclass(frozen=True)

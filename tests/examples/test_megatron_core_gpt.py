@@ -1,5 +1,5 @@
-"""examples/megatron_core_gpt.py builds what the README says: 8 layers, a dense first layer,
-then MoE layers with shared experts."""
+"""examples/megatron_core_gpt.py builds what docs/megatron-core.md says: 8 layers, a dense first
+layer, then MoE layers with shared experts."""
 
 import importlib.util
 from pathlib import Path

@@ -1,6 +1,6 @@
 """bf16 and the host-sync-free hot path on CUDA (skipped without CUDA; one GPU, ep = 1).
 
-Determinism switches, set here as the README's "Precision" section says: the
+Determinism switches, set here as docs/precision.md says: the
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` environment variable at import, before the first cuBLAS call
 of the session (cuBLAS reads it when it creates its handle), and
 ``deterministic_kernels(strict=False)`` (deterministic algorithms, attention on the math backend)

@@ -9,7 +9,8 @@ from megapipe.moe.chunks import expert_groups
 from megapipe.overlap.plan import Fork, run_nodes
 
 # widths that are multiples of 16 floats: every expert's rows start 64-byte aligned in any
-# grouping, so the CPU GEMMs pick the same kernels (tiny odd widths would not: see README)
+# grouping, so the CPU GEMMs pick the same kernels (tiny odd widths would not: see
+# docs/combined-step.md, "Chunked lone steps")
 BASE = dict(hidden_size=16, num_experts=4, top_k=2, ffn_hidden_size=32, init_std=0.5,
             aux_loss_coeff=0.01, z_loss_coeff=0.001)
 VARIANTS = [{}, dict(capacity_factor=0.6), dict(shared_expert_intermediate_size=16)]

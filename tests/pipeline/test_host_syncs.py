@@ -1,4 +1,4 @@
-"""No host sync in the hot path apart from the one documented read (README "Precision" and
+"""No host sync in the hot path apart from the one documented read (docs/precision.md and
 ``moe/dispatcher.py``): the split sizes of a dropless MoE layer's all-to-all, read once per MoE
 layer forward inside the dispatch comm node by ``HostCounts.wait``; none at all with capacity
 padding. Counted on CPU by ``support.host_syncs.HostSyncs`` (item, tolist, cpu, nonzero,

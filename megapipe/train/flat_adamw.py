@@ -25,7 +25,6 @@ so a checkpoint loads into a fresh optimizer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.dp_sync import DataParallelSync
 from megapipe.train.grad_buffers import FlatBuffer, Piece
+from megapipe.train.optim import adamw, norm_of_sums, scale_grads, sum_of_squares
 
 STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "main_param")
 
@@ -79,15 +79,12 @@ class FlatAdamW:
                     main = model.detach().float() if mixed_precision else model
                     self.slots.append(_Slot(piece, buffer, main, buffer.grad[piece.start:piece.end],
                                             model, stage in counted))
-        decay = [s.main for s in self.slots if s.piece.param.ndim >= 2]
-        no_decay = [s.main for s in self.slots if s.piece.param.ndim < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        on_cuda = bool(self.slots) and all(s.main.is_cuda for s in self.slots)
-        kwargs = {"fused": True} if on_cuda else {"foreach": True}
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+        self.optimizer = adamw([s.main for s in self.slots],
+                               [s.piece.param.ndim for s in self.slots],
+                               lr, weight_decay, betas, eps)
+        fused = any(group.get("fused") for group in self.optimizer.param_groups)
         for slot in self.slots:
-            self.optimizer.state[slot.main] = self._fresh_state(slot.main, on_cuda)
+            self.optimizer.state[slot.main] = self._fresh_state(slot.main, fused)
 
     def _model_view(self, buffer: FlatBuffer, piece: Piece) -> torch.Tensor:
         if buffer.data is not None:
@@ -148,22 +145,14 @@ class FlatAdamW:
                   device: torch.device) -> float:
         """The global L2 norm of the gradients, each parameter counted once (module docstring);
         one host read."""
-        sums = {}
+        sums = []
         for expert in (False, True):
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for slot in self.slots:
-                if slot.counts_in_norm and is_expert_param(slot.piece.param) == expert:
-                    total = total + slot.grad.double().pow(2).sum().to(device)
+            total = sum_of_squares((s.grad for s in self.slots if s.counts_in_norm
+                                    and is_expert_param(s.piece.param) == expert), device)
             if self.sharded:
                 total = self.sync.run_collective(_sum_over, total, self._group(expert))
-            sums[expert] = total
-        expert_sum = sums[True]
-        if ep_group is not None and dist.get_world_size(ep_group) > 1:
-            dist.all_reduce(expert_sum, group=ep_group)
-        total = sums[False] + expert_sum
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.all_reduce(total, group=pp_group)
-        return float(total.sqrt())
+            sums.append(total)
+        return norm_of_sums(sums[0], sums[1], pp_group, ep_group)
 
     def _group(self, expert: bool) -> dist.ProcessGroup | None:
         """The group the shards of one kind are spread over (every rank of it joins the sum,
@@ -174,12 +163,7 @@ class FlatAdamW:
     def clip(self, max_norm: float, total_norm: float) -> float:
         """Scale every piece's gradient so the global norm is at most ``max_norm``; the
         scale applied (1.0 when no clipping was needed or ``max_norm`` is 0)."""
-        if max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
-            return 1.0
-        scale = max_norm / (total_norm + 1e-6)
-        if self.slots:
-            torch._foreach_mul_([s.grad for s in self.slots], scale)
-        return scale
+        return scale_grads([s.grad for s in self.slots], max_norm, total_norm)
 
 
 def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

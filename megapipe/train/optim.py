@@ -64,15 +64,24 @@ def build_optimizer(
     (``MixedPrecisionAdamW``).
     """
     params = [p for p in unique_params(modules) if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    return adamw(params, [p.ndim for p in params], lr, weight_decay, betas, eps,
+                 MixedPrecisionAdamW if mixed_precision else torch.optim.AdamW)
+
+
+def adamw(
+    tensors: Sequence[torch.Tensor], ndims: Sequence[int], lr: float, weight_decay: float,
+    betas: tuple[float, float], eps: float, cls: type = torch.optim.AdamW,
+) -> torch.optim.AdamW:
+    """``cls`` (AdamW or a subclass) over ``tensors``: weight decay only on those whose
+    parameter has 2 or more dimensions (``ndims``: a tensor may be a 1-D view of one); fused on
+    CUDA, the multi-tensor (foreach) path on CPU."""
+    decay = [t for t, ndim in zip(tensors, ndims) if ndim >= 2]
+    no_decay = [t for t, ndim in zip(tensors, ndims) if ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = bool(params) and all(p.is_cuda for p in params)
+    on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
     kwargs = {"fused": True} if on_cuda else {"foreach": True}
-    if mixed_precision:
-        return MixedPrecisionAdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kwargs)
+    return cls(groups, lr=lr, betas=betas, eps=eps, **kwargs)
 
 
 @dataclass
@@ -130,7 +139,7 @@ class LRSchedule:
         self.iteration = int(state["iteration"])  # type: ignore[arg-type]
 
 
-def _sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+def sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of ``grads`` in float64 on ``device``, added one tensor after another."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
@@ -153,8 +162,14 @@ def global_grad_norm(
     dense_grads, expert_grads = _grads(params, expert=False), _grads(params, expert=True)
     if device is None:
         device = next((g.device for g in dense_grads + expert_grads), torch.device("cpu"))
-    dense = _sum_of_squares(dense_grads, device)
-    expert = _sum_of_squares(expert_grads, device)
+    return norm_of_sums(sum_of_squares(dense_grads, device), sum_of_squares(expert_grads, device),
+                        pp_group, ep_group)
+
+
+def norm_of_sums(dense: torch.Tensor, expert: torch.Tensor, pp_group: dist.ProcessGroup | None,
+                 ep_group: dist.ProcessGroup | None) -> float:
+    """The global norm from this rank's sums of squares (module docstring): the expert sum
+    all-reduced over EP, the total over PP; one host read."""
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert, group=ep_group)
     total = dense + expert
@@ -174,10 +189,16 @@ def clip_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: floa
 
     Returns the scale applied (1.0 when no clipping was needed or ``max_norm`` is 0).
     """
+    return scale_grads([g for g in (accumulated_grad(p) for p in params) if g is not None],
+                       max_norm, total_norm)
+
+
+def scale_grads(grads: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale ``grads`` in place so the global norm ``total_norm`` becomes at most ``max_norm``;
+    the scale applied (1.0 when no clipping was needed or ``max_norm`` is 0)."""
     if max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
         return 1.0
     scale = max_norm / (total_norm + 1e-6)
-    grads = [g for g in (accumulated_grad(p) for p in params) if g is not None]
     if grads:
-        torch._foreach_mul_(grads, scale)
+        torch._foreach_mul_(list(grads), scale)
     return scale

@@ -119,6 +119,8 @@ class DataParallelSync:
         self._golden: dict[int, int] | None = None  # id(param) -> gradients in its last backward
         self._early: dict[int, bool] = {}  # id(buffer) -> whether hooks may start its buckets
         self._counts: dict[int, int] = {}
+        # id(buffer) -> per bucket, its parameters whose count is not yet the golden one
+        self._missing: dict[int, list[int]] = {}
         self._counting: set[int] = set()
         self._next: dict[int, int] = {}  # id(buffer) -> its next bucket to start
         self._pending: list[Event] = []  # reductions started this step
@@ -129,6 +131,8 @@ class DataParallelSync:
     # ------------------------------------------------------------- GradSyncHooks
     def step_started(self, forward_order: Sequence[int]) -> None:
         self._counts = {}
+        self._missing = {id(b): [len(bucket.params) for bucket in b.buckets]
+                         for bs in self.buffers.values() for b in bs}
         self._counting = set()
         self._pending = []
         self._next = {id(b): 0 for bs in self.buffers.values() for b in bs}
@@ -175,20 +179,20 @@ class DataParallelSync:
             )
         if self._stage_of[key] not in self._counting:
             return
-        self._counts[key] = self._counts.get(key, 0) + 1
+        count = self._counts[key] = self._counts.get(key, 0) + 1
         if self._golden is not None and self._early[id(buffer)]:
+            # a bucket is complete when each of its parameters has exactly its golden count
+            # (one that had none in the first step never completes it: it waits for final)
+            want = self._golden.get(key, 0)
+            missing = self._missing[id(buffer)]
+            if want and count == want:
+                missing[bucket] -= 1
+            elif want and count == want + 1:
+                missing[bucket] += 1
             ready = self._next[id(buffer)]
-            while ready < len(buffer.buckets) and self._complete(buffer, buffer.buckets[ready]):
+            while ready < len(buffer.buckets) and missing[ready] == 0:
                 ready += 1
             self._start_through(buffer, ready)
-
-    def _complete(self, buffer: FlatBuffer, bucket: Bucket) -> bool:
-        golden = self._golden or {}
-        for param in buffer.bucket_params(bucket):
-            want = golden.get(id(param), 0)
-            if want == 0 or self._counts.get(id(param), 0) != want:
-                return False
-        return True
 
     def _start_through(self, buffer: FlatBuffer, stop: int) -> None:
         """Start the reductions of ``buffer``'s buckets from its next one up to ``stop``."""

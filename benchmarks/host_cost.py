@@ -195,6 +195,11 @@ def _engine(rounds: int) -> int:
     from megapipe.overlap.plan import Node, NodeKind, run_nodes
     from megapipe.overlap.streams import InlineStream, Streams
 
+    try:
+        from megapipe.schedule.kept_orders import PairOrders
+    except ImportError:  # an engine from before the orders were kept (a side-by-side run)
+        PairOrders = None
+
     torch.set_num_threads(1)
     weight = torch.nn.Parameter(torch.ones(8))
     kinds = [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
@@ -202,6 +207,8 @@ def _engine(rounds: int) -> int:
              for _ in range(4)]
     nodes = 2 * 4 * len(kinds)
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
+    # the executor keeps its steps' orders (PairOrders); an engine from before had none
+    reuse = {"orders": PairOrders()} if PairOrders is not None else {}
 
     def leaf() -> torch.Tensor:
         return torch.randn(4, 8, requires_grad=True)
@@ -230,7 +237,7 @@ def _engine(rounds: int) -> int:
         _, tape = record_forward(plans, (leaf(),))
         x, grads = leaf(), [torch.ones(4, 8)]
         start = time.thread_time()
-        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True)
+        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True, **reuse)
         return time.thread_time() - start
 
     runs = {"autograd": autograd, "plain": plain, "combined": combined}

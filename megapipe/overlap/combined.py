@@ -47,6 +47,7 @@ from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, Tape, Values, checked, detached
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.schedule.node_timing import NodeTimes
+from megapipe.schedule.kept_orders import PairOrders, ReusedOrder
 from megapipe.schedule.pair_order import (
     COMM, FILL, HEAD, REST, Issue, IssueOrder, compute_first_positions,
 )
@@ -131,6 +132,8 @@ class CombinedStep:
     ``on_backward_done(grads)`` is called on the host as soon as the backward's last node has run
     (the executor sends the gradient on from there). ``a2a_chunks`` k > 1 records every layer
     whose plan is a ``ChunkedPlan`` in its k-chunk form. ``track``: the activation meter.
+    ``orders``: the runner's ``PairOrders``, so a step shaped like an earlier one takes its
+    order instead of planning it again (count rule; nodes with times plan each step).
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class CombinedStep:
         on_backward_done: Callable[[Grads], None] | None = None,
         a2a_chunks: int = 1,
         track: Track | None = None,
+        orders: PairOrders | None = None,
     ) -> None:
         self.streams = streams
         self.tape = Tape(route_input_grads, track)
@@ -158,10 +162,15 @@ class CombinedStep:
             raise RuntimeError("a combined step needs a recorded tape whose backward has not begun")
         times = [_times(layer.nodes) for layer in b_layers]
         defer = backward is not None and backward.run_wgrad and backward.wgrad is not None
-        self.order = IssueOrder(
-            [layer.kinds for layer in b_layers], defer_wgrad=defer,
-            backward_times=times if all(t is not None for t in times) else None,  # time rule
-            host_runs_compute=streams.compute.runs_on_host)
+        host = streams.compute.runs_on_host
+        kinds = [layer.kinds for layer in b_layers]
+        self.order: IssueOrder | ReusedOrder
+        if all(t is not None for t in times) and b_layers:  # the time rule: planned each step
+            self.order = IssueOrder(kinds, defer, times, host)  # type: ignore[arg-type]
+        elif orders is not None:  # the count rule: planned once per shape of step
+            self.order = orders.order(kinds, defer, host)
+        else:
+            self.order = IssueOrder(kinds, defer, host_runs_compute=host)
         # deferring: one W queue per backward layer, so the order can run a layer's in parts
         self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
             if defer and backward is not None and backward.wgrad is not None else None
@@ -208,34 +217,36 @@ class CombinedStep:
         node after the events it needs, as ``forward_node`` or ``_backward_node``; W items as a
         run of their queues on the compute stream."""
         streams = self.streams
-        start = len(self._events)
-        self._events += [None] * len(issues)
+        events = self._events
+        start = len(events)
+        events += [None] * len(issues)
         positions = range(len(issues)) if streams.compute.runs_on_host else \
             compute_first_positions(issues)
+        b_tape = self.backward.tape if self.backward is not None else None
         try:
             for n in positions:
                 issue = issues[n]
-                if issue.side == "W":
+                side = issue.side
+                if side == "W":
                     self._issue_wgrad(issue)
                     continue
                 comm = issue.stream == COMM
                 stream = streams.comm if comm else streams.compute
                 for need in issue.needs:  # made on the other stream: wait for its event
-                    stream.wait_event(self._events[need])  # type: ignore[arg-type]
+                    stream.wait_event(events[need])  # type: ignore[arg-type]
                 crossed = bool(issue.needs)
-                forward = issue.side == "F"
+                forward = side == "F"
                 if forward:
                     tape, layer = self.tape, self._forward[issue.layer]
                 else:
-                    assert self.backward is not None
-                    tape, layer = self.backward.tape, self.backward.tape.layers[issue.layer]
-                node = layer.nodes[issue.node].node
+                    tape, layer = b_tape, b_tape.layers[issue.layer]  # type: ignore[union-attr]
                 if comm:
                     if self._reads_caller(issue):  # what the caller made on the compute stream
                         stream.wait_event(streams.compute.record_event())
                         crossed = True
-                    if node.group is not None:
-                        streams.claim(node.group, stream)
+                    group = layer.nodes[issue.node].node.group
+                    if group is not None:
+                        streams.claim(group, stream)
                 keep = crossed and stream.keeps_memory  # made on the other stream, used here
                 if forward:
                     if keep:  # the producers' outputs: a CUDA host issued them already
@@ -246,8 +257,8 @@ class CombinedStep:
                     run, args = self._backward_node, (tape, layer, issue.node,
                                                       stream if keep else None)
                 if self.trace is not None:
-                    run = self._traced(run, stream, issue, node)
-                self._events[start + n] = stream.submit(run, *args)
+                    run = self._traced(run, stream, issue, layer.nodes[issue.node].node)
+                events[start + n] = stream.submit(run, *args)
                 if not forward and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:
@@ -366,13 +377,14 @@ def combined_step(
     trace: NodeTrace | None = None,
     fwd_microbatch: int | None = None,
     bwd_microbatch: int | None = None,
+    orders: PairOrders | None = None,
 ) -> tuple[Values, Tape, Grads | None]:
     """Forward of ``fwd_plans`` on ``fwd_inputs`` beside the backward of ``bwd_tape``.
 
     Returns ``(forward outputs, forward tape, gradients of the backward tape's inputs)``; the
     forward outputs and tape are exactly those ``record_forward`` would give, the gradients
     those of ``run_backward`` (followed by running the deferred weight gradients, which
-    ``delay_wgrad_compute`` or a given ``wgrad`` queue defer).
+    ``delay_wgrad_compute`` or a given ``wgrad`` queue defer). ``orders``: as ``CombinedStep``'s.
     """
     if wgrad is None and delay_wgrad_compute:
         wgrad = WeightGradQueue()
@@ -380,7 +392,7 @@ def combined_step(
     if bwd_tape is not None:
         backward = BackwardHalf(bwd_tape, bwd_grads, bwd_microbatch, wgrad)
     step = CombinedStep(streams, backward, trace=trace, fwd_microbatch=fwd_microbatch,
-                        route_input_grads=False)
+                        route_input_grads=False, orders=orders)
     values: Values = tuple(fwd_inputs)
     try:
         for plan in fwd_plans:

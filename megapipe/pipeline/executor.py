@@ -48,6 +48,7 @@ from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forwar
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
 from megapipe.pipeline.step_tensors import StepTensors
 from megapipe.schedule.ir import Action, Kind, Schedule
+from megapipe.schedule.kept_orders import PairOrders
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
@@ -185,6 +186,7 @@ class PipelineExecutor:
         self.delay_wgrad_compute = delay_wgrad_compute
         self.moe_a2a_chunks = moe_a2a_chunks
         self._streams: Streams | None = None  # made on first use, in a combined schedule
+        self._orders = PairOrders()  # the combined steps' orders, planned once per shape
         self._warn_once = WarnOnce()
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
         self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
@@ -368,7 +370,7 @@ class PipelineExecutor:
             fwd_microbatch=f.microbatch if f is not None else None,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
             on_backward_done=on_backward_done, a2a_chunks=self.moe_a2a_chunks,
-            track=f_worker.track if f_worker is not None else None,
+            track=f_worker.track if f_worker is not None else None, orders=self._orders,
         )
         if f is not None and f_worker is not None:
             try:

@@ -7,6 +7,7 @@ from megapipe.schedule.pair_order import (
     COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, compute_first, format_pair_table,
     issue_order, pair_slots,
 )
+from megapipe.schedule.kept_orders import PairOrders
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
@@ -92,6 +93,34 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
         assert sorted(w) == sorted([(b, HEAD) for b in moe_backward] + [(b, TAIL) for b in moe_backward] + [(-1, REST)])
     else:
         assert w == []
+
+
+def _planned(order, forward):
+    steps = [order.forward_layer(tuple(kinds)) for kinds in forward] + [order.finish()]
+    return steps, dict(order.position), [w.kinds for w in order.forward_layers]
+
+
+@pytest.mark.parametrize("second", [
+    [MOE, MOE, DENSE],            # the same step again: replayed whole
+    [MOE, DENSE, MOE],            # differs at the second forward layer: planned from there
+    [MOE],                        # fewer forward layers: planned at finish
+    [MOE, MOE, DENSE, MOE],       # more forward layers
+    [DENSE, MOE, MOE],            # differs at the first
+])
+@pytest.mark.parametrize("defer", [False, True])
+def test_kept_orders_give_the_issues_a_fresh_order_gives(second, defer):
+    """A runner's kept orders (``PairOrders``) hand out exactly the issues, positions and layer
+    walks that planning afresh gives, whether a step repeats an earlier one whole or differs
+    from some forward layer on; each differing step becomes the kept one."""
+    backward = [tuple(MOE), tuple(DENSE), tuple(MOE)]
+    orders = PairOrders()
+    for forward in ([MOE, MOE, DENSE], second, second, [MOE, MOE, DENSE]):
+        fresh = IssueOrder(backward, defer_wgrad=defer)
+        kept = orders.order(backward, defer_wgrad=defer)
+        assert _planned(kept, forward) == _planned(fresh, forward)
+        assert kept.issues == fresh.issues
+    other = orders.order([tuple(MOE)], defer_wgrad=defer)  # other backward layers: their own
+    assert _planned(other, [MOE]) == _planned(IssueOrder([tuple(MOE)], defer), [MOE])
 
 
 def test_compute_first_keeps_each_streams_sequence():

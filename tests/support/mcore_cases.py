@@ -38,13 +38,17 @@ def warm_up(release: Release | None = None) -> str:
     return megatron.core.__version__
 
 
-_LAYOUT: list = [None]  # the (tp, pp, ep) Megatron's parallel_state was set up for
+_LAYOUT: list = [None]  # the (tp, pp, ep) Megatron's parallel_state is set up for
+_LAYOUTS: dict[tuple, dict[str, Any]] = {}  # (tp, pp, ep) -> Megatron's parallel state for it
 
 
 def _setup(case: McoreCase) -> None:
-    """Megatron's parallel state for ``case``: its groups are made again only when the layout
-    changes (each group costs gloo threads until the process ends), the virtual pipeline size
-    and the seeds are set for every case."""
+    """Megatron's parallel state for ``case``: made once per layout and kept (a layout met
+    again gets its groups back), the virtual pipeline size and the seeds set for every case.
+    Groups are never ended: on gloo each keeps threads while anything holds it, and the earlier
+    cases' Megatron modules keep theirs alive (through hooks held by autograd), so ending and
+    making them again per layout change only added threads (a pool past its thread limit
+    starts afresh and imports Megatron again: seconds per restart)."""
     megatron_cpu.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
@@ -53,42 +57,26 @@ def _setup(case: McoreCase) -> None:
     vpp = case.vpp if case.vpp > 1 else None
     layout = (case.tp, case.pp, case.ep)
     if _LAYOUT[0] != layout or not parallel_state.model_parallel_is_initialized():
-        _destroy_groups(parallel_state)
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            case.tp, case.pp, vpp, expert_model_parallel_size=case.ep,
-            expert_tensor_parallel_size=1, create_gloo_process_groups=False,
-        )
+        if _LAYOUT[0] is not None and parallel_state.model_parallel_is_initialized():
+            _LAYOUTS[_LAYOUT[0]] = _parallel_state(parallel_state)
+        if layout in _LAYOUTS:
+            vars(parallel_state).update(_LAYOUTS[layout])
+        else:
+            parallel_state.destroy_model_parallel()  # forgets the groups, ends none (no gloo ones)
+            parallel_state.initialize_model_parallel(
+                case.tp, case.pp, vpp, expert_model_parallel_size=case.ep,
+                expert_tensor_parallel_size=1, create_gloo_process_groups=False,
+            )
         _LAYOUT[0] = layout
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
     parallel_state.set_virtual_pipeline_model_parallel_rank(0 if vpp else None)
     random.model_parallel_cuda_manual_seed(1234)
 
 
-def _destroy_groups(parallel_state: Any) -> None:
-    """End the process groups of the previous layout, Megatron's and megapipe's: on gloo each
-    keeps threads until it is destroyed (a pool past its thread limit starts afresh, seconds)."""
-    groups: dict[int, Any] = {}
-
-    def collect(value: Any) -> None:
-        if isinstance(value, dist.ProcessGroup):
-            groups[id(value)] = value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                collect(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item)
-
-    if parallel_state.model_parallel_is_initialized():
-        for value in vars(parallel_state).values():
-            collect(value)
-    for value in _GROUPS.values():
-        collect(list(vars(value).values()))
-    _GROUPS.clear()
-    for group in groups.values():
-        if group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
+def _parallel_state(parallel_state: Any) -> dict[str, Any]:
+    """Megatron's module-level parallel state (its ``_UPPER_CASE`` globals: groups, ranks)."""
+    return {name: value for name, value in vars(parallel_state).items()
+            if name.startswith("_") and not name.startswith("__") and name.isupper()}
 
 
 def _reset_moe_metrics() -> None:

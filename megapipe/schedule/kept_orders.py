@@ -27,8 +27,9 @@ class PairOrders:
     training run repeats a few shapes of step. ``order(backward_layers, defer_wgrad,
     host_runs_compute)`` returns what ``IssueOrder`` would, taking the issues of the last order
     planned for the same backward layers while the forward layers come with the same kinds, and
-    planning afresh from the first one whose kinds differ: the same issues, planned once. Held
-    by its runner (the executor, one per process).
+    planning afresh from the first one whose kinds differ: the same issues, planned once.
+    Layers' kinds come as tuples (``LayerGraph.kinds``). Held by its runner (each executor has
+    one) and used by one combined step at a time.
     """
 
     KEEP = 64  # orders kept at most (the oldest goes first)

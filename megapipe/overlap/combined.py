@@ -167,10 +167,8 @@ class CombinedStep:
         self.order: IssueOrder | ReusedOrder
         if all(t is not None for t in times) and b_layers:  # the time rule: planned each step
             self.order = IssueOrder(kinds, defer, times, host)  # type: ignore[arg-type]
-        elif orders is not None:  # the count rule: planned once per shape of step
-            self.order = orders.order(kinds, defer, host)
-        else:
-            self.order = IssueOrder(kinds, defer, host_runs_compute=host)
+        else:  # the count rule: planned once per shape of step (kept in the runner's orders)
+            self.order = (orders or PairOrders()).order(kinds, defer, host)
         # deferring: one W queue per backward layer, so the order can run a layer's in parts
         self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
             if defer and backward is not None and backward.wgrad is not None else None
@@ -217,36 +215,34 @@ class CombinedStep:
         node after the events it needs, as ``forward_node`` or ``_backward_node``; W items as a
         run of their queues on the compute stream."""
         streams = self.streams
-        events = self._events
-        start = len(events)
-        events += [None] * len(issues)
+        start = len(self._events)
+        self._events += [None] * len(issues)
         positions = range(len(issues)) if streams.compute.runs_on_host else \
             compute_first_positions(issues)
-        b_tape = self.backward.tape if self.backward is not None else None
         try:
             for n in positions:
                 issue = issues[n]
-                side = issue.side
-                if side == "W":
+                if issue.side == "W":
                     self._issue_wgrad(issue)
                     continue
                 comm = issue.stream == COMM
                 stream = streams.comm if comm else streams.compute
                 for need in issue.needs:  # made on the other stream: wait for its event
-                    stream.wait_event(events[need])  # type: ignore[arg-type]
+                    stream.wait_event(self._events[need])  # type: ignore[arg-type]
                 crossed = bool(issue.needs)
-                forward = side == "F"
+                forward = issue.side == "F"
                 if forward:
                     tape, layer = self.tape, self._forward[issue.layer]
                 else:
-                    tape, layer = b_tape, b_tape.layers[issue.layer]  # type: ignore[union-attr]
+                    assert self.backward is not None
+                    tape, layer = self.backward.tape, self.backward.tape.layers[issue.layer]
+                node = layer.nodes[issue.node].node
                 if comm:
                     if self._reads_caller(issue):  # what the caller made on the compute stream
                         stream.wait_event(streams.compute.record_event())
                         crossed = True
-                    group = layer.nodes[issue.node].node.group
-                    if group is not None:
-                        streams.claim(group, stream)
+                    if node.group is not None:
+                        streams.claim(node.group, stream)
                 keep = crossed and stream.keeps_memory  # made on the other stream, used here
                 if forward:
                     if keep:  # the producers' outputs: a CUDA host issued them already
@@ -257,8 +253,8 @@ class CombinedStep:
                     run, args = self._backward_node, (tape, layer, issue.node,
                                                       stream if keep else None)
                 if self.trace is not None:
-                    run = self._traced(run, stream, issue, layer.nodes[issue.node].node)
-                events[start + n] = stream.submit(run, *args)
+                    run = self._traced(run, stream, issue, node)
+                self._events[start + n] = stream.submit(run, *args)
                 if not forward and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:

@@ -1,11 +1,9 @@
 """From the command line to the typed config, refusing bad input before any process starts.
 
-``parse_pretrain_args(argv)`` parses the declared flags (``flags.PretrainFlags``: each flag's
-own checks), checks the rules between them (``arg_checks``) and returns the ``JobConfig`` the
-app reads (``config``). Anything that cannot run raises ``ArgsError`` with one line naming the
-value and the rule; ``main`` prints it and exits with status 2 before any process group exists.
-The defaults are the built-in demo: a small MoE GPT on CPU with pp = 2, vpp = 2, ep = 2 and the
-overlap on, in 4 processes.
+``parse_pretrain_args(argv)`` parses the declared flags (``flags``: each flag's own checks),
+checks the rules between them (``arg_checks``) and returns the ``JobConfig`` the app reads
+(``config``). Anything that cannot run raises ``ArgsError`` with one line naming the value and
+the rule; ``main`` prints it and exits with status 2 before any process group exists.
 """
 
 from __future__ import annotations

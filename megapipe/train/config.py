@@ -65,8 +65,7 @@ class OverlapConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW, its learning-rate schedule (linear warm-up to ``lr``, then ``decay_style`` down to
-    ``min_lr`` at ``decay_end``), clipping."""
+    """AdamW; warm-up to ``lr``, then ``decay_style`` to ``min_lr`` at ``decay_end``; clipping."""
 
     lr: float
     min_lr: float
@@ -119,8 +118,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """``--save`` / ``--load`` folders, ``--save-interval``, ``--keep-last``, and the model
-    fields (``MODEL_FLAGS``) a checkpoint records and a resume must match."""
+    """Save and load folders, interval, how many to keep; the ``MODEL_FLAGS`` a resume matches."""
 
     save: str | None = None
     load: str | None = None
@@ -131,35 +129,26 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """The log line's interval, TensorBoard, the activation-memory column."""
+    """The log line's interval, TensorBoard, the activation-memory column; ``--profile-trace``
+    of iterations ``profile_first..profile_last``, optionally with torch.profiler."""
 
     interval: int = 10
     tensorboard_dir: str | None = None
     activation_memory: bool = False
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """``--profile-trace`` of iterations ``first..last``, optionally with torch.profiler."""
-
-    trace: str | None = None
-    first: int = 2
-    last: int = 2
-    use_pytorch_profiler: bool = False
+    profile_trace: str | None = None
+    profile_first: int = 2
+    profile_last: int = 2
+    pytorch_profiler: bool = False
 
 
 @dataclass(frozen=True)
 class FailureConfig:
     """How long a wait for another rank may take; when to save and exit early."""
 
-    timeout_minutes: float = 10.0
+    timeout: timedelta = timedelta(minutes=10)
     exit_signal_handler: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(minutes=self.timeout_minutes)
 
 
 @dataclass(frozen=True)
@@ -178,7 +167,6 @@ class JobConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
-    profile: ProfileConfig
     failures: FailureConfig
 
 
@@ -203,11 +191,11 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
                         f.eval_iters),
         checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last,
                                     {name: getattr(f, name) for name in MODEL_FLAGS}),
-        logging=LoggingConfig(f.log_interval, f.tensorboard_dir, f.log_activation_memory),
-        profile=ProfileConfig(f.profile_trace, f.profile_step_start,
+        logging=LoggingConfig(f.log_interval, f.tensorboard_dir, f.log_activation_memory,
+                              f.profile_trace, f.profile_step_start,
                               f.profile_step_end or f.profile_step_start, f.use_pytorch_profiler),
-        failures=FailureConfig(f.distributed_timeout_minutes, f.exit_signal_handler,
-                               f.exit_interval, f.exit_duration_in_mins),
+        failures=FailureConfig(timedelta(minutes=f.distributed_timeout_minutes),
+                               f.exit_signal_handler, f.exit_interval, f.exit_duration_in_mins),
     )
 
 
@@ -215,12 +203,8 @@ def world_size_of(f: PretrainFlags, env: Mapping[str, str] | None = None) -> int
     """The launcher's world size (torchrun, srun), else ``--nproc``, else pp x ep."""
     from megapipe.parallel.launch import launched_world_size  # torch: only when flags are run
 
-    launched = launched_world_size(env)
-    if launched is not None:
-        return launched
-    if f.nproc is not None:
-        return f.nproc
-    return max(f.pipeline_model_parallel_size, 1) * max(f.expert_model_parallel_size, 1)
+    pp_ep = max(f.pipeline_model_parallel_size, 1) * max(f.expert_model_parallel_size, 1)
+    return next(n for n in (launched_world_size(env), f.nproc, pp_ep) if n is not None)
 
 
 def parallel_config(f: PretrainFlags, world_size: int) -> "ParallelConfig":
@@ -234,9 +218,7 @@ def parallel_config(f: PretrainFlags, world_size: int) -> "ParallelConfig":
 def bucket_size(f: PretrainFlags, dp: int) -> int | None:
     """Elements per gradient bucket: the flag, else Megatron's max(40M, 1M x dp); None (one
     bucket per stage) without ``--overlap-grad-reduce``."""
-    if not f.overlap_grad_reduce:
-        return None
-    return f.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+    return (f.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)) if f.overlap_grad_reduce else None
 
 
 def schedule_config(f: PretrainFlags, dp: int) -> ScheduleConfig:

@@ -1,20 +1,13 @@
 """A flag declared once: one field of a frozen dataclass, the flag record.
 
-::
-
-    @dataclass(frozen=True)
-    class PretrainFlags:
-        num_layers: int = flag(6, "transformer layers", at_least(1), group="model")
-
-The field's name is the flag's (``num_layers`` is ``--num-layers``: Megatron's spelling), its
-annotation the type (``int``, ``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``),
-then the default, the help, the flag's own checks and, where needed, argparse's ``choices``,
-``nargs`` (a tuple's, default ``*``) and ``metavar``. A ``bool`` is a switch (``--no-...``
-too when its default is on). ``build_parser`` makes the argparse parser of a record class and
-``parse_flags`` / ``record_of`` the typed record, running every flag's checks on its value
-(never on None, "not given"): the first refusal raises ``ArgsError``, one line. A check is a
-function ``(flag, value) -> message or None``; ``at_least``, ``above``, ``finite`` and ``one_of``
-make the common ones. Rules that involve several flags are not here (``arg_checks``).
+``num_layers: int = flag(6, "transformer layers", at_least(1), group="model")`` declares
+``--num-layers`` (the field's name in Megatron's spelling), its type (the annotation: ``int``,
+``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``), default, help, own checks, and
+where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``metavar``. A
+``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
+argparse parser of a record class; ``parse_flags`` / ``record_of`` the record, after each
+flag's checks (a check: ``(flag, value) -> message or None``, never given None): the first
+refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``arg_checks``).
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ class FlagSpec:
     help: str
     checks: tuple[Check, ...]
     group: str | None
-    choices: tuple[str, ...] | None
+    choices: Sequence[str] | None
     nargs: str | None
     metavar: str | None
 
@@ -50,8 +43,7 @@ def flag(default: Any, help: str, *checks: Check, group: str | None = None,
          choices: Sequence[str] | None = None, nargs: str | None = None,
          metavar: str | None = None) -> Any:
     """Declare the flag of the field this is assigned to (module docstring)."""
-    spec = FlagSpec(help, checks, group, None if choices is None else tuple(choices), nargs,
-                    metavar)
+    spec = FlagSpec(help, checks, group, choices, nargs, metavar)
     return dataclasses.field(default=default, metadata={"flag": spec})
 
 
@@ -113,10 +105,8 @@ def build_parser(record: type, prog: str, description: str,
             kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
         else:
             kwargs.update(type=base, nargs=(spec.nargs or "*") if many else None)
-        if spec.choices is not None:
-            kwargs["choices"] = spec.choices
-        if spec.metavar is not None:
-            kwargs["metavar"] = spec.metavar
+        kwargs.update({key: value for key, value in (("choices", spec.choices),
+                                                     ("metavar", spec.metavar)) if value})
         groups[spec.group].add_argument(flag_name(f.name), **kwargs)
     return parser
 

@@ -19,33 +19,25 @@ LR_DECAY_STYLES = ("cosine", "linear", "constant")
 # Megatron's names for the groups a user may put on high-priority NCCL streams -> megapipe's
 HIGH_PRIORITY_GROUPS = {"ep": "ep", "ep_dp": "expert_dp", "dp": "dp", "pp": "pp"}
 POSITIVE, COUNT = at_least(1), at_least(0)
-# the --help groups
-MODEL = "model"
-PRECISION = "precision"
-TRAINING = "training"
-PARALLEL = "parallelism"
-DP = "data parallelism"
-RECOMPUTE = "activation recompute"
-IO = "data, checkpoints, logging"
-FAILURES = "failures and preemption"
-PROFILING = "profiling"
+MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (  # --help groups
+    "model", "precision", "training", "parallelism", "data parallelism", "activation recompute",
+    "data, checkpoints, logging", "failures and preemption", "profiling")
 
 
 def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
-    unknown = [g for g in groups if g not in HIGH_PRIORITY_GROUPS]
-    return None if not unknown else (f"{name} {' '.join(unknown)}: not a group; choose from "
-                                     f"{', '.join(HIGH_PRIORITY_GROUPS)}")
+    unknown = " ".join(g for g in groups if g not in HIGH_PRIORITY_GROUPS)
+    choose = ", ".join(HIGH_PRIORITY_GROUPS)
+    return f"{name} {unknown}: not a group; choose from {choose}" if unknown else None
 
 
 def _known_schedule(name: str, value: str) -> str | None:
-    return None if value in SCHEDULES else (f"{name}={value!r} is unknown; known: "
-                                            f"{', '.join(SCHEDULES)}")
+    known = ", ".join(SCHEDULES)
+    return None if value in SCHEDULES else f"{name}={value!r} is unknown; known: {known}"
 
 
 def _no_fp16(name: str, on: bool) -> str | None:
-    return None if not on else ("--fp16 is not supported: megapipe trains in fp32 or with --bf16 "
-                                "(fp16 would need dynamic loss scaling, which megapipe does not "
-                                "implement)")
+    return ("--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
+            "dynamic loss scaling, which megapipe does not implement)") if on else None
 
 
 @dataclass(frozen=True)
@@ -94,9 +86,8 @@ class PretrainFlags:
     lr: float = flag(3e-3, "peak learning rate", finite, group=TRAINING)
     min_lr: float = flag(3e-4, "final learning rate", finite, group=TRAINING)
     lr_warmup_iters: int = flag(10, "linear warm-up from 0", COUNT, group=TRAINING)
-    lr_decay_iters: int | None = flag(
-        None, "iteration at which the decay reaches --min-lr (default: train-iters)", POSITIVE,
-        group=TRAINING)
+    lr_decay_iters: int | None = flag(None, "iteration at which the decay reaches --min-lr "
+                                      "(default: train-iters)", POSITIVE, group=TRAINING)
     lr_decay_style: str = flag("cosine", f"one of {', '.join(LR_DECAY_STYLES)}",
                                one_of(*LR_DECAY_STYLES), group=TRAINING)
     weight_decay: float = flag(0.01, "AdamW weight decay", finite, group=TRAINING)
@@ -117,8 +108,7 @@ class PretrainFlags:
         "plain schedule (activation memory; default: no budget)", COUNT, group=PARALLEL,
         metavar="K")
     delay_wgrad_compute: bool = flag(
-        False, "defer expert weight gradients to fill the backward all-to-all",
-        group=PARALLEL)
+        False, "defer expert weight gradients to fill the backward all-to-all", group=PARALLEL)
     moe_a2a_chunks: int = flag(
         1, "split each MoE layer's all-to-alls into this many expert groups, so a step with no "
         "partner overlaps its own chunks (needs the overlap; at most the experts per EP rank; "
@@ -171,38 +161,30 @@ class PretrainFlags:
         group=RECOMPUTE, choices=("uniform", "block"))
     recompute_num_layers: int | None = flag(
         None, "with --recompute-granularity full: layers per uniform group, or layers "
-        "recomputed per chunk with block (default 1)", POSITIVE, group=RECOMPUTE,
-        metavar="N")
+        "recomputed per chunk with block (default 1)", POSITIVE, group=RECOMPUTE, metavar="N")
     recompute_modules: tuple[str, ...] | None = flag(
         None, "with selective granularity: any of core_attn, moe_act (default: core_attn, as "
         "Megatron)", group=RECOMPUTE)
 
-    data_path: tuple[str, ...] = flag(
-        (), "text files or directories (default: the Python standard library's source files)",
-        group=IO, nargs="+")
+    data_path: tuple[str, ...] = flag((), "text files or directories (default: the Python "
+                                      "standard library's source files)", group=IO, nargs="+")
     save: str | None = flag(None, "checkpoint directory", group=IO)
     load: str | None = flag(None, "resume directory", group=IO)
-    save_interval: int | None = flag(None, "iterations between saves (a final save always "
-                                     "happens with --save)", POSITIVE,
-                                     group=IO)
-    eval_interval: int = flag(50, "validation every N iterations (0: never)", COUNT,
-                              group=IO)
+    save_interval: int | None = flag(
+        None, "iterations between saves (a final save always happens with --save)", POSITIVE,
+        group=IO)
+    eval_interval: int = flag(50, "validation every N iterations (0: never)", COUNT, group=IO)
     eval_iters: int = flag(2, "validation batches", COUNT, group=IO)
-    log_interval: int = flag(10, "iterations per log line", POSITIVE,
-                             group=IO)
-    tensorboard_dir: str | None = flag(None, "also write scalars for TensorBoard",
-                                       group=IO)
+    log_interval: int = flag(10, "iterations per log line", POSITIVE, group=IO)
+    tensorboard_dir: str | None = flag(None, "also write scalars for TensorBoard", group=IO)
     log_activation_memory: bool = flag(
         False, "measure the bytes saved for backward or held by the pipeline each step (act mem "
-        "column; changes no bit, costs host time per saved tensor)",
-        group=IO)
+        "column; changes no bit, costs host time per saved tensor)", group=IO)
 
-    keep_last: int | None = flag(
-        None, "keep only the N newest complete checkpoints in --save (default: all)", POSITIVE,
-        group=FAILURES)
+    keep_last: int | None = flag(None, "keep only the N newest complete checkpoints in --save "
+                                 "(default: all)", POSITIVE, group=FAILURES)
     exit_signal_handler: bool = flag(
-        False, "on SIGTERM finish the current step, save a checkpoint, exit 0",
-        group=FAILURES)
+        False, "on SIGTERM finish the current step, save a checkpoint, exit 0", group=FAILURES)
     exit_interval: int | None = flag(None, "save and exit 0 after every N-th iteration",
                                      POSITIVE, group=FAILURES)
     exit_duration_in_mins: float | None = flag(
@@ -210,8 +192,7 @@ class PretrainFlags:
         above(0), finite, group=FAILURES)
     distributed_timeout_minutes: float = flag(
         10.0, "how long any rank waits for another (pipeline receive, all-to-all, gradient "
-        "reduction) before it stops naming what it waited on", above(0), finite,
-        group=FAILURES)
+        "reduction) before it stops naming what it waited on", above(0), finite, group=FAILURES)
 
     profile_trace: str | None = flag(
         None, "write one Perfetto/Chrome trace of every rank's steps --profile-step-start.."

@@ -84,7 +84,7 @@ def build_job(config: JobConfig) -> Job:
     random.seed(config.seed)
     device = job_device()
     overlap, optim, model, data = config.overlap, config.optimizer, config.model, config.data
-    timeout = config.failures.timeout
+    timeout, dp = config.failures.timeout, config.parallel.dp
     groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
                            timeout=timeout)
     schedule = config.schedule.build()
@@ -110,15 +110,14 @@ def build_job(config: JobConfig) -> Job:
     )
     files = resolve_data_files(data.paths)
     splits = split_corpus(load_tokens(files), model.seq_length)
-    dp = config.parallel.dp
     batches = TrainBatches(splits, data.global_batch_size, data.micro_batch_size, dp,
                            groups.dp_rank, config.seed)
     valid = validation_batches(splits, data.eval_iters, data.global_batch_size,
                                data.micro_batch_size, dp, groups.dp_rank)
     return Job(
-        config=config, device=device, groups=groups, schedule=schedule,
-        stages=stages, executor=executor, files=files, splits=splits, batches=batches,
-        valid=valid, optimizer=optimizer,
+        config=config, device=device, groups=groups, schedule=schedule, stages=stages,
+        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
+        optimizer=optimizer,
         lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
                                max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),

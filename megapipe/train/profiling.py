@@ -37,12 +37,12 @@ class RunProfiler:
     """Traces the iterations ``--profile-step-start``..``--profile-step-end`` of one rank."""
 
     def __init__(self, job: Job, say: Callable[[str], None]) -> None:
-        profile = job.config.profile
+        log = job.config.logging
         self.job = job
         self.say = say
-        self.path = profile.trace
-        self.first, self.last = profile.first, profile.last
-        self.use_torch = profile.use_pytorch_profiler
+        self.path = log.profile_trace
+        self.first, self.last = log.profile_first, log.profile_last
+        self.use_torch = log.pytorch_profiler
         self.rows: list[tuple] = []
         self._torch: Any = None
 

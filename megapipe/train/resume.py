@@ -121,8 +121,7 @@ def _check_save_target(save: str | None, load: str | None) -> None:
 
 def choose_resume(config: JobConfig) -> ResumeChoice:
     """The resume decision for ``config`` (module docstring); CheckpointError if none."""
-    checkpoint = config.checkpoint
-    save, load = checkpoint.save, checkpoint.load
+    save, load = config.checkpoint.save, config.checkpoint.load
     check_paths(save, load)
     _check_save_target(save, load)
     if load is None:
@@ -136,5 +135,5 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
                 f"newest {path.name}: {problem})"
             )
         return ResumeChoice(None, note=f"--load {load}: no checkpoint yet, starting from scratch")
-    check_model(selection.chosen, checkpoint)
+    check_model(selection.chosen, config.checkpoint)
     return ResumeChoice(selection.chosen, selection.warnings())

@@ -63,13 +63,9 @@ from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, Schedule, build_schedule
+from megapipe.schedule.registry import default_schedule_name
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
-
-
-def default_schedule_name(pp: int, vpp: int) -> str:
-    """Megatron's choice: interleaved 1F1B with virtual stages, else 1F1B (pp=1: no pipeline)."""
-    return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
 @dataclass

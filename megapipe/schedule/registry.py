@@ -95,6 +95,12 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 """Schedule name -> the generator of its family (see each generator for its arguments)."""
 
 
+def default_schedule_name(pp: int, vpp: int) -> str:
+    """Megatron's choice when none is named: interleaved 1F1B with virtual stages, else 1F1B
+    (pp=1: one stage, no pipelining)."""
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
+
+
 def build_schedule(
     name: str,
     pp: int,

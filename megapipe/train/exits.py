@@ -20,27 +20,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapipe.train.args import PretrainArgs
+from megapipe.train.config import FailureConfig
 
 
 class ExitPolicy:
     """Decides, after each iteration, whether to save and stop (``reason``); a context manager
     that installs the SIGTERM handler and restores the previous one."""
 
-    def __init__(self, args: PretrainArgs, device: torch.device) -> None:
-        self.args = args
+    def __init__(self, config: FailureConfig, device: torch.device) -> None:
+        self.config = config
         self.device = device
         self.started = time.monotonic()
         self.signalled: str | None = None
         self._previous: Any = None
 
     def __enter__(self) -> "ExitPolicy":
-        if self.args.exit_signal_handler:
+        if self.config.exit_signal_handler:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.args.exit_signal_handler:
+        if self.config.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._previous)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -48,17 +48,17 @@ class ExitPolicy:
 
     def reason(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (None: go on); the same answer on every rank."""
-        args = self.args
-        if args.exit_signal_handler or args.exit_duration_in_mins is not None:
+        config, duration = self.config, self.config.exit_duration_in_mins
+        if config.exit_signal_handler or duration is not None:
             minutes = (time.monotonic() - self.started) / 60
-            late = args.exit_duration_in_mins is not None and minutes >= args.exit_duration_in_mins
+            late = duration is not None and minutes >= duration
             flags = torch.tensor([float(self.signalled is not None), float(late)],
                                  device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[0] > 0:
                 return f"{self.signalled or 'SIGTERM'} received"
             if flags[1] > 0:
-                return f"--exit-duration-in-mins={args.exit_duration_in_mins:g} reached"
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            return f"--exit-interval={args.exit_interval} reached"
+                return f"--exit-duration-in-mins={duration:g} reached"
+        if config.exit_interval and iteration % config.exit_interval == 0:
+            return f"--exit-interval={config.exit_interval} reached"
         return None

@@ -1,207 +1,213 @@
-"""The pretrain script's flags: one argparse table with Megatron's names and the demo's defaults.
+"""Every pretrain flag, declared once (``declare.flag``): Megatron's names, the demo's defaults.
 
-``megapipe.train.args`` turns the parsed namespace into validated ``PretrainArgs``.
+``PretrainFlags`` is both the declaration and the parsed record; its flags' own checks live in
+their declarations, the rules between flags in ``arg_checks``, and ``config.job_config`` turns
+the record into the typed parts the app reads. Adding a flag: docs/pretraining.md.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from megapipe.schedule import SCHEDULES
+from megapipe.train.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
 
+DESCRIPTION = ("Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "
+               "small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
 # Megatron's names for the groups a user may put on high-priority NCCL streams -> megapipe's
 HIGH_PRIORITY_GROUPS = {"ep": "ep", "ep_dp": "expert_dp", "dp": "dp", "pp": "pp"}
+POSITIVE, COUNT = at_least(1), at_least(0)
+MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (  # --help groups
+    "model", "precision", "training", "parallelism", "data parallelism", "activation recompute",
+    "data, checkpoints, logging", "failures and preemption", "profiling")
+
+
+def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
+    unknown = " ".join(g for g in groups if g not in HIGH_PRIORITY_GROUPS)
+    choose = ", ".join(HIGH_PRIORITY_GROUPS)
+    return f"{name} {unknown}: not a group; choose from {choose}" if unknown else None
+
+
+def _known_schedule(name: str, value: str) -> str | None:
+    known = ", ".join(SCHEDULES)
+    return None if value in SCHEDULES else f"{name}={value!r} is unknown; known: {known}"
+
+
+def _no_fp16(name: str, on: bool) -> str | None:
+    return ("--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
+            "dynamic loss scaling, which megapipe does not implement)") if on else None
+
+
+@dataclass(frozen=True)
+class PretrainFlags:
+    """Every ``megapipe pretrain`` flag, parsed and checked one by one (module docstring)."""
+
+    num_layers: int = flag(6, "transformer layers", POSITIVE, group=MODEL)
+    hidden_size: int = flag(96, "model width", POSITIVE, group=MODEL)
+    num_attention_heads: int = flag(4, "attention heads", POSITIVE, group=MODEL)
+    ffn_hidden_size: int = flag(192, "dense SwiGLU width", POSITIVE, group=MODEL)
+    seq_length: int = flag(64, "tokens (bytes) per sample", POSITIVE, group=MODEL)
+    num_experts: int = flag(4, "routed experts (0: dense)", COUNT, group=MODEL)
+    moe_router_topk: int = flag(2, "experts per token", POSITIVE, group=MODEL)
+    moe_ffn_hidden_size: int = flag(96, "width of each expert", POSITIVE, group=MODEL)
+    moe_shared_expert_intermediate_size: int | None = flag(
+        None, "a shared expert of this width", group=MODEL)
+    moe_layer_freq: str = flag(
+        "1", "N: every Nth layer is MoE; or a 0/1 pattern per layer like '[0,1,1,1]' (dense "
+        "layers first, then a period)", group=MODEL)
+    moe_aux_loss_coeff: float = flag(1e-2, "load-balancing loss weight", finite, group=MODEL)
+    moe_router_dtype: str | None = flag(
+        None, "fp32 or fp64: compute the router's logits in that precision (default: the "
+        "activations' dtype; softmax, top-k and the auxiliary losses are always at least fp32)",
+        one_of("fp32", "fp64"), group=MODEL)
+    moe_expert_capacity_factor: float | None = flag(
+        None, "drop routing choices over capacity factor x tokens x top-k / experts per expert, "
+        "padding every expert to that capacity (default: dropless)", above(0), group=MODEL)
+    moe_pad_expert_input_to_capacity: bool = flag(
+        False, "accepted for Megatron scripts: megapipe always pads to the capacity (needs "
+        "--moe-expert-capacity-factor)", group=MODEL)
+
+    bf16: bool = flag(False, "bf16 parameters and activations; fp32 main weights, AdamW moments "
+                      "and gradient accumulation/reduction", group=PRECISION)
+    fp16: bool = flag(False, "not supported (one clear error): use --bf16", _no_fp16,
+                      group=PRECISION)
+    deterministic_mode: bool = flag(
+        False, "deterministic kernels only (torch's deterministic algorithms, deterministic "
+        "fused-attention backward, cuBLAS workspace setting), so a GPU run repeats bit for bit "
+        "and a resume equals the uninterrupted run; an operation without a deterministic kernel "
+        "is an error", group=PRECISION)
+
+    micro_batch_size: int = flag(4, "samples per microbatch", POSITIVE, group=TRAINING)
+    global_batch_size: int = flag(32, "samples per iteration (microbatches per step = global / "
+                                  "(micro x dp))", POSITIVE, group=TRAINING)
+    train_iters: int = flag(100, "optimizer steps", POSITIVE, group=TRAINING)
+    lr: float = flag(3e-3, "peak learning rate", finite, group=TRAINING)
+    min_lr: float = flag(3e-4, "final learning rate", finite, group=TRAINING)
+    lr_warmup_iters: int = flag(10, "linear warm-up from 0", COUNT, group=TRAINING)
+    lr_decay_iters: int | None = flag(None, "iteration at which the decay reaches --min-lr "
+                                      "(default: train-iters)", POSITIVE, group=TRAINING)
+    lr_decay_style: str = flag("cosine", f"one of {', '.join(LR_DECAY_STYLES)}",
+                               one_of(*LR_DECAY_STYLES), group=TRAINING)
+    weight_decay: float = flag(0.01, "AdamW weight decay", finite, group=TRAINING)
+    clip_grad: float = flag(1.0, "0 disables clipping", finite, group=TRAINING)
+    seed: int = flag(1234, "model initialisation and data order", group=TRAINING)
+
+    pipeline_model_parallel_size: int = flag(2, "pp", POSITIVE, group=PARALLEL)
+    virtual_pipeline_model_parallel_size: int | None = flag(
+        2, "vpp: stages per rank (needs pp > 1)", POSITIVE, group=PARALLEL)
+    expert_model_parallel_size: int = flag(2, "ep (divides dp = world / pp and the experts)",
+                                           POSITIVE, group=PARALLEL)
+    overlap_moe_expert_parallel_comm: bool = flag(
+        True, "co-schedule one microbatch's forward with another's backward to hide the "
+        "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
+        group=PARALLEL)
+    overlap_max_extra_in_flight: int | None = flag(
+        None, "with the overlap: at most K more microbatch-stages in flight on any rank than the "
+        "plain schedule (activation memory; default: no budget)", COUNT, group=PARALLEL,
+        metavar="K")
+    delay_wgrad_compute: bool = flag(
+        False, "defer expert weight gradients to fill the backward all-to-all", group=PARALLEL)
+    moe_a2a_chunks: int = flag(
+        1, "split each MoE layer's all-to-alls into this many expert groups, so a step with no "
+        "partner overlaps its own chunks (needs the overlap; at most the experts per EP rank; "
+        "default 1: off)", POSITIVE, group=PARALLEL)
+    pipeline_schedule: str | None = flag(
+        None, f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when vpp > 1, else "
+        "1f1b)", _known_schedule, group=PARALLEL)
+    nproc: int | None = flag(None, "processes to start when not launched by torchrun or srun "
+                             "(default: pp x ep)", POSITIVE, group=PARALLEL)
+    high_priority_stream_groups: tuple[str, ...] = flag(
+        (), "process groups whose NCCL communicator runs on a high-priority CUDA stream, any of "
+        f"{', '.join(HIGH_PRIORITY_GROUPS)} (e.g. ep for the token all-to-all; ignored on gloo)",
+        _known_groups, group=PARALLEL)
+    moe_emulated_link_gbps: float | None = flag(
+        None, "emulate an all-to-all link of this many GB/s (CPU overlap studies; off by "
+        "default, the log says when it is on)", finite, above(0, "g"), group=PARALLEL)
+    moe_emulated_link_latency_us: float = flag(
+        0.0, "latency per all-to-all of the emulated link, microseconds", finite,
+        at_least(0, "g"), group=PARALLEL)
+
+    overlap_grad_reduce: bool = flag(
+        False, "reduce each bucket of gradients over data parallelism as soon as the step's "
+        "backward has finished it, on a communication stream, instead of all gradients after "
+        "the step", group=DP)
+    use_distributed_optimizer: bool = flag(
+        False, "shard the fp32 main weights and AdamW moments over the data-parallel group "
+        "(experts over expert-DP): reduce-scatter the gradients, all-gather the updated weights",
+        group=DP)
+    overlap_param_gather: bool = flag(
+        False, "with --use-distributed-optimizer and --overlap-grad-reduce: all-gather the "
+        "updated weights behind the next step's first forwards (each module waits for its own "
+        "buckets)", group=DP)
+    ddp_bucket_size: int | None = flag(
+        None, "with --overlap-grad-reduce: parameters (elements) per bucket (default Megatron's "
+        "max(40M, 1M x dp))", group=DP, metavar="N")
+    dp_emulated_link_gbps: float | None = flag(
+        None, "emulate a data-parallel link of this many GB/s for the bucketed reductions and "
+        "gathers (CPU overlap studies; off by default, the log says when it is on)", finite,
+        above(0, "g"), group=DP)
+
+    recompute_granularity: str | None = flag(
+        None, "selective: recompute --recompute-modules inside their node's backward; full: "
+        "whole layers, every compute node keeping only its inputs and running again in its own "
+        "backward (the all-to-alls never run again)", group=RECOMPUTE,
+        choices=("full", "selective"))
+    recompute_method: str | None = flag(
+        None, "with --recompute-granularity full: uniform recomputes every layer of each "
+        "pipeline chunk, in groups of --recompute-num-layers (a group keeps no layer output "
+        "inside it); block recomputes the first --recompute-num-layers layers of each chunk",
+        group=RECOMPUTE, choices=("uniform", "block"))
+    recompute_num_layers: int | None = flag(
+        None, "with --recompute-granularity full: layers per uniform group, or layers "
+        "recomputed per chunk with block (default 1)", POSITIVE, group=RECOMPUTE, metavar="N")
+    recompute_modules: tuple[str, ...] | None = flag(
+        None, "with selective granularity: any of core_attn, moe_act (default: core_attn, as "
+        "Megatron)", group=RECOMPUTE)
+
+    data_path: tuple[str, ...] = flag((), "text files or directories (default: the Python "
+                                      "standard library's source files)", group=IO, nargs="+")
+    save: str | None = flag(None, "checkpoint directory", group=IO)
+    load: str | None = flag(None, "resume directory", group=IO)
+    save_interval: int | None = flag(
+        None, "iterations between saves (a final save always happens with --save)", POSITIVE,
+        group=IO)
+    eval_interval: int = flag(50, "validation every N iterations (0: never)", COUNT, group=IO)
+    eval_iters: int = flag(2, "validation batches", COUNT, group=IO)
+    log_interval: int = flag(10, "iterations per log line", POSITIVE, group=IO)
+    tensorboard_dir: str | None = flag(None, "also write scalars for TensorBoard", group=IO)
+    log_activation_memory: bool = flag(
+        False, "measure the bytes saved for backward or held by the pipeline each step (act mem "
+        "column; changes no bit, costs host time per saved tensor)", group=IO)
+
+    keep_last: int | None = flag(None, "keep only the N newest complete checkpoints in --save "
+                                 "(default: all)", POSITIVE, group=FAILURES)
+    exit_signal_handler: bool = flag(
+        False, "on SIGTERM finish the current step, save a checkpoint, exit 0", group=FAILURES)
+    exit_interval: int | None = flag(None, "save and exit 0 after every N-th iteration",
+                                     POSITIVE, group=FAILURES)
+    exit_duration_in_mins: float | None = flag(
+        None, "save and exit 0 after the first iteration ending past this many minutes",
+        above(0), finite, group=FAILURES)
+    distributed_timeout_minutes: float = flag(
+        10.0, "how long any rank waits for another (pipeline receive, all-to-all, gradient "
+        "reduction) before it stops naming what it waited on", above(0), finite, group=FAILURES)
+
+    profile_trace: str | None = flag(
+        None, "write one Perfetto/Chrome trace of every rank's steps --profile-step-start.."
+        "--profile-step-end to FILE (read it with `megapipe trace summarize FILE`)",
+        group=PROFILING, metavar="FILE")
+    profile_step_start: int = flag(2, "first iteration traced (1-based, included; default 2)",
+                                   group=PROFILING)
+    profile_step_end: int | None = flag(
+        None, "last iteration traced (included; default: the start)", group=PROFILING)
+    use_pytorch_profiler: bool = flag(
+        False, "also run torch.profiler over the traced steps, writing one trace per rank next "
+        "to --profile-trace, with megapipe's node names as ranges", group=PROFILING)
 
 
 def build_parser(prog: str = "megapipe pretrain", add_help: bool = True) -> argparse.ArgumentParser:
-    """The argparse parser with Megatron's flag names (defaults: the built-in CPU demo).
-
-    ``add_help=False`` gives a parent parser for ``megapipe pretrain``'s subcommand.
-    """
-    p = argparse.ArgumentParser(
-        prog=prog,
-        add_help=add_help,
-        description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
-        "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
-    )
-    model = p.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=6)
-    model.add_argument("--hidden-size", type=int, default=96)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--ffn-hidden-size", type=int, default=192)
-    model.add_argument("--seq-length", type=int, default=64)
-    model.add_argument("--num-experts", type=int, default=4)
-    model.add_argument("--moe-router-topk", type=int, default=2)
-    model.add_argument("--moe-ffn-hidden-size", type=int, default=96)
-    model.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
-    model.add_argument(
-        "--moe-layer-freq", default="1",
-        help="N: every Nth layer is MoE; or a 0/1 pattern per layer like '[0,1,1,1]' "
-        "(dense layers first, then a period)",
-    )
-    model.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
-    model.add_argument("--moe-router-dtype", default=None,
-                       help="fp32 or fp64: compute the router's logits in that precision "
-                       "(default: the activations' dtype; softmax, top-k and the auxiliary "
-                       "losses are always at least fp32)")
-    model.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                       help="drop routing choices over capacity factor x tokens x top-k / "
-                       "experts per expert, padding every expert to that capacity (default: "
-                       "dropless)")
-    model.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
-                       help="accepted for Megatron scripts: megapipe always pads to the "
-                       "capacity (needs --moe-expert-capacity-factor)")
-    precision = p.add_argument_group("precision")
-    precision.add_argument("--bf16", action="store_true",
-                           help="bf16 parameters and activations; fp32 main weights, AdamW "
-                           "moments and gradient accumulation/reduction")
-    precision.add_argument("--fp16", action="store_true",
-                           help="not supported (one clear error): use --bf16")
-    precision.add_argument("--deterministic-mode", action="store_true",
-                           help="deterministic kernels only (torch's deterministic algorithms, "
-                           "deterministic fused-attention backward, cuBLAS workspace setting), so "
-                           "a GPU run repeats bit for bit and a resume equals the uninterrupted "
-                           "run; an operation without a deterministic kernel is an error")
-    train = p.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=4)
-    train.add_argument("--global-batch-size", type=int, default=32)
-    train.add_argument("--train-iters", type=int, default=100)
-    train.add_argument("--lr", type=float, default=3e-3)
-    train.add_argument("--min-lr", type=float, default=3e-4)
-    train.add_argument("--lr-warmup-iters", type=int, default=10)
-    train.add_argument("--lr-decay-iters", type=int, default=None,
-                       help="iteration at which the decay reaches --min-lr (default: train-iters)")
-    train.add_argument("--lr-decay-style", default="cosine", choices=None,
-                       help=f"one of {', '.join(LR_DECAY_STYLES)}")
-    train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    train.add_argument("--seed", type=int, default=1234)
-    par = p.add_argument_group("parallelism")
-    par.add_argument("--pipeline-model-parallel-size", type=int, default=2)
-    par.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=2)
-    par.add_argument("--expert-model-parallel-size", type=int, default=2)
-    par.add_argument(
-        "--overlap-moe-expert-parallel-comm", action=argparse.BooleanOptionalAction, default=True,
-        help="co-schedule one microbatch's forward with another's backward to hide the "
-        "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
-    )
-    par.add_argument("--overlap-max-extra-in-flight", type=int, default=None, metavar="K",
-                     help="with the overlap: at most K more microbatch-stages in flight on any "
-                     "rank than the plain schedule (activation memory; default: no budget)")
-    par.add_argument("--delay-wgrad-compute", action="store_true",
-                     help="defer expert weight gradients to fill the backward all-to-all")
-    par.add_argument("--moe-a2a-chunks", type=int, default=1,
-                     help="split each MoE layer's all-to-alls into this many expert groups, so a "
-                     "step with no partner overlaps its own chunks (needs the overlap; at most "
-                     "the experts per EP rank; default 1: off)")
-    par.add_argument("--pipeline-schedule", default=None,
-                     help=f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when "
-                     "vpp > 1, else 1f1b)")
-    par.add_argument("--nproc", type=int, default=None,
-                     help="processes to start when not launched by torchrun or srun "
-                     "(default: pp x ep)")
-    par.add_argument("--high-priority-stream-groups", nargs="*", default=[],
-                     help="process groups whose NCCL communicator runs on a high-priority CUDA "
-                     f"stream, any of {', '.join(HIGH_PRIORITY_GROUPS)} (e.g. ep for the "
-                     "token all-to-all; ignored on gloo)")
-    par.add_argument("--moe-emulated-link-gbps", type=float, default=None,
-                     help="emulate an all-to-all link of this many GB/s (CPU overlap studies; "
-                     "off by default, the log says when it is on)")
-    par.add_argument("--moe-emulated-link-latency-us", type=float, default=0.0,
-                     help="latency per all-to-all of the emulated link, microseconds")
-    _add_data_parallel_flags(p)
-    _add_recompute_flags(p)
-    io = p.add_argument_group("data, checkpoints, logging")
-    io.add_argument("--data-path", nargs="+", default=[],
-                    help="text files or directories (default: the Python standard library's "
-                    "source files)")
-    io.add_argument("--save", default=None)
-    io.add_argument("--load", default=None)
-    io.add_argument("--save-interval", type=int, default=None)
-    io.add_argument("--eval-interval", type=int, default=50)
-    io.add_argument("--eval-iters", type=int, default=2)
-    io.add_argument("--log-interval", type=int, default=10)
-    io.add_argument("--tensorboard-dir", default=None)
-    io.add_argument("--log-activation-memory", action="store_true",
-                    help="measure the bytes saved for backward or held by the pipeline each "
-                    "step (act mem column; changes no bit, costs host time per saved tensor)")
-    _add_fault_tolerance_flags(p)
-    _add_profiling_flags(p)
-    return p
-
-
-def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
-    """Megatron's data-parallel flags: bucketed reductions, the distributed optimizer."""
-    dp = p.add_argument_group("data parallelism")
-    dp.add_argument("--overlap-grad-reduce", action="store_true",
-                    help="reduce each bucket of gradients over data parallelism as soon as the "
-                    "step's backward has finished it, on a communication stream, instead of "
-                    "all gradients after the step")
-    dp.add_argument("--use-distributed-optimizer", action="store_true",
-                    help="shard the fp32 main weights and AdamW moments over the data-parallel "
-                    "group (experts over expert-DP): reduce-scatter the gradients, all-gather "
-                    "the updated weights")
-    dp.add_argument("--overlap-param-gather", action="store_true",
-                    help="with --use-distributed-optimizer and --overlap-grad-reduce: all-gather "
-                    "the updated weights behind the next step's first forwards (each module "
-                    "waits for its own buckets)")
-    dp.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
-                    help="with --overlap-grad-reduce: parameters (elements) per bucket (default "
-                    "Megatron's max(40M, 1M x dp))")
-    dp.add_argument("--dp-emulated-link-gbps", type=float, default=None,
-                    help="emulate a data-parallel link of this many GB/s for the bucketed "
-                    "reductions and gathers (CPU overlap studies; off by default, the log says "
-                    "when it is on)")
-
-
-def _add_profiling_flags(p: argparse.ArgumentParser) -> None:
-    """One trace of the real run (all ranks, with the simulated schedule beside it)."""
-    prof = p.add_argument_group("profiling")
-    prof.add_argument("--profile-trace", default=None, metavar="FILE",
-                      help="write one Perfetto/Chrome trace of every rank's steps "
-                      "--profile-step-start..--profile-step-end to FILE (read it with "
-                      "`megapipe trace summarize FILE`)")
-    prof.add_argument("--profile-step-start", type=int, default=2,
-                      help="first iteration traced (1-based, included; default 2)")
-    prof.add_argument("--profile-step-end", type=int, default=None,
-                      help="last iteration traced (included; default: the start)")
-    prof.add_argument("--use-pytorch-profiler", action="store_true",
-                      help="also run torch.profiler over the traced steps, writing one trace "
-                      "per rank next to --profile-trace, with megapipe's node names as ranges")
-
-
-def _add_recompute_flags(p: argparse.ArgumentParser) -> None:
-    """Megatron's activation recompute flags (re-run inside the node's own backward)."""
-    rc = p.add_argument_group("activation recompute")
-    rc.add_argument("--recompute-granularity", default=None, choices=("full", "selective"),
-                    help="selective: recompute --recompute-modules inside their node's backward; "
-                    "full: whole layers, every compute node keeping only its inputs and running "
-                    "again in its own backward (the all-to-alls never run again)")
-    rc.add_argument("--recompute-method", default=None, choices=("uniform", "block"),
-                    help="with --recompute-granularity full: uniform recomputes every layer of "
-                    "each pipeline chunk, in groups of --recompute-num-layers (a group keeps no "
-                    "layer output inside it); block recomputes the first --recompute-num-layers "
-                    "layers of each chunk")
-    rc.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
-                    help="with --recompute-granularity full: layers per uniform group, or layers "
-                    "recomputed per chunk with block (default 1)")
-    rc.add_argument("--recompute-modules", nargs="*", default=None,
-                    help="with selective granularity: any of core_attn, moe_act "
-                    "(default: core_attn, as Megatron)")
-
-
-def _add_fault_tolerance_flags(p: argparse.ArgumentParser) -> None:
-    """Checkpoint retention, graceful exits (preemption) and the timeout of every wait."""
-    ft = p.add_argument_group("failures and preemption")
-    ft.add_argument("--keep-last", type=int, default=None,
-                    help="keep only the N newest complete checkpoints in --save (default: all)")
-    ft.add_argument("--exit-signal-handler", action="store_true",
-                    help="on SIGTERM finish the current step, save a checkpoint, exit 0")
-    ft.add_argument("--exit-interval", type=int, default=None,
-                    help="save and exit 0 after every N-th iteration")
-    ft.add_argument("--exit-duration-in-mins", type=float, default=None,
-                    help="save and exit 0 after the first iteration ending past this many minutes")
-    ft.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                    help="how long any rank waits for another (pipeline receive, all-to-all, "
-                    "gradient reduction) before it stops naming what it waited on")
+    """The argparse parser of ``PretrainFlags`` (``add_help=False``: a parent parser for
+    ``megapipe pretrain``'s subcommand)."""
+    return parser_of(PretrainFlags, prog, DESCRIPTION, add_help)

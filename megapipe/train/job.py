@@ -1,9 +1,9 @@
-"""One rank's training job, built from the flags: ``build_job(args) -> Job``.
+"""One rank's training job, built from the typed config: ``build_job(config) -> Job``.
 
 A ``Job`` holds everything a training step touches — process groups, the schedule, this rank's
 stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the
 step (``train.step``) and the loop (``train.loop``) are short functions of it. Building is
-deterministic in ``args.seed``: the same flags build the same weights and data order on every
+deterministic in the config's seed: the same flags build the same weights and data order on every
 run, which is what makes resumed runs bitwise equal to uninterrupted ones.
 """
 
@@ -13,7 +13,6 @@ import os
 import random
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -26,9 +25,7 @@ from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
-from megapipe.train.args import PretrainArgs
-from megapipe.train.config import JobConfig, OptimizerConfig, job_config
-from megapipe.train.flags import HIGH_PRIORITY_GROUPS
+from megapipe.train.config import JobConfig
 from megapipe.train.data import (
     Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
     validation_batches,
@@ -47,7 +44,6 @@ from megapipe.train.optim import (
 class Job:
     """One rank's training state (see the module docstring)."""
 
-    args: PretrainArgs
     config: JobConfig
     device: torch.device
     groups: ProcessGroups
@@ -74,11 +70,6 @@ class Job:
         return [layer for stage in self.stages.values() for layer in stage.moe_layers()]
 
 
-def timeout_of(args: PretrainArgs) -> timedelta:
-    """How long any wait for another rank may take (``--distributed-timeout-minutes``)."""
-    return timedelta(minutes=args.distributed_timeout_minutes)
-
-
 def job_device() -> torch.device:
     """The GPU of this rank under NCCL, else the CPU."""
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
@@ -86,47 +77,47 @@ def job_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_job(args: PretrainArgs) -> Job:
+def build_job(config: JobConfig) -> Job:
     """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
-    each part from its typed configuration (``config.job_config``)."""
-    config = job_config(args)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
+    each part from its typed configuration (``config``)."""
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
     device = job_device()
-    overlap, optim = config.overlap, config.optimizer
-    high_priority = [HIGH_PRIORITY_GROUPS[name] for name in overlap.high_priority_stream_groups]
-    groups = create_groups(args.parallel, high_priority=high_priority, timeout=timeout_of(args))
+    overlap, optim, model, data = config.overlap, config.optimizer, config.model, config.data
+    timeout, dp = config.failures.timeout, config.parallel.dp
+    groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
+                           timeout=timeout)
     schedule = config.schedule.build()
     stages = {
-        s: build_stage(config.model, schedule.model_part(s), schedule.stages_per_pipeline,
+        s: build_stage(model, schedule.model_part(s), schedule.stages_per_pipeline,
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     modules = [stages[s] for s in sorted(stages)]
-    if optim.bf16:  # flat buffers give the parameters their main_grad themselves
-        cast_to_bf16(modules, [] if args.flat_grad_buffers else unique_params(modules))
-    activation = torch.bfloat16 if optim.bf16 else torch.float32
+    bf16, flat = config.precision.bf16, config.data_parallel.flat_grad_buffers
+    if bf16:  # flat buffers give the parameters their main_grad themselves
+        cast_to_bf16(modules, [] if flat else unique_params(modules))
     norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
-    dp_sync, optimizer = _optimizer(args, optim, stages, groups, device, norm_stages)
-    model = config.model
+    dp_sync, optimizer = _optimizer(config, stages, groups, device, norm_stages)
     executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
         grad_reduction="none" if dp_sync is not None else "dp",
-        spec=TensorSpec((args.micro_batch_size, model.seq_length, model.hidden_size), activation),
+        spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
+                        torch.bfloat16 if bf16 else torch.float32),
         delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
-        record_trace=overlap.record_trace, measure_activations=args.log_activation_memory,
-        timeout=timeout_of(args).total_seconds(),
+        record_trace=overlap.record_trace, measure_activations=config.logging.activation_memory,
+        timeout=timeout.total_seconds(),
     )
-    files = resolve_data_files(args.data_path)
-    splits = split_corpus(load_tokens(files), args.seq_length)
-    batches = TrainBatches(splits, args.global_batch_size, args.micro_batch_size, args.dp,
-                           groups.dp_rank, args.seed)
-    valid = validation_batches(splits, args.eval_iters, args.global_batch_size,
-                               args.micro_batch_size, args.dp, groups.dp_rank)
+    files = resolve_data_files(data.paths)
+    splits = split_corpus(load_tokens(files), model.seq_length)
+    batches = TrainBatches(splits, data.global_batch_size, data.micro_batch_size, dp,
+                           groups.dp_rank, config.seed)
+    valid = validation_batches(splits, data.eval_iters, data.global_batch_size,
+                               data.micro_batch_size, dp, groups.dp_rank)
     return Job(
-        args=args, config=config, device=device, groups=groups, schedule=schedule,
-        stages=stages, executor=executor, files=files, splits=splits, batches=batches,
-        valid=valid, optimizer=optimizer,
+        config=config, device=device, groups=groups, schedule=schedule, stages=stages,
+        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
+        optimizer=optimizer,
         lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
                                max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),
@@ -136,49 +127,50 @@ def build_job(args: PretrainArgs) -> Job:
 
 
 def _optimizer(
-    args: PretrainArgs, optim: OptimizerConfig, stages: dict[int, nn.Module],
-    groups: ProcessGroups, device: torch.device, norm_stages: list[int],
+    config: JobConfig, stages: dict[int, nn.Module], groups: ProcessGroups,
+    device: torch.device, norm_stages: list[int],
 ) -> tuple[DataParallelSync | None, torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW]:
     """AdamW over the parameters, or with ``--overlap-grad-reduce`` /
     ``--use-distributed-optimizer`` the flat buffers, their collectives and AdamW over them."""
     modules = [stages[s] for s in sorted(stages)]
-    if not args.flat_grad_buffers:
-        return None, build_optimizer(modules, optim.lr, optim.weight_decay,
-                                     mixed_precision=optim.bf16)
+    optim, dp, bf16 = config.optimizer, config.data_parallel, config.precision.bf16
+    if not dp.flat_grad_buffers:
+        return None, build_optimizer(modules, optim.lr, optim.weight_decay, mixed_precision=bf16)
     buffers = {
-        s: stage_buffers(stages[s], groups.dp, groups.expert_dp, args.bucket_size,
-                         args.use_distributed_optimizer, is_expert_param)
+        s: stage_buffers(stages[s], groups.dp, groups.expert_dp, dp.bucket_size,
+                         dp.distributed_optimizer, is_expert_param)
         for s in sorted(stages)
     }
-    sync = DataParallelSync(stages, buffers, args.dp, device, overlap=args.overlap_grad_reduce,
-                            overlap_param_gather=args.overlap_param_gather, link=args.dp_link())
-    return sync, FlatAdamW(buffers, sync, optim.lr, optim.weight_decay,
-                           mixed_precision=optim.bf16, norm_stages=norm_stages)
+    sync = DataParallelSync(stages, buffers, config.parallel.dp, device,
+                            overlap=dp.overlap_grad_reduce,
+                            overlap_param_gather=dp.overlap_param_gather, link=dp.link())
+    return sync, FlatAdamW(buffers, sync, optim.lr, optim.weight_decay, mixed_precision=bf16,
+                           norm_stages=norm_stages)
 
 
 def describe(job: Job) -> list[str]:
     """The log's header: layout and schedule, model and data, the emulated link, placement."""
-    args, splits = job.args, job.splits
+    config, splits = job.config, job.splits
+    parallel, overlap, model = config.parallel, config.overlap, config.model
     local_params = sum(p.numel() for p in job.all_params)
-    chunks = args.moe_a2a_chunks
+    chunks = overlap.moe_a2a_chunks
     lines = [
-        f"megapipe pretrain: world {args.world_size} = pp {args.pp} x dp {args.dp} "
-        f"(ep {args.ep}), vpp {args.vpp}, schedule {job.schedule.name}"
-        f"{' with overlap' if args.overlap_moe_expert_parallel_comm else ''}"
-        f"{', delayed wgrad' if args.delay_wgrad_compute else ''}"
+        f"megapipe pretrain: world {parallel.world_size} = pp {parallel.pp} x dp {parallel.dp} "
+        f"(ep {parallel.ep}), vpp {config.schedule.vpp}, schedule {job.schedule.name}"
+        f"{' with overlap' if overlap.enabled else ''}"
+        f"{', delayed wgrad' if overlap.delay_wgrad_compute else ''}"
         f"{f', all-to-alls in {chunks} chunks' if chunks > 1 else ''}; "
-        f"{precision_text(args)}; "
-        f"{args.num_microbatches} microbatches of {args.micro_batch_size} x {args.seq_length} "
-        f"tokens per dp rank per step",
-        f"model: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_experts} experts "
-        f"top-{args.moe_router_topk}; {local_params:,} parameters on rank 0; data: "
+        f"{precision_text(config)}; "
+        f"{config.schedule.num_microbatches} microbatches of {config.data.micro_batch_size} x "
+        f"{model.seq_length} tokens per dp rank per step",
+        f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} "
+        f"experts top-{model.moe_top_k}; {local_params:,} parameters on rank 0; data: "
         f"{len(job.files)} files, {splits.tokens.numel():,} byte tokens, "
         f"{splits.num_train:,} train / {splits.num_valid:,} validation windows; "
         f"device {job.device.type}",
     ]
-    link = args.emulated_link()
-    if link is not None:
-        lines.append(link.describe())
+    if model.moe_link is not None:
+        lines.append(model.moe_link.describe())
     if job.dp_sync is not None:
         lines.append(data_parallel_text(job))
     lines.append(placement_line())
@@ -188,29 +180,30 @@ def describe(job: Job) -> list[str]:
 def data_parallel_text(job: Job) -> str:
     """What the log says of bucketed data parallelism (``--overlap-grad-reduce``,
     ``--use-distributed-optimizer``)."""
-    args, sync = job.args, job.dp_sync
+    dp, parallel, sync = job.config.data_parallel, job.config.parallel, job.dp_sync
     assert sync is not None
     buckets = sum(len(b.buckets) for bs in sync.buffers.values() for b in bs)
-    when = "as each is final in the backward" if args.overlap_grad_reduce else "after the step"
+    when = "as each is final in the backward" if dp.overlap_grad_reduce else "after the step"
     text = f"data parallel: gradients reduced in {buckets} bucket(s) on rank 0, {when}"
-    if args.use_distributed_optimizer:
-        text += (f"; AdamW state sharded over dp {args.dp} (experts over expert-dp "
-                 f"{args.dp // args.ep}), updated weights all-gathered "
-                 + ("behind the next step's forwards" if args.overlap_param_gather
+    if dp.distributed_optimizer:
+        text += (f"; AdamW state sharded over dp {parallel.dp} (experts over expert-dp "
+                 f"{parallel.expert_dp}), updated weights all-gathered "
+                 + ("behind the next step's forwards" if dp.overlap_param_gather
                     else "after the step"))
     text += f"; optimizer state {optimizer_state_bytes(job.optimizer) / 2**20:.2f} MiB on rank 0"
-    link = args.dp_link()
+    link = dp.link()
     if link is not None:
         text += f"; emulated DP link ON: {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
     return text
 
 
-def precision_text(args: PretrainArgs) -> str:
+def precision_text(config: JobConfig) -> str:
     """What the first log line says about precision."""
-    kernels = ", deterministic kernels" if args.deterministic_mode else ""
-    if not args.bf16:
+    kernels = ", deterministic kernels" if config.precision.deterministic else ""
+    if not config.precision.bf16:
         return f"fp32{kernels}"
-    router = f", router {args.moe_router_dtype}" if args.moe_router_dtype else ""
+    dtype = config.model.moe_router_dtype
+    router = f", router {dtype}" if dtype else ""
     return f"bf16 with fp32 main weights, moments and gradients{router}{kernels}"
 
 

@@ -1,6 +1,6 @@
 """The training loop of one rank: build the job, resume, step, evaluate, save, log, exit.
 
-``train(args)`` returns a ``TrainResult`` (the loss of every iteration it ran, evaluations,
+``train(config)`` returns a ``TrainResult`` (the loss of every iteration it ran, evaluations,
 checkpoints written, why it stopped early) so tests can compare runs bitwise.
 """
 
@@ -14,12 +14,12 @@ from typing import Callable
 import torch.distributed as dist
 
 from megapipe.parallel.launch import init_distributed
-from megapipe.train.args import PretrainArgs
 from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
 from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.config import JobConfig
 from megapipe.train.determinism import deterministic_kernels
 from megapipe.train.exits import ExitPolicy
-from megapipe.train.job import Job, build_job, describe, timeout_of
+from megapipe.train.job import Job, build_job, describe
 from megapipe.train.logging import TrainingLogger
 from megapipe.train.profiling import RunProfiler
 from megapipe.train.resume import ResumeChoice, descriptor_parts, choose_resume
@@ -41,21 +41,21 @@ class TrainResult:
 
 
 def train(
-    args: PretrainArgs, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
+    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
     ``choice`` is the resume decision made before the processes started (``choose_resume``); when
     it is None every rank makes it here, and the ranks check that they agree.
     """
-    with deterministic_kernels() if args.deterministic_mode else nullcontext():
-        return _train(args, write, choice)
+    with deterministic_kernels() if config.precision.deterministic else nullcontext():
+        return _train(config, write, choice)
 
 
-def _train(args: PretrainArgs, write: Callable[[str], None],
+def _train(config: JobConfig, write: Callable[[str], None],
            choice: ResumeChoice | None) -> TrainResult:
     if not dist.is_initialized():
-        init_distributed(timeout=timeout_of(args))
+        init_distributed(timeout=config.failures.timeout)
     result = TrainResult()
     is_rank_0 = dist.get_rank() == 0
 
@@ -64,11 +64,11 @@ def _train(args: PretrainArgs, write: Callable[[str], None],
         if is_rank_0:
             write(line)
 
-    job = build_job(args)
+    job = build_job(config)
     for line in describe(job):
         say(line)
     try:
-        with ExitPolicy(args, job.device) as exits:
+        with ExitPolicy(config.failures, job.device) as exits:
             result.first_iteration = resume(job, say, choice)
             _run(job, result, exits, say)
     finally:
@@ -78,15 +78,16 @@ def _train(args: PretrainArgs, write: Callable[[str], None],
 
 def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
     """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
-    args, checkpoint = job.args, job.config.checkpoint
-    logger = TrainingLogger(args.train_iters, args.log_interval, enabled=dist.get_rank() == 0,
-                            tensorboard_dir=args.tensorboard_dir, write=say)
-    tokens_per_iter = args.global_batch_size * args.seq_length
+    config, checkpoint, data = job.config, job.config.checkpoint, job.config.data
+    iters = config.train_iters
+    logger = TrainingLogger(iters, config.logging.interval, enabled=dist.get_rank() == 0,
+                            tensorboard_dir=config.logging.tensorboard_dir, write=say)
+    tokens_per_iter = data.global_batch_size * config.model.seq_length
     iteration = result.first_iteration
     started = time.perf_counter()
     profiler = RunProfiler(job, say)
     try:
-        while iteration < args.train_iters:
+        while iteration < iters:
             start = time.perf_counter()
             stats = train_step(job, job.batches.next_batch(), iteration + 1, profiler)
             iteration += 1
@@ -100,12 +101,12 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
                           act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
-            if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
+            if data.eval_interval and data.eval_iters and iteration % data.eval_interval == 0:
                 result.valid_losses[iteration] = evaluate(job)
                 logger.evaluation(iteration, result.valid_losses[iteration])
             result.exit_reason = exits.reason(iteration)
             due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
-            final = iteration == args.train_iters or result.exit_reason is not None
+            final = iteration == iters or result.exit_reason is not None
             if checkpoint.save and (due or final):
                 result.saved.append(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
@@ -127,7 +128,7 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
 def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice | None = None) -> int:
     """Load the checkpoint the resume choice names into the job; returns its iteration (0: none)."""
     if choice is None:
-        choice = choose_resume(job.args)
+        choice = choose_resume(job.config)
         for line in choice.warnings:
             say(line)
     _check_ranks_agree(choice)
@@ -158,11 +159,11 @@ def _check_ranks_agree(choice: ResumeChoice) -> None:
 
 def save(job: Job, iteration: int) -> str:
     """Write the checkpoint of ``iteration`` (every rank its shard); returns its directory."""
-    args, checkpoint = job.args, job.config.checkpoint
+    checkpoint = job.config.checkpoint
     assert checkpoint.save is not None
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    info = {"train_iters": args.train_iters}
-    descriptor = descriptor_parts(args, job.schedule.name, info)
+    info = {"train_iters": job.config.train_iters}
+    descriptor = descriptor_parts(job.config, job.schedule.name, info)
     if job.dp_sync is not None:
         job.dp_sync.finish_param_gather()  # the whole updated model, on every rank
     path = save_checkpoint(checkpoint.save, iteration, job.stages, job.optimizer, extra,

@@ -1,6 +1,6 @@
 """``megapipe pretrain``: validate every flag, decide the resume, then run the ranks.
 
-``main(argv)`` turns the flags into ``PretrainArgs`` and picks the checkpoint to resume
+``main(argv)`` turns the flags into the typed ``JobConfig`` and picks the checkpoint to resume
 (``resume.choose_resume``): a bad flag, path or checkpoint prints one line and exits 2 before any
 process group exists. Then it trains as one rank (when torchrun or srun launched this process)
 or starts ``world_size`` local processes and supervises them (``supervise``). A failure inside
@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.parallel.launch import launched_world_size, start_local_ranks
-from megapipe.train.args import ArgsError, PretrainArgs, args_from_namespace, parse_pretrain_args
+from megapipe.train.args import ArgsError, args_from_namespace, parse_pretrain_args
 from megapipe.train.checkpoint_files import CheckpointError
+from megapipe.train.config import JobConfig
 from megapipe.train.failures import debug_enabled, describe_failure, is_secondary
 from megapipe.train.logging import NonFiniteLossError
 from megapipe.train.loop import train
@@ -50,24 +51,25 @@ def _error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
 
 
-def _validate_then_run(to_args: Callable[[Any], PretrainArgs], source: Any) -> int:
-    """Turn flags into PretrainArgs (one clear line and exit code 2 if they are bad), then run."""
+def _validate_then_run(to_config: Callable[[Any], JobConfig], source: Any) -> int:
+    """Turn flags into the config (one clear line and exit code 2 if they are bad), then run."""
     try:
-        args = to_args(source)
+        config = to_config(source)
     except ArgsError as err:
         _error(str(err))
         return 2
-    return run(args)
+    return run(config)
 
 
-def run(args: PretrainArgs) -> int:
+def run(config: JobConfig) -> int:
     """Decide the resume, then train as this rank or start and supervise the ranks here."""
     try:
-        choice = choose_resume(args)
+        choice = choose_resume(config)
     except CheckpointError as err:
         _error(str(err))
         return 2
-    missing = missing_gpus(args)
+    world_size = config.parallel.world_size
+    missing = missing_gpus(world_size)
     if missing is not None:
         _error(missing)
         return 2
@@ -79,14 +81,14 @@ def run(args: PretrainArgs) -> int:
         local = _local_world_size()
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        return run_rank(args, choice, _print_report)
-    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+        return run_rank(config, choice, _print_report)
+    threads = max(1, (os.cpu_count() or 1) // world_size)
 
     def start(folder: Path) -> list[Any]:
-        return start_local_ranks(_local_rank, args.world_size, (args, choice, str(folder)),
+        return start_local_ranks(_local_rank, world_size, (config, choice, str(folder)),
                                  threads=threads).processes
 
-    return run_local(start, args.exit_signal_handler, _error)
+    return run_local(start, config.failures.exit_signal_handler, _error)
 
 
 def _local_world_size() -> int:
@@ -100,13 +102,13 @@ def _print_report(line: str, secondary: bool) -> None:
     _error(line)
 
 
-def missing_gpus(args: PretrainArgs) -> str | None:
+def missing_gpus(world_size: int) -> str | None:
     """With CUDA, the processes this node would run (the launcher's, else the ranks started
     here) must not outnumber its GPUs; the reason if they do, else None."""
     if not torch.cuda.is_available():
         return None
     launched = launched_world_size() is not None
-    per_node = _local_world_size() if launched else args.world_size
+    per_node = _local_world_size() if launched else world_size
     count = torch.cuda.device_count()
     if per_node <= count:
         return None
@@ -117,21 +119,21 @@ def missing_gpus(args: PretrainArgs) -> str | None:
     )
 
 
-def _local_rank(rank: int, args: PretrainArgs, choice: ResumeChoice, folder: str) -> None:
+def _local_rank(rank: int, config: JobConfig, choice: ResumeChoice, folder: str) -> None:
     """A process ``run`` started: one rank of the job (torchrun's variables are set)."""
 
     def report(line: str, secondary: bool) -> None:
         write_report(Path(folder), rank, line, secondary)
 
-    code = run_rank(args, choice, report)
+    code = run_rank(config, choice, report)
     if code:
         raise SystemExit(code)
 
 
-def run_rank(args: PretrainArgs, choice: ResumeChoice | None, report: Report) -> int:
+def run_rank(config: JobConfig, choice: ResumeChoice | None, report: Report) -> int:
     """Train as this rank; a failure becomes one reported line and exit code 1 (130: Ctrl-C)."""
     try:
-        train(args, choice=choice)
+        train(config, choice=choice)
         return 0
     except BaseException as err:  # every failure is told, none as a bare traceback
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))

@@ -37,13 +37,12 @@ class RunProfiler:
     """Traces the iterations ``--profile-step-start``..``--profile-step-end`` of one rank."""
 
     def __init__(self, job: Job, say: Callable[[str], None]) -> None:
-        args = job.args
+        log = job.config.logging
         self.job = job
         self.say = say
-        self.path = args.profile_trace
-        self.first = args.profile_step_start
-        self.last = args.profile_step_end or args.profile_step_start
-        self.use_torch = args.use_pytorch_profiler
+        self.path = log.profile_trace
+        self.first, self.last = log.profile_first, log.profile_last
+        self.use_torch = log.pytorch_profiler
         self.rows: list[tuple] = []
         self._torch: Any = None
 
@@ -100,12 +99,11 @@ class RunProfiler:
             self._write(everyone)
 
     def _write(self, records: list[RankRecord]) -> None:
-        args = self.job.args
-        layout = {"pp": args.pp, "dp": args.dp, "ep": args.ep, "vpp": args.vpp,
-                  "world": args.world_size, "steps": [self.first, self.last],
-                  "num_microbatches": args.num_microbatches,
-                  "overlap": args.overlap_moe_expert_parallel_comm,
-                  "device": self.job.device.type}
+        parallel, schedule = self.job.config.parallel, self.job.config.schedule
+        layout = {"pp": parallel.pp, "dp": parallel.dp, "ep": parallel.ep, "vpp": schedule.vpp,
+                  "world": parallel.world_size, "steps": [self.first, self.last],
+                  "num_microbatches": schedule.num_microbatches,
+                  "overlap": self.job.config.overlap.enabled, "device": self.job.device.type}
         document = build_trace(records, self.job.schedule, layout)
         with open(self.path, "w") as f:
             json.dump(document, f)

@@ -1,6 +1,6 @@
 """Which checkpoint a run resumes from, and where it may save, decided before any process starts.
 
-``choose_resume(args)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
+``choose_resume(config)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
 newer ones), and refuses, with one line naming the flag and both values, a checkpoint of another
 model: the model's shape, the sequence length and the seed must match (the parallel layout and
 the schedule may change: the checkpoint's keys are layout-free, see ``checkpoint``). It also
@@ -15,15 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megapipe.train.args import PretrainArgs, parse_moe_layer_freq
 from megapipe.train.checkpoint_files import (
     Checkpoint, CheckpointError, checkpoint_dirs, select_checkpoint,
 )
-
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "seq_length", "num_experts", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_layer_freq", "seed")
-"""The flags a checkpoint must share with the run that resumes it (shapes, data, seed)."""
+from megapipe.train.config import MODEL_FLAGS, CheckpointConfig, JobConfig, parse_moe_layer_freq
 
 
 @dataclass(frozen=True)
@@ -40,16 +35,13 @@ class ResumeChoice:
         return int(self.checkpoint.descriptor["parallel"]["world_size"])
 
 
-def model_fields(args: PretrainArgs) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in MODEL_FLAGS}
-
-
-def descriptor_parts(args: PretrainArgs, schedule: str, info: dict[str, Any]) -> dict[str, Any]:
-    """The ``model``, ``parallel`` and ``info`` parts of a checkpoint written by ``args``."""
-    parallel = {"pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": args.dp,
-                "world_size": args.world_size, "schedule": schedule,
-                "overlap": args.overlap_moe_expert_parallel_comm}
-    return {"model": model_fields(args), "parallel": parallel, "info": info}
+def descriptor_parts(config: JobConfig, schedule: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The ``model``, ``parallel`` and ``info`` parts of a checkpoint written by ``config``."""
+    layout = config.parallel
+    parallel = {"pp": layout.pp, "vpp": config.schedule.vpp, "ep": layout.ep, "dp": layout.dp,
+                "world_size": layout.world_size, "schedule": schedule,
+                "overlap": config.overlap.enabled}
+    return {"model": dict(config.checkpoint.model_fields), "parallel": parallel, "info": info}
 
 
 def _flag(name: str) -> str:
@@ -65,15 +57,15 @@ def _same(name: str, saved: Any, mine: Any, saved_layers: Any, my_layers: int) -
         return False
 
 
-def check_model(checkpoint: Checkpoint, args: PretrainArgs) -> None:
+def check_model(checkpoint: Checkpoint, config: CheckpointConfig) -> None:
     """Refuse a checkpoint of another model, naming the flag and both values."""
-    saved = checkpoint.descriptor["model"]
+    saved, model = checkpoint.descriptor["model"], config.model_fields
     where = f"--load {checkpoint.path.parent}: {checkpoint.path.name}"
     for name in MODEL_FLAGS:
         if name not in saved:
             raise CheckpointError(f"{where}: its descriptor lacks the model field {name!r}")
-        mine = getattr(args, name)
-        if not _same(name, saved[name], mine, saved.get("num_layers"), args.num_layers):
+        mine = model[name]
+        if not _same(name, saved[name], mine, saved.get("num_layers"), model["num_layers"]):
             raise CheckpointError(
                 f"{where} was saved with {_flag(name)}={saved[name]!r} but this run has "
                 f"{_flag(name)}={mine!r}; a checkpoint resumes only the same model shape, "
@@ -93,54 +85,55 @@ def _nearest_existing(path: str) -> str:
     return current
 
 
-def check_paths(args: PretrainArgs) -> None:
+def check_paths(save: str | None, load: str | None) -> None:
     """--save can become a folder we may write; --load is a folder (or --save, not made yet)."""
-    if args.save is not None:
-        existing = _nearest_existing(args.save)
+    if save is not None:
+        existing = _nearest_existing(save)
         if not os.path.isdir(existing):
-            what = ("is" if existing == os.path.abspath(args.save)
+            what = ("is" if existing == os.path.abspath(save)
                     else f"lies under {existing!r}, which is")
-            raise CheckpointError(f"--save {args.save!r} {what} a file, not a directory")
+            raise CheckpointError(f"--save {save!r} {what} a file, not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
-            raise CheckpointError(f"--save {args.save!r}: {existing!r} is not writable")
-    if args.load is not None and not os.path.isdir(args.load):
-        if os.path.exists(args.load):
-            raise CheckpointError(f"--load {args.load!r} is a file, not a directory")
-        same = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
+            raise CheckpointError(f"--save {save!r}: {existing!r} is not writable")
+    if load is not None and not os.path.isdir(load):
+        if os.path.exists(load):
+            raise CheckpointError(f"--load {load!r} is a file, not a directory")
+        same = save is not None and os.path.abspath(save) == os.path.abspath(load)
         if not same:
-            raise CheckpointError(f"--load {args.load!r} does not exist")
+            raise CheckpointError(f"--load {load!r} does not exist")
 
 
-def _check_save_target(args: PretrainArgs) -> None:
+def _check_save_target(save: str | None, load: str | None) -> None:
     """A --save folder holding checkpoints is resumed, never overwritten by another run."""
-    if args.save is None:
+    if save is None:
         return
-    existing = checkpoint_dirs(args.save)
+    existing = checkpoint_dirs(save)
     if not existing:
         return
-    same = args.load is not None and Path(args.load).resolve() == Path(args.save).resolve()
+    same = load is not None and Path(load).resolve() == Path(save).resolve()
     if not same:
         newest = existing[0][0]
         raise CheckpointError(
-            f"--save {args.save} already holds checkpoints (newest: iteration {newest}); resume "
-            f"them with --load {args.save}, or save into another folder"
+            f"--save {save} already holds checkpoints (newest: iteration {newest}); resume "
+            f"them with --load {save}, or save into another folder"
         )
 
 
-def choose_resume(args: PretrainArgs) -> ResumeChoice:
-    """The resume decision for ``args`` (see the module docstring); CheckpointError if none."""
-    check_paths(args)
-    _check_save_target(args)
-    if args.load is None:
+def choose_resume(config: JobConfig) -> ResumeChoice:
+    """The resume decision for ``config`` (module docstring); CheckpointError if none."""
+    save, load = config.checkpoint.save, config.checkpoint.load
+    check_paths(save, load)
+    _check_save_target(save, load)
+    if load is None:
         return ResumeChoice(None)
-    selection = select_checkpoint(args.load)
+    selection = select_checkpoint(load)
     if selection.chosen is None:
         if selection.damaged:
             path, problem = selection.damaged[0]
             raise CheckpointError(
-                f"--load {args.load}: no complete checkpoint ({len(selection.damaged)} damaged; "
+                f"--load {load}: no complete checkpoint ({len(selection.damaged)} damaged; "
                 f"newest {path.name}: {problem})"
             )
-        return ResumeChoice(None, note=f"--load {args.load}: no checkpoint yet, starting from scratch")
-    check_model(selection.chosen, args)
+        return ResumeChoice(None, note=f"--load {load}: no checkpoint yet, starting from scratch")
+    check_model(selection.chosen, config.checkpoint)
     return ResumeChoice(selection.chosen, selection.warnings())

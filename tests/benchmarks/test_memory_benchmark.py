@@ -23,8 +23,8 @@ FLAGS = [*TINY, "--global-batch-size", "16"]  # 4 microbatches: 1f1b's pairs hol
 
 def _swept_peaks() -> tuple[int, int]:
     """The largest rank's peak in flight of plain 1f1b and of its unbounded combined pass."""
-    args = parse_pretrain_args(pretrain_flags("1f1b", True, tuple(FLAGS)), env={})
-    microbatches = args.global_batch_size // (args.micro_batch_size * 2)  # dp = 2
+    config = parse_pretrain_args(pretrain_flags("1f1b", True, tuple(FLAGS)), env={})
+    microbatches = config.schedule.num_microbatches  # dp = 2
     plain, points = budget_sweep("1f1b", 2, microbatches, Costs.from_text("1,2,1"))
     return max(plain.peak_in_flight), max(points[-1].peak_in_flight)
 

@@ -81,3 +81,11 @@ def test_interleaved_accepts_non_multiples_with_a_larger_group():
     # Megatron's rule: M % group is 0 or >= pp (10 % 5 = 0; 9 % 5 = 4 >= pp).
     for m in (9, 10, 14):
         validate(build_schedule("interleaved-1f1b", 4, m, vpp=2, microbatch_group_size_per_vp_stage=5))
+
+
+def test_default_schedule_is_megatrons_choice():
+    from megapipe.schedule.registry import default_schedule_name
+
+    assert default_schedule_name(4, 2) == "interleaved-1f1b"
+    assert default_schedule_name(4, 1) == "1f1b"
+    assert default_schedule_name(1, 1) == "1f1b"

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import megapipe.train.loop as loop
 import megapipe.train.main as entry
@@ -79,7 +80,7 @@ def _install_loss_recorder(folder: str, reference: bool) -> None:
 
     def train(args, write=print, choice=None):
         if reference and _attempt() == 0:
-            alone = args.replace(save=None, load=None)
+            alone = replace(args, checkpoint=replace(args.checkpoint, save=None, load=None))
             _REFERENCE_RUNNING["now"] = True  # no fault in the reference
             try:
                 _record(folder, "reference", real_train(alone, lambda line: None, ResumeChoice(None)))

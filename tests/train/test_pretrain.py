@@ -105,7 +105,7 @@ def test_bad_flags_are_one_clear_line(flags, message):
       "--recompute-num-layers", "2"], (), "uniform", 2),
 ])
 def test_recompute_flags_reach_the_model_config(flags, modules, method, layers):
-    config = parse_pretrain_args(TINY + flags, env={}).gpt_config()
+    config = parse_pretrain_args(TINY + flags, env={}).model
     assert (config.recompute_modules, config.recompute_method, config.recompute_num_layers) == (
         modules, method, layers)
 

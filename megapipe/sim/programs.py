@@ -32,9 +32,9 @@ from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..schedule.ir import Action, Kind
-from ..schedule.node_timing import COMM, COMPUTE, NodeTimes, time_issues
-from ..schedule.pair_order import (
-    FILL, HEAD, REST, TAIL, Issue, IssueOrder, compute_first_positions,
+from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
+from ..pairing.order import (
+    FILL, HEAD, REST, TAIL, Issue, IssueOrder, queuing_positions,
 )
 from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
 
@@ -195,7 +195,7 @@ def action_ops(action: Action, costs: "Costs") -> list[NodeOp]:
         attention = per_layer * costs.attention_share
         return part, half, attention if part == "attention" else per_layer - attention
 
-    return _program(order.issues, node, order=compute_first_positions(order.issues))
+    return _program(order.issues, node, order=queuing_positions(order.issues))
 
 
 def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:

@@ -38,6 +38,7 @@ from typing import Sequence
 from .comm_check import Layout, check_runs
 from .errors import ScheduleError
 from .ir import COMM_KINDS, Action, Kind, Schedule
+from .lower import lower
 
 EarlySends = dict[tuple[int, int], tuple[Action, ...]]
 """(rank, index of an OVERLAP in the rank's lowered list) -> its sends that go out one by one."""
@@ -120,3 +121,12 @@ def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     if single and _holds(lowered, single):
         return single, SINGLE
     return {}, WHOLE
+
+
+def executor_rule(schedule: Schedule) -> str:
+    """The rule ``choose_early_sends`` proves for ``schedule`` once lowered (the simulator's
+    default); ``WHOLE`` for a schedule that does not lower (the executor refuses it anyway)."""
+    try:
+        return choose_early_sends(lower(schedule))[1]
+    except ScheduleError:
+        return WHOLE

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ..schedule.early_sends import EACH, SINGLE, WHOLE
 from ..schedule.ir import Action, Kind
 from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
 from ..pairing.order import (
@@ -45,11 +46,12 @@ if TYPE_CHECKING:
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
 LAYER_MODEL = ("attention", "dispatch", "experts", "combine")  # a MoE layer of the layer model
 _LAYER_KINDS = (COMPUTE, COMM, COMPUTE, COMM)
-# when an OVERLAP's halves hand their outputs on (the executor's ``early_send_rule``): each
-# when its last node ends; both once both halves are done (before the held weight gradients;
-# also the conservative reading of the rule that sends only single-send pairs early); at the end
-EACH, WHOLE, AT_END = "each half", "whole batch", "at the end"
-EARLY_RULES = (EACH, "single-send pairs", WHOLE, AT_END)
+# when an OVERLAP's halves hand their outputs on: the executor's rules (``schedule.early_sends``:
+# each when its last node ends; both once both halves are done, before the held weight
+# gradients, also the conservative reading of the rule that sends only single-send pairs
+# early), or, to compare, at the end of the pair
+AT_END = "at the end"
+EARLY_RULES = (EACH, SINGLE, WHOLE, AT_END)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,9 @@ class NodeCosts:
     weight gradient (only the experts' GEMMs defer); in a plain schedule the generic split moves
     every weight gradient to W. ``wgrad_by_time``: the engine's nodes carry their times (as the
     replay benchmark's do), so the order places deferred weight gradients by the time rule;
-    without (a training run's nodes carry none) by the count rule. ``host_cost``: what the engine
+    without (a training run's nodes carry none) by the count rule. ``early_sends``: when an
+    OVERLAP's halves hand their outputs on (``EARLY_RULES``; None: the rule the executor proves
+    for the schedule, ``schedule.early_sends.choose_early_sends``). ``host_cost``: what the engine
     spends per F or B node beyond the node's own time (a property of the machine, measured by
     ``benchmarks/replay_calibration.py``), added to every F and B node (not to W)."""
 
@@ -105,7 +109,7 @@ class NodeCosts:
     defer_wgrad: bool = False
     host_runs_compute: bool = False
     combined: bool = True
-    early_sends: str = EACH
+    early_sends: str | None = None  # None: the executor's rule for the schedule
     wgrad_by_time: bool = False
     host_cost: float = 0.0
 
@@ -114,7 +118,7 @@ class NodeCosts:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
-        if self.early_sends not in EARLY_RULES:
+        if self.early_sends is not None and self.early_sends not in EARLY_RULES:
             raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
                              f"{', '.join(EARLY_RULES)}")
         if not self.host_cost >= 0:

@@ -57,7 +57,7 @@ def _plans(stage: ReplayStage, chunks: int) -> list:
     from megapipe.overlap.plan import ChunkedPlan
 
     plans = stage.layer_plans()
-    return [list(p.chunked(chunks)) if chunks > 1 and isinstance(p, ChunkedPlan) else p
+    return [p.chunked(chunks) if chunks > 1 and isinstance(p, ChunkedPlan) else p
             for p in plans]
 
 
@@ -195,19 +195,22 @@ def _engine(rounds: int) -> int:
     from megapipe.overlap.plan import Node, NodeKind, run_nodes
     from megapipe.overlap.streams import InlineStream, Streams
 
-    try:
+    try:  # an engine that kept its steps' orders (before pairing/): its executor kept them
         from megapipe.schedule.kept_orders import PairOrders
-    except ImportError:  # an engine from before the orders were kept (a side-by-side run)
+    except ImportError:
         PairOrders = None
+    try:  # plans built once with their graphs, as the reference GPT's are
+        from megapipe.overlap.plan import Plan
+    except ImportError:
+        Plan = list
 
     torch.set_num_threads(1)
     weight = torch.nn.Parameter(torch.ones(8))
     kinds = [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
-    plans = [[Node(f"n{i}", k, lambda state, t: (t[0] * weight,)) for i, k in enumerate(kinds)]
-             for _ in range(4)]
+    plans = [Plan([Node(f"n{i}", k, lambda state, t: (t[0] * weight,))
+                   for i, k in enumerate(kinds)]) for _ in range(4)]
     nodes = 2 * 4 * len(kinds)
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
-    # the executor keeps its steps' orders (PairOrders); an engine from before had none
     reuse = {"orders": PairOrders()} if PairOrders is not None else {}
 
     def leaf() -> torch.Tensor:

@@ -510,9 +510,19 @@ class CombinedStep:
                        forward: bool) -> None:
         """``record_use`` on ``stream`` of what a node that waits for the other stream reads:
         forward, its sources' outputs made on another stream (or given by the caller);
-        backward, its outputs' gradients."""
+        backward, the gradients its readers on another stream gave (all of them for the
+        layer's last node: they came from the next layer or the caller)."""
         if not forward:
-            stream.record_use(record.grads)
+            grads = record.grads
+            index = layer.nodes.index(record)
+            if index == len(layer.nodes) - 1:
+                stream.record_use(grads)
+                return
+            for reader in layer.nodes:
+                if reader.stream is not stream:
+                    for source, part in reader.sources:
+                        if source == index:
+                            stream.record_use(grads[part])  # type: ignore[index]
             return
         for source, part in record.sources:
             if source < 0 or layer.nodes[source].stream is not stream:

@@ -171,6 +171,10 @@ class InlineStream(Stream):
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         return DoneEvent(fn(*args, **kwargs))
 
+    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
+            record: bool = True) -> Event | None:
+        return DoneEvent(None if fn is None else fn(*args))
+
     def wait_event(self, event: Event) -> None:
         event.synchronize()
 

@@ -78,6 +78,7 @@ Slot = tuple[tuple[NodeRef, ...], tuple[NodeRef, ...]]  # (comm nodes, compute n
 
 # the ``node`` of a W issue: which share of a backward layer's deferred W items it runs
 HEAD, TAIL, REST, FILL = 0, 1, 2, 3
+_new_issue = tuple.__new__  # an ``Issue`` from all its fields, without the keyword handling
 
 
 class Issue(NamedTuple):
@@ -414,7 +415,8 @@ class IssueOrder:
     def _place(self, entry: _Entry, layer: int, placed: list[int]) -> int:
         """Issue one node after the entries it waits for (and its side's previous layer's end,
         when that ran on the other stream); returns its position."""
-        needs = tuple(placed[w] for w in entry.waits)
+        waits = entry.waits
+        needs = (placed[waits[0]],) if len(waits) == 1 else tuple([placed[w] for w in waits])
         caller = False
         if entry.after_previous:
             end = self.side_end[entry.side]
@@ -426,8 +428,9 @@ class IssueOrder:
             for w_layer, count, duration in clock.fill(needs):
                 self.issues.append(Issue(COMPUTE, "W", w_layer, FILL, self._slot, count=count))
                 clock.add(COMPUTE, (), duration)
-        self.issues.append(Issue(entry.stream, entry.side, layer, entry.node, self._slot,
-                                 needs, 0, entry.reads_host, caller, entry.signals))
+        self.issues.append(_new_issue(Issue, (entry.stream, entry.side, layer, entry.node,
+                                              self._slot, needs, 0, entry.reads_host, caller,
+                                              entry.signals)))
         if clock is not None:
             clock.add(entry.stream, needs, clock.node_time(entry.side, layer, entry.node))
             if entry.side == "B" and entry.stream == COMPUTE:

@@ -69,5 +69,5 @@ def test_the_readme_and_the_page_state_the_measured_path(rank_pools):
     assert f"**One OVERLAP action, end to end: {text}**" in (ROOT / "README.md").read_text()
     page = (ROOT / "docs" / "combined-step.md").read_text()
     assert f"## From an OVERLAP action to a node on a stream: {text}" in page
-    listed = re.findall(r"^\| `([a-z_/]+\.py)` \|", page, flags=re.M)
+    listed = re.findall(r"^\| `([a-z0-9_/]+\.py)` \|", page, flags=re.M)
     assert sorted(listed) == files

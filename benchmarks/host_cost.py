@@ -145,7 +145,8 @@ def _timed_rounds(pair: _Pair, rounds: int, labels: tuple[str, ...] = LABELS) ->
 def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
     """The simulator's pair (plain, combined) ms with ``host_cost`` ms per F and B node."""
     from megapipe.schedule.ir import Action, Kind
-    from megapipe.sim.programs import NodeCosts, node_ops, op_times
+    from megapipe.sim.costs import NodeCosts
+    from megapipe.sim.programs import node_ops, op_times
 
     def pair_time(action, defer: bool) -> float:
         nodes = NodeCosts(profile, 3, s.moe_layers, a2a_chunks=chunks, defer_wgrad=defer,

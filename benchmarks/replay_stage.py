@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from megapipe.models.gpt import GPTStage
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node
+from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, Plan
 from megapipe.sim.profile import NodeProfile, role_of
 
 
@@ -172,7 +172,7 @@ def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:
             return forms[k]
 
         return ChunkedPlan(nodes, chunked)
-    return nodes
+    return Plan(nodes) if isinstance(plan, Plan) else nodes
 
 
 class ReplayStage(GPTStage):

@@ -215,7 +215,7 @@ class GPTStage(nn.Module):
             {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
         )
         self.head = OutputHead(config) if is_last else None
-        self._plans: list[Plan] | None = None  # layer_plans(), made once
+        self._layer_plans: list[Plan] | None = None  # layer_plans(), made once
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
         # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
         # engine sets a tape or co-scheduling runner here around a user's forward call
@@ -235,17 +235,17 @@ class GPTStage(nn.Module):
         ``overlap.full_recompute.recompute_plan``: they keep only their inputs; with the uniform
         method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``). Made
         once (the engine records them every step; a copy of the stage makes its own)."""
-        if self._plans is None:
+        if self._layer_plans is None:
             plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
             plans += [self._layer_group_plan(group) for group in self._layer_groups()]
             if self.head is not None:
                 plans.append(_single_node("head", self.head))
-            self._plans = plans
-        return self._plans
+            self._layer_plans = plans
+        return self._layer_plans
 
     def __getstate__(self) -> dict:
         # the plans' functions are bound to this stage's modules: a copy makes its own
-        return {**super().__getstate__(), "_plans": None}
+        return {**super().__getstate__(), "_layer_plans": None}
 
     def _layer_groups(self) -> list[list[TransformerLayer]]:
         """The layers in recompute groups: N consecutive layers with uniform full recompute,

@@ -20,15 +20,13 @@ import warnings
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megapipe.overlap.wgrad import Track, WeightGradQueue
 from megapipe.pairing.order import COMM_READS_HOST
-
-if TYPE_CHECKING:
-    from megapipe.overlap.wgrad import WeightGradQueue
-    from megapipe.pairing.timing import NodeTimes
+from megapipe.pairing.timing import NodeTimes
 
 
 class NodeKind(str, Enum):
@@ -49,15 +47,12 @@ class LayerState:
     later one.
     """
 
-    wgrad_queue: "WeightGradQueue | None" = None
+    wgrad_queue: WeightGradQueue | None = None
     recomputing: bool = False
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
-Track = Callable[[Sequence[Any]], None]
-"""``track(values)``: the engine keeps these tensors until their backward or later use (the
-pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ class Node:
     kind: NodeKind
     fn: NodeFn
     group: Any = None
-    times: "NodeTimes | None" = None
+    times: NodeTimes | None = None
     reads_host: bool = False
 
 

@@ -57,7 +57,7 @@ def _plans(stage: ReplayStage, chunks: int) -> list:
     from megapipe.overlap.plan import ChunkedPlan
 
     plans = stage.layer_plans()
-    return [list(p.chunked(chunks)) if chunks > 1 and isinstance(p, ChunkedPlan) else p
+    return [p.chunked(chunks) if chunks > 1 and isinstance(p, ChunkedPlan) else p
             for p in plans]
 
 
@@ -145,7 +145,8 @@ def _timed_rounds(pair: _Pair, rounds: int, labels: tuple[str, ...] = LABELS) ->
 def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
     """The simulator's pair (plain, combined) ms with ``host_cost`` ms per F and B node."""
     from megapipe.schedule.ir import Action, Kind
-    from megapipe.sim.programs import NodeCosts, node_ops, op_times
+    from megapipe.sim.costs import NodeCosts
+    from megapipe.sim.programs import node_ops, op_times
 
     def pair_time(action, defer: bool) -> float:
         nodes = NodeCosts(profile, 3, s.moe_layers, a2a_chunks=chunks, defer_wgrad=defer,
@@ -195,19 +196,22 @@ def _engine(rounds: int) -> int:
     from megapipe.overlap.plan import Node, NodeKind, run_nodes
     from megapipe.overlap.streams import InlineStream, Streams
 
-    try:
+    try:  # an engine that kept its steps' orders (before pairing/): its executor kept them
         from megapipe.schedule.kept_orders import PairOrders
-    except ImportError:  # an engine from before the orders were kept (a side-by-side run)
+    except ImportError:
         PairOrders = None
+    try:  # plans built once with their graphs, as the reference GPT's are
+        from megapipe.overlap.plan import Plan
+    except ImportError:
+        Plan = list
 
     torch.set_num_threads(1)
     weight = torch.nn.Parameter(torch.ones(8))
     kinds = [NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE, NodeKind.COMM, NodeKind.COMPUTE]
-    plans = [[Node(f"n{i}", k, lambda state, t: (t[0] * weight,)) for i, k in enumerate(kinds)]
-             for _ in range(4)]
+    plans = [Plan([Node(f"n{i}", k, lambda state, t: (t[0] * weight,))
+                   for i, k in enumerate(kinds)]) for _ in range(4)]
     nodes = 2 * 4 * len(kinds)
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
-    # the executor keeps its steps' orders (PairOrders); an engine from before had none
     reuse = {"orders": PairOrders()} if PairOrders is not None else {}
 
     def leaf() -> torch.Tensor:

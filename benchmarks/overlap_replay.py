@@ -85,7 +85,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
     """The simulator's view of one run (CPU host: the compute stream is the host thread;
     ``early``: the executor's ``early_send_rule``, None: the simulator's default;
     ``host_cost``: ms per node, ``replay_calibration``; ``profile``: default the run's)."""
-    from megapipe.sim.programs import NodeCosts
+    from megapipe.sim.costs import NodeCosts
 
     nodes = NodeCosts(profile or _profile(s), schedule.stages_per_pipeline, s.moe_layers,
                       a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
@@ -96,7 +96,7 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
 
 def chunks_for(s: ReplaySettings, name: str) -> int:
     """``--a2a-chunks`` as given, else the simulator's pick (``choose_a2a_chunks``)."""
-    from megapipe.sim.programs import choose_a2a_chunks
+    from megapipe.sim.pick import choose_a2a_chunks
 
     if s.a2a_chunks is not None:
         return s.a2a_chunks
@@ -260,7 +260,8 @@ def _pair(s: ReplaySettings, groups) -> dict:
 def _predict_pair(s: ReplaySettings, host_cost: float = 0.0) -> tuple[float, float]:
     """The simulator's pair: (combined, sequential) ms."""
     from megapipe.schedule.ir import Action, Kind
-    from megapipe.sim.programs import NodeCosts, node_ops, op_times
+    from megapipe.sim.costs import NodeCosts
+    from megapipe.sim.programs import node_ops, op_times
 
     profile = _profile(s)
     nodes = NodeCosts(profile, 3, s.moe_layers, defer_wgrad=s.delay_wgrad, host_runs_compute=True,

@@ -16,6 +16,8 @@ gloo all-to-alls and p2p) is the real engine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ctypes
 import sys
 import time
@@ -24,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from megapipe.models.gpt import GPTStage
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node
+from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, Plan
 from megapipe.sim.profile import NodeProfile, role_of
 
 
@@ -135,7 +137,7 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
     weight_s = profile.time(role, "W", chunks) / 1e3
     times = profile.node_times(role, chunks)
     if not (forward_s or backward_s or weight_s):  # nothing to wait for (a MoE layer's finish)
-        return Node(node.name, node.kind, node.fn, node.group, times)
+        return replace(node, times=times)
 
     def fn(state: LayerState, inputs: tuple) -> tuple:
         start = time.perf_counter()
@@ -148,7 +150,7 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
         return outputs
 
     # the times travel with the node: the combined step places deferred weight gradients by them
-    return Node(node.name, node.kind, fn, node.group, times)
+    return replace(node, fn=fn, times=times)
 
 
 def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:
@@ -170,7 +172,7 @@ def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:
             return forms[k]
 
         return ChunkedPlan(nodes, chunked)
-    return nodes
+    return Plan(nodes) if isinstance(plan, Plan) else nodes
 
 
 class ReplayStage(GPTStage):

@@ -68,7 +68,7 @@ def run(ctx, result) -> None:  # noqa: ANN001
             if combined:
                 _read_waits(result, waits)
     result.note("warnings raised inside an autograd backward are replayed when backward "
-                "returns: they name the line that called backward (overlap/tape.py)")
+                "returns: they name the line that called backward (overlap/combined.py)")
 
 
 def _host_reads(ctx, result, bench: PairBench) -> None:  # noqa: ANN001

@@ -21,7 +21,7 @@ sequence parallelism the compute nodes run inside Megatron's model-parallel RNG 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -254,7 +254,7 @@ def _with_work(node: Node, work: tuple[str, Callable[[], None]]) -> Node:
     def fn(state: LayerState, inputs: Tensors) -> Tensors:
         return node.fn(state, after_backward(state, [work], inputs))
 
-    return Node(node.name, node.kind, fn, node.group, node.times)
+    return replace(node, fn=fn)
 
 
 def final_norm(gpt: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ happens in a backward, possibly beside another microbatch's forward of the same 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import contextvars
 import copy
 from contextlib import contextmanager
@@ -115,7 +117,7 @@ def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
             with switch.using(dispatcher), _first_run_view(state, node.name, buffers, release):
                 return node.fn(state, inputs)
 
-        return Node(node.name, node.kind, fn, node.group, node.times)
+        return replace(node, fn=fn)
 
     return recompute_plan([guarded(node) for node in plan], params)
 

@@ -18,6 +18,8 @@ index, name), so any stage split and any EP size rebuild the single-process mode
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Sequence
 
 import torch
@@ -33,10 +35,9 @@ from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, run_nodes,
+    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
 )
 
-Plan = list[Node]
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -101,7 +102,7 @@ class TransformerLayer(nn.Module):
         ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
-            return [Node(name, NodeKind.COMPUTE, self._dense)]
+            return Plan([Node(name, NodeKind.COMPUTE, self._dense)])
         return ChunkedPlan(
             self._with_residual(self.moe.node_plan()),
             lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
@@ -123,7 +124,7 @@ class TransformerLayer(nn.Module):
             return (h + moe_out,)
 
         def named(node: Node) -> Node:
-            return Node(f"{name}.{node.name}", node.kind, node.fn, node.group)
+            return replace(node, name=f"{name}.{node.name}")
 
         middle = [
             Fork(tuple(tuple(named(n) for n in b) for b in item.branches), item.width)
@@ -183,7 +184,7 @@ def _single_node(name: str, module: nn.Module) -> Plan:
         (x,) = inputs
         return (module(x),)
 
-    return [Node(name, NodeKind.COMPUTE, fn)]
+    return Plan([Node(name, NodeKind.COMPUTE, fn)])
 
 
 class GPTStage(nn.Module):
@@ -214,6 +215,7 @@ class GPTStage(nn.Module):
             {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
         )
         self.head = OutputHead(config) if is_last else None
+        self._layer_plans: list[Plan] | None = None  # layer_plans(), made once
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
         # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
         # engine sets a tape or co-scheduling runner here around a user's forward call
@@ -231,12 +233,19 @@ class GPTStage(nn.Module):
         """Node plans in execution order: embedding, each layer, final norm + head. A layer the
         config recomputes whole (``recompute_method``) has its compute nodes wrapped by
         ``overlap.full_recompute.recompute_plan``: they keep only their inputs; with the uniform
-        method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``)."""
-        plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
-        plans += [self._layer_group_plan(group) for group in self._layer_groups()]
-        if self.head is not None:
-            plans.append(_single_node("head", self.head))
-        return plans
+        method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``). Made
+        once (the engine records them every step; a copy of the stage makes its own)."""
+        if self._layer_plans is None:
+            plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
+            plans += [self._layer_group_plan(group) for group in self._layer_groups()]
+            if self.head is not None:
+                plans.append(_single_node("head", self.head))
+            self._layer_plans = plans
+        return self._layer_plans
+
+    def __getstate__(self) -> dict:
+        # the plans' functions are bound to this stage's modules: a copy makes its own
+        return {**super().__getstate__(), "_layer_plans": None}
 
     def _layer_groups(self) -> list[list[TransformerLayer]]:
         """The layers in recompute groups: N consecutive layers with uniform full recompute,

@@ -2,7 +2,7 @@
 
 A forward or backward step with no other microbatch beside it hides nothing behind its
 all-to-alls. Split into chunks, one chunk's dispatch or combine runs beside another chunk's
-expert compute (``megapipe.schedule.pair_order.chunk_slots``). The chunks here are *expert groups*:
+expert compute (``megapipe.pairing.order.chunk_slots``). The chunks here are *expert groups*:
 the experts each EP rank holds are cut into k contiguous groups, and chunk g carries the rows of
 every token routed to an expert of group g, on every rank:
 

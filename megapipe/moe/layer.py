@@ -1,8 +1,10 @@
 """The MoE layer, written as a node plan so the overlap engine can interleave it.
 
-``MoELayer.node_plan()`` returns five nodes. Each node fn takes ``(state, tensors)`` and reads
-only its own *trailing* tensors; any leading tensors (e.g. a residual a model layer prepends)
-pass through unchanged, in front (``pass_leading``). Own tensors, in order:
+``MoELayer.node_plan()`` returns five nodes: route, a ``Fork`` of one branch (dispatch,
+experts, combine), finish. Each node fn takes ``(state, tensors)``; route and finish read only
+their own *trailing* tensors, and any leading tensors (e.g. a residual a model layer prepends)
+stay in front (``pass_leading``). What route leaves for finish goes around the branch (the
+fork's ``around`` tensors), so no node carries a tensor it does not use. Own tensors:
 
 | node     | kind    | reads                      | returns                 |
 |----------|---------|----------------------------|-------------------------|
@@ -10,7 +12,7 @@ pass through unchanged, in front (``pass_leading``). Own tensors, in order:
 | dispatch | comm    | (rows,)                    | (expert_rows,)          |
 | experts  | compute | (expert_rows,)             | (expert_out,)           |
 | combine  | comm    | (expert_out,)              | (rows_out,)             |
-| finish   | compute | (*shared, probs, rows_out) | (y,)                    |
+| finish   | compute | route's (*shared, probs), combine's (rows_out,) | (y,)       |
 
 ``x`` is ``[b, s, h]`` or ``[t, h]``; ``y`` has the shape of ``x``. ``shared`` is ``(tokens,)``
 (x flattened to [t, h], the shared expert's input, kept for finish) when the config has a shared
@@ -192,16 +194,21 @@ class MoELayer(nn.Module):
         return 0 if self.shared_expert is None else 1
 
     def node_plan(self) -> ChunkedPlan:
-        """The five nodes (module docstring); ``.chunked(k)`` gives ``chunked_plan(k)``."""
-        shared = self.num_shared
-        plain = [
+        """The five nodes (module docstring): route, a ``Fork`` of one branch (dispatch,
+        experts, combine), finish, so that what route leaves for finish (the shared expert's
+        input, the combine weights, and any leading tensor such as a residual) goes around the
+        all-to-all nodes instead of through them; ``.chunked(k)`` gives ``chunked_plan(k)``."""
+        dropless = self.config.capacity_factor is None  # dispatch reads its split sizes
+        branch = (
+            Node("dispatch", NodeKind.COMM, self._dispatch, reads_host=dropless),
+            Node("experts", NodeKind.COMPUTE, self._experts),
+            Node("combine", NodeKind.COMM, self._combine),
+        )
+        return ChunkedPlan([
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
-            Node("dispatch", NodeKind.COMM, pass_leading(self._dispatch, 1)),
-            Node("experts", NodeKind.COMPUTE, pass_leading(self._experts, 1)),
-            Node("combine", NodeKind.COMM, pass_leading(self._combine, 1)),
-            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, shared + 2)),
-        ]
-        return ChunkedPlan(plain, self.chunked_plan)
+            Fork((branch,)),
+            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2)),
+        ], self.chunked_plan)
 
     def chunked_plan(self, chunks: int) -> list[Node | Fork]:
         """The layer with its all-to-alls in ``chunks`` expert groups (``megapipe.moe.chunks``):
@@ -238,7 +245,8 @@ class MoELayer(nn.Module):
             return fn
 
         branches = tuple(
-            (Node(f"dispatch{g}", NodeKind.COMM, dispatch(g)),
+            (Node(f"dispatch{g}", NodeKind.COMM, dispatch(g),
+                  reads_host=g == 0 and self.config.capacity_factor is None),
              Node(f"experts{g}", NodeKind.COMPUTE, experts(g)),
              Node(f"combine{g}", NodeKind.COMM, combine(g)))
             for g in range(count)

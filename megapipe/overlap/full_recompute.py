@@ -26,11 +26,13 @@ there is no RNG state to restore; a node that draws any cannot be recomputed bit
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any, Callable, Sequence
 
 import torch
 
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind
+from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, Plan
 from megapipe.overlap.recompute import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
@@ -96,7 +98,7 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
             return tuple(node.fn(state, inputs))  # nothing to save: run it plainly
         return _NodeRecompute.apply(node.fn, state, len(inputs), *inputs, *params)
 
-    return Node(node.name, node.kind, fn, node.group)
+    return replace(node, fn=fn)
 
 
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
@@ -117,7 +119,7 @@ def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[
     if isinstance(plan, ChunkedPlan):
         chunked: Callable[[int], list[Any]] = plan.chunked
         return ChunkedPlan(wrap(plan), lambda chunks: wrap(chunked(chunks)))
-    return wrap(plan)
+    return Plan(wrap(plan)) if isinstance(plan, Plan) else wrap(plan)
 
 
 RECOMPUTE_METHODS = ("uniform", "block")

@@ -17,11 +17,13 @@ are bitwise those of the layers one by one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Any, Callable, Sequence
 
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeKind
+from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeKind, Plan
 
-Plan = list[Any]
+Items = list[Any]
 
 
 class _PartState(LayerState):
@@ -50,7 +52,7 @@ def _in_part(node: Node, index: int) -> Node:
     def fn(state: LayerState, inputs: tuple) -> tuple:
         return node.fn(_part(state, index), inputs)
 
-    return Node(node.name, node.kind, fn, node.group)
+    return replace(node, fn=fn)
 
 
 def _joined(first: Node, second: Node) -> Node:
@@ -60,8 +62,8 @@ def _joined(first: Node, second: Node) -> Node:
     return Node(f"{first.name}+{second.name}", NodeKind.COMPUTE, fn)
 
 
-def _chain(plans: Sequence[Sequence[Any]]) -> Plan:
-    out: Plan = []
+def _chain(plans: Sequence[Sequence[Any]]) -> Items:
+    out: Items = []
     for index, plan in enumerate(plans):
         items = [
             Fork(tuple(tuple(_in_part(n, index) for n in b) for b in item.branches), item.width)
@@ -78,17 +80,17 @@ def _chain(plans: Sequence[Sequence[Any]]) -> Plan:
     return out
 
 
-def group_plans(plans: Sequence[Sequence[Any]]) -> Plan:
+def group_plans(plans: Sequence[Sequence[Any]]) -> Items:
     """The layers ``plans`` (in order) as one plan (module docstring); a ``ChunkedPlan`` among
     them makes the group one too (its chunked form chains the layers' chunked forms)."""
     if not plans:
         raise ValueError("group_plans needs at least one layer plan")
     if len(plans) == 1:
-        return plans[0] if isinstance(plans[0], ChunkedPlan) else list(plans[0])
+        return plans[0] if isinstance(plans[0], Plan) else list(plans[0])
     if not any(isinstance(p, ChunkedPlan) for p in plans):
-        return _chain(plans)
+        return Plan(_chain(plans))
 
-    def chunked(chunks: int) -> Plan:
+    def chunked(chunks: int) -> Items:
         forms: list[Callable[[int], Any] | None] = [
             p.chunked if isinstance(p, ChunkedPlan) else None for p in plans
         ]

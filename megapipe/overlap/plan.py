@@ -20,13 +20,13 @@ import warnings
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from megapipe.overlap.wgrad import WeightGradQueue
-    from megapipe.schedule.node_timing import NodeTimes
+from megapipe.overlap.wgrad import Track, WeightGradQueue
+from megapipe.pairing.order import COMM_READS_HOST
+from megapipe.pairing.timing import NodeTimes
 
 
 class NodeKind(str, Enum):
@@ -47,15 +47,12 @@ class LayerState:
     later one.
     """
 
-    wgrad_queue: "WeightGradQueue | None" = None
+    wgrad_queue: WeightGradQueue | None = None
     recomputing: bool = False
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
-Track = Callable[[Sequence[Any]], None]
-"""``track(values)``: the engine keeps these tensors until their backward or later use (the
-pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +60,16 @@ class Node:
     """One node of a layer. ``group``: the process group a comm node drives (optional); the
     combined step checks that each group is driven from one stream only. ``times``: the node's
     expected times (optional; when every node of a combined step has them, the combined step
-    places deferred weight gradients by time: ``megapipe.schedule.node_timing``)."""
+    places deferred weight gradients by time: ``megapipe.pairing.timing``). ``reads_host``: a
+    comm node that reads values back to the host (a dropless dispatch's split sizes); a host
+    that only queues work issues it after the compute beside it (``pairing.order``)."""
 
     name: str
     kind: NodeKind
     fn: NodeFn
     group: Any = None
-    times: "NodeTimes | None" = None
+    times: NodeTimes | None = None
+    reads_host: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ Source = tuple[int, slice]  # (node index, or -1 for the layer's input; which of
 class LayerGraph:
     """A layer plan as a graph: its nodes in a forward order (every node after the nodes it
     reads), where each node's inputs come from, how many nodes read each node's outputs, and
-    the plan's node kinds for the pair order (``megapipe.schedule.pair_order``: per item a
+    the plan's node kinds for the pair order (``megapipe.pairing.order``: per item a
     node's kind, or per fork the kinds of each branch)."""
 
     nodes: tuple[Node, ...]
@@ -120,14 +120,16 @@ _WHOLE = slice(None)
 
 def _kind(node: Node) -> str:
     kind = _KIND.get(node.kind)
-    return kind if kind is not None else NodeKind(node.kind).value  # NodeKind names the error
+    if kind is None:
+        kind = NodeKind(node.kind).value  # NodeKind names the error
+    return COMM_READS_HOST if node.reads_host and kind == "comm" else kind
 
 
 def layer_graph(plan: Sequence[Any]) -> LayerGraph:
     """The graph of a plan of ``Node`` and ``Fork`` items (a fork sits between two nodes)."""
     if all(type(item) is Node for item in plan):  # a chain: each node reads the one before
         if not plan:
-            raise TypeError("a layer plan must hold at least one Node")
+            raise TypeError("a layer plan must be a non-empty list of Node (and Fork) items")
         count = len(plan)
         return LayerGraph(tuple(plan), tuple(((n - 1, _WHOLE),) for n in range(count)),
                           (1,) * (count - 1) + (0,), tuple(_kind(node) for node in plan))
@@ -165,7 +167,7 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
         kinds.append(_kind(after))
         last = len(nodes) - 1
     if not nodes:
-        raise TypeError("a layer plan must hold at least one Node")
+        raise TypeError("a layer plan must be a non-empty list of Node (and Fork) items")
     readers = [0] * len(nodes)
     for node_sources in sources:
         for index, _ in node_sources:
@@ -194,17 +196,32 @@ def run_nodes(
     return outputs[-1]
 
 
-class ChunkedPlan(list):
-    """A node plan (a list of ``Node``) that can also split itself into ``k`` chunks.
+class Plan(list):
+    """A node plan (a list of ``Node`` and ``Fork``) built once, with its graph: ``graph`` is
+    its ``layer_graph``, made here so the engine does not make it again every time it records
+    the layer. A model that builds its plans once (``GPTStage.layer_plans``) gives them so."""
 
-    ``chunked(k)`` returns the same layer as a plan with a ``Fork`` of k branches whose
-    results equal the plain plan's; the combined step uses it when asked for chunked all-to-alls
-    (``a2a_chunks``). Anything that takes a list of nodes takes this plan as is.
-    """
+    def __init__(self, items: Sequence[Any]) -> None:
+        super().__init__(items)
+        self.graph = layer_graph(self)
 
-    def __init__(self, nodes: Sequence[Node], chunked: Callable[[int], list[Any]]) -> None:
+
+class ChunkedPlan(Plan):
+    """A ``Plan`` that can also split itself into ``k`` chunks: ``chunked(k)`` returns the same
+    layer as a plan with a ``Fork`` of k branches whose results equal this plan's (made once per
+    k); the combined step uses it when asked for chunked all-to-alls (``a2a_chunks``)."""
+
+    def __init__(self, nodes: Sequence[Any], chunked: Callable[[int], list[Any]]) -> None:
         super().__init__(nodes)
-        self.chunked = chunked
+        self._chunk = chunked
+        self._forms: dict[int, ChunkedPlan] = {}
+
+    def chunked(self, chunks: int) -> "ChunkedPlan":
+        """The layer in ``chunks`` expert groups."""
+        form = self._forms.get(chunks)
+        if form is None:
+            form = self._forms[chunks] = ChunkedPlan(self._chunk(chunks), self._chunk)
+        return form
 
 
 @runtime_checkable

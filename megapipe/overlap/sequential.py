@@ -1,7 +1,7 @@
 """The tape path: a stage's nodes run one after the other, forward, then backward.
 
 ``record_forward(layer_plans, inputs)`` runs each layer's nodes in order on a new tape
-(``tape.Tape``); ``run_backward(tape, grads)`` walks them back, last node first, with the
+(``combined.Tape``); ``run_backward(tape, grads)`` walks them back, last node first, with the
 combined step's own ``forward_node`` and ``backward_node``, so both paths perform the same
 operations: bitwise those of plain autograd over the same plans. ``TapeRunner`` is the node
 runner of this path (a model's forward drives it through its ``node_runner``).
@@ -13,9 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.combined import backward_node, forward_node
+from megapipe.overlap.combined import Grads, Tape, Values, backward_node, checked, forward_node
 from megapipe.overlap.plan import Track
-from megapipe.overlap.tape import Grads, Tape, Values, checked
 from megapipe.overlap.wgrad import WeightGradQueue
 
 

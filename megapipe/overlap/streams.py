@@ -6,10 +6,12 @@ makes later work on a stream start only after ``e``. ``e.value_on(stream)`` hand
 work on ``stream`` (making it wait first), which is how a tensor crosses from one stream to
 another.
 
-- CUDA (``CudaStream``): ``fn`` runs on the host at once inside ``torch.cuda.stream(...)``, so
-  its kernels queue on that stream; events are ``torch.cuda.Event``; a tensor handed to another
-  stream gets ``record_stream`` so the caching allocator does not reuse its memory early. The
-  communication stream may be created with high priority.
+- CUDA (``CudaStream``): ``fn`` runs on the host at once with that stream current (the
+  compute stream is the device's current stream: no switch), so its kernels queue on it; events
+  are ``torch.cuda.Event``, made once and reused where the combined step records them
+  (``run``, ``recycle``); a tensor handed to another stream gets ``record_stream`` so the
+  caching allocator does not reuse its memory early. The communication stream may be created
+  with high priority. Every ``torch.cuda`` call goes through ``CudaApi``.
 - CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once and its
   event is already complete. A communication stream (``WorkerStream``) is one worker thread
   running submitted work in order; its events are locks the worker releases. gloo collectives
@@ -74,6 +76,16 @@ class Stream(ABC):
     def synchronize(self) -> None:
         """Block the calling thread until all work submitted so far has completed."""
         self.record_event().synchronize()
+
+    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
+            record: bool = True) -> Event | None:
+        """The combined step's ``submit``: ``fn(*args)`` (None: nothing, only the event), and
+        an event only when ``record`` (a CPU stream always gives one: it carries the value).
+        Events recorded this way may be recorded again after ``recycle``."""
+        return self.submit(fn, *args) if fn is not None else self.record_event()
+
+    def recycle(self) -> None:
+        """Every wait on the events ``run`` gave so far has been issued: they may be reused."""
 
     def mark(self) -> Any:
         """A timing point in this stream's work for ``NodeTrace``: None means "read the host
@@ -158,6 +170,10 @@ class InlineStream(Stream):
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         return DoneEvent(fn(*args, **kwargs))
+
+    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
+            record: bool = True) -> Event | None:
+        return DoneEvent(None if fn is None else fn(*args))
 
     def wait_event(self, event: Event) -> None:
         event.synchronize()
@@ -254,8 +270,36 @@ class CudaMark:
         return self.host + self.event.elapsed_time(other.event) / 1e3
 
 
+class CudaApi:
+    """The ``torch.cuda`` calls a ``CudaStream`` makes, in one place: a stand-in that counts
+    them runs the CUDA path's logic on CPU (the engine-cost count of ``benchmarks/host_cost.py``
+    and its tests)."""
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def switch(self, stream: Any) -> Any:
+        """A context in which ``stream`` is the current stream."""
+        return torch.cuda.stream(stream)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def keep(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``record_stream``: the allocator keeps ``tensor``'s memory until ``stream``'s work
+        queued so far is done."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+
 class CudaEvent(Event):
-    def __init__(self, event: "torch.cuda.Event", value: Any, producer: "CudaStream") -> None:
+    def __init__(self, event: Any, value: Any, producer: "CudaStream") -> None:
         self.event = event
         self.value = value
         self.producer = producer
@@ -270,13 +314,18 @@ class CudaEvent(Event):
         if not isinstance(stream, CudaStream):
             raise TypeError(f"a CUDA event's value can go only to a CudaStream, not {stream!r}")
         stream.wait_event(self)
-        if stream.stream != self.producer.stream:
+        if stream.stream is not self.producer.stream:
             stream.record_use(self.value)
         return self.value
 
 
 class CudaStream(Stream):
-    """A CUDA stream; ``fn`` runs on the host at once with this stream current."""
+    """A CUDA stream; ``fn`` runs on the host at once with this stream current.
+
+    ``current``: this stream is the device's current stream while work is submitted (the
+    compute stream), so work runs without a stream switch. ``run`` (the combined step's way in)
+    records its events into a pool that ``recycle`` hands out again: events are made once.
+    """
 
     keeps_memory = True
 
@@ -286,30 +335,60 @@ class CudaStream(Stream):
         device: torch.device,
         priority: int = 0,
         stream: "torch.cuda.Stream | None" = None,
+        current: bool = False,
+        api: CudaApi | None = None,
     ) -> None:
         self.name = name
         self.device = device
+        self.api = api if api is not None else CudaApi()
         if stream is None:
             stream = torch.cuda.Stream(device=device, priority=priority)
         self.stream = stream
+        self.current = current
+        self._pool: list[Any] = []  # events ``run`` records, reused after ``recycle``
+        self._used = 0
+
+    def _call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.current:
+            return fn(*args, **kwargs)
+        with self.api.switch(self.stream):
+            return fn(*args, **kwargs)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
-        with torch.cuda.stream(self.stream):
-            value = fn(*args, **kwargs)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        value = self._call(fn, args, kwargs)
+        event = self.api.new_event()
+        self.api.record(event, self.stream)
         return CudaEvent(event, value, self)
+
+    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
+            record: bool = True) -> Event | None:
+        value = None if fn is None else self._call(fn, args, {})
+        if not record:
+            return None
+        if self._used == len(self._pool):
+            self._pool.append(self.api.new_event())
+        event = self._pool[self._used]
+        self._used += 1
+        self.api.record(event, self.stream)
+        return CudaEvent(event, value, self)
+
+    def recycle(self) -> None:
+        self._used = 0
+        if self.current and self.api.current_stream(self.device) != self.stream:
+            raise RuntimeError(
+                f"stream {self.name!r} must stay the device's current stream while megapipe "
+                "runs (its work is issued without switching to it)")
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
             raise TypeError(
                 f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}"
             )
-        self.stream.wait_event(event.event)
+        self.api.wait(self.stream, event.event)
 
     def record_event(self) -> Event:
-        event = torch.cuda.Event()
-        event.record(self.stream)
+        event = self.api.new_event()
+        self.api.record(event, self.stream)
         return CudaEvent(event, None, self)
 
     def mark(self) -> CudaMark:
@@ -317,8 +396,7 @@ class CudaStream(Stream):
 
     def record_use(self, values: Any) -> None:
         for t in _tensors(values):
-            if t.is_cuda:
-                t.record_stream(self.stream)
+            self.api.keep(t, self.stream)
 
 
 # ---- the pair -----------------------------------------------------------------------------
@@ -350,6 +428,11 @@ class Streams:
         self.comm.synchronize()
         self.compute.synchronize()
 
+    def recycle(self) -> None:
+        """A combined step ended: every wait on the events ``Stream.run`` gave is issued."""
+        self.comm.recycle()
+        self.compute.recycle()
+
     def close(self) -> None:
         self.comm.close()
         self.compute.close()
@@ -373,7 +456,8 @@ def make_streams(device: torch.device | str = "cpu", high_priority_comm: bool = 
             raise RuntimeError(f"make_streams({device}) needs CUDA, which is not available")
         # out-of-range priorities map to the nearest valid one: -1000 means the highest
         priority = -1000 if high_priority_comm else 0
-        compute = CudaStream("compute", device, stream=torch.cuda.current_stream(device))
+        compute = CudaStream("compute", device, stream=torch.cuda.current_stream(device),
+                             current=True)
         return Streams(compute, CudaStream("comm", device, priority=priority))
     if device.type == "cpu":
         return Streams(InlineStream("compute"), WorkerStream("comm"))

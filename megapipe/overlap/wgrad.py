@@ -22,7 +22,7 @@ GEMMs are one grouped kernel when the caller gives device offsets (``overlap.gro
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,8 +31,9 @@ from megapipe.overlap.grouped_gemm import (
 )
 from megapipe.overlap.main_grad import accumulate_grad_rows
 
-if TYPE_CHECKING:
-    from megapipe.overlap.plan import LayerState, Track
+Track = Callable[[Sequence[Any]], None]
+"""``track(values)``: the engine keeps these tensors until their backward or later use (the
+pipeline's activation meter counts them, ``pipeline.activation_meter``)."""
 
 
 class WeightGradQueue:
@@ -41,7 +42,7 @@ class WeightGradQueue:
     ``track`` (optional) is told of the tensors each item keeps until it runs (``put``'s
     ``keeps``), so the activation meter counts them."""
 
-    def __init__(self, track: "Track | None" = None) -> None:
+    def __init__(self, track: Track | None = None) -> None:
         self._work: deque[tuple[str, Callable[[], None]]] = deque()
         self.track = track
 
@@ -79,8 +80,9 @@ class WeightGradQueue:
         return count
 
 
-def queue_of(state: "LayerState | None") -> WeightGradQueue | None:
-    """The queue a deferrable op should use now: ``state.wgrad_queue`` (None: no deferral)."""
+def queue_of(state: Any) -> WeightGradQueue | None:
+    """The queue a deferrable op should use now: the ``wgrad_queue`` of ``state`` (a layer's
+    ``plan.LayerState``; None: no deferral)."""
     return None if state is None else state.wgrad_queue
 
 
@@ -155,7 +157,7 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def grouped_matmul(
     x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
-    state: "LayerState | None" = None, offsets: torch.Tensor | None = None, first: int = 0,
+    state: Any = None, offsets: torch.Tensor | None = None, first: int = 0,
 ) -> torch.Tensor:
     """``cat_i(x_i @ weight[first + i])`` for ``x`` split into row groups of ``counts``.
 

@@ -2,7 +2,7 @@
 
 The executor walks this rank's action list once per step. Each maximal run of consecutive comm
 actions is posted as one batch when reached; a compute action first waits for the batch that
-holds the tensor it consumes (``step_tensors.StepTensors``: the data in transit), then runs the
+holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
 stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
 combined schedule every training step of a ``StageModule`` runs on the streams as one
 ``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -39,16 +40,15 @@ from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
     check_executor_options, check_inputs, check_overlap_options, check_stages,
 )
-from megapipe.pipeline.early_sends import PairSends, choose_early_sends, comm_batch
 from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
 from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
-from megapipe.pipeline.step_tensors import StepTensors
+from megapipe.pipeline.p2p import PairSends, StepTensors, stage_links
+from megapipe.schedule.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.ir import Action, Kind, Schedule
-from megapipe.schedule.kept_orders import PairOrders
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
@@ -161,10 +161,7 @@ class PipelineExecutor:
         check_stages(schedule, self.pp_rank, stages)
         self.stages = dict(stages)
         self.loss_fn = loss_fn
-        if isinstance(spec, TensorSpec):
-            fixed = spec
-            spec = lambda stage, microbatch: fixed  # noqa: E731
-        self.spec = spec
+        self.spec = spec  # a TensorSpec is a SpecFn too
         self.timeout = timeout
         self.workers = {
             s: StageWorker(s, m, forward_fn, use_tape=use_tape) for s, m in self.stages.items()
@@ -186,8 +183,8 @@ class PipelineExecutor:
         self.delay_wgrad_compute = delay_wgrad_compute
         self.moe_a2a_chunks = moe_a2a_chunks
         self._streams: Streams | None = None  # made on first use, in a combined schedule
-        self._orders = PairOrders()  # the combined steps' orders, planned once per shape
         self._warn_once = WarnOnce()
+        self._links = stage_links(schedule)  # each stage's neighbours in its pipeline
         # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
         self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
         self._p2p: PipelineP2P | None = None
@@ -250,7 +247,8 @@ class PipelineExecutor:
                                     self.streams if self.has_overlap else None, self._device())
         state = _Step(
             StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec,
-                        wait_span=recorder.wait_span),
+                        wait_span=recorder.wait_span, prev=self._links[0],
+                        next=self._links[1]),
             targets, forward_only, StepGradEvents(
                 self.grad_points, None if forward_only else grad_hooks
             ), trace, profile=recorder,
@@ -311,8 +309,7 @@ class PipelineExecutor:
         elif self._combined(action, state):
             early = self.early_sends.get((self.pp_rank, index), ()) \
                 if actions is self.actions else ()
-            self._run_combined(action, state, PairSends(
-                state.tensors, comm_batch(actions, index), early))
+            self._run_combined(action, state, comm_batch(actions, index), early)
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
             self._forward(action.forward, state)
             self._backward(action.backward, state)
@@ -329,7 +326,7 @@ class PipelineExecutor:
         and a lone backward's forward ran on the tape."""
         if not self.has_overlap or state.forward_only:
             return False
-        for half in action.computations():
+        for half in (action.sub_actions if action.kind is Kind.OVERLAP else (action,)):
             worker = self.workers[half.stage]
             if not worker.can_tape:
                 if action.kind is Kind.OVERLAP:
@@ -343,36 +340,34 @@ class PipelineExecutor:
                 return False
         return True
 
-    def _run_combined(self, action: Action, state: _Step, sends: PairSends) -> None:
+    def _run_combined(self, action: Action, state: _Step, run: list[Action],
+                      early: Sequence[Action]) -> None:
         """One combined step: an OVERLAP's forward beside its backward, or a lone F, B or I
         (every all-to-all is then issued from the one comm stream). Each half's result is handed
-        on (and sent, ``sends``) as soon as it is made, before the step's leftover work."""
-        f = action.forward if action.kind is Kind.OVERLAP else (
-            action if action.kind is Kind.F else None)
-        b = action.backward if action.kind is Kind.OVERLAP else (
-            None if action.kind is Kind.F else action)
-        stage_input = state.tensors.forward_input(f) if f is not None else None
-        half, on_backward_done = None, None
+        on (and the sends after the pair posted, ``PairSends``) as soon as it is made, before
+        the step's leftover work."""
+        f, b = action.sub_actions if action.kind is Kind.OVERLAP else (
+            (action, None) if action.kind is Kind.F else (None, action))
+        tensors = state.tensors
+        half = None
+        sends = PairSends(tensors, run, early)
         if b is not None:
             b_worker = self.workers[b.stage]
             wgrad = WeightGradQueue(b_worker.track) if self.delay_wgrad_compute else None
-            half = b_worker.backward_half(b.microbatch, state.tensors.grad_output(b),
+            half = b_worker.backward_half(b.microbatch, tensors.grad_output(b),
                                           keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
-
-            def on_backward_done(grads: Any) -> None:
-                assert b is not None
-                self._backward_done(b, b_worker.end_backward(b.microbatch, grads, half), state)
-                sends.post_ready()
-
+            sends.backward, sends.end = b, partial(b_worker.end_backward, b.microbatch, half=half)
+            half.done = sends.backward_done
         f_worker = self.workers[f.stage] if f is not None else None
         step = CombinedStep(
             self.streams, half, trace=state.trace,
             fwd_microbatch=f.microbatch if f is not None else None,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
-            on_backward_done=on_backward_done, a2a_chunks=self.moe_a2a_chunks,
-            track=f_worker.track if f_worker is not None else None, orders=self._orders,
+            a2a_chunks=self.moe_a2a_chunks,
+            track=f_worker.track if f_worker is not None else None,
         )
         if f is not None and f_worker is not None:
+            stage_input = tensors.forward_input(f)
             try:
                 output = f_worker.forward(f.microbatch, stage_input, runner=step)
             except BaseException:
@@ -393,7 +388,7 @@ class PipelineExecutor:
         self._count_live(state)
 
     def _hand_forward(self, action: Action, output: torch.Tensor, state: _Step) -> None:
-        if self.schedule.is_last_stage(action.stage):
+        if self._links[1][action.stage] is None:  # a last stage
             self._finish_last_stage(self.workers[action.stage], action.microbatch, output, state)
         else:
             state.tensors.hand_forward(action, output)
@@ -426,18 +421,6 @@ class PipelineExecutor:
             grad_input = worker.backward(action.microbatch, grad_output)
         else:
             grad_input = worker.backward_input(action.microbatch, grad_output)
-        self._backward_done(action, grad_input, state)
-
-    def _backward_done(
-        self, action: Action, grad_input: torch.Tensor | None, state: _Step
-    ) -> None:
-        if self.schedule.is_first_stage(action.stage):
-            return
-        if grad_input is None:
-            raise RuntimeError(
-                f"rank {self.pp_rank}: stage {action.stage} produced no input gradient for "
-                f"{action}; its input must be a floating-point tensor that the output depends on"
-            )
         state.tensors.hand_backward(action, grad_input)
 
 

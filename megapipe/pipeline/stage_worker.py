@@ -25,10 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from megapipe.overlap.combined import BackwardHalf
+from megapipe.overlap.combined import BackwardHalf, Tape
 from megapipe.overlap.sequential import TapeRunner, run_backward
 from megapipe.overlap.plan import NodeRunner, Track
-from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.split_backward import DeferredWeightGrad, input_backward
 from megapipe.pipeline.stage_module import (
@@ -61,7 +60,7 @@ class StageWorker:
     node). ``track`` (set by the executor for a measured step) is told of every tensor the stage
     keeps for a later step: its output, the scaled loss, the tape's node-boundary tensors and
     what deferred weight gradients keep (``activation_meter``; its input is tracked where it
-    arrives, ``step_tensors``).
+    arrives, ``p2p``).
     """
 
     def __init__(

@@ -21,7 +21,7 @@ import numpy as np
 from ..schedule.ir import Action, Kind
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
-from ..schedule.node_timing import COMM, COMPUTE
+from ..pairing.timing import COMM, COMPUTE
 from .programs import half_ends, op_times, action_ops
 
 _EXACT_LIMIT = 2 ** 53

@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Sequence
 
+from ..pairing.timing import COMM, COMPUTE, NodeTimes
+from ..schedule.early_sends import EACH, SINGLE, WHOLE
 from ..schedule.ir import Kind
+from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
 
-if TYPE_CHECKING:
-    from .programs import NodeCosts
+_KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
+# when an OVERLAP's halves hand their outputs on: the executor's rules (``schedule.early_sends``:
+# each when its last node ends; both once both halves are done, before the held weight
+# gradients, also the conservative reading of the rule that sends only single-send pairs
+# early), or, to compare, at the end of the pair
+AT_END = "at the end"
+EARLY_RULES = (EACH, SINGLE, WHOLE, AT_END)
 
 
 def _check_duration(name: str, value: float) -> None:
@@ -26,6 +34,91 @@ def _check_duration(name: str, value: float) -> None:
         raise ValueError(f"cost {name} must be a number, got {value!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"cost {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """What an action is made of, node by node (the node model of ``programs``' module docstring).
+
+    ``num_stages``: the stages of one pipeline (``Schedule.stages_per_pipeline``; DualPipe's
+    second pipeline's stages count from ``num_stages`` on): its first holds the embedding, its
+    last the head; ``moe_layers`` MoE layers per stage. ``combined``: the schedule runs node by
+    node on the streams (the engine does so in combined schedules): an I keeps attention's
+    weight gradient (only the experts' GEMMs defer); in a plain schedule the generic split moves
+    every weight gradient to W. ``wgrad_by_time``: the engine's nodes carry their times (as the
+    replay benchmark's do), so the order places deferred weight gradients by the time rule;
+    without (a training run's nodes carry none) by the count rule. ``early_sends``: when an
+    OVERLAP's halves hand their outputs on (``EARLY_RULES``; None: the rule the executor proves
+    for the schedule, ``schedule.early_sends.choose_early_sends``). ``host_cost``: what the engine
+    spends per F or B node beyond the node's own time (a property of the machine, measured by
+    ``benchmarks/replay_calibration.py``), added to every F and B node (not to W)."""
+
+    profile: NodeProfile
+    num_stages: int
+    moe_layers: int
+    a2a_chunks: int = 1
+    defer_wgrad: bool = False
+    host_runs_compute: bool = False
+    combined: bool = True
+    early_sends: str | None = None  # None: the executor's rule for the schedule
+    wgrad_by_time: bool = False
+    host_cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_stages", "a2a_chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
+        if self.early_sends is not None and self.early_sends not in EARLY_RULES:
+            raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
+                             f"{', '.join(EARLY_RULES)}")
+        if not self.host_cost >= 0:
+            raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
+        if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
+                or self.moe_layers < 0:
+            raise ValueError(
+                f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
+
+    def stage_class(self, stage: int) -> int:
+        """0 a middle stage, 1 the first, 2 the last, 3 both (their actions differ)."""
+        position = stage % self.num_stages
+        return int(position == 0) + 2 * int(position == self.num_stages - 1)
+
+    def layers(self, stage: int) -> list[tuple[str, ...]]:
+        """The node roles of each layer of ``stage``, in forward order."""
+        k = self.a2a_chunks
+        moe = MOE_ROLES if k == 1 else ("attn",) + CHUNKED_ROLES * k + ("finish",)
+        kind = self.stage_class(stage)
+        layers = [("embedding",)] if kind & 1 else []
+        layers += [moe] * self.moe_layers
+        return layers + ([("head",)] if kind & 2 else [])
+
+    def kinds(self, roles: Sequence[str]) -> list:
+        """The pair order's kinds of a layer (a fork of the chunks when k > 1)."""
+        if len(roles) == 1 or self.a2a_chunks == 1:
+            return [_KIND.get(role, COMPUTE) for role in roles]
+        chunk = tuple(_KIND[role] for role in CHUNKED_ROLES)
+        return [COMPUTE, tuple(chunk for _ in range(self.a2a_chunks)), COMPUTE]
+
+    def node_times(self, roles: Sequence[str]) -> tuple[NodeTimes, ...]:
+        """The times of a layer's nodes as the time rule sees them."""
+        return tuple(self.profile.node_times(role, self.a2a_chunks) for role in roles)
+
+    def backward_time(self, role: str, kind: Kind) -> float:
+        """A node's backward: B, plus its W where the action computes it."""
+        time = self.profile.time(role, "B", self.a2a_chunks)
+        weight = self.profile.time(role, "W", self.a2a_chunks)
+        if role == "attn":
+            keeps = kind is Kind.B or self.combined
+        else:
+            keeps = kind is Kind.B and not self.defer_wgrad
+        return time + (weight if keeps else 0.0)
+
+    def weight_time(self) -> float:
+        """A W action of one stage: the weight gradients its I left."""
+        roles = ("mlp",) if self.combined else ("attn", "mlp")
+        return self.moe_layers * sum(self.profile.time(r, "W") for r in roles)
+
 
 
 @dataclass(frozen=True)
@@ -58,7 +151,7 @@ class Costs:
     combine: float = 0.0
     moe_layers: int = 1
     attention_share: float = 0.5
-    nodes: "NodeCosts | None" = None
+    nodes: NodeCosts | None = None
 
     def __post_init__(self) -> None:
         try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..schedule.ir import Action, Kind
 from ..schedule.intervals import subtract
 from .simulate import SimResult
-from ..schedule.node_timing import COMM, COMPUTE
+from ..pairing.timing import COMM, COMPUTE
 
 _COLOURS = {
     Kind.F: "#1f5fbf",  # blue

@@ -25,7 +25,7 @@ from ..schedule.errors import ScheduleError
 from ..schedule.in_flight import peak_in_flight
 from ..schedule.ir import Schedule
 from ..schedule.registry import SCHEDULES, build_schedule
-from .costs import Costs
+from .costs import Costs, NodeCosts
 from .simulate import simulate
 
 
@@ -177,3 +177,16 @@ def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> st
         lines.append(f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {choice.recompute:<9} "
                      f"{choice.makespan:>10g}  {choice.peak_bytes:>10g}")
     return "\n".join(lines)
+
+
+def choose_a2a_chunks(schedule: Schedule, nodes: NodeCosts, max_chunks: int = 4,
+                      tolerance: float = 0.01) -> int:
+    """The default of ``--moe-a2a-chunks``: the smallest k in 1..``max_chunks`` whose simulated
+    step is within ``tolerance`` of the fastest (chunks that gain nothing are not worth their
+    extra latency and smaller GEMMs, which the profile does not price)."""
+    spans = {}
+    for k in range(1, max_chunks + 1):
+        costs = Costs(nodes=dataclasses.replace(nodes, a2a_chunks=k))
+        spans[k] = simulate(schedule, costs).makespan
+    best = min(spans.values())
+    return min(k for k, span in spans.items() if span <= best * (1 + tolerance))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..schedule.node_timing import NodeTimes
+from ..pairing.timing import NodeTimes
 
 COMPUTE_KEYS = ("attn_F", "attn_B", "attn_W", "mlp_F", "mlp_B", "mlp_W")
 COMM_KEYS = ("dispatch_F", "dispatch_B", "combine_F", "combine_B")

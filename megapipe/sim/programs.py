@@ -21,7 +21,7 @@ node-level timing model) times the program. Two cost models:
   (``half_ends``). ``host_runs_compute`` models a host that is itself the compute stream (CPU:
   a comm node starts only when the host reaches it).
 
-``choose_a2a_chunks`` picks the default of ``--moe-a2a-chunks`` from the node model.
+(``sim.pick.choose_a2a_chunks`` picks the default of ``--moe-a2a-chunks`` from the node model.)
 """
 
 from __future__ import annotations
@@ -31,25 +31,20 @@ from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ..schedule.early_sends import EACH, WHOLE
 from ..schedule.ir import Action, Kind
-from ..schedule.node_timing import COMM, COMPUTE, NodeTimes, time_issues
-from ..schedule.pair_order import (
-    FILL, HEAD, REST, TAIL, Issue, IssueOrder, compute_first_positions,
+from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
+from ..pairing.order import (
+    FILL, HEAD, REST, TAIL, Issue, IssueOrder, queuing_positions,
 )
-from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
+from .costs import AT_END, NodeCosts
 
 if TYPE_CHECKING:
     from ..schedule.ir import Schedule
     from .costs import Costs
 
-_KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
 LAYER_MODEL = ("attention", "dispatch", "experts", "combine")  # a MoE layer of the layer model
 _LAYER_KINDS = (COMPUTE, COMM, COMPUTE, COMM)
-# when an OVERLAP's halves hand their outputs on (the executor's ``early_send_rule``): each
-# when its last node ends; both once both halves are done (before the held weight gradients;
-# also the conservative reading of the rule that sends only single-send pairs early); at the end
-EACH, WHOLE, AT_END = "each half", "whole batch", "at the end"
-EARLY_RULES = (EACH, "single-send pairs", WHOLE, AT_END)
 
 
 @dataclass(frozen=True)
@@ -83,88 +78,6 @@ class NodeOp:
     needs: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class NodeCosts:
-    """What an action is made of, node by node (the node model of the module docstring).
-
-    ``num_stages``: the stages of one pipeline (``Schedule.stages_per_pipeline``; DualPipe's
-    second pipeline's stages count from ``num_stages`` on): its first holds the embedding, its
-    last the head; ``moe_layers`` MoE layers per stage. ``combined``: the schedule runs node by
-    node on the streams (the engine does so in combined schedules): an I keeps attention's
-    weight gradient (only the experts' GEMMs defer); in a plain schedule the generic split moves
-    every weight gradient to W. ``wgrad_by_time``: the engine's nodes carry their times (as the
-    replay benchmark's do), so the order places deferred weight gradients by the time rule;
-    without (a training run's nodes carry none) by the count rule. ``host_cost``: what the engine
-    spends per F or B node beyond the node's own time (a property of the machine, measured by
-    ``benchmarks/replay_calibration.py``), added to every F and B node (not to W)."""
-
-    profile: NodeProfile
-    num_stages: int
-    moe_layers: int
-    a2a_chunks: int = 1
-    defer_wgrad: bool = False
-    host_runs_compute: bool = False
-    combined: bool = True
-    early_sends: str = EACH
-    wgrad_by_time: bool = False
-    host_cost: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("num_stages", "a2a_chunks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
-        if self.early_sends not in EARLY_RULES:
-            raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
-                             f"{', '.join(EARLY_RULES)}")
-        if not self.host_cost >= 0:
-            raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
-        if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
-                or self.moe_layers < 0:
-            raise ValueError(
-                f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
-
-    def stage_class(self, stage: int) -> int:
-        """0 a middle stage, 1 the first, 2 the last, 3 both (their actions differ)."""
-        position = stage % self.num_stages
-        return int(position == 0) + 2 * int(position == self.num_stages - 1)
-
-    def layers(self, stage: int) -> list[tuple[str, ...]]:
-        """The node roles of each layer of ``stage``, in forward order."""
-        k = self.a2a_chunks
-        moe = MOE_ROLES if k == 1 else ("attn",) + CHUNKED_ROLES * k + ("finish",)
-        kind = self.stage_class(stage)
-        layers = [("embedding",)] if kind & 1 else []
-        layers += [moe] * self.moe_layers
-        return layers + ([("head",)] if kind & 2 else [])
-
-    def kinds(self, roles: Sequence[str]) -> list:
-        """The pair order's kinds of a layer (a fork of the chunks when k > 1)."""
-        if len(roles) == 1 or self.a2a_chunks == 1:
-            return [_KIND.get(role, COMPUTE) for role in roles]
-        chunk = tuple(_KIND[role] for role in CHUNKED_ROLES)
-        return [COMPUTE, tuple(chunk for _ in range(self.a2a_chunks)), COMPUTE]
-
-    def node_times(self, roles: Sequence[str]) -> tuple[NodeTimes, ...]:
-        """The times of a layer's nodes as the time rule sees them."""
-        return tuple(self.profile.node_times(role, self.a2a_chunks) for role in roles)
-
-    def backward_time(self, role: str, kind: Kind) -> float:
-        """A node's backward: B, plus its W where the action computes it."""
-        time = self.profile.time(role, "B", self.a2a_chunks)
-        weight = self.profile.time(role, "W", self.a2a_chunks)
-        if role == "attn":
-            keeps = kind is Kind.B or self.combined
-        else:
-            keeps = kind is Kind.B and not self.defer_wgrad
-        return time + (weight if keeps else 0.0)
-
-    def weight_time(self) -> float:
-        """A W action of one stage: the weight gradients its I left."""
-        roles = ("mlp",) if self.combined else ("attn", "mlp")
-        return self.moe_layers * sum(self.profile.time(r, "W") for r in roles)
-
-
 def _halves(action: Action) -> tuple[Action | None, Action | None]:
     if action.kind is Kind.OVERLAP:
         return action.forward, action.backward
@@ -195,7 +108,7 @@ def action_ops(action: Action, costs: "Costs") -> list[NodeOp]:
         attention = per_layer * costs.attention_share
         return part, half, attention if part == "attention" else per_layer - attention
 
-    return _program(order.issues, node, order=compute_first_positions(order.issues))
+    return _program(order.issues, node, order=queuing_positions(order.issues))
 
 
 def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
@@ -302,19 +215,3 @@ def half_ends(ops: Sequence[NodeOp], times: Sequence[tuple], rule: str) -> tuple
         return forward, backward
     both = max(forward, backward)
     return both, both
-
-
-def choose_a2a_chunks(schedule: "Schedule", nodes: NodeCosts, max_chunks: int = 4,
-                      tolerance: float = 0.01) -> int:
-    """The default of ``--moe-a2a-chunks``: the smallest k in 1..``max_chunks`` whose simulated
-    step is within ``tolerance`` of the fastest (chunks that gain nothing are not worth their
-    extra latency and smaller GEMMs, which the profile does not price)."""
-    from .costs import Costs
-    from .simulate import simulate
-
-    spans = {}
-    for k in range(1, max_chunks + 1):
-        costs = Costs(nodes=replace(nodes, a2a_chunks=k))
-        spans[k] = simulate(schedule, costs).makespan
-    best = min(spans.values())
-    return min(k for k, span in spans.items() if span <= best * (1 + tolerance))

@@ -21,9 +21,12 @@ O(actions)); the metrics come from all pieces at once (``action_costs``); the ti
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..schedule.deps import Product, missing_needs
+from ..schedule.early_sends import executor_rule
 from ..schedule.engine import Run
 from ..schedule.rerun import run_actions
 from ..schedule.errors import ScheduleError
@@ -76,6 +79,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     work = schedule if table.compute_only else schedule.replace_actions(
         table.select(~is_comm(table.kind)))
     _check_actions(schedule, work)
+    if costs.nodes is not None and costs.nodes.early_sends is None and table.has_overlap:
+        costs = replace(costs, nodes=replace(costs.nodes, early_sends=executor_rule(work)))
     pieces = ActionCosts(work.table, costs, schedule.num_stages)
     duration = pieces.durations() if pieces.exact else np.zeros(len(work.table))
     plan = ActionGraph.build(work, duration, costs.p2p_latency)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from .simulate import SimResult
-from ..schedule.node_timing import COMM, COMPUTE
+from ..pairing.timing import COMM, COMPUTE
 from .programs import Segment
 
 _US_PER_UNIT = 1000.0

@@ -131,8 +131,8 @@ def test_budget_counts_down_on_its_clock():
 def test_site_is_the_innermost_frame_inside_the_project(tmp_path):
     repo = str(tmp_path)
     frames = [(f"{repo}/benchmarks/x.py", 3), (f"{repo}/megapipe/moe/dispatcher.py", 40),
-              (f"{repo}/megapipe/overlap/tape.py", 7), ("/usr/lib/torch/functional.py", 99)]
-    assert site_of(frames, ("megapipe", "kernels"), repo) == "megapipe/overlap/tape.py:7"
+              (f"{repo}/megapipe/overlap/combined.py", 7), ("/usr/lib/torch/functional.py", 99)]
+    assert site_of(frames, ("megapipe", "kernels"), repo) == "megapipe/overlap/combined.py:7"
     assert site_of(frames[:1], ("megapipe",), repo) == "benchmarks/x.py:3"
     assert site_of([("/elsewhere/y.py", 5)], ("megapipe",), repo) == "/elsewhere/y.py:5"
     assert site_of([], ("megapipe",), repo) == "<unknown>"

@@ -79,7 +79,7 @@ def test_layer_plans_in_order_equal_forward(config):
         stage = build_stage(config, part, 2)
         x = tokens if part == 0 else torch.randn(3, config.seq_length, config.hidden_size)
         plans = stage.layer_plans()
-        names = [[node.name for node in plan] for plan in plans]
+        names = [[node.name for node in plan.graph.nodes] for plan in plans]
         assert (names[0] == ["embedding"]) == (part == 0)
         assert (names[-1] == ["head"]) == (part == 1)
         values = (x,)
@@ -87,7 +87,7 @@ def test_layer_plans_in_order_equal_forward(config):
             values = run_nodes(plan, values)
         assert torch.equal(values[0], stage(x))
         for layer in stage.layers.values():
-            kinds = [node.kind for node in layer.node_plan()]
+            kinds = [node.kind for node in layer.node_plan().graph.nodes]
             if layer.is_moe:
                 compute, comm = NodeKind.COMPUTE, NodeKind.COMM
                 assert kinds == [compute, comm, compute, comm, compute]
@@ -130,29 +130,20 @@ def test_moe_layout_follows_config():
 
 
 def _run_node_by_node(plans, x, labels):
-    """Drive every node's forward and backward separately, detaching at node boundaries (as the
-    overlap engine does); returns the loss and the grad of the stage input."""
-    from megapipe.overlap.plan import LayerState
+    """Drive every node's forward and backward separately on the tape, detaching at node
+    boundaries (as the overlap engine does); returns the loss and the grad of the stage input."""
+    from megapipe.overlap.sequential import record_forward, run_backward
 
-    records, values = [], (x,)
-    for plan in plans:
-        state = LayerState()
-        for node in plan:
-            inputs = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
-            values = node.fn(state, inputs)
-            records.append((inputs, values))
-    loss = gpt_loss(values[0], labels)
-    grads = torch.autograd.grad(loss, records[-1][1][0])
-    for inputs, outputs in reversed(records):
-        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = tuple(i.grad for i in inputs)
-    return loss.item(), grads[0]
+    (out,), tape = record_forward(plans, (x.requires_grad_(),))
+    loss = gpt_loss(out, labels)
+    (grad,) = torch.autograd.grad(loss, out)
+    (x_grad,) = run_backward(tape, (grad,))
+    return loss.item(), x_grad
 
 
 @CONFIGS
 def test_nodes_driven_one_by_one_match_autograd(config):
-    """The residual riding through the comm nodes gets its gradient when nodes run detached."""
+    """The residual going around the comm nodes gets its gradient when nodes run detached."""
     tokens, labels = _batch(config)
     stage = build_stage(config, 1, 2)
     x = build_stage(config, 0, 2)(tokens).detach().requires_grad_()

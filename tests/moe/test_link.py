@@ -15,7 +15,7 @@ def test_link_with_ep1_stretches_dispatch_and_combine_both_ways_and_keeps_the_bi
     plain = MoELayer(MoEConfig(**base), seed=3)
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
     state = LayerState()
-    route, dispatch, experts, combine, _ = layer.node_plan()
+    route, dispatch, experts, combine, _ = layer.node_plan().graph.nodes
     _, rows = route.fn(state, (x,))
     modelled = link.transfer_time(rows.numel() * rows.element_size())  # every row crosses
     leaf = rows.detach().requires_grad_()

@@ -176,7 +176,7 @@ def check_emulated_link_sleeps_modelled_time() -> list[str]:
     plain = MoELayer(MoEConfig(**base), ep_group=dist.group.WORLD, seed=SEED)
     x = _inputs(5, 2, False)[rank].requires_grad_()
     state = LayerState()
-    route, dispatch, *_ = layer.node_plan()
+    route, dispatch, *_ = layer.node_plan().graph.nodes
     probs, rows = route.fn(state, (x,))
     rows_leaf = rows.detach().requires_grad_()
     started = time.perf_counter()

@@ -122,23 +122,29 @@ def test_capacity_factor_drops_tokens_and_pads_every_expert():
     torch.testing.assert_close(out, naive_moe(layer, x, capacity), rtol=1e-5, atol=1e-6)
 
 
-def test_node_plan_shape_and_leading_tensors_pass_through():
+def test_node_plan_shape_and_leading_tensors_go_around_the_all_to_alls():
+    """Route, a fork of one branch (dispatch, experts, combine), finish: what route leaves for
+    finish (a leading residual, the shared expert's input, the combine weights) goes around the
+    branch, whose nodes read only the rows."""
     layer = make(shared_expert_intermediate_size=3)
     plan = layer.node_plan()
-    assert [(n.name, n.kind) for n in plan] == [
+    assert [(n.name, n.kind) for n in plan.graph.nodes] == [
         ("route", NodeKind.COMPUTE),
         ("dispatch", NodeKind.COMM),
         ("experts", NodeKind.COMPUTE),
         ("combine", NodeKind.COMM),
         ("finish", NodeKind.COMPUTE),
     ]
+    assert plan.graph.nodes[1].reads_host  # dropless: the dispatch reads its split sizes
+    route, dispatch, experts, combine, finish = plan.graph.nodes
     x = torch.randn(3, 4, H)
     residual = torch.randn(3, 4, H)
-    values = (residual, x)
     state = LayerState()
-    for node in plan:
-        values = node.fn(state, values)
-        assert values[0] is residual
+    *around, rows = route.fn(state, (residual, x))
+    assert around[0] is residual and len(around) == 3  # residual, shared input, probs
+    (rows,) = combine.fn(state, experts.fn(state, dispatch.fn(state, (rows,))))
+    values = finish.fn(state, (*around, rows))
+    assert values[0] is residual
     assert len(values) == 2
     assert torch.equal(values[1], layer(x))
     with pytest.raises(ValueError, match="trailing tensors"):

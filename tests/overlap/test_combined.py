@@ -15,8 +15,8 @@ from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_s
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.schedule.pair_order import FILL, HEAD
-from megapipe.schedule.node_timing import NodeTimes
+from megapipe.pairing.order import FILL, HEAD
+from megapipe.pairing.timing import NodeTimes
 
 from support.overlap_asserts import assert_same_tensors
 from support.overlap_toys import ToyOpaque, toy_stack
@@ -274,31 +274,64 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
 
 
 class _QueuingCompute(InlineStream):
-    """Runs work inline but says it only queues it, as a CUDA stream's host side does."""
+    """Runs work inline but says it only queues it, as a CUDA stream's host side does; logs
+    what the host issues."""
 
     runs_on_host = False
 
+    def __init__(self, name, log):
+        super().__init__(name)
+        self.log = log
 
-def test_a_queuing_compute_stream_gets_its_node_before_the_comm_node():
+    def run(self, fn, args=(), record=True):
+        self.log.append(_issued(args))
+        return super().run(fn, args, record)
+
+
+class _LoggedComm(WorkerStream):
+    def __init__(self, name, log):
+        super().__init__(name)
+        self.log = log
+
+    def run(self, fn, args=(), record=True):
+        self.log.append(_issued(args))
+        return super().run(fn, args, record)
+
+
+def _issued(args):
+    if len(args) < 3:
+        return "W or event"
+    tape, layer, index = args[:3]
+    return f"{layer.nodes[index].node.name} L{layer.index}"
+
+
+def test_a_queuing_host_issues_comm_first_except_a_comm_node_that_reads_the_host():
+    """A host that only queues work (CUDA) issues a slot's ready all-to-all before the compute
+    beside it, except a dispatch that reads its split sizes back to the host: that goes after
+    the compute, so the host queued the compute before it blocks. Same bits as a CPU host."""
     stack_f, stack_b = toy_stack("mm", seed=1), toy_stack("mm", seed=2)
+
+    def plans(stack):  # the forward's dispatch reads the host, as a dropless one does
+        return [[replace(n, reads_host=n.name == "dispatch") for n in layer.node_plan()]
+                for layer in stack]
+
     x_i = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
-    outputs = []
-    for compute in (InlineStream("compute"), _QueuingCompute("compute")):
-        _, tape_j = record_forward(_plans(stack_b), (torch.ones(4, 8, requires_grad=True),))
-        trace = NodeTrace()
-        with Streams(compute, WorkerStream("comm")) as streams:
-            out, _, grads = combined_step(_plans(stack_f), (x_i,), tape_j, (torch.ones(4, 8),),
-                                          streams, trace=trace)
+    outputs, log = [], []
+    for queuing in (False, True):
+        _, tape_j = record_forward(plans(stack_b), (torch.ones(4, 8, requires_grad=True),))
+        compute = _QueuingCompute("compute", log) if queuing else InlineStream("compute")
+        with Streams(compute, _LoggedComm("comm", log if queuing else [])) as streams:
+            out, _, grads = combined_step(plans(stack_f), (x_i,), tape_j, (torch.ones(4, 8),),
+                                          streams)
         outputs.append((out, grads, _grads(stack_b)))
         for p in stack_b.parameters():
             p.grad = None
-    paired = [slot for slot in trace.slots() if {s.kind for s in slot} == {"comm", "compute"}]
-    assert len(paired) == 8  # 2 MoE layer pairs x 4 slots
-    for slot in paired:
-        compute_span = next(s for s in slot if s.kind == "compute")
-        comm_span = next(s for s in slot if s.kind == "comm")
-        # the compute node was issued (and, inline, finished) before the comm node was queued
-        assert compute_span.end <= comm_span.start, [s.label() for s in slot]
+    issued = [entry for entry in log if entry != "W or event"]
+    # F layer 0 beside B layer 1: B combine before F attention, F dispatch after B experts
+    assert issued.index("combine L1") < issued.index("attention L0")
+    assert issued.index("experts L1") < issued.index("dispatch L0")
+    assert issued.index("dispatch L1") < issued.index("experts L0")
+    assert issued.index("combine L0") < issued.index("attention L1")
     (out_a, grads_a, params_a), (out_b, grads_b, params_b) = outputs
     assert_same_tensors(list(out_a), list(out_b))
     assert_same_tensors(list(grads_a), list(grads_b))

@@ -114,7 +114,7 @@ def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
                        recompute_num_layers=2)
     model = build_stage(config, 0, 1)
     plans = model.layer_plans()
-    names = [[n.name for n in plan] for plan in plans]
+    names = [[n.name for n in plan.graph.nodes] for plan in plans]
     assert names[1] == ["layer0+layer1"]  # two dense layers: one node, keeping the group input
     assert names[2] == [
         "layer2.attention", "layer2.dispatch", "layer2.experts", "layer2.combine",

@@ -8,7 +8,7 @@ import torch
 from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
 from megapipe.overlap.combined import backward_node
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
-from megapipe.overlap.tape import Tape
+from megapipe.overlap.combined import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 
 from support.overlap_asserts import assert_same_tensors
@@ -59,8 +59,8 @@ def test_tape_frees_each_node_as_its_backward_runs():
     live = [tape.live_tensors()]
     tape.begin_layer_backward((torch.ones(4, 8),))
     layer = tape.layers[-1]
-    while layer.next_backward >= 0:
-        backward_node(tape, layer, layer.next_backward)
+    for index in reversed(range(len(layer.nodes))):
+        backward_node(tape, layer, index)
         live.append(tape.live_tensors())
     assert all(a > b for a, b in zip(live, live[1:]))  # strictly decreasing
     assert tape.live_nodes() == 5

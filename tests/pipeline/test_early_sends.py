@@ -2,7 +2,7 @@
 
 import pytest
 
-from megapipe.pipeline.early_sends import (
+from megapipe.schedule.early_sends import (
     EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_layout,
 )
 from megapipe.schedule import build_schedule

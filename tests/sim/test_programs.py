@@ -11,9 +11,10 @@ import pytest
 from megapipe.schedule import build_schedule
 from megapipe.schedule.ir import Action, Kind
 from megapipe.sim import Costs, simulate
-from megapipe.sim.programs import (
-    AT_END, EACH, WHOLE, NodeCosts, choose_a2a_chunks, half_ends, node_ops, op_times,
-)
+from megapipe.schedule.early_sends import EACH, WHOLE
+from megapipe.sim.costs import AT_END, NodeCosts
+from megapipe.sim.pick import choose_a2a_chunks
+from megapipe.sim.programs import half_ends, node_ops, op_times
 from megapipe.sim.profile import NodeProfile, role_of
 
 PROFILE_FILE = Path(__file__).resolve().parents[2] / "benchmarks/profiles/deepseek_v3_h800.json"

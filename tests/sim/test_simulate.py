@@ -9,7 +9,7 @@ from megapipe.schedule.ir import Kind, Schedule, loop_placement, parse_action
 from megapipe.schedule.registry import build_schedule
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate
-from megapipe.schedule.node_timing import COMM, COMPUTE
+from megapipe.pairing.timing import COMM, COMPUTE
 
 
 def rows_schedule(text_rows, num_stages, num_microbatches, placement=None, **kw) -> Schedule:

@@ -282,7 +282,7 @@ def early_send_order(case: Case) -> dict | None:
     """A combined step with delayed weight gradients, logging in order when each p2p batch is
     posted and when each OVERLAP's combined step returns."""
     from megapipe.pipeline.executor import PipelineExecutor
-    from megapipe.pipeline.step_tensors import StepTensors
+    from megapipe.pipeline.p2p import StepTensors
     from megapipe.schedule.ir import Kind
 
     prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])
@@ -295,8 +295,8 @@ def early_send_order(case: Case) -> dict | None:
         log.append(("post", " ".join(str(a) for a in actions)))
         return post(self, actions)
 
-    def logged_run(self, action, state, sends):
-        done = run(self, action, state, sends)
+    def logged_run(self, action, state, *sends):
+        done = run(self, action, state, *sends)
         if action.kind is Kind.OVERLAP:
             f, b = action.forward, action.backward
             log.append(("pair end", f"F{f.microbatch} B{b.microbatch}"))

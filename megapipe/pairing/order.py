@@ -1,16 +1,17 @@
 """The pair order: which node of which microbatch runs on which stream in a combined step.
 
-A combined step runs the forward of one microbatch (F) beside the backward of another (B).
-This module is the one place that says in what order their nodes are issued; the engine
-(``megapipe.overlap.combined``) carries the order out on the two streams and the simulator
-(``megapipe.sim``) times the same order. Pure Python, no torch.
+A combined step runs the forward of one microbatch (F) beside the backward of another (B). This
+module is the one statement of the order their nodes are issued in: the engine
+(``megapipe.overlap.combined``) carries it out on the two streams and the simulator
+(``megapipe.sim``) times it. Pure Python, no torch. It reads in three parts.
 
-**Which layers pair.** Forward layer k goes beside the next backward layer (the backward walks
-its tape last layer first), counting only layers with a comm node: the backward layers without
-one run alone before the forward layer; a forward layer without one, or with no backward layer
-left, runs alone; the backward layers left when the forward has run out run alone at the end.
+**1. Which layers pair** (``IssueOrder.forward_layer``). Forward layer k goes beside the next
+backward layer (the backward walks its tape last layer first), counting only layers with a
+comm node: the backward layers without one run alone before the forward layer; a forward layer
+without one, or with no backward layer left, runs alone; the backward layers left when the
+forward has run out run alone at the end (``finish``).
 
-**What runs beside what** (``pair_slots``): walk the forward layer's node groups in forward
+**2. What runs beside what** (``pair_slots``). Walk the forward layer's node groups in forward
 order and the backward layer's in backward order (a group: one node, or the same node of every
 branch of a fork); a comm group of one side and a compute group of the other go side by side,
 one *slot*; otherwise the backward's group goes alone (the forward's once the backward is
@@ -28,29 +29,31 @@ pair, with the deferred weight gradients (W) of the count rule:
 
 (``format_pair_table`` makes this table from the order itself; a test keeps the two equal.)
 
-**Dataflow, no joins.** A slot only says what runs beside what; nothing waits for a slot to
-end. Each node waits for the nodes it reads (a backward node: the nodes that read it), or for
-its side's previous layer, through an event when they ran on the other stream (``Issue.needs``),
-and for the work issued before it on its own stream. The comm stream's order depends on the
-layers' node kinds only, so every rank of an expert-parallel group issues its collectives in
-the same order.
-
-**Deferred weight gradients** (``defer_wgrad``, Megatron's ``delay_wgrad_compute``): each
-backward layer queues its own W items (its experts' weight-gradient GEMMs). *Count rule* (nodes
+**3. Who waits for whom, and where W goes** (``IssueOrder``). A slot only says what runs beside
+what; nothing waits for a slot to end. Each node waits for the nodes it reads (a backward node:
+the nodes that read it), or for its side's previous layer, through an event when they ran on the
+other stream (``Issue.needs``), and for the work issued before it on its own stream. The comm
+stream's order depends on the layers' node kinds only, so every rank of an expert-parallel group
+issues its collectives in the same order. Deferred weight gradients (``defer_wgrad``, Megatron's
+``delay_wgrad_compute``): each backward layer queues its own W items. *Count rule* (nodes
 without times): the *head*, the first ceil(n/2) items, runs after the compute node beside the
-layer's last backward comm node (slot 4); the *tail* waits for the next slot with a backward
-comm node (slot 2 of the next layer, where the forward's attention is usually shorter than the
-combine), or for the end of the step; ``REST`` runs whatever is still queued. *Time rule*
-(every backward node carries ``NodeTimes``): the order is timed as it is planned
-(``node_timing.IssueClock``) and, before each compute node that would wait for the comm stream,
-W items fill the gap (``FILL``, ``count`` items).
+layer's last backward comm node (slot 4); the *tail* waits for the next slot with a backward comm
+node (slot 2 of the next layer, where the forward's attention is usually shorter than the
+combine), or for the end of the step; ``REST`` runs whatever is still queued. *Time rule* (every
+backward node carries ``NodeTimes``): the order is timed as it is planned (``timing.IssueClock``)
+and, before each compute node that would wait for the comm stream, W items fill the gap
+(``FILL``, ``count`` items).
 
-**Host order.** ``IssueOrder`` lists the issues as a host whose compute stream is its own
-thread (CPU) issues them: per slot the comm nodes first (queued), then the W items decided in
-the slot before, then the compute nodes. ``compute_first`` reorders for a host that only
-queues work (CUDA): a slot's compute nodes before its comm nodes, so a dispatch that blocks the
-host (reading its split sizes) does not delay the compute launch. Each stream sees the same
-sequence either way.
+**Host order.** ``IssueOrder.issues`` lists the issues as a host whose compute stream is its own
+thread (CPU) issues them: per slot the comm nodes first (queued on the comm thread), then the W
+items due, then the compute nodes. A host that only queues work (CUDA) issues them the same way
+except that a comm node that reads the host (a dropless dispatch reading its split sizes) goes
+after its slot's compute nodes, so the host has queued that compute before it blocks
+(``queuing_positions``). Each stream sees the same sequence either way.
+
+A pair's issues are planned once per pair of layer shapes (``_pair_plan``, cached) and placed
+into each step with their positions; the time rule, whose W placement depends on the times so
+far, places its fills as it goes.
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, NamedTuple, Sequence
 
-from .node_timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
+from .timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
+
+COMM_READS_HOST = "comm_reads_host"
+"""The kind of a comm node that reads values back to the host (a dropless dispatch's split
+sizes): a comm node for the order, issued after its slot's compute on a queuing host."""
 
 Side = str  # "F" forward node, "B" backward node, "W" deferred weight gradients
 LayerKinds = Sequence[Any]
@@ -67,11 +74,11 @@ LayerKinds = Sequence[Any]
 branch (``megapipe.overlap.plan.LayerGraph.kinds``). Nodes are numbered in that order, branch by
 branch."""
 NodeRef = tuple[Side, int]  # (side, node index in its layer, forward order)
-NodeGroup = tuple[str, tuple[int, ...]]  # (kind, nodes of one layer issued back to back)
 Slot = tuple[tuple[NodeRef, ...], tuple[NodeRef, ...]]  # (comm nodes, compute nodes)
 
 # the ``node`` of a W issue: which share of a backward layer's deferred W items it runs
 HEAD, TAIL, REST, FILL = 0, 1, 2, 3
+_new_issue = tuple.__new__  # an ``Issue`` from all its fields, without the keyword handling
 
 
 class Issue(NamedTuple):
@@ -81,6 +88,10 @@ class Issue(NamedTuple):
     index (W ``REST``: -1). ``node``: F and B: the node's index in its layer (forward order); W:
     ``HEAD``, ``TAIL``, ``REST`` or ``FILL`` (``count`` items). Issues with the same ``slot`` run
     side by side. ``needs``: positions of issues on the other stream this one waits for.
+    ``reads_host``: the forward of a comm node that reads the host (``COMM_READS_HOST``; its
+    backward reads nothing back). ``reads_caller``: the
+    node reads what the caller made (a forward layer's input, the backward's given gradients).
+    ``signals``: a node of its pair on the other stream waits for it (its event is needed).
     """
 
     stream: str
@@ -90,6 +101,9 @@ class Issue(NamedTuple):
     slot: int
     needs: tuple[int, ...] = ()
     count: int = 0
+    reads_host: bool = False
+    reads_caller: bool = False
+    signals: bool = False
 
     def label(self) -> str:
         if self.side == "W":
@@ -97,15 +111,16 @@ class Issue(NamedTuple):
         return f"{self.side}{self.layer}.{self.node}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one walk per shape (``layer_walk``): compared by identity
 class LayerWalk:
     """A layer's nodes as the pair order sees them: kinds, what each reads, and its walks."""
 
-    kinds: tuple[str, ...]
+    kinds: tuple[str, ...]  # COMPUTE or COMM per node
+    reads_host: tuple[bool, ...]
     reads: tuple[tuple[int, ...], ...]  # the nodes of the layer each node reads (forward)
     readers: tuple[tuple[int, ...], ...]  # the nodes that read each node
-    groups: tuple[NodeGroup, ...]  # a paired layer's walk, forward order
-    lone: tuple[tuple[int, ...] | tuple[tuple[int, ...], ...], ...]  # per item: node or chains
+    groups: tuple[tuple[str, tuple[int, ...]], ...]  # (kind, nodes issued together), in order
+    lone: tuple[Any, ...]  # per plan item: (node,) or, for a fork, its chains
 
     @property
     def has_comm(self) -> bool:
@@ -127,31 +142,37 @@ class LayerWalk:
         return [slot for slots in per_item for slot in slots]
 
 
-@lru_cache(maxsize=256)
+def _kind(kind: str) -> tuple[str, bool]:
+    if kind == COMM_READS_HOST:
+        return COMM, True
+    if kind not in (COMPUTE, COMM):
+        raise ValueError(f"node kind {kind!r} is not {COMPUTE!r}, {COMM!r} or "
+                         f"{COMM_READS_HOST!r}")
+    return kind, False
+
+
+@lru_cache(maxsize=None)
 def layer_walk(kinds: tuple) -> LayerWalk:
     """Number the nodes of a layer's kinds (``LayerKinds`` as tuples; ``walk_of`` takes lists)
-    and find what each reads. Cached: every step walks the same few layers, and a
-    ``LayerWalk`` is immutable."""
-    flat: list[str] = []
+    and find what each reads. Cached: a run has a few shapes of layer, each walked once."""
+    flat: list[tuple[str, bool]] = []
     reads: list[tuple[int, ...]] = []
-    groups: list[NodeGroup] = []
+    groups: list[tuple[str, tuple[int, ...]]] = []
     lone: list[Any] = []
     last: tuple[int, ...] = ()
     for item in kinds:
         if isinstance(item, str):
-            if item not in (COMPUTE, COMM):
-                raise ValueError(f"node kind {item!r} is not {COMPUTE!r} or {COMM!r}")
-            flat.append(item)
+            flat.append(_kind(item))
             reads.append(last)
             last = (len(flat) - 1,)
-            groups.append((item, last))
+            groups.append((flat[-1][0], last))
             lone.append(last)
             continue
         before, ends, chains = last, [], []
         for branch in item:
             chain, previous = [], before
             for kind in branch:
-                flat.append(kind)
+                flat.append(_kind(kind))
                 reads.append(previous)
                 previous = (len(flat) - 1,)
                 chain.append(len(flat) - 1)
@@ -159,11 +180,21 @@ def layer_walk(kinds: tuple) -> LayerWalk:
             chains.append(tuple(chain))
         for i in range(len(chains[0])):  # the branches' i-th nodes back to back
             group = tuple(chain[i] for chain in chains)
-            groups.append((flat[group[0]], group))
+            groups.append((flat[group[0]][0], group))
         lone.append(tuple(chains))
         last = before + tuple(ends)
     readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(flat)))
-    return LayerWalk(tuple(flat), tuple(reads), readers, tuple(groups), tuple(lone))
+    return LayerWalk(tuple(k for k, _ in flat), tuple(h for _, h in flat), tuple(reads),
+                     readers, tuple(groups), tuple(lone))
+
+
+def walk_of(kinds: LayerKinds) -> LayerWalk:
+    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
+    try:
+        return layer_walk(kinds)  # type: ignore[arg-type]
+    except TypeError:  # a list somewhere: not hashable
+        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
+                                for k in kinds))
 
 
 def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
@@ -189,57 +220,93 @@ def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> li
     return slots
 
 
-def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
-    """The slots of one forward layer beside one backward layer (either may be None: the other's
-    nodes then go alone). See the module docstring."""
-    f = walk_of(forward) if forward else None
-    b = walk_of(backward) if backward else None
-    return list(_slots(f, b))
-
-
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=None)
 def _slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slot, ...]:
-    if forward is None or backward is None:
+    """Part 2 of the module docstring: one forward layer beside one backward layer."""
+    if forward is None or backward is None:  # a layer without a partner runs alone
         if backward is not None:
             return tuple(backward.lone_slots("B"))
         return tuple(forward.lone_slots("F")) if forward is not None else ()
+    f_groups = list(forward.groups)  # forward order
+    b_groups = list(reversed(backward.groups))  # backward order
     slots: list[Slot] = []
-    f_groups, b_groups = forward.groups, backward.groups[::-1]
-    i = j = 0
-    while i < len(f_groups) or j < len(b_groups):
-        f = f_groups[i] if i < len(f_groups) else None
-        b = b_groups[j] if j < len(b_groups) else None
-        if f is not None and b is not None and f[0] != b[0]:  # comm of one beside compute
+    while f_groups or b_groups:
+        f = f_groups[0] if f_groups else None
+        b = b_groups[0] if b_groups else None
+        if f is not None and b is not None and f[0] != b[0]:  # comm beside compute
+            f_groups.pop(0)
+            b_groups.pop(0)
             f_refs = tuple(("F", n) for n in f[1])
             b_refs = tuple(("B", n) for n in b[1])
             slots.append((f_refs, b_refs) if f[0] == COMM else (b_refs, f_refs))
-            i, j = i + 1, j + 1
-            continue
-        side, group = ("B", b) if b is not None else ("F", f)
-        assert group is not None
-        refs = tuple((side, n) for n in group[1])
-        slots.append((refs, ()) if group[0] == COMM else ((), refs))
-        if side == "B":
-            j += 1
-        else:
-            i += 1
+        elif b is not None:  # same kind (or no forward left): the backward's group alone
+            b_groups.pop(0)
+            refs = tuple(("B", n) for n in b[1])
+            slots.append((refs, ()) if b[0] == COMM else ((), refs))
+        else:  # the forward's group alone
+            assert f is not None
+            f_groups.pop(0)
+            refs = tuple(("F", n) for n in f[1])
+            slots.append((refs, ()) if f[0] == COMM else ((), refs))
     return tuple(slots)
 
 
-@lru_cache(maxsize=256)
-def _backward_comm_slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[int, ...]:
-    """The slots of ``_slots(forward, backward)`` that hold a backward comm node."""
-    return tuple(n for n, (comm, _) in enumerate(_slots(forward, backward))
-                 if any(side == "B" for side, _ in comm))
+def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
+    """The slots of one forward layer beside one backward layer (either may be None: the other's
+    nodes then go alone). See the module docstring."""
+    return list(_slots(walk_of(forward) if forward else None,
+                       walk_of(backward) if backward else None))
 
 
-def walk_of(kinds: LayerKinds) -> LayerWalk:
-    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
-    try:
-        return layer_walk(kinds)  # type: ignore[arg-type]
-    except TypeError:  # a list somewhere: not hashable
-        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
-                                for k in kinds))
+class _Entry(NamedTuple):
+    """One node of a planned pair (``_pair_plan``): what it waits for inside the pair (entries
+    on the other stream), and whether it waits for its side's previous layer."""
+
+    stream: str
+    side: Side
+    node: int
+    waits: tuple[int, ...]  # earlier entries of the pair, on the other stream
+    after_previous: bool  # it reads its side's previous layer (its layer's input)
+    reads_host: bool
+    signals: bool  # an entry of the pair waits for it
+
+
+class _PairPlan(NamedTuple):
+    slots: tuple[tuple[tuple[_Entry, ...], tuple[_Entry, ...]], ...]  # (comm, compute) entries
+    b_comm: tuple[int, ...]  # the slots holding a backward comm node
+    f_end: int  # the entry of the forward's last node (-1: none)
+    b_end: int  # the entry of the backward's first node (-1: none)
+
+
+@lru_cache(maxsize=None)
+def _pair_plan(forward: LayerWalk | None, backward: LayerWalk | None) -> _PairPlan:
+    """The slots of a layer pair with each node's waits inside the pair worked out once."""
+    entries: list[_Entry] = []  # in issue order: per slot its comm, then its compute entries
+    entry_of: dict[NodeRef, int] = {}
+    shape = []  # per slot: (comm entries, compute entries)
+    for comm_refs, compute_refs in _slots(forward, backward):
+        for stream, refs in ((COMM, comm_refs), (COMPUTE, compute_refs)):
+            for side, node in refs:
+                walk = forward if side == "F" else backward
+                assert walk is not None
+                inputs = walk.reads[node] if side == "F" else walk.readers[node]
+                waits = tuple(sorted(entry_of[(side, n)] for n in inputs
+                                     if walk.kinds[n] != stream))
+                entry_of[(side, node)] = len(entries)
+                reads_host = side == "F" and walk.reads_host[node]  # its backward reads none
+                entries.append(_Entry(stream, side, node, waits, not inputs, reads_host, False))
+        shape.append((len(comm_refs), len(compute_refs)))
+    waited = {w for entry in entries for w in entry.waits}
+    entries = [e._replace(signals=n in waited) for n, e in enumerate(entries)]
+    slots, start = [], 0
+    for comm, compute in shape:
+        slots.append((tuple(entries[start:start + comm]),
+                      tuple(entries[start + comm:start + comm + compute])))
+        start += comm + compute
+    b_comm = tuple(n for n, (comm, _) in enumerate(slots) if any(e.side == "B" for e in comm))
+    f_end = entry_of[("F", len(forward.kinds) - 1)] if forward is not None else -1
+    b_end = entry_of[("B", 0)] if backward is not None else -1
+    return _PairPlan(tuple(slots), b_comm, f_end, b_end)
 
 
 class IssueOrder:
@@ -248,8 +315,9 @@ class IssueOrder:
     ``backward_layers``: the kinds of every layer of the backward tape, forward order (empty: a
     forward alone). ``forward_layer(kinds)`` returns the issues that come with the next forward
     layer (lone backward layers first, then the pair); ``finish()`` those of the backward layers
-    left and of the W items still waiting. ``issues`` holds them all; ``end_of[(side, layer,
-    node)]`` is the position of a node's issue.
+    left and of the W items still waiting. ``issues`` holds them all; ``side_end[side]`` is the
+    position of the issue that ends a side so far (F: the last forward layer's last node; B: the
+    last backward layer's first node).
 
     ``backward_times`` (``LayerTimes`` per backward layer) switches the W placement from the
     count rule to the time rule; ``forward_layer`` then takes each forward layer's times too
@@ -267,9 +335,8 @@ class IssueOrder:
             self.clock = IssueClock(backward_times, host_runs_compute)
         self.issues: list[Issue] = []
         self.forward_layers: list[LayerWalk] = []
-        self.position: dict[tuple[Side, int, int], int] = {}  # (side, layer, node) -> issue
+        self.side_end: dict[Side, int | None] = {"F": None, "B": None}
         self._next_backward = len(self.backward_layers) - 1
-        self._side_end: dict[Side, int | None] = {"F": None, "B": None}  # last layer's end
         self._slot = 0
         self._w_due: list[tuple[int, int, int]] = []  # (layer, HEAD/TAIL, slot) to issue next
         self._w_waiting: list[int] = []  # layers whose tail waits for a backward comm slot
@@ -310,74 +377,70 @@ class IssueOrder:
             self._issue_due_w()
         return self.issues[start:]
 
-    # ---- internals -----------------------------------------------------------------------
+    # ---- placing a planned pair ----------------------------------------------------------
     def _take_backward(self) -> int:
         self._next_backward -= 1
         return self._next_backward + 1
 
     def _pair(self, forward: LayerWalk | None, backward: int | None) -> None:
-        """Issue one forward layer beside one backward layer (either may be None), slot by slot:
-        the comm nodes, the W items due, the compute nodes (module docstring)."""
+        """Place one forward layer beside one backward layer (either may be None), slot by
+        slot: the comm nodes, the W items due, the compute nodes (module docstring)."""
         f_layer = len(self.forward_layers)
         if forward is not None:
             self.forward_layers.append(forward)
-        b_walk = self.backward_layers[backward] if backward is not None else None
-        slots = _slots(forward, b_walk)
-        b_comm = _backward_comm_slots(forward, b_walk)
+        plan = _pair_plan(forward, self.backward_layers[backward] if backward is not None
+                          else None)
+        placed: list[int] = []  # each entry's position in ``issues``
+        layers = {"F": f_layer, "B": backward}
         count_rule = self.defer_wgrad and self.clock is None
-        for n, (comm, compute) in enumerate(slots):
+        for n, (comm, compute) in enumerate(plan.slots):
             self._slot += 1
-            for side, node in comm:
-                self._issue_node(COMM, side, f_layer if side == "F" else backward, node)
+            for entry in comm:
+                placed.append(self._place(entry, layers[entry.side], placed))  # type: ignore
             if self._w_due:
                 self._issue_due_w()
-            for side, node in compute:
-                self._issue_node(COMPUTE, side, f_layer if side == "F" else backward, node)
-            if count_rule and n in b_comm:  # the count rule
+            for entry in compute:
+                placed.append(self._place(entry, layers[entry.side], placed))  # type: ignore
+            if count_rule and n in plan.b_comm:  # the count rule
                 self._w_due += [(waiting, TAIL, self._slot) for waiting in self._w_waiting]
                 self._w_waiting = []
-                if n == b_comm[-1]:
-                    self._w_due.append((backward, HEAD, self._slot))
+                if n == plan.b_comm[-1]:
+                    self._w_due.append((backward, HEAD, self._slot))  # type: ignore[arg-type]
                     self._w_waiting.append(backward)  # type: ignore[arg-type]
         if forward is not None:
-            self._side_end["F"] = self.position[("F", f_layer, len(forward.kinds) - 1)]
+            self.side_end["F"] = placed[plan.f_end]
         if backward is not None:
-            self._side_end["B"] = self.position[("B", backward, 0)]
+            self.side_end["B"] = placed[plan.b_end]
+
+    def _place(self, entry: _Entry, layer: int, placed: list[int]) -> int:
+        """Issue one node after the entries it waits for (and its side's previous layer's end,
+        when that ran on the other stream); returns its position."""
+        waits = entry.waits
+        needs = (placed[waits[0]],) if len(waits) == 1 else tuple([placed[w] for w in waits])
+        caller = False
+        if entry.after_previous:
+            end = self.side_end[entry.side]
+            if end is not None and self.issues[end].stream != entry.stream:
+                needs = tuple(sorted(needs + (end,)))
+            caller = entry.side == "F" or layer == len(self.backward_layers) - 1
+        clock = self.clock
+        if clock is not None and entry.stream == COMPUTE:  # the time rule: W into the gap
+            for w_layer, count, duration in clock.fill(needs):
+                self.issues.append(Issue(COMPUTE, "W", w_layer, FILL, self._slot, count=count))
+                clock.add(COMPUTE, (), duration)
+        self.issues.append(_new_issue(Issue, (entry.stream, entry.side, layer, entry.node,
+                                              self._slot, needs, 0, entry.reads_host, caller,
+                                              entry.signals)))
+        if clock is not None:
+            clock.add(entry.stream, needs, clock.node_time(entry.side, layer, entry.node))
+            if entry.side == "B" and entry.stream == COMPUTE:
+                clock.queue(layer, entry.node)
+        return len(self.issues) - 1
 
     def _issue_due_w(self) -> None:
         for layer, part, slot in self._w_due:
             self.issues.append(Issue(COMPUTE, "W", layer, part, slot))
         self._w_due = []
-
-    def _issue_node(self, stream: str, side: Side, layer: Any, node: int) -> None:
-        """Issue one node; it needs the nodes it reads (a backward node: the nodes that read
-        it), or its side's previous layer for the first node of its layer."""
-        if side == "F":
-            inputs = self.forward_layers[layer].reads[node]
-        else:
-            inputs = self.backward_layers[layer].readers[node]
-        issues = self.issues
-        if len(inputs) == 1:
-            made = self.position[(side, layer, inputs[0])]
-            needs = (made,) if issues[made].stream != stream else ()
-        elif inputs:
-            position = self.position
-            needs = tuple(sorted(p for p in (position[(side, layer, n)] for n in inputs)
-                                 if issues[p].stream != stream))
-        else:
-            end = self._side_end[side]
-            needs = (end,) if end is not None and issues[end].stream != stream else ()
-        clock = self.clock
-        if clock is not None and stream == COMPUTE:  # the time rule: W items into the gap
-            for w_layer, count, duration in clock.fill(needs):
-                self.issues.append(Issue(COMPUTE, "W", w_layer, FILL, self._slot, count=count))
-                clock.add(COMPUTE, (), duration)
-        self.position[(side, layer, node)] = len(self.issues)
-        self.issues.append(Issue(stream, side, layer, node, self._slot, needs))
-        if clock is not None:
-            clock.add(stream, needs, clock.node_time(side, layer, node))
-            if side == "B" and stream == COMPUTE:
-                clock.queue(layer, node)
 
 
 def _check_times(times: Sequence[LayerTimes], layers: Sequence[LayerWalk], what: str) -> None:
@@ -399,25 +462,23 @@ def issue_order(forward_layers: Sequence[LayerKinds], backward_layers: Sequence[
     return tuple(order.issues)
 
 
-def compute_first(issues: Sequence[Issue]) -> list[Issue]:
-    """The same issues in the order of a host that only queues work (CUDA): each slot's compute
-    issues before the slot's comm issues. Each stream sees the same sequence as in ``issues``."""
-    return [issues[n] for n in compute_first_positions(issues)]
-
-
-def compute_first_positions(issues: Sequence[Issue]) -> list[int]:
-    """``compute_first`` as positions in ``issues``."""
+def queuing_positions(issues: Sequence[Issue]) -> list[int]:
+    """The positions of ``issues`` in the order of a host that only queues work (CUDA): as
+    listed, except that a slot's comm nodes from the first one that reads the host on go after
+    the slot's compute nodes. Each stream sees the same sequence as in ``issues``."""
     out: list[int] = []
-    comm: list[int] = []  # comm issues of the current slot
+    held: list[int] = []  # the current slot's comm issues from the first host-reading one on
+    slot = None
     for n, issue in enumerate(issues):
-        if comm and issue.slot > issues[comm[0]].slot:
-            out += comm
-            comm = []
-        if issue.stream == COMM:
-            comm.append(n)
+        if issue.side != "W" and issue.slot != slot:  # a new slot begins
+            out += held
+            held = []
+            slot = issue.slot
+        if issue.stream == COMM and (held or issue.reads_host):
+            held.append(n)
         else:
             out.append(n)
-    return out + comm
+    return out + held
 
 
 def format_pair_table(forward: LayerKinds, backward: LayerKinds,

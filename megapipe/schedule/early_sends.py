@@ -1,10 +1,11 @@
-"""Early sends: each half of an OVERLAP action hands its output on as soon as it is made.
+"""The early-send rule: which sends of an OVERLAP action go out as soon as their half is made.
 
 The lowering puts the sends of an OVERLAP (and the receives the rank needs next) in the batch
-right after it, so both halves' outputs used to wait for the whole pair, deferred weight
-gradients included. The executor now posts from inside the pair, on its own thread as before:
-the forward half's output once the forward's last layer has run, the backward half's input
-gradient once the backward's last node has run.
+right after it, so both halves' outputs would wait for the whole pair, deferred weight
+gradients included. The executor posts from inside the pair instead (``pipeline.p2p.
+PairSends``), on its own thread: the forward half's output once the forward's last layer has
+run, the backward half's input gradient once the backward's last node has run. The simulator
+models the same rule (``sim.programs.half_ends``). Pure Python, no torch.
 
 What may go early is decided once per schedule and proven deadlock-free under the lowering's
 batched p2p model (``check_runs``: a rank's batches complete in the order posted; a send and its
@@ -32,14 +33,12 @@ halves are done); DualPipe and DualPipeV (every pair sends twice) their whole ba
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from megapipe.schedule.comm_check import Layout, check_runs
-from megapipe.schedule.errors import ScheduleError
-from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
-
-if TYPE_CHECKING:
-    from megapipe.pipeline.step_tensors import StepTensors
+from .comm_check import Layout, check_runs
+from .errors import ScheduleError
+from .ir import COMM_KINDS, Action, Kind, Schedule
+from .lower import lower
 
 EarlySends = dict[tuple[int, int], tuple[Action, ...]]
 """(rank, index of an OVERLAP in the rank's lowered list) -> its sends that go out one by one."""
@@ -124,35 +123,10 @@ def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     return {}, WHOLE
 
 
-class PairSends:
-    """Posts the run after one OVERLAP as its halves finish (``post_ready`` after each hand-over).
-
-    ``early``: the sends that go out one by one (``choose_early_sends``); empty: the whole run goes
-    once every send in it is ready. The executor posts whatever is left after the pair.
-    """
-
-    def __init__(
-        self, tensors: "StepTensors", run: Sequence[Action], early: Sequence[Action] = ()
-    ) -> None:
-        self.tensors = tensors
-        self.run = list(run)
-        self.early = list(early)
-        self.first = True
-
-    def post_ready(self) -> None:
-        tensors = self.tensors
-        if not self.early:
-            sends = [a for a in self.run if a.kind in (Kind.SEND_F, Kind.SEND_B)]
-            if self.first and self.run and all(tensors.ready_to_send(a) for a in sends):
-                tensors.post(self.run)
-                self.first = False
-            return
-        ready = []
-        while self.early and tensors.ready_to_send(self.early[0]):
-            ready.append(self.early.pop(0))
-        if not ready:
-            return
-        if self.first:  # the run's receives go with the first early send (as in the proof)
-            ready += [a for a in self.run if a.kind in RECEIVES]
-            self.first = False
-        tensors.post(ready)
+def executor_rule(schedule: Schedule) -> str:
+    """The rule ``choose_early_sends`` proves for ``schedule`` once lowered (the simulator's
+    default); ``WHOLE`` for a schedule that does not lower (the executor refuses it anyway)."""
+    try:
+        return choose_early_sends(lower(schedule))[1]
+    except ScheduleError:
+        return WHOLE

@@ -2,12 +2,11 @@
 
 import pytest
 
-from megapipe.schedule.node_timing import NodeTimes, time_issues
-from megapipe.schedule.pair_order import (
-    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, compute_first, format_pair_table,
-    issue_order, pair_slots,
+from megapipe.pairing.timing import NodeTimes, time_issues
+from megapipe.pairing.order import (
+    COMM, COMM_READS_HOST, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, format_pair_table,
+    issue_order, pair_slots, queuing_positions,
 )
-from megapipe.schedule.kept_orders import PairOrders
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
@@ -95,46 +94,42 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
         assert w == []
 
 
-def _planned(order, forward):
-    steps = [order.forward_layer(tuple(kinds)) for kinds in forward] + [order.finish()]
-    return steps, dict(order.position), [w.kinds for w in order.forward_layers]
-
-
-@pytest.mark.parametrize("second", [
-    [MOE, MOE, DENSE],            # the same step again: replayed whole
-    [MOE, DENSE, MOE],            # differs at the second forward layer: planned from there
-    [MOE],                        # fewer forward layers: planned at finish
-    [MOE, MOE, DENSE, MOE],       # more forward layers
-    [DENSE, MOE, MOE],            # differs at the first
-])
-@pytest.mark.parametrize("defer", [False, True])
-def test_kept_orders_give_the_issues_a_fresh_order_gives(second, defer):
-    """A runner's kept orders (``PairOrders``) hand out exactly the issues, positions and layer
-    walks that planning afresh gives, whether a step repeats an earlier one whole or differs
-    from some forward layer on; each differing step becomes the kept one."""
-    backward = [tuple(MOE), tuple(DENSE), tuple(MOE)]
-    orders = PairOrders()
-    for forward in ([MOE, MOE, DENSE], second, second, [MOE, MOE, DENSE]):
-        fresh = IssueOrder(backward, defer_wgrad=defer)
-        kept = orders.order(backward, defer_wgrad=defer)
-        assert _planned(kept, forward) == _planned(fresh, forward)
-        assert kept.issues == fresh.issues
-    other = orders.order([tuple(MOE)], defer_wgrad=defer)  # other backward layers: their own
-    assert _planned(other, [MOE]) == _planned(IssueOrder([tuple(MOE)], defer), [MOE])
-
-
-def test_compute_first_keeps_each_streams_sequence():
-    issues = issue_order([DENSE, MOE, MOE], [MOE, MOE, DENSE], defer_wgrad=True)
-    reordered = compute_first(issues)
-    assert sorted(map(id, reordered)) == sorted(map(id, issues))
+def test_a_queuing_host_issues_a_host_reading_comm_node_after_its_slots_compute():
+    """On CUDA the host issues comm nodes first (a ready all-to-all is not queued behind the
+    compute beside it), except a comm node that reads the host (a dropless dispatch): it goes
+    after its slot's compute, so the host has queued that compute before it blocks. Each stream
+    keeps its sequence and every issue comes after what it waits for."""
+    moe = ["compute", COMM_READS_HOST, "compute", "comm", "compute"]
+    issues = issue_order([DENSE, moe, moe], [moe, moe, DENSE], defer_wgrad=True)
+    order = queuing_positions(issues)
+    assert sorted(order) == list(range(len(issues)))
+    reordered = [issues[n] for n in order]
     for stream in (COMPUTE, COMM):
-        assert [i for i in reordered if i.stream == stream] == [i for i in issues if i.stream == stream]
-    position = {id(i): n for n, i in enumerate(reordered)}
-    for issue in reordered:  # what an issue waits for was issued before it
-        assert all(position[id(issues[n])] < position[id(issue)] for n in issue.needs)
-    # within a slot, the compute node now comes before the comm node
-    labels = [_label(i) for i in reordered]
-    assert labels.index("F1.attention") < labels.index("B1.combine")
+        assert [i for i in reordered if i.stream == stream] == \
+            [i for i in issues if i.stream == stream]
+    at = {n: k for k, n in enumerate(order)}
+    for n, issue in enumerate(issues):  # what an issue waits for was issued before it
+        assert all(at[need] < at[n] for need in issue.needs)
+    labels = [_label(issues[n]) for n in order]
+    assert labels.index("B1.combine") < labels.index("F1.attention")  # a ready combine first
+    assert labels.index("B1.experts") < labels.index("F1.dispatch")  # the read after compute
+    assert labels.index("F1.combine") < labels.index("B1.attention")
+    assert [i.reads_host for i in issues if i.node == 1 and i.side != "W"] == [True, False] * 2
+    plain = issue_order([DENSE, MOE, MOE], [MOE, MOE, DENSE], defer_wgrad=True)
+    assert queuing_positions(plain) == list(range(len(plain)))  # nothing reads the host
+
+
+def test_a_pair_of_layer_shapes_is_planned_once():
+    """The pair order places a planned pair (``_pair_plan``, cached by the layers' walks) into
+    every step: two steps of the same shape plan nothing again and give equal issues."""
+    from megapipe.pairing import order as pair_order
+
+    first = issue_order([MOE, DENSE], [DENSE, MOE], defer_wgrad=True)
+    before = pair_order._pair_plan.cache_info()
+    second = issue_order([MOE, DENSE], [DENSE, MOE], defer_wgrad=True)
+    after = pair_order._pair_plan.cache_info()
+    assert first == second
+    assert after.misses == before.misses and after.hits > before.hits
 
 
 # DeepSeek-V3 on H800, per MoE layer (ms), with the attention's weight gradient inside B and the
@@ -286,7 +281,7 @@ def _table_rows(text: str) -> list[list[str]]:
 def test_the_pair_table_of_the_docs_and_the_docstring_is_the_order_itself():
     from pathlib import Path
 
-    from megapipe.schedule import pair_order
+    from megapipe.pairing import order as pair_order
 
     table = _table_rows(format_pair_table(MOE, MOE, NAMES, defer_wgrad=True))
     assert table[1:3] == [["1", "", "B finish"],

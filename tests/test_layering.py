@@ -11,7 +11,7 @@ from pathlib import Path
 import megapipe
 
 LAYERS = [
-    "kernels", "schedule", "sim", "parallel", "overlap", "moe", "models", "pipeline",
+    "kernels", "schedule", "sim", "parallel", "data", "overlap", "moe", "models", "pipeline",
     "megatron", "train", "cli",
 ]
 FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}}

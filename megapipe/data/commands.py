@@ -71,7 +71,8 @@ def run_train_tokenizer(args: argparse.Namespace) -> int:
     from megapipe.data.train_tokenizer import train_tokenizer
 
     result = train_tokenizer(args.input, args.vocab_size, args.output, args.json_keys)
-    skipped = f", skipped {result.skipped} not UTF-8" if result.skipped else ""
+    skipped = (f"; skipped {result.skipped} file(s) that are not UTF-8 text" if result.skipped
+               else "")
     short = (f" (the corpus gave no more merges than that; asked {args.vocab_size:,})"
              if result.vocab_size < args.vocab_size else "")
     print(f"wrote {result.path}: {result.vocab_size:,} tokens{short}, <|endoftext|> = 0; "

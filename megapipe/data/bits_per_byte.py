@@ -30,17 +30,15 @@ def token_byte_counts(tokenizer: Tokenizer, padded_vocab_size: int | None = None
     if size < tokenizer.vocab_size:
         raise DataError(f"the padded vocabulary {size:,} is smaller than the tokenizer's "
                         f"{tokenizer.vocab_size:,}")
-    counts = torch.zeros(size, dtype=torch.int64)
-    for token in range(tokenizer.vocab_size):
-        counts[token] = len(tokenizer.decode_bytes([token]))
+    counts = [len(tokenizer.decode_bytes([token])) for token in range(tokenizer.vocab_size)]
     if tokenizer.eod is not None:
         counts[tokenizer.eod] = 0
-    return counts
+    return torch.tensor(counts + [0] * (size - len(counts)), dtype=torch.int64)
 
 
 def target_bytes(labels: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The bytes of text the target tokens ``labels`` stand for, summed (a 0-d int64 tensor on
-    ``labels``' device; no host read)."""
+    ``labels``' device; no host read). Keep ``counts`` on that device (else it is copied)."""
     return counts.to(labels.device)[labels].sum()
 
 

@@ -49,8 +49,9 @@ def megatron_sample_counts(train_iters: int, global_batch_size: int, eval_interv
     """The samples Megatron asks of each split (its ``get_train_valid_test_num_samples``):
     train ``train_iters * G``; validation ``(train_iters // eval_interval + 1) * eval_iters * G``;
     test ``eval_iters * G``. The counts shape the datasets (how many epochs are shuffled), so
-    the same counts give Megatron's samples."""
-    evaluations = train_iters // eval_interval + 1
+    the same counts give Megatron's samples; each split's samples depend on its own count only.
+    ``eval_interval`` 0 (no evaluation): no validation samples."""
+    evaluations = train_iters // eval_interval + 1 if eval_interval > 0 else 0
     return (train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
             eval_iters * global_batch_size)
 
@@ -89,9 +90,9 @@ def check_gpt_data(data_path: Sequence[str], split: str, seq_length: int, seed: 
                    num_samples: Sequence[int], tokenizer: Tokenizer,
                    data_cache_path: str | os.PathLike | None = None):
     """Everything ``build_gpt_datasets`` needs, checked without a process group: the blend
-    parses, each prefix's ``.idx`` and ``.bin`` exist and agree, each split that must give
-    samples holds tokens in every dataset (Megatron would loop forever on an empty one).
-    Returns the ``GPTDatasetConfig``; DataError otherwise."""
+    parses, each prefix's ``.idx`` and ``.bin`` exist and agree, each split of a share above 0
+    holds tokens in every dataset (Megatron would loop forever building an empty one, even
+    asked for 0 samples). Returns the ``GPTDatasetConfig``; DataError otherwise."""
     config = gpt_dataset_config(data_path, split, seq_length, seed, tokenizer, data_cache_path)
     mcore = mcore_datasets("--data-path with indexed datasets")
     for prefix in config.blend[0]:
@@ -104,15 +105,15 @@ def check_gpt_data(data_path: Sequence[str], split: str, seq_length: int, seed: 
             raise DataError(f"--data-path {prefix}: {prefix}.bin holds {actual:,} bytes, its "
                             f"index describes {expected:,} (files of two different datasets?)")
         count = len(lengths)
-        for name, bookends, wanted in zip(SPLIT_NAMES, config.split_matrix, num_samples):
-            if bookends is None or wanted == 0:
+        for name, bookends in zip(SPLIT_NAMES, config.split_matrix):
+            if bookends is None:  # a share of 0: Megatron builds no dataset
                 continue
             begin, end = (int(round(edge * float(count))) for edge in bookends)
             if int(lengths[begin:end].sum()) == 0:
                 raise DataError(
                     f"--data-path {prefix}: its {name} split (--split {split}: sequences "
-                    f"{begin} to {end} of {count}) holds no tokens; give it more documents or "
-                    "that split a larger share"
+                    f"{begin} to {end} of {count}) holds no tokens; give it more documents, "
+                    "that split a larger share, or a share of 0 (e.g. --split 98,2,0)"
                 )
     return config
 

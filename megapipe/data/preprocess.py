@@ -134,7 +134,7 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
     pids: set[int] = set()
     start = time.perf_counter()
     try:
-        with _task_results(tasks, workers, tokenizer) as results:
+        with _TaskResults(tasks, workers, tokenizer) as results:
             for pid, batch in results:
                 pids.add(pid)
                 for encoded in batch:
@@ -157,7 +157,7 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
     return PreprocessResult(prefixes, documents, tokens, frozenset(pids))
 
 
-class _task_results:
+class _TaskResults:
     """The encoded batches in input order: in this process, or from a pool of ``workers``
     spawned processes (spawned: the parent's threads, torch's or tokenizers', are not forked)."""
 

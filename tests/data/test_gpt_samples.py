@@ -172,12 +172,14 @@ def test_megatrons_blend_parser_agrees():
 def test_bad_data_is_refused_before_building(data, tmp_path):
     root, _ = data
     _write_with_megatrons_builder(str(tmp_path / "small"), _documents("s", 30))
-    # 969,30,1 of 30 documents leaves the test split none: Megatron would loop forever
-    with pytest.raises(DataError, match=r"small: its test split \(--split 969,30,1: sequences "
-                                        r"30 to 30 of 30\) holds no tokens"):
-        check_gpt_data([str(tmp_path / "small")], "969,30,1", SEQ, SEED, COUNTS, ByteTokenizer())
-    check_gpt_data([str(tmp_path / "small")], "969,30,1", SEQ, SEED, COUNTS[:2] + (0,),
-                   ByteTokenizer())  # no test samples asked: fine
+    # 969,30,1 of 30 documents leaves the test split none: Megatron would loop forever, even
+    # asked for no test samples
+    for counts in (COUNTS, COUNTS[:2] + (0,)):
+        with pytest.raises(DataError, match=r"small: its test split \(--split 969,30,1: "
+                                            r"sequences 30 to 30 of 30\) holds no tokens"):
+            check_gpt_data([str(tmp_path / "small")], "969,30,1", SEQ, SEED, counts,
+                           ByteTokenizer())
+    check_gpt_data([str(tmp_path / "small")], "969,31,0", SEQ, SEED, COUNTS, ByteTokenizer())
     (tmp_path / "mixed.bin").write_bytes((root / "b.bin").read_bytes())
     (tmp_path / "mixed.idx").write_bytes((root / "a.idx").read_bytes())
     with pytest.raises(DataError, match=r"mixed.bin holds .* bytes, its index describes"):

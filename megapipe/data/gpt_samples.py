@@ -8,8 +8,8 @@ defaults), sized by ``megatron_sample_counts`` as Megatron sizes them; so sample
 sample i for the same flags. Sample i holds ``seq_length + 1`` tokens: tokens are the first
 ``seq_length``, labels the last ``seq_length``.
 
-**Ranks.** The builder writes index caches (``--data-cache-path``, else ``PREFIX/cache/`` beside
-the data, as Megatron) and reads them back. Where ``torch.distributed`` is initialized it is
+**Ranks.** The builder writes index caches (``--data-cache-path``, else
+``PREFIX/cache/GPTDataset_indices/``, as Megatron) and reads them back. Where ``torch.distributed`` is initialized it is
 collective: global rank 0 builds and writes the caches first, every rank waits at a barrier of
 the default group, then the other ranks build from the caches; so every rank of the default
 group must call ``build_gpt_datasets``, and all of them build (each rank reads its own
@@ -20,8 +20,8 @@ on one cache directory at once.
 
 **Order.** ``IndexedTrainBatches`` takes samples in Megatron's pretraining-sampler order: the
 global batch of iteration t is samples ``[t * G, (t + 1) * G)`` (G the global batch size), cut
-into microbatches of ``b * dp`` consecutive samples, of which data-parallel rank r takes the
-r-th ``b``. The position is one integer, the samples consumed, saved and restored as
+into runs of ``b * dp`` consecutive samples (b the micro batch size); data-parallel rank r's
+microbatch is the r-th ``b`` samples of each run. The position is one integer, the samples consumed, saved and restored as
 ``megapipe.train.data.TrainBatches``' is.
 """
 

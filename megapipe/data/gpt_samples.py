@@ -9,20 +9,20 @@ sample i for the same flags. Sample i holds ``seq_length + 1`` tokens: tokens ar
 ``seq_length``, labels the last ``seq_length``.
 
 **Ranks.** The builder writes index caches (``--data-cache-path``, else
-``PREFIX/cache/GPTDataset_indices/``, as Megatron) and reads them back. Where ``torch.distributed`` is initialized it is
-collective: global rank 0 builds and writes the caches first, every rank waits at a barrier of
-the default group, then the other ranks build from the caches; so every rank of the default
-group must call ``build_gpt_datasets``, and all of them build (each rank reads its own
-samples). Without a process group the caller is alone: it builds and writes the caches inside a
-default group of its own process that it makes and ends (gloo, world size 1: Megatron's
-blended dataset asks the rank whenever it writes a cache); never run several such processes
-on one cache directory at once.
+``PREFIX/cache/GPTDataset_indices/``, as Megatron) and reads them back. Where
+``torch.distributed`` is initialized it is collective: global rank 0 builds and writes the
+caches first, every rank waits at a barrier of the default group, then the other ranks build
+from the caches; so every rank of the default group must call ``build_gpt_datasets``, and all
+of them build (each rank reads its own samples). Without a process group the caller is alone:
+it builds and writes the caches inside a default group of its own process that it makes and
+ends (gloo, world size 1: Megatron's blended dataset asks the rank whenever it writes a
+cache); never run several such processes on one cache directory at once.
 
 **Order.** ``IndexedTrainBatches`` takes samples in Megatron's pretraining-sampler order: the
 global batch of iteration t is samples ``[t * G, (t + 1) * G)`` (G the global batch size), cut
 into runs of ``b * dp`` consecutive samples (b the micro batch size); data-parallel rank r's
-microbatch is the r-th ``b`` samples of each run. The position is one integer, the samples consumed, saved and restored as
-``megapipe.train.data.TrainBatches``' is.
+microbatch is the r-th ``b`` samples of each run. The position is one integer, the samples
+consumed, saved and restored as ``megapipe.train.data.TrainBatches``' is.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
+from .data.commands import add_data_commands
 from .schedule.errors import ScheduleError
 
 
@@ -242,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_schedule_command(subparsers)
     _add_pretrain_command(subparsers)
     _add_trace_command(subparsers)
+    add_data_commands(subparsers)
     return parser
 
 

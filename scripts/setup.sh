@@ -21,6 +21,11 @@ $PIP install -q -e ".[test,triton]"
 if ! $PIP install -q -e ".[fast]"; then
   echo "setup.sh: numba could not be installed; the schedule layer's loops run in Python" >&2
 fi
+# Real data (megapipe.data): Hugging Face's tokenizers (train-tokenizer, HuggingFaceTokenizer)
+# and safetensors; without them those commands say what is missing and their tests skip.
+if ! $PIP install -q -e ".[data]"; then
+  echo "setup.sh: tokenizers/safetensors could not be installed; tests/data/ will skip" >&2
+fi
 # The Megatron-Core adapter's tests need megatron-core (pure Python plus a small dataset helper;
 # never TransformerEngine or Apex): the extra installs what pip can install here (0.16.1 on
 # Python 3.11). Where it cannot be installed those tests skip and say why.

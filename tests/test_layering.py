@@ -11,7 +11,8 @@ from pathlib import Path
 import megapipe
 
 LAYERS = [
-    "kernels", "schedule", "pairing", "sim", "parallel", "overlap", "moe", "models", "pipeline",
+    "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models",
+    "pipeline",
     "megatron", "train", "cli",
 ]
 FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}}

@@ -242,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_schedule_command(subparsers)
     _add_pretrain_command(subparsers)
     _add_trace_command(subparsers)
+    from .hf.command import add_export_command
+    add_export_command(subparsers)
     return parser
 
 

@@ -12,9 +12,10 @@ import megapipe
 
 LAYERS = [
     "kernels", "schedule", "sim", "parallel", "overlap", "moe", "models", "pipeline",
-    "megatron", "train", "cli",
+    "megatron", "train", "hf", "cli",
 ]
-FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}}
+# hf/ (Hugging Face export) reads models/, moe/ and train/'s checkpoint files only
+FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}, "hf": {"pipeline", "megatron"}}
 ROOT = Path(megapipe.__file__).parent
 
 

@@ -1,0 +1,91 @@
+"""The tokenizer files of an export: ``tokenizer.json`` and ``tokenizer_config.json``, which
+``transformers.AutoTokenizer.from_pretrained`` reads.
+
+- ``HuggingFaceTokenizer`` (Megatron's ``--tokenizer-type``): its ``tokenizer.json`` (a file,
+  or a directory holding one, with its ``tokenizer_config.json`` and
+  ``special_tokens_map.json`` when present) is copied; its vocabulary must fit the model's.
+- ``ByteLevel`` (megapipe's default, one token per UTF-8 byte, id = byte value, NUL ends a
+  document): written as a byte-level BPE with the 256 byte symbols and no merges, which gives
+  the same ids for every text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+BYTE_LEVEL = "ByteLevel"
+HUGGING_FACE = "HuggingFaceTokenizer"
+_COPIED = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_file(model: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``--tokenizer-model`` names (the file or its directory)."""
+    path = Path(model)
+    found = path / "tokenizer.json" if path.is_dir() else path
+    if not found.is_file():
+        raise ValueError(f"--tokenizer-model {model}: no tokenizer.json there")
+    return found
+
+
+def _byte_level_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # the GPT-2 byte -> printable-character map the ByteLevel pre-tokenizer applies
+    symbols = {b: ch for b, ch in zip(range(256), _bytes_to_unicode())}
+    assert set(symbols.values()) == set(alphabet)
+    tokenizer = Tokenizer(models.BPE(vocab={ch: b for b, ch in symbols.items()}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """Byte b -> the printable character GPT-2's byte-level BPE writes for it (printable
+    Latin-1 bytes stand for themselves, the others for 256 + n, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra, chars = 0, []
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def write_tokenizer(out: Path, spec: Mapping[str, Any], vocab_size: int) -> str:
+    """Write the tokenizer of ``spec`` (the descriptor's ``model.tokenizer``) into ``out``;
+    returns a few words for the log. A ValueError for an unknown type or a vocabulary larger
+    than the model's."""
+    kind = spec.get("tokenizer_type")
+    if kind == BYTE_LEVEL:
+        if vocab_size < 256:
+            raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256, the model has "
+                             f"{vocab_size}")
+        _byte_level_tokenizer().save(str(out / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": chr(256),
+                  "model_max_length": None}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return "byte-level (256 byte tokens)"
+    if kind != HUGGING_FACE:
+        raise ValueError(f"tokenizer_type={kind!r}: the export writes {BYTE_LEVEL} or "
+                         f"{HUGGING_FACE} tokenizers")
+    source = tokenizer_file(spec.get("tokenizer_model", ""))
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_file(str(source)).get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ValueError(f"tokenizer {source} has {size} tokens, more than the model's "
+                         f"vocab_size={vocab_size}")
+    shutil.copyfile(source, out / "tokenizer.json")
+    copied = [name for name in _COPIED if (source.parent / name).is_file()]
+    for name in copied:
+        shutil.copyfile(source.parent / name, out / name)
+    if "tokenizer_config.json" not in copied:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": None}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return f"{source} ({size} tokens)"

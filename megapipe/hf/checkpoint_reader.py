@@ -84,8 +84,10 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dt
     }
 
 
-def read_tensors(path: str | Path, keys: Iterable[str],
-                 shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+Shapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def read_tensors(path: str | Path, keys: Iterable[str], shapes: Shapes) -> dict[str, torch.Tensor]:
     """The tensors of ``keys`` (checkpoint keys, ``shapes`` from ``tensor_shapes``), read in
     this process alone."""
     wanted = {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in keys}

@@ -141,13 +141,6 @@ def tensor_plan(config: GPTConfig) -> list[HFTensor]:
 
 
 # ------------------------------------------------------------------ back: --load-hf
-def _get(hf: Mapping[str, Any], key: str, expected: Any = None) -> Any:
-    value = hf.get(key, expected)
-    if expected is not None and value != expected:
-        raise ValueError(f"config.json {key}={value!r}: megapipe's GPT needs {expected!r}")
-    return value
-
-
 def _moe_pattern(hf: Mapping[str, Any], num_layers: int) -> tuple[int, int, int]:
     """(num_experts, first_k_dense_layers, moe_layer_freq) giving Qwen3-MoE's MoE layers."""
     experts, step = hf.get("num_experts", 0), hf.get("decoder_sparse_step", 1)
@@ -171,7 +164,9 @@ def gpt_config_from_hf(hf: Mapping[str, Any], seq_length: int | None = None) -> 
     if hf.get("model_type") != MODEL_TYPE:
         raise ValueError(f"config.json model_type={hf.get('model_type')!r}: --load-hf reads "
                          f"{MODEL_TYPE!r} ({ARCHITECTURE}) only")
-    _get(hf, "hidden_act", "silu")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: megapipe's SwiGLU uses "
+                         "silu")
     for flag in ("attention_bias", "use_sliding_window", "norm_topk_prob"):
         if hf.get(flag):
             raise ValueError(f"config.json {flag}=true has no equivalent in megapipe's GPT")
@@ -192,6 +187,7 @@ def gpt_config_from_hf(hf: Mapping[str, Any], seq_length: int | None = None) -> 
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+        moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
     )
     if experts:
         fields.update(moe_top_k=hf["num_experts_per_tok"],

@@ -136,7 +136,9 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         """The size of each attention head (``kv_channels``, else hidden / heads)."""
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_heads
+        if self.kv_channels is not None:
+            return self.kv_channels
+        return self.hidden_size // self.num_heads
 
     @property
     def query_groups(self) -> int:

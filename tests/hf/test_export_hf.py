@@ -23,7 +23,7 @@ from megapipe.hf.checkpoint_reader import (  # noqa: E402
 )
 from megapipe.hf.export import export_hf  # noqa: E402
 from megapipe.hf.load_hf import load_hf  # noqa: E402
-from megapipe.hf.qwen3_moe import check_exportable  # noqa: E402
+from megapipe.hf.qwen3_moe import check_exportable, gpt_config_from_hf  # noqa: E402
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
 from megapipe.train.checkpoint_files import DESCRIPTOR_FILE  # noqa: E402
@@ -186,8 +186,24 @@ def test_load_hf_gives_back_the_config_and_the_weights(exported):
     assert torch.equal(parts[1](parts[0](ids)), reference_model(MODERN)(ids))
 
 
+@pytest.mark.parametrize("edit,message", [
+    (dict(norm_topk_prob=True), "norm_topk_prob=true has no equivalent"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type='yarn'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(model_type="mixtral"), "model_type='mixtral': --load-hf reads 'qwen3_moe'"),
+    (dict(num_hidden_layers=5, mlp_only_layers=[0, 3]), "MoE layers [1, 2, 4] are not"),
+])
+def test_load_hf_refuses_what_megapipe_does_not_mirror(exported, edit, message):
+    out, _ = exported
+    hf = json.loads((out / "split" / "config.json").read_text())
+    assert gpt_config_from_hf(hf) == MODERN
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        gpt_config_from_hf(dict(hf, **edit))
+
+
 @pytest.mark.parametrize("fields,field", [
-    (dict(position_embedding_type="learned_absolute"), "position_embedding_type='learned_absolute'"),
+    (dict(position_embedding_type="learned_absolute"),
+     "position_embedding_type='learned_absolute'"),
     (dict(qk_layernorm=False), "qk_layernorm=False"),
     (dict(moe_score_function="sigmoid"), "moe_score_function='sigmoid'"),
     (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),

@@ -58,7 +58,8 @@ def _reference(attn: CausalSelfAttention, config: GPTConfig, x: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("fields", [
-    {}, MODERN, dict(MODERN, qk_layernorm=False), dict(MODERN, position_embedding_type="learned_absolute"),
+    {}, MODERN, dict(MODERN, qk_layernorm=False),
+    dict(MODERN, position_embedding_type="learned_absolute"),
     dict(MODERN, num_query_groups=None), dict(MODERN, num_query_groups=1, kv_channels=None),
 ], ids=["mha", "modern", "no_qk_norm", "no_rope", "mha_rope", "mqa"])
 def test_attention_equals_the_head_by_head_reference(fields):

@@ -78,7 +78,8 @@ def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer:
     b_last = b_part == num_parts - 1
     results = []
     for combined in (False, True):
-        stages = {p: build_stage(cfg, p, num_parts, ep_group=group) for p in sorted({f_part, b_part})}
+        stages = {p: build_stage(cfg, p, num_parts, ep_group=group)
+                  for p in sorted({f_part, b_part})}
         outs_j, tape_j = record_forward(stages[b_part].layer_plans(), (x_j,))
         grads_j = _backward_grads(stages[b_part], tape_j, outs_j, b_last, labels, g_j)
         if combined:

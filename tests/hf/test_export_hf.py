@@ -78,13 +78,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_checkpoint_reader_rebuilds_the_model_from_every_layout(saved):
     root, verdicts = saved
     assert all(v["split_stages_from_whole_checkpoint"] for v in verdicts), verdicts
-    for name, config, *_ in LAYOUTS:
-        reference = reference_model(config).state_dict()
+    for name, config, *_, dtype in LAYOUTS:
+        reference = reference_model(config).to(dtype)
         state = read_model_state(find_checkpoint(root / name).path)
-        assert state.keys() == reference.keys(), name
-        for key, tensor in reference.items():
+        assert state.keys() == reference.state_dict().keys(), name
+        for key, tensor in reference.state_dict().items():
             assert torch.equal(state[key], tensor), (name, key)
-        assert torch.equal(_megapipe_logits(root / name), reference_model(config)(_ids(config)))
+        reference.float()  # the forward runs in float32 from the checkpoint's weights
+        assert torch.equal(_megapipe_logits(root / name), reference(_ids(config)))
 
 
 def test_two_layouts_export_the_same_files(exported):
@@ -98,8 +99,9 @@ def test_two_layouts_export_the_same_files(exported):
     assert "Qwen3MoeForCausalLM" in lines["whole"][1]
 
 
-@pytest.mark.parametrize("layout", ["whole", "split", "tied"])
+@pytest.mark.parametrize("layout", ["whole", "split", "tied", "bf16"])
 def test_transformers_logits_equal_megapipes_forward_of_the_checkpoint(saved, exported, layout):
+    """fp32 logits (a bf16 checkpoint's weights upcast on both sides)."""
     root, _ = saved
     out, _ = exported
     config = TIED if layout == "tied" else MODERN
@@ -116,6 +118,8 @@ def test_config_json_maps_the_fields(exported):
     assert untied["num_key_value_heads"] == 2 and untied["head_dim"] == 12
     assert untied["mlp_only_layers"] == [0] and untied["norm_topk_prob"] is False
     assert untied["tie_word_embeddings"] is False and tied["tie_word_embeddings"] is True
+    assert untied["torch_dtype"] == "float32"
+    assert json.loads((out / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     from safetensors import safe_open
 
     with safe_open(out / "tied" / "model.safetensors", "pt") as f:

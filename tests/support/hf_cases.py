@@ -37,11 +37,12 @@ MODERN = GPTConfig(
 )
 TIED = dataclasses.replace(MODERN, untie_embeddings_and_output_weights=False)
 BYTE_LEVEL = {"tokenizer_type": "ByteLevel"}
-# (name, config, pp, vpp, ep, dp): world 4 each
+# (name, config, pp, vpp, ep, dp, dtype): world 4 each
 LAYOUTS = [
-    ("whole", MODERN, 1, 1, 1, 4),  # every rank holds the whole model
-    ("split", MODERN, 2, 2, 2, 2),  # interleaved 1F1B stages, experts over 2 ranks
-    ("tied", TIED, 2, 1, 2, 2),  # the tied weight held by the first and the last stage
+    ("whole", MODERN, 1, 1, 1, 4, torch.float32),  # every rank holds the whole model
+    ("split", MODERN, 2, 2, 2, 2, torch.float32),  # interleaved 1F1B, experts over 2 ranks
+    ("tied", TIED, 2, 1, 2, 2, torch.float32),  # the tied weight in the first and last stage
+    ("bf16", MODERN, 2, 1, 2, 2, torch.bfloat16),  # the weights of a --bf16 run
 ]
 
 
@@ -90,10 +91,11 @@ def write_checkpoints(root: str) -> dict:
     checkpoint back into fresh stages of the "split" layout (``copy_into_stage``): per rank,
     whether they equal its own split stages bitwise."""
     held = {}
-    for name, config, pp, vpp, ep, dp in LAYOUTS:
+    for name, config, pp, vpp, ep, dp, dtype in LAYOUTS:
         stages = _stages(config, pp, vpp, ep, dp)
         for stage in stages.values():
             perturb(stage)
+            stage.to(dtype)
         optimizer = torch.optim.AdamW([p for s in stages.values() for p in s.parameters()])
         save_checkpoint(Path(root) / name, 10, stages, optimizer, {},
                         descriptor(config, pp, vpp, ep, dp))

@@ -44,7 +44,8 @@ LR = 0.5
 # The modern model (issue 31): rope, grouped-query attention (2 groups of 2 heads), QK norm,
 # kv_channels 8 (heads x kv_channels = 32, twice the hidden size), tied embeddings (summed
 # across stages by the executor's grad sync); "modern_untied" for DualPipe, which refuses
-# weights tied across its mirrored stages. Same vocabulary and sequence length as CONFIG.
+# weights tied across its mirrored stages, and for a model of one stage in the combined-step
+# matrix (test_combined_step.py says why). Same vocabulary and sequence length as CONFIG.
 MODERN_CONFIG = dataclasses.replace(
     CONFIG, num_heads=4, num_query_groups=2, kv_channels=8, qk_layernorm=True,
     position_embedding_type="rope", untie_embeddings_and_output_weights=False,

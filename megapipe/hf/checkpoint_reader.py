@@ -9,7 +9,7 @@ only the tensors it needs at a time (``read_tensors``).
 
 The model config lives in the descriptor (``megapipe_layout.json``) under
 ``model.gpt_config`` (``CONFIG_KEY``: ``GPTConfig.to_dict()``), the tokenizer under
-``model.tokenizer`` (``TOKENIZER_KEY``: ``{"tokenizer_type": "ByteLevel"}`` or
+``model.tokenizer`` (``TOKENIZER_KEY``: ``{"tokenizer_type": "ByteTokenizer"}`` or
 ``{"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": PATH}``, Megatron's names).
 """
 

@@ -4,8 +4,8 @@
 - ``HuggingFaceTokenizer`` (Megatron's ``--tokenizer-type``): its ``tokenizer.json`` (a file,
   or a directory holding one, with its ``tokenizer_config.json`` and
   ``special_tokens_map.json`` when present) is copied; its vocabulary must fit the model's.
-- ``ByteLevel`` (megapipe's default, one token per UTF-8 byte, id = byte value, NUL ends a
-  document): written as a byte-level BPE with the 256 byte symbols and no merges, which gives
+- ``ByteTokenizer`` (megapipe's byte level: one token per UTF-8 byte, id = byte value, NUL ends
+  a document): written as a byte-level BPE with the 256 byte symbols and no merges, which gives
   the same ids for every text.
 """
 
@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-BYTE_LEVEL = "ByteLevel"
+BYTE_LEVEL = "ByteTokenizer"  # megapipe's byte level tokenizer (--tokenizer-type ByteTokenizer)
 HUGGING_FACE = "HuggingFaceTokenizer"
 _COPIED = ("tokenizer_config.json", "special_tokens_map.json")
 

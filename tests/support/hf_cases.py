@@ -36,7 +36,7 @@ MODERN = GPTConfig(
     num_query_groups=2, qk_layernorm=True, kv_channels=12,
 )
 TIED = dataclasses.replace(MODERN, untie_embeddings_and_output_weights=False)
-BYTE_LEVEL = {"tokenizer_type": "ByteLevel"}
+BYTE_LEVEL = {"tokenizer_type": "ByteTokenizer"}
 # (name, config, pp, vpp, ep, dp, dtype): world 4 each
 LAYOUTS = [
     ("whole", MODERN, 1, 1, 1, 4, torch.float32),  # every rank holds the whole model

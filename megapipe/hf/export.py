@@ -22,7 +22,7 @@ from megapipe.hf.checkpoint_reader import (
     TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
 )
 from megapipe.hf.qwen3_moe import ARCHITECTURE, HFTensor, check_exportable, hf_config, tensor_plan
-from megapipe.hf.tokenizer_files import BYTE_LEVEL, HUGGING_FACE, write_tokenizer
+from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -83,7 +83,8 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     checkpoint = find_checkpoint(load)
     config = config_of(checkpoint)
     check_exportable(config)
-    spec = _tokenizer_spec(checkpoint.descriptor["model"], tokenizer_model)
+    tokenizer = check_tokenizer(_tokenizer_spec(checkpoint.descriptor["model"], tokenizer_model),
+                                config.vocab_size)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
@@ -91,7 +92,7 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     plan = tensor_plan(config)
     _check_sources(plan, shapes, checkpoint.path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = write_tokenizer(out, spec, config.vocab_size)
+    write_tokenizer(out, tokenizer)
     shards = _shards(plan, shapes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -106,12 +107,12 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     dtype = shapes["model/embedding.tokens"][1]
-    eos = 0 if spec.get("tokenizer_type") == BYTE_LEVEL else None  # NUL ends a document
-    (out / "config.json").write_text(json.dumps(hf_config(config, dtype, eos), indent=2) + "\n")
+    hf = hf_config(config, dtype, tokenizer.eos_token_id)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
         f"  {ARCHITECTURE}: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_experts} experts top-{config.moe_top_k}, {len(plan)} tensors "
         f"({total / 2**20:.2f} MiB, {str(dtype).removeprefix('torch.')}) in {len(shards)} file(s)",
-        f"  tokenizer: {tokenizer}",
+        f"  tokenizer: {tokenizer.describe()}",
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -57,35 +58,70 @@ def _bytes_to_unicode() -> list[str]:
     return chars
 
 
-def write_tokenizer(out: Path, spec: Mapping[str, Any], vocab_size: int) -> str:
-    """Write the tokenizer of ``spec`` (the descriptor's ``model.tokenizer``) into ``out``;
-    returns a few words for the log. A ValueError for an unknown type or a vocabulary larger
-    than the model's."""
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A checked tokenizer, ready to write: its type, its ``tokenizer.json`` (Hugging Face),
+    its size and its end-of-document id (None when it names none)."""
+
+    kind: str
+    source: Path | None
+    size: int
+    eos_token_id: int | None
+
+    def describe(self) -> str:
+        if self.source is None:
+            return "byte level (256 byte tokens, id = byte)"
+        return f"{self.source} ({self.size} tokens)"
+
+
+def _eos_id(source: Path, tokenizer: Any) -> int | None:
+    """The id of ``eos_token`` in the ``tokenizer_config.json`` beside ``source``, if any."""
+    config_file = source.parent / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    eos = json.loads(config_file.read_text()).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+
+
+def check_tokenizer(spec: Mapping[str, Any], vocab_size: int) -> TokenizerFiles:
+    """The tokenizer ``spec`` names (the descriptor's ``model.tokenizer``), checked: a
+    ValueError for an unknown type, a missing file or a vocabulary larger than the model's."""
     kind = spec.get("tokenizer_type")
     if kind == BYTE_LEVEL:
         if vocab_size < 256:
             raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256, the model has "
                              f"{vocab_size}")
-        _byte_level_tokenizer().save(str(out / "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": chr(256),
-                  "model_max_length": None}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return "byte-level (256 byte tokens)"
+        return TokenizerFiles(kind, None, 256, 0)  # NUL (id 0) ends a document
     if kind != HUGGING_FACE:
         raise ValueError(f"tokenizer_type={kind!r}: the export writes {BYTE_LEVEL} or "
                          f"{HUGGING_FACE} tokenizers")
-    source = tokenizer_file(spec.get("tokenizer_model", ""))
+    if not spec.get("tokenizer_model"):
+        raise ValueError(f"a {HUGGING_FACE} needs its tokenizer_model (--tokenizer-model PATH)")
+    source = tokenizer_file(spec["tokenizer_model"])
     from tokenizers import Tokenizer
 
-    size = Tokenizer.from_file(str(source)).get_vocab_size(with_added_tokens=True)
+    tokenizer = Tokenizer.from_file(str(source))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
         raise ValueError(f"tokenizer {source} has {size} tokens, more than the model's "
                          f"vocab_size={vocab_size}")
-    shutil.copyfile(source, out / "tokenizer.json")
-    copied = [name for name in _COPIED if (source.parent / name).is_file()]
-    for name in copied:
-        shutil.copyfile(source.parent / name, out / name)
-    if "tokenizer_config.json" not in copied:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": None}
+    return TokenizerFiles(kind, source, size, _eos_id(source, tokenizer))
+
+
+def write_tokenizer(out: Path, files: TokenizerFiles) -> None:
+    """Write the checked tokenizer's files into ``out``."""
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                              "model_max_length": None}
+    if files.source is None:
+        _byte_level_tokenizer().save(str(out / "tokenizer.json"))
+        config["eos_token"] = _bytes_to_unicode()[0]  # the symbol of byte 0
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return f"{source} ({size} tokens)"
+        return
+    shutil.copyfile(files.source, out / "tokenizer.json")
+    copied = [name for name in _COPIED if (files.source.parent / name).is_file()]
+    for name in copied:
+        shutil.copyfile(files.source.parent / name, out / name)
+    if "tokenizer_config.json" not in copied:
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -144,19 +144,26 @@ def test_hugging_face_tokenizer_is_copied(saved, tmp_path):
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(["the cat sat on the mat"] * 20 + ["a dog ran"] * 20,
-                                  trainers.BpeTrainer(vocab_size=270, show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=270, show_progress=False,
+                                  special_tokens=["<|endoftext|>"])
+    tokenizer.train_from_iterator(["the cat sat on the mat"] * 20 + ["a dog ran"] * 20, trainer)
     (tmp_path / "tok").mkdir()
     tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
     root, _ = saved
     export_hf(root / "whole", tmp_path / "out", tokenizer_model=str(tmp_path / "tok"))
     loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
     assert loaded("the cat ran")["input_ids"] == tokenizer.encode("the cat ran").ids
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    assert loaded.eos_token_id == eos
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == eos
     big = Tokenizer(models.BPE())
     big.add_tokens([f"t{i}" for i in range(400)])
     big.save(str(tmp_path / "big.json"))
     with pytest.raises(ValueError, match="has 400 tokens, more than the model's vocab_size=300"):
         export_hf(root / "whole", tmp_path / "out2", tokenizer_model=str(tmp_path / "big.json"))
+    assert not (tmp_path / "out2").exists()  # refused before anything is written
 
 
 def test_shards_hold_the_same_tensors(saved, exported, tmp_path):

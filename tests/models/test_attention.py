@@ -149,3 +149,14 @@ def test_rotary_tables_follow_the_model_dtype():
     assert attn.rotary_cos.dtype == torch.bfloat16
     assert stage(torch.randint(0, 256, (1, 8))).dtype == torch.bfloat16
     assert isinstance(attn.q_norm, nn.RMSNorm)
+
+
+def test_core_attention_recompute_is_bitwise_with_grouped_queries():
+    """--recompute-modules core_attn re-runs the grouped core in backward: the same bits."""
+    outs = []
+    for modules in ((), ("core_attn",)):
+        stage = build_stage(GPTConfig(num_layers=2, recompute_modules=modules, **MODERN), 0, 1)
+        ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(4))
+        stage(ids[:, :-1]).logsumexp(-1).mean().backward()
+        outs.append([p.grad for p in stage.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

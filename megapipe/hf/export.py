@@ -109,10 +109,12 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     dtype = shapes["model/embedding.tokens"][1]
     hf = hf_config(config, dtype, tokenizer.eos_token_id)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    moe = (f"{config.num_experts} experts top-{config.moe_top_k}" if config.num_experts
+           else "dense")
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
-        f"  {ARCHITECTURE}: {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_experts} experts top-{config.moe_top_k}, {len(plan)} tensors "
+        f"  {ARCHITECTURE}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "
+        f"{len(plan)} tensors "
         f"({total / 2**20:.2f} MiB, {str(dtype).removeprefix('torch.')}) in {len(shards)} file(s)",
         f"  tokenizer: {tokenizer.describe()}",
     ]

@@ -26,6 +26,11 @@ fi
 if ! $PIP install -q -e ".[data]"; then
   echo "setup.sh: tokenizers/safetensors could not be installed; tests/data/ will skip" >&2
 fi
+# Hugging Face interop (megapipe export-hf, --load-hf): safetensors, tokenizers and transformers
+# (the tests load the export with transformers); where they cannot be installed those tests skip.
+if ! $PIP install -q -e ".[hf]"; then
+  echo "setup.sh: transformers/safetensors could not be installed; tests/hf will skip" >&2
+fi
 # The Megatron-Core adapter's tests need megatron-core (pure Python plus a small dataset helper;
 # never TransformerEngine or Apex): the extra installs what pip can install here (0.16.1 on
 # Python 3.11). Where it cannot be installed those tests skip and say why.

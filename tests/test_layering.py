@@ -12,10 +12,10 @@ import megapipe
 
 LAYERS = [
     "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models",
-    "pipeline",
-    "megatron", "train", "cli",
+    "pipeline", "megatron", "train", "hf", "cli",
 ]
-FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}}
+# hf/ (Hugging Face export) reads models/, moe/ and train/'s checkpoint files only
+FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}, "hf": {"pipeline", "megatron"}}
 ROOT = Path(megapipe.__file__).parent
 
 

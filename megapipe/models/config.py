@@ -1,13 +1,23 @@
-"""GPTConfig: the reference MoE GPT's sizes, with tiny defaults so tests run in milliseconds."""
+"""GPTConfig: the reference MoE GPT's sizes, with tiny defaults so tests run in milliseconds.
+
+``to_dict`` / ``GPTConfig.from_dict`` turn a config into a JSON-safe dict and back (versioned:
+``CONFIG_VERSION``), the form a checkpoint's descriptor stores it in (``hf.checkpoint_reader``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from megapipe.moe.layer import MoEConfig
 from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.full_recompute import check_full_recompute
 from megapipe.overlap.recompute import check_recompute_modules
+
+CONFIG_VERSION = 1
+"""The version of ``GPTConfig.to_dict``'s form; ``from_dict`` reads this version only."""
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 
 
 @dataclass(frozen=True)
@@ -18,6 +28,13 @@ class GPTConfig:
     ``(l - first_k_dense_layers) % moe_layer_freq == 0``; the others use a dense SwiGLU MLP of
     ``ffn_hidden_size``. ``num_experts=0`` makes every layer dense. The ``moe_*`` fields map
     onto ``megapipe.moe.MoEConfig`` (``moe_config()``).
+
+    Attention fields carry Megatron's flag names: ``position_embedding_type`` ("learned_absolute"
+    or "rope", rotary with ``rotary_base``, "rotate half" layout on the head dim),
+    ``num_query_groups`` (grouped-query attention; None: one group per head), ``qk_layernorm``
+    (RMSNorm over each head's q and k), ``kv_channels`` (the head dim; None: hidden/heads) and
+    ``untie_embeddings_and_output_weights`` (False: the output layer uses the token embedding;
+    across stages both copies get the summed gradient, ``shared_embedding``).
     """
 
     vocab_size: int = 256
@@ -44,6 +61,12 @@ class GPTConfig:
     # or "block" (the first recompute_num_layers of each chunk), node by node (full_recompute)
     recompute_method: str | None = None
     recompute_num_layers: int = 1
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000
+    num_query_groups: int | None = None  # None: num_heads (plain multi-head attention)
+    qk_layernorm: bool = False
+    kv_channels: int | None = None  # None: hidden_size // num_heads
+    untie_embeddings_and_output_weights: bool = True
     norm_eps: float = 1e-5
     init_std: float = 0.02
     seed: int = 0
@@ -62,11 +85,7 @@ class GPTConfig:
                 f"GPTConfig.recompute_modules={tuple(self.recompute_modules)} is selective "
                 f"recompute; it cannot go with recompute_method={self.recompute_method!r} (full)"
             )
-        if self.hidden_size % self.num_heads != 0:
-            raise ValueError(
-                f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
-                f"num_heads={self.num_heads}"
-            )
+        self._check_attention()
         if self.first_k_dense_layers < 0:
             raise ValueError(
                 f"GPTConfig.first_k_dense_layers must be >= 0, got {self.first_k_dense_layers}"
@@ -86,9 +105,80 @@ class GPTConfig:
         if self.init_std <= 0:
             raise ValueError(f"GPTConfig.init_std must be > 0, got {self.init_std}")
 
+    def _check_attention(self) -> None:
+        for name in ("num_query_groups", "kv_channels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"GPTConfig.{name} must be a positive int or None, got {value!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"GPTConfig.hidden_size={self.hidden_size} must be divisible by "
+                f"num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.query_groups != 0:
+            raise ValueError(
+                f"GPTConfig.num_query_groups={self.num_query_groups} must divide "
+                f"num_heads={self.num_heads}"
+            )
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"GPTConfig.position_embedding_type={self.position_embedding_type!r} must be one "
+                f"of {', '.join(POSITION_EMBEDDING_TYPES)}"
+            )
+        if self.position_embedding_type == "rope":
+            if self.head_dim % 2 != 0:
+                raise ValueError(f"rotary embeddings need an even head dim (kv_channels), got "
+                                 f"{self.head_dim}")
+            if isinstance(self.rotary_base, bool) or not self.rotary_base > 0:
+                raise ValueError(f"GPTConfig.rotary_base must be > 0, got {self.rotary_base!r}")
+
     @property
     def head_dim(self) -> int:
+        """The size of each attention head (``kv_channels``, else hidden / heads)."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_heads
+
+    @property
+    def query_groups(self) -> int:
+        """The number of key/value heads (``num_query_groups``, else one per head)."""
+        return self.num_heads if self.num_query_groups is None else self.num_query_groups
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-safe values (tuples as lists, the emulated link as a dict), with
+        ``"version": CONFIG_VERSION``; ``GPTConfig.from_dict`` rebuilds the same config."""
+        out: dict[str, Any] = {"version": CONFIG_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "moe_link" and value is not None:
+                value = {"bandwidth_bytes_per_s": value.bandwidth_bytes_per_s,
+                         "latency_s": value.latency_s}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "GPTConfig":
+        """The config ``to_dict`` wrote; a ValueError names a wrong version or unknown field (a
+        field the dict lacks takes its default, so configs saved before a field existed load
+        as they trained)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a GPTConfig dict must be a JSON object, got {type(data).__name__}")
+        if data.get("version") != CONFIG_VERSION:
+            raise ValueError(f"GPTConfig dict has version {data.get('version')!r}; this megapipe "
+                             f"reads version {CONFIG_VERSION}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names - {"version"})
+        if unknown:
+            raise ValueError(f"GPTConfig dict has unknown field(s) {', '.join(unknown)}")
+        fields = {k: v for k, v in data.items() if k != "version"}
+        if fields.get("moe_link") is not None:
+            fields["moe_link"] = EmulatedLink(**fields["moe_link"])
+        if "recompute_modules" in fields:
+            fields["recompute_modules"] = tuple(fields["recompute_modules"])
+        return cls(**fields)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has an MoE FFN (otherwise a dense SwiGLU MLP)."""

@@ -46,25 +46,76 @@ def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _grouped_causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention core with fewer key/value heads than query heads: query head i attends
+    with key/value head ``i // (heads / groups)``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def rotary_tables(seq_length: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[seq_length, head_dim]`` (float32) of the rotary embedding in the "rotate
+    half" layout: channel j and j + d/2 of a head turn together by angle ``pos * base^(-2j/d)``
+    (Megatron's non-interleaved rope, Hugging Face's Llama/Qwen3)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [b, heads, s, d]`` rotated: ``x cos + rotate_half(x) sin`` with
+    ``rotate_half(x) = (-x[d/2:], x[:d/2])``."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention via ``scaled_dot_product_attention`` (no biases)."""
+    """Causal self-attention via ``scaled_dot_product_attention`` (no biases).
+
+    ``w_qkv`` is ``[q; k; v]`` stacked by rows: ``heads * d`` rows of queries, then
+    ``groups * d`` of keys and of values (head-major inside each), with ``d`` the head dim and
+    ``groups`` the key/value heads (grouped-query attention when fewer than the heads). With
+    ``qk_layernorm`` each head's q and k go through an RMSNorm over d (``q_norm``, ``k_norm``)
+    before the rotary embedding (rope), as Qwen3 and Megatron's ``--qk-layernorm`` do.
+    """
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
         h, std, seed = config.hidden_size, config.init_std, config.seed
-        self.num_heads = config.num_heads
+        self.num_heads, self.groups, self.head_dim = (
+            config.num_heads, config.query_groups, config.head_dim
+        )
         # Megatron's --recompute-modules core_attn: softmax(q k^T) v re-runs in backward
         self.recompute_core = "core_attn" in config.recompute_modules
+        self.core = _causal_core if self.groups == self.num_heads else _grouped_causal_core
         keys = ("attention", layer_index)
-        self.w_qkv = nn.Parameter(seeded_normal((3 * h, h), std, seed, *keys, "qkv"))
-        self.w_out = nn.Parameter(seeded_normal((h, h), std, seed, *keys, "out"))
+        rows = (self.num_heads + 2 * self.groups) * self.head_dim
+        self.w_qkv = nn.Parameter(seeded_normal((rows, h), std, seed, *keys, "qkv"))
+        self.w_out = nn.Parameter(
+            seeded_normal((h, self.num_heads * self.head_dim), std, seed, *keys, "out")
+        )
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.rotary = config.position_embedding_type == "rope"
+        if self.rotary:  # tables in the model's dtype, as Megatron and Hugging Face apply them
+            cos, sin = rotary_tables(config.seq_length, self.head_dim, config.rotary_base)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = F.linear(x, self.w_qkv).view(b, s, 3, self.num_heads, h // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
-        y = recompute(_causal_core, q, k, v) if self.recompute_core else _causal_core(q, k, v)
-        return F.linear(y.transpose(1, 2).reshape(b, s, h), self.w_out)
+        b, s, _ = x.shape
+        d, heads, groups = self.head_dim, self.num_heads, self.groups
+        qkv = F.linear(x, self.w_qkv).view(b, s, heads + 2 * groups, d).transpose(1, 2)
+        q, k, v = qkv.split((heads, groups, groups), dim=1)  # [b, heads | groups, s, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary:
+            cos, sin = self.rotary_cos[:s], self.rotary_sin[:s]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = recompute(self.core, q, k, v) if self.recompute_core else self.core(q, k, v)
+        return F.linear(y.transpose(1, 2).reshape(b, s, heads * d), self.w_out)
 
 
 class TransformerLayer(nn.Module):
@@ -142,15 +193,21 @@ class TransformerLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned absolute position embedding: int64 ids [b, s] -> hidden [b, s, h]."""
+    """Token embedding, plus a learned absolute position embedding unless the model uses rope:
+    int64 ids [b, s] -> hidden [b, s, h]. ``tokens_only``: the token table alone (the last
+    stage's copy of a tied output weight, ``OutputHead``)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tokens_only: bool = False) -> None:
         super().__init__()
         self.config = config
         h, std, seed = config.hidden_size, config.init_std, config.seed
         vocab, seq = config.vocab_size, config.seq_length
         self.tokens = nn.Parameter(seeded_normal((vocab, h), std, seed, "embedding", "tokens"))
-        self.positions = nn.Parameter(seeded_normal((seq, h), std, seed, "embedding", "positions"))
+        self.positions = None
+        if config.position_embedding_type == "learned_absolute" and not tokens_only:
+            self.positions = nn.Parameter(
+                seeded_normal((seq, h), std, seed, "embedding", "positions")
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype != torch.int64 or ids.dim() != 2:
@@ -163,20 +220,26 @@ class Embedding(nn.Module):
                 f"sequence length {ids.shape[1]} exceeds GPTConfig.seq_length="
                 f"{self.config.seq_length}"
             )
-        return F.embedding(ids, self.tokens) + self.positions[: ids.shape[1]]
+        tokens = F.embedding(ids, self.tokens)
+        return tokens if self.positions is None else tokens + self.positions[: ids.shape[1]]
 
 
 class OutputHead(nn.Module):
-    """Final RMSNorm and the (untied) output projection to vocabulary logits."""
+    """Final RMSNorm and the output projection to vocabulary logits: its own ``weight``
+    (untied), or ``tied`` (the token table of the stage's ``Embedding``)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, tied: Embedding | None = None) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        shape = (config.vocab_size, config.hidden_size)
-        self.weight = nn.Parameter(seeded_normal(shape, config.init_std, config.seed, "head"))
+        self.weight: nn.Parameter | None = None
+        self._tied = None if tied is None else (tied,)  # a tuple: not registered twice
+        if tied is None:
+            shape = (config.vocab_size, config.hidden_size)
+            self.weight = nn.Parameter(seeded_normal(shape, config.init_std, config.seed, "head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), self.weight)
+        weight = self.weight if self._tied is None else self._tied[0].tokens
+        return F.linear(self.norm(x), weight)
 
 
 def _single_node(name: str, module: nn.Module) -> Plan:
@@ -194,7 +257,11 @@ class GPTStage(nn.Module):
     ``set_input_tensor``, the auxiliary-loss scale), so it overlaps in combined schedules.
 
     Parameter names use global layer indices (``layers.3.attention.w_qkv``), so the state dict
-    of every stage is a slice of the single-process model's.
+    of every stage is a slice of the single-process model's. With tied embeddings
+    (``untie_embeddings_and_output_weights=False``) the output layer uses ``embedding.tokens``:
+    one parameter in a stage that is first and last; else the last stage holds its own copy
+    under the same name (a token-only ``Embedding``), marked ``shared_embedding`` (and Megatron's
+    ``shared``) so both copies get the summed gradient (``pipeline.grad_sync``).
     """
 
     def __init__(
@@ -210,11 +277,20 @@ class GPTStage(nn.Module):
         self.layer_indices = tuple(layer_indices)
         self.is_first = is_first
         self.is_last = is_last
-        self.embedding = Embedding(config) if is_first else None
+        tied = not config.untie_embeddings_and_output_weights
+        self.embedding = None
+        if is_first or (tied and is_last):
+            self.embedding = Embedding(config, tokens_only=not is_first)
+        if tied and is_first != is_last:  # one weight held by two stages (Megatron's marks)
+            self.embedding.tokens.shared_embedding = True
+            if not is_first:
+                self.embedding.tokens.shared = True  # the copy a gradient norm leaves out
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
         )
-        self.head = OutputHead(config) if is_last else None
+        self.head = None
+        if is_last:
+            self.head = OutputHead(config, tied=self.embedding if tied else None)
         self._layer_plans: list[Plan] | None = None  # layer_plans(), made once
         self.input_tensor: torch.Tensor | None = None  # Megatron's set_input_tensor convention
         # runs each layer plan in forward (run_layer(nodes, inputs)); None: run_nodes. The
@@ -236,7 +312,7 @@ class GPTStage(nn.Module):
         method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``). Made
         once (the engine records them every step; a copy of the stage makes its own)."""
         if self._layer_plans is None:
-            plans = [] if self.embedding is None else [_single_node("embedding", self.embedding)]
+            plans = [_single_node("embedding", self.embedding)] if self.is_first else []
             plans += [self._layer_group_plan(group) for group in self._layer_groups()]
             if self.head is not None:
                 plans.append(_single_node("head", self.head))
@@ -275,11 +351,11 @@ class GPTStage(nn.Module):
 
         A stage after the first uses the tensor given to ``set_input_tensor`` when there is one.
         """
-        if self.embedding is None and self.input_tensor is not None:
+        if not self.is_first and self.input_tensor is not None:
             x = self.input_tensor
         if x is None:
             raise ValueError("GPTStage.forward needs an input (or set_input_tensor on a later stage)")
-        if self.embedding is None and (not x.is_floating_point() or x.dim() != 3):
+        if not self.is_first and (not x.is_floating_point() or x.dim() != 3):
             raise ValueError(
                 f"a stage after the first takes float hidden states [batch, seq, "
                 f"{self.config.hidden_size}], got {x.dtype} of shape {tuple(x.shape)}"

@@ -11,7 +11,14 @@ MOE = GPTConfig(num_layers=6, first_k_dense_layers=1, moe_layer_freq=2)  # MoE l
 MOE_SHARED = GPTConfig(
     num_layers=4, moe_score_function="sigmoid", moe_shared_expert_intermediate_size=16, moe_top_k=1
 )
-CONFIGS = pytest.mark.parametrize("config", [DENSE, MOE, MOE_SHARED], ids=["dense", "moe", "moe_shared"])
+# rope + grouped-query attention + QK norm + kv_channels + tied embeddings
+MODERN = GPTConfig(
+    num_layers=4, num_heads=4, num_query_groups=2, kv_channels=6, qk_layernorm=True,
+    position_embedding_type="rope", untie_embeddings_and_output_weights=False,
+)
+CONFIGS = pytest.mark.parametrize(
+    "config", [DENSE, MOE, MOE_SHARED, MODERN], ids=["dense", "moe", "moe_shared", "modern"]
+)
 
 
 def _batch(config, batch=3, seed=1):
@@ -21,7 +28,8 @@ def _batch(config, batch=3, seed=1):
 
 
 def _pipeline_loss_and_grads(stages, tokens, labels):
-    """Run stages in order with detached hand-offs (as a pipeline does); loss and named grads."""
+    """Run stages in order with detached hand-offs (as a pipeline does); loss and named grads
+    (a weight two stages hold, tied embeddings, gets the sum, as ``pipeline.grad_sync`` does)."""
     x, outputs = tokens, []
     for stage in stages:
         x_in = x if x.dtype == torch.int64 else x.detach().requires_grad_()
@@ -33,7 +41,8 @@ def _pipeline_loss_and_grads(stages, tokens, labels):
         out.backward(next_in.grad)
     named = {}
     for stage in stages:
-        named.update({n: p.grad for n, p in stage.named_parameters()})
+        for n, p in stage.named_parameters():
+            named[n] = p.grad if n not in named else named[n] + p.grad
     return loss.item(), named
 
 

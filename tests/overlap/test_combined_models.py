@@ -16,6 +16,10 @@ from support.overlap_asserts import assert_same_tensors
 
 CONFIG = dict(num_layers=5, first_k_dense_layers=1, hidden_size=16, num_heads=2, seq_length=8,
               ffn_hidden_size=32, moe_ffn_hidden_size=16)
+# rope, grouped-query attention, QK norm, kv_channels, tied embeddings (issue 31)
+MODERN = dict(CONFIG, num_heads=4, num_query_groups=2, kv_channels=8, qk_layernorm=True,
+              position_embedding_type="rope", untie_embeddings_and_output_weights=False)
+MODELS = pytest.mark.parametrize("fields", [CONFIG, MODERN], ids=["reference", "modern"])
 
 
 def _inputs(cfg, part, gen):
@@ -36,10 +40,10 @@ def _backward_grads(stage, tape, outs, is_last, labels, g):
     return (g,)
 
 
-def tape_matches_plain(part: int, num_parts: int, ep: bool) -> int:
+def tape_matches_plain(part: int, num_parts: int, ep: bool, fields: dict = CONFIG) -> int:
     group = dist.group.WORLD if ep else None
     rank = dist.get_rank() if ep else 0
-    cfg = GPTConfig(**CONFIG)
+    cfg = GPTConfig(**fields)
     gen = torch.Generator().manual_seed(100 + rank)
     x = _inputs(cfg, part, gen)
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
@@ -62,10 +66,11 @@ def tape_matches_plain(part: int, num_parts: int, ep: bool) -> int:
     return len(list(stage.parameters()))
 
 
-def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer: bool, ep: bool) -> int:
+def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer: bool, ep: bool,
+                                fields: dict = CONFIG) -> int:
     group = dist.group.WORLD if ep else None
     rank = dist.get_rank() if ep else 0
-    cfg = GPTConfig(**CONFIG)
+    cfg = GPTConfig(**fields)
     gen = torch.Generator().manual_seed(rank)
     x_i, x_j = _inputs(cfg, f_part, gen), _inputs(cfg, b_part, gen)
     labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
@@ -73,7 +78,8 @@ def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer:
     b_last = b_part == num_parts - 1
     results = []
     for combined in (False, True):
-        stages = {p: build_stage(cfg, p, num_parts, ep_group=group) for p in sorted({f_part, b_part})}
+        stages = {p: build_stage(cfg, p, num_parts, ep_group=group)
+                  for p in sorted({f_part, b_part})}
         outs_j, tape_j = record_forward(stages[b_part].layer_plans(), (x_j,))
         grads_j = _backward_grads(stages[b_part], tape_j, outs_j, b_last, labels, g_j)
         if combined:
@@ -102,22 +108,25 @@ def combined_matches_sequential(f_part: int, b_part: int, num_parts: int, defer:
     return len(p_seq)
 
 
+@MODELS
 @pytest.mark.parametrize("part", [0, 1])
-def test_tape_matches_plain_autograd_on_gpt_stages(part):
-    assert tape_matches_plain(part, 2, ep=False) > 0
+def test_tape_matches_plain_autograd_on_gpt_stages(part, fields):
+    assert tape_matches_plain(part, 2, ep=False, fields=fields) > 0
 
 
+@MODELS
 @pytest.mark.parametrize(
     "f_part,b_part,defer", [(0, 1, False), (0, 1, True), (1, 1, True), (1, 0, False)]
 )
-def test_combined_step_on_gpt_stages_is_bitwise_sequential(f_part, b_part, defer):
-    assert combined_matches_sequential(f_part, b_part, 2, defer, ep=False) > 0
+def test_combined_step_on_gpt_stages_is_bitwise_sequential(f_part, b_part, defer, fields):
+    assert combined_matches_sequential(f_part, b_part, 2, defer, ep=False, fields=fields) > 0
 
 
 def _on_ranks():
-    checks = [tape_matches_plain(1, 2, ep=True)]
+    checks = [tape_matches_plain(1, 2, ep=True), tape_matches_plain(0, 2, ep=True, fields=MODERN)]
     for f_part, b_part, defer in [(0, 1, True), (1, 1, False), (1, 0, True)]:
         checks.append(combined_matches_sequential(f_part, b_part, 2, defer, ep=True))
+    checks.append(combined_matches_sequential(1, 0, 2, True, ep=True, fields=MODERN))
     return checks
 
 

@@ -31,13 +31,15 @@ from support.pipeline_cases import (
 )
 
 
-def _run(case: Case, overlap: bool, delay: bool, config=CONFIG, trace: bool = False,
+def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = False,
          bf16: bool = False, chunks: int = 1):
     """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s).
 
+    ``config``: the model (default: the case's, ``Case.config``).
     ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
     trains with); the gradients compared are then the float32 main gradients. ``chunks``: the
     all-to-alls in that many expert groups (``moe_a2a_chunks``)."""
+    config = case.config if config is None else config
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
                               overlap=overlap)
@@ -107,7 +109,7 @@ def recompute_cases(cases: list[Case], settings: dict[str, dict],
             reference = _run(case, overlap=False, delay=False)
             verdicts = {}
             for name, fields in settings.items():
-                config = dataclasses.replace(CONFIG, **fields)
+                config = dataclasses.replace(case.config, **fields)
                 problems = []
                 for overlap in (True,) if name in combined_only else (False, True):
                     again = _run(case, overlap=overlap, delay=False, config=config)
@@ -204,7 +206,7 @@ def front_end_run(case: Case) -> dict | None:
                                   overlap=func.options.overlap)
         stage_ids = schedule.stages_of_rank(groups.pp_rank)
         ep_group = groups.ep if case.ep > 1 else None
-        chunks = [build_stage(CONFIG, s, case.pp * case.vpp, ep_group) for s in stage_ids]
+        chunks = [build_stage(case.config, s, case.pp * case.vpp, ep_group) for s in stage_ids]
         data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
         losses = func(
             forward_step_func=_forward_step,

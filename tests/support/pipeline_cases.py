@@ -8,6 +8,7 @@ processes without restarting torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,20 @@ CONFIG = GPTConfig(
     first_k_dense_layers=1,
 )
 LR = 0.5
+# The modern model (issue 31): rope, grouped-query attention (2 groups of 2 heads), QK norm,
+# kv_channels 8 (heads x kv_channels = 32, twice the hidden size), tied embeddings (summed
+# across stages by the executor's grad sync); "modern_untied" for DualPipe, which refuses
+# weights tied across its mirrored stages, and for a model of one stage in the combined-step
+# matrix (test_combined_step.py says why). Same vocabulary and sequence length as CONFIG.
+MODERN_CONFIG = dataclasses.replace(
+    CONFIG, num_heads=4, num_query_groups=2, kv_channels=8, qk_layernorm=True,
+    position_embedding_type="rope", untie_embeddings_and_output_weights=False,
+)
+MODELS = {
+    "reference": CONFIG,
+    "modern": MODERN_CONFIG,
+    "modern_untied": dataclasses.replace(MODERN_CONFIG, untie_embeddings_and_output_weights=True),
+}
 
 
 @dataclass(frozen=True)
@@ -55,14 +70,21 @@ class Case:
     overlap: bool = False
     variable_seq: bool = False  # microbatch i has its own sequence length (declared per microbatch)
     bf16: bool = False  # bf16 parameters and activations, float32 main weights and gradients
+    model: str = "reference"  # a key of MODELS
 
     @property
     def world(self) -> int:
         return self.pp * self.dp
 
+    @property
+    def config(self):
+        """The model ``GPTConfig`` of this case."""
+        return MODELS[self.model]
+
     def __str__(self) -> str:
         flag = ("+overlap" if self.overlap else "") + ("+varseq" if self.variable_seq else "")
         flag += "+bf16" if self.bf16 else ""
+        flag += "" if self.model == "reference" else f"+{self.model}"
         return (
             f"{self.schedule}{flag}(pp={self.pp},vpp={self.vpp},ep={self.ep},dp={self.dp},"
             f"M={self.microbatches})"
@@ -146,7 +168,7 @@ def grads_of(modules: dict) -> dict:
 def reference_run(case: Case, steps: int) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
     """The unsplit model on one process over every DP rank's microbatches: per step, the losses
     (in (dp_rank, microbatch) order) and every parameter's gradient."""
-    model = build_stage(CONFIG, 0, 1)
+    model = build_stage(case.config, 0, 1)
     if case.bf16:
         cast_to_bf16([model], list(model.parameters()))
     sgd = make_sgd([model], case.bf16)
@@ -200,7 +222,8 @@ def build_pipeline(case: Case, timeout: float = 20.0):
     )
     ep_group = groups.ep if case.ep > 1 else None
     stages = {
-        s: build_stage(CONFIG, schedule.model_part(s), schedule.stages_per_pipeline, ep_group)
+        s: build_stage(case.config, schedule.model_part(s), schedule.stages_per_pipeline,
+                       ep_group)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     if case.bf16:
@@ -264,7 +287,7 @@ def run_cases(cases: list[Case], steps: int = 2) -> list[dict | None]:
         result = pipeline_run(case, steps)
         if dist.get_rank() == 0:
             assert result is not None
-            key = (case.dp, case.microbatches, case.variable_seq, case.bf16)
+            key = (case.dp, case.microbatches, case.variable_seq, case.bf16, case.model)
             if key not in references:
                 references[key] = reference_run(case, steps)
             result["reference"] = references[key]

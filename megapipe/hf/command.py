@@ -1,0 +1,40 @@
+"""The ``megapipe export-hf`` subcommand: its flags, and the call into ``hf.export`` (imported
+when it runs, so building the CLI's parser stays torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"  # hf.qwen3_moe.ARCHITECTURE, without importing torch
+DEFAULT_SHARD_MB = 5120
+
+
+def add_export_command(subparsers: Any) -> None:
+    """Register ``megapipe export-hf`` (``cli.py`` calls this)."""
+    p = subparsers.add_parser(
+        "export-hf", help=f"write a checkpoint as a Hugging Face model ({ARCHITECTURE})",
+        description=f"Write a megapipe checkpoint (any pp, vpp, ep, dp) as a Hugging Face "
+        f"{ARCHITECTURE} directory: config.json, safetensors, tokenizer files.",
+    )
+    p.add_argument("--load", required=True, metavar="CKPT",
+                   help="a --save folder (its newest complete checkpoint) or one iter_NNNNNNN")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) directory")
+    p.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                   help="a Hugging Face tokenizer.json (or its directory) instead of the one "
+                        "the checkpoint names")
+    p.add_argument("--max-shard-size-mb", type=int, default=DEFAULT_SHARD_MB, metavar="MB",
+                   help=f"largest safetensors file in MiB (default {DEFAULT_SHARD_MB})")
+    p.set_defaults(run=run_export_command)
+
+
+def run_export_command(args: argparse.Namespace) -> int:
+    """``megapipe export-hf``: ``hf.export.export_hf``, its lines printed."""
+    if args.max_shard_size_mb < 1:
+        raise ValueError(f"--max-shard-size-mb must be >= 1, got {args.max_shard_size_mb}")
+    from megapipe.hf.export import export_hf
+
+    for line in export_hf(args.load, args.out, args.tokenizer_model,
+                          args.max_shard_size_mb * 2**20):
+        print(line)
+    return 0

@@ -43,6 +43,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("overlap", 75, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "
                 "combined (also deferred wgrad, chunked all-to-alls), all-to-all modelled on "
                 "the comm stream; the two most telling shapes"),
+    SectionSpec("replay", 120, 40, "the DeepSeek-V3 replay (overlap.py --replay) on the "
+                "machine's cores: the engine's issue order with a core per thread",
+                needs_cuda=False),
     SectionSpec("gemm", 25, 8, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
                 "us per call"),
     SectionSpec("kernels", 35, 10, "Triton permute/unpermute forward and backward: GB/s vs torch "

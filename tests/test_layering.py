@@ -75,6 +75,7 @@ def test_the_installed_package_list_names_every_folder():
     config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     listed = set(config["tool"]["setuptools"]["packages"])
     folders = {"megapipe"} | {
-        "megapipe." + p.parent.name for p in ROOT.glob("*/__init__.py")
+        ".".join(("megapipe",) + p.parent.relative_to(ROOT).parts)
+        for p in ROOT.rglob("*/__init__.py")
     } | {"megapipe.kernels"}
     assert listed == folders

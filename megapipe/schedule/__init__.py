@@ -2,11 +2,11 @@
 
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv
-from .lower import check_runs, lower
-from .budget import apply_overlap_within
-from .combine_pass import apply_overlap
+from .p2p.lower import check_runs, lower
+from .combine.budget import apply_overlap_within
+from .combine.combine_pass import apply_overlap
 from .registry import SCHEDULES, build_schedule
-from .validate import validate
+from .checks.validate import validate
 
 __all__ = [
     "Action",

@@ -28,8 +28,8 @@ from .actions import (  # noqa: F401 - the IR's public names
 from .table import ActionTable
 
 if TYPE_CHECKING:
-    from .rerun import RunOrder
-    from .timeline import Timeline
+    from .timing.rerun import RunOrder
+    from .timing.timeline import Timeline
 
 
 def loop_placement(pp: int, num_stages: int) -> tuple[int, ...]:

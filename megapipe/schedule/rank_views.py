@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapipe.schedule.comm_check import check_runs
-from megapipe.schedule.in_flight import STASH_RELEASE, peak_in_flight
+from megapipe.schedule.p2p.comm_check import check_runs
+from megapipe.schedule.combine.in_flight import STASH_RELEASE, peak_in_flight
 from megapipe.schedule.ir import Schedule
-from megapipe.schedule.lower import lower
+from megapipe.schedule.p2p.lower import lower
 from megapipe.schedule.table import F, OVERLAP, RECV_F, SEND_F, ActionTable
-from megapipe.schedule.validate import validate
+from megapipe.schedule.checks.validate import validate
 
 
 def is_lowered(schedule: Schedule) -> bool:

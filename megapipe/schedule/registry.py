@@ -17,7 +17,7 @@ at least pp. A smaller group sends a microbatch to its next chunk before it has 
 rank, which stalls the pipeline (and deadlocks interleaved 1F1B's order). With the default g = pp
 this means M is a multiple of pp; a larger g admits other M. ``overlap=True`` asks for
 OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule goes through
-``megapipe.schedule.combine_pass.apply_overlap``.
+``megapipe.schedule.combine.combine_pass.apply_overlap``.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .budget import apply_overlap_within, check_budget, check_native_budget
-from .dualpipe import dualpipe, dualpipev
+from .combine.budget import apply_overlap_within, check_budget, check_native_budget
+from .families.dualpipe import dualpipe, dualpipev
 from .errors import ScheduleError
-from .interleaved import interleaved_1f1b, looped_bfs
+from .families.interleaved import interleaved_1f1b, looped_bfs
 from .ir import Schedule
-from .simple import gpipe, one_f_one_b
-from .zero_bubble import zb1p, zbv
+from .families.simple import gpipe, one_f_one_b
+from .families.zero_bubble import zb1p, zbv
 
 GROUP_OPTION = "microbatch_group_size_per_vp_stage"
 
@@ -117,7 +117,7 @@ def build_schedule(
     stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
     ``ScheduleError`` before anything is built; the module docstring lists every constraint.
     ``max_extra_in_flight`` K (with ``overlap``): the combined schedule holds at most K more
-    microbatch-stages in flight on any rank than the plain one (``schedule.budget``).
+    microbatch-stages in flight on any rank than the plain one (``schedule.combine.budget``).
     """
     family = _FAMILIES.get(name)
     if family is None:

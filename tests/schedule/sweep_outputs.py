@@ -23,7 +23,7 @@ from typing import Iterator
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, check_runs, lower
 from megapipe.schedule import validate
-from megapipe.schedule.timeline import timeline
+from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule, validate
-from megapipe.schedule.budget import extra_in_flight
-from megapipe.schedule.in_flight import peak_in_flight
+from megapipe.schedule.combine.budget import extra_in_flight
+from megapipe.schedule.combine.in_flight import peak_in_flight
 from megapipe.schedule.ir import Kind
-from megapipe.schedule.timeline import timeline
+from megapipe.schedule.timing.timeline import timeline
 
 # (name, pp, microbatches, vpp): every registered schedule at sizes it accepts.
 CASES = [

@@ -11,7 +11,7 @@ from megapipe.schedule.rank_views import (
     lower_schedule,
 )
 from megapipe.schedule import SCHEDULES, Kind, build_schedule
-from megapipe.schedule.lower import check_runs
+from megapipe.schedule.p2p.lower import check_runs
 
 VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "zb1p": 2}
 

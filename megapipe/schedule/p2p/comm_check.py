@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .deps import (
+from ..timing.deps import (
     Product,
     describe_product,
     message_of_comm,
@@ -33,11 +33,11 @@ from .deps import (
     rank_of_product,
     received_message,
 )
-from .errors import ScheduleError
-from .ir import COMM_KINDS, Kind, Schedule
+from ..errors import ScheduleError
+from ..ir import COMM_KINDS, Kind, Schedule
 from .comm_certificate import certified
-from .table import is_comm
-from .timeline import Timeline, timeline
+from ..table import is_comm
+from ..timing.timeline import Timeline, timeline
 
 # (rank, index in the rank's list) of a comm action.
 ListPosition = tuple[int, int]

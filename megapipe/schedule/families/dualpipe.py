@@ -12,8 +12,8 @@ bubble). With ``overlap=False`` each pair becomes its forward followed by its ba
 from __future__ import annotations
 
 from .builder import RowBuilder
-from .ir import Schedule, v_placement
-from .table import B, F, I, W, ActionTable
+from ..ir import Schedule, v_placement
+from ..table import B, F, I, W, ActionTable
 
 
 def _backward(row: RowBuilder, stage: int, zero_bubble: bool = False) -> None:

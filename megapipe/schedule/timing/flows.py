@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
-from .ir import Schedule
-from .table import KINDS, Comps
+from ..ir import Schedule
+from ..table import KINDS, Comps
 
 assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the offset to the stage"
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .actions import Kind
+from ..actions import Kind
 from .deps import DEFAULT_DURATIONS
 from .engine import Prefix, Run, ActionColumns, ActionInputs, run_in_order
 from .rerun import rerun, run_actions
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
-from .ir import Schedule
-from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
+from ..ir import Schedule
+from ..table import CODE, OVERLAP, ActionTable, Comps, is_comm
 
 
 class MadeTimes(Mapping):

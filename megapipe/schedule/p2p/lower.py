@@ -32,11 +32,11 @@ from __future__ import annotations
 import numpy as np
 
 from .comm_check import check_channel_order, check_runs
-from .errors import ScheduleError
-from .flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
-from .ir import Kind, Schedule
-from .table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
-from .timeline import Timeline, duration_key, timeline
+from ..errors import ScheduleError
+from ..timing.flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
+from ..ir import Kind, Schedule
+from ..table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
+from ..timing.timeline import Timeline, duration_key, timeline
 
 __all__ = ["lower", "check_runs", "check_channel_order"]
 

@@ -21,12 +21,12 @@ simulates it only where the proof does not hold. A passed schedule is not checke
 
 from __future__ import annotations
 
-from .deps import missing_needs
-from .errors import ScheduleError
-from .ir import Action, Schedule
-from .table import is_comm
+from ..timing.deps import missing_needs
+from ..errors import ScheduleError
+from ..ir import Action, Schedule
+from ..table import is_comm
 from .table_checks import check_counts, check_pairs, check_placement, check_rank_order
-from .timeline import timeline
+from ..timing.timeline import timeline
 
 
 def validate(schedule: Schedule) -> None:
@@ -85,6 +85,6 @@ def _describe_need(schedule: Schedule, comp: Action, made) -> str:
 
 
 def _check_lowered_run(schedule: Schedule) -> None:
-    from .lower import check_runs, lower  # lower imports this package's modules, not validate
+    from ..p2p.lower import check_runs, lower  # lower imports this package's modules, not validate
 
     check_runs(lower(schedule) if schedule.table.compute_only else schedule)

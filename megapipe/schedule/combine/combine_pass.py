@@ -4,8 +4,8 @@ An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backwar
 so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
-``e_r`` extra warmup forwards and fuses backwards with later forwards (``megapipe.schedule.pairing``
-says which with which). A pair's halves are independent: a backward of microbatch j follows every
+``e_r`` extra warmup forwards and fuses backwards with later forwards (``pairing`` says which
+with which). A pair's halves are independent: a backward of microbatch j follows every
 forward of j, so its partner (a later forward) is another microbatch (``pair_is_independent``).
 
 Why one extra forward is not always enough. A pair hands both outputs on only when it ends, so a
@@ -72,13 +72,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .deps import DEFAULT_DURATIONS, missing_needs
-from .errors import ScheduleError
+from ..timing.deps import DEFAULT_DURATIONS, missing_needs
+from ..errors import ScheduleError
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
-from .ir import Kind, Schedule
+from ..ir import Kind, Schedule
 from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
-from .table import B, I
-from .timeline import Timeline, timeline, timeline_after_change, timeline_in_order
+from ..table import B, I
+from ..timing.timeline import Timeline, timeline, timeline_after_change, timeline_in_order
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def measure(schedule: str, overlap: bool, flags: tuple[str, ...] = ()) -> dict:
     return {
         "in_flight": max(peak_in_flight(schedule.row(r)) for r in range(schedule.pp)),
         "bytes": int(peak[0]), "pp": job.schedule.pp,
-        "vpp": job.schedule.options.get("vpp", 1),
+        "vpp": job.schedule.options.vpp,
         "microbatches": job.schedule.num_microbatches,
     }
 

@@ -2,7 +2,7 @@
 
 Pure functions of the schedule (no torch). An executor needs the checked, lowered schedule once
 per process and then only its own rank's list: ``checked_lowering`` validates and lowers once per
-schedule object (the results are kept in ``schedule.derived``; the ranks of one process share the
+schedule object (the results are kept with the schedule; the ranks of one process share the
 schedule object), and ``Schedule.row(rank)`` makes the ``Action`` objects of one rank only.
 The tests bound the live activations by ``in_flight_limit``.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapipe.schedule.p2p.comm_check import check_runs
-from megapipe.schedule.combine.in_flight import STASH_RELEASE, peak_in_flight
-from megapipe.schedule.ir import Schedule
-from megapipe.schedule.p2p.lower import lower
-from megapipe.schedule.table import F, OVERLAP, RECV_F, SEND_F, ActionTable
-from megapipe.schedule.checks.validate import validate
+from .checks.validate import validate
+from .combine.in_flight import STASH_RELEASE, peak_in_flight
+from .ir import Schedule
+from .p2p.comm_check import check_runs
+from .p2p.lower import lower
+from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
 
 def is_lowered(schedule: Schedule) -> bool:

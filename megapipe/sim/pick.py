@@ -81,7 +81,7 @@ def candidate_schedules(pp: int, num_microbatches: int) -> Iterator[tuple[str, i
                 plain = build_schedule(name, pp, num_microbatches, vpp=vpp)
             except ScheduleError:
                 continue
-            actual = plain.options.get("vpp", vpp)
+            actual = plain.options.vpp
             if actual in seen_vpp:
                 continue
             seen_vpp.add(actual)

@@ -179,7 +179,7 @@ def outputs(name: str, pp: int, m: int, vpp: int, overlap: bool, perturb: bool =
         schedule = build_schedule(name, pp, m, vpp=vpp, overlap=overlap)
     except ScheduleError as err:
         return "refused: " + _error(err)
-    parts = [schedule.to_text(), repr(sorted(schedule.options.items())), _timeline_text(schedule)]
+    parts = [schedule.to_text(), repr(schedule.options.stated()), _timeline_text(schedule)]
     lowered_text = _attempt(_lower_text, schedule)
     parts.append(lowered_text)
     parts.append(_attempt(_validate_text, schedule))

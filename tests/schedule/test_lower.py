@@ -12,7 +12,7 @@ from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import (
     COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
 )
-from megapipe.schedule.p2p.lower import check_channel_order
+from megapipe.schedule.p2p.comm_check import check_channel_order
 
 # (name, pp, vpp, microbatches): a spread over every registered schedule, including odd pp,
 # M not a multiple of pp where allowed, and the smallest M each schedule takes.

@@ -29,16 +29,30 @@ time t completes once every rank has run the actions that start before t.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .comm_check import check_channel_order, check_runs
 from ..errors import ScheduleError
-from ..timing.flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
-from ..ir import Kind, Schedule
+from ..ir import Derived, Kind, Schedule
 from ..table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
-from ..timing.timeline import Timeline, duration_key, timeline
+from ..timing.flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
+from ..timing.timeline import DurationKey, Timeline, duration_key, timeline
 
-__all__ = ["lower", "check_runs", "check_channel_order"]
+
+@dataclass(frozen=True)
+class LoweredFrom:
+    """What a lowered schedule came from: the compute-only schedule and the timeline that placed
+    its receives (``p2p.comm_check`` proves the lowered run with them)."""
+
+    schedule: Schedule
+    timeline: Timeline
+
+
+LOWERED: Derived[dict[DurationKey, Schedule]] = Derived("lowered", dict)
+"""Durations -> the schedule lowered at those durations."""
+LOWERED_FROM: Derived[LoweredFrom | None] = Derived("lowered from", lambda: None)
+"""Kept on a lowered schedule ``lower`` made."""
 
 
 def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Schedule:
@@ -46,11 +60,11 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
 
     ``durations`` (F, B, I, W and optionally OVERLAP to positive numbers) only moves RECVs
     earlier or later for overlap; any choice gives a deadlock-free, order-matched schedule.
-    The result is kept with the schedule (``Derived.lowered``): lowering it again costs nothing.
+    The result is kept with the schedule (``LOWERED``): lowering it again costs nothing.
     """
-    key = duration_key(durations)
-    if key in schedule.derived.lowered:
-        return schedule.derived.lowered[key]
+    key, kept = duration_key(durations), LOWERED.of(schedule)
+    if key in kept:
+        return kept[key]
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
@@ -69,9 +83,8 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
             rank, schedule.row(rank)[index],
         )
     lowered = schedule.replace_actions(_lowered_table(schedule, run))
-    lowered.derived.source_timeline = run
-    lowered.derived.lowered_from = schedule
-    schedule.derived.lowered[key] = lowered
+    LOWERED_FROM.keep(lowered, LoweredFrom(schedule, run))
+    kept[key] = lowered
     return lowered
 
 

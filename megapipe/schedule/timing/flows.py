@@ -48,12 +48,8 @@ def neighbours(stage: np.ndarray, offset, per_pipeline: int) -> tuple[np.ndarray
 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
     """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
-    placement = schedule.placement
-    derived = schedule.derived
-    if derived.padded_placement is None:  # -1 on both sides: one clipped lookup
-        derived.padded_placement = np.concatenate([[-1], placement, [-1]])
-    padded = derived.padded_placement
-    return padded[np.clip(np.asarray(stage) + 1, 0, len(placement) + 1)]
+    padded = schedule.padded_placement  # -1 on both sides: one clipped lookup
+    return padded[np.clip(np.asarray(stage) + 1, 0, len(padded) - 1)]
 
 
 class Needs(NamedTuple):

@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import csv
 import functools
-from dataclasses import FrozenInstanceError, dataclass, fields
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Callable, Generic, Iterable, Sequence, TypeVar, cast
 
 import numpy as np
 
-from .errors import ScheduleError
-
 from .actions import (  # noqa: F401 - the IR's public names
-    BACKWARD_KINDS,
-    COMM_KINDS,
-    COMPUTE_KINDS,
-    Action,
-    Kind,
-    parse_action,
+    BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, Kind, parse_action,
 )
+from .errors import ScheduleError
 from .table import ActionTable
 
 T = TypeVar("T")
@@ -47,29 +41,21 @@ def v_placement(pp: int, num_stages: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ScheduleOptions:
-    """What a schedule was asked for (``build_schedule``); None: not stated (a schedule read from
-    a CSV, or made by a generator directly)."""
+    """What ``build_schedule`` was asked for; None: not stated (e.g. a schedule read from a CSV)."""
 
     vpp: int | None = None
     overlap: bool | None = None
     microbatch_group_size_per_vp_stage: int | None = None
     max_extra_in_flight: int | None = None
 
-    def stated(self) -> list[tuple[str, int | bool]]:
-        """The options stated, as (name, value) sorted by name."""
-        found = ((f.name, getattr(self, f.name)) for f in fields(self))
-        return sorted((name, value) for name, value in found if value is not None)
-
 
 class Derived(Generic[T]):
-    """One kind of fact derived from a schedule and kept with it, so it is worked out once (a
-    schedule never changes). The module that derives it declares it with the type it keeps, so
-    the IR imports none of them: ``timing.timeline.TIMELINES`` and ``STRUCTURES``,
-    ``timing.rerun.RUN_ORDER``, ``p2p.lower.LOWERED`` and ``LOWERED_FROM``,
-    ``p2p.comm_check.RUNS``, ``checks.validate.VALID``."""
+    """One kind of fact derived from a schedule, kept with it and worked out once (a schedule never
+    changes). The module that derives it declares it with its type, so the IR imports none of
+    them: ``timing.timeline.TIMELINES``, ``STRUCTURES``, ``timing.rerun.RUN_ORDER``,
+    ``p2p.lower.LOWERED``, ``LOWERED_FROM``, ``p2p.comm_check.RUNS``, ``checks.validate.VALID``."""
 
-    def __init__(self, name: str, default: Callable[[], T]) -> None:
-        self.name = name
+    def __init__(self, default: Callable[[], T]) -> None:
         self._default = default
 
     def of(self, schedule: "Schedule") -> T:
@@ -81,9 +67,6 @@ class Derived(Generic[T]):
 
     def keep(self, schedule: "Schedule", value: T) -> None:
         schedule._derived[self] = value
-
-    def __repr__(self) -> str:
-        return f"Derived({self.name!r})"
 
 
 class Schedule:
@@ -239,16 +222,10 @@ class Schedule:
         self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
     ) -> "Schedule":
         """A copy with other action lists (and optionally other fields)."""
-        fields = dict(
-            num_stages=self.num_stages,
-            num_microbatches=self.num_microbatches,
-            stage_to_rank=self.stage_to_rank,
-            name=self.name,
-            bidirectional=self.bidirectional,
-            options=self.options,
-        )
-        fields.update(changes)
-        return Schedule(actions, **fields)
+        fields = dict(num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+                      stage_to_rank=self.stage_to_rank, name=self.name,
+                      bidirectional=self.bidirectional, options=self.options)
+        return Schedule(actions, **{**fields, **changes})
 
     def _texts(self) -> list[list[str]]:
         if self._rows is not None:

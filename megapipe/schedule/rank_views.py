@@ -19,10 +19,6 @@ from .p2p.lower import lower
 from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
 
-def is_lowered(schedule: Schedule) -> bool:
-    return not schedule.table.compute_only
-
-
 def forward_only_schedule(schedule: Schedule) -> Schedule:
     """The schedule's forward steps (and their sends/receives) in their original order."""
     table = schedule.table
@@ -43,7 +39,7 @@ def checked_lowering(schedule: Schedule) -> Schedule:
     """``schedule`` checked and lowered, each once per schedule object: a compute-only schedule
     is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
     run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
-    if is_lowered(schedule):
+    if not schedule.table.compute_only:
         check_runs(schedule)
         return schedule
     validate(schedule)

@@ -51,18 +51,6 @@ class _Family:
     min_reason: str = ""
     megatron_groups: bool = False
 
-    def build(self, pp: int, num_microbatches: int, vpp: int, overlap: bool,
-              group: int | None) -> Schedule:
-        """Call the generator with the arguments it takes."""
-        args: list = [pp, num_microbatches]
-        if self.fixed_vpp is None:
-            args.append(vpp)
-        if self.native_overlap:
-            args.append(overlap)
-        if self.megatron_groups:
-            args.append(group)
-        return self.generator(*args)
-
 
 # The one table of schedule names, in the order ``SCHEDULES`` lists them.
 _FAMILIES: dict[str, _Family] = {
@@ -141,8 +129,15 @@ def build_schedule(
 
 
 def _build(family: _Family, pp: int, num_microbatches: int, options: ScheduleOptions) -> Schedule:
-    group = options.microbatch_group_size_per_vp_stage
-    schedule = family.build(pp, num_microbatches, options.vpp, options.overlap, group)
+    """Call the generator with the arguments it takes; the schedule keeps ``options``."""
+    args: list = [pp, num_microbatches]
+    if family.fixed_vpp is None:
+        args.append(options.vpp)
+    if family.native_overlap:
+        args.append(options.overlap)
+    if family.megatron_groups:
+        args.append(options.microbatch_group_size_per_vp_stage)
+    schedule = family.generator(*args)
     return schedule.replace_actions(schedule.table, options=options)
 
 

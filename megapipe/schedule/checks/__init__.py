@@ -1,2 +1,1 @@
-"""Validation: does a schedule run every microbatch through every stage, in an order that
-finishes (the per-action rules on the whole table, then progress and the lowered run)."""
+"""Validation: does a schedule run every microbatch through every stage, and finish."""

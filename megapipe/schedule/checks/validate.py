@@ -30,8 +30,7 @@ from ..timing.deps import missing_needs
 from ..timing.timeline import timeline
 from .table_checks import check_counts, check_pairs, check_placement, check_rank_order
 
-VALID: Derived[bool] = Derived("valid", bool)
-"""``validate`` passed."""
+VALID: Derived[bool] = Derived(bool)  # ``validate`` passed
 
 
 def validate(schedule: Schedule) -> None:

@@ -1,2 +1,1 @@
-"""The combine pass: which backward runs beside which forward in an OVERLAP pair, within how
-many more activations in flight."""
+"""The combine pass: which backward runs beside which forward, within an in-flight budget."""

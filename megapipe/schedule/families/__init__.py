@@ -1,2 +1,1 @@
-"""The eight schedule families' generators and their shared tools: which order each named schedule
-runs on each rank (``registry`` calls them by name)."""
+"""The eight schedule families: which order each runs (``registry`` calls them by name)."""

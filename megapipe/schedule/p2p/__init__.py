@@ -1,2 +1,1 @@
-"""Point-to-point: where the sends and receives of a lowered schedule go, the proof that they
-finish under batched p2p, and which sends may go out early."""
+"""Where sends and receives go (lowering), the proof that they finish, the early sends."""

@@ -27,13 +27,7 @@ from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Derived, Kind, Schedule
 from ..table import is_comm
 from ..timing.deps import (
-    Product,
-    describe_product,
-    message_of_comm,
-    needs_of,
-    peer_rank,
-    product_of,
-    rank_of_product,
+    Product, describe_product, message_of_comm, needs_of, peer_rank, product_of, rank_of_product,
     received_message,
 )
 from ..timing.timeline import Timeline, timeline
@@ -45,8 +39,7 @@ ListPosition = tuple[int, int]
 # each comm action's position mapped to its partner's
 Matching = dict[ListPosition, ListPosition]
 
-RUNS: Derived[bool] = Derived("runs", bool)
-"""A lowered schedule's run under batched p2p is proven to finish (``check_runs``)."""
+RUNS: Derived[bool] = Derived(bool)  # the lowered run is proven to finish (``check_runs``)
 
 
 def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:

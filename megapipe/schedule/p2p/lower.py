@@ -42,17 +42,14 @@ from ..timing.timeline import DurationKey, Timeline, duration_key, timeline
 
 @dataclass(frozen=True)
 class LoweredFrom:
-    """What a lowered schedule came from: the compute-only schedule and the timeline that placed
-    its receives (``p2p.comm_check`` proves the lowered run with them)."""
+    """A lowered schedule's compute-only schedule and the timeline that placed its receives."""
 
     schedule: Schedule
     timeline: Timeline
 
 
-LOWERED: Derived[dict[DurationKey, Schedule]] = Derived("lowered", dict)
-"""Durations -> the schedule lowered at those durations."""
-LOWERED_FROM: Derived[LoweredFrom | None] = Derived("lowered from", lambda: None)
-"""Kept on a lowered schedule ``lower`` made."""
+LOWERED: Derived[dict[DurationKey, Schedule]] = Derived(dict)  # durations -> lowered schedule
+LOWERED_FROM: Derived[LoweredFrom | None] = Derived(lambda: None)  # on what ``lower`` made
 
 
 def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Schedule:
@@ -107,7 +104,6 @@ class _Messages:
         by_time = np.argsort(self.time, kind="stable")  # ties: sender rank, then its order
         self.priority = np.empty(len(self.comp), dtype=np.int64)
         self.priority[by_time] = np.arange(len(self.comp))
-
 
 
 def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:

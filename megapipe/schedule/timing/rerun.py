@@ -49,8 +49,7 @@ class RunOrder:
         return np.argsort(sweep, kind="stable")
 
 
-RUN_ORDER: Derived[RunOrder | None] = Derived("run order", lambda: None)
-"""The order a finished run of the schedule's actions took (``run_actions`` keeps it)."""
+RUN_ORDER: Derived[RunOrder | None] = Derived(lambda: None)  # of a finished run (run_actions)
 
 def _rerunnable(plan) -> bool:
     """One maker per product, durations that do not depend on the start, and one latency for

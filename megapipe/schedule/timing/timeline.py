@@ -28,6 +28,10 @@ from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from ..ir import Derived, Schedule
 from ..table import CODE, OVERLAP, ActionTable, Comps, is_comm
 
+DurationKey = tuple[tuple[str, float], ...] | None  # durations, hashable (None: the defaults)
+TIMELINES: Derived[dict[DurationKey, Timeline]] = Derived(dict)  # durations -> timeline
+STRUCTURES: Derived[dict[bool, _Structure]] = Derived(dict)  # p2p latency or not -> structure
+
 
 class MadeTimes(Mapping):
     """Product ``("F" | "G" | "W", stage, microbatch)`` -> the time it was made, for those made."""
@@ -50,10 +54,6 @@ class MadeTimes(Mapping):
 
     def __len__(self) -> int:
         return len(self._made())
-
-
-DurationKey = tuple[tuple[str, float], ...] | None
-"""A hashable stand-in for durations (``duration_key``; None: the defaults)."""
 
 
 @dataclass
@@ -115,10 +115,6 @@ class ActionGraph:
             np.maximum.at(out, made[made >= 0], rows[made >= 0])
         out[self.space.size:2 * self.space.size] = out[:self.space.size]
         return out
-
-
-STRUCTURES: Derived[dict[bool, _Structure]] = Derived("structures", dict)
-"""p2p latency or not -> what the actions of the schedule's timeline need and make."""
 
 
 def _structure(schedule: Schedule, latency: float) -> _Structure:
@@ -238,10 +234,6 @@ def action_durations(table: ActionTable, durations: dict) -> np.ndarray:
 def duration_key(durations: dict | None) -> DurationKey:
     """A hashable stand-in for ``durations`` (the keys of ``TIMELINES`` and ``LOWERED``)."""
     return None if durations is None else tuple(sorted((k.value, v) for k, v in durations.items()))
-
-
-TIMELINES: Derived[dict[DurationKey, Timeline]] = Derived("timelines", dict)
-"""Durations -> the schedule's timeline at those durations."""
 
 
 def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:

@@ -5,10 +5,12 @@ README's table, in the same order); besides, the engine (``pipeline/``) imports 
 (``moe/``, ``models/``) and nothing of the training app. Lazy imports inside functions count.
 Inside a folder too, no two files import each other, directly or round a loop of files: imports
 inside functions and under ``TYPE_CHECKING`` count (a package imported as a whole counts as its
-``__init__.py``; the parent packages Python loads first do not).
+``__init__.py``; the parent packages Python loads first do not). Inside ``schedule/`` the data
+model comes first and each folder imports only the parts before it (``SCHEDULE_PARTS``).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import megapipe
@@ -165,3 +167,31 @@ def test_the_import_scan_sees_imports_in_functions_and_under_type_checking():
 
 def test_no_import_cycle_between_files():
     assert _cycles(_import_graph()) == []
+
+
+# schedule/ inside: its data model, then its folders, then the entry points; a part imports only
+# itself and the parts before it (the README's folder table)
+SCHEDULE_PARTS = [
+    {"actions", "errors", "table", "ir"}, {"timing"}, {"families", "combine", "p2p"}, {"checks"},
+    {"registry", "rank_views", ""},
+]
+
+
+def test_schedule_folders_import_only_the_parts_below_them():
+    def part(module: str) -> int:
+        name = module.removeprefix("megapipe.schedule").removeprefix(".").split(".")[0]
+        found = [i for i, names in enumerate(SCHEDULE_PARTS) if name in names]
+        assert found, f"schedule/{name} belongs to no part of SCHEDULE_PARTS"
+        return found[0]
+
+    inside = {m: t for m, t in _import_graph().items() if m.startswith("megapipe.schedule")}
+    upward = [f"{m} imports {t}" for m, targets in inside.items() for t in sorted(targets)
+              if t.startswith("megapipe.schedule") and part(t) > part(m)]
+    assert upward == []
+
+
+def test_the_readme_folder_table_names_every_folder():
+    readme = (ROOT.parent / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(megapipe/[\w/]+)/`", readme, re.M))
+    folders = {p.parent.relative_to(ROOT.parent).as_posix() for p in ROOT.rglob("*/__init__.py")}
+    assert listed == folders

@@ -84,6 +84,7 @@ class Schedule:
 
     options: ScheduleOptions
     _derived: dict[Derived, object]  # what ``Derived.of`` finds
+    _made_rows: dict[int, tuple[Action, ...]]  # what ``row`` made
 
     def __init__(
         self,
@@ -100,8 +101,7 @@ class Schedule:
         fields = dict(
             _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
-            options=ScheduleOptions() if options is None else options, _derived={},
-            _made_rows={},
+            options=ScheduleOptions() if options is None else options, _derived={}, _made_rows={},
         )
         for key, value in fields.items():
             object.__setattr__(self, key, value)
@@ -160,7 +160,7 @@ class Schedule:
         """Rank ``rank``'s action list (made on first use, without the other ranks')."""
         if self._rows is not None:
             return self._rows[rank]
-        rows: dict[int, tuple[Action, ...]] = self._made_rows
+        rows = self._made_rows
         if rank not in rows:
             rows[rank] = self.table.actions_of(rank)
         return rows[rank]

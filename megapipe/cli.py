@@ -129,7 +129,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
         max_extra_in_flight=args.max_extra_in_flight, **extra,
     )
     result = simulate(schedule, costs)
-    vpp = schedule.options.get("vpp", args.vpp or 1)
+    vpp = schedule.options.vpp
     budget = "" if args.max_extra_in_flight is None else f" (K={args.max_extra_in_flight})"
     title = (
         f"{args.name}{' + overlap' + budget if overlap else ''}: pp={args.pp} vpp={vpp} "

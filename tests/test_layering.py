@@ -3,9 +3,14 @@
 Each folder of ``megapipe/`` may import only the folders listed before it in ``LAYERS`` (the
 README's table, in the same order); besides, the engine (``pipeline/``) imports no model code
 (``moe/``, ``models/``) and nothing of the training app. Lazy imports inside functions count.
+Inside a folder too, no two files import each other, directly or round a loop of files: imports
+inside functions and under ``TYPE_CHECKING`` count (a package imported as a whole counts as its
+``__init__.py``; the parent packages Python loads first do not). Inside ``schedule/`` the data
+model comes first and each folder imports only the parts before it (``SCHEDULE_PARTS``).
 """
 
 import ast
+import re
 from pathlib import Path
 
 import megapipe
@@ -76,6 +81,118 @@ def test_the_installed_package_list_names_every_folder():
     config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     listed = set(config["tool"]["setuptools"]["packages"])
     folders = {"megapipe"} | {
-        "megapipe." + p.parent.name for p in ROOT.glob("*/__init__.py")
+        ".".join(("megapipe",) + p.parent.relative_to(ROOT).parts)
+        for p in ROOT.rglob("*/__init__.py")
     } | {"megapipe.kernels"}
+    assert listed == folders
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of ``megapipe/`` and ``kernels/`` (installed as ``megapipe.kernels``)."""
+    found = {}
+    for top, name in ((ROOT, "megapipe"), (ROOT.parent / "kernels", "megapipe.kernels")):
+        for path in sorted(top.rglob("*.py")):
+            parts = path.relative_to(top).with_suffix("").parts
+            found[".".join((name,) + parts[: -1 if parts[-1] == "__init__" else None])] = path
+    return found
+
+
+def _imported(source: str, package: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``source`` (a file of ``package``) imports anywhere."""
+    targets = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                           for a in node.names)
+    while any(t not in modules and "." in t for t in targets):  # a.b.C -> a.b: its module
+        targets = {t if t in modules else t.rpartition(".")[0] for t in targets}
+    return targets & modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ``megapipe/`` and ``kernels/`` it imports."""
+    files = _module_files()
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name] = _imported(path.read_text(), package, set(files)) - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The sets of modules that import one another round a loop: Tarjan's strongly connected
+    components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_cycle_finder_finds_a_loop_of_three_and_nothing_else():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a", "d"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_import_scan_sees_imports_in_functions_and_under_type_checking():
+    source = ("from typing import TYPE_CHECKING\nimport numpy\nif TYPE_CHECKING:\n"
+              "    from .b import B\n\ndef f():\n    from ..c import d, D\n    import p.e.E\n")
+    modules = {"p", "p.q", "p.q.a", "p.q.b", "p.c", "p.c.d", "p.e"}
+    assert _imported(source, "p.q", modules) == {"p.q.b", "p.c", "p.c.d", "p.e"}
+
+
+def test_no_import_cycle_between_files():
+    assert _cycles(_import_graph()) == []
+
+
+# schedule/ inside: its data model, then its folders, then the entry points; a part imports only
+# itself and the parts before it (the README's folder table)
+SCHEDULE_PARTS = [
+    {"actions", "errors", "table", "ir"}, {"timing"}, {"families", "combine", "p2p"}, {"checks"},
+    {"registry", "rank_views", ""},
+]
+
+
+def test_schedule_folders_import_only_the_parts_below_them():
+    def part(module: str) -> int:
+        name = module.removeprefix("megapipe.schedule").removeprefix(".").split(".")[0]
+        found = [i for i, names in enumerate(SCHEDULE_PARTS) if name in names]
+        assert found, f"schedule/{name} belongs to no part of SCHEDULE_PARTS"
+        return found[0]
+
+    inside = {m: t for m, t in _import_graph().items() if m.startswith("megapipe.schedule")}
+    upward = [f"{m} imports {t}" for m, targets in inside.items() for t in sorted(targets)
+              if t.startswith("megapipe.schedule") and part(t) > part(m)]
+    assert upward == []
+
+
+def test_the_readme_folder_table_names_every_folder():
+    readme = (ROOT.parent / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(megapipe/[\w/]+)/`", readme, re.M))
+    folders = {p.parent.relative_to(ROOT.parent).as_posix() for p in ROOT.rglob("*/__init__.py")}
     assert listed == folders

@@ -109,7 +109,8 @@ class FrontEndOptions:
     reduce_grads: bool = True
     delay_wgrad_compute: bool = False
     record_trace: bool = False
-    schedule_options: dict[str, Any] = field(default_factory=dict)
+    microbatch_group_size_per_vp_stage: int | None = None  # build_schedule's options
+    max_extra_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
@@ -207,7 +208,8 @@ class MegatronForwardBackward:
         o = self.options
         schedule = build_schedule(
             self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=o.overlap,
-            **o.schedule_options,
+            max_extra_in_flight=o.max_extra_in_flight,
+            microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
         )
         self._check_forward_order(schedule)
         pp_rank = pipeline_position(o.pp, o.groups).rank
@@ -355,7 +357,8 @@ def get_forward_backward_func(
     overlap_moe_expert_parallel_comm: bool = False,
     delay_wgrad_compute: bool = False,
     record_trace: bool = False,
-    **schedule_options: Any,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    max_extra_in_flight: int | None = None,
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
 
@@ -367,7 +370,8 @@ def get_forward_backward_func(
     expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
     overlap) defers expert weight gradients into the time of a backward all-to-all. With
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
-    ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
+    ``a2a_time`` and ``exposed_comm_fraction``. ``microbatch_group_size_per_vp_stage`` and
+    ``max_extra_in_flight`` go to ``build_schedule``.
 
     The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
@@ -383,5 +387,6 @@ def get_forward_backward_func(
         overlap=overlap or overlap_moe_expert_parallel_comm,
         calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
-        schedule_options=dict(schedule_options),
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        max_extra_in_flight=max_extra_in_flight,
     ))

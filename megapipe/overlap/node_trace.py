@@ -22,7 +22,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from megapipe.schedule.intervals import covered_total, union
+from megapipe.schedule.timing.intervals import covered_total, union
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ it have ended (``host_runs_compute``). That is the whole model; it serves three 
   starts, one per step of the same program);
 - tests and benchmarks that model one combined step.
 
-``schedule.timeline`` (the unit-cost run of whole actions) is the only other timing model.
+``schedule.timing.timeline`` (the unit-cost run of whole actions) is the only other timing model.
 Pure Python, no torch.
 """
 

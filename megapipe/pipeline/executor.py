@@ -47,7 +47,7 @@ from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
 from megapipe.pipeline.p2p import PairSends, StepTensors, stage_links
-from megapipe.schedule.early_sends import choose_early_sends, comm_batch
+from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 

@@ -7,7 +7,7 @@ backward's input gradient likewise (SEND_B); ``forward_input`` / ``grad_output``
 action what it consumes, waiting first for the batch that receives it (a first stage reads its
 microbatch; a last stage has no output gradient: its backward starts from the loss);
 ``PairSends`` posts the run after one OVERLAP as its halves' results are handed over, the sends
-the early-send rule allows one by one (``schedule.early_sends``). ``track`` (a measured step)
+the early-send rule allows one by one (``schedule.p2p.early_sends``). ``track`` (a measured step)
 is told of every tensor taken into transit (``activation_meter``).
 
 **The p2p.** Each maximal run of consecutive comm actions of a lowered schedule goes to
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.overlap.plan import Track
-from megapipe.schedule.early_sends import RECEIVES
+from megapipe.schedule.p2p.early_sends import RECEIVES
 from megapipe.schedule.ir import Action, Kind, Schedule
 
 

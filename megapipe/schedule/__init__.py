@@ -1,26 +1,22 @@
-"""megapipe.schedule: pipeline schedules as data (Python and numpy, no torch)."""
+"""megapipe.schedule: pipeline schedules as data (Python and numpy, no torch).
 
+Here: the data model (``ir``, ``actions``, ``table``, ``errors``), schedules by name
+(``registry``) and what one rank runs (``rank_views``). ``families/``: the eight families'
+generators; ``combine/``: the combine pass; ``timing/``: the dependency rules and the in-order
+engine; ``p2p/``: lowering and its proof; ``checks/``: validation.
+"""
+
+from .checks.validate import validate
+from .combine.budget import apply_overlap_within
+from .combine.combine_pass import apply_overlap
 from .errors import ScheduleError
-from .ir import Action, Kind, Schedule, parse_action, read_csv, write_csv
-from .lower import check_runs, lower
-from .budget import apply_overlap_within
-from .combine_pass import apply_overlap
+from .ir import Action, Kind, Schedule, ScheduleOptions, parse_action, read_csv, write_csv
+from .p2p.comm_check import check_runs
+from .p2p.lower import lower
 from .registry import SCHEDULES, build_schedule
-from .validate import validate
 
 __all__ = [
-    "Action",
-    "Kind",
-    "SCHEDULES",
-    "Schedule",
-    "ScheduleError",
-    "apply_overlap",
-    "apply_overlap_within",
-    "build_schedule",
-    "check_runs",
-    "lower",
-    "parse_action",
-    "read_csv",
-    "validate",
-    "write_csv",
+    "Action", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "ScheduleOptions",
+    "apply_overlap", "apply_overlap_within", "build_schedule", "check_runs", "lower",
+    "parse_action", "read_csv", "validate", "write_csv",
 ]

@@ -10,26 +10,19 @@ unchanged.
 from __future__ import annotations
 
 import csv
-from dataclasses import FrozenInstanceError, dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+import functools
+from dataclasses import FrozenInstanceError, dataclass
+from typing import Callable, Generic, Iterable, Sequence, TypeVar, cast
 
 import numpy as np
 
-from .errors import ScheduleError
-
 from .actions import (  # noqa: F401 - the IR's public names
-    BACKWARD_KINDS,
-    COMM_KINDS,
-    COMPUTE_KINDS,
-    Action,
-    Kind,
-    parse_action,
+    BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, Kind, parse_action,
 )
+from .errors import ScheduleError
 from .table import ActionTable
 
-if TYPE_CHECKING:
-    from .rerun import RunOrder
-    from .timeline import Timeline
+T = TypeVar("T")
 
 
 def loop_placement(pp: int, num_stages: int) -> tuple[int, ...]:
@@ -46,31 +39,34 @@ def v_placement(pp: int, num_stages: int) -> tuple[int, ...]:
     return tuple(placement)
 
 
-@dataclass
-class Derived:
-    """What is worked out from a schedule once and kept with it (a schedule never changes).
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What ``build_schedule`` was asked for; None: not stated (e.g. a schedule read from a CSV)."""
 
-    ``rows``: rank -> its action list (``Schedule.row``); ``placement`` and ``padded_placement``
-    (-1 on both ends: one clipped lookup, ``flows.stage_rank``); ``structures``: p2p latency or
-    not -> what the actions of its timeline need and make (``timeline.ActionGraph``); ``timelines``:
-    durations key -> its timeline; ``run_order``: the order a finished run took its actions in
-    (``rerun``); ``lowered``: durations key -> the lowered schedule (``lower``), which itself
-    keeps in ``lowered_from`` and ``source_timeline`` the compute-only schedule and timeline it
-    came from; ``valid``: ``validate`` passed; ``runs``: a lowered schedule's run under batched
-    p2p is proven to finish (``comm_check.check_runs``).
-    """
+    vpp: int | None = None
+    overlap: bool | None = None
+    microbatch_group_size_per_vp_stage: int | None = None
+    max_extra_in_flight: int | None = None
 
-    rows: dict[int, tuple[Action, ...]] = field(default_factory=dict)
-    placement: Any = None
-    padded_placement: Any = None
-    structures: dict[bool, Any] = field(default_factory=dict)
-    timelines: dict[Any, "Timeline"] = field(default_factory=dict)
-    run_order: "RunOrder | None" = None
-    lowered: dict[Any, "Schedule"] = field(default_factory=dict)
-    lowered_from: "Schedule | None" = None
-    source_timeline: "Timeline | None" = None
-    valid: bool = False
-    runs: bool = False
+
+class Derived(Generic[T]):
+    """One kind of fact derived from a schedule, kept with it and worked out once (a schedule never
+    changes). The module that derives it declares it with its type, so the IR imports none of
+    them: ``timing.timeline.TIMELINES``, ``STRUCTURES``, ``timing.rerun.RUN_ORDER``,
+    ``p2p.lower.LOWERED``, ``LOWERED_FROM``, ``p2p.comm_check.RUNS``, ``checks.validate.VALID``."""
+
+    def __init__(self, default: Callable[[], T]) -> None:
+        self._default = default
+
+    def of(self, schedule: "Schedule") -> T:
+        """What ``schedule`` keeps (the default until ``keep``)."""
+        kept = schedule._derived
+        if self not in kept:
+            kept[self] = self._default()
+        return cast(T, kept[self])
+
+    def keep(self, schedule: "Schedule", value: T) -> None:
+        schedule._derived[self] = value
 
 
 class Schedule:
@@ -83,8 +79,12 @@ class Schedule:
 
     ``actions`` may be per-rank lists of ``Action`` or an ``ActionTable``. A schedule never
     changes, so what is derived from it (its timeline, its lowering, a passed validation) is
-    kept in ``derived`` (a ``Derived``) and computed once.
+    kept with it and computed once (``Derived``).
     """
+
+    options: ScheduleOptions
+    _derived: dict[Derived, object]  # what ``Derived.of`` finds
+    _made_rows: dict[int, tuple[Action, ...]]  # what ``row`` made
 
     def __init__(
         self,
@@ -94,14 +94,14 @@ class Schedule:
         stage_to_rank: Sequence[int],
         name: str = "",
         bidirectional: bool = False,
-        options: dict | None = None,
+        options: ScheduleOptions | None = None,
     ) -> None:
         table = actions if isinstance(actions, ActionTable) else None
         rows = None if table is not None else tuple(tuple(r) for r in actions)
         fields = dict(
             _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
-            options={} if options is None else options, derived=Derived(),
+            options=ScheduleOptions() if options is None else options, _derived={}, _made_rows={},
         )
         for key, value in fields.items():
             object.__setattr__(self, key, value)
@@ -160,7 +160,7 @@ class Schedule:
         """Rank ``rank``'s action list (made on first use, without the other ranks')."""
         if self._rows is not None:
             return self._rows[rank]
-        rows = self.derived.rows
+        rows = self._made_rows
         if rank not in rows:
             rows[rank] = self.table.actions_of(rank)
         return rows[rank]
@@ -170,13 +170,15 @@ class Schedule:
         rank = int(self.table.rank[row])
         return self.row(rank)[int(row) - int(self.table.offsets[rank])]
 
-    @property
+    @functools.cached_property
     def placement(self) -> np.ndarray:
         """``stage_to_rank`` as an array."""
-        derived = self.derived
-        if derived.placement is None:
-            derived.placement = np.asarray(self.stage_to_rank, dtype=np.int64).reshape(-1)
-        return derived.placement
+        return np.asarray(self.stage_to_rank, dtype=np.int64).reshape(-1)
+
+    @functools.cached_property
+    def padded_placement(self) -> np.ndarray:
+        """``placement`` with -1 on both ends: one clipped lookup (``timing.flows.stage_rank``)."""
+        return np.concatenate([[-1], self.placement, [-1]])
 
     @property
     def pp(self) -> int:
@@ -220,16 +222,10 @@ class Schedule:
         self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
     ) -> "Schedule":
         """A copy with other action lists (and optionally other fields)."""
-        fields = dict(
-            num_stages=self.num_stages,
-            num_microbatches=self.num_microbatches,
-            stage_to_rank=self.stage_to_rank,
-            name=self.name,
-            bidirectional=self.bidirectional,
-            options=dict(self.options),
-        )
-        fields.update(changes)
-        return Schedule(actions, **fields)
+        fields = dict(num_stages=self.num_stages, num_microbatches=self.num_microbatches,
+                      stage_to_rank=self.stage_to_rank, name=self.name,
+                      bidirectional=self.bidirectional, options=self.options)
+        return Schedule(actions, **{**fields, **changes})
 
     def _texts(self) -> list[list[str]]:
         if self._rows is not None:

@@ -2,7 +2,7 @@
 
 Pure functions of the schedule (no torch). An executor needs the checked, lowered schedule once
 per process and then only its own rank's list: ``checked_lowering`` validates and lowers once per
-schedule object (the results are kept in ``schedule.derived``; the ranks of one process share the
+schedule object (the results are kept with the schedule; the ranks of one process share the
 schedule object), and ``Schedule.row(rank)`` makes the ``Action`` objects of one rank only.
 The tests bound the live activations by ``in_flight_limit``.
 """
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from megapipe.schedule.comm_check import check_runs
-from megapipe.schedule.in_flight import STASH_RELEASE, peak_in_flight
-from megapipe.schedule.ir import Schedule
-from megapipe.schedule.lower import lower
-from megapipe.schedule.table import F, OVERLAP, RECV_F, SEND_F, ActionTable
-from megapipe.schedule.validate import validate
-
-
-def is_lowered(schedule: Schedule) -> bool:
-    return not schedule.table.compute_only
+from .checks.validate import validate
+from .combine.in_flight import STASH_RELEASE, peak_in_flight
+from .ir import Schedule
+from .p2p.comm_check import check_runs
+from .p2p.lower import lower
+from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -43,7 +39,7 @@ def checked_lowering(schedule: Schedule) -> Schedule:
     """``schedule`` checked and lowered, each once per schedule object: a compute-only schedule
     is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
     run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
-    if is_lowered(schedule):
+    if not schedule.table.compute_only:
         check_runs(schedule)
         return schedule
     validate(schedule)

@@ -17,33 +17,33 @@ at least pp. A smaller group sends a microbatch to its next chunk before it has 
 rank, which stalls the pipeline (and deadlocks interleaved 1F1B's order). With the default g = pp
 this means M is a multiple of pp; a larger g admits other M. ``overlap=True`` asks for
 OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule goes through
-``megapipe.schedule.combine_pass.apply_overlap``.
+``megapipe.schedule.combine.combine_pass.apply_overlap``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from .budget import apply_overlap_within, check_budget, check_native_budget
-from .dualpipe import dualpipe, dualpipev
+from .combine.budget import apply_overlap_within, check_budget, check_native_budget
+from .families.dualpipe import dualpipe, dualpipev
 from .errors import ScheduleError
-from .interleaved import interleaved_1f1b, looped_bfs
-from .ir import Schedule
-from .simple import gpipe, one_f_one_b
-from .zero_bubble import zb1p, zbv
+from .families.interleaved import interleaved_1f1b, looped_bfs
+from .ir import Schedule, ScheduleOptions
+from .families.simple import gpipe, one_f_one_b
+from .families.zero_bubble import zb1p, zbv
 
 GROUP_OPTION = "microbatch_group_size_per_vp_stage"
 
 
 @dataclass(frozen=True)
 class _Family:
-    """A schedule's generator and what a request for it may hold: its fixed vpp (None: any),
-    options, and microbatch constraints. ``native_overlap`` generators take ``overlap``."""
+    """A schedule's generator and what a request for it may hold: its fixed vpp (None: any) and
+    microbatch constraints. ``native_overlap`` generators take ``overlap``, ``megatron_groups``
+    ones the group size (``GROUP_OPTION``)."""
 
     generator: Callable[..., Schedule]
     fixed_vpp: int | None = None
-    options: tuple[str, ...] = ()
     native_overlap: bool = False
     even_pp: bool = False
     even_microbatches: bool = False
@@ -51,25 +51,14 @@ class _Family:
     min_reason: str = ""
     megatron_groups: bool = False
 
-    def build(self, pp: int, num_microbatches: int, vpp: int, overlap: bool, **options) -> Schedule:
-        """Call the generator with the arguments it takes."""
-        args: list = [pp, num_microbatches]
-        if self.fixed_vpp is None:
-            args.append(vpp)
-        if self.native_overlap:
-            args.append(overlap)
-        return self.generator(*args, **options)
-
 
 # The one table of schedule names, in the order ``SCHEDULES`` lists them.
 _FAMILIES: dict[str, _Family] = {
     "gpipe": _Family(gpipe, fixed_vpp=1),
     "1f1b": _Family(one_f_one_b, fixed_vpp=1),
-    "interleaved-1f1b": _Family(
-        interleaved_1f1b, options=(GROUP_OPTION,), megatron_groups=True
-    ),
+    "interleaved-1f1b": _Family(interleaved_1f1b, megatron_groups=True),
     "looped-bfs": _Family(looped_bfs),
-    "zb1p": _Family(zb1p, options=(GROUP_OPTION,), megatron_groups=True),
+    "zb1p": _Family(zb1p, megatron_groups=True),
     "zbv": _Family(zbv, fixed_vpp=2),
     "dualpipev": _Family(
         dualpipev,
@@ -108,7 +97,7 @@ def build_schedule(
     vpp: int = 1,
     overlap: bool = False,
     max_extra_in_flight: int | None = None,
-    **options: int,
+    microbatch_group_size_per_vp_stage: int | None = None,
 ) -> Schedule:
     """The schedule ``name`` for ``pp`` ranks and ``num_microbatches`` microbatches.
 
@@ -117,44 +106,49 @@ def build_schedule(
     stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
     ``ScheduleError`` before anything is built; the module docstring lists every constraint.
     ``max_extra_in_flight`` K (with ``overlap``): the combined schedule holds at most K more
-    microbatch-stages in flight on any rank than the plain one (``schedule.budget``).
+    microbatch-stages in flight on any rank than the plain one (``schedule.combine.budget``).
+    ``microbatch_group_size_per_vp_stage``: Megatron's group size, for interleaved-1f1b and zb1p.
+    The request is kept as the schedule's ``options``.
     """
     family = _FAMILIES.get(name)
     if family is None:
         raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    _check_request(name, family, pp, num_microbatches, vpp, options)
+    group = microbatch_group_size_per_vp_stage
+    _check_request(name, family, pp, num_microbatches, vpp, group)
     check_budget(max_extra_in_flight)
-    native = family.native_overlap
-    schedule = _build(family, pp, num_microbatches, vpp, overlap, options)
-    if overlap and native:
-        check_native_budget(_build(family, pp, num_microbatches, vpp, False, options), schedule,
-                            max_extra_in_flight)
-    if overlap and not native:
-        schedule = apply_overlap_within(schedule, max_extra_in_flight)
-    if overlap and max_extra_in_flight is not None:
-        schedule.options["max_extra_in_flight"] = max_extra_in_flight
+    options = ScheduleOptions(vpp=family.fixed_vpp or vpp, overlap=overlap,
+                              microbatch_group_size_per_vp_stage=group,
+                              max_extra_in_flight=max_extra_in_flight if overlap else None)
+    schedule = _build(family, pp, num_microbatches, options)
+    if overlap and family.native_overlap:
+        plain = _build(family, pp, num_microbatches, replace(options, overlap=False))
+        check_native_budget(plain, schedule, max_extra_in_flight)
+    if overlap and not family.native_overlap:
+        schedule = apply_overlap_within(schedule, max_extra_in_flight)  # keeps the options
     return schedule
 
 
-def _build(family: _Family, pp: int, num_microbatches: int, vpp: int, overlap: bool,
-           options: dict) -> Schedule:
-    schedule = family.build(pp, num_microbatches, vpp, overlap, **options)
-    return schedule.replace_actions(
-        schedule.table,
-        options={**schedule.options, "vpp": family.fixed_vpp or vpp, "overlap": overlap, **options},
-    )
+def _build(family: _Family, pp: int, num_microbatches: int, options: ScheduleOptions) -> Schedule:
+    """Call the generator with the arguments it takes; the schedule keeps ``options``."""
+    args: list = [pp, num_microbatches]
+    if family.fixed_vpp is None:
+        args.append(options.vpp)
+    if family.native_overlap:
+        args.append(options.overlap)
+    if family.megatron_groups:
+        args.append(options.microbatch_group_size_per_vp_stage)
+    schedule = family.generator(*args)
+    return schedule.replace_actions(schedule.table, options=options)
 
 
 def _check_request(
-    name: str, family: _Family, pp: int, num_microbatches: int, vpp: int, options: dict
+    name: str, family: _Family, pp: int, num_microbatches: int, vpp: int, group: int | None
 ) -> None:
     for label, value in (("pp", pp), ("num_microbatches", num_microbatches), ("vpp", vpp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ScheduleError(f"{name}: {label} must be a positive integer, got {value!r}")
-    unknown = sorted(set(options) - set(family.options))
-    if unknown:
-        accepted = ", ".join(family.options) or "none"
-        raise ScheduleError(f"{name}: unknown option(s) {', '.join(unknown)}; accepted: {accepted}")
+    if group is not None and not family.megatron_groups:
+        raise ScheduleError(f"{name}: unknown option(s) {GROUP_OPTION}; accepted: none")
     if family.fixed_vpp == 1 and vpp != 1:
         raise ScheduleError(
             f"{name} runs one stage per rank, got vpp={vpp}; use interleaved-1f1b, looped-bfs or "
@@ -176,7 +170,7 @@ def _check_request(
             f"{num_microbatches}: {family.min_reason}"
         )
     if family.megatron_groups and vpp > 1:
-        _check_groups(name, pp, num_microbatches, options.get(GROUP_OPTION, pp))
+        _check_groups(name, pp, num_microbatches, pp if group is None else group)
 
 
 def _check_groups(name: str, pp: int, num_microbatches: int, group: object) -> None:

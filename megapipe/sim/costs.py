@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..pairing.timing import COMM, COMPUTE, NodeTimes
-from ..schedule.early_sends import EACH, SINGLE, WHOLE
+from ..schedule.p2p.early_sends import EACH, SINGLE, WHOLE
 from ..schedule.ir import Kind
 from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
 
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
-# when an OVERLAP's halves hand their outputs on: the executor's rules (``schedule.early_sends``:
-# each when its last node ends; both once both halves are done, before the held weight
-# gradients, also the conservative reading of the rule that sends only single-send pairs
-# early), or, to compare, at the end of the pair
+# when an OVERLAP's halves hand their outputs on: the executor's rules
+# (``schedule.p2p.early_sends``: each when its last node ends; both once both halves are done,
+# before the held weight gradients, also the conservative reading of the rule that sends only
+# single-send pairs early), or, to compare, at the end of the pair
 AT_END = "at the end"
 EARLY_RULES = (EACH, SINGLE, WHOLE, AT_END)
 
@@ -49,8 +49,8 @@ class NodeCosts:
     replay benchmark's do), so the order places deferred weight gradients by the time rule;
     without (a training run's nodes carry none) by the count rule. ``early_sends``: when an
     OVERLAP's halves hand their outputs on (``EARLY_RULES``; None: the rule the executor proves
-    for the schedule, ``schedule.early_sends.choose_early_sends``). ``host_cost``: what the engine
-    spends per F or B node beyond the node's own time (a property of the machine, measured by
+    for the schedule, ``schedule.p2p.early_sends.choose_early_sends``). ``host_cost``: what the
+    engine spends per F or B node beyond the node's own time (a property of the machine, measured by
     ``benchmarks/replay_calibration.py``), added to every F and B node (not to W)."""
 
     profile: NodeProfile

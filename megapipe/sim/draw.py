@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.ir import Action, Kind
-from ..schedule.intervals import subtract
+from ..schedule.timing.intervals import subtract
 from .simulate import SimResult
 from ..pairing.timing import COMM, COMPUTE
 

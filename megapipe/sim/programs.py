@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..schedule.early_sends import EACH, WHOLE
+from ..schedule.p2p.early_sends import EACH, WHOLE
 from ..schedule.ir import Action, Kind
 from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
 from ..pairing.order import (

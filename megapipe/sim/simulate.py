@@ -14,7 +14,7 @@ node by node (``Costs.nodes``): then each half hands its output on as the execut
 sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
-The run is the in-order run of ``megapipe.schedule.engine`` (the round robin of the ranks, in
+The run is the in-order run of ``megapipe.schedule.timing.engine`` (the round robin of the ranks, in
 O(actions)); the metrics come from all pieces at once (``action_costs``); the timeline of
 ``TimedAction`` objects is made only when asked for.
 """
@@ -25,18 +25,18 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..schedule.deps import Product, missing_needs
-from ..schedule.early_sends import executor_rule
-from ..schedule.engine import Run
-from ..schedule.rerun import run_actions
+from ..schedule.timing.deps import Product, missing_needs
+from ..schedule.p2p.early_sends import executor_rule
+from ..schedule.timing.engine import Run
+from ..schedule.timing.rerun import run_actions
 from ..schedule.errors import ScheduleError
-from ..schedule.in_flight import peak_of_events
+from ..schedule.combine.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
 from ..schedule.table import B, F, I, OVERLAP, is_comm
-from ..schedule.table_checks import faults
-from ..schedule.timeline import MadeTimes, ActionGraph
+from ..schedule.checks.table_checks import faults
+from ..schedule.timing.timeline import MadeTimes, ActionGraph
 from .costs import Costs
-from ..schedule.intervals import uncovered_length
+from ..schedule.timing.intervals import uncovered_length
 from .result import SimResult, TimedAction
 from .programs import Segment, time_action
 from .action_costs import COMM, COMPUTE, ActionCosts

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from megapipe.schedule.actions import parse_action
 from megapipe.schedule.ir import Kind, Schedule
-from megapipe.schedule.intervals import subtract, union
+from megapipe.schedule.timing.intervals import subtract, union
 from megapipe.sim.simulate import simulate
 from megapipe.sim.trace import trace_events
 from megapipe.train.measured_costs import measured_costs, node_times

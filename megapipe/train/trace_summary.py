@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import mean
 
-from megapipe.schedule.intervals import covered_length, subtract, union
+from megapipe.schedule.timing.intervals import covered_length, subtract, union
 from megapipe.train.run_trace import FORMAT
 BUBBLES_SHOWN = 3
 

@@ -7,6 +7,7 @@ import torch
 
 from megapipe import get_forward_backward_func
 from megapipe.megatron.forward_backward import default_schedule_name
+from megapipe.schedule import ScheduleError
 from support.megatron_cases import megatron_run
 from support.pipeline_cases import Case
 
@@ -26,6 +27,16 @@ def test_default_schedule_follows_pp_and_vpp():
     assert get_forward_backward_func(pp=2, vpp=2, schedule="zbv").schedule_name == "zbv"
     with pytest.raises(ValueError, match="vpp=0"):
         get_forward_backward_func(pp=2, vpp=0)
+
+
+def test_schedule_options_reach_the_schedule_and_unknown_ones_are_refused_at_once():
+    func = get_forward_backward_func(pp=4, vpp=2, microbatch_group_size_per_vp_stage=3)
+    with pytest.raises(ScheduleError, match="microbatch_group_size_per_vp_stage must be an "
+                                           "integer >= pp=4, got 3"):
+        func(forward_step_func=None, data_iterator=None, model=torch.nn.Linear(1, 1),
+             num_microbatches=8, seq_length=4, micro_batch_size=1)
+    with pytest.raises(TypeError, match="chunks"):
+        get_forward_backward_func(pp=2, chunks=2)
 
 
 @pytest.mark.parametrize("case,form", CASES, ids=lambda v: str(v))

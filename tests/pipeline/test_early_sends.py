@@ -2,11 +2,11 @@
 
 import pytest
 
-from megapipe.schedule.early_sends import (
+from megapipe.schedule.p2p.early_sends import (
     EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_layout,
 )
 from megapipe.schedule import build_schedule
-from megapipe.schedule.comm_check import check_runs
+from megapipe.schedule.p2p.comm_check import check_runs
 from megapipe.schedule.errors import ScheduleError
 from megapipe.schedule.rank_views import lower_schedule
 from support.combined_cases import early_send_order

@@ -18,12 +18,13 @@ import hashlib
 import random
 import sys
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, check_runs, lower
 from megapipe.schedule import validate
-from megapipe.schedule.timeline import timeline
+from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate
@@ -69,6 +70,11 @@ def _attempt(fn, *args) -> str:
         return f"ok: {fn(*args)}"
     except Exception as err:  # noqa: BLE001 - every error is part of the output
         return _error(err)
+
+
+def _options_text(schedule) -> str:
+    """The options stated, sorted by name, written as the dict of options they were once."""
+    return repr(sorted((k, v) for k, v in asdict(schedule.options).items() if v is not None))
 
 
 def _timeline_text(schedule: Schedule) -> str:
@@ -179,7 +185,7 @@ def outputs(name: str, pp: int, m: int, vpp: int, overlap: bool, perturb: bool =
         schedule = build_schedule(name, pp, m, vpp=vpp, overlap=overlap)
     except ScheduleError as err:
         return "refused: " + _error(err)
-    parts = [schedule.to_text(), repr(sorted(schedule.options.items())), _timeline_text(schedule)]
+    parts = [schedule.to_text(), _options_text(schedule), _timeline_text(schedule)]
     lowered_text = _attempt(_lower_text, schedule)
     parts.append(lowered_text)
     parts.append(_attempt(_validate_text, schedule))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule, validate
-from megapipe.schedule.budget import extra_in_flight
-from megapipe.schedule.in_flight import peak_in_flight
+from megapipe.schedule.combine.budget import extra_in_flight
+from megapipe.schedule.combine.in_flight import peak_in_flight
 from megapipe.schedule.ir import Kind
-from megapipe.schedule.timeline import timeline
+from megapipe.schedule.timing.timeline import timeline
 
 # (name, pp, microbatches, vpp): every registered schedule at sizes it accepts.
 CASES = [
@@ -32,7 +32,7 @@ def test_budget_bounds_the_peak_on_every_rank(name, pp, m, vpp, budget):
     validate(combined)  # placement, counts, order, progress and the lowered run
     for rank in range(pp):
         assert peak_in_flight(combined.row(rank)) <= peak_in_flight(plain.row(rank)) + budget
-    assert combined.options["max_extra_in_flight"] == budget
+    assert combined.options.max_extra_in_flight == budget
 
 
 def test_unbounded_1f1b_doubles_and_the_budget_caps_it():

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from megapipe.schedule import ScheduleError, build_schedule, lower
-from megapipe.schedule.comm_certificate import certified
-from megapipe.schedule.comm_check import _computations, _simulate_runs
+from megapipe.schedule.p2p.comm_certificate import certified
+from megapipe.schedule.p2p.comm_check import _computations, _simulate_runs
 
 from sweep_outputs import _perturbed
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, parse_action
-from megapipe.schedule.deps import DEFAULT_DURATIONS, needs_of, product_of
+from megapipe.schedule.timing.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.ir import Schedule
-from megapipe.schedule.engine import run_in_order
-from megapipe.schedule.rerun import RunOrder, rerun
-from megapipe.schedule.timeline import ActionGraph, action_durations, timeline
+from megapipe.schedule.timing.engine import run_in_order
+from megapipe.schedule.timing.rerun import RUN_ORDER, RunOrder, rerun
+from megapipe.schedule.timing.timeline import ActionGraph, action_durations, timeline
 from megapipe.sim import Costs, simulate
 
 from sweep_outputs import _perturbed
@@ -126,7 +126,7 @@ def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
     assert (rerun_run.start, rerun_run.end, rerun_run.stuck, dict(rerun_run.made)) == (
         fresh.start, fresh.end, fresh.stuck, dict(fresh.made))
     if name == "interleaved-1f1b":  # no W between a pair's halves: the order holds
-        assert schedule.derived.run_order is None  # the engine did not run on it
+        assert RUN_ORDER.of(schedule) is None  # the engine did not run on it
 
 
 def test_a_rerun_refuses_an_order_that_repeats_a_step():

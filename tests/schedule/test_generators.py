@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from megapipe.schedule import Kind, build_schedule, validate
-from megapipe.schedule.dualpipe import dualpipe, dualpipev
-from megapipe.schedule.interleaved import interleaved_1f1b, megatron_chunk_order, megatron_warmup
+from megapipe.schedule.families.dualpipe import dualpipe, dualpipev
+from megapipe.schedule.families.interleaved import (
+    interleaved_1f1b, megatron_chunk_order, megatron_warmup,
+)
 from megapipe.schedule.ir import loop_placement, v_placement
-from megapipe.schedule.simple import gpipe, one_f_one_b
-from megapipe.schedule.zero_bubble import zb1p, zbv
+from megapipe.schedule.families.simple import gpipe, one_f_one_b
+from megapipe.schedule.families.zero_bubble import zb1p, zbv
 
 from schedule_rows import leading_forwards
 

@@ -2,7 +2,7 @@
 
 import random
 
-from megapipe.schedule.intervals import covered_length, covered_total, union
+from megapipe.schedule.timing.intervals import covered_length, covered_total, union
 
 
 def test_covered_total_is_the_sum_of_each_spans_covered_length_bitwise():

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megapipe.schedule import loops
-from megapipe.schedule.deps import DEFAULT_DURATIONS
-from megapipe.schedule.engine import Run, run_in_order
-from megapipe.schedule.rerun import RunOrder, rerun
-from megapipe.schedule.timeline import ActionGraph, action_durations
+from megapipe.schedule.timing import loops
+from megapipe.schedule.timing.deps import DEFAULT_DURATIONS
+from megapipe.schedule.timing.engine import Run, run_in_order
+from megapipe.schedule.timing.rerun import RunOrder, rerun
+from megapipe.schedule.timing.timeline import ActionGraph, action_durations
 
 from sweep_outputs import MICROBATCHES, group_digests, group_key, groups, read_golden
 from test_engine import schedules

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, validate
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
-from megapipe.schedule.timeline import timeline
-from megapipe.schedule.lower import lower
-from megapipe.schedule.combine_pass import (
+from megapipe.schedule.timing.timeline import timeline
+from megapipe.schedule.p2p.lower import lower
+from megapipe.schedule.combine.combine_pass import (
     critical_path,
     makespan,
     pair_is_independent,

@@ -11,7 +11,8 @@ from megapipe.schedule.rank_views import (
     lower_schedule,
 )
 from megapipe.schedule import SCHEDULES, Kind, build_schedule
-from megapipe.schedule.lower import check_runs
+from megapipe.schedule.checks.validate import VALID
+from megapipe.schedule.p2p.comm_check import RUNS, check_runs
 
 VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "zb1p": 2}
 
@@ -44,7 +45,7 @@ def test_gpipe_holds_every_microbatch():
 def test_checked_lowering_is_worked_out_once_per_schedule():
     schedule = build_schedule("interleaved-1f1b", 4, 8, vpp=2, overlap=True)
     lowered = checked_lowering(schedule)
-    assert lowered is checked_lowering(schedule)  # kept in schedule.derived
-    assert schedule.derived.valid and lowered.derived.runs
+    assert lowered is checked_lowering(schedule)  # kept with the schedule
+    assert VALID.of(schedule) and RUNS.of(lowered)
     assert checked_lowering(lowered) is lowered  # a lowered schedule is checked as it is
     assert lowered.row(2) == lowered.actions[2]

@@ -28,9 +28,9 @@ def test_stage_counts(name, pp, vpp, stages):
 
 def test_options_are_recorded():
     schedule = build_schedule("interleaved-1f1b", 4, 10, vpp=2, microbatch_group_size_per_vp_stage=5)
-    assert schedule.options["microbatch_group_size_per_vp_stage"] == 5
-    assert schedule.options["vpp"] == 2 and schedule.options["overlap"] is False
-    assert build_schedule("zbv", 2, 4).options["vpp"] == 2
+    assert schedule.options.microbatch_group_size_per_vp_stage == 5
+    assert schedule.options.vpp == 2 and schedule.options.overlap is False
+    assert build_schedule("zbv", 2, 4).options.vpp == 2
 
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
@@ -63,7 +63,6 @@ def test_overlap_goes_through_the_overlap_pass(name, vpp):
         (("interleaved-1f1b", 4, 6), {"vpp": 2}, ["last microbatch group", "6 % 4 = 2"]),
         (("interleaved-1f1b", 4, 3), {"vpp": 2}, ["at least", "got 3"]),
         (("zb1p", 4, 10), {"vpp": 2, "microbatch_group_size_per_vp_stage": 3}, [">= pp=4", "3"]),
-        (("interleaved-1f1b", 4, 8), {"vpp": 2, "chunks": 2}, ["unknown option", "chunks"]),
         (("1f1b", 4, 8), {"microbatch_group_size_per_vp_stage": 4}, ["unknown option"]),
         (("1f1b", 0, 8), {}, ["pp must be a positive integer", "0"]),
         (("1f1b", 2, 0), {}, ["num_microbatches must be a positive integer"]),
@@ -75,6 +74,11 @@ def test_impossible_requests_are_refused_with_a_reason(args, kwargs, words):
         build_schedule(*args, **kwargs)
     for word in words:
         assert word in str(err.value)
+
+
+def test_an_option_no_schedule_has_is_refused_by_name():
+    with pytest.raises(TypeError, match="chunks"):
+        build_schedule("interleaved-1f1b", 4, 8, vpp=2, chunks=2)
 
 
 def test_interleaved_accepts_non_multiples_with_a_larger_group():

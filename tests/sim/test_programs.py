@@ -11,7 +11,7 @@ import pytest
 from megapipe.schedule import build_schedule
 from megapipe.schedule.ir import Action, Kind
 from megapipe.sim import Costs, simulate
-from megapipe.schedule.early_sends import EACH, WHOLE
+from megapipe.schedule.p2p.early_sends import EACH, WHOLE
 from megapipe.sim.costs import AT_END, NodeCosts
 from megapipe.sim.pick import choose_a2a_chunks
 from megapipe.sim.programs import half_ends, node_ops, op_times

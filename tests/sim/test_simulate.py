@@ -19,7 +19,7 @@ def rows_schedule(text_rows, num_stages, num_microbatches, placement=None, **kw)
 
 
 def hand_1f1b(pp: int, m: int) -> Schedule:
-    """1F1B written out here, independently of megapipe.schedule.simple."""
+    """1F1B written out here, independently of megapipe.schedule.families.simple."""
     rows = []
     for r in range(pp):
         warm = min(pp - 1 - r, m)

@@ -36,8 +36,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from .comm_check import Layout, check_runs
-from .errors import ScheduleError
-from .ir import COMM_KINDS, Action, Kind, Schedule
+from ..errors import ScheduleError
+from ..ir import COMM_KINDS, Action, Kind, Schedule
 from .lower import lower
 
 EarlySends = dict[tuple[int, int], tuple[Action, ...]]

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .ir import Action, Kind
+from ..ir import Action, Kind
 
 ACTIVATION_RELEASE = frozenset({Kind.B, Kind.I})
 STASH_RELEASE = frozenset({Kind.B, Kind.W})

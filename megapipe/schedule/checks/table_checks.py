@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .actions import Action
-from .errors import ScheduleError
-from .flows import stage_rank
-from .ir import Schedule
-from .table import B, F, I, KINDS, OVERLAP, W, Comps, is_comm
+from ..actions import Action
+from ..errors import ScheduleError
+from ..timing.flows import stage_rank
+from ..ir import Schedule
+from ..table import B, F, I, KINDS, OVERLAP, W, Comps, is_comm
 
 
 def _first(mask: np.ndarray) -> int | None:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .flows import (
+from ..timing.flows import (
     CARRY_LETTER,
     CARRY_PEER,
     CARRY_SOURCE,
@@ -35,9 +35,9 @@ from .flows import (
     received_messages,
     stage_rank,
 )
-from .ir import Schedule
-from .table import SEND_B, SEND_F, is_comm
-from .timeline import Timeline
+from ..ir import Schedule
+from ..table import SEND_B, SEND_F, is_comm
+from ..timing.timeline import Timeline
 
 
 class _Ops(NamedTuple):

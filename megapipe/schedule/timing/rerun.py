@@ -7,7 +7,7 @@ that order is a topological order of the waits, so a later run only has to take,
 in that order, the latest of its rank's previous end and its needs' arrivals, and add the
 action's duration: the engine's own float operations, without its round-robin bookkeeping (about
 a third of its cost). ``run_actions`` keeps a finished run's order with the schedule
-(``Derived.run_order``) and
+(``RUN_ORDER``) and
 reruns it in that order whenever it can (the lowering's timeline, then ``simulate``, need two
 runs of one schedule); actions timed by a function (``ActionInputs.end_of``, ``made_at``) or products
 made twice always go to the engine. ``rerun`` also takes a guessed order (the overlap pass times the
@@ -25,6 +25,7 @@ import functools
 import numpy as np
 
 from . import loops
+from ..ir import Derived, Schedule
 from .engine import LoopColumns, Run, run_in_order
 
 
@@ -48,6 +49,8 @@ class RunOrder:
         return np.argsort(sweep, kind="stable")
 
 
+RUN_ORDER: Derived[RunOrder | None] = Derived(lambda: None)  # of a finished run (run_actions)
+
 def _rerunnable(plan) -> bool:
     """One maker per product, durations that do not depend on the start, and one latency for
     every need (with a latency, each need the actions wait for comes from another rank)."""
@@ -57,16 +60,16 @@ def _rerunnable(plan) -> bool:
     return not actions.delay or not ((plan.need >= 0) & (plan.need < plan.space.size)).any()
 
 
-def run_actions(schedule, plan, watch: frozenset = frozenset()) -> Run:
+def run_actions(schedule: Schedule, plan, watch: frozenset = frozenset()) -> Run:
     """The run of ``plan`` (a ``timeline.ActionGraph`` of ``schedule``): rerun in the order of an
     earlier finished run of the schedule's actions where it can be (module docstring), else run
     by the engine, keeping the order of a finished run for the next time."""
-    found = schedule.derived.run_order
+    found = RUN_ORDER.of(schedule)
     if found is not None and _rerunnable(plan):
         return rerun(plan, found.order, found.sweep)
     run = run_in_order(plan.inputs, watch=watch)
     if _rerunnable(plan) and not run.stuck and run.remade is None:
-        schedule.derived.run_order = RunOrder.of(run)
+        RUN_ORDER.keep(schedule, RunOrder.of(run))
     return run
 
 

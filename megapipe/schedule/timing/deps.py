@@ -7,14 +7,14 @@ on different ranks the tensor travels as a message, named by the sending side: `
 F(s, i)'s output, ``("B", s, i)`` stage s's input gradient of microbatch i.
 
 The rules are data (``NEEDS``, ``MAKES``, ``SENDS``, ``CARRIES``): the functions below read them
-for one action, ``megapipe.schedule.flows`` for every computation of a schedule at once.
-``timeline`` (``megapipe.schedule.timeline``) runs a compute-only schedule by these rules.
+for one action, ``megapipe.schedule.timing.flows`` for every computation of a schedule at once.
+``timeline`` (``megapipe.schedule.timing.timeline``) runs a compute-only schedule by these rules.
 """
 
 from __future__ import annotations
 
-from .actions import Action, Kind
-from .ir import Schedule
+from ..actions import Action, Kind
+from ..ir import Schedule
 
 # What a computation leaves behind for others: ("F" | "G" | "W", stage, microbatch), "G" being the
 # input gradient (made by B or I alike).

@@ -23,26 +23,23 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .deps import (
-    Product,
-    describe_product,
-    message_of_comm,
-    needs_of,
-    peer_rank,
-    product_of,
-    rank_of_product,
+from ..errors import ScheduleError
+from ..ir import COMM_KINDS, Derived, Kind, Schedule
+from ..table import is_comm
+from ..timing.deps import (
+    Product, describe_product, message_of_comm, needs_of, peer_rank, product_of, rank_of_product,
     received_message,
 )
-from .errors import ScheduleError
-from .ir import COMM_KINDS, Kind, Schedule
+from ..timing.timeline import Timeline, timeline
 from .comm_certificate import certified
-from .table import is_comm
-from .timeline import Timeline, timeline
+from .lower import LOWERED_FROM
 
 # (rank, index in the rank's list) of a comm action.
 ListPosition = tuple[int, int]
 # each comm action's position mapped to its partner's
 Matching = dict[ListPosition, ListPosition]
+
+RUNS: Derived[bool] = Derived(bool)  # the lowered run is proven to finish (``check_runs``)
 
 
 def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
@@ -197,20 +194,20 @@ def check_runs(lowered: Schedule, layout: Layout | None = None) -> None:
     if layout:
         _simulate_runs(lowered, layout)
         return
-    if lowered.derived.runs:
+    if RUNS.of(lowered):
         return
     source, run = _computations(lowered)
     if run is None or not certified(lowered, run, source):
         _simulate_runs(lowered)
-    lowered.derived.runs = True
+    RUNS.keep(lowered, True)
 
 
 def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
     """The compute-only schedule of ``lowered``'s computations (the one it was lowered from,
     if any) and its timeline (None if it cannot be run)."""
-    derived = lowered.derived
-    if derived.lowered_from is not None:
-        return derived.lowered_from, derived.source_timeline
+    found = LOWERED_FROM.of(lowered)
+    if found is not None:
+        return found.schedule, found.timeline
     table = lowered.table
     source = lowered.replace_actions(table.select(~is_comm(table.kind)))
     try:

@@ -4,7 +4,7 @@
 rank is free and every product it needs is made (on any rank): the in-order run of ``engine``.
 The overlap pass uses it to find pairs that wait on each other; lowering uses its times to
 decide where a receive is posted; validation uses it to find ranks that wait on each other.
-A schedule's timeline is computed once and kept with it (``Schedule.derived``).
+A schedule's timeline is computed once and kept with it (``TIMELINES``).
 
 ``ActionGraph`` turns a table into the engine's actions; the simulator builds its own actions with it.
 A need made by a single action earlier on the same rank is left out of the actions: it is made
@@ -20,13 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .actions import Kind
+from ..actions import Kind
 from .deps import DEFAULT_DURATIONS
 from .engine import Prefix, Run, ActionColumns, ActionInputs, run_in_order
 from .rerun import rerun, run_actions
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
-from .ir import Schedule
-from .table import CODE, OVERLAP, ActionTable, Comps, is_comm
+from ..ir import Derived, Schedule
+from ..table import CODE, OVERLAP, ActionTable, Comps, is_comm
+
+DurationKey = tuple[tuple[str, float], ...] | None  # durations, hashable (None: the defaults)
+TIMELINES: Derived[dict[DurationKey, Timeline]] = Derived(dict)  # durations -> timeline
+STRUCTURES: Derived[dict[bool, _Structure]] = Derived(dict)  # p2p latency or not -> structure
 
 
 class MadeTimes(Mapping):
@@ -85,8 +89,8 @@ class ActionGraph:
     @classmethod
     def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "ActionGraph":
         """The actions of ``schedule`` (compute-only) with these durations and p2p latency; what
-        they need and make is worked out once per schedule (``Derived.structures``)."""
-        structures = schedule.derived.structures
+        they need and make is worked out once per schedule (``STRUCTURES``)."""
+        structures = STRUCTURES.of(schedule)
         if bool(latency) not in structures:
             structures[bool(latency)] = _structure(schedule, latency)
         found = structures[bool(latency)]
@@ -227,8 +231,8 @@ def action_durations(table: ActionTable, durations: dict) -> np.ndarray:
     return out
 
 
-def duration_key(durations: dict | None):
-    """A hashable stand-in for ``durations`` (the keys of ``Derived.timelines`` and ``lowered``)."""
+def duration_key(durations: dict | None) -> DurationKey:
+    """A hashable stand-in for ``durations`` (the keys of ``TIMELINES`` and ``LOWERED``)."""
     return None if durations is None else tuple(sorted((k.value, v) for k, v in durations.items()))
 
 
@@ -240,9 +244,9 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
     rank is reported stuck like one in a cycle of waits. ``durations`` maps F, B, I, W (and
     optionally OVERLAP) to positive numbers; default ``DEFAULT_DURATIONS``.
     """
-    key = duration_key(durations)
-    if key in schedule.derived.timelines:
-        return schedule.derived.timelines[key]
+    key, kept = duration_key(durations), TIMELINES.of(schedule)
+    if key in kept:
+        return kept[key]
     durations = check_durations(durations)
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
@@ -252,7 +256,7 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
     plan = ActionGraph.build(schedule, action_durations(table, durations))
     result = Timeline(plan, run_actions(schedule, plan))
-    schedule.derived.timelines[key] = result
+    kept[key] = result
     return result
 
 
@@ -260,14 +264,14 @@ def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
     """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
     the run of a schedule with the same actions fused in pairs) where the actions can run in that
     order with one maker per product (``rerun.rerun``), else as ``timeline`` runs it."""
-    if None in schedule.derived.timelines or order is None:
+    if None in TIMELINES.of(schedule) or order is None:
         return timeline(schedule)
     plan = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
     run = rerun(plan, order, None) if plan.unique else None
     if run is None:
         return timeline(schedule)
     result = Timeline(plan, run)
-    schedule.derived.timelines[None] = result
+    TIMELINES.of(schedule)[None] = result
     return result
 
 
@@ -279,8 +283,8 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
     keeps its times; the run resumes from there. Only where each product has one maker (the
     result then does not depend on the order actions run in); otherwise it runs afresh.
     """
-    if None in schedule.derived.timelines:
-        return schedule.derived.timelines[None]
+    if None in TIMELINES.of(schedule):
+        return TIMELINES.of(schedule)[None]
     table = schedule.table
     plan = ActionGraph.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
     if not (plan.unique and before.plan.unique):
@@ -297,7 +301,7 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
         done.append(int(np.searchsorted(ran, cut, "left")))
     prefix = _prefix(plan, before, done)
     result = Timeline(plan, run_in_order(plan.inputs, prefix=prefix))
-    schedule.derived.timelines[None] = result
+    TIMELINES.of(schedule)[None] = result
     return result
 
 

@@ -1,10 +1,10 @@
 """The overlap pass within a memory budget: at most K more microbatch-stages in flight per rank.
 
 Pairing a schedule costs activation memory: rank r runs ``e_r`` extra warmup forwards and so
-holds up to ``e_r`` more microbatch-stage activations than the plain schedule
-(``megapipe.schedule.combine_pass``). Unbounded, the pass may take the *chain* (``e_r = pp - r``),
-which doubles plain 1F1B's peak on rank 0. ``apply_overlap_within(schedule, K)`` caps that
-price: its candidates are the pairings whose extra forwards are at most K on every rank,
+holds up to ``e_r`` more microbatch-stage activations than the plain schedule (``combine_pass``).
+Unbounded, the pass may take the *chain* (``e_r = pp - r``), which doubles plain 1F1B's peak on
+rank 0. ``apply_overlap_within(schedule, K)`` caps that price: its candidates are the pairings
+whose extra forwards are at most K on every rank,
 
 - *uniform*: ``e_r = min(1, K)`` on every rank (with K = 0 each backward pairs with the
   forward that ran just before it, so nothing more is held than in the plain order),
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import math
 
-from .errors import ScheduleError
+from ..errors import ScheduleError
 from .in_flight import peak_in_flight
-from .ir import Schedule
+from ..ir import Schedule
 from .combine_pass import (
     Pairing, _finish, _new_attempt, _longest_pair, _opposite_flows, _settle, apply_overlap,
 )
-from .timeline import timeline
+from ..timing.timeline import timeline
 
 
 def check_budget(max_extra_in_flight: object) -> None:

@@ -29,16 +29,27 @@ time t completes once every rank has run the actions that start before t.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from .comm_check import check_channel_order, check_runs
-from .errors import ScheduleError
-from .flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
-from .ir import Kind, Schedule
-from .table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
-from .timeline import Timeline, duration_key, timeline
+from ..errors import ScheduleError
+from ..ir import Derived, Kind, Schedule
+from ..table import RECV_B, RECV_F, SEND_B, SEND_F, ActionTable, Comps, is_comm
+from ..timing.flows import MESSAGE_LETTERS, ProductSpace, received_messages, sent_messages
+from ..timing.timeline import DurationKey, Timeline, duration_key, timeline
 
-__all__ = ["lower", "check_runs", "check_channel_order"]
+
+@dataclass(frozen=True)
+class LoweredFrom:
+    """A lowered schedule's compute-only schedule and the timeline that placed its receives."""
+
+    schedule: Schedule
+    timeline: Timeline
+
+
+LOWERED: Derived[dict[DurationKey, Schedule]] = Derived(dict)  # durations -> lowered schedule
+LOWERED_FROM: Derived[LoweredFrom | None] = Derived(lambda: None)  # on what ``lower`` made
 
 
 def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Schedule:
@@ -46,11 +57,11 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
 
     ``durations`` (F, B, I, W and optionally OVERLAP to positive numbers) only moves RECVs
     earlier or later for overlap; any choice gives a deadlock-free, order-matched schedule.
-    The result is kept with the schedule (``Derived.lowered``): lowering it again costs nothing.
+    The result is kept with the schedule (``LOWERED``): lowering it again costs nothing.
     """
-    key = duration_key(durations)
-    if key in schedule.derived.lowered:
-        return schedule.derived.lowered[key]
+    key, kept = duration_key(durations), LOWERED.of(schedule)
+    if key in kept:
+        return kept[key]
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
@@ -69,9 +80,8 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
             rank, schedule.row(rank)[index],
         )
     lowered = schedule.replace_actions(_lowered_table(schedule, run))
-    lowered.derived.source_timeline = run
-    lowered.derived.lowered_from = schedule
-    schedule.derived.lowered[key] = lowered
+    LOWERED_FROM.keep(lowered, LoweredFrom(schedule, run))
+    kept[key] = lowered
     return lowered
 
 
@@ -94,7 +104,6 @@ class _Messages:
         by_time = np.argsort(self.time, kind="stable")  # ties: sender rank, then its order
         self.priority = np.empty(len(self.comp), dtype=np.int64)
         self.priority[by_time] = np.arange(len(self.comp))
-
 
 
 def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
-from .ir import Schedule
-from .table import KINDS, Comps
+from ..ir import Schedule
+from ..table import KINDS, Comps
 
 assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the offset to the stage"
 
@@ -48,12 +48,8 @@ def neighbours(stage: np.ndarray, offset, per_pipeline: int) -> tuple[np.ndarray
 
 def stage_rank(schedule: Schedule, stage: np.ndarray) -> np.ndarray:
     """``stage_to_rank`` of each stage (-1 outside 0..S-1)."""
-    placement = schedule.placement
-    derived = schedule.derived
-    if derived.padded_placement is None:  # -1 on both sides: one clipped lookup
-        derived.padded_placement = np.concatenate([[-1], placement, [-1]])
-    padded = derived.padded_placement
-    return padded[np.clip(np.asarray(stage) + 1, 0, len(placement) + 1)]
+    padded = schedule.padded_placement  # -1 on both sides: one clipped lookup
+    return padded[np.clip(np.asarray(stage) + 1, 0, len(padded) - 1)]
 
 
 class Needs(NamedTuple):

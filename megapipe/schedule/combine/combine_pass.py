@@ -4,8 +4,8 @@ An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backwar
 so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
-``e_r`` extra warmup forwards and fuses backwards with later forwards (``megapipe.schedule.pairing``
-says which with which). A pair's halves are independent: a backward of microbatch j follows every
+``e_r`` extra warmup forwards and fuses backwards with later forwards (``pairing`` says which
+with which). A pair's halves are independent: a backward of microbatch j follows every
 forward of j, so its partner (a later forward) is another microbatch (``pair_is_independent``).
 
 Why one extra forward is not always enough. A pair hands both outputs on only when it ends, so a
@@ -68,17 +68,20 @@ keeps its timeline and run order, so lowering and validation do not run it again
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .deps import DEFAULT_DURATIONS, missing_needs
-from .errors import ScheduleError
+from ..errors import ScheduleError
+from ..ir import Kind, Schedule
+from ..table import B, I
+from ..timing.deps import DEFAULT_DURATIONS, missing_needs
+from ..timing.rerun import RUN_ORDER
+from ..timing.timeline import (
+    STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_order,
+)
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
-from .ir import Kind, Schedule
 from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
-from .table import B, I
-from .timeline import Timeline, timeline, timeline_after_change, timeline_in_order
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ class _Attempt:
     def original_order(self) -> np.ndarray | None:
         """The rows of the original in the order the latest run took them (each pair's
         backward, then its forward), if that run kept its order (``rerun.run_actions``)."""
-        found = self.combined.derived.run_order
+        found = RUN_ORDER.of(self.combined)
         if found is None:
             return None
         taken = found.order
@@ -315,13 +318,12 @@ def _longest_pair(schedule: Schedule) -> float:
 
 def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     """``combined`` with the options of ``schedule`` and overlap on, keeping its timeline."""
-    options = dict(schedule.options)
-    options["overlap"] = True
-    result = combined.replace_actions(combined.table, options=options)
-    derived, kept = combined.derived, result.derived  # same actions, same run
-    if None in derived.timelines:
-        kept.timelines[None] = derived.timelines[None]
-    if False in derived.structures:
-        kept.structures[False] = derived.structures[False]
-    kept.run_order = derived.run_order
+    result = combined.replace_actions(combined.table,
+                                      options=replace(schedule.options, overlap=True))
+    timelines, structures = TIMELINES.of(combined), STRUCTURES.of(combined)  # same actions, run
+    if None in timelines:
+        TIMELINES.of(result)[None] = timelines[None]
+    if False in structures:
+        STRUCTURES.of(result)[False] = structures[False]
+    RUN_ORDER.keep(result, RUN_ORDER.of(combined))
     return result

@@ -21,12 +21,16 @@ simulates it only where the proof does not hold. A passed schedule is not checke
 
 from __future__ import annotations
 
-from .deps import missing_needs
-from .errors import ScheduleError
-from .ir import Action, Schedule
-from .table import is_comm
+from ..errors import ScheduleError
+from ..ir import Action, Derived, Schedule
+from ..p2p.comm_check import check_runs
+from ..p2p.lower import lower
+from ..table import is_comm
+from ..timing.deps import missing_needs
+from ..timing.timeline import timeline
 from .table_checks import check_counts, check_pairs, check_placement, check_rank_order
-from .timeline import timeline
+
+VALID: Derived[bool] = Derived(bool)  # ``validate`` passed
 
 
 def validate(schedule: Schedule) -> None:
@@ -35,7 +39,7 @@ def validate(schedule: Schedule) -> None:
     Checked once per schedule (a schedule never changes): the executors of every rank of a
     process share the work when they share the schedule object.
     """
-    if schedule.derived.valid:
+    if VALID.of(schedule):
         return
     check_placement(schedule)
     check_pairs(schedule)
@@ -43,7 +47,7 @@ def validate(schedule: Schedule) -> None:
     check_rank_order(schedule)
     _check_progress(schedule)
     _check_lowered_run(schedule)
-    schedule.derived.valid = True
+    VALID.keep(schedule, True)
 
 
 def _compute_part(schedule: Schedule) -> Schedule:
@@ -85,6 +89,4 @@ def _describe_need(schedule: Schedule, comp: Action, made) -> str:
 
 
 def _check_lowered_run(schedule: Schedule) -> None:
-    from .lower import check_runs, lower  # lower imports this package's modules, not validate
-
     check_runs(lower(schedule) if schedule.table.compute_only else schedule)

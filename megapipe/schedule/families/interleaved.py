@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from .builder import warmup_then_alternate
-from .ir import Schedule, loop_placement
+from ..ir import Schedule, loop_placement
 from .simple import one_f_one_b
-from .table import B, F, ActionTable
+from ..table import B, F, ActionTable
 
 
 def chunk_order(num_microbatches: int, vpp: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,8 @@ bubble). With ``overlap=False`` each pair becomes its forward followed by its ba
 from __future__ import annotations
 
 from .builder import RowBuilder
-from .ir import Schedule, v_placement
-from .table import B, F, I, W, ActionTable
+from ..ir import Schedule, ScheduleOptions, v_placement
+from ..table import B, F, I, W, ActionTable
 
 
 def _backward(row: RowBuilder, stage: int, zero_bubble: bool = False) -> None:
@@ -91,7 +91,7 @@ def dualpipev(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
     return Schedule(
         ActionTable.from_blocks(blocks), stages, num_microbatches, v_placement(pp, stages),
         name="dualpipev",
-        options={"overlap": overlap},
+        options=ScheduleOptions(overlap=overlap),
     )
 
 
@@ -116,5 +116,5 @@ def dualpipe(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
     return Schedule(
         ActionTable.from_blocks(blocks), stages, num_microbatches, placement, name="dualpipe",
         bidirectional=True,
-        options={"overlap": overlap},
+        options=ScheduleOptions(overlap=overlap),
     )

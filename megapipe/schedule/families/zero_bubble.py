@@ -11,8 +11,8 @@ import numpy as np
 
 from .builder import RowBuilder
 from .interleaved import chunk_order
-from .ir import Schedule, loop_placement, v_placement
-from .table import F, I, W, ActionTable
+from ..ir import Schedule, loop_placement, v_placement
+from ..table import F, I, W, ActionTable
 
 
 def zb1p(

@@ -1,0 +1,1 @@
+"""Validation: does a schedule run every microbatch through every stage, and finish."""

@@ -1,0 +1,1 @@
+"""The combine pass: which backward runs beside which forward, within an in-flight budget."""

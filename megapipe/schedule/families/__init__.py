@@ -1,0 +1,1 @@
+"""The eight schedule families: which order each runs (``registry`` calls them by name)."""

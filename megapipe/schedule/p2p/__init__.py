@@ -1,0 +1,1 @@
+"""Where sends and receives go (lowering), the proof that they finish, the early sends."""

@@ -1,0 +1,1 @@
+"""When each action runs: the dependency rules, the in-order engine, timelines."""

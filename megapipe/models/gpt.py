@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.models.config import GPTConfig
+from megapipe.models.norm import RMSNorm
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
@@ -74,9 +75,9 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = CausalSelfAttention(config, layer_index)
-        self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_index)
         if self.is_moe:
             self.moe = MoELayer(
@@ -89,7 +90,8 @@ class TransformerLayer(nn.Module):
             )
 
     def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x))
+        normed, x = self.attention_norm.with_residual(x)  # the norm's backward adds x's gradient
+        return x + self.attention(normed)
 
     def _dense(self, state: LayerState, inputs: Tensors) -> Tensors:
         (x,) = inputs
@@ -170,7 +172,7 @@ class OutputHead(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         shape = (config.vocab_size, config.hidden_size)
         self.weight = nn.Parameter(seeded_normal(shape, config.init_std, config.seed, "head"))
 

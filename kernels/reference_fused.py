@@ -21,7 +21,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``y = (x * rstd).to(x.dtype) * weight`` over the last dimension, as ``nn.RMSNorm``
     (``F.rms_norm``); and ``rstd [rows]`` in float32 (float64 for float64 input), for the
     backward."""

@@ -91,7 +91,9 @@ def _row_block(hidden: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4 if block >= 512 else 2}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference_fused.rms_norm``: one launch."""
     if x.dtype == torch.float64:
         return reference_fused.rms_norm(x, weight, eps)

@@ -61,7 +61,7 @@ def test_swiglu_is_the_per_expert_activation_bitwise_with_autograd_gradients():
                                                  torch.autograd.grad(expected, (gate, up), grad)))
 
 
-def _definition(logits, top_k, sigmoid, counts_of, labels, coeffs):
+def _definition(logits, top_k, sigmoid, coeffs):
     """The router's losses as the unfused code wrote them: probs, lb, z (differentiable)."""
     x = logits.float()
     if sigmoid:
@@ -84,7 +84,7 @@ def test_router_reference_against_the_unfused_router(sigmoid, with_labels):
     t, num_experts, top_k, coeffs = 70, 6, 2, (0.3, 0.05)
     logits = torch.randn(t, num_experts, generator=gen, dtype=torch.float32).requires_grad_()
     grad_probs = torch.randn(t, top_k, generator=gen)
-    probs, indices, aux = _definition(logits, top_k, sigmoid, None, None, coeffs)
+    probs, indices, aux = _definition(logits, top_k, sigmoid, coeffs)
     got_probs, got_indices, partials = R.router(logits.detach(), top_k, sigmoid)
     assert torch.equal(got_probs, probs) and torch.equal(got_indices, indices)
     labels = torch.randperm(num_experts, generator=gen) if with_labels else None
@@ -145,8 +145,7 @@ def compare_triton_with_reference(device: str) -> list[str]:
     for dtype, tol in dtypes:
         # the second walks two column blocks (slow under the interpreter: float32 only)
         for rows, hidden in ((37, 70),) + (((2, 4100),) if dtype == torch.float32 else ()):
-            x, grad, residual = randn(rows, hidden, dtype=dtype), randn(rows, hidden, dtype=dtype), \
-                randn(rows, hidden, dtype=dtype)
+            x, grad, residual = (randn(rows, hidden, dtype=dtype) for _ in range(3))
             weight = (1 + 0.1 * randn(hidden)).to(dtype)
             y, rstd = R.rms_norm(x, weight, 1e-5)
             got_y, got_rstd = TN.rms_norm(x, weight, 1e-5)
@@ -175,7 +174,8 @@ def compare_triton_with_reference(device: str) -> list[str]:
             counts = torch.randint(0, 20, (num_experts,), generator=gen).to(device)
             labels = torch.randperm(num_experts, generator=gen).to(device)
             grad_probs = randn(t, top_k)
-            for g, lab, z in ((grad_probs, None, 0.0), (grad_probs, labels, 0.3), (None, None, 0.2)):
+            cases = ((grad_probs, None, 0.0), (grad_probs, labels, 0.3), (None, None, 0.2))
+            for g, lab, z in cases:
                 args = (g, logits, counts, lab, top_k, sigmoid, 0.7, z)
                 check(f"{label} backward grad={g is not None} labels={lab is not None} z={z}",
                       TR.router_backward(*args), R.router_backward(*args), 1e-5)

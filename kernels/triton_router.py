@@ -1,8 +1,9 @@
 """Triton kernels for the router (scores, top-k and the auxiliary losses' statistics, forward and
 backward) and for the routing plan: one launch each, the definitions of ``reference_fused``.
 
-The router kernels run one program per ``STAT_BLOCK`` tokens, holding every expert of those
-tokens at once (experts padded to a power of two): softmax or sigmoid in float32 (float64 for
+The router kernels run one program per ``STAT_BLOCK`` tokens (forward; the backward per tile),
+holding every expert of a tile of those tokens at once (experts padded to a power of two, at
+most 4096 elements a tile): softmax or sigmoid in float32 (float64 for
 float64 logits is the reference's), top-k by k rounds of argmax (ties to the lowest expert),
 and each program's sums of the balance scores and of logsumexp^2 as one row of ``partials``.
 The backward recomputes scores and top-k from the logits instead of saving them.
@@ -49,35 +50,41 @@ def _scores(logits, first, t, num_experts, BT: tl.constexpr, EB: tl.constexpr,
 
 @triton.jit
 def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.constexpr,
-                   SIGMOID: tl.constexpr, BT: tl.constexpr, EB: tl.constexpr,
-                   KB: tl.constexpr):
+                   SIGMOID: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                   EB: tl.constexpr, KB: tl.constexpr):
+    """Program p: tokens p*BT .. p*BT+BT-1 in tiles of SUB rows; row p of ``partials``."""
     pid = tl.program_id(0)
-    x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT, t, num_experts, BT, EB,
-                                                       SIGMOID)
     cols = tl.arange(0, EB)
     ks = tl.arange(0, KB)
-    work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
-    values = tl.zeros([BT, KB], dtype=tl.float32)
-    chosen = tl.zeros([BT, KB], dtype=tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(work, axis=1)
-        index = tl.argmax(work, axis=1, tie_break_left=True)
-        values = tl.where(ks[None, :] == j, best[:, None], values)
-        chosen = tl.where(ks[None, :] == j, index[:, None].to(tl.int64), chosen)
-        work = tl.where(cols[None, :] == index[:, None], -2.0, work)
-    if SIGMOID:
-        values = values / tl.sum(tl.where(ks[None, :] < K, values, 0.0), axis=1)[:, None]
-        balance = scores / tl.sum(scores, axis=1)[:, None]
-    else:
-        balance = scores
-    out_mask = row_mask[:, None] & (ks[None, :] < K)
-    out = rows[:, None].to(tl.int64) * K + ks[None, :]
-    tl.store(probs + out, values.to(probs.dtype.element_ty), mask=out_mask)
-    tl.store(indices + out, chosen, mask=out_mask)
-    balance = tl.where(row_mask[:, None] & col_mask[None, :], balance, 0.0)
+    column_sums = tl.zeros([EB], dtype=tl.float32)
+    lse_squares = tl.zeros([SUB], dtype=tl.float32)
+    for part in tl.static_range(BT // SUB):
+        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + part * SUB, t,
+                                                           num_experts, SUB, EB, SIGMOID)
+        work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
+        values = tl.zeros([SUB, KB], dtype=tl.float32)
+        chosen = tl.zeros([SUB, KB], dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.max(work, axis=1)
+            index = tl.argmax(work, axis=1, tie_break_left=True)
+            values = tl.where(ks[None, :] == j, best[:, None], values)
+            chosen = tl.where(ks[None, :] == j, index[:, None].to(tl.int64), chosen)
+            work = tl.where(cols[None, :] == index[:, None], -2.0, work)
+        if SIGMOID:
+            values = values / tl.sum(tl.where(ks[None, :] < K, values, 0.0), axis=1)[:, None]
+            balance = scores / tl.sum(scores, axis=1)[:, None]
+        else:
+            balance = scores
+        out_mask = row_mask[:, None] & (ks[None, :] < K)
+        out = rows[:, None].to(tl.int64) * K + ks[None, :]
+        tl.store(probs + out, values.to(probs.dtype.element_ty), mask=out_mask)
+        tl.store(indices + out, chosen, mask=out_mask)
+        balance = tl.where(row_mask[:, None] & col_mask[None, :], balance, 0.0)
+        column_sums += tl.sum(balance, axis=0)
+        lse_squares += tl.where(row_mask, lse * lse, 0.0)
     base = partials + pid.to(tl.int64) * (num_experts + 1)
-    tl.store(base + cols, tl.sum(balance, axis=0), mask=col_mask)
-    tl.store(base + num_experts, tl.sum(tl.where(row_mask, lse * lse, 0.0), axis=0))
+    tl.store(base + cols, column_sums, mask=cols < num_experts)
+    tl.store(base + num_experts, tl.sum(lse_squares, axis=0))
 
 
 @triton.jit
@@ -131,9 +138,11 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
              d.to(d_logits.dtype.element_ty), mask=mask)
 
 
-def _router_meta(logits: torch.Tensor, top_k: int) -> dict[str, int]:
-    experts = triton.next_power_of_2(logits.shape[1])
-    return {"BT": STAT_BLOCK, "EB": experts, "num_warps": 8 if experts >= 256 else 4}
+def _tile(num_experts: int) -> tuple[int, int]:
+    """(experts padded to a power of two, token rows per tile: at most 4096 elements a tile,
+    so a program's few [rows, experts] arrays stay in registers)."""
+    experts = triton.next_power_of_2(num_experts)
+    return experts, min(STAT_BLOCK, max(1, 4096 // experts))
 
 
 def router(
@@ -148,9 +157,10 @@ def router(
     indices = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     partials = torch.empty(blocks, num_experts + 1, dtype=torch.float32, device=logits.device)
     if blocks:
+        experts, rows = _tile(num_experts)
         _router_kernel[(blocks,)](logits.contiguous(), probs, indices, partials, t, num_experts,
-                                  K=top_k, SIGMOID=sigmoid, KB=triton.next_power_of_2(top_k),
-                                  **_router_meta(logits, top_k))
+                                  K=top_k, SIGMOID=sigmoid, BT=STAT_BLOCK, SUB=rows, EB=experts,
+                                  KB=triton.next_power_of_2(top_k), num_warps=4)
     return probs, indices, partials
 
 
@@ -164,14 +174,14 @@ def router_backward(
                                                sigmoid, balance_grad, z_grad)
     t, num_experts = logits.shape
     d_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    blocks = triton.cdiv(t, STAT_BLOCK)
-    if blocks:
-        _router_backward_kernel[(blocks,)](
+    experts, rows = _tile(num_experts)
+    if t:
+        _router_backward_kernel[(triton.cdiv(t, rows),)](
             grad_probs.contiguous() if grad_probs is not None else logits, logits.contiguous(),
             counts, labels if labels is not None else counts, d_logits, t, num_experts,
             balance_grad * num_experts / (t * top_k * t), 2.0 * z_grad / t, K=top_k,
             SIGMOID=sigmoid, HAS_GRAD=grad_probs is not None, HAS_LABELS=labels is not None,
-            HAS_Z=z_grad != 0.0, **_router_meta(logits, top_k),
+            HAS_Z=z_grad != 0.0, BT=rows, EB=experts, num_warps=4,
         )
     return d_logits
 

@@ -90,7 +90,7 @@ class TransformerLayer(nn.Module):
             )
 
     def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
-        normed, x = self.attention_norm.with_residual(x)  # the norm's backward adds x's gradient
+        normed, x = self.attention_norm(x, with_residual=True)  # its backward adds x's gradient
         return x + self.attention(normed)
 
     def _dense(self, state: LayerState, inputs: Tensors) -> Tensors:

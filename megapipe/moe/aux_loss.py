@@ -1,6 +1,6 @@
 """Auxiliary router losses: attached to the activations and logged per layer.
 
-The MoE layer's router adds the losses' gradients in its own backward (``Router.route``) and
+The MoE layer's router adds the losses' gradients in its own backward (``Router.forward``) and
 logs their value as ``AuxStatistics``: the statistics its fused operator leaves (per block of
 tokens, the sums of each expert's balance score and of logsumexp^2; the routing choices per
 expert), summed only when the value is read, so the forward issues no reduction for a value

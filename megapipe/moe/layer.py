@@ -20,7 +20,7 @@ are written into the ``LayerState`` by route and dispatch and read by later node
 
 The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) adds its gradient
 (times ``aux_loss_scale``, read at forward time) in the router's own backward, which runs when
-the gradients of ``probs`` and ``rows`` arrive (``Router.route``); each forward records its value
+the gradients of ``probs`` and ``rows`` arrive (``Router.forward``); each forward records its value
 in ``aux_loss_log`` (as statistics, summed when read)
 (once: a route that runs again for full recompute, ``state.recomputing``, neither records nor
 reads the scale again).
@@ -277,7 +277,7 @@ class MoELayer(nn.Module):
         if relabel is not None:  # the label of each expert, for an expert-group order
             labels = relabel(torch.arange(c.num_experts, device=tokens.device))
         capacity = c.capacity(tokens.shape[0])
-        routed = self.router.route(tokens, capacity, labels, (c.aux_loss_coeff, c.z_loss_coeff),
+        routed = self.router(tokens, capacity, labels, (c.aux_loss_coeff, c.z_loss_coeff),
                                    state.aux_loss_scale)
         if not state.recomputing:
             self.aux_loss_log.record(routed.aux)

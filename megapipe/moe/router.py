@@ -21,8 +21,8 @@ same experts as exact scores would (no ties made by rounding) and its losses sta
 The combine weights ``probs`` are returned in the logits' dtype. Expert counts come from a sort
 and ``searchsorted`` (no atomics, no host read).
 
-``Router.forward`` is the definition, in plain torch ops. The MoE layer routes through
-``Router.route``: the logits GEMM, the fused router operator (scores, top-k and the losses'
+``Router.reference`` is the definition, in plain torch ops. The MoE layer routes through
+``Router.forward``: the logits GEMM, the fused router operator (scores, top-k and the losses'
 statistics), the routing plan and the permute, as one autograd function of four operators
 forward and four backward (``megapipe.kernels``: one kernel each on CUDA). Its backward is written
 by hand: the router operator's backward adds the auxiliary losses' gradients itself (their
@@ -62,10 +62,11 @@ class RouterOutput:
 
 @dataclass
 class Routed:
-    """The route of ``t`` tokens (``Router.route``): what the rest of the MoE layer needs."""
+    """The route of ``t`` tokens (``Router.forward``): what the rest of the MoE layer needs."""
 
     probs: torch.Tensor  # [t, k] combine weights in the logits' dtype (differentiable)
     rows: torch.Tensor  # [n, h] the tokens permuted into expert order (differentiable)
+    indices: torch.Tensor  # [t, k] int64 expert of each choice
     row_choice: torch.Tensor  # [n] flat choice of each row (-1: padding), ``order_by_expert``
     choice_rows: torch.Tensor  # [t, k] row of each choice (-1: dropped)
     counts: torch.Tensor  # [E] routing choices per expert label, before any drop
@@ -125,7 +126,9 @@ class Router(nn.Module):
         with torch.autocast(tokens.device.type, enabled=False):  # autocast would undo it
             return torch.nn.functional.linear(tokens.to(dtype), self.weight.to(dtype))
 
-    def forward(self, tokens: torch.Tensor) -> RouterOutput:
+    def reference(self, tokens: torch.Tensor) -> RouterOutput:
+        """The router's definition in plain torch ops (differentiable): what ``forward``
+        computes with fused operators (tests compare the two)."""
         raw = self.logits(tokens)
         logits = raw.to(torch.promote_types(raw.dtype, torch.float32))
         if self.score_function == "softmax":
@@ -144,12 +147,14 @@ class Router(nn.Module):
             z_loss=z_loss(logits),
         )
 
-    def route(
-        self, tokens: torch.Tensor, capacity: int | None, labels: torch.Tensor | None = None,
-        coefficients: tuple[float, float] = (0.0, 0.0), loss_scale: float = 1.0,
+    def forward(
+        self, tokens: torch.Tensor, capacity: int | None = None,
+        labels: torch.Tensor | None = None, coefficients: tuple[float, float] = (0.0, 0.0),
+        loss_scale: float = 1.0,
     ) -> Routed:
-        """Route ``tokens [t, h]``: the same probs, choices and rows as ``forward`` followed by
-        ``order_by_expert`` and ``permute_tokens`` (module docstring). ``labels [E]``: each
+        """Route ``tokens [t, h]``: the probs and choices of ``reference``, planned by
+        ``order_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
+        ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
         expert's label for the plan (an expert-group order, ``megapipe.moe.chunks``; None: the
         expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
         gradients times ``loss_scale``."""
@@ -157,10 +162,10 @@ class Router(nn.Module):
         dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]
         spec = _RouteSpec(self.top_k, self.score_function == "sigmoid", self.num_experts,
                           -1 if capacity is None else capacity, dtype, balance_grad, z_grad)
-        probs, rows, row_choice, choice_rows, counts, partials = _Route.apply(
+        probs, rows, indices, row_choice, choice_rows, counts, partials = _Route.apply(
             tokens, self.weight, labels, spec)
         aux = AuxStatistics(partials, counts, labels, tokens.shape[0], self.top_k, *coefficients)
-        return Routed(probs, rows, row_choice, choice_rows, counts, aux)
+        return Routed(probs, rows, indices, row_choice, choice_rows, counts, aux)
 
 
 @dataclass(frozen=True)
@@ -193,10 +198,10 @@ class _Route(torch.autograd.Function):
                                                           spec.capacity)
         rows = permute_op(tokens, row_choice, spec.top_k)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(row_choice, choice_rows, counts, partials)
+        ctx.mark_non_differentiable(indices, row_choice, choice_rows, counts, partials)
         ctx.save_for_backward(tokens_c, weight_c, logits, choice_rows, counts, labels)
         ctx.spec, ctx.tokens_dtype, ctx.weight_dtype = spec, tokens.dtype, weight.dtype
-        return probs, rows, row_choice, choice_rows, counts, partials
+        return probs, rows, indices, row_choice, choice_rows, counts, partials
 
     @staticmethod
     def backward(ctx, grad_probs, grad_rows, *_):  # type: ignore[override]

@@ -96,7 +96,8 @@ class TransformerLayer(nn.Module):
     def _dense(self, state: LayerState, inputs: Tensors) -> Tensors:
         (x,) = inputs
         h = self._attention_block(x)
-        return (h + self.mlp(self.ffn_norm(h)),)
+        normed, h = self.ffn_norm(h, with_residual=True)  # its backward adds h's gradient
+        return (h + self.mlp(normed),)
 
     def node_plan(self) -> Plan:
         """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its

@@ -24,13 +24,14 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y = (x * rstd).to(x.dtype) * weight`` over the last dimension, as ``nn.RMSNorm``
-    (``F.rms_norm``); and ``rstd [rows]`` in float32 (float64 for float64 input), for the
+    """``y = (x * rstd * weight)`` in float32 (float64 for float64 input), rounded once to
+    ``x.dtype``: bitwise ``nn.RMSNorm`` (``F.rms_norm``) on CPU; and ``rstd [rows]``, for the
     backward."""
-    rows = x.reshape(-1, x.shape[-1])
-    x32 = rows.to(_acc(x.dtype))
-    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1) + eps)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps), rstd
+    acc = _acc(x.dtype)
+    x32 = x.to(acc)
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True).add_(eps))
+    y = (x32 * rstd * weight.to(acc)).to(x.dtype)
+    return y, rstd.reshape(-1)
 
 
 def rms_norm_backward(

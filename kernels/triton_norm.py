@@ -36,8 +36,7 @@ def _rms_norm_kernel(x, weight, y, rstd, hidden, eps, BLOCK: tl.constexpr):
         mask = cols < hidden
         v = tl.load(x + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = (v * r).to(y.dtype.element_ty).to(tl.float32)  # as F.rms_norm rounds
-        tl.store(y + row * hidden + cols, (normed * w).to(y.dtype.element_ty), mask=mask)
+        tl.store(y + row * hidden + cols, (v * r * w).to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -17,13 +17,16 @@ equals the measured one, as the replay's calibration does (``replay_calibration`
     python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
         [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
     python benchmarks/host_cost.py --engine [--rounds 1500]
+    python benchmarks/host_cost.py --launches
 
 ``--engine`` measures the engine's own host work alone: the same pair of layers of five nodes
 (compute, comm, compute, comm, compute) whose every node is one elementwise multiply, with both
 streams on the calling thread (as a GPU host issues both), CPU time of that thread, median over
 rounds: plain autograd over the nodes, the tape path, the combined step; the difference to
 plain autograd per node is the engine's. ``--megatron`` compares with Megatron-Core
-(``megatron_host.py``).
+(``megatron_host.py``). ``--launches`` counts the kernel launches of one MoE layer's forward +
+backward (naive eager loop, plain tape path, combined step) and prints them per node
+(``launch_count.py``; the counting rule is in docs/combined-step.md).
 """
 
 from __future__ import annotations
@@ -260,6 +263,27 @@ def _engine(rounds: int) -> int:
     return 0
 
 
+def _launches() -> int:
+    """``--launches`` (module docstring)."""
+    from launch_count import histogram, moe_layer_launches
+
+    torch.set_num_threads(1)
+    counters = moe_layer_launches()
+    print("kernel launches of one MoE layer forward + backward (the demo's layer: hidden 96, "
+          "4 experts top-2, dropless, ep 1), counted on CPU (docs/combined-step.md):")
+    for way, counter in counters.items():
+        free = sum(sum(c.values()) for c in counter.free.values())
+        print(f"  {way:<8} {counter.total():4d} launches ({free} ops that launch nothing)")
+    for way in ("naive", "plain"):
+        counter = counters[way]
+        print(f"{way}, per node (launches, top ops; free: views, metadata, allocations):")
+        for label in sorted(set(counter.launches) | set(counter.free)):
+            print("  " + histogram(counter, label))
+    plain, combined = counters["plain"].total(), counters["combined"].total()
+    print(f"launches per MoE layer: plain {plain}, combined {combined}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from megapipe.overlap import make_streams
 
@@ -278,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                         "beside megapipe's combined step (megatron_host.py)")
     parser.add_argument("--engine", action="store_true",
                         help="instead: the engine's own host time per node on trivial nodes")
+    parser.add_argument("--launches", action="store_true",
+                        help="instead: kernel launches per MoE layer forward + backward, naive, "
+                        "plain and combined, per node (launch_count.py)")
     a = parser.parse_args(argv)
+    if a.launches:
+        return _launches()
     if a.engine:
         return _engine(a.rounds)
     if a.megatron:

@@ -1,4 +1,4 @@
-"""Triton kernels for token permute (gather) and unpermute (weighted sum), with autograd.
+"""Triton kernels for token permute (gather) and unpermute (weighted sum), one launch each.
 
 Same index conventions (padding rows included) and summation order as
 ``megapipe.kernels.reference``: every kernel is a gather over a token's k routing choices summed in
@@ -62,32 +62,42 @@ def _sum_choices_kernel(
 
 @triton.jit
 def _unpermute_backward_kernel(
-    grad_out, rows, probs, row_choice, grad_rows, grad_probs, hidden, top_k, scratch,
-    BLOCK: tl.constexpr,
+    grad_out, rows, probs, row_choice, choice_rows, grad_rows, grad_probs, num_rows, hidden,
+    top_k, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
 ):
-    """grad_rows[r] = p * grad_out[t]; grad_probs[choice] = <grad_out[t], rows[r]>; a padding
-    row (choice -1) gets a zero gradient and writes its dot product to the scratch entry
-    ``grad_probs[scratch]`` (discarded), so no real entry is written twice."""
-    row = tl.program_id(0).to(tl.int64)
-    choice = tl.load(row_choice + row)
-    valid = choice >= 0
-    target = tl.where(valid, choice, scratch)
-    choice = tl.maximum(choice, 0)
-    token = choice // top_k
-    weight = tl.where(valid, tl.load(probs + choice).to(tl.float32), 0.0)
-    dot = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, hidden, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < hidden
-        grad = tl.load(grad_out + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-        values = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(
-            grad_rows + row * hidden + cols,
-            (grad * weight).to(grad_rows.dtype.element_ty),
-            mask=mask,
-        )
-        dot = dot + grad * values
-    tl.store(grad_probs + target, tl.sum(dot, axis=0))
+    """Programs 0..n-1, one per row r: grad_rows[r] = p * grad_out[t] and grad_probs[choice] =
+    <grad_out[t], rows[r]> (a padding row, choice -1, gets zeros and writes no probability).
+    Programs n..n+t-1, one per token: zeros into the token's dropped choices (choice_rows -1),
+    which no row writes. Every entry is written by exactly one program: no atomics, no memset."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < num_rows:
+        row = pid
+        choice = tl.load(row_choice + row)
+        valid = choice >= 0
+        choice = tl.maximum(choice, 0)
+        token = choice // top_k
+        weight = tl.where(valid, tl.load(probs + choice).to(tl.float32), 0.0)
+        dot = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < hidden
+            grad = tl.load(grad_out + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            values = tl.load(rows + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(
+                grad_rows + row * hidden + cols,
+                (grad * weight).to(grad_rows.dtype.element_ty),
+                mask=mask,
+            )
+            dot = dot + grad * values
+        tl.store(grad_probs + choice, tl.sum(dot, axis=0).to(grad_probs.dtype.element_ty),
+                 mask=valid)
+    else:
+        token = pid - num_rows
+        j = tl.arange(0, K_BLOCK)
+        in_k = j < top_k
+        slots = tl.load(choice_rows + token * top_k + j, mask=in_k, other=0)
+        zeros = tl.zeros([K_BLOCK], dtype=tl.float32).to(grad_probs.dtype.element_ty)
+        tl.store(grad_probs + token * top_k + j, zeros, mask=in_k & (slots < 0))
 
 
 def _block(hidden: int) -> dict[str, int]:
@@ -96,88 +106,46 @@ def _block(hidden: int) -> dict[str, int]:
     return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4 if block >= 512 else 2}
 
 
-def _sum_choices(
-    rows: torch.Tensor, probs: torch.Tensor | None, choice_rows: torch.Tensor, dtype: torch.dtype
+def sum_choices(
+    rows: torch.Tensor, probs: torch.Tensor | None, choice_rows: torch.Tensor
 ) -> torch.Tensor:
+    """``reference.sum_choices``: one launch."""
     num_tokens, top_k = choice_rows.shape
     hidden = rows.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=dtype, device=rows.device)
+    out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
     if num_tokens and hidden:
         weights = probs.contiguous() if probs is not None else choice_rows  # unused when absent
         _sum_choices_kernel[(num_tokens,)](
-            rows.contiguous(),
-            weights,
-            choice_rows.contiguous(),
-            out,
-            hidden,
-            top_k,
-            HAS_PROBS=probs is not None,
-            **_block(hidden),
+            rows.contiguous(), weights, choice_rows.contiguous(), out, hidden, top_k,
+            HAS_PROBS=probs is not None, **_block(hidden),
         )
     return out
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tokens, row_choice, choice_rows):  # type: ignore[override]
-        ctx.save_for_backward(choice_rows)
-        hidden = tokens.shape[1]
-        out = torch.empty(row_choice.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
-        if row_choice.numel() and hidden:
-            _permute_kernel[(row_choice.numel(),)](
-                tokens.contiguous(),
-                row_choice.contiguous(),
-                out,
-                hidden,
-                choice_rows.shape[1],
-                **_block(hidden),
-            )
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_rows):  # type: ignore[override]
-        (choice_rows,) = ctx.saved_tensors
-        return _sum_choices(grad_rows, None, choice_rows, grad_rows.dtype), None, None
+def permute(tokens: torch.Tensor, row_choice: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``reference.permute``: one launch."""
+    hidden = tokens.shape[1]
+    out = torch.empty(row_choice.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
+    if row_choice.numel() and hidden:
+        _permute_kernel[(row_choice.numel(),)](
+            tokens.contiguous(), row_choice.contiguous(), out, hidden, top_k, **_block(hidden),
+        )
+    return out
 
 
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, probs, row_choice, choice_rows):  # type: ignore[override]
-        ctx.save_for_backward(rows, probs, row_choice)
-        return _sum_choices(rows, probs, choice_rows, rows.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        rows, probs, row_choice = ctx.saved_tensors
-        num_rows, hidden = rows.shape
-        grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        grad_probs = torch.zeros(probs.numel() + 1, dtype=torch.float32, device=probs.device)
-        if num_rows and hidden:
-            _unpermute_backward_kernel[(num_rows,)](
-                grad_out.contiguous(),
-                rows.contiguous(),
-                probs.contiguous(),
-                row_choice.contiguous(),
-                grad_rows,
-                grad_probs,
-                hidden,
-                probs.shape[1],
-                probs.numel(),
-                **_block(hidden),
-            )
-        grad_probs = grad_probs[: probs.numel()]
-        return grad_rows, grad_probs.view_as(probs).to(probs.dtype), None, None
-
-
-def permute_tokens(
-    tokens: torch.Tensor, row_choice: torch.Tensor, choice_rows: torch.Tensor
-) -> torch.Tensor:
-    """Triton version of ``reference.permute_tokens``."""
-    return _Permute.apply(tokens, row_choice, choice_rows)
-
-
-def unpermute_tokens(
-    rows: torch.Tensor, probs: torch.Tensor, row_choice: torch.Tensor, choice_rows: torch.Tensor
-) -> torch.Tensor:
-    """Triton version of ``reference.unpermute_tokens``."""
-    return _Unpermute.apply(rows, probs, row_choice, choice_rows)
+def unpermute_backward(
+    grad_out: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, row_choice: torch.Tensor,
+    choice_rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.unpermute_backward``: one launch."""
+    num_rows, hidden = rows.shape
+    num_tokens, top_k = choice_rows.shape
+    grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    grad_probs = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
+    if num_rows + num_tokens:
+        _unpermute_backward_kernel[(num_rows + num_tokens,)](
+            grad_out.contiguous(), rows.contiguous(), probs.contiguous(),
+            row_choice.contiguous(), choice_rows.contiguous(), grad_rows, grad_probs, num_rows,
+            hidden, top_k, K_BLOCK=triton.next_power_of_2(top_k), **_block(max(hidden, 1)),
+        )
+    return grad_rows, grad_probs

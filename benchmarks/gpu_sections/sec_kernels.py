@@ -50,26 +50,27 @@ def moved_bytes(op: str, tokens: int, rows: int, hidden: int, element: int) -> i
 
 
 def _operations(module, r: Routing, device: torch.device) -> dict[str, Callable[[], object]]:  # noqa: ANN001
-    """The four operations of ``module`` (triton_permute or reference) on one routing."""
+    """The four operations of ``module`` (triton_permute or reference: the implementations of
+    the operators ``megapipe::permute``, ``sum_choices`` and ``unpermute_backward``) on one
+    routing."""
     generator = torch.Generator(device=device).manual_seed(0)
     scores = torch.randn(r.tokens, r.experts, device=device, generator=generator)
     probs, indices = scores.softmax(-1).topk(r.top_k, dim=-1)
     row_choice, choice_rows, _ = order_by_expert(indices, r.experts)
     tokens = torch.randn(r.tokens, r.hidden, device=device, dtype=torch.bfloat16,
-                         generator=generator).requires_grad_()
+                         generator=generator)
     rows_in = torch.randn(row_choice.numel(), r.hidden, device=device, dtype=torch.bfloat16,
-                          generator=generator).requires_grad_()
-    probs = probs.detach().requires_grad_()
-    permuted = module.permute_tokens(tokens, row_choice, choice_rows)
-    combined = module.unpermute_tokens(rows_in, probs, row_choice, choice_rows)
-    grad_rows, grad_tokens = torch.ones_like(permuted), torch.ones_like(combined)
+                          generator=generator)
+    grad_rows = torch.ones_like(rows_in)
+    grad_tokens = torch.ones_like(tokens)
+    module.permute(tokens, row_choice, r.top_k)  # compiles the forwards' kernels
+    module.sum_choices(rows_in, probs, choice_rows)
     return {
-        "permute forward": lambda: module.permute_tokens(tokens, row_choice, choice_rows),
-        "permute backward": lambda: torch.autograd.grad(permuted, tokens, grad_rows,
-                                                        retain_graph=True),
-        "unpermute forward": lambda: module.unpermute_tokens(rows_in, probs, row_choice, choice_rows),
-        "unpermute backward": lambda: torch.autograd.grad(combined, (rows_in, probs), grad_tokens,
-                                                          retain_graph=True),
+        "permute forward": lambda: module.permute(tokens, row_choice, r.top_k),
+        "permute backward": lambda: module.sum_choices(grad_rows, None, choice_rows),
+        "unpermute forward": lambda: module.sum_choices(rows_in, probs, choice_rows),
+        "unpermute backward": lambda: module.unpermute_backward(grad_tokens, rows_in, probs,
+                                                                row_choice, choice_rows),
     }
 
 

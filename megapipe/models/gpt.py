@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.models.config import GPTConfig
+from megapipe.models.norm import RMSNorm
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
@@ -126,9 +127,9 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.attention_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attention = CausalSelfAttention(config, layer_index)
-        self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.is_moe = config.is_moe_layer(layer_index)
         if self.is_moe:
             self.moe = MoELayer(
@@ -141,12 +142,14 @@ class TransformerLayer(nn.Module):
             )
 
     def _attention_block(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attention(self.attention_norm(x))
+        normed, x = self.attention_norm(x, with_residual=True)  # its backward adds x's gradient
+        return x + self.attention(normed)
 
     def _dense(self, state: LayerState, inputs: Tensors) -> Tensors:
         (x,) = inputs
         h = self._attention_block(x)
-        return (h + self.mlp(self.ffn_norm(h)),)
+        normed, h = self.ffn_norm(h, with_residual=True)  # its backward adds h's gradient
+        return (h + self.mlp(normed),)
 
     def node_plan(self) -> Plan:
         """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its
@@ -230,7 +233,7 @@ class OutputHead(nn.Module):
 
     def __init__(self, config: GPTConfig, tied: Embedding | None = None) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.weight: nn.Parameter | None = None
         self._tied = None if tied is None else (tied,)  # a tuple: not registered twice
         if tied is None:

@@ -62,7 +62,8 @@ class HostCounts:
     shape) copied to pinned host memory without blocking; ``wait()`` returns them as lists.
 
     On CUDA the copy is issued on the current stream with an event behind it, and ``wait``
-    blocks the host on that event only. On CPU there is nothing to copy.
+    blocks the host on that event only. On CPU the same copy runs at once (a CPU run issues the
+    operators a GPU run does: the launch count, ``benchmarks/launch_count.py``).
     """
 
     def __init__(self, counts: torch.Tensor) -> None:
@@ -73,7 +74,8 @@ class HostCounts:
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host = counts
+            self._host = torch.empty_like(counts)
+            self._host.copy_(counts)
 
     def wait(self) -> list:
         """The counts as (nested) lists of ints, once the copy has landed."""
@@ -84,7 +86,7 @@ class HostCounts:
 
 def _end_offsets(rows_per_expert: torch.Tensor) -> torch.Tensor:
     """End row of each expert's contiguous block, int32 on the device (grouped GEMM offsets)."""
-    return torch.cumsum(rows_per_expert, 0).to(torch.int32)
+    return torch.cumsum(rows_per_expert, 0, dtype=torch.int32)
 
 
 def _exchange(

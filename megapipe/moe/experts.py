@@ -5,7 +5,8 @@ each expert drawn from its own generator keyed by (seed, layer index, global exp
 any EP size builds the same experts. Forward runs one SwiGLU per local expert on its contiguous
 slice of expert-major tokens: each of its three matmuls is one grouped GEMM over all local
 experts where torch has one (given the device offsets the dispatcher makes), else a
-deterministic loop (``overlap.grouped_gemm``). Every expert runs, even on zero tokens, so every
+deterministic loop (``overlap.grouped_gemm``), and the activation ``silu(gate) * up`` is one fused
+operator each way (``megapipe.kernels.swiglu``). Every expert runs, even on zero tokens, so every
 expert weight always gets a gradient, zeros when idle. A chunked layer (``moe.chunks``) runs
 one group of the local experts at a time (``group_first``), with bitwise the same results.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megapipe.kernels import swiglu as fused_swiglu
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
 from megapipe.overlap.recompute import recompute
@@ -27,8 +28,9 @@ from megapipe.overlap.wgrad import grouped_matmul
 def swiglu(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 ) -> torch.Tensor:
-    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` with weights [h, F], [h, F], [F, h]."""
-    return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down`` with weights [h, F], [h, F], [F, h] (the
+    activation one fused operator each way)."""
+    return fused_swiglu(x @ w_gate, x @ w_up, [x.shape[0]]) @ w_down
 
 
 class SwiGLUMLP(nn.Module):
@@ -124,14 +126,11 @@ class GroupedExperts(nn.Module):
         gate = grouped_matmul(tokens, counts, self.w_gate, state, offsets, first)
         up = grouped_matmul(tokens, counts, self.w_up, state, offsets, first)
         def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            if gate.device.type == "cpu":
-                # per expert on CPU: its vectorised kernels compute a tensor's last elements in
-                # a scalar tail, so an expert's activations would depend on the other experts'
-                # rows and a chunked layer (a group of experts at a time) would differ
-                return torch.cat(
-                    [F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))]
-                )
-            return F.silu(gate) * up  # CUDA: every element the same bits wherever it lies
+            # one operator each way (megapipe.kernels.swiglu); on CPU it runs per expert, since
+            # CPU kernels compute a tensor's last elements in a scalar tail, so an expert's
+            # activations would otherwise depend on the other experts' rows and a chunked layer
+            # (a group of experts at a time) would differ
+            return fused_swiglu(gate, up, counts)
 
         if self.recompute_activation:  # keep gate and up only; silu(gate) is made again
             hidden = recompute(activation, gate, up)

@@ -20,9 +20,10 @@ expert, else empty. ``probs [t, k]`` are the router's combine weights, ``rows [n
 permuted into expert order (local experts of EP rank 0 first). Routing indices and split sizes
 are written into the ``LayerState`` by route and dispatch and read by later nodes.
 
-The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) is attached to
-``rows`` in route, so its gradient (``aux_loss_scale``, read at forward time) enters backward
-with the gradient of ``rows``; each forward records its detached value in ``aux_loss_log``
+The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) adds its gradient
+(times ``aux_loss_scale``, read at forward time) in the router's own backward, which runs when
+the gradients of ``probs`` and ``rows`` arrive (``Router.forward``); each forward records its value
+in ``aux_loss_log`` (as statistics, summed when read)
 (once: a route that runs again for full recompute, ``state.recomputing``, neither records nor
 reads the scale again).
 Losses and the capacity are computed over this rank's tokens of the microbatch (no collective).
@@ -49,13 +50,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.kernels import permute_tokens, unpermute_tokens
-from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
+from megapipe.kernels import unpermute_tokens
+from megapipe.moe.aux_loss import AuxLossLog
 from megapipe.moe.chunks import ChunkedDispatch
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import order_by_expert
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, run_nodes,
@@ -278,25 +278,25 @@ class MoELayer(nn.Module):
                 f"MoE layer {self.layer_index} got an empty microbatch "
                 f"(input shape {tuple(x.shape)})"
             )
-        routed = self.router(tokens)
-        capacity = self.config.capacity(tokens.shape[0])
-        indices = routed.indices if relabel is None else relabel(routed.indices)
-        row_choice, choice_rows, rows_per_expert = order_by_expert(
-            indices, self.config.num_experts, capacity
-        )
-        rows = permute_tokens(tokens, row_choice, choice_rows)
         c = self.config
-        aux = c.aux_loss_coeff * routed.load_balancing_loss + c.z_loss_coeff * routed.z_loss
         if not state.recomputing:  # once per forward: a recompute (full_recompute) re-runs this
-            self.aux_loss_log.record(aux)
             state.aux_loss_scale = self.aux_loss_scale
-        if (c.aux_loss_coeff > 0 or c.z_loss_coeff > 0) and aux.requires_grad:
-            rows = attach_aux_loss(rows, aux, state.aux_loss_scale)
+        labels = None
+        if relabel is not None:  # the label of each expert, for an expert-group order
+            labels = relabel(torch.arange(c.num_experts, device=tokens.device))
+        capacity = c.capacity(tokens.shape[0])
+        routed = self.router(tokens, capacity, labels, (c.aux_loss_coeff, c.z_loss_coeff),
+                                   state.aux_loss_scale)
+        if not state.recomputing:
+            self.aux_loss_log.record(routed.aux)
         state.input_shape = x.shape
-        state.row_choice = row_choice
-        state.choice_rows = choice_rows
-        state.rows_per_expert = rows_per_expert
+        state.row_choice = routed.row_choice
+        state.choice_rows = routed.choice_rows
+        state.rows_per_expert = routed.counts  # per expert label; with a capacity, all of it
+        if capacity is not None:
+            state.rows_per_expert = torch.full_like(routed.counts, capacity)
         state.capacity = capacity
+        rows = routed.rows
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
 

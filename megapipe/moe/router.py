@@ -20,6 +20,15 @@ top-k and both auxiliary losses are computed in at least float32, so a bf16 mode
 same experts as exact scores would (no ties made by rounding) and its losses stay accurate.
 The combine weights ``probs`` are returned in the logits' dtype. Expert counts come from a sort
 and ``searchsorted`` (no atomics, no host read).
+
+``Router.reference`` is the definition, in plain torch ops. The MoE layer routes through
+``Router.forward``: the logits GEMM, the fused router operator (scores, top-k and the losses'
+statistics), the routing plan and the permute, as one autograd function of four operators
+forward and four backward (``megapipe.kernels``: one kernel each on CUDA). Its backward is written
+by hand: the router operator's backward adds the auxiliary losses' gradients itself (their
+coefficients times the layer's ``aux_loss_scale``, known at forward time), so no loss tensor
+enters autograd, and the input gradient adds the permute's gradient inside the GEMM (``addmm``).
+The losses' values are kept as statistics (``aux_loss.AuxStatistics``) and summed when read.
 """
 
 from __future__ import annotations
@@ -29,6 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapipe.kernels import (
+    permute_op, router_backward_op, router_op, routing_plan_op, sum_choices_op,
+)
+from megapipe.moe.aux_loss import AuxStatistics
 from megapipe.moe.permutation import expert_counts
 from megapipe.moe.seeding import seeded_normal
 
@@ -45,6 +58,19 @@ class RouterOutput:
     indices: torch.Tensor  # [t, k] int64 expert of each choice
     load_balancing_loss: torch.Tensor  # scalar, unweighted, differentiable
     z_loss: torch.Tensor  # scalar, unweighted, differentiable
+
+
+@dataclass
+class Routed:
+    """The route of ``t`` tokens (``Router.forward``): what the rest of the MoE layer needs."""
+
+    probs: torch.Tensor  # [t, k] combine weights in the logits' dtype (differentiable)
+    rows: torch.Tensor  # [n, h] the tokens permuted into expert order (differentiable)
+    indices: torch.Tensor  # [t, k] int64 expert of each choice
+    row_choice: torch.Tensor  # [n] flat choice of each row (-1: padding), ``order_by_expert``
+    choice_rows: torch.Tensor  # [t, k] row of each choice (-1: dropped)
+    counts: torch.Tensor  # [E] routing choices per expert label, before any drop
+    aux: AuxStatistics  # the auxiliary losses' value, summed when read
 
 
 def load_balancing_loss(
@@ -100,7 +126,9 @@ class Router(nn.Module):
         with torch.autocast(tokens.device.type, enabled=False):  # autocast would undo it
             return torch.nn.functional.linear(tokens.to(dtype), self.weight.to(dtype))
 
-    def forward(self, tokens: torch.Tensor) -> RouterOutput:
+    def reference(self, tokens: torch.Tensor) -> RouterOutput:
+        """The router's definition in plain torch ops (differentiable): what ``forward``
+        computes with fused operators (tests compare the two)."""
         raw = self.logits(tokens)
         logits = raw.to(torch.promote_types(raw.dtype, torch.float32))
         if self.score_function == "softmax":
@@ -118,3 +146,75 @@ class Router(nn.Module):
             load_balancing_loss=load_balancing_loss(balance_scores, indices, self.num_experts),
             z_loss=z_loss(logits),
         )
+
+    def forward(
+        self, tokens: torch.Tensor, capacity: int | None = None,
+        labels: torch.Tensor | None = None, coefficients: tuple[float, float] = (0.0, 0.0),
+        loss_scale: float = 1.0,
+    ) -> Routed:
+        """Route ``tokens [t, h]``: the probs and choices of ``reference``, planned by
+        ``order_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
+        ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
+        expert's label for the plan (an expert-group order, ``megapipe.moe.chunks``; None: the
+        expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
+        gradients times ``loss_scale``."""
+        balance_grad, z_grad = (c * loss_scale for c in coefficients)
+        dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]
+        spec = _RouteSpec(self.top_k, self.score_function == "sigmoid", self.num_experts,
+                          -1 if capacity is None else capacity, dtype, balance_grad, z_grad)
+        probs, rows, indices, row_choice, choice_rows, counts, partials = _Route.apply(
+            tokens, self.weight, labels, spec)
+        aux = AuxStatistics(partials, counts, labels, tokens.shape[0], self.top_k, *coefficients)
+        return Routed(probs, rows, indices, row_choice, choice_rows, counts, aux)
+
+
+@dataclass(frozen=True)
+class _RouteSpec:
+    top_k: int
+    sigmoid: bool
+    num_experts: int
+    capacity: int  # -1: dropless
+    dtype: torch.dtype | None  # the logits' dtype (None: the tokens', or autocast's)
+    balance_grad: float
+    z_grad: float
+
+
+class _Route(torch.autograd.Function):
+    """logits GEMM, router, routing plan, permute: 4 operators forward, 4 backward."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, labels, spec):  # type: ignore[override]
+        device = tokens.device.type
+        dtype = spec.dtype
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device)
+            dtype = torch.get_autocast_dtype(device) if autocast else tokens.dtype
+        tokens_c, weight_c = tokens.to(dtype), weight.to(dtype)
+        with torch.autocast(device, enabled=False):  # the dtype is chosen above
+            logits = torch.mm(tokens_c, weight_c.t())
+        probs, indices, partials = router_op(logits, spec.top_k, spec.sigmoid)
+        plan_of = indices if labels is None else labels[indices]
+        row_choice, choice_rows, counts = routing_plan_op(plan_of, spec.num_experts,
+                                                          spec.capacity)
+        rows = permute_op(tokens, row_choice, spec.top_k)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(indices, row_choice, choice_rows, counts, partials)
+        ctx.save_for_backward(tokens_c, weight_c, logits, choice_rows, counts, labels)
+        ctx.spec, ctx.tokens_dtype, ctx.weight_dtype = spec, tokens.dtype, weight.dtype
+        return probs, rows, indices, row_choice, choice_rows, counts, partials
+
+    @staticmethod
+    def backward(ctx, grad_probs, grad_rows, *_):  # type: ignore[override]
+        tokens_c, weight_c, logits, choice_rows, counts, labels = ctx.saved_tensors
+        spec = ctx.spec
+        d_logits = router_backward_op(grad_probs, logits, counts, labels, spec.top_k,
+                                      spec.sigmoid, spec.balance_grad, spec.z_grad)
+        d_permute = None if grad_rows is None else sum_choices_op(grad_rows, None, choice_rows)
+        if d_permute is not None and d_permute.dtype == d_logits.dtype:
+            d_tokens = torch.addmm(d_permute, d_logits, weight_c)
+        else:
+            d_tokens = torch.mm(d_logits, weight_c).to(ctx.tokens_dtype)
+            if d_permute is not None:
+                d_tokens = d_tokens + d_permute
+        d_weight = torch.mm(d_logits.t(), tokens_c).to(ctx.weight_dtype)
+        return d_tokens, d_weight, None, None

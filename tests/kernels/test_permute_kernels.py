@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megapipe.kernels import reference
+from megapipe.kernels import permute_tokens, reference, unpermute_tokens
 from megapipe.moe.dispatcher import order_by_expert
 
 
@@ -34,13 +34,13 @@ def test_reference_matches_naive_loop(dtype):
     row_choice, choice_rows, probs = routing(6, 2, 3, capacity=3, seed=0)
     assert (choice_rows < 0).any() and (row_choice < 0).any()  # drops and padding rows
     tokens = torch.randn(6, 5).to(dtype)
-    rows = reference.permute_tokens(tokens, row_choice, choice_rows)
+    rows = permute_tokens(tokens, row_choice, choice_rows)
     assert rows.dtype == dtype
     for r, slot in enumerate(row_choice.tolist()):
         expected = torch.zeros(5, dtype=dtype) if slot < 0 else tokens[slot // 2]
         assert torch.equal(rows[r], expected)
     expert_out = torch.randn(rows.shape).to(dtype)
-    out = reference.unpermute_tokens(expert_out, probs.to(dtype), row_choice, choice_rows)
+    out = unpermute_tokens(expert_out, probs.to(dtype), row_choice, choice_rows)
     assert out.dtype == dtype
     for t in range(6):
         expected = torch.zeros(5)
@@ -55,12 +55,12 @@ def test_reference_gradcheck():
     row_choice, choice_rows, probs = routing(5, 3, 4, capacity=3, seed=1)
     tokens = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(
-        lambda x: reference.permute_tokens(x, row_choice, choice_rows), (tokens,)
+        lambda x: permute_tokens(x, row_choice, choice_rows), (tokens,)
     )
     rows = torch.randn(row_choice.numel(), 4, dtype=torch.float64, requires_grad=True)
     p = probs.double().requires_grad_()
     torch.autograd.gradcheck(
-        lambda x, w: reference.unpermute_tokens(x, w, row_choice, choice_rows), (rows, p)
+        lambda x, w: unpermute_tokens(x, w, row_choice, choice_rows), (rows, p)
     )
 
 
@@ -87,15 +87,14 @@ def compare_triton_with_reference(device: str) -> list[str]:
             grad_rows = torch.randn(row_choice.numel(), h, generator=gen).to(device, dtype)
             grad_out = torch.randn(t, h, generator=gen).to(device, dtype)
             results = {}
-            for name, module in (("triton", triton_permute), ("reference", reference)):
-                x = tokens.clone().requires_grad_()
-                rows = module.permute_tokens(x, row_choice, choice_rows)
-                rows.backward(grad_rows)
-                y = rows.detach().clone().requires_grad_()
-                p = probs.clone().requires_grad_()
-                out = module.unpermute_tokens(y, p, row_choice, choice_rows)
-                out.backward(grad_out)
-                results[name] = (rows, x.grad, out, y.grad, p.grad)
+            for name, m in (("triton", triton_permute), ("reference", reference)):
+                # each is one operator (one launch on CUDA), forward and backward
+                rows = m.permute(tokens, row_choice, k)
+                grad_tokens = m.sum_choices(grad_rows, None, choice_rows)
+                out = m.sum_choices(rows, probs, choice_rows)
+                grad_rows_u, grad_probs = m.unpermute_backward(
+                    grad_out, rows, probs, row_choice, choice_rows)
+                results[name] = (rows, grad_tokens, out, grad_rows_u, grad_probs)
             labels = (
                 "permute",
                 "permute grad",

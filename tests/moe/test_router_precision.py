@@ -22,7 +22,7 @@ def _tokens() -> torch.Tensor:
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_bf16_logits_with_fp32_scores_top_k_and_losses(score_function):
     router, tokens = _router(score_function=score_function), _tokens()
-    out = router(tokens)
+    out = router.reference(tokens)
     logits = torch.nn.functional.linear(tokens, router.weight)  # bf16 GEMM
     assert logits.dtype == torch.bfloat16 and out.probs.dtype == torch.bfloat16
     exact = logits.float()
@@ -40,13 +40,17 @@ def test_bf16_logits_with_fp32_scores_top_k_and_losses(score_function):
     assert out.load_balancing_loss.dtype == out.z_loss.dtype == torch.float32
     assert torch.equal(out.load_balancing_loss, load_balancing_loss(balance, indices, E))
     assert torch.equal(out.z_loss, z_loss(exact))
+    routed = router(tokens)  # the fused path the layer takes: the same probs and choices
+    assert torch.equal(routed.probs, out.probs) and torch.equal(routed.indices, out.indices)
 
 
 @pytest.mark.parametrize("router_dtype,dtype", [("fp32", torch.float32), ("fp64", torch.float64)])
 def test_router_dtype_computes_the_logits_in_that_precision(router_dtype, dtype):
     router, tokens = _router(router_dtype), _tokens()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # must not pull the GEMM back to bf16
-        out = router(tokens)
+        out = router.reference(tokens)
+        routed = router(tokens)  # the fused path the layer takes: the same probs and choices
+    assert torch.equal(routed.probs, out.probs) and torch.equal(routed.indices, out.indices)
     exact = torch.nn.functional.linear(tokens.to(dtype), router.weight.to(dtype))
     assert out.probs.dtype == dtype
     assert torch.equal(out.z_loss, z_loss(exact))

@@ -148,9 +148,13 @@ def demo_layer(**overrides: Any) -> Any:
 def labelled_plans(counter: LaunchCounter, plans: Sequence[Any]) -> list[list[Any]]:
     """``plans`` whose nodes count their forward under ``<node> F`` and their backward under
     ``<node> B`` (the same node functions, wrapped)."""
-    from megapipe.overlap.plan import Node
+    from dataclasses import replace
+
+    from megapipe.overlap.plan import Fork, Plan
 
     def wrap(node: Any) -> Any:
+        if isinstance(node, Fork):
+            return Fork(tuple(tuple(wrap(n) for n in b) for b in node.branches), node.width)
         short = node.name.split(".")[-1]
 
         def fn(state: Any, inputs: Any) -> Any:
@@ -159,9 +163,9 @@ def labelled_plans(counter: LaunchCounter, plans: Sequence[Any]) -> list[list[An
             counter.adopt(outputs, f"{short} B")
             return outputs
 
-        return Node(node.name, node.kind, fn, node.group)
+        return replace(node, fn=fn)
 
-    return [[wrap(node) for node in plan] for plan in plans]
+    return [Plan([wrap(node) for node in plan]) for plan in plans]
 
 
 def _inputs(stage: Any, microbatch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

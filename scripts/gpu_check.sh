@@ -15,9 +15,7 @@
 #     --without-pip; when that Python is itself a venv (its torch is not in the system site),
 #     a .pth file adds its site-packages (pip and setuptools come from there too); then
 #     pip install --no-index --no-deps --no-build-isolation -e .
-#  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at a folder of
-#     links in which megapipe/kernels is the repository's kernels/ (as pyproject maps it), and
-#     PYTHONSAFEPATH=1 so the repository root the sections run from does not shadow it.
+#  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at the checkout.
 # GPU_CHECK_SETUP=venv or links forces one way (default auto: as above).
 # BUDGET (default 360) is passed as --budget: seconds for all sections together.
 set -uo pipefail
@@ -58,7 +56,7 @@ pick_python() {
 }
 
 imports_megapipe() {  # $1: python; megapipe and its kernels must resolve to this checkout,
-  # checked from the repository root, where the sections run (its megapipe/ has no kernels/)
+  # checked from the repository root, where the sections run
   (cd "$ROOT" && "$1" -c "
 import os, sys, megapipe.kernels, megapipe.train
 where = os.path.realpath(megapipe.kernels.__file__)
@@ -87,16 +85,8 @@ print("\n".join(f"import site; site.addsitedir({p!r})" for p in dict.fromkeys(pa
   echo "$vpy"
 }
 
-links_setup() {  # $1: python; exports PYTHONPATH to a folder of links
-  local farm
-  farm="$(mktemp -d "${TMPDIR:-/tmp}/megapipe_path.XXXXXX")" || return 1
-  mkdir -p "$farm/megapipe"
-  ln -s "$ROOT"/megapipe/* "$farm/megapipe/" && ln -s "$ROOT/kernels" "$farm/megapipe/kernels" \
-    || return 1
-  export PYTHONPATH="$farm${PYTHONPATH:+:$PYTHONPATH}"
-  # the sections run from the repository root: without this (Python >= 3.11) its megapipe/,
-  # which has no kernels/, would come first on sys.path and shadow the folder of links
-  export PYTHONSAFEPATH=1
+links_setup() {  # $1: python; exports PYTHONPATH to the checkout itself
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
   imports_megapipe "$1"
 }
 

@@ -83,17 +83,16 @@ def test_the_installed_package_list_names_every_folder():
     folders = {"megapipe"} | {
         ".".join(("megapipe",) + p.parent.relative_to(ROOT).parts)
         for p in ROOT.rglob("*/__init__.py")
-    } | {"megapipe.kernels"}
+    }
     assert listed == folders
 
 
 def _module_files() -> dict[str, Path]:
-    """Every module of ``megapipe/`` and ``kernels/`` (installed as ``megapipe.kernels``)."""
+    """Every module of ``megapipe/``."""
     found = {}
-    for top, name in ((ROOT, "megapipe"), (ROOT.parent / "kernels", "megapipe.kernels")):
-        for path in sorted(top.rglob("*.py")):
-            parts = path.relative_to(top).with_suffix("").parts
-            found[".".join((name,) + parts[: -1 if parts[-1] == "__init__" else None])] = path
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(("megapipe",) + parts[: -1 if parts[-1] == "__init__" else None])] = path
     return found
 
 
@@ -116,7 +115,7 @@ def _imported(source: str, package: str, modules: set[str]) -> set[str]:
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of ``megapipe/`` and ``kernels/`` it imports."""
+    """Module -> the modules of ``megapipe/`` it imports."""
     files = _module_files()
     graph = {}
     for name, path in files.items():

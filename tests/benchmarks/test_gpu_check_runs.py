@@ -205,8 +205,8 @@ def test_a_check_killed_mid_section_leaves_the_finished_sections_and_the_running
 
 @pytest.mark.parametrize("mode", ["links", "venv"])
 def test_the_set_up_makes_megapipe_importable_offline_where_the_sections_run(tmp_path, mode):
-    """Checked from the repository root, where the sections run: there the repository's own
-    megapipe/ (without kernels/) comes first on sys.path unless the set-up prevents it."""
+    """Checked from the repository root, where the sections run: megapipe and its kernels
+    resolve to this checkout."""
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP=mode,
                GPU_CHECK_VENV=str(tmp_path / "venv"), PIP_NO_INDEX="1")
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
@@ -218,13 +218,13 @@ def test_the_set_up_makes_megapipe_importable_offline_where_the_sections_run(tmp
     if mode == "venv":
         assert python == str(tmp_path / "venv" / "bin" / "python")
     else:
-        assert python == sys.executable and pythonpath and lines["PYTHONSAFEPATH"] == "1"
+        assert python == sys.executable and pythonpath == str(REPO)
     section_env = dict(os.environ, PYTHONPATH=pythonpath,
                        PYTHONSAFEPATH=lines.get("PYTHONSAFEPATH", ""))
     check = subprocess.run(
         [python, "-c", "import os, megapipe.kernels as k; print(os.path.realpath(k.__file__))"],
         cwd=REPO, env=section_env, capture_output=True, text=True, timeout=120)
-    assert check.stdout.strip() == str(REPO / "kernels" / "__init__.py"), check.stderr
+    assert check.stdout.strip() == str(REPO / "megapipe" / "kernels" / "__init__.py"), check.stderr
 
 
 def test_a_section_runs_from_the_repository_root_with_the_fallback_set_up(tmp_path):

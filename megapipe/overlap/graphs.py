@@ -162,10 +162,29 @@ class _Instance:
         self.fwd: Any = None
         self.bwd: Any = None
         self.bytes = 0
+        self.handed: tuple[torch.Tensor, ...] = ()
+        self.counts: tuple[int, ...] = ()
 
     def fits(self, state: LayerState) -> bool:
+        """Free (no forward whose autograd record lives, no tensor outside viewing what it
+        handed out: a deferred weight gradient may keep an output) and its guards hold."""
         return not self.busy and all(getattr(state, name, _MISSING) == value
-                                     for name, value in self.guards.items())
+                                     for name, value in self.guards.items()) and all(
+            _views(t) <= count for t, count in zip(self.handed, self.counts))
+
+    def hand_out(self) -> None:
+        """Count the views of what replays hand out (outputs, state tensors) at rest."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in self.outputs + tuple(v for v in self.writes.values()
+                                      if isinstance(v, torch.Tensor)):
+            seen.setdefault(t.untyped_storage().data_ptr(), t)
+        self.handed = tuple(seen.values())
+        self.counts = tuple(_views(t) for t in self.handed)
+
+
+def _views(tensor: torch.Tensor) -> int:
+    """How many tensors view ``tensor``'s storage (plus one: the storage object asked)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 _MISSING = object()
@@ -314,6 +333,8 @@ class _CapturedNode:
         self._check_state(recorder)
         instance.writes = dict(recorder._writes)
         instance.guards = dict(recorder._reads)
+        live.clear()
+        instance.hand_out()
         found = iter(found)
         instance.grad_inputs = tuple(next(found) if t.requires_grad else None
                                      for t in instance.inputs + spec.params)

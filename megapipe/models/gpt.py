@@ -40,6 +40,17 @@ from megapipe.overlap.plan import (
 )
 
 Tensors = tuple[torch.Tensor, ...]
+MOE_ATTENTION_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+DENSE_GRAPH_MODULES = ("attn", "mlp")
+"""What a MoE layer's attention node and a dense layer's node hold, in Megatron's CUDA-graph
+module names (``overlap.graphs``)."""
+
+
+def graph_holders(config: GPTConfig) -> list[tuple[str, ...]]:
+    """The modules of each kind of capturable node the model has (``graph_rules``)."""
+    kinds = {config.is_moe_layer(layer) for layer in range(config.num_layers)}
+    return [MOE_ATTENTION_GRAPH_MODULES] * (True in kinds) + [DENSE_GRAPH_MODULES] * (
+        False in kinds)
 
 
 def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -103,7 +114,7 @@ class TransformerLayer(nn.Module):
         ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
-            graphable = Graphable(("attn", "mlp"), tuple(self.parameters()))
+            graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
             return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
         return ChunkedPlan(
             self._with_residual(self.moe.node_plan()),
@@ -148,7 +159,7 @@ class TransformerLayer(nn.Module):
         moe = self.moe
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
-        return Graphable(("attn", "moe_router", "moe_preprocess"), params,
+        return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
                          key=lambda: moe.aux_loss_scale, logs=(moe.aux_loss_log,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,13 +26,33 @@ REFUSED_MODULES = {
 TOGETHER = ("moe_router", "moe_preprocess")  # Megatron's local graphs take both when given one
 
 
-def settings_problem(impl: str, modules: Sequence[str]) -> str | None:
-    """One line naming what is wrong with ``--cuda-graph-impl`` / ``--cuda-graph-modules``."""
+def impl_problem(impl: str) -> str | None:
+    """One line when ``--cuda-graph-impl`` names something megapipe does not run."""
     if impl not in GRAPH_IMPLS:
         return f"--cuda-graph-impl {impl}: not one of {', '.join(GRAPH_IMPLS)}"
     if impl == "transformer_engine":
         return ("--cuda-graph-impl transformer_engine: megapipe does not use TransformerEngine; "
                 "use --cuda-graph-impl local")
+    return None
+
+
+def modules_problem(modules: Sequence[str]) -> str | None:
+    """One line naming a module megapipe does not capture, and why."""
+    for name in modules:
+        if name in REFUSED_MODULES:
+            return f"--cuda-graph-modules {name}: not captured: {REFUSED_MODULES[name]}"
+        if name not in GRAPH_MODULES:
+            return (f"--cuda-graph-modules {name}: unknown; megapipe captures "
+                    f"{', '.join(GRAPH_MODULES)}")
+    return None
+
+
+def settings_problem(impl: str, modules: Sequence[str]) -> str | None:
+    """One line naming what is wrong with ``--cuda-graph-impl`` and ``--cuda-graph-modules``
+    together (``coverage_problem`` checks them against a model's nodes)."""
+    problem = impl_problem(impl)
+    if problem is not None:
+        return problem
     if impl == "none":
         return (f"--cuda-graph-modules {' '.join(modules)} needs --cuda-graph-impl local"
                 if modules else None)
@@ -40,12 +60,15 @@ def settings_problem(impl: str, modules: Sequence[str]) -> str | None:
         return ("--cuda-graph-impl local without --cuda-graph-modules captures whole layers, "
                 "whose all-to-alls megapipe overlaps instead; name the modules (attn "
                 "moe_router moe_preprocess, and mlp for dense layers)")
-    for name in modules:
-        if name in REFUSED_MODULES:
-            return f"--cuda-graph-modules {name}: not captured: {REFUSED_MODULES[name]}"
-        if name not in GRAPH_MODULES:
-            return (f"--cuda-graph-modules {name}: unknown; megapipe captures "
-                    f"{', '.join(GRAPH_MODULES)}")
+    return modules_problem(modules)
+
+
+def split_backward_problem(schedule: str, splits_backward: bool, tape: bool) -> str | None:
+    """CUDA graphs with a schedule whose I/W split runs on plain autograd (no overlap): the
+    generic split runs a node's backward twice, which a captured node cannot."""
+    if splits_backward and not tape:
+        return (f"CUDA graphs with {schedule} without the overlap: its plain I/W split runs a "
+                "node's backward twice, which a captured node cannot; turn the overlap on")
     return None
 
 

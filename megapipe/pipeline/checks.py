@@ -114,7 +114,7 @@ def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: S
     W (the generic split would run a captured node's backward twice)."""
     if graphs is None:
         return
-    from megapipe.overlap.graph_rules import coverage_problem
+    from megapipe.overlap.graph_rules import coverage_problem, split_backward_problem
     from megapipe.overlap.plan import layer_graph
     from megapipe.pipeline.stage_module import is_stage_module
 
@@ -126,8 +126,6 @@ def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: S
     if problem is not None:
         raise ValueError(problem)
     split = any(c.kind is Kind.I for row in lowered.actions for a in row for c in a.computations())
-    if split and not tape:
-        raise ValueError(
-            f"CUDA graphs with {lowered.name!r} without the overlap: its plain I/W split runs a "
-            "node's backward twice, which a captured node cannot; build the schedule with "
-            "overlap=True (or use_tape=True)")
+    problem = split_backward_problem(repr(lowered.name), split, tape)
+    if problem is not None:
+        raise ValueError(problem)

@@ -58,7 +58,10 @@ from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
 from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-from megapipe.megatron.mcore_support import activation_shape, check_ddp, finish_router_step
+from megapipe.megatron.mcore_support import (
+    activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
+)
+from megapipe.overlap.graph_rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -109,6 +112,8 @@ class FrontEndOptions:
     reduce_grads: bool = True
     delay_wgrad_compute: bool = False
     record_trace: bool = False
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()
     schedule_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +128,9 @@ class FrontEndOptions:
             raise ValueError(
                 f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
             )
+        problem = settings_problem(self.cuda_graph_impl, self.cuda_graph_modules)
+        if problem is not None:
+            raise ValueError(problem)
         if self.delay_wgrad_compute and not self.overlap:
             raise ValueError(
                 "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
@@ -230,6 +238,7 @@ class MegatronForwardBackward:
             if isinstance(chunk, McoreGPTStage):
                 first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
                 chunk.check_stage(stage, first, last)
+                check_cuda_graphs(o.cuda_graph_impl)
         hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
         if hidden is None and o.pp > 1:
             raise ValueError(
@@ -260,6 +269,7 @@ class MegatronForwardBackward:
             # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
             # the tape in every schedule (McoreGPTStage.needs_tape)
             use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
+            cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
         )
         self._executors[key] = (executor, stages)
         return executor, stages
@@ -355,6 +365,8 @@ def get_forward_backward_func(
     overlap_moe_expert_parallel_comm: bool = False,
     delay_wgrad_compute: bool = False,
     record_trace: bool = False,
+    cuda_graph_impl: str = "none",
+    cuda_graph_modules: Sequence[str] = (),
     **schedule_options: Any,
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
@@ -367,7 +379,11 @@ def get_forward_backward_func(
     expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
     overlap) defers expert weight gradients into the time of a backward all-to-all. With
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
-    ``a2a_time`` and ``exposed_comm_fraction``. Extra keyword arguments are schedule options.
+    ``a2a_time`` and ``exposed_comm_fraction``. ``cuda_graph_impl="local"`` with
+    ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
+    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.overlap.graphs``; on CPU the
+    executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
+    Extra keyword arguments are schedule options.
 
     The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
@@ -383,5 +399,6 @@ def get_forward_backward_func(
         overlap=overlap or overlap_moe_expert_parallel_comm,
         calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
+        cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=tuple(cuda_graph_modules),
         schedule_options=dict(schedule_options),
     ))

@@ -151,7 +151,7 @@ class _Instance:
 
     def __init__(self, api: Any) -> None:
         self.api = api
-        self.busy = False
+        self.lease: _Lease | None = None  # busy while a forward awaits its backward
         self.guards: dict[str, Any] = {}
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.outputs: tuple[torch.Tensor, ...] = ()
@@ -168,7 +168,7 @@ class _Instance:
     def fits(self, state: LayerState) -> bool:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
         handed out: a deferred weight gradient may keep an output) and its guards hold."""
-        return not self.busy and all(getattr(state, name, _MISSING) == value
+        return self.lease is None and all(getattr(state, name, _MISSING) == value
                                      for name, value in self.guards.items()) and all(
             _views(t) <= count for t, count in zip(self.handed, self.counts))
 
@@ -191,17 +191,22 @@ _MISSING = object()
 
 
 class _Lease:
-    """Holds an instance busy for as long as the autograd record of one forward lives."""
+    """Holds an instance busy from one forward replay until its backward replayed (or the
+    autograd record of that forward is dropped without one)."""
 
     __slots__ = ("instance", "backward_done")
 
     def __init__(self, instance: _Instance) -> None:
-        instance.busy = True
+        instance.lease = self
         self.instance = instance
         self.backward_done = False
 
+    def release(self) -> None:
+        if self.instance.lease is self:
+            self.instance.lease = None
+
     def __del__(self) -> None:
-        self.instance.busy = False
+        self.release()
 
 
 class _Replay(torch.autograd.Function):
@@ -246,6 +251,7 @@ class _Replay(torch.autograd.Function):
                                    "captured with one for every output that requires grad")
             static.copy_(grad)
         instance.api.replay(instance.bwd)
+        lease.release()  # its saved activations are spent (a second backward is refused)
         # not detached: autograd then copies them into .grad (or adds), never keeps the buffer
         return (None, None, None, None, *instance.grad_inputs)
 
@@ -363,7 +369,7 @@ class _CapturedNode:
 
     def _check_state(self, recorder: _Recorder) -> None:
         for name, value in recorder._reads.items():
-            if name == "wgrad_queue" and value is not None or isinstance(value, torch.Tensor):
+            if name == "wgrad_queue" or isinstance(value, torch.Tensor):
                 what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
                         "outside graphs" if name == "wgrad_queue" else
                         f"reads state.{name}, a tensor made outside it; a captured node takes "

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.support.host_syncs import sync_op
+from support.host_syncs import sync_op
 
 
 class _RefuseSyncs(TorchDispatchMode):

@@ -19,7 +19,7 @@
 #     links in which megapipe/kernels is the repository's kernels/ (as pyproject maps it), and
 #     PYTHONSAFEPATH=1 so the repository root the sections run from does not shadow it.
 # GPU_CHECK_SETUP=venv or links forces one way (default auto: as above).
-# BUDGET (default 360) is passed as --budget: seconds for all sections together.
+# BUDGET (default 420) is passed as --budget: seconds for all sections together.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -123,4 +123,4 @@ if [ "$SETUP_ONLY" = 1 ]; then
   exit 0
 fi
 export PYTHONUNBUFFERED=1
-exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-360}" "$@"
+exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-420}" "$@"

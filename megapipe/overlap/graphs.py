@@ -164,6 +164,7 @@ class _Instance:
         self.bytes = 0
         self.handed: tuple[torch.Tensor, ...] = ()
         self.counts: tuple[int, ...] = ()
+        self.moved: tuple[bool, ...] = ()  # per input: a parameter whose hook takes its .grad
 
     def fits(self, state: LayerState) -> bool:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
@@ -171,6 +172,10 @@ class _Instance:
         return self.lease is None and all(getattr(state, name, _MISSING) == value
                                      for name, value in self.guards.items()) and all(
             _views(t) <= count for t, count in zip(self.handed, self.counts))
+
+    def returned(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(g.detach() if g is not None and moved else g
+                     for g, moved in zip(self.grad_inputs, self.moved))
 
     def hand_out(self) -> None:
         """Count the views of what replays hand out (outputs, state tensors) at rest."""
@@ -180,6 +185,14 @@ class _Instance:
             seen.setdefault(t.untyped_storage().data_ptr(), t)
         self.handed = tuple(seen.values())
         self.counts = tuple(_views(t) for t in self.handed)
+
+
+def _moves_grad(param: torch.Tensor) -> bool:
+    """Whether autograd's gradient of ``param`` goes straight into its ``main_grad`` (a
+    post-accumulate hook of ``main_grad.attach_main_grads`` or the flat gradient buffers, which
+    leave ``.grad`` None), so a buffer handed to it is never kept."""
+    return getattr(param, "main_grad", None) is not None and bool(
+        getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 def _views(tensor: torch.Tensor) -> int:
@@ -252,8 +265,10 @@ class _Replay(torch.autograd.Function):
             static.copy_(grad)
         instance.api.replay(instance.bwd)
         lease.release()  # its saved activations are spent (a second backward is refused)
-        # not detached: autograd then copies them into .grad (or adds), never keeps the buffer
-        return (None, None, None, None, *instance.grad_inputs)
+        # not detached, autograd copies them into .grad (or adds), never keeping the buffer;
+        # detached, it hands the buffer itself to a parameter whose hook moves it into
+        # main_grad at once (what eager does with its own tensor: no copy)
+        return (None, None, None, None, *instance.returned())
 
 
 class _CapturedNode:
@@ -344,6 +359,7 @@ class _CapturedNode:
         found = iter(found)
         instance.grad_inputs = tuple(next(found) if t.requires_grad else None
                                      for t in instance.inputs + spec.params)
+        instance.moved = (False,) * len(inputs) + tuple(_moves_grad(p) for p in spec.params)
         instance.bytes = (api.reserved() - before + _bytes(instance.inputs)
                           + _bytes(instance.grad_outputs))
         self.graphs.captured += 1

@@ -35,3 +35,12 @@ def test_the_step_times_report_graphs_on_with_their_instances_and_memory(monkeyp
         assert figures[key]["value"] > 0
     assert set(measured) == {(link, graphs) for link in ("no link", "sleep link, comm ~ experts")
                              for graphs in (False, True)}
+
+
+def test_a_captured_node_leaves_only_its_copies_and_accumulations_outside_its_graphs():
+    from graph_launches import count
+
+    for name, (eager, graphed) in count(hidden=32).items():
+        # two replays, the input and output-gradient copies, the auxiliary-loss copy and one
+        # main_grad accumulation per parameter stay outside; the node's own ops do not
+        assert graphed <= 16 and eager >= 5 * graphed, (name, eager, graphed)

@@ -93,8 +93,9 @@ def step_times(ctx, result, config: GPTConfig, micro_batch: int,  # noqa: ANN001
             set_link(stage.moe_layers(), with_link)
             med = _median_steps(ctx, runs, inputs, targets, rounds)
             for graphs in (False, True):
+                key = f"{prefix}{'link_' if with_link else ''}"
                 rows.append(_row(ctx, result, runs, med, inputs, targets, label,
-                                 on if graphs else "off", f"{prefix}{'link_' if with_link else ''}"))
+                                 on if graphs else "off", key))
                 measured[(label, graphs)] = (rows[-1][4], rows[-1][9])
         graphed = runs[("combined", True)].step(inputs, targets)
         zero_grads(stage.parameters())

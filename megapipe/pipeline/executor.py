@@ -133,8 +133,9 @@ class PipelineExecutor:
     timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
     (Megatron's names) replays the static nodes of the stages' plans as CUDA graphs
     (``overlap.graphs``; without CUDA they run eager and ``cuda_graph_note`` says so;
-    ``graph_api``: a stand-in for the graph calls, tests). Pipeline p2p stays on the calling thread; a pair's sends go
-    out from inside it as each half's result is made (``early_sends``, ``early_send_rule``).
+    ``graph_api``: a stand-in for the graph calls, tests). Pipeline p2p stays on the calling
+    thread; a pair's sends go out from inside it as each half's result is made (``early_sends``,
+    ``early_send_rule``).
     """
 
     def __init__(

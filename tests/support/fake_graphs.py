@@ -1,13 +1,14 @@
-"""A stand-in for ``torch.cuda`` graphs on CPU, so ``megapipe.overlap.graphs`` runs in the CPU suite.
+"""A stand-in for ``torch.cuda`` graphs on CPU: ``megapipe.overlap.graphs`` in the CPU suite.
 
 ``FakeGraphApi`` has ``GraphApi``'s methods. A capture runs the function once, as CUDA would
 record it, remembers it and its results (the static buffers), and then fills those results with
 garbage (NaN, or -7777 for integers: a real capture computes nothing), so code that reads a
 capture's results without a replay fails. A capture also refuses host syncs (``item``,
 ``nonzero``...), as a CUDA capture does. A replay runs the function again and copies what it
-returns (in the grad mode of the capture) into the captured results, in place, without touching autograd's version counters (a
-graph's kernels do not either). Every warm-up, capture and replay is recorded in ``events``
-with the stream current at the time (``stream_of()``; default: the calling thread's name).
+returns (in the grad mode of the capture) into the captured results, in place, without touching
+autograd's version counters (a graph's kernels do not either). Every warm-up, capture and replay
+is recorded in ``events`` with the stream current at the time (``stream_of()``; default: the
+calling thread's name).
 """
 
 from __future__ import annotations

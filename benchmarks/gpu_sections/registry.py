@@ -30,7 +30,7 @@ DETERMINISTIC = (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)  # before the process'
 SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("env", 30, 10, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
                 "TFLOP/s (the ceilings the other sections compare with)", needs_cuda=False),
-    SectionSpec("tests", 60, 20, "pytest tests/gpu -rA", needs_cuda=False),
+    SectionSpec("tests", 80, 20, "pytest tests/gpu -rA", needs_cuda=False),
     SectionSpec("syncs", 30, 10, "host syncs of one combined step: every host read by node (only "
                 "the dispatch's documented one), no synchronizing CUDA call, the host's wait in "
                 "the read"),

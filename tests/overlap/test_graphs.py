@@ -238,6 +238,25 @@ def test_a_second_backward_and_a_missing_output_gradient_are_refused() -> None:
         (a.sum() + b.sum()).backward()
 
 
+def test_a_capture_warms_up_then_captures_both_graphs_in_one_pool_then_replays() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    plan, graphs, api = _one_node(lambda s, t: (torch.tanh(t[0]),))
+    out = run_nodes(plan, (x,))[0]
+    assert [e[:2] for e in api.events] == [("warm", -1), ("capture", 1), ("capture", 1),
+                                           ("replay", 1)]
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert [e[:2] for e in api.events[4:]] == [("replay", 1)]
+    (eager,) = torch.autograd.grad(torch.tanh(x).sum(), x)
+    assert torch.equal(out, torch.tanh(x)) and torch.equal(grad, eager)
+    # once nothing views its output the instance is free again; a second forward in flight
+    # captures a second instance, in a pool of its own
+    del out
+    a, b = run_nodes(plan, (x,))[0], run_nodes(plan, (x * 2,))[0]
+    assert [e[:2] for e in api.events[5:]] == [("replay", 1), ("warm", -1), ("capture", 2),
+                                               ("capture", 2), ("replay", 2)]
+    assert torch.equal(a, torch.tanh(x)) and torch.equal(b, torch.tanh(x * 2))
+
+
 def test_an_instance_is_reused_only_when_nothing_views_its_outputs() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     plan, graphs, _ = _one_node(lambda s, t: (t[0] * 2,))

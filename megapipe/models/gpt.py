@@ -160,7 +160,7 @@ class TransformerLayer(nn.Module):
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
         return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
-                         key=lambda: moe.aux_loss_scale, logs=(moe.aux_loss_log,))
+                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]

@@ -149,7 +149,8 @@ class _Replay(torch.autograd.Function):
         instance.api.replay(instance.fwd)
         for name, value in instance.writes.items():
             setattr(state, name, value)
-        for log, values in zip(logs, instance.logged):
+        for (owner, name), values in zip(logs, instance.logged):
+            log = getattr(owner, name)
             for value in values:
                 log.record(value.clone())  # the buffer is written again by the next replay
         ctx.lease = lease
@@ -225,16 +226,20 @@ class CapturedNode:
         recorder = _Recorder(state)
 
         def forward_region() -> tuple[torch.Tensor, ...]:
-            counts = [len(log) for log in spec.logs]
+            # the node records into fresh logs, read here: the values it logs are computed
+            # inside the graph; the logs' earlier entries are not touched
+            kept = [getattr(owner, name) for owner, name in spec.logs]
+            fresh = [type(log)() for log in kept]
+            for (owner, name), log in zip(spec.logs, fresh):
+                setattr(owner, name, log)
             object.__setattr__(recorder, "_writes", {})
-            outputs = _tensors(node.fn(recorder, instance.inputs), "outputs")
+            try:
+                outputs = _tensors(node.fn(recorder, instance.inputs), "outputs")
+            finally:
+                for (owner, name), log in zip(spec.logs, kept):
+                    setattr(owner, name, log)
             live["outputs"] = outputs
-            logged = []
-            for log, count in zip(spec.logs, counts):
-                values = log.pop_all()
-                for value in values[:count]:
-                    log.record(value)
-                logged.append(values[count:])
+            logged = [_tensors(log.pop_all(), "logged values") for log in fresh]
             live["logged"] = logged
             written = tuple(v for v in recorder._writes.values() if isinstance(v, torch.Tensor))
             return outputs + written + tuple(v for values in logged for v in values)

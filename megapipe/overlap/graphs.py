@@ -54,13 +54,15 @@ class Graphable:
     """What a node declares so it can be captured: the Megatron ``modules`` it holds, the
     ``params`` it reads (their gradients come out of its backward graph), ``key()``: the
     hidden inputs its code reads besides its tensors and the layer state (an instance is
-    captured per value: the MoE auxiliary-loss scale), ``logs``: objects it records tensors
-    into (``record``, ``pop_all``, ``len``: the MoE ``AuxLossLog``)."""
+    captured per value: the MoE auxiliary-loss scale), ``logs``: ``(owner, attribute)`` of
+    each log it records into (``owner.attribute.record(value)``; the MoE layer's
+    ``aux_loss_log``): while it is captured it records into a fresh log of the same type, whose
+    ``pop_all()`` gives the tensors each replay records again, copied."""
 
     modules: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
     key: Callable[[], Hashable] | None = None
-    logs: tuple[Any, ...] = ()
+    logs: tuple[tuple[Any, str], ...] = ()
 
 
 class GraphApi:

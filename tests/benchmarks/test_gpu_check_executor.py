@@ -40,7 +40,8 @@ def test_the_step_times_report_graphs_on_with_their_instances_and_memory(monkeyp
 def test_a_captured_node_leaves_only_its_copies_and_accumulations_outside_its_graphs():
     from graph_launches import count
 
-    for name, (eager, graphed) in count(hidden=32).items():
+    small, wide = count(hidden=32), count(hidden=128)
+    for name, (eager, graphed) in small.items():
         # two replays, the input and output-gradient copies, the auxiliary-loss copy and one
-        # main_grad accumulation per parameter stay outside; the node's own ops do not
-        assert graphed <= 16 and eager >= 5 * graphed, (name, eager, graphed)
+        # main_grad accumulation per parameter stay outside, whatever the node computes
+        assert graphed <= 16 and graphed < eager and wide[name][1] == graphed, (name, small)

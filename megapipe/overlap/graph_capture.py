@@ -9,16 +9,24 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from megapipe.overlap.plan import LayerState, Node
 
-if TYPE_CHECKING:
-    from megapipe.overlap.graphs import Graphable, NodeGraphs
-
 WARMUP_RUNS = 1  # eager forward + backward runs before a capture (lazy kernel initialisation)
+
+
+@dataclass
+class GraphStats:
+    """What the captures of one executor hold: the graph calls (``overlap.graphs.GraphApi`` or
+    a stand-in), the instances captured and their bytes (private pools, static buffers)."""
+
+    api: Any
+    captured: int = 0
+    bytes: int = 0
 
 
 def _signature(inputs: Sequence[Any]) -> tuple:
@@ -189,8 +197,9 @@ class _Replay(torch.autograd.Function):
 class CapturedNode:
     """A node's instances by input signature, capture on first use (module docstring)."""
 
-    def __init__(self, node: Node, spec: "Graphable", graphs: "NodeGraphs") -> None:
-        self.node, self.spec, self.graphs = node, spec, graphs
+    def __init__(self, node: Node, spec: Any, stats: GraphStats) -> None:
+        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count."""
+        self.node, self.spec, self.stats = node, spec, stats
         self.instances: dict[tuple, list[_Instance]] = {}
         self.pointers = tuple(p.data_ptr() for p in spec.params)
 
@@ -213,7 +222,7 @@ class CapturedNode:
                              *spec.params)
 
     def _capture(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> _Instance:
-        api, node, spec = self.graphs.api, self.node, self.spec
+        api, node, spec = self.stats.api, self.node, self.spec
         instance = _Instance(api)
         with torch.no_grad():
             instance.inputs = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
@@ -287,8 +296,8 @@ class CapturedNode:
         instance.moved = (False,) * len(inputs) + tuple(_moves_grad(p) for p in spec.params)
         # the pool's segments (the reserved bytes its captures added) and the static buffers
         instance.bytes = pooled + _bytes(instance.inputs) + _bytes(instance.grad_outputs)
-        self.graphs.captured += 1
-        self.graphs.bytes += instance.bytes
+        self.stats.captured += 1
+        self.stats.bytes += instance.bytes
         return instance
 
     def _check_leaves(self, outputs: Sequence[torch.Tensor], wanted: list[torch.Tensor]) -> None:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from megapipe.overlap.graph_capture import CapturedNode
+from megapipe.overlap.graph_capture import CapturedNode, GraphStats
 from megapipe.overlap.graph_rules import selected, settings_problem
 from megapipe.overlap.plan import (
     ChunkedPlan, Fork, Node, NodeKind, Plan, run_nodes,
@@ -118,8 +118,7 @@ class NodeGraphs:
     def __init__(self, modules: Iterable[str], api: Any) -> None:
         self.modules = selected(modules)
         self.api = api
-        self.captured = 0
-        self.bytes = 0
+        self.stats = GraphStats(api)
         self._nodes: dict[int, tuple[Node, CapturedNode]] = {}
         self._plans: dict[int, tuple[Any, Any]] = {}
 
@@ -137,7 +136,7 @@ class NodeGraphs:
                              "or reads the host: it can never be captured")
         held = self._nodes.get(id(node))
         if held is None:  # one set of instances per node of a plan made once
-            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self))
+            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats))
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:
@@ -167,6 +166,16 @@ class NodeGraphs:
         """A node runner that runs each plan's captured form through ``inner`` (None: plain
         autograd, ``run_nodes``)."""
         return GraphRunner(self, inner)
+
+    @property
+    def captured(self) -> int:
+        """Instances captured so far."""
+        return self.stats.captured
+
+    @property
+    def bytes(self) -> int:
+        """Their private pools' reserved bytes and static buffers."""
+        return self.stats.bytes
 
     def describe(self) -> str:
         return (f"{self.captured} graph instances captured, {self.bytes / 2**20:.1f} MiB in "

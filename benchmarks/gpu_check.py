@@ -34,7 +34,7 @@ are rewritten after each section, and the running section writes its figures as 
 moment keeps what it measured. Prints a table at
 the end; the last line is ``N passed, N failed, N skipped``; exit code 1 when a section failed.
 
-    python benchmarks/gpu_check.py --out DIR [--budget 360] [--dry-run] [--sections a,b]
+    python benchmarks/gpu_check.py --out DIR [--budget 420] [--dry-run] [--sections a,b]
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the reports (created)")
-    parser.add_argument("--budget", type=float, default=360.0,
-                        help="seconds for all sections together (default 360)")
+    parser.add_argument("--budget", type=float, default=420.0,
+                        help="seconds for all sections together (default 420)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every section on the CPU with tiny sizes")
     parser.add_argument("--sections", default=None,

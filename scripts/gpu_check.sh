@@ -17,7 +17,7 @@
 #     pip install --no-index --no-deps --no-build-isolation -e .
 #  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at the checkout.
 # GPU_CHECK_SETUP=venv or links forces one way (default auto: as above).
-# BUDGET (default 360) is passed as --budget: seconds for all sections together.
+# BUDGET (default 420) is passed as --budget: seconds for all sections together.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -113,4 +113,4 @@ if [ "$SETUP_ONLY" = 1 ]; then
   exit 0
 fi
 export PYTHONUNBUFFERED=1
-exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-360}" "$@"
+exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-420}" "$@"

@@ -30,14 +30,15 @@ DETERMINISTIC = (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)  # before the process'
 SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("env", 30, 10, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
                 "TFLOP/s (the ceilings the other sections compare with)", needs_cuda=False),
-    SectionSpec("tests", 60, 20, "pytest tests/gpu -rA", needs_cuda=False),
+    SectionSpec("tests", 80, 20, "pytest tests/gpu -rA", needs_cuda=False),
     SectionSpec("syncs", 30, 10, "host syncs of one combined step: every host read by node (only "
                 "the dispatch's documented one), no synchronizing CUDA call, the host's wait in "
                 "the read"),
-    SectionSpec("executor", 60, 25, "pp = 1, 1f1b, 8 microbatches, bf16, deterministic kernels: "
-                "plain vs combined bitwise (with a plain-vs-plain control, and with a slow comm "
-                "stream as race detector), step times, host time, GPU idle share",
-                env=DETERMINISTIC),
+    SectionSpec("executor", 120, 35, "pp = 1, 1f1b, 8 microbatches, bf16, deterministic "
+                "kernels: plain vs combined bitwise, CUDA graphs off and on (with a "
+                "plain-vs-plain control, and with a slow comm stream as race detector); step "
+                "times at hidden 1024 and 4096, graphs off and on: host issue time, kernel time, "
+                "exposed all-to-all, GPU idle share, the graphs' memory", env=DETERMINISTIC),
     SectionSpec("streams", 30, 10, "profiler trace of one combined step: the stream of each "
                 "node's kernels, milliseconds of compute and comm kernels at once"),
     SectionSpec("overlap", 75, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "

@@ -58,7 +58,10 @@ from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
 from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-from megapipe.megatron.mcore_support import activation_shape, check_ddp, finish_router_step
+from megapipe.megatron.mcore_support import (
+    activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
+)
+from megapipe.overlap.graph_rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.p2p import TensorSpec
@@ -111,6 +114,8 @@ class FrontEndOptions:
     record_trace: bool = False
     microbatch_group_size_per_vp_stage: int | None = None  # build_schedule's options
     max_extra_in_flight: int | None = None
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
@@ -124,6 +129,9 @@ class FrontEndOptions:
             raise ValueError(
                 f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
             )
+        problem = settings_problem(self.cuda_graph_impl, self.cuda_graph_modules)
+        if problem is not None:
+            raise ValueError(problem)
         if self.delay_wgrad_compute and not self.overlap:
             raise ValueError(
                 "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
@@ -232,6 +240,7 @@ class MegatronForwardBackward:
             if isinstance(chunk, McoreGPTStage):
                 first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
                 chunk.check_stage(stage, first, last)
+                check_cuda_graphs(o.cuda_graph_impl)
         hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
         if hidden is None and o.pp > 1:
             raise ValueError(
@@ -262,6 +271,7 @@ class MegatronForwardBackward:
             # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
             # the tape in every schedule (McoreGPTStage.needs_tape)
             use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
+            cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
         )
         self._executors[key] = (executor, stages)
         return executor, stages
@@ -359,6 +369,8 @@ def get_forward_backward_func(
     record_trace: bool = False,
     microbatch_group_size_per_vp_stage: int | None = None,
     max_extra_in_flight: int | None = None,
+    cuda_graph_impl: str = "none",
+    cuda_graph_modules: Sequence[str] = (),
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
 
@@ -371,7 +383,10 @@ def get_forward_backward_func(
     overlap) defers expert weight gradients into the time of a backward all-to-all. With
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
     ``a2a_time`` and ``exposed_comm_fraction``. ``microbatch_group_size_per_vp_stage`` and
-    ``max_extra_in_flight`` go to ``build_schedule``.
+    ``max_extra_in_flight`` go to ``build_schedule``. ``cuda_graph_impl="local"`` with
+    ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
+    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.overlap.graphs``; on CPU the
+    executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
 
     The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
@@ -389,4 +404,5 @@ def get_forward_backward_func(
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         max_extra_in_flight=max_extra_in_flight,
+        cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=tuple(cuda_graph_modules),
     ))

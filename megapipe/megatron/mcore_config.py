@@ -231,17 +231,17 @@ RULES: dict[str, Rule] = {
         if c.mlp_chunks_for_training > 1 and c.num_moe_experts else None),
 }
 
+_GRAPHS = ("Megatron's graphs capture its layers' own code, which the adapter re-creates node "
+           "by node, and megapipe's node graphs (overlap.graphs) capture megapipe's GPT only: "
+           "Megatron-Core chunks run eager")
 # fields whose non-default value is refused with a reason (instead of the generic line)
 REASONS = {
     "tp_comm_overlap": "TransformerEngine's userbuffer overlap of tensor-parallel communication",
     "fp8": "FP8 needs TransformerEngine, which is not verified here",
     "fp4": "FP4 needs TransformerEngine, which is not verified here",
-    "cuda_graph_impl": "a CUDA graph replays whole layers, not the nodes the combined step "
-                       "interleaves",
-    "enable_cuda_graph": "a CUDA graph replays whole layers, not the nodes the combined step "
-                         "interleaves",
-    "external_cuda_graph": "a CUDA graph replays whole layers, not the nodes the combined step "
-                           "interleaves",
+    "cuda_graph_impl": _GRAPHS,
+    "enable_cuda_graph": _GRAPHS,
+    "external_cuda_graph": _GRAPHS,
     "cpu_offloading": "activation offloading is not mirrored",
     "fine_grained_activation_offloading": "activation offloading is not mirrored",
     "moe_paged_stash": "the paged stash of expert activations is not mirrored",

@@ -170,3 +170,15 @@ def activation_shape(config: Any, seq_length: int, micro_batch_size: int) -> tup
     if config.sequence_parallel:
         seq //= config.tensor_model_parallel_size
     return (seq, micro_batch_size, config.hidden_size)
+
+
+def check_cuda_graphs(impl: str) -> None:
+    """megapipe's CUDA graphs (``cuda_graph_impl="local"``) capture nodes that declare what they
+    hold (``overlap.graphs.Graphable``); the adapter's Megatron-Core nodes do not, and Megatron's
+    own graph settings are refused with the config (``mcore_config``)."""
+    if impl != "none":
+        raise NotImplementedError(
+            f"cuda_graph_impl={impl!r} with Megatron-Core chunks: megapipe captures its own GPT's "
+            "nodes; the adapter's nodes run Megatron's modules, whose capture (router, "
+            "auxiliary-loss tracker, dispatcher preprocessing) has not been verified on a GPU "
+            "here; run them eager (cuda_graph_impl='none')")

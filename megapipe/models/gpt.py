@@ -33,6 +33,7 @@ from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.graphs import Graphable
 from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
@@ -40,6 +41,17 @@ from megapipe.overlap.plan import (
 )
 
 Tensors = tuple[torch.Tensor, ...]
+MOE_ATTENTION_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
+DENSE_GRAPH_MODULES = ("attn", "mlp")
+"""What a MoE layer's attention node and a dense layer's node hold, in Megatron's CUDA-graph
+module names (``overlap.graphs``)."""
+
+
+def graph_holders(config: GPTConfig) -> list[tuple[str, ...]]:
+    """The modules of each kind of capturable node the model has (``graph_rules``)."""
+    kinds = {config.is_moe_layer(layer) for layer in range(config.num_layers)}
+    return [MOE_ATTENTION_GRAPH_MODULES] * (True in kinds) + [DENSE_GRAPH_MODULES] * (
+        False in kinds)
 
 
 def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,7 +168,8 @@ class TransformerLayer(nn.Module):
         ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
-            return Plan([Node(name, NodeKind.COMPUTE, self._dense)])
+            graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
+            return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
         return ChunkedPlan(
             self._with_residual(self.moe.node_plan()),
             lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
@@ -186,10 +199,22 @@ class TransformerLayer(nn.Module):
             for item in middle
         ]
         return [
-            Node(f"{name}.attention", NodeKind.COMPUTE, attention),
+            Node(f"{name}.attention", NodeKind.COMPUTE, attention,
+                 graphable=self._attention_graphable()),
             *middle,
             Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual),
         ]
+
+    def _attention_graphable(self) -> Graphable:
+        """What the MoE attention node holds for CUDA graphs (``overlap.graphs``): Megatron's
+        attn, moe_router and moe_preprocess (route's permutation into expert order); every
+        parameter of the layer but the experts' (their nodes come later); the auxiliary-loss
+        scale it reads and the log it records into."""
+        moe = self.moe
+        later = ("moe.experts.", "moe.shared_expert.")
+        params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
+        return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
+                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]

@@ -98,7 +98,7 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
             return tuple(node.fn(state, inputs))  # nothing to save: run it plainly
         return _NodeRecompute.apply(node.fn, state, len(inputs), *inputs, *params)
 
-    return replace(node, fn=fn)
+    return replace(node, fn=fn, graphable=None)  # a recomputing node is never captured
 
 
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:

@@ -62,7 +62,9 @@ class Node:
     expected times (optional; when every node of a combined step has them, the combined step
     places deferred weight gradients by time: ``megapipe.pairing.timing``). ``reads_host``: a
     comm node that reads values back to the host (a dropless dispatch's split sizes); a host
-    that only queues work issues it after the compute beside it (``pairing.order``)."""
+    that only queues work issues it after the compute beside it (``pairing.order``), and it is
+    never captured. ``graphable``: what a static compute node holds, so that it may be captured
+    into a CUDA graph (``overlap.graphs.Graphable``; None: never captured)."""
 
     name: str
     kind: NodeKind
@@ -70,6 +72,7 @@ class Node:
     group: Any = None
     times: NodeTimes | None = None
     reads_host: bool = False
+    graphable: Any = None
 
 
 @dataclass(frozen=True)

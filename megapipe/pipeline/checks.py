@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 from torch import nn
 
 from megapipe.pipeline.p2p import TensorSpec
-from megapipe.schedule.ir import Schedule
+from megapipe.schedule.ir import Kind, Schedule
 
 
 def check_executor_options(
@@ -105,3 +105,27 @@ def check_inputs(
                 f"got {len(values)} {name} but the schedule {schedule.name!r} was built "
                 f"for num_microbatches={m}; rebuild the schedule for {len(values)} microbatches"
             )
+
+
+def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: Schedule,
+                        tape: bool) -> None:
+    """With CUDA graphs (``overlap.graphs``): a node holding a selected module is captured whole
+    (``graph_rules.coverage_problem``), and no plain-autograd step splits a backward into I and
+    W (the generic split would run a captured node's backward twice)."""
+    if graphs is None:
+        return
+    from megapipe.overlap.graph_rules import coverage_problem, split_backward_problem
+    from megapipe.overlap.plan import layer_graph
+    from megapipe.pipeline.stage_module import is_stage_module
+
+    holders = {node.graphable.modules
+               for module in stages.values() if is_stage_module(module)
+               for plan in module.layer_plans()
+               for node in layer_graph(plan).nodes if node.graphable is not None}
+    problem = coverage_problem(graphs.modules, holders, whole_model=False)
+    if problem is not None:
+        raise ValueError(problem)
+    split = any(c.kind is Kind.I for row in lowered.actions for a in row for c in a.computations())
+    problem = split_backward_problem(repr(lowered.name), split, tape)
+    if problem is not None:
+        raise ValueError(problem)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.overlap.combined import CombinedStep
+from megapipe.overlap.graphs import node_graphs
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import WarnOnce
 from megapipe.overlap.streams import Streams, make_streams
@@ -38,7 +39,8 @@ from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
-    check_executor_options, check_inputs, check_overlap_options, check_stages,
+    check_executor_options, check_graph_options, check_inputs, check_overlap_options,
+    check_stages,
 )
 from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
 from megapipe.pipeline.grad_sync import sync_step_grads
@@ -73,6 +75,8 @@ class StepResult:
       (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
     - with ``measure_activations=True``: ``activation_bytes`` (peak bytes saved for backward or
       held by the pipeline) and on CUDA ``cuda_activation_bytes`` (``activation_meter``).
+    - with CUDA graphs (``cuda_graph_impl="local"``): ``graph_instances`` captured so far and
+      ``graph_bytes``, their private memory pools and static buffers (``overlap.graphs``).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -84,6 +88,8 @@ class StepResult:
     exposed_comm_fraction: float | None = None
     activation_bytes: int | None = None  # measure_activations: peak bytes saved or held
     cuda_activation_bytes: int | None = None  # and on CUDA: the allocator's peak in the step
+    graph_instances: int | None = None  # CUDA graphs on: instances captured so far
+    graph_bytes: int | None = None  # and the bytes of their private pools and static buffers
 
 
 @dataclass
@@ -124,8 +130,12 @@ class PipelineExecutor:
     (same bits). ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients
     into the backward all-to-alls' time; ``moe_a2a_chunks`` k > 1 records MoE layers with their
     all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
-    timing fields of ``StepResult``. Pipeline p2p stays on the calling thread; a pair's sends go
-    out from inside it as each half's result is made (``early_sends``, ``early_send_rule``).
+    timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
+    (Megatron's names) replays the static nodes of the stages' plans as CUDA graphs
+    (``overlap.graphs``; without CUDA they run eager and ``cuda_graph_note`` says so;
+    ``graph_api``: a stand-in for the graph calls, tests). Pipeline p2p stays on the calling
+    thread; a pair's sends go out from inside it as each half's result is made (``early_sends``,
+    ``early_send_rule``).
     """
 
     def __init__(
@@ -145,6 +155,9 @@ class PipelineExecutor:
         moe_a2a_chunks: int = 1,
         record_trace: bool = False,
         measure_activations: bool = False,
+        cuda_graph_impl: str = "none",
+        cuda_graph_modules: Sequence[str] = (),
+        graph_api: Any = None,
     ) -> None:
         check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
         if grad_reduction == "dp" and groups is not None and groups.config.tp > 1:
@@ -163,8 +176,12 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.spec = spec  # a TensorSpec is a SpecFn too
         self.timeout = timeout
+        # CUDA graphs of static nodes (overlap.graphs); off, with a line to log, without CUDA
+        self.cuda_graphs, self.cuda_graph_note = node_graphs(
+            cuda_graph_impl, cuda_graph_modules, self._device(), graph_api)
         self.workers = {
-            s: StageWorker(s, m, forward_fn, use_tape=use_tape) for s, m in self.stages.items()
+            s: StageWorker(s, m, forward_fn, use_tape=use_tape, graphs=self.cuda_graphs)
+            for s, m in self.stages.items()
         }
         # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
         self.lowered = checked_lowering(schedule)
@@ -178,6 +195,8 @@ class PipelineExecutor:
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
         self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
         check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
+        check_graph_options(self.cuda_graphs, self.stages, self.lowered,
+                            tape=self.has_overlap or use_tape)
         self.record_trace = record_trace
         self.measure_activations = measure_activations
         self.delay_wgrad_compute = delay_wgrad_compute
@@ -273,6 +292,9 @@ class PipelineExecutor:
             sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
                             self.groups, self.grad_reduction)
             state.grads.finish()
+        if self.cuda_graphs is not None:
+            state.result.graph_instances = self.cuda_graphs.captured
+            state.result.graph_bytes = self.cuda_graphs.bytes
         return state.result
 
     def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megapipe.overlap.combined import BackwardHalf, Tape
+from megapipe.overlap.graphs import NodeGraphs
 from megapipe.overlap.sequential import TapeRunner, run_backward
 from megapipe.overlap.plan import NodeRunner, Track
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -69,12 +70,16 @@ class StageWorker:
         module: nn.Module,
         forward_fn: ForwardFn = module_forward,
         use_tape: bool = False,
+        graphs: NodeGraphs | None = None,
     ) -> None:
         self.stage = stage
         self.module = module
         self.forward_fn = forward_fn
         check_stage_module(module, stage)
         self.can_tape = is_stage_module(module)
+        # CUDA graphs of the static nodes (``overlap.graphs``): a StageModule's training
+        # forwards run the captured form of its plans, whatever runs them
+        self.graphs = graphs if self.can_tape else None
         if use_tape and not self.can_tape:
             raise ValueError(
                 f"stage {stage}: use_tape=True needs a StageModule (layer_plans(), node_runner, "
@@ -118,7 +123,8 @@ class StageWorker:
         ``runner`` (a ``CombinedStep``) records the forward layer by layer: driven here, each
         of ``layer_plans()`` through ``runner.run_layer``, or by the module's own forward
         through its ``node_runner`` for a custom ``forward_fn``. Without a runner the forward
-        runs on a tape of its own when ``use_tape`` is set, else with plain autograd.
+        runs on a tape of its own when ``use_tape`` is set, else with plain autograd. With
+        ``graphs`` the captured form of each plan runs (``overlap.graphs.GraphRunner``).
         """
         if microbatch in self._stash:
             raise RuntimeError(
@@ -139,6 +145,8 @@ class StageWorker:
             )
         if runner is None and self.use_tape:
             runner = TapeRunner(self.track, route_input_grads=self.routes_input_grads)
+        if self.graphs is not None:  # the captured form of each plan, through the runner
+            runner = self.graphs.runner(runner)
         tape: Tape | None = None
         if runner is None:
             output = self.forward_fn(self.module, stage_input)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from megapipe.schedule import ScheduleError
+from megapipe.schedule import Kind, ScheduleError
 from megapipe.train.config import (
     model_config, parallel_config, schedule_config, selective_recompute_modules,
 )
@@ -35,6 +35,7 @@ def validate(f: PretrainFlags, world_size: int) -> None:
         raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     _check_options_and_paths(f, parallel)
     _check_profiling(f)
+    _check_cuda_graphs(f, parallel)
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -234,3 +235,35 @@ def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None
         check_corpus(f.data_path, f.seq_length)
     except (OSError, ValueError) as err:
         raise ArgsError(str(err).splitlines()[0]) from None
+
+
+def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig) -> None:
+    """``--cuda-graph-impl`` / ``--cuda-graph-modules`` (or ``--cuda-graph-scope``) against the
+    model's nodes and the schedule (``overlap.graph_rules``)."""
+    from megapipe.overlap.graph_rules import (  # torch: only when flags are run
+        coverage_problem, settings_problem, split_backward_problem,
+    )
+
+    if f.cuda_graph_modules and f.cuda_graph_scope:
+        raise ArgsError("--cuda-graph-scope is Megatron 0.16-0.17's name of --cuda-graph-modules: "
+                        "give one of them")
+    modules = f.cuda_graph_modules or f.cuda_graph_scope
+    problem = settings_problem(f.cuda_graph_impl, modules)
+    if problem is not None:
+        raise ArgsError(problem)
+    if f.cuda_graph_impl == "none":
+        return
+    if f.recompute_granularity == "full":
+        raise ArgsError("--recompute-granularity full with --cuda-graph-impl local: a recomputed "
+                        "node runs its forward again inside its backward, so it is not captured "
+                        "(Megatron allows full recompute only with whole-iteration graphs)")
+    from megapipe.models.gpt import graph_holders
+
+    problem = coverage_problem(modules, graph_holders(model_config(f)))
+    schedule = schedule_config(f, parallel.dp).build()
+    split = any(c.kind is Kind.I for row in schedule.actions for a in row
+                for c in a.computations())
+    problem = problem or split_backward_problem(f"--pipeline-schedule {schedule.name}", split,
+                                                f.overlap_moe_expert_parallel_comm)
+    if problem is not None:
+        raise ArgsError(problem)

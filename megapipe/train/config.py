@@ -64,6 +64,15 @@ class OverlapConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs of static nodes (``overlap.graphs``): Megatron's ``--cuda-graph-impl`` and
+    ``--cuda-graph-modules`` (or its older name ``--cuda-graph-scope``)."""
+
+    impl: str = "none"
+    modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW; warm-up to ``lr``, then ``decay_style`` to ``min_lr`` at ``decay_end``; clipping."""
 
@@ -168,6 +177,7 @@ class JobConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     failures: FailureConfig
+    graphs: GraphConfig = GraphConfig()
 
 
 def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
@@ -196,6 +206,7 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
                               f.profile_step_end or f.profile_step_start, f.use_pytorch_profiler),
         failures=FailureConfig(timedelta(minutes=f.distributed_timeout_minutes),
                                f.exit_signal_handler, f.exit_interval, f.exit_duration_in_mins),
+        graphs=GraphConfig(f.cuda_graph_impl, f.cuda_graph_modules or f.cuda_graph_scope),
     )
 
 

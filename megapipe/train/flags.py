@@ -22,6 +22,7 @@ POSITIVE, COUNT = at_least(1), at_least(0)
 MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (  # --help groups
     "model", "precision", "training", "parallelism", "data parallelism", "activation recompute",
     "data, checkpoints, logging", "failures and preemption", "profiling")
+GRAPHS = "CUDA graphs"
 
 
 def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
@@ -33,6 +34,27 @@ def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
 def _known_schedule(name: str, value: str) -> str | None:
     known = ", ".join(SCHEDULES)
     return None if value in SCHEDULES else f"{name}={value!r} is unknown; known: {known}"
+
+
+# overlap.graph_rules' names (tested equal there), written here so parsing imports no torch
+GRAPH_IMPLS = ("none", "local", "transformer_engine")
+GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess")
+
+
+def _graph_impl(name: str, impl: str) -> str | None:
+    if impl in ("none", "local"):
+        return None
+    from megapipe.overlap.graph_rules import impl_problem
+
+    return impl_problem(impl)
+
+
+def _graph_modules(name: str, modules: tuple[str, ...]) -> str | None:
+    if all(m in GRAPH_MODULES for m in modules):
+        return None
+    from megapipe.overlap.graph_rules import modules_problem
+
+    return (modules_problem(modules) or "").replace("--cuda-graph-modules", name) or None
 
 
 def _no_fp16(name: str, on: bool) -> str | None:
@@ -193,6 +215,20 @@ class PretrainFlags:
     distributed_timeout_minutes: float = flag(
         10.0, "how long any rank waits for another (pipeline receive, all-to-all, gradient "
         "reduction) before it stops naming what it waited on", above(0), finite, group=FAILURES)
+
+    cuda_graph_impl: str = flag(
+        "none", "local: replay the static nodes that --cuda-graph-modules names as CUDA graphs "
+        "(Megatron's local implementation, in megapipe's node split; without CUDA the run says "
+        "so and runs eager); none: eager; transformer_engine: refused (TransformerEngine is "
+        "not used)", _graph_impl, group=GRAPHS,
+        choices=GRAPH_IMPLS)
+    cuda_graph_modules: tuple[str, ...] = flag(
+        (), f"with --cuda-graph-impl local: any of {', '.join(GRAPH_MODULES)} (Megatron's "
+        "names; megapipe captures whole nodes: a MoE layer's attention node holds attn, "
+        "moe_router and moe_preprocess, a dense layer's node attn and mlp)", _graph_modules,
+        group=GRAPHS)
+    cuda_graph_scope: tuple[str, ...] = flag(
+        (), "Megatron 0.16-0.17's name of --cuda-graph-modules", _graph_modules, group=GRAPHS)
 
     profile_trace: str | None = flag(
         None, "write one Perfetto/Chrome trace of every rank's steps --profile-step-start.."

@@ -106,7 +106,8 @@ def build_job(config: JobConfig) -> Job:
                         torch.bfloat16 if bf16 else torch.float32),
         delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
         record_trace=overlap.record_trace, measure_activations=config.logging.activation_memory,
-        timeout=timeout.total_seconds(),
+        timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
+        cuda_graph_modules=config.graphs.modules,
     )
     files = resolve_data_files(data.paths)
     splits = split_corpus(load_tokens(files), model.seq_length)
@@ -173,6 +174,8 @@ def describe(job: Job) -> list[str]:
         lines.append(model.moe_link.describe())
     if job.dp_sync is not None:
         lines.append(data_parallel_text(job))
+    if job.executor.cuda_graph_note is not None:  # graphs on, or off without CUDA
+        lines.append(job.executor.cuda_graph_note)
     lines.append(placement_line())
     return lines
 

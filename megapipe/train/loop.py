@@ -117,9 +117,11 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                 return
         if result.losses:
             overlap = logger.overlap_summary()
+            graphs = job.executor.cuda_graphs
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
-                f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}"))
+                f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}")
+                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}"))
     finally:
         profiler.close()
         logger.close()

@@ -13,7 +13,7 @@ import torch
 
 from support.rank_pool import results_by_case
 from support.combined_cases import (
-    bitwise_cases, concurrency_run, front_end_run, non_node_stage, traced_run,
+    bitwise_cases, concurrency_run, front_end_run, graph_cases, non_node_stage, traced_run,
 )
 from support.pipeline_cases import Case
 
@@ -38,6 +38,23 @@ BITWISE_CASES = [
 ]
 # bf16 runs the same layouts with the reference model: each family meets both models
 BF16_CASES = [dataclasses.replace(case, model="reference") for case in BITWISE_CASES]
+
+GRAPH_CASES = [Case("1f1b", 2, ep=2, dp=2), Case("zbv", 2, vpp=2, ep=2, dp=2)]
+
+
+@pytest.fixture(scope="module")
+def graph_verdicts(rank_pools):
+    per_rank = rank_pools(8).run(graph_cases, GRAPH_CASES)
+    return results_by_case(per_rank, GRAPH_CASES)
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=str)
+def test_cuda_graphs_keep_plain_and_combined_bitwise(graph_verdicts, case):
+    """bf16, the static nodes captured (the CPU stand-in of ``torch.cuda`` graphs): every
+    schedule's losses and fp32 main gradients are those of the plain schedule without graphs."""
+    for rank, problems in enumerate(graph_verdicts[case]):
+        assert problems == [], f"graphs {case} rank {rank}: {problems[:4]}"
+
 
 # the four pairings inside a steady-state MoE layer: (comm stream node, compute stream node)
 FOUR_PAIRS = {

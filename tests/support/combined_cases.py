@@ -26,19 +26,24 @@ from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
 from megapipe.train.mixed_precision import cast_to_bf16
+from support.fake_graphs import FakeGraphApi
 from support.pipeline_cases import (
     CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,
 )
 
 
+GRAPH_MODULES = ("attn", "moe_router", "mlp")
+
+
 def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = False,
-         bf16: bool = False, chunks: int = 1):
+         bf16: bool = False, chunks: int = 1, graphs: bool = False):
     """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s).
 
     ``config``: the model (default: the case's, ``Case.config``).
     ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
     trains with); the gradients compared are then the float32 main gradients. ``chunks``: the
-    all-to-alls in that many expert groups (``moe_a2a_chunks``)."""
+    all-to-alls in that many expert groups (``moe_a2a_chunks``). ``graphs``: the static nodes
+    as CUDA graphs, through the CPU stand-in (``fake_graphs``)."""
     config = case.config if config is None else config
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
@@ -56,6 +61,8 @@ def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = Fals
     with PipelineExecutor(
         schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
         delay_wgrad_compute=delay, record_trace=trace, moe_a2a_chunks=chunks,
+        **(dict(cuda_graph_impl="local", cuda_graph_modules=GRAPH_MODULES,
+                graph_api=FakeGraphApi()) if graphs else {}),
     ) as executor:
         dist.barrier(groups.pp)
         start = time.perf_counter()
@@ -89,6 +96,32 @@ def bitwise_cases(cases: list[Case], bf16: bool = False) -> list[list[str] | Non
             delayed = _run(case, overlap=True, delay=True, bf16=bf16)
             problems = [f"combined: {p}" for p in _differences(plain, combined)]
             problems += [f"combined+delay: {p}" for p in _differences(plain, delayed)]
+            out.append(problems)
+        else:
+            out.append(None)
+        dist.barrier()
+    return out
+
+
+def graph_cases(cases: list[Case], bf16: bool = True) -> list[list[str] | None]:
+    """Per case: what differs from the plain schedule without graphs when the static nodes are
+    CUDA graphs (the CPU stand-in), in the plain schedule (unless it splits I and W on plain
+    autograd, which graphs refuse), the combined one and the combined one with deferred weight
+    gradients (empty: bitwise); and that each run captured graphs."""
+    prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
+    out = []
+    for case in cases:
+        if dist.get_rank() < case.world:
+            reference = _run(case, overlap=False, delay=False, bf16=bf16)
+            ways = {"combined": (True, False), "combined+delay": (True, True)}
+            if case.schedule not in ("zb1p", "zbv"):
+                ways["plain"] = (False, False)
+            problems = []
+            for way, (overlap, delay) in ways.items():
+                run = _run(case, overlap=overlap, delay=delay, bf16=bf16, graphs=True)
+                problems += [f"{way} with graphs: {p}" for p in _differences(reference, run)]
+                if not run[2].graph_instances:
+                    problems.append(f"{way}: no graph was captured")
             out.append(problems)
         else:
             out.append(None)

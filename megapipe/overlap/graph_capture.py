@@ -1,0 +1,327 @@
+"""One static node's CUDA graphs: capture on first use, replay, the recording layer state.
+
+``CapturedNode`` is the function ``overlap.graphs.NodeGraphs`` puts in place of a captured
+node's own: per input signature it keeps *instances* (static buffers, a forward and a backward
+graph in one private pool, the state the node writes, the guards on what it reads), captures one
+when none is free, and replays it through ``_Replay``, an autograd function whose backward
+replays the backward graph. The rules it follows are in ``overlap.graphs``'s docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from megapipe.overlap.plan import LayerState, Node
+
+WARMUP_RUNS = 1  # eager forward + backward runs before a capture (lazy kernel initialisation)
+
+
+@dataclass
+class GraphStats:
+    """What the captures of one executor hold: the graph calls (``overlap.graphs.GraphApi`` or
+    a stand-in), the instances captured and their bytes (private pools, static buffers)."""
+
+    api: Any
+    captured: int = 0
+    bytes: int = 0
+
+
+def _signature(inputs: Sequence[Any]) -> tuple:
+    return tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+                 if isinstance(x, torch.Tensor) else ("value", x) for x in inputs)
+
+
+def _tensors(values: Any, what: str) -> tuple[torch.Tensor, ...]:
+    values = tuple(values)
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"a captured node's {what} must be tensors, got {type(v).__name__}")
+    return values
+
+
+def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Recorder(LayerState):
+    """The layer state a node sees while it is captured: writes kept, reads recorded."""
+
+    def __init__(self, base: LayerState) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_writes", {})
+        object.__setattr__(self, "_reads", {})
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("_"):
+            return object.__getattribute__(self, name)
+        writes = object.__getattribute__(self, "_writes")
+        if name in writes:
+            return writes[name]
+        value = getattr(object.__getattribute__(self, "_base"), name)
+        object.__getattribute__(self, "_reads")[name] = value
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._writes[name] = value
+
+
+class _Instance:
+    """One captured copy of a node: its graphs, static buffers, state writes and guards."""
+
+    def __init__(self, api: Any) -> None:
+        self.api = api
+        self.lease: _Lease | None = None  # busy while a forward awaits its backward
+        self.guards: dict[str, Any] = {}
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.outputs: tuple[torch.Tensor, ...] = ()
+        self.writes: dict[str, Any] = {}
+        self.logged: list[list[torch.Tensor]] = []
+        self.grad_outputs: list[torch.Tensor | None] = []
+        self.grad_inputs: tuple[torch.Tensor | None, ...] = ()
+        self.fwd: Any = None
+        self.bwd: Any = None
+        self.bytes = 0
+        self.handed: tuple[torch.Tensor, ...] = ()
+        self.counts: tuple[int, ...] = ()
+        self.moved: tuple[bool, ...] = ()  # per input: a parameter whose hook takes its .grad
+
+    def fits(self, state: LayerState) -> bool:
+        """Free (no forward whose autograd record lives, no tensor outside viewing what it
+        handed out: a deferred weight gradient may keep an output) and its guards hold."""
+        return self.lease is None and all(getattr(state, name, _MISSING) == value
+                                     for name, value in self.guards.items()) and all(
+            _views(t) <= count for t, count in zip(self.handed, self.counts))
+
+    def returned(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(g.detach() if g is not None and moved else g
+                     for g, moved in zip(self.grad_inputs, self.moved))
+
+    def hand_out(self) -> None:
+        """Count the views of what replays hand out (outputs, state tensors) at rest."""
+        seen: dict[int, torch.Tensor] = {}
+        for t in self.outputs + tuple(v for v in self.writes.values()
+                                      if isinstance(v, torch.Tensor)):
+            seen.setdefault(t.untyped_storage().data_ptr(), t)
+        self.handed = tuple(seen.values())
+        self.counts = tuple(_views(t) for t in self.handed)
+
+
+def _moves_grad(param: torch.Tensor) -> bool:
+    """Whether autograd's gradient of ``param`` goes straight into its ``main_grad`` (a
+    post-accumulate hook of ``main_grad.attach_main_grads`` or the flat gradient buffers, which
+    leave ``.grad`` None), so a buffer handed to it is never kept."""
+    return getattr(param, "main_grad", None) is not None and bool(
+        getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def _views(tensor: torch.Tensor) -> int:
+    """How many tensors view ``tensor``'s storage (plus one: the storage object asked)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+_MISSING = object()
+
+
+class _Lease:
+    """Holds an instance busy from one forward replay until its backward replayed (or the
+    autograd record of that forward is dropped without one)."""
+
+    __slots__ = ("instance", "backward_done")
+
+    def __init__(self, instance: _Instance) -> None:
+        instance.lease = self
+        self.instance = instance
+        self.backward_done = False
+
+    def release(self) -> None:
+        if self.instance.lease is self:
+            self.instance.lease = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs in, replay, apply the state writes. Backward: copy the output
+    gradients in, replay, hand out the static input and parameter gradients."""
+
+    @staticmethod
+    def forward(ctx, lease: _Lease, state: LayerState, logs: tuple,  # type: ignore[override]
+                num_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        instance = lease.instance
+        for static, x in zip(instance.inputs, tensors[:num_inputs]):
+            static.copy_(x)
+        instance.api.replay(instance.fwd)
+        for name, value in instance.writes.items():
+            setattr(state, name, value)
+        for (owner, name), values in zip(logs, instance.logged):
+            log = getattr(owner, name)
+            for value in values:
+                log.record(value.clone())  # the buffer is written again by the next replay
+        ctx.lease = lease
+        ctx.set_materialize_grads(False)
+        outputs = tuple(o.detach() for o in instance.outputs)
+        ctx.mark_non_differentiable(*(o for o, s in zip(outputs, instance.outputs)
+                                      if not s.requires_grad))
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        lease: _Lease = ctx.lease
+        instance = lease.instance
+        if lease.backward_done:
+            raise RuntimeError("a captured node's backward ran twice on one forward (the "
+                               "generic I/W split of a plain zero-bubble schedule); its graph "
+                               "may have reused its saved activations: run such schedules with "
+                               "the overlap, or without CUDA graphs")
+        lease.backward_done = True
+        for static, grad in zip(instance.grad_outputs, grads):
+            if static is None:
+                continue
+            if grad is None:
+                raise RuntimeError("a captured node's output got no gradient, but its graph was "
+                                   "captured with one for every output that requires grad")
+            static.copy_(grad)
+        instance.api.replay(instance.bwd)
+        lease.release()  # its saved activations are spent (a second backward is refused)
+        # not detached, autograd copies them into .grad (or adds), never keeping the buffer;
+        # detached, it hands the buffer itself to a parameter whose hook moves it into
+        # main_grad at once (what eager does with its own tensor: no copy)
+        return (None, None, None, None, *instance.returned())
+
+
+class CapturedNode:
+    """A node's instances by input signature, capture on first use (module docstring)."""
+
+    def __init__(self, node: Node, spec: Any, stats: GraphStats) -> None:
+        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count."""
+        self.node, self.spec, self.stats = node, spec, stats
+        self.instances: dict[tuple, list[_Instance]] = {}
+        self.pointers = tuple(p.data_ptr() for p in spec.params)
+
+    def __call__(self, state: LayerState, inputs: tuple) -> tuple[torch.Tensor, ...]:
+        inputs = _tensors(inputs, "inputs")
+        spec = self.spec
+        if not torch.is_grad_enabled() or not any(
+                t.requires_grad for t in inputs + spec.params):  # nothing to save: eager
+            return tuple(self.node.fn(state, inputs))
+        if tuple(p.data_ptr() for p in spec.params) != self.pointers:
+            raise RuntimeError(f"node {self.node.name!r}: a parameter's storage moved since its "
+                               "graphs were captured (they would read the old memory)")
+        key = (_signature(inputs), spec.key() if spec.key is not None else None)
+        found = self.instances.setdefault(key, [])
+        instance = next((i for i in found if i.fits(state)), None)
+        if instance is None:
+            instance = self._capture(state, inputs)
+            found.append(instance)
+        return _Replay.apply(_Lease(instance), state, spec.logs, len(inputs), *inputs,
+                             *spec.params)
+
+    def _capture(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> _Instance:
+        api, node, spec = self.stats.api, self.node, self.spec
+        instance = _Instance(api)
+        with torch.no_grad():
+            instance.inputs = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
+                                                        device=x.device).copy_(x)
+                                    for x in inputs)
+        for static, x in zip(instance.inputs, inputs):
+            static.requires_grad_(x.requires_grad)
+        wanted = [t for t in instance.inputs + spec.params if t.requires_grad]
+        live: dict[str, Any] = {}
+        recorder = _Recorder(state)
+
+        def forward_region() -> tuple[torch.Tensor, ...]:
+            # the node records into fresh logs, read here: the values it logs are computed
+            # inside the graph; the logs' earlier entries are not touched
+            kept = [getattr(owner, name) for owner, name in spec.logs]
+            fresh = [type(log)() for log in kept]
+            for (owner, name), log in zip(spec.logs, fresh):
+                setattr(owner, name, log)
+            object.__setattr__(recorder, "_writes", {})
+            try:
+                outputs = _tensors(node.fn(recorder, instance.inputs), "outputs")
+            finally:
+                for (owner, name), log in zip(spec.logs, kept):
+                    setattr(owner, name, log)
+            live["outputs"] = outputs
+            logged = [_tensors(log.pop_all(), "logged values") for log in fresh]
+            live["logged"] = logged
+            written = tuple(v for v in recorder._writes.values() if isinstance(v, torch.Tensor))
+            return outputs + written + tuple(v for values in logged for v in values)
+
+        def backward_region() -> tuple[torch.Tensor | None, ...]:
+            roots = [o for o in live["outputs"] if o.requires_grad]
+            grads = [g for g in instance.grad_outputs if g is not None]
+            if not roots or not wanted:
+                return ()
+            return torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+
+        def warm() -> None:
+            forward_region()
+            roots = [o for o in live["outputs"] if o.requires_grad]
+            if roots and wanted:
+                torch.autograd.grad(roots, wanted, [torch.ones_like(o) for o in roots],
+                                    allow_unused=True)
+            live.clear()
+
+        with torch.enable_grad():
+            for _ in range(WARMUP_RUNS):
+                api.warm(warm)
+            # thread_local: other threads (NCCL's watchdog, autograd's device thread) may make
+            # calls a global capture would forbid them; work they queue on the stream is captured
+            before = api.reserved()
+            instance.fwd, _ = api.capture(forward_region, None, "thread_local")
+            pooled = api.reserved() - before
+            instance.outputs = live["outputs"]
+            self._check_leaves(instance.outputs, wanted)
+            instance.logged = live["logged"]
+            instance.grad_outputs = [torch.empty_like(o) if o.requires_grad else None
+                                     for o in instance.outputs]
+            before = api.reserved()
+            instance.bwd, found = api.capture(backward_region, api.pool(instance.fwd),
+                                              "thread_local")
+            pooled += api.reserved() - before
+        self._check_state(recorder)
+        instance.writes = dict(recorder._writes)
+        instance.guards = dict(recorder._reads)
+        live.clear()
+        instance.hand_out()
+        found = iter(found)
+        instance.grad_inputs = tuple(next(found, None) if t.requires_grad else None
+                                     for t in instance.inputs + spec.params)
+        instance.moved = (False,) * len(inputs) + tuple(_moves_grad(p) for p in spec.params)
+        # the pool's segments (the reserved bytes its captures added) and the static buffers
+        instance.bytes = pooled + _bytes(instance.inputs) + _bytes(instance.grad_outputs)
+        self.stats.captured += 1
+        self.stats.bytes += instance.bytes
+        return instance
+
+    def _check_leaves(self, outputs: Sequence[torch.Tensor], wanted: list[torch.Tensor]) -> None:
+        """Every tensor the captured outputs' gradients reach is an input or a declared
+        parameter (else its gradient would be lost: refused)."""
+        known = {id(t) for t in wanted}
+        seen, todo = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
+        while todo:
+            fn = todo.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            leaf = getattr(fn, "variable", None)
+            if leaf is not None and id(leaf) not in known:
+                raise RuntimeError(f"node {self.node.name!r} cannot be captured: it uses a "
+                                   f"tensor of shape {tuple(leaf.shape)} that needs a gradient "
+                                   "but is neither its input nor in Graphable.params")
+            todo.extend(f for f, _ in fn.next_functions if f is not None)
+
+    def _check_state(self, recorder: _Recorder) -> None:
+        for name, value in recorder._reads.items():
+            if name == "wgrad_queue" or isinstance(value, torch.Tensor):
+                what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
+                        "outside graphs" if name == "wgrad_queue" else
+                        f"reads state.{name}, a tensor made outside it; a captured node takes "
+                        "its tensors through its inputs")
+                raise RuntimeError(f"node {self.node.name!r} cannot be captured: it {what}")

@@ -1,0 +1,317 @@
+"""CUDA graphs of static nodes (``megapipe.overlap.graphs``), on CPU with the graph stand-in.
+
+``tests.support.fake_graphs.FakeGraphApi`` records each captured function and replays it on
+the static buffers (a capture's results are garbage until replayed, host syncs are refused), so
+what the capture logic decides runs here: what is captured, the static buffers, which instance
+replays, the state writes, the gradients, the refusals.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megapipe.models import GPTConfig, build_stage
+from megapipe.models.gpt import gpt_loss, graph_holders
+from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
+from megapipe.overlap.graph_rules import (
+    GRAPH_IMPLS, GRAPH_MODULES, coverage_problem, settings_problem,
+)
+from megapipe.overlap.graphs import Graphable, NodeGraphs, node_graphs
+from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
+from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.train import flags
+from megapipe.train.mixed_precision import cast_to_bf16
+from support.fake_graphs import FakeGraphApi
+
+CONFIG = GPTConfig(hidden_size=32, num_layers=3, num_heads=2, seq_length=16, ffn_hidden_size=64,
+                   num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, first_k_dense_layers=1,
+                   moe_aux_loss_coeff=0.01)
+MODULES = ("attn", "moe_router", "mlp")
+
+
+def _batches(count: int, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.randint(0, 256, (count, 2, seq + 1), generator=torch.Generator().manual_seed(3))
+    return [(row[:, :-1], row[:, 1:]) for row in ids]
+
+
+def _stage(bf16: bool = False, config: GPTConfig = CONFIG):  # noqa: ANN202
+    stage = build_stage(config, 0, 1)
+    if bf16:
+        cast_to_bf16([stage], list(stage.parameters()))
+    return stage
+
+
+def _grads(stage) -> list[torch.Tensor | None]:  # noqa: ANN001
+    return [accumulated_grad(p) for p in stage.parameters()]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is not None and y is not None and torch.equal(x, y)
+                                    for x, y in zip(a, b))
+
+
+def _tape_run(stage, graphs: NodeGraphs | None, batches, in_flight: int = 1):  # noqa: ANN001
+    """Forward ``in_flight`` microbatches on tapes, then their backwards, repeatedly."""
+    plans = stage.layer_plans() if graphs is None else [graphs.plan(p) for p in
+                                                        stage.layer_plans()]
+    losses = []
+    for start in range(0, len(batches), in_flight):
+        held = []
+        for ids, labels in batches[start:start + in_flight]:
+            (out,), tape = record_forward(plans, (ids,))
+            loss = gpt_loss(out, labels)
+            held.append((out, tape, loss))
+            losses.append(loss.detach())
+        for out, tape, loss in held:
+            (grad,) = torch.autograd.grad(loss, out)
+            run_backward(tape, (grad,))
+    return losses
+
+
+def _plain_run(stage, graphs: NodeGraphs | None, batches):  # noqa: ANN001
+    stage.node_runner = None if graphs is None else graphs.runner()
+    try:
+        losses = []
+        for ids, labels in batches:
+            loss = gpt_loss(stage(ids), labels)
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+    finally:
+        stage.node_runner = None
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("path", ["plain", "tape"])
+def test_graphs_give_the_eager_bits_and_capture_each_node_once(path: str, bf16: bool) -> None:
+    batches = _batches(3)
+    run = _plain_run if path == "plain" else _tape_run
+    eager = _stage(bf16)
+    eager_losses = run(eager, None, batches)
+    stage, api = _stage(bf16), FakeGraphApi()
+    graphs = NodeGraphs(MODULES, api)
+    losses = run(stage, graphs, batches)
+    assert _same(eager_losses, losses) and _same(_grads(eager), _grads(stage))
+    # a dense node and two MoE attention nodes, each captured once (forward and backward) and
+    # replayed once per microbatch each way; one instance each: every backward ran before the
+    # next forward
+    assert graphs.captured == 3 and api.count("capture") == 6
+    assert api.count("replay") == 2 * 3 * len(batches)
+    assert graphs.bytes > 0
+
+
+def test_forwards_in_flight_get_their_own_instances_and_new_shapes_their_own_graphs() -> None:
+    eager, stage = _stage(), _stage()
+    graphs = NodeGraphs(MODULES, FakeGraphApi())
+    batches = _batches(4) + _batches(2, seq=8)
+    assert _same(_tape_run(eager, None, batches, in_flight=2),
+                 _tape_run(stage, graphs, batches, in_flight=2))
+    assert _same(_grads(eager), _grads(stage))
+    # two forwards before their backwards: two instances per node; seq 8: two more each
+    assert graphs.captured == 3 * 2 + 3 * 2
+
+
+def test_a_combined_step_replays_its_graphs_on_the_compute_stream() -> None:
+    batches = _batches(2)
+    results = []
+    for graphs in (None, NodeGraphs(MODULES, FakeGraphApi())):
+        stage = _stage()
+        plans = stage.layer_plans() if graphs is None else [graphs.plan(p) for p in
+                                                            stage.layer_plans()]
+        (out_b,), tape_b = record_forward(plans, (batches[0][0],))
+        (grad,) = torch.autograd.grad(gpt_loss(out_b, batches[0][1]), out_b)
+        with make_streams("cpu") as streams:
+            (out_f,), _, _ = combined_step(plans, (batches[1][0],), tape_b, (grad,), streams,
+                                           delay_wgrad_compute=True)
+        results.append((out_f, _grads(stage)))
+        if graphs is not None:  # the comm stream's worker never ran a graph
+            threads = {stream for kind, _, stream in graphs.api.events if kind == "replay"}
+            assert threads == {threading.current_thread().name}
+            assert graphs.captured == 6  # the pair holds two microbatches of every node
+    assert torch.equal(results[0][0], results[1][0]) and _same(results[0][1], results[1][1])
+
+
+def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:
+    stage = _stage()
+    graphs = NodeGraphs(MODULES, FakeGraphApi())
+    plan = graphs.plan(stage.layer_plans()[2])  # layer 1: MoE
+    moe = stage.layers["1"].moe
+    eager_plan = stage.layer_plans()[2]
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    for scale in (0.5, 0.5, 0.25):  # a new scale (Graphable.key) captures a new instance
+        moe.aux_loss_scale = scale
+        out_eager = run_nodes(eager_plan, (x,))[0]
+        (g_eager,) = torch.autograd.grad(out_eager.sum(), x)
+        eager_log = moe.aux_loss_log.pop_all()
+        state = LayerState()
+        out = run_nodes(plan, (x,), state)[0]
+        (g,) = torch.autograd.grad(out.sum(), x)
+        log = moe.aux_loss_log.pop_all()
+        assert torch.equal(out, out_eager) and torch.equal(g, g_eager)
+        assert len(log) == len(eager_log) == 1 and torch.equal(log[0], eager_log[0])
+        assert torch.equal(state.row_choice, _route_state(stage, x).row_choice)
+    assert graphs.captured == 2
+
+
+def _route_state(stage, x: torch.Tensor) -> LayerState:  # noqa: ANN001
+    state = LayerState()
+    with torch.no_grad():
+        stage.layer_plans()[2][0].fn(state, (x,))
+    stage.layers["1"].moe.aux_loss_log.pop_all()
+    return state
+
+
+def test_what_is_captured_follows_the_modules() -> None:
+    stage = _stage()
+    plans = stage.layer_plans()
+    for modules, captured in ((("attn", "mlp"), ["layer0"]),
+                              (("attn", "moe_preprocess"), ["layer1.attention",
+                                                            "layer2.attention"])):
+        graphs = NodeGraphs(modules, FakeGraphApi())
+        names = [n.name for p in plans for n, w in zip(p, graphs.plan(p))
+                 if isinstance(n, Node) and w.fn is not n.fn]
+        assert names == captured
+    # comm nodes and host-reading nodes are never wrapped, even when they declare modules
+    graphs = NodeGraphs(("attn",), FakeGraphApi())
+    spec = Graphable(("attn",), ())
+    for node in (Node("a2a", NodeKind.COMM, lambda s, t: t, graphable=spec),
+                 Node("reads", NodeKind.COMPUTE, lambda s, t: t, reads_host=True,
+                      graphable=spec)):
+        with pytest.raises(ValueError, match=f"node '{node.name}' .* can never be captured"):
+            graphs.plan(Plan([node]))
+
+
+def _one_node(fn, params=(), **spec) -> tuple[Plan, NodeGraphs, FakeGraphApi]:  # noqa: ANN001
+    api = FakeGraphApi()
+    graphs = NodeGraphs(("attn",), api)
+    node = Node("n", NodeKind.COMPUTE, fn, graphable=Graphable(("attn",), tuple(params), **spec))
+    return graphs.plan(Plan([node])), graphs, api
+
+
+def test_a_node_that_reads_a_tensor_from_the_state_or_defers_wgrad_is_refused() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    plan, _, _ = _one_node(lambda s, t: (t[0] * s.scale,))
+    state = LayerState()
+    state.scale = torch.ones(8)
+    with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor made outside it"):
+        run_nodes(plan, (x,), state)
+    weight = torch.randn(2, 8, 8, requires_grad=True)
+
+    def deferring(state: LayerState, tensors: tuple) -> tuple:
+        return (grouped_matmul(tensors[0], (2, 2), weight, state=state),)
+
+    plan, _, _ = _one_node(deferring, [weight])
+    with pytest.raises(RuntimeError, match=r"defers weight gradients"):  # its queue comes later
+        run_nodes(plan, (x,))
+
+
+def test_undeclared_parameters_host_syncs_and_moved_storage_are_refused() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(8, 8, requires_grad=True)
+    plan, _, _ = _one_node(lambda s, t: (t[0] @ weight,))
+    with pytest.raises(RuntimeError, match=r"shape \(8, 8\) that needs a gradient but is "
+                                           "neither its input nor in Graphable.params"):
+        run_nodes(plan, (x,))
+    plan, _, _ = _one_node(lambda s, t: (t[0] * t[0].sum().item(),))
+    with pytest.raises(RuntimeError, match=r"host sync \(item\) inside a CUDA graph capture"):
+        run_nodes(plan, (x,))
+    plan, _, _ = _one_node(lambda s, t: (t[0] @ weight,), [weight])
+    run_nodes(plan, (x,))[0].sum().backward()
+    weight.data = weight.data.clone()
+    with pytest.raises(RuntimeError, match="a parameter's storage moved"):
+        run_nodes(plan, (x,))
+
+
+def test_a_second_backward_and_a_missing_output_gradient_are_refused() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    plan, _, _ = _one_node(lambda s, t: (t[0] * 2, t[0] * 3))
+    a, b = run_nodes(plan, (x,))
+    with pytest.raises(RuntimeError, match="output got no gradient"):
+        a.sum().backward()
+    a, b = run_nodes(plan, (x,))
+    (a.sum() + b.sum()).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice on one forward"):
+        (a.sum() + b.sum()).backward()
+
+
+def test_a_capture_warms_up_then_captures_both_graphs_in_one_pool_then_replays() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    plan, graphs, api = _one_node(lambda s, t: (torch.tanh(t[0]),))
+    out = run_nodes(plan, (x,))[0]
+    assert [e[:2] for e in api.events] == [("warm", -1), ("capture", 1), ("capture", 1),
+                                           ("replay", 1)]
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert [e[:2] for e in api.events[4:]] == [("replay", 1)]
+    (eager,) = torch.autograd.grad(torch.tanh(x).sum(), x)
+    assert torch.equal(out, torch.tanh(x)) and torch.equal(grad, eager)
+    # once nothing views its output the instance is free again; a second forward in flight
+    # captures a second instance, in a pool of its own
+    del out
+    a, b = run_nodes(plan, (x,))[0], run_nodes(plan, (x * 2,))[0]
+    assert [e[:2] for e in api.events[5:]] == [("replay", 1), ("warm", -1), ("capture", 2),
+                                               ("capture", 2), ("replay", 2)]
+    assert torch.equal(a, torch.tanh(x)) and torch.equal(b, torch.tanh(x * 2))
+
+
+def test_an_instance_is_reused_only_when_nothing_views_its_outputs() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    plan, graphs, _ = _one_node(lambda s, t: (t[0] * 2,))
+    kept = run_nodes(plan, (x,))[0]
+    kept.sum().backward()  # its forward's record is gone, but ``kept`` still views the buffer
+    second = run_nodes(plan, (x * 3,))[0]
+    assert graphs.captured == 2 and torch.equal(kept, x * 2) and torch.equal(second, x * 6)
+    del kept
+    second.sum().backward()
+    run_nodes(plan, (x,))
+    assert graphs.captured == 2
+
+
+def test_evaluation_runs_eager() -> None:
+    stage = _stage()
+    graphs = NodeGraphs(MODULES, FakeGraphApi())
+    stage.node_runner = graphs.runner()
+    with torch.no_grad():
+        stage(_batches(1)[0][0])
+    assert graphs.captured == 0
+
+
+def test_recomputing_nodes_inside_a_captured_node_keep_the_bits() -> None:
+    config = GPTConfig(**{**CONFIG.__dict__, "recompute_modules": ("core_attn", "moe_act")})
+    batches = _batches(2)
+    eager, stage = _stage(config=config), _stage(config=config)
+    graphs = NodeGraphs(MODULES, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert _same(_grads(eager), _grads(stage)) and graphs.captured == 3
+
+
+def test_the_settings_rules_name_what_does_not_fit() -> None:
+    assert settings_problem("none", ()) is None
+    assert settings_problem("local", ("attn", "moe_router")) is None
+    assert "TransformerEngine" in settings_problem("transformer_engine", ("attn",))
+    assert "needs --cuda-graph-impl local" in settings_problem("none", ("attn",))
+    assert "captures whole layers" in settings_problem("local", ())
+    for refused in ("moe", "shared_experts", "mamba", "full_iteration", "mlp_fc1"):
+        assert settings_problem("local", ("attn", refused)).startswith(
+            f"--cuda-graph-modules {refused}: ")
+    holders = graph_holders(CONFIG)
+    assert coverage_problem(("attn", "moe_router", "mlp"), holders) is None
+    assert "also holds moe_router moe_preprocess" in coverage_problem(("attn",), holders)
+    assert "also holds mlp" in coverage_problem(("attn", "moe_preprocess"), holders)
+    moe_only = graph_holders(GPTConfig(first_k_dense_layers=0))
+    assert "the model has no dense layer" in coverage_problem(("attn", "moe_router", "mlp"),
+                                                              moe_only)
+    assert (flags.GRAPH_IMPLS, flags.GRAPH_MODULES) == (GRAPH_IMPLS, GRAPH_MODULES)
+
+
+def test_without_cuda_the_graphs_are_off_and_say_so() -> None:
+    graphs, note = node_graphs("local", ("attn", "moe_router"), torch.device("cpu"))
+    assert graphs is None
+    assert note == ("--cuda-graph-impl local (attn moe_router): CUDA graphs need CUDA; this run "
+                    "is on cpu, so every node runs eager")
+    assert node_graphs("none", (), torch.device("cpu")) == (None, None)
+    with pytest.raises(ValueError, match="TransformerEngine"):
+        node_graphs("transformer_engine", ("attn",), torch.device("cpu"))

@@ -26,19 +26,19 @@ from megapipe.train.checkpoint_files import (
 from megapipe.train.config import JobConfig, TokenizerConfig
 
 CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # hf.checkpoint_reader's, without torch
-RESUMED_FIELDS = {  # GPTConfig field -> the flag(s) that set it
+RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
     "hidden_size": "--hidden-size", "num_layers": "--num-layers",
     "num_heads": "--num-attention-heads", "seq_length": "--seq-length",
     "ffn_hidden_size": "--ffn-hidden-size", "num_experts": "--num-experts",
     "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
-    "first_k_dense_layers": "--moe-layer-freq", "moe_layer_freq": "--moe-layer-freq",
+    "first_k_dense_layers": "--moe-layer-freq (dense layers first)",
+    "moe_layer_freq": "--moe-layer-freq",
     "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
     "num_query_groups": "--num-query-groups", "qk_layernorm": "--qk-layernorm",
     "kv_channels": "--kv-channels",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "vocab_size": "the padded vocabulary (--tokenizer-*, --make-vocab-size-divisible-by)",
-    "seed": "--seed",
+    "vocab_size": "a padded vocabulary", "seed": "--seed",
 }
 """What a checkpoint must share with the run that resumes it (shapes, architecture, seed)."""
 
@@ -84,12 +84,12 @@ def check_model(checkpoint: Checkpoint, config: JobConfig) -> None:
         theirs["num_query_groups"] = fields["num_heads"]
     if fields.get("kv_channels") is None and isinstance(fields.get("num_heads"), int):
         theirs["kv_channels"] = int(fields.get("hidden_size", 0)) // fields["num_heads"]
-    for name, flag in RESUMED_FIELDS.items():
+    for name, shown in RESUMED_FIELDS.items():
         if theirs.get(name) != mine[name]:
             raise CheckpointError(
-                f"{where} was saved with {name}={theirs.get(name)!r} ({flag}) but this run has "
-                f"{name}={mine[name]!r}; a checkpoint resumes only the same model shape and "
-                "architecture, sequence length and seed"
+                f"{where} was saved with {shown}={theirs.get(name)!r} but this run has "
+                f"{shown}={mine[name]!r}; a checkpoint resumes only the same model shape and "
+                "architecture, tokenizer, sequence length and seed"
             )
     parallel = checkpoint.descriptor["parallel"]
     world = parallel.get("world_size")
@@ -165,13 +165,13 @@ def _check_tokenizer(where: str, saved: Any, mine: TokenizerConfig, saved_vocab:
     larger than the model's vocabulary is refused)."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where}: its descriptor has no model.{TOKENIZER_KEY}")
+    if isinstance(saved_vocab, int) and mine.vocab_size > saved_vocab:
+        raise CheckpointError(f"{where}: the tokenizer has {mine.vocab_size:,} tokens, more than "
+                              f"the checkpoint's model vocabulary of {saved_vocab:,}")
     if saved.get("tokenizer_type") != mine.tokenizer_type:
         raise CheckpointError(f"{where} was trained with --tokenizer-type "
                               f"{saved.get('tokenizer_type')} but this run has --tokenizer-type "
                               f"{mine.tokenizer_type}: the ids would mean other tokens")
-    if isinstance(saved_vocab, int) and mine.vocab_size > saved_vocab:
-        raise CheckpointError(f"{where}: the tokenizer has {mine.vocab_size:,} tokens, more than "
-                              f"the checkpoint's model vocabulary of {saved_vocab:,}")
 
 
 def _check_marker(load: str, selection: Selection) -> None:

@@ -135,6 +135,19 @@ def _tokenizer_file(w: World) -> str:
     return str(w.root / "tokenizer.json")
 
 
+def _prefix(w: World, idx: bool = True, bin_: bool = True) -> str:
+    """An indexed dataset's prefix with its .idx (Megatron's magic bytes) and/or its .bin."""
+    from megapipe.data.blend import INDEX_MAGIC
+
+    prefix = w.root / "OUT" / "name_text_document"
+    prefix.parent.mkdir(exist_ok=True)
+    if idx:
+        prefix.with_suffix(".idx").write_bytes(INDEX_MAGIC)
+    if bin_:
+        prefix.with_suffix(".bin").write_bytes(b"\0" * 8)
+    return str(prefix)
+
+
 def _truncate(ckpt: Path) -> None:
     shard = _shard(ckpt, 2)
     shard.write_bytes(shard.read_bytes()[:100])
@@ -225,6 +238,22 @@ PRETRAIN_ERRORS: list[tuple[str, Callable[[World], list[str]], list[str]]] = [
                                            "--tokenizer-model", _tokenizer_file(w)],
      ["--tokenizer-type HuggingFaceTokenizer reads Megatron's indexed datasets"]),
     ("split-on-raw-text", lambda w: ["--split", "98,2,0"], ["--split 98,2,0 needs indexed"]),
+    ("indexed-idx-missing", lambda w: ["--data-path", _prefix(w, idx=False)],
+     ["name_text_document.idx does not exist"]),
+    ("indexed-bin-missing", lambda w: ["--data-path", _prefix(w, bin_=False)],
+     ["name_text_document.idx has no", "name_text_document.bin beside it"]),
+    ("indexed-named-by-its-bin", lambda w: ["--data-path", _prefix(w) + ".bin"],
+     ["name the prefix without .bin"]),
+    ("indexed-weight-not-a-number", lambda w: ["--data-path", "0.7", _prefix(w), "x", _prefix(w)],
+     ["weight 'x' is not a number"]),
+    ("indexed-weights-odd", lambda w: ["--data-path", "0.7", _prefix(w), "0.3"],
+     ["weights and prefixes must alternate", "got 3 values"]),
+    ("indexed-weight-negative", lambda w: ["--data-path", "-1", _prefix(w)],
+     ["weight -1 must be a finite number > 0"]),
+    ("indexed-mixed-with-text", lambda w: (w.root / "t.txt").write_text("x" * 99) and
+     ["--data-path", _prefix(w), str(w.root / "t.txt")], ["mixes raw text", "t.txt"]),
+    ("indexed-without-tokenizer-type", lambda w: ["--data-path", _prefix(w)],
+     ["indexed datasets needs --tokenizer-type"]),
     ("shared-expert-added", _model_change("--moe-shared-expert-intermediate-size", "16"),
      ["--moe-shared-expert-intermediate-size=None", "=16"]),
     ("keep-last-zero", lambda w: ["--save", str(w.root / "new"), "--keep-last", "0"],

@@ -182,15 +182,13 @@ def _check_recompute(f: PretrainFlags) -> None:
 
 
 def _check_attention(f: PretrainFlags) -> None:
-    """Grouped-query attention's flags go together and its groups divide the heads."""
+    """Grouped-query attention's groups divide the heads (without the switch
+    ``--num-query-groups`` is ignored, as Megatron ignores it)."""
     groups = f.num_query_groups
-    if groups is not None and not f.group_query_attention:
-        raise ArgsError(f"--num-query-groups={groups} needs --group-query-attention (Megatron "
-                        "ignores it without)")
     if f.group_query_attention and f.num_attention_heads % (groups or 1) != 0:
         raise ArgsError(f"--num-query-groups={groups} must divide --num-attention-heads="
                         f"{f.num_attention_heads} (each key/value head serves as many query "
-                        "heads)")
+                        "heads; --no-group-query-attention: one per query head)")
 
 
 def check_data(f: PretrainFlags) -> int:

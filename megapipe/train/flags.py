@@ -130,11 +130,12 @@ class PretrainFlags:
     rotary_base: float = flag(10000.0, "rope's base (theta)", finite, above(0, "g"),
                               group=ARCHITECTURE)
     group_query_attention: bool = flag(
-        False, "grouped-query attention with --num-query-groups key/value heads",
+        True, "grouped-query attention with --num-query-groups key/value heads (default on "
+        "here; Megatron's default is off: --no-group-query-attention, one per query head)",
         group=ARCHITECTURE)
     num_query_groups: int | None = flag(
-        None, "key/value heads with --group-query-attention (divides the attention heads)",
-        POSITIVE, group=ARCHITECTURE)
+        2, "key/value heads with --group-query-attention, dividing the attention heads "
+        "(default 2 here; Megatron's 1)", POSITIVE, group=ARCHITECTURE)
     qk_layernorm: bool = flag(
         True, "RMSNorm of each head's query and key (default on here, as Qwen3; Megatron's "
         "default is off: --no-qk-layernorm)", group=ARCHITECTURE)

@@ -17,13 +17,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megapipe.train.checkpoint_files import (
     LATEST_FILE, Checkpoint, CheckpointError, Selection, checkpoint_dirs, iteration_dir,
     select_checkpoint,
 )
 from megapipe.train.config import JobConfig, TokenizerConfig
+
+if TYPE_CHECKING:
+    from megapipe.models.config import GPTConfig
 
 CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # hf.checkpoint_reader's, without torch
 RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
@@ -76,18 +79,17 @@ def check_model(checkpoint: Checkpoint, config: JobConfig) -> None:
         raise CheckpointError(f"{where}: its descriptor has no model.{CONFIG_KEY} (written by "
                               "an older megapipe), so its model cannot be compared")
     _check_tokenizer(where, saved.get(TOKENIZER_KEY), config.tokenizer, fields.get("vocab_size"))
-    mine = config.model.to_dict()
-    mine["num_query_groups"] = config.model.query_groups  # None and the heads are the same
-    mine["kv_channels"] = config.model.head_dim
-    theirs = dict(fields)
-    if isinstance(fields.get("num_heads"), int) and fields.get("num_query_groups") is None:
-        theirs["num_query_groups"] = fields["num_heads"]
-    if fields.get("kv_channels") is None and isinstance(fields.get("num_heads"), int):
-        theirs["kv_channels"] = int(fields.get("hidden_size", 0)) // fields["num_heads"]
+    from megapipe.models.config import GPTConfig  # torch: the ranks have not started yet
+
+    try:
+        theirs = _architecture(GPTConfig.from_dict(fields))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: its model.{CONFIG_KEY}: {err}") from None
+    mine = _architecture(config.model)
     for name, shown in RESUMED_FIELDS.items():
-        if theirs.get(name) != mine[name]:
+        if theirs[name] != mine[name]:
             raise CheckpointError(
-                f"{where} was saved with {shown}={theirs.get(name)!r} but this run has "
+                f"{where} was saved with {shown}={theirs[name]!r} but this run has "
                 f"{shown}={mine[name]!r}; a checkpoint resumes only the same model shape and "
                 "architecture, tokenizer, sequence length and seed"
             )
@@ -158,6 +160,14 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
         return ResumeChoice(None, note=f"--load {load}: no checkpoint yet, starting from scratch")
     check_model(selection.chosen, config)
     return ResumeChoice(selection.chosen, selection.warnings())
+
+
+def _architecture(model: "GPTConfig") -> dict[str, Any]:
+    """The ``RESUMED_FIELDS`` of ``model``, the query groups and head dim as they are (the
+    defaults None and the heads, or hidden / heads, are the same model)."""
+    values = {name: getattr(model, name) for name in RESUMED_FIELDS}
+    values.update(num_query_groups=model.query_groups, kv_channels=model.head_dim)
+    return values
 
 
 def _check_tokenizer(where: str, saved: Any, mine: TokenizerConfig, saved_vocab: Any) -> None:

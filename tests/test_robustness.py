@@ -115,6 +115,39 @@ def _model_change(flag: str, value: str) -> Callable[[World], list[str]]:
     return setup
 
 
+def _tracker(text: str, folders: bool = True) -> Callable[[World], list[str]]:
+    """Megatron's tracker file holding ``text``, beside the saved checkpoints or alone."""
+    def setup(w: World) -> list[str]:
+        ckpt = w.copy() if folders else w.root / "ckpt"
+        ckpt.mkdir(exist_ok=True)
+        (ckpt / LATEST_FILE).write_text(text + "\n")
+        return ["--load", str(ckpt)]
+    return setup
+
+
+def _tokenizer_file(w: World) -> str:
+    """A small Hugging Face tokenizer.json (a byte-level BPE without merges)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(
+        pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    tokenizer.save(str(w.root / "tokenizer.json"))
+    return str(w.root / "tokenizer.json")
+
+
+def _prefix(w: World, idx: bool = True, bin_: bool = True) -> str:
+    """An indexed dataset's prefix with its .idx (Megatron's magic bytes) and/or its .bin."""
+    from megapipe.data.blend import INDEX_MAGIC
+
+    prefix = w.root / "OUT" / "name_text_document"
+    prefix.parent.mkdir(exist_ok=True)
+    if idx:
+        prefix.with_suffix(".idx").write_bytes(INDEX_MAGIC)
+    if bin_:
+        prefix.with_suffix(".bin").write_bytes(b"\0" * 8)
+    return str(prefix)
+
+
 def _truncate(ckpt: Path) -> None:
     shard = _shard(ckpt, 2)
     shard.write_bytes(shard.read_bytes()[:100])
@@ -182,7 +215,45 @@ PRETRAIN_ERRORS: list[tuple[str, Callable[[World], list[str]], list[str]]] = [
     ("expert-width-changed", _model_change("--moe-ffn-hidden-size", "64"),
      ["--moe-ffn-hidden-size=32", "--moe-ffn-hidden-size=64"]),
     ("moe-layer-freq-changed", _model_change("--moe-layer-freq", "2"),
-     ["--moe-layer-freq='1'", "--moe-layer-freq='2'"]),
+     ["--moe-layer-freq=1", "--moe-layer-freq=2"]),
+    ("rope-changed", _model_change("--position-embedding-type", "learned_absolute"),
+     ["--position-embedding-type='rope'", "--position-embedding-type='learned_absolute'"]),
+    ("query-groups-changed", lambda w: _model_change("--num-query-groups", "1")(w)
+     + ["--group-query-attention"], ["--num-query-groups=2", "--num-query-groups=1"]),
+    ("tracker-not-a-number", _tracker("latest!"),
+     [LATEST_FILE, "holds 'latest!', not an iteration number"]),
+    ("tracker-names-a-missing-iteration", _tracker("7"),
+     [LATEST_FILE, "names iteration 7, whose folder iter_0000007 is not there",
+      "iterations 2, 1"]),
+    ("tracker-alone-names-an-iteration", _tracker("3", folders=False),
+     [LATEST_FILE, "names iteration 3", "it holds none"]),
+    ("query-groups-not-dividing", lambda w: ["--group-query-attention", "--num-query-groups",
+                                            "3", "--num-attention-heads", "4"],
+     ["--num-query-groups=3 must divide --num-attention-heads=4"]),
+    ("layer-norm", lambda w: ["--normalization", "LayerNorm"],
+     ["--normalization=LayerNorm", "LayerNorm (Megatron's default) is not implemented"]),
+    ("gelu", lambda w: ["--no-swiglu"], ["--no-swiglu", "GeLU"]),
+    ("biases", lambda w: ["--no-disable-bias-linear"], ["--no-disable-bias-linear", "biases"]),
+    ("hf-tokenizer-on-raw-text", lambda w: ["--tokenizer-type", "HuggingFaceTokenizer",
+                                           "--tokenizer-model", _tokenizer_file(w)],
+     ["--tokenizer-type HuggingFaceTokenizer reads Megatron's indexed datasets"]),
+    ("split-on-raw-text", lambda w: ["--split", "98,2,0"], ["--split 98,2,0 needs indexed"]),
+    ("indexed-idx-missing", lambda w: ["--data-path", _prefix(w, idx=False)],
+     ["name_text_document.idx does not exist"]),
+    ("indexed-bin-missing", lambda w: ["--data-path", _prefix(w, bin_=False)],
+     ["name_text_document.idx has no", "name_text_document.bin beside it"]),
+    ("indexed-named-by-its-bin", lambda w: ["--data-path", _prefix(w) + ".bin"],
+     ["name the prefix without .bin"]),
+    ("indexed-weight-not-a-number", lambda w: ["--data-path", "0.7", _prefix(w), "x", _prefix(w)],
+     ["weight 'x' is not a number"]),
+    ("indexed-weights-odd", lambda w: ["--data-path", "0.7", _prefix(w), "0.3"],
+     ["weights and prefixes must alternate", "got 3 values"]),
+    ("indexed-weight-negative", lambda w: ["--data-path", "-1", _prefix(w)],
+     ["weight -1 must be a finite number > 0"]),
+    ("indexed-mixed-with-text", lambda w: (w.root / "t.txt").write_text("x" * 99) and
+     ["--data-path", _prefix(w), str(w.root / "t.txt")], ["mixes raw text", "t.txt"]),
+    ("indexed-without-tokenizer-type", lambda w: ["--data-path", _prefix(w)],
+     ["indexed datasets needs --tokenizer-type"]),
     ("shared-expert-added", _model_change("--moe-shared-expert-intermediate-size", "16"),
      ["--moe-shared-expert-intermediate-size=None", "=16"]),
     ("keep-last-zero", lambda w: ["--save", str(w.root / "new"), "--keep-last", "0"],
@@ -253,12 +324,13 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(world, capsys):
     assert world.snapshot() == before
 
 
-def test_a_marker_that_is_not_a_number_is_a_warning(world, capsys):
+def test_a_marker_naming_an_older_checkpoint_is_a_warning(world, capsys):
+    """A crash between the rename of a new checkpoint and the tracker's update."""
     ckpt = world.copy()
-    (ckpt / LATEST_FILE).write_text("latest!")
+    (ckpt / LATEST_FILE).write_text("1\n")
     assert pretrain.main(TINY + ["--load", str(ckpt)]) == 0
     line = _one_line(capsys.readouterr().err)
-    assert "holds 'latest!', not an iteration number" in line
+    assert "names iteration 1, the newest complete checkpoint is iteration 2" in line
     assert world.plans[-1].checkpoint.iteration == 2
 
 

@@ -20,7 +20,10 @@ from megapipe.train.declare import ArgsError
 from megapipe.train.flags import PretrainFlags
 
 if TYPE_CHECKING:  # the process-group modules import torch; the CLI stays light
+    from megapipe.data.tokenizer import Tokenizer
     from megapipe.parallel.config import ParallelConfig
+    from megapipe.schedule import Schedule
+    from megapipe.train.config import DataConfig
 
 
 def validate(f: PretrainFlags, world_size: int) -> None:
@@ -30,7 +33,10 @@ def validate(f: PretrainFlags, world_size: int) -> None:
     _check_data_parallel(f, parallel)
     _check_overlap_budget(f)
     _check_recompute(f)
-    _check_model_and_schedule(f, parallel)
+    _check_attention(f)
+    vocab = check_data(f)
+    schedule = _check_model_and_schedule(f, parallel, vocab)
+    _check_tied_embeddings(f, schedule)
     if f.moe_pad_expert_input_to_capacity and f.moe_expert_capacity_factor is None:
         raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     _check_options_and_paths(f, parallel)
@@ -176,11 +182,85 @@ def _check_recompute(f: PretrainFlags) -> None:
         raise ArgsError(f"--recompute-modules: {err}") from None
 
 
-def _check_model_and_schedule(f: PretrainFlags, parallel: ParallelConfig) -> None:
-    """The model builds, the schedule exists for this layout, and every stage gets layers;
-    block recompute's N layers fit in a pipeline chunk (the largest one)."""
+def _check_attention(f: PretrainFlags) -> None:
+    """Grouped-query attention's groups divide the heads (without the switch
+    ``--num-query-groups`` is ignored, as Megatron ignores it)."""
+    groups = f.num_query_groups
+    if f.group_query_attention and f.num_attention_heads % (groups or 1) != 0:
+        raise ArgsError(f"--num-query-groups={groups} must divide --num-attention-heads="
+                        f"{f.num_attention_heads} (each key/value head serves as many query "
+                        "heads; --no-group-query-attention: one per query head)")
+
+
+def check_data(f: PretrainFlags) -> int:
+    """The tokenizer reads, the data fits it (raw text: byte level; indexed: Megatron's files,
+    splits that hold tokens, the type preprocess-data used); returns the model's (padded)
+    vocabulary. One ArgsError line otherwise."""
+    from megapipe.data.errors import DataError  # torch-free
+    from megapipe.train.config import data_config, tokenizer_config
+
+    data = data_config(f)
     try:
-        model_config(f)
+        tokenizer = tokenizer_config(f)
+        if data.indexed:
+            _check_indexed(f, data, tokenizer.build())
+        elif f.tokenizer_type not in (None, "ByteTokenizer"):
+            raise ArgsError(f"--tokenizer-type {f.tokenizer_type} reads Megatron's indexed "
+                            "datasets (megapipe preprocess-data makes them); raw text "
+                            "--data-path files are read byte level (ByteTokenizer)")
+        else:
+            for flag, value in (("--split", f.split), ("--data-cache-path", f.data_cache_path)):
+                if value is not None:
+                    raise ArgsError(f"{flag} {value} needs indexed datasets in --data-path "
+                                    "(raw text keeps its last 5% of windows for validation)")
+    except DataError as err:
+        raise ArgsError(str(err).splitlines()[0]) from None
+    return tokenizer.padded_vocab_size
+
+
+def _check_indexed(f: PretrainFlags, data: "DataConfig", tokenizer: "Tokenizer") -> None:
+    """Megatron's dataset files and splits, before any process group (``check_gpt_data``)."""
+    from megapipe.data.blend import parse_split
+    from megapipe.data.gpt_samples import check_gpt_data, megatron_sample_counts
+
+    if f.tokenizer_type is None:
+        raise ArgsError("--data-path with indexed datasets needs --tokenizer-type (the one "
+                        "preprocess-data used; with HuggingFaceTokenizer also --tokenizer-model)")
+    if f.eval_interval and f.eval_iters and parse_split(data.split)[1] == 0:
+        raise ArgsError(f"--split {data.split} gives validation no share but --eval-interval="
+                        f"{f.eval_interval} evaluates (--eval-interval 0, or a share)")
+    counts = megatron_sample_counts(f.train_iters, f.global_batch_size, f.eval_interval,
+                                    f.eval_iters)
+    check_gpt_data(data.paths, data.split, f.seq_length, f.seed, counts, tokenizer,
+                   data.cache_path)
+
+
+def _check_tied_embeddings(f: PretrainFlags, schedule: "Schedule") -> None:
+    """What megapipe does not run with one weight for the embedding and the output layer."""
+    if f.untie_embeddings_and_output_weights:
+        return
+    tied = "--no-untie-embeddings-and-output-weights (tied embeddings)"
+    if schedule.bidirectional:
+        raise ArgsError(f"{tied} with --pipeline-schedule {schedule.name}: each model part has "
+                        "two copies there; pass --untie-embeddings-and-output-weights")
+    if f.use_distributed_optimizer:
+        raise ArgsError(f"{tied} with --use-distributed-optimizer: the two copies' gradients "
+                        "are sharded differently and are not summed; pass "
+                        "--untie-embeddings-and-output-weights")
+    if schedule.num_stages == 1 and f.overlap_moe_expert_parallel_comm:
+        raise ArgsError(f"{tied} in a model of one stage with --overlap-moe-expert-parallel-"
+                        "comm: the combined step adds the weight's two gradients in another "
+                        "order than the plain step (not bitwise); untie them, or pass "
+                        "--no-overlap-moe-expert-parallel-comm")
+
+
+def _check_model_and_schedule(f: PretrainFlags, parallel: ParallelConfig,
+                              vocab: int) -> "Schedule":
+    """The model builds, the schedule exists for this layout, and every stage gets layers;
+    block recompute's N layers fit in a pipeline chunk (the largest one). Returns the
+    schedule."""
+    try:
+        model_config(f, vocab)
     except ValueError as err:
         raise ArgsError(str(err).splitlines()[0]) from None
     config = schedule_config(f, parallel.dp)
@@ -204,6 +284,7 @@ def _check_model_and_schedule(f: PretrainFlags, parallel: ParallelConfig) -> Non
             f"({most}: --num-layers={f.num_layers} over {len(parts)} chunks); block "
             "recomputes the first N layers of each chunk"
         )
+    return schedule
 
 
 def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None:
@@ -229,8 +310,11 @@ def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None
     for flag, value in (("--save-interval", f.save_interval), ("--keep-last", f.keep_last)):
         if value is not None and f.save is None:
             raise ArgsError(f"{flag} needs --save DIR")
+    from megapipe.train.config import data_config
     from megapipe.train.data import check_corpus  # torch: only when flags are run
 
+    if data_config(f).indexed:
+        return
     try:  # every --data-path names readable text, enough for two windows of seq-length + 1
         check_corpus(f.data_path, f.seq_length)
     except (OSError, ValueError) as err:

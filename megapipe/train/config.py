@@ -8,25 +8,24 @@ parsing, the app reads only these parts (docs/pretraining.md lists which flag la
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 from megapipe.schedule.registry import default_schedule_name
 from megapipe.train.declare import ArgsError
-from megapipe.train.flags import HIGH_PRIORITY_GROUPS, PretrainFlags
+from megapipe.train.flags import HIGH_PRIORITY_GROUPS, PretrainFlags, values_are_indexed
 
 if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
+    from megapipe.data.tokenizer import Tokenizer
     from megapipe.models.config import GPTConfig
     from megapipe.moe.link import EmulatedLink
     from megapipe.parallel.config import ParallelConfig
     from megapipe.schedule import Schedule
 
-MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "seq_length", "num_experts", "moe_ffn_hidden_size",
-               "moe_shared_expert_intermediate_size", "moe_layer_freq", "seed")
-"""The flags a checkpoint must share with the run that resumes it (shapes, data, seed)."""
+DEFAULT_SPLIT = "969,30,1"  # Megatron's --split
 
 
 @dataclass(frozen=True)
@@ -116,24 +115,51 @@ class DataParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The corpus (empty: the standard library's sources), batches, validation."""
+    """``--data-path``: raw text files (empty: the standard library's sources, read byte level)
+    or, ``indexed``, Megatron's dataset prefixes with optional weights, read through
+    Megatron's ``GPTDataset`` with ``split`` and ``cache_path``; batches, validation."""
 
     paths: tuple[str, ...]
     micro_batch_size: int
     global_batch_size: int
     eval_interval: int
     eval_iters: int
+    indexed: bool = False
+    split: str = DEFAULT_SPLIT
+    cache_path: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """``--tokenizer-type`` and ``--tokenizer-model`` (an absolute path), the tokenizer's own
+    vocabulary and the model's, padded as Megatron pads it (``--make-vocab-size-divisible-by``)."""
+
+    tokenizer_type: str = "ByteTokenizer"
+    tokenizer_model: str | None = None
+    vocab_size: int = 256
+    padded_vocab_size: int = 256
+
+    def build(self) -> "Tokenizer":
+        from megapipe.data.tokenizer import build_tokenizer
+
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model)
+
+    def descriptor(self) -> dict[str, Any]:
+        """What a checkpoint stores under ``model.tokenizer`` (``hf.checkpoint_reader``)."""
+        spec: dict[str, Any] = {"tokenizer_type": self.tokenizer_type}
+        if self.tokenizer_model is not None:
+            spec["tokenizer_model"] = self.tokenizer_model
+        return {**spec, "vocab_size": self.vocab_size}
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Save and load folders, interval, how many to keep; the ``MODEL_FLAGS`` a resume matches."""
+    """Save and load folders, interval, how many to keep."""
 
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None
-    model_fields: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -170,6 +196,7 @@ class JobConfig:
     schedule: ScheduleConfig
     overlap: OverlapConfig
     model: "GPTConfig"
+    tokenizer: TokenizerConfig
     optimizer: OptimizerConfig
     precision: PrecisionConfig
     data_parallel: DataParallelConfig
@@ -185,11 +212,12 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
     parallel = parallel_config(f, world_size)
     overlap = f.overlap_moe_expert_parallel_comm
     high_priority = tuple(HIGH_PRIORITY_GROUPS[g] for g in f.high_priority_stream_groups)
+    tokenizer = tokenizer_config(f)
     return JobConfig(
         seed=f.seed, train_iters=f.train_iters, parallel=parallel,
         schedule=schedule_config(f, parallel.dp),
         overlap=OverlapConfig(overlap, f.delay_wgrad_compute, f.moe_a2a_chunks, high_priority),
-        model=model_config(f),
+        model=model_config(f, tokenizer.padded_vocab_size), tokenizer=tokenizer,
         optimizer=OptimizerConfig(f.lr, f.min_lr, f.lr_warmup_iters,
                                   f.lr_decay_iters or f.train_iters, f.lr_decay_style,
                                   f.weight_decay, f.clip_grad),
@@ -197,10 +225,8 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
         data_parallel=DataParallelConfig(
             f.overlap_grad_reduce, f.use_distributed_optimizer, f.overlap_param_gather,
             bucket_size(f, parallel.dp), f.dp_emulated_link_gbps),
-        data=DataConfig(f.data_path, f.micro_batch_size, f.global_batch_size, f.eval_interval,
-                        f.eval_iters),
-        checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last,
-                                    {name: getattr(f, name) for name in MODEL_FLAGS}),
+        data=data_config(f),
+        checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last),
         logging=LoggingConfig(f.log_interval, f.tensorboard_dir, f.log_activation_memory,
                               f.profile_trace, f.profile_step_start,
                               f.profile_step_end or f.profile_step_start, f.use_pytorch_profiler),
@@ -247,15 +273,35 @@ def selective_recompute_modules(f: PretrainFlags) -> tuple[str, ...]:
     return ("core_attn",) if f.recompute_modules is None else f.recompute_modules
 
 
-def model_config(f: PretrainFlags) -> "GPTConfig":
-    """The reference MoE GPT (ValueError or ArgsError for a shape it cannot take)."""
+def data_config(f: PretrainFlags) -> DataConfig:
+    """Raw text or Megatron's indexed datasets (``flags.values_are_indexed``), batches."""
+    indexed = values_are_indexed(f.data_path)
+    return DataConfig(f.data_path, f.micro_batch_size, f.global_batch_size, f.eval_interval,
+                      f.eval_iters, indexed, f.split or DEFAULT_SPLIT, f.data_cache_path)
+
+
+def tokenizer_config(f: PretrainFlags) -> TokenizerConfig:
+    """The tokenizer the flags name (ByteTokenizer by default) and the model's vocabulary:
+    its size padded as Megatron pads it. DataError for a tokenizer that cannot be read."""
+    from megapipe.data.tokenizer import padded_vocab_size
+
+    kind = f.tokenizer_type or "ByteTokenizer"
+    model = None if f.tokenizer_model is None else os.path.abspath(f.tokenizer_model)
+    size = TokenizerConfig(kind, model).build().vocab_size
+    return TokenizerConfig(kind, model, size,
+                           padded_vocab_size(size, f.make_vocab_size_divisible_by))
+
+
+def model_config(f: PretrainFlags, vocab_size: int) -> "GPTConfig":
+    """The reference MoE GPT of ``vocab_size`` ids (ValueError or ArgsError for a shape it
+    cannot take)."""
     from megapipe.models.config import GPTConfig
 
     first_dense, freq = parse_moe_layer_freq(f.moe_layer_freq, f.num_layers)
     full = f.recompute_granularity == "full"
     link = f.moe_emulated_link_gbps
     return GPTConfig(
-        vocab_size=256, hidden_size=f.hidden_size, num_layers=f.num_layers,
+        vocab_size=vocab_size, hidden_size=f.hidden_size, num_layers=f.num_layers,
         num_heads=f.num_attention_heads, seq_length=f.seq_length,
         ffn_hidden_size=f.ffn_hidden_size, num_experts=f.num_experts,
         moe_top_k=f.moe_router_topk, moe_ffn_hidden_size=f.moe_ffn_hidden_size,
@@ -267,6 +313,10 @@ def model_config(f: PretrainFlags) -> "GPTConfig":
         recompute_modules=selective_recompute_modules(f),
         recompute_method=f.recompute_method if full else None,
         recompute_num_layers=(f.recompute_num_layers or 1) if full else 1, seed=f.seed,
+        position_embedding_type=f.position_embedding_type, rotary_base=f.rotary_base,
+        num_query_groups=(f.num_query_groups or 1) if f.group_query_attention else None,
+        qk_layernorm=f.qk_layernorm, kv_channels=f.kv_channels,
+        untie_embeddings_and_output_weights=f.untie_embeddings_and_output_weights,
     )
 
 

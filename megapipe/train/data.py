@@ -65,7 +65,8 @@ def resolve_data_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
             raise ValueError(f"--data-path {path} is neither a regular file nor a directory "
                              "(a FIFO, socket or device cannot be read twice)")
         else:
-            raise FileNotFoundError(f"--data-path {path} does not exist")
+            raise FileNotFoundError(f"--data-path {path} does not exist (neither text files nor "
+                                    f"an indexed dataset: no {path}.idx, no {path}.bin)")
     return files
 
 

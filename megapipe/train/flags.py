@@ -8,8 +8,13 @@ the record into the typed parts the app reads. Adding a flag: docs/pretraining.m
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
+from megapipe.data.blend import check_data_path, is_indexed_prefix
+from megapipe.data.errors import DataError
+from megapipe.data.tokenizer import TOKENIZER_TYPES
 from megapipe.schedule import SCHEDULES
 from megapipe.train.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
 
@@ -23,6 +28,8 @@ MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (
     "model", "precision", "training", "parallelism", "data parallelism", "activation recompute",
     "data, checkpoints, logging", "failures and preemption", "profiling")
 GRAPHS = "CUDA graphs"
+ARCHITECTURE, DATA = "model architecture", "data and tokenizer"
+POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")  # models.config's, without torch
 
 
 def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
@@ -62,6 +69,53 @@ def _no_fp16(name: str, on: bool) -> str | None:
             "dynamic loss scaling, which megapipe does not implement)") if on else None
 
 
+def _indexed_or_text(name: str, values: tuple[str, ...]) -> str | None:
+    """Megatron's prefixes (and weights) are checked here, raw text files in ``arg_checks``;
+    the two kinds do not mix."""
+    if not values_are_indexed(values):
+        return None
+    text = [v for v in values if os.path.exists(v) and not _names_prefix(v)]
+    if text:
+        return (f"{name} mixes raw text ({text[0]}) with indexed datasets: give raw text files "
+                "or Megatron prefixes (megapipe preprocess-data makes them)")
+    try:
+        check_data_path(values)
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def _names_prefix(value: str) -> bool:
+    """``value`` is an indexed dataset's prefix, or its ``.bin`` / ``.idx`` file."""
+    stem = value[:-4] if value.endswith((".bin", ".idx")) else None
+    return is_indexed_prefix(value) or (stem is not None and is_indexed_prefix(stem))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def values_are_indexed(values: tuple[str, ...]) -> bool:
+    """Whether ``--data-path`` names Megatron's indexed datasets (a weight, or a prefix whose
+    ``.idx`` or ``.bin`` exists, among the values) rather than raw text files."""
+    return any(_is_number(v) or _names_prefix(v) for v in values)
+
+
+def _megapipe_model(what: str, megatron: str) -> Callable[[str, Any], str | None]:
+    """A check refusing the setting of a Megatron model switch that megapipe's model lacks
+    (``what``: megapipe's model; ``megatron``: the refused setting)."""
+    def check(name: str, value: Any) -> str | None:
+        if value is True or value == "RMSNorm":
+            return None
+        shown = f"{name}={value}" if isinstance(value, str) else "--no-" + name[2:]
+        return f"{shown}: megapipe's model {what}; {megatron} is not implemented"
+    return check
+
+
 @dataclass(frozen=True)
 class PretrainFlags:
     """Every ``megapipe pretrain`` flag, parsed and checked one by one (module docstring)."""
@@ -90,6 +144,60 @@ class PretrainFlags:
     moe_pad_expert_input_to_capacity: bool = flag(
         False, "accepted for Megatron scripts: megapipe always pads to the capacity (needs "
         "--moe-expert-capacity-factor)", group=MODEL)
+
+    # issue 31: the modern model's flags (Megatron's names; megapipe's defaults said in --help)
+    position_embedding_type: str = flag(
+        "rope", "rope (rotary, the default here; Megatron's default is learned_absolute) or "
+        "learned_absolute", one_of(*POSITION_EMBEDDING_TYPES), group=ARCHITECTURE)
+    rotary_base: float = flag(10000.0, "rope's base (theta)", finite, above(0, "g"),
+                              group=ARCHITECTURE)
+    group_query_attention: bool = flag(
+        True, "grouped-query attention with --num-query-groups key/value heads (default on "
+        "here; Megatron's default is off: --no-group-query-attention, one per query head)",
+        group=ARCHITECTURE)
+    num_query_groups: int | None = flag(
+        2, "key/value heads with --group-query-attention, dividing the attention heads "
+        "(default 2 here; Megatron's 1)", POSITIVE, group=ARCHITECTURE)
+    qk_layernorm: bool = flag(
+        True, "RMSNorm of each head's query and key (default on here, as Qwen3; Megatron's "
+        "default is off: --no-qk-layernorm)", group=ARCHITECTURE)
+    kv_channels: int | None = flag(None, "the head dim (default: hidden / heads)", POSITIVE,
+                                   group=ARCHITECTURE)
+    untie_embeddings_and_output_weights: bool = flag(
+        True, "the output layer has its own weight (default on here; Megatron ties without "
+        "this flag: --no-untie-embeddings-and-output-weights ties them)", group=ARCHITECTURE)
+    normalization: str = flag(
+        "RMSNorm", "RMSNorm (megapipe's only normalization; Megatron's default LayerNorm is "
+        "refused)", _megapipe_model("normalizes with RMSNorm", "LayerNorm (Megatron's default)"),
+        group=ARCHITECTURE)
+    swiglu: bool = flag(
+        True, "SwiGLU MLPs and experts (always on here: --no-swiglu, Megatron's GeLU without "
+        "--swiglu, is refused)", _megapipe_model("has SwiGLU MLPs and experts",
+                         "GeLU (Megatron's default without --swiglu)"),
+        group=ARCHITECTURE)
+    disable_bias_linear: bool = flag(
+        True, "no biases in the linear layers (always on here: --no-disable-bias-linear, "
+        "Megatron's default with biases, is refused)",
+        _megapipe_model("has no linear biases",
+                        "adding biases (Megatron's default without --disable-bias-linear)"),
+        group=ARCHITECTURE)
+    make_vocab_size_divisible_by: int = flag(
+        128, "pad the tokenizer's vocabulary to a multiple of this, as Megatron does",
+        POSITIVE, group=ARCHITECTURE)
+
+    tokenizer_type: str | None = flag(
+        None, "HuggingFaceTokenizer (--tokenizer-model) or ByteTokenizer (256 byte ids; the "
+        "default for raw text; indexed data needs the type preprocess-data used)",
+        one_of(*TOKENIZER_TYPES), group=DATA)
+    tokenizer_model: str | None = flag(
+        None, "a Hugging Face tokenizer.json or its directory (megapipe train-tokenizer's "
+        "output)", group=DATA, metavar="PATH")
+    split: str | None = flag(
+        None, "with indexed data: train,validation,test shares of each dataset (default "
+        "Megatron's 969,30,1)", group=DATA)
+    data_cache_path: str | None = flag(
+        None, "with indexed data: where Megatron's index caches go (default PREFIX's folder's "
+        "cache/)", group=DATA, metavar="DIR")
 
     bf16: bool = flag(False, "bf16 parameters and activations; fp32 main weights, AdamW moments "
                       "and gradient accumulation/reduction", group=PRECISION)
@@ -188,8 +296,10 @@ class PretrainFlags:
         None, "with selective granularity: any of core_attn, moe_act (default: core_attn, as "
         "Megatron)", group=RECOMPUTE)
 
-    data_path: tuple[str, ...] = flag((), "text files or directories (default: the Python "
-                                      "standard library's source files)", group=IO, nargs="+")
+    data_path: tuple[str, ...] = flag(
+        (), "text files or directories (read byte level; default: the Python standard "
+        "library's sources), or Megatron's indexed dataset prefixes, optionally weighted "
+        "(0.7 A 0.3 B)", _indexed_or_text, group=IO, nargs="+")
     save: str | None = flag(None, "checkpoint directory", group=IO)
     load: str | None = flag(None, "resume directory", group=IO)
     save_interval: int | None = flag(

@@ -53,7 +53,8 @@ class _Slot:
 
 class FlatAdamW:
     """AdamW on ``buffers`` ({stage: flat buffers}; module docstring). ``norm_stages``: the
-    stages whose gradients count in the norm (one copy of each DualPipe model part)."""
+    stages whose gradients count in the norm (one copy of each DualPipe model part); the last
+    stage's copy of a tied embedding (Megatron's ``shared`` mark) never counts."""
 
     def __init__(
         self,
@@ -77,8 +78,9 @@ class FlatAdamW:
                 for piece in buffer.pieces():
                     model = self._model_view(buffer, piece)
                     main = model.detach().float() if mixed_precision else model
+                    counts = stage in counted and not getattr(piece.param, "shared", False)
                     self.slots.append(_Slot(piece, buffer, main, buffer.grad[piece.start:piece.end],
-                                            model, stage in counted))
+                                            model, counts))
         self.optimizer = adamw([s.main for s in self.slots],
                                [s.piece.param.ndim for s in self.slots],
                                lr, weight_decay, betas, eps)

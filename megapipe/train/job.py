@@ -25,11 +25,11 @@ from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
+from megapipe.data.gpt_samples import IndexedTrainBatches
+from megapipe.models.config import GPTConfig
 from megapipe.train.config import JobConfig
-from megapipe.train.data import (
-    Microbatch, Splits, TrainBatches, load_tokens, resolve_data_files, split_corpus,
-    validation_batches,
-)
+from megapipe.train.data import Microbatch, TrainBatches
+from megapipe.train.job_data import build_data
 from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.dp_sync import DataParallelSync
 from megapipe.train.flat_adamw import FlatAdamW
@@ -50,14 +50,15 @@ class Job:
     schedule: Schedule
     stages: dict[int, nn.Module]
     executor: PipelineExecutor
-    files: list[str]
-    splits: Splits
-    batches: TrainBatches
+    data_line: str  # the log's description of the data
+    batches: TrainBatches | IndexedTrainBatches
     valid: list[list[Microbatch]]
+    byte_counts: torch.Tensor | None  # bytes per token id, on the device (bits per byte)
     optimizer: torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW
     lr_schedule: LRSchedule
     all_params: list[nn.Parameter]
-    norm_params: list[nn.Parameter]  # each model part once per pipeline (DualPipe mirrors)
+    # each model part once per pipeline (DualPipe mirrors), a tied output weight's copy left out
+    norm_params: list[nn.Parameter]
     dp_sync: DataParallelSync | None = None  # bucketed reductions (train.dp_sync), if asked
 
     def close(self) -> None:
@@ -109,20 +110,18 @@ def build_job(config: JobConfig) -> Job:
         timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
         cuda_graph_modules=config.graphs.modules,
     )
-    files = resolve_data_files(data.paths)
-    splits = split_corpus(load_tokens(files), model.seq_length)
-    batches = TrainBatches(splits, data.global_batch_size, data.micro_batch_size, dp,
-                           groups.dp_rank, config.seed)
-    valid = validation_batches(splits, data.eval_iters, data.global_batch_size,
-                               data.micro_batch_size, dp, groups.dp_rank)
+    job_data = build_data(config, dp, groups.dp_rank)
+    counts = job_data.byte_counts
     return Job(
         config=config, device=device, groups=groups, schedule=schedule, stages=stages,
-        executor=executor, files=files, splits=splits, batches=batches, valid=valid,
+        executor=executor, data_line=job_data.description, batches=job_data.batches,
+        valid=job_data.valid, byte_counts=None if counts is None else counts.to(device),
         optimizer=optimizer,
         lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
                                max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
         all_params=unique_params(modules),
-        norm_params=unique_params([stages[s] for s in norm_stages]),
+        norm_params=[p for p in unique_params([stages[s] for s in norm_stages])
+                     if not getattr(p, "shared", False)],
         dp_sync=dp_sync,
     )
 
@@ -150,8 +149,9 @@ def _optimizer(
 
 
 def describe(job: Job) -> list[str]:
-    """The log's header: layout and schedule, model and data, the emulated link, placement."""
-    config, splits = job.config, job.splits
+    """The log's header: layout and schedule, model, tokenizer and data, the emulated link,
+    placement."""
+    config = job.config
     parallel, overlap, model = config.parallel, config.overlap, config.model
     local_params = sum(p.numel() for p in job.all_params)
     chunks = overlap.moe_a2a_chunks
@@ -164,11 +164,9 @@ def describe(job: Job) -> list[str]:
         f"{precision_text(config)}; "
         f"{config.schedule.num_microbatches} microbatches of {config.data.micro_batch_size} x "
         f"{model.seq_length} tokens per dp rank per step",
-        f"model: {model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} "
-        f"experts top-{model.moe_top_k}; {local_params:,} parameters on rank 0; data: "
-        f"{len(job.files)} files, {splits.tokens.numel():,} byte tokens, "
-        f"{splits.num_train:,} train / {splits.num_valid:,} validation windows; "
-        f"device {job.device.type}",
+        f"{model_text(model)}; {local_params:,} parameters on rank 0; device {job.device.type}",
+        tokenizer_text(config),
+        job.data_line,
     ]
     if model.moe_link is not None:
         lines.append(model.moe_link.describe())
@@ -178,6 +176,31 @@ def describe(job: Job) -> list[str]:
         lines.append(job.executor.cuda_graph_note)
     lines.append(placement_line())
     return lines
+
+
+def model_text(model: "GPTConfig") -> str:
+    """The log's model line: shape and architecture, every choice named."""
+    moe = (f"{model.num_experts} experts top-{model.moe_top_k}" if model.num_experts
+           else "dense")
+    if model.num_experts and model.first_k_dense_layers:
+        moe += f" after {model.first_k_dense_layers} dense layer(s)"
+    groups = (f", {model.query_groups} query groups" if model.query_groups != model.num_heads
+              else "")
+    position = ("rope" if model.position_embedding_type == "rope"
+                else "learned absolute positions")
+    return (f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, {moe}; "
+            f"attention {model.num_heads} heads of {model.head_dim}{groups}, {position}"
+            f"{', QK norm' if model.qk_layernorm else ''}; RMSNorm, SwiGLU, no biases, "
+            f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings")
+
+
+def tokenizer_text(config: JobConfig) -> str:
+    """The log's tokenizer line: which, its size, the model's padded vocabulary."""
+    tok = config.tokenizer
+    which = ("ByteTokenizer (one token per byte)" if tok.tokenizer_type == "ByteTokenizer"
+             else f"{tok.tokenizer_type} {tok.tokenizer_model}")
+    return (f"tokenizer: {which}, {tok.vocab_size:,} tokens; model vocabulary "
+            f"{tok.padded_vocab_size:,}")
 
 
 def data_parallel_text(job: Job) -> str:

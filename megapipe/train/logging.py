@@ -122,11 +122,18 @@ class TrainingLogger:
         parts.append(f"act mem {'n/a' if act_mem is None else f'{act_mem / 2**20:.2f} MiB'}")
         return " | ".join(parts)
 
-    def evaluation(self, iteration: int, loss: float) -> str:
-        """Print (and return) the validation line after an evaluation at ``iteration``."""
-        line = f"validation at iter {iteration} | loss {loss:.4f} | ppl {math.exp(min(loss, 50.0)):.2f}"
+    def evaluation(self, iteration: int, loss: float, bits_per_byte: float | None = None) -> str:
+        """Print (and return) the validation line after an evaluation at ``iteration``: the
+        mean loss per token, its perplexity, and the bits per byte of text (None: not known
+        for this tokenizer)."""
+        line = (f"validation at iter {iteration} | loss {loss:.4f} per token | ppl "
+                f"{math.exp(min(loss, 50.0)):.2f} | "
+                + ("bits per byte n/a" if bits_per_byte is None
+                   else f"{bits_per_byte:.4f} bits per byte"))
         if self._writer is not None:
             self._writer.add_scalar("valid/loss", loss, iteration)
+            if bits_per_byte is not None:
+                self._writer.add_scalar("valid/bits_per_byte", bits_per_byte, iteration)
         if self.enabled:
             self.write(line)
         return line

@@ -34,7 +34,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     aux_losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
-    valid_losses: dict[int, float] = field(default_factory=dict)
+    valid_losses: dict[int, float] = field(default_factory=dict)  # mean loss per token
+    valid_bits_per_byte: dict[int, float | None] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
     exit_reason: str | None = None
@@ -102,8 +103,10 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if data.eval_interval and data.eval_iters and iteration % data.eval_interval == 0:
-                result.valid_losses[iteration] = evaluate(job)
-                logger.evaluation(iteration, result.valid_losses[iteration])
+                validation = evaluate(job)
+                result.valid_losses[iteration] = validation.loss
+                result.valid_bits_per_byte[iteration] = validation.bits_per_byte
+                logger.evaluation(iteration, validation.loss, validation.bits_per_byte)
             result.exit_reason = exits.reason(iteration)
             due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
             final = iteration == iters or result.exit_reason is not None

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megapipe.data.errors import DataError
 from megapipe.parallel.launch import launched_world_size, start_local_ranks
 from megapipe.train.args import ArgsError, args_from_namespace, parse_pretrain_args
 from megapipe.train.checkpoint_files import CheckpointError
@@ -55,7 +56,7 @@ def _validate_then_run(to_config: Callable[[Any], JobConfig], source: Any) -> in
     """Turn flags into the config (one clear line and exit code 2 if they are bad), then run."""
     try:
         config = to_config(source)
-    except ArgsError as err:
+    except (ArgsError, DataError) as err:  # one line each
         _error(str(err))
         return 2
     return run(config)
@@ -65,7 +66,7 @@ def run(config: JobConfig) -> int:
     """Decide the resume, then train as this rank or start and supervise the ranks here."""
     try:
         choice = choose_resume(config)
-    except CheckpointError as err:
+    except (CheckpointError, DataError) as err:
         _error(str(err))
         return 2
     world_size = config.parallel.world_size

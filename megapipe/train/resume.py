@@ -2,10 +2,14 @@
 
 ``choose_resume(config)`` picks the newest complete checkpoint of ``--load`` (warning about damaged
 newer ones), and refuses, with one line naming the flag and both values, a checkpoint of another
-model: the model's shape, the sequence length and the seed must match (the parallel layout and
-the schedule may change: the checkpoint's keys are layout-free, see ``checkpoint``). It also
-guards what is already saved: a ``--save`` folder that holds checkpoints must be the ``--load``
-folder, so a new run never overwrites or interleaves with another run's checkpoints.
+model: the model's shape and architecture (``RESUMED_FIELDS`` of its ``GPTConfig``, which the
+descriptor stores under ``model.gpt_config``), the tokenizer, the sequence length and the seed
+must match (the parallel layout and the schedule may change: the checkpoint's keys are
+layout-free, see ``checkpoint``). Megatron's tracker file ``latest_checkpointed_iteration.txt``
+must name an iteration whose folder is there (one line otherwise: a run never starts from
+scratch over a folder that says it holds a checkpoint). It also guards what is already saved: a
+``--save`` folder that holds checkpoints must be the ``--load`` folder, so a new run never
+overwrites or interleaves with another run's checkpoints.
 """
 
 from __future__ import annotations
@@ -13,12 +17,33 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megapipe.train.checkpoint_files import (
-    Checkpoint, CheckpointError, checkpoint_dirs, select_checkpoint,
+    LATEST_FILE, Checkpoint, CheckpointError, Selection, checkpoint_dirs, iteration_dir,
+    select_checkpoint,
 )
-from megapipe.train.config import MODEL_FLAGS, CheckpointConfig, JobConfig, parse_moe_layer_freq
+from megapipe.train.config import JobConfig, TokenizerConfig
+
+if TYPE_CHECKING:
+    from megapipe.models.config import GPTConfig
+
+CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # hf.checkpoint_reader's, without torch
+RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
+    "hidden_size": "--hidden-size", "num_layers": "--num-layers",
+    "num_heads": "--num-attention-heads", "seq_length": "--seq-length",
+    "ffn_hidden_size": "--ffn-hidden-size", "num_experts": "--num-experts",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "first_k_dense_layers": "--moe-layer-freq (dense layers first)",
+    "moe_layer_freq": "--moe-layer-freq",
+    "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
+    "num_query_groups": "--num-query-groups", "qk_layernorm": "--qk-layernorm",
+    "kv_channels": "--kv-channels",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "vocab_size": "a padded vocabulary", "seed": "--seed",
+}
+"""What a checkpoint must share with the run that resumes it (shapes, architecture, seed)."""
 
 
 @dataclass(frozen=True)
@@ -41,35 +66,32 @@ def descriptor_parts(config: JobConfig, schedule: str, info: dict[str, Any]) -> 
     parallel = {"pp": layout.pp, "vpp": config.schedule.vpp, "ep": layout.ep, "dp": layout.dp,
                 "world_size": layout.world_size, "schedule": schedule,
                 "overlap": config.overlap.enabled}
-    return {"model": dict(config.checkpoint.model_fields), "parallel": parallel, "info": info}
+    model = {CONFIG_KEY: config.model.to_dict(), TOKENIZER_KEY: config.tokenizer.descriptor()}
+    return {"model": model, "parallel": parallel, "info": info}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _same(name: str, saved: Any, mine: Any, saved_layers: Any, my_layers: int) -> bool:
-    if name != "moe_layer_freq" or not isinstance(saved, str):
-        return saved == mine
-    try:
-        return parse_moe_layer_freq(saved, int(saved_layers)) == parse_moe_layer_freq(mine, my_layers)
-    except (ValueError, TypeError):
-        return False
-
-
-def check_model(checkpoint: Checkpoint, config: CheckpointConfig) -> None:
-    """Refuse a checkpoint of another model, naming the flag and both values."""
-    saved, model = checkpoint.descriptor["model"], config.model_fields
+def check_model(checkpoint: Checkpoint, config: JobConfig) -> None:
+    """Refuse a checkpoint of another model or tokenizer, naming the flag and both values."""
+    saved = checkpoint.descriptor["model"]
     where = f"--load {checkpoint.path.parent}: {checkpoint.path.name}"
-    for name in MODEL_FLAGS:
-        if name not in saved:
-            raise CheckpointError(f"{where}: its descriptor lacks the model field {name!r}")
-        mine = model[name]
-        if not _same(name, saved[name], mine, saved.get("num_layers"), model["num_layers"]):
+    fields = saved.get(CONFIG_KEY)
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: its descriptor has no model.{CONFIG_KEY} (written by "
+                              "an older megapipe), so its model cannot be compared")
+    _check_tokenizer(where, saved.get(TOKENIZER_KEY), config.tokenizer, fields.get("vocab_size"))
+    from megapipe.models.config import GPTConfig  # torch: the ranks have not started yet
+
+    try:
+        theirs = _architecture(GPTConfig.from_dict(fields))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: its model.{CONFIG_KEY}: {err}") from None
+    mine = _architecture(config.model)
+    for name, shown in RESUMED_FIELDS.items():
+        if theirs[name] != mine[name]:
             raise CheckpointError(
-                f"{where} was saved with {_flag(name)}={saved[name]!r} but this run has "
-                f"{_flag(name)}={mine!r}; a checkpoint resumes only the same model shape, "
-                "sequence length and seed"
+                f"{where} was saved with {shown}={theirs[name]!r} but this run has "
+                f"{shown}={mine[name]!r}; a checkpoint resumes only the same model shape and "
+                "architecture, tokenizer, sequence length and seed"
             )
     parallel = checkpoint.descriptor["parallel"]
     world = parallel.get("world_size")
@@ -127,6 +149,7 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
     if load is None:
         return ResumeChoice(None)
     selection = select_checkpoint(load)
+    _check_marker(load, selection)
     if selection.chosen is None:
         if selection.damaged:
             path, problem = selection.damaged[0]
@@ -135,5 +158,40 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
                 f"newest {path.name}: {problem})"
             )
         return ResumeChoice(None, note=f"--load {load}: no checkpoint yet, starting from scratch")
-    check_model(selection.chosen, config.checkpoint)
+    check_model(selection.chosen, config)
     return ResumeChoice(selection.chosen, selection.warnings())
+
+
+def _architecture(model: "GPTConfig") -> dict[str, Any]:
+    """The ``RESUMED_FIELDS`` of ``model``, the query groups and head dim as they are (the
+    defaults None and the heads, or hidden / heads, are the same model)."""
+    values = {name: getattr(model, name) for name in RESUMED_FIELDS}
+    values.update(num_query_groups=model.query_groups, kv_channels=model.head_dim)
+    return values
+
+
+def _check_tokenizer(where: str, saved: Any, mine: TokenizerConfig, saved_vocab: Any) -> None:
+    """The tokenizer type is the checkpoint's and fits its model's vocabulary (a tokenizer
+    larger than the model's vocabulary is refused)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: its descriptor has no model.{TOKENIZER_KEY}")
+    if isinstance(saved_vocab, int) and mine.vocab_size > saved_vocab:
+        raise CheckpointError(f"{where}: the tokenizer has {mine.vocab_size:,} tokens, more than "
+                              f"the checkpoint's model vocabulary of {saved_vocab:,}")
+    if saved.get("tokenizer_type") != mine.tokenizer_type:
+        raise CheckpointError(f"{where} was trained with --tokenizer-type "
+                              f"{saved.get('tokenizer_type')} but this run has --tokenizer-type "
+                              f"{mine.tokenizer_type}: the ids would mean other tokens")
+
+
+def _check_marker(load: str, selection: Selection) -> None:
+    """Megatron's tracker file names an iteration, and its folder is there (damaged or not)."""
+    if selection.marker_problem is not None:
+        raise CheckpointError(f"--load {load}: {selection.marker_problem} (fix or remove the "
+                              "file)")
+    marker = selection.marker
+    if marker is not None and not iteration_dir(load, marker).is_dir():
+        found = [iteration for iteration, _ in checkpoint_dirs(load)]
+        held = f"it holds iterations {', '.join(map(str, found))}" if found else "it holds none"
+        raise CheckpointError(f"--load {load}: {LATEST_FILE} names iteration {marker}, whose "
+                              f"folder {iteration_dir(load, marker).name} is not there ({held})")

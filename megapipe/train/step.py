@@ -14,7 +14,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megapipe.data.bits_per_byte import bits_per_byte, target_bytes
 from megapipe.pipeline.executor import StepResult
+from megapipe.pipeline.grad_sync import sum_tied_embedding_grads
 from megapipe.train.data import Microbatch
 from megapipe.train.job import Job
 from megapipe.train.logging import check_finite_loss
@@ -97,6 +99,7 @@ def train_step(
     step = job.executor.step(tokens, labels, profile=options, grad_hooks=sync)
     if sync is not None:
         sync.finish_grad_sync()
+        finish_tied_grads(job)
     if profiler is not None:
         profiler.record(iteration, step, sync)
     loss = global_mean(list(step.losses.values()), job.device)
@@ -121,13 +124,42 @@ def train_step(
     return StepStats(loss, aux, lr, norm, hidden, exposed, act_mem)
 
 
-def evaluate(job: Job) -> float:
-    """Mean validation loss over the job's validation batches (forward only, nothing kept)."""
+def finish_tied_grads(job: Job) -> None:
+    """With flat buffers (the executor reduces nothing): after the data-parallel reduction,
+    give both copies of a weight tied across the first and last stage the sum of their
+    gradients, as the executor's own reduction does (``pipeline.grad_sync``)."""
+    executor = job.executor
+    sum_tied_embedding_grads(job.schedule, executor.pp_rank, job.stages,
+                             executor.position.group, executor.position.ranks)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """One evaluation: the mean loss per token and, with a byte-level tokenizer, the bits per
+    byte of text of the same targets."""
+
+    loss: float
+    bits_per_byte: float | None
+
+
+def evaluate(job: Job) -> Validation:
+    """Validation over the job's validation batches (forward only, nothing kept)."""
     losses: list[torch.Tensor] = []
+    counted = torch.zeros(2, dtype=torch.float64, device=job.device)  # target tokens, bytes
     if job.dp_sync is not None:
         job.dp_sync.finish_param_gather()  # forward-only steps run no gather waits
     for batch in job.valid:
         tokens, labels = to_device(batch, job.device)
-        losses.extend(job.executor.step(tokens, labels, forward_only=True).losses.values())
+        step = job.executor.step(tokens, labels, forward_only=True)
+        losses.extend(step.losses.values())
+        if job.byte_counts is not None:
+            for microbatch in step.losses:  # the microbatches whose loss this rank made
+                counted[0] += labels[microbatch].numel()
+                counted[1] += target_bytes(labels[microbatch], job.byte_counts)
     pop_aux_losses(job)  # evaluation's router losses are not training's
-    return global_mean(losses, job.device)
+    loss = global_mean(losses, job.device)
+    if job.byte_counts is None:
+        return Validation(loss, None)
+    dist.all_reduce(counted)
+    total_tokens, total_bytes = (int(v) for v in counted.tolist())
+    return Validation(loss, bits_per_byte(loss * total_tokens, total_bytes))

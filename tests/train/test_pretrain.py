@@ -1,10 +1,15 @@
+import math
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from megapipe.train.args import ArgsError, parse_pretrain_args
+from megapipe.train.data import (
+    END_OF_DOCUMENT, load_tokens, resolve_data_files, split_corpus, validation_batches,
+)
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
 
@@ -29,6 +34,20 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
     assert any(line.startswith("iter 8/8") and " | a2a hidden " in line for line in lines)
     assert "the overlap hid" in lines[-1], lines[-1]
     assert any(line.startswith("iter 8/8") and " MiB" in line.split("act mem")[1] for line in lines)
+    # the model line names the architecture, the tokenizer line the byte level
+    assert lines[1].startswith("model: GPT, 2 layers, hidden 32, 4 experts top-2; attention 2 "
+                               "heads of 16, rope, QK norm; RMSNorm, SwiGLU, no biases, untied")
+    assert lines[2] == "tokenizer: ByteTokenizer (one token per byte), 256 tokens; model " \
+        "vocabulary 256"
+    # bits per byte: every target byte is one token, an end of document (0) none
+    splits = split_corpus(load_tokens(resolve_data_files([])), 32)
+    labels = torch.cat([labels for rank in (0, 1)
+                        for _, labels in validation_batches(splits, 1, 8, 2, 2, rank)[0]])
+    text_bytes = int((labels != END_OF_DOCUMENT).sum())
+    expected = results[0].valid_losses[4] * labels.numel() / math.log(2) / text_bytes
+    assert results[0].valid_bits_per_byte[4] == pytest.approx(expected, rel=1e-12)
+    assert any(f"| {results[0].valid_bits_per_byte[8]:.4f} bits per byte" in line
+               for line in lines)
 
 
 def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):

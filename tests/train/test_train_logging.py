@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from megapipe.train.logging import NonFiniteLossError, TrainingLogger
@@ -35,4 +37,7 @@ def test_disabled_logger_prints_nothing_and_eval_line():
     log.record(1, loss=1.0)
     assert lines == []
     on = TrainingLogger(train_iters=2, log_interval=1, write=lines.append)
-    assert on.evaluation(2, 0.0) == "validation at iter 2 | loss 0.0000 | ppl 1.00"
+    assert on.evaluation(2, 0.0) == ("validation at iter 2 | loss 0.0000 per token | ppl 1.00 | "
+                                     "bits per byte n/a")
+    assert on.evaluation(2, math.log(2), 0.25) == (
+        "validation at iter 2 | loss 0.6931 per token | ppl 2.00 | 0.2500 bits per byte")

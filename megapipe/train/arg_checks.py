@@ -41,7 +41,7 @@ def validate(f: PretrainFlags, world_size: int) -> None:
         raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     _check_options_and_paths(f, parallel)
     _check_profiling(f)
-    _check_cuda_graphs(f, parallel)
+    _check_cuda_graphs(f, parallel, vocab)
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -321,7 +321,7 @@ def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None
         raise ArgsError(str(err).splitlines()[0]) from None
 
 
-def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig) -> None:
+def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig, vocab: int) -> None:
     """``--cuda-graph-impl`` / ``--cuda-graph-modules`` (or ``--cuda-graph-scope``) against the
     model's nodes and the schedule (``overlap.graph_rules``)."""
     from megapipe.overlap.graph_rules import (  # torch: only when flags are run
@@ -343,7 +343,7 @@ def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig) -> None:
                         "(Megatron allows full recompute only with whole-iteration graphs)")
     from megapipe.models.gpt import graph_holders
 
-    problem = coverage_problem(modules, graph_holders(model_config(f)))
+    problem = coverage_problem(modules, graph_holders(model_config(f, vocab)))
     schedule = schedule_config(f, parallel.dp).build()
     split = any(c.kind is Kind.I for row in schedule.actions for a in row
                 for c in a.computations())

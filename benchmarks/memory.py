@@ -36,7 +36,7 @@ from megapipe.schedule.combine.in_flight import peak_in_flight
 from megapipe.schedule.registry import SCHEDULES
 from megapipe.sim.budget_sweep import budget_sweep
 from megapipe.sim.costs import Costs
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
 from megapipe.train.step import to_device
 

@@ -113,7 +113,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     from .schedule.registry import build_schedule
     from .sim.costs import Costs
     from .sim.simulate import simulate
-    from .train.arg_checks import check_output_path
+    from .train.config.checks import check_output_path
 
     for flag in ("csv", "png", "trace"):
         check_output_path(flag, getattr(args, flag))
@@ -176,7 +176,7 @@ def _print_budgets(args: argparse.Namespace, costs, extra: dict) -> None:
 
 
 def _add_pretrain_command(subparsers) -> None:
-    from .train.flags import build_parser as pretrain_flags
+    from .train.config.flags import build_parser as pretrain_flags
 
     p = subparsers.add_parser(
         "pretrain",
@@ -210,8 +210,8 @@ def _add_trace_command(subparsers) -> None:
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
-    """``megapipe trace summarize FILE``: print the trace's figures (``train.trace_summary``)."""
-    from .train.trace_summary import summarize_file
+    """``megapipe trace summarize FILE``: print the trace's figures (``train.observe.trace_summary``)."""
+    from .train.observe.trace_summary import summarize_file
 
     print(summarize_file(args.file))
     return 0

@@ -33,10 +33,10 @@ from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.streams import Streams
 from megapipe.overlap.sequential import record_forward, run_backward
+from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 from gpu_sections.gpu_timing import Timed, node_spans, synchronize, time_ms
 from gpu_sections.link_model import set_link

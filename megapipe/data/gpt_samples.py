@@ -22,7 +22,7 @@ cache); never run several such processes on one cache directory at once.
 global batch of iteration t is samples ``[t * G, (t + 1) * G)`` (G the global batch size), cut
 into runs of ``b * dp`` consecutive samples (b the micro batch size); data-parallel rank r's
 microbatch is the r-th ``b`` samples of each run. The position is one integer, the samples
-consumed, saved and restored as ``megapipe.train.data.TrainBatches``' is.
+consumed, saved and restored as ``megapipe.data.raw_text.TrainBatches``' is.
 """
 
 from __future__ import annotations

@@ -19,25 +19,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.data.gpt_samples import IndexedTrainBatches
+from megapipe.data.raw_text import Microbatch, TrainBatches
+from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
-from megapipe.data.gpt_samples import IndexedTrainBatches
-from megapipe.models.config import GPTConfig
-from megapipe.train.config import JobConfig
-from megapipe.train.data import Microbatch, TrainBatches
+from megapipe.train.config.job_config import JobConfig
 from megapipe.train.job_data import build_data
-from megapipe.pipeline.grad_sync import is_expert_param
-from megapipe.train.dp_sync import DataParallelSync
-from megapipe.train.flat_adamw import FlatAdamW
-from megapipe.train.grad_buffers import stage_buffers
-from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
-from megapipe.train.optim import (
+from megapipe.train.optim.adamw import (
     LRSchedule, build_optimizer, optimizer_state_bytes, unique_params,
 )
+from megapipe.train.optim.dp_sync import DataParallelSync
+from megapipe.train.optim.flat_adamw import FlatAdamW
+from megapipe.train.optim.grad_buffers import stage_buffers
+from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Job:
     all_params: list[nn.Parameter]
     # each model part once per pipeline (DualPipe mirrors), a tied output weight's copy left out
     norm_params: list[nn.Parameter]
-    dp_sync: DataParallelSync | None = None  # bucketed reductions (train.dp_sync), if asked
+    dp_sync: DataParallelSync | None = None  # bucketed reductions (optim.dp_sync), if asked
 
     def close(self) -> None:
         """Stop the threads of the communication streams."""

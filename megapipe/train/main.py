@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 from megapipe.data.errors import DataError
 from megapipe.parallel.launch import launched_world_size, start_local_ranks
-from megapipe.train.args import ArgsError, args_from_namespace, parse_pretrain_args
-from megapipe.train.checkpoint_files import CheckpointError
-from megapipe.train.config import JobConfig
+from megapipe.train.checkpoint.files import CheckpointError
+from megapipe.train.checkpoint.resume import ResumeChoice, choose_resume
+from megapipe.train.config.job_config import JobConfig
+from megapipe.train.config.parse import ArgsError, args_from_namespace, parse_pretrain_args
 from megapipe.train.failures import debug_enabled, describe_failure, is_secondary
-from megapipe.train.logging import NonFiniteLossError
 from megapipe.train.loop import train
-from megapipe.train.resume import ResumeChoice, choose_resume
+from megapipe.train.observe.logging import NonFiniteLossError
 from megapipe.train.supervise import run_local, write_report
 
 PROG = "megapipe pretrain"

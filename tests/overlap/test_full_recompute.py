@@ -14,14 +14,14 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 
 def _toy(weight: torch.Tensor, calls: list[tuple[str, bool]]) -> list[Node]:

@@ -15,8 +15,8 @@ from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule import build_schedule
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.declare import ArgsError
+from megapipe.train.config.declare import ArgsError
+from megapipe.train.config.parse import parse_pretrain_args
 from support.fake_graphs import FakeGraphApi
 
 CONFIG = GPTConfig(hidden_size=16, num_layers=2, num_heads=2, seq_length=8, ffn_hidden_size=32,

@@ -25,7 +25,7 @@ from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
 from support.pipeline_cases import (
     CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,

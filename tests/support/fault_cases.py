@@ -24,7 +24,7 @@ from megapipe.parallel.groups import assemble_groups, rank_layout
 from megapipe.pipeline.grad_sync import all_reduce_grads
 from megapipe.pipeline.p2p import CommOp, PipelineP2P, TensorSpec
 from megapipe.schedule.ir import parse_action
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.failures import describe_failure
 
 

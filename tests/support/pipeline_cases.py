@@ -22,10 +22,10 @@ from megapipe.overlap.main_grad import accumulated_grad, zero_grads
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_layout
 from megapipe.pipeline.executor import PipelineExecutor
-from megapipe.schedule.rank_views import in_flight_limit
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.schedule.rank_views import in_flight_limit
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 MICRO_BATCH = 2
 CONFIG = GPTConfig(

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
 from megapipe.train.main import main
 from support.pretrain_flags import TINY

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint_files import LATEST_FILE
+from megapipe.train.checkpoint.files import LATEST_FILE
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
-from megapipe.train.trace_summary import summarize_file
+from megapipe.train.observe.trace_summary import summarize_file
 
 from support.dp_cases import optimizer_state_bytes
 from support.pretrain_flags import TINY

@@ -8,9 +8,9 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.declare import ArgsError, at_least, build_parser, flag, one_of, parse_flags
-from megapipe.train.flags import PretrainFlags
+from megapipe.train.config.declare import ArgsError, at_least, build_parser, flag, one_of, parse_flags
+from megapipe.train.config.flags import PretrainFlags
+from megapipe.train.config.parse import parse_pretrain_args
 
 
 def _each_module(name: str, modules: tuple[str, ...]) -> str | None:

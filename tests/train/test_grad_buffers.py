@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from megapipe.train.args import ArgsError, parse_pretrain_args
-from megapipe.train.checkpoint_pieces import PieceTensor, flat_boxes
-from megapipe.train.grad_buffers import ALIGN, FlatBuffer, plan_layout
+from megapipe.train.checkpoint.pieces import PieceTensor, flat_boxes
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
+from megapipe.train.optim.grad_buffers import ALIGN, FlatBuffer, plan_layout
 
 from support.pretrain_flags import TINY
 

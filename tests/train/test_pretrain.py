@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from megapipe.train.args import ArgsError, parse_pretrain_args
-from megapipe.train.data import (
+from megapipe.data.raw_text import (
     END_OF_DOCUMENT, load_tokens, resolve_data_files, split_corpus, validation_batches,
 )
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.pipeline.grad_sync import is_expert_param
-from megapipe.train.mixed_precision import MixedPrecisionAdamW
+from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW
 
 
 def optimizer_state_bytes(optimizer: object) -> int:

@@ -8,7 +8,7 @@ document in the trace-event format (ui.perfetto.dev, chrome://tracing):
   ``compute`` (tid 0: each compute action, and nested in it its compute nodes and its waits for
   pipeline receives), ``comm`` (tid 1: the all-to-all nodes) and ``exposed all-to-all`` (tid 2:
   the parts of each all-to-all during which no compute node of the rank ran); with bucketed
-  data parallelism (``train.dp_sync``) two more: ``data parallel`` (tid 3: each bucket's
+  data parallelism (``optim.dp_sync``) two more: ``data parallel`` (tid 3: each bucket's
   reduction or parameter all-gather on its communication stream) and ``waits for data
   parallel`` (tid 4: the time the compute stream waited for them, the exposed part);
 - node slices are named ``F3 s2 layer1.dispatch`` (direction, microbatch, stage, node) and carry
@@ -34,13 +34,13 @@ from megapipe.schedule.ir import Kind, Schedule
 from megapipe.schedule.timing.intervals import subtract, union
 from megapipe.sim.simulate import simulate
 from megapipe.sim.trace import trace_events
-from megapipe.train.measured_costs import measured_costs, node_times
+from megapipe.train.observe.measured_costs import measured_costs, node_times
 
 FORMAT = "megapipe-profile-trace"
 COMPUTE_TID, COMM_TID, EXPOSED_TID, DP_TID, DP_WAIT_TID = 0, 1, 2, 3, 4
 THREADS = {COMPUTE_TID: "compute", COMM_TID: "comm", EXPOSED_TID: "exposed all-to-all",
            DP_TID: "data parallel", DP_WAIT_TID: "waits for data parallel"}
-DP_KINDS = {"dp": DP_TID, "dp_wait": DP_WAIT_TID}  # train.dp_sync's span kinds
+DP_KINDS = {"dp": DP_TID, "dp_wait": DP_WAIT_TID}  # optim.dp_sync's span kinds
 US = 1e6
 
 

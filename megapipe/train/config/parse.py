@@ -1,8 +1,8 @@
 """From the command line to the typed config, refusing bad input before any process starts.
 
 ``parse_pretrain_args(argv)`` parses the declared flags (``flags``: each flag's own checks),
-checks the rules between them (``arg_checks``) and returns the ``JobConfig`` the app reads
-(``config``). Anything that cannot run raises ``ArgsError`` with one line naming the value and
+checks the rules between them (``checks``) and returns the ``JobConfig`` the app reads
+(``job_config``). Anything that cannot run raises ``ArgsError`` with one line naming the value and
 the rule; ``main`` prints it and exits with status 2 before any process group exists.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from typing import Mapping, Sequence
 
-from megapipe.train.arg_checks import validate
-from megapipe.train.config import JobConfig, job_config, world_size_of
-from megapipe.train.declare import ArgsError, parse_flags, record_of
-from megapipe.train.flags import DESCRIPTION, PretrainFlags
+from megapipe.train.config.checks import validate
+from megapipe.train.config.declare import ArgsError, parse_flags, record_of
+from megapipe.train.config.flags import DESCRIPTION, PretrainFlags
+from megapipe.train.config.job_config import JobConfig, job_config, world_size_of
 
 __all__ = ["ArgsError", "args_from_namespace", "checked_config", "parse_pretrain_args"]
 

@@ -5,7 +5,7 @@ newer ones), and refuses, with one line naming the flag and both values, a check
 model: the model's shape and architecture (``RESUMED_FIELDS`` of its ``GPTConfig``, which the
 descriptor stores under ``model.gpt_config``), the tokenizer, the sequence length and the seed
 must match (the parallel layout and the schedule may change: the checkpoint's keys are
-layout-free, see ``checkpoint``). Megatron's tracker file ``latest_checkpointed_iteration.txt``
+layout-free, see ``state``). Megatron's tracker file ``latest_checkpointed_iteration.txt``
 must name an iteration whose folder is there (one line otherwise: a run never starts from
 scratch over a folder that says it holds a checkpoint). It also guards what is already saved: a
 ``--save`` folder that holds checkpoints must be the ``--load`` folder, so a new run never
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megapipe.train.checkpoint_files import (
+from megapipe.train.checkpoint.files import (
     LATEST_FILE, Checkpoint, CheckpointError, Selection, checkpoint_dirs, iteration_dir,
     select_checkpoint,
 )
-from megapipe.train.config import JobConfig, TokenizerConfig
+from megapipe.train.config.job_config import JobConfig, TokenizerConfig
 
 if TYPE_CHECKING:
     from megapipe.models.config import GPTConfig

@@ -11,7 +11,7 @@ schedule) loads under another and DCP reshards it:
 - an optimizer state follows its parameter: ``optim/{name}[/expert{e}]/{field}`` (AdamW's
   ``exp_avg``, ``exp_avg_sq``, with ``--bf16`` the fp32 ``main_param``; the scalar ``step``
   once per parameter); the distributed optimizer (``FlatAdamW``, sharded) writes under the same
-  keys only the element ranges of its shards (``checkpoint_pieces.PieceTensor``), so its
+  keys only the element ranges of its shards (``pieces.PieceTensor``), so its
   checkpoints load into any dp size, with or without it;
 - ``rng/rank{r}`` holds each rank's RNG states; a run with another world size restores rank
   ``r``'s from saved rank ``r % saved_world``; ``extra/...`` holds the states every rank shares
@@ -19,7 +19,7 @@ schedule) loads under another and DCP reshards it:
 
 A tensor held twice on one rank (DualPipe's mirrored stages) is written once and loaded into
 every copy; one held by several ranks (dense weights over DP) is written by one of them (DCP's
-de-duplication). ``checkpoint_files`` makes the folder whole-or-nothing and verifies it.
+de-duplication). ``files`` makes the folder whole-or-nothing and verifies it.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
-from megapipe.train.checkpoint_pieces import PieceTensor
-from megapipe.train.flat_adamw import FlatAdamW
-from megapipe.train.mixed_precision import MixedPrecisionAdamW
-from megapipe.train.checkpoint_files import (
+from megapipe.train.checkpoint.files import (
     FORMAT, describe_files, file_digest, iteration_dir, prepare_temporary, prune, publish,
     temporary_dir,
 )
+from megapipe.train.checkpoint.pieces import PieceTensor
+from megapipe.train.optim.flat_adamw import FlatAdamW
+from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW
 
 Entries = dict[str, list[torch.Tensor]]
 
@@ -189,7 +189,7 @@ def save_checkpoint(
     """Write checkpoint ``iteration`` on every rank together; returns its folder.
 
     ``extra`` holds states identical on every rank (scheduler, data position); ``descriptor``
-    the ``model``, ``parallel`` and ``info`` parts of the descriptor (``checkpoint_files``).
+    the ``model``, ``parallel`` and ``info`` parts of the descriptor (``files``).
     The folder appears, complete, only once every rank has written its files.
     """
     rank, save = dist.get_rank(), Path(save)

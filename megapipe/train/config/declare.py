@@ -7,7 +7,7 @@ where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``
 ``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
 argparse parser of a record class; ``parse_flags`` / ``record_of`` the record, after each
 flag's checks (a check: ``(flag, value) -> message or None``, never given None): the first
-refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``arg_checks``).
+refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``checks``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 from megapipe.schedule.timing.intervals import covered_length, subtract, union
-from megapipe.train.run_trace import FORMAT
+from megapipe.train.observe.run_trace import FORMAT
 BUBBLES_SHOWN = 3
 
 

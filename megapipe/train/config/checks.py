@@ -3,7 +3,7 @@
 Each flag's own checks (ranges, choices) are in its declaration (``flags``) and ran while
 parsing; ``validate(flags, world_size)`` then checks every rule that involves several flags and
 raises ``ArgsError`` with one line naming the values and the rule. The rules reuse
-``ParallelConfig``, ``GPTConfig`` and ``build_schedule``'s own checks through ``config``'s
+``ParallelConfig``, ``GPTConfig`` and ``build_schedule``'s own checks through ``job_config``'s
 part builders, so each rule and each derived value lives in one place.
 """
 
@@ -13,17 +13,17 @@ import os
 from typing import TYPE_CHECKING
 
 from megapipe.schedule import Kind, ScheduleError
-from megapipe.train.config import (
+from megapipe.train.config.declare import ArgsError
+from megapipe.train.config.flags import PretrainFlags
+from megapipe.train.config.job_config import (
     model_config, parallel_config, schedule_config, selective_recompute_modules,
 )
-from megapipe.train.declare import ArgsError
-from megapipe.train.flags import PretrainFlags
 
 if TYPE_CHECKING:  # the process-group modules import torch; the CLI stays light
     from megapipe.data.tokenizer import Tokenizer
     from megapipe.parallel.config import ParallelConfig
     from megapipe.schedule import Schedule
-    from megapipe.train.config import DataConfig
+    from megapipe.train.config.job_config import DataConfig
 
 
 def validate(f: PretrainFlags, world_size: int) -> None:
@@ -142,7 +142,7 @@ def _check_data_parallel(f: PretrainFlags, parallel: ParallelConfig) -> None:
             f"--ddp-bucket-size={size} needs --overlap-grad-reduce (without it each stage's "
             "gradients reduce after the step, in one bucket)"
         )
-    from megapipe.train.grad_buffers import ALIGN  # torch: only when the flag is given
+    from megapipe.train.optim.grad_buffers import ALIGN  # torch: only when the flag is given
 
     least = ALIGN * parallel.dp
     if size < least:
@@ -197,7 +197,7 @@ def check_data(f: PretrainFlags) -> int:
     splits that hold tokens, the type preprocess-data used); returns the model's (padded)
     vocabulary. One ArgsError line otherwise."""
     from megapipe.data.errors import DataError  # torch-free
-    from megapipe.train.config import data_config, tokenizer_config
+    from megapipe.train.config.job_config import data_config, tokenizer_config
 
     data = data_config(f)
     try:
@@ -310,8 +310,8 @@ def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None
     for flag, value in (("--save-interval", f.save_interval), ("--keep-last", f.keep_last)):
         if value is not None and f.save is None:
             raise ArgsError(f"{flag} needs --save DIR")
-    from megapipe.train.config import data_config
-    from megapipe.train.data import check_corpus  # torch: only when flags are run
+    from megapipe.data.raw_text import check_corpus  # torch: only when flags are run
+    from megapipe.train.config.job_config import data_config
 
     if data_config(f).indexed:
         return

@@ -1,7 +1,7 @@
 """Every pretrain flag, declared once (``declare.flag``): Megatron's names, the demo's defaults.
 
 ``PretrainFlags`` is both the declaration and the parsed record; its flags' own checks live in
-their declarations, the rules between flags in ``arg_checks``, and ``config.job_config`` turns
+their declarations, the rules between flags in ``checks``, and ``job_config.job_config`` turns
 the record into the typed parts the app reads. Adding a flag: docs/pretraining.md.
 """
 
@@ -16,7 +16,7 @@ from megapipe.data.blend import check_data_path, is_indexed_prefix
 from megapipe.data.errors import DataError
 from megapipe.data.tokenizer import TOKENIZER_TYPES
 from megapipe.schedule import SCHEDULES
-from megapipe.train.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
+from megapipe.train.config.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
 
 DESCRIPTION = ("Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "
                "small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.")
@@ -70,7 +70,7 @@ def _no_fp16(name: str, on: bool) -> str | None:
 
 
 def _indexed_or_text(name: str, values: tuple[str, ...]) -> str | None:
-    """Megatron's prefixes (and weights) are checked here, raw text files in ``arg_checks``;
+    """Megatron's prefixes (and weights) are checked here, raw text files in ``checks``;
     the two kinds do not mix."""
     if not values_are_indexed(values):
         return None

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megapipe.overlap.node_trace import NodeTrace
+from megapipe.parallel.groups import RankCoordinates
 from megapipe.pipeline.executor import StepResult
 from megapipe.pipeline.step_profile import ProfileOptions
-from megapipe.train.job import Job
-from megapipe.train.run_trace import RankRecord, build_trace
+from megapipe.schedule import Schedule
+from megapipe.train.config.job_config import JobConfig
+from megapipe.train.observe.run_trace import RankRecord, build_trace
 
 
 def torch_trace_path(path: str, rank: int) -> str:
@@ -34,12 +36,14 @@ def torch_trace_path(path: str, rank: int) -> str:
 
 
 class RunProfiler:
-    """Traces the iterations ``--profile-step-start``..``--profile-step-end`` of one rank."""
+    """Traces the iterations ``--profile-step-start``..``--profile-step-end`` of one rank
+    (at ``coordinates`` in the grid, running ``schedule`` on ``device``)."""
 
-    def __init__(self, job: Job, say: Callable[[str], None]) -> None:
-        log = job.config.logging
-        self.job = job
-        self.say = say
+    def __init__(self, config: JobConfig, schedule: Schedule, device: torch.device,
+                 coordinates: RankCoordinates, say: Callable[[str], None]) -> None:
+        log = config.logging
+        self.config, self.schedule, self.device = config, schedule, device
+        self.coordinates, self.say = coordinates, say
         self.path = log.profile_trace
         self.first, self.last = log.profile_first, log.profile_last
         self.use_torch = log.pytorch_profiler
@@ -54,7 +58,7 @@ class RunProfiler:
         if not self.traces(iteration):
             return None
         if self.use_torch and self._torch is None:
-            self._torch = _start_torch_profiler(self.job.device)
+            self._torch = _start_torch_profiler(self.device)
         return ProfileOptions(annotate=self.use_torch)
 
     def record(self, iteration: int, step: StepResult, sync: Any = None) -> None:
@@ -88,8 +92,7 @@ class RunProfiler:
             self._torch.export_chrome_trace(torch_trace_path(self.path, rank))
             self._torch = None
         dist.barrier()
-        coordinates = self.job.groups.coordinates
-        mine = RankRecord(rank, coordinates.pp_rank, coordinates.dp_rank, socket.gethostname(),
+        mine = RankRecord(rank, self.coordinates.pp_rank, self.coordinates.dp_rank, socket.gethostname(),
                           time.perf_counter(), self.rows)
         everyone: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
@@ -99,12 +102,12 @@ class RunProfiler:
             self._write(everyone)
 
     def _write(self, records: list[RankRecord]) -> None:
-        parallel, schedule = self.job.config.parallel, self.job.config.schedule
+        parallel, schedule = self.config.parallel, self.config.schedule
         layout = {"pp": parallel.pp, "dp": parallel.dp, "ep": parallel.ep, "vpp": schedule.vpp,
                   "world": parallel.world_size, "steps": [self.first, self.last],
                   "num_microbatches": schedule.num_microbatches,
-                  "overlap": self.job.config.overlap.enabled, "device": self.job.device.type}
-        document = build_trace(records, self.job.schedule, layout)
+                  "overlap": self.config.overlap.enabled, "device": self.device.type}
+        document = build_trace(records, self.schedule, layout)
         with open(self.path, "w") as f:
             json.dump(document, f)
         extra = " and PyTorch profiler traces beside it" if self.use_torch else ""

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.pipeline.grad_sync import is_expert_param
-from megapipe.train.dp_sync import DataParallelSync
-from megapipe.train.grad_buffers import FlatBuffer, Piece
-from megapipe.train.optim import adamw, norm_of_sums, scale_grads, sum_of_squares
+from megapipe.train.optim.adamw import adamw, norm_of_sums, scale_grads, sum_of_squares
+from megapipe.train.optim.dp_sync import DataParallelSync
+from megapipe.train.optim.grad_buffers import FlatBuffer, Piece
 
 STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "main_param")
 

@@ -1,7 +1,7 @@
-"""Training data: byte-level tokens from text files, split, sharded over DP, with saveable position.
+"""Raw text read byte level: files split into windows, sharded over DP, with saveable position.
 
-The corpus is a list of files read as bytes (the tokenizer is the identity on bytes: vocabulary
-256, nothing to download); documents are joined with a NUL byte as end-of-document. Without
+The corpus is a list of files read as bytes (``tokenizer.ByteTokenizer``'s ids: one per byte,
+nothing to download); documents are joined with a NUL byte as end-of-document. Without
 ``--data-path`` the corpus is the Python standard library's top-level source files, sorted by
 name: real text present on every machine. Samples are non-overlapping windows of
 ``seq_length + 1`` tokens (inputs and next-token labels); the last ``valid_fraction`` of windows is
@@ -16,24 +16,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-END_OF_DOCUMENT = 0
-VOCAB_SIZE = 256
-
-
-class ByteTokenizer:
-    """Text <-> token ids, one token per UTF-8 byte (vocabulary of 256)."""
-
-    vocab_size = VOCAB_SIZE
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+from megapipe.data.tokenizer import BYTE_END_OF_DOCUMENT as END_OF_DOCUMENT
 
 
 def default_corpus_files() -> list[Path]:

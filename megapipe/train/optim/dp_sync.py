@@ -56,7 +56,7 @@ from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import (
     CudaEvent, CudaStream, Event, InlineStream, Streams, WorkerStream,
 )
-from megapipe.train.grad_buffers import Bucket, FlatBuffer
+from megapipe.train.optim.grad_buffers import Bucket, FlatBuffer
 
 DP_KIND, DP_WAIT_KIND, DP_STREAM = "dp", "dp_wait", "dp"
 

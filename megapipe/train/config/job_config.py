@@ -15,8 +15,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 from megapipe.schedule.registry import default_schedule_name
-from megapipe.train.declare import ArgsError
-from megapipe.train.flags import HIGH_PRIORITY_GROUPS, PretrainFlags, values_are_indexed
+from megapipe.train.config.declare import ArgsError
+from megapipe.train.config.flags import HIGH_PRIORITY_GROUPS, PretrainFlags, values_are_indexed
 
 if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
     from megapipe.data.tokenizer import Tokenizer
@@ -94,7 +94,7 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """Bucketed reductions and the distributed optimizer (``train.dp_sync``); ``bucket_size``:
+    """Bucketed reductions and the distributed optimizer (``optim.dp_sync``); ``bucket_size``:
     elements per bucket, None (one bucket per stage) without ``overlap_grad_reduce``."""
 
     overlap_grad_reduce: bool = False
@@ -105,7 +105,7 @@ class DataParallelConfig:
 
     @property
     def flat_grad_buffers(self) -> bool:
-        """Whether gradients live in bucketed flat buffers (``train.grad_buffers``)."""
+        """Whether gradients live in bucketed flat buffers (``optim.grad_buffers``)."""
         return self.overlap_grad_reduce or self.distributed_optimizer
 
     def link(self) -> "EmulatedLink | None":
@@ -208,7 +208,7 @@ class JobConfig:
 
 
 def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
-    """The typed parts of checked flags (``arg_checks.validate``) for ``world_size`` ranks."""
+    """The typed parts of checked flags (``checks.validate``) for ``world_size`` ranks."""
     parallel = parallel_config(f, world_size)
     overlap = f.overlap_moe_expert_parallel_comm
     high_priority = tuple(HIGH_PRIORITY_GROUPS[g] for g in f.high_priority_stream_groups)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .checks.validate import validate
-from .combine.in_flight import STASH_RELEASE, peak_in_flight
+from .overlap_pass.in_flight import STASH_RELEASE, peak_in_flight
 from .ir import Schedule
 from .p2p.comm_check import check_runs
 from .p2p.lower import lower

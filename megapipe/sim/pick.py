@@ -2,7 +2,7 @@
 and recompute choice, simulated, and the fastest one whose activations fit.
 
 A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary),
-the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.combine.budget``), and
+the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.overlap_pass.budget``), and
 recompute none, selective or full. Its memory is the most any rank holds: ``peak_in_flight`` of the
 rank's action list (microbatch-stages) times the bytes of one chunk and one microbatch, times
 the part recompute keeps. A chunk holds ``pp / stages_per_pipeline`` of the layers of a plain
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..schedule.errors import ScheduleError
-from ..schedule.combine.in_flight import peak_in_flight
+from ..schedule.overlap_pass.in_flight import peak_in_flight
 from ..schedule.ir import Schedule
 from ..schedule.registry import SCHEDULES, build_schedule
 from .costs import Costs, NodeCosts

@@ -30,7 +30,7 @@ from ..schedule.p2p.early_sends import executor_rule
 from ..schedule.timing.engine import Run
 from ..schedule.timing.rerun import run_actions
 from ..schedule.errors import ScheduleError
-from ..schedule.combine.in_flight import peak_of_events
+from ..schedule.overlap_pass.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
 from ..schedule.table import B, F, I, OVERLAP, is_comm
 from ..schedule.checks.table_checks import faults

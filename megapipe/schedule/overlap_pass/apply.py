@@ -4,7 +4,7 @@ An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backwar
 so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
-``e_r`` extra warmup forwards and fuses backwards with later forwards (``pairing`` says which
+``e_r`` extra warmup forwards and fuses backwards with later forwards (``partners`` says which
 with which). A pair's halves are independent: a backward of microbatch j follows every
 forward of j, so its partner (a later forward) is another microbatch (``pair_is_independent``).
 
@@ -81,7 +81,7 @@ from ..timing.timeline import (
     STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_order,
 )
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
-from .pairing import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
+from .partners import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Which backward pairs with which forward, and the lists with those pairs fused: the mechanics
-of the overlap pass (``megapipe.schedule.combine.combine_pass`` says why), for every rank at once.
+of the overlap pass (``megapipe.schedule.overlap_pass.apply`` says why), for every rank at once.
 
 Rank r runs ``e_r`` extra warmup forwards. With ``n(b)`` the forwards that precede backward b
 (B or I) in the original list, the forwards with index below ``n(b) + e_r - 1`` run before b, and

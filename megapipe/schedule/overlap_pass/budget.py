@@ -1,7 +1,7 @@
 """The overlap pass within a memory budget: at most K more microbatch-stages in flight per rank.
 
 Pairing a schedule costs activation memory: rank r runs ``e_r`` extra warmup forwards and so
-holds up to ``e_r`` more microbatch-stage activations than the plain schedule (``combine_pass``).
+holds up to ``e_r`` more microbatch-stage activations than the plain schedule (``apply``).
 Unbounded, the pass may take the *chain* (``e_r = pp - r``), which doubles plain 1F1B's peak on
 rank 0. ``apply_overlap_within(schedule, K)`` caps that price: its candidates are the pairings
 whose extra forwards are at most K on every rank,
@@ -31,7 +31,7 @@ import math
 from ..errors import ScheduleError
 from .in_flight import peak_in_flight
 from ..ir import Schedule
-from .combine_pass import (
+from .apply import (
     Pairing, _finish, _new_attempt, _longest_pair, _opposite_flows, _settle, apply_overlap,
 )
 from ..timing.timeline import timeline

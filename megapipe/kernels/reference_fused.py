@@ -59,7 +59,7 @@ def rms_norm_backward(
 def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``silu(gate) * up``, per block of ``counts`` rows (one expert each): on CPU a tensor's
     last elements are computed in a scalar tail, so one expert's bits would depend on where its
-    rows lie (a chunked layer runs a group of experts at a time)."""
+    rows lie (a layer in waves runs one expert group at a time)."""
     return torch.cat([F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))])
 
 

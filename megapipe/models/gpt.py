@@ -37,7 +37,7 @@ from megapipe.overlap.graphs import Graphable
 from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
+    Fork, LayerState, Node, NodeKind, NodeRunner, Plan, WavePlan, run_nodes,
 )
 
 Tensors = tuple[torch.Tensor, ...]
@@ -165,14 +165,14 @@ class TransformerLayer(nn.Module):
 
     def node_plan(self) -> Plan:
         """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its
-        ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
+        ``.in_waves(k)`` has a fork of k expert groups in the middle, ``MoELayer.wave_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
             return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
-        return ChunkedPlan(
+        return WavePlan(
             self._with_residual(self.moe.node_plan()),
-            lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
+            lambda waves: self._with_residual(self.moe.wave_plan(waves)),
         )
 
     def _with_residual(self, moe_plan: list) -> list:

@@ -1,7 +1,7 @@
 """megapipe.moe: router, all-to-all token dispatcher, grouped experts and the MoE layer."""
 
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
-from megapipe.moe.dispatcher import DispatchLayout, HostCounts, TokenDispatcher, all_to_all
+from megapipe.moe.dispatcher import DispatchSplits, HostCounts, TokenDispatcher, all_to_all
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.layer import MoEConfig, MoELayer, pass_leading
 from megapipe.moe.link import EmulatedLink
@@ -10,7 +10,7 @@ from megapipe.moe.router import Router, RouterOutput
 
 __all__ = [
     "AuxLossLog",
-    "DispatchLayout",
+    "DispatchSplits",
     "EmulatedLink",
     "GroupedExperts",
     "HostCounts",

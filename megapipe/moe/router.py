@@ -155,7 +155,7 @@ class Router(nn.Module):
         """Route ``tokens [t, h]``: the probs and choices of ``reference``, planned by
         ``order_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
         ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
-        expert's label for the plan (an expert-group order, ``megapipe.moe.chunks``; None: the
+        expert's label for the plan (an expert-group order, ``megapipe.moe.waves``; None: the
         expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
         gradients times ``loss_scale``."""
         balance_grad, z_grad = (c * loss_scale for c in coefficients)

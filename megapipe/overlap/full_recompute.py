@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, Plan
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeFn, NodeKind, Plan, WavePlan
 from megapipe.overlap.recompute import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
@@ -102,8 +102,8 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
 
 
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
-    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``ChunkedPlan``
-    stays one, its chunked form recomputed too."""
+    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``WavePlan``
+    stays one, its wave form recomputed too."""
 
     def wrap(items: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
@@ -116,9 +116,9 @@ def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[
                 out.append(recompute_node(item, params))
         return out
 
-    if isinstance(plan, ChunkedPlan):
-        chunked: Callable[[int], list[Any]] = plan.chunked
-        return ChunkedPlan(wrap(plan), lambda chunks: wrap(chunked(chunks)))
+    if isinstance(plan, WavePlan):
+        in_waves: Callable[[int], list[Any]] = plan.in_waves
+        return WavePlan(wrap(plan), lambda waves: wrap(in_waves(waves)))
     return Plan(wrap(plan)) if isinstance(plan, Plan) else wrap(plan)
 
 

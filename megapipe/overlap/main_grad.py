@@ -51,8 +51,8 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def accumulate_grad_rows(param: torch.Tensor, first: int, grad: torch.Tensor) -> None:
-    """Add ``grad`` into rows ``first .. first + len(grad)`` of ``param``'s gradient (a chunked
-    MoE layer's expert group), which equals adding the gradient padded with zeros."""
+    """Add ``grad`` into rows ``first .. first + len(grad)`` of ``param``'s gradient (one
+    wave's expert group of a MoE layer), which equals adding the gradient padded with zeros."""
     if first == 0 and grad.shape == param.shape:
         accumulate_grad(param, grad)
         return

@@ -179,14 +179,14 @@ def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> st
     return "\n".join(lines)
 
 
-def choose_a2a_chunks(schedule: Schedule, nodes: NodeCosts, max_chunks: int = 4,
+def choose_a2a_waves(schedule: Schedule, nodes: NodeCosts, max_waves: int = 4,
                       tolerance: float = 0.01) -> int:
-    """The default of ``--moe-a2a-chunks``: the smallest k in 1..``max_chunks`` whose simulated
-    step is within ``tolerance`` of the fastest (chunks that gain nothing are not worth their
+    """The default of ``--moe-a2a-waves``: the smallest k in 1..``max_waves`` whose simulated
+    step is within ``tolerance`` of the fastest (waves that gain nothing are not worth their
     extra latency and smaller GEMMs, which the profile does not price)."""
     spans = {}
-    for k in range(1, max_chunks + 1):
-        costs = Costs(nodes=dataclasses.replace(nodes, a2a_chunks=k))
+    for k in range(1, max_waves + 1):
+        costs = Costs(nodes=dataclasses.replace(nodes, a2a_waves=k))
         spans[k] = simulate(schedule, costs).makespan
     best = min(spans.values())
     return min(k for k, span in spans.items() if span <= best * (1 + tolerance))

@@ -105,7 +105,7 @@ def build_job(config: JobConfig) -> Job:
         grad_reduction="none" if dp_sync is not None else "dp",
         spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
                         torch.bfloat16 if bf16 else torch.float32),
-        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
+        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
         record_trace=overlap.record_trace, measure_activations=config.logging.activation_memory,
         timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
         cuda_graph_modules=config.graphs.modules,
@@ -154,13 +154,13 @@ def describe(job: Job) -> list[str]:
     config = job.config
     parallel, overlap, model = config.parallel, config.overlap, config.model
     local_params = sum(p.numel() for p in job.all_params)
-    chunks = overlap.moe_a2a_chunks
+    waves = overlap.moe_a2a_waves
     lines = [
         f"megapipe pretrain: world {parallel.world_size} = pp {parallel.pp} x dp {parallel.dp} "
         f"(ep {parallel.ep}), vpp {config.schedule.vpp}, schedule {job.schedule.name}"
         f"{' with overlap' if overlap.enabled else ''}"
         f"{', delayed wgrad' if overlap.delay_wgrad_compute else ''}"
-        f"{f', all-to-alls in {chunks} chunks' if chunks > 1 else ''}; "
+        f"{f', all-to-alls in {waves} waves' if waves > 1 else ''}; "
         f"{precision_text(config)}; "
         f"{config.schedule.num_microbatches} microbatches of {config.data.micro_batch_size} x "
         f"{model.seq_length} tokens per dp rank per step",

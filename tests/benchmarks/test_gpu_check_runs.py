@@ -105,7 +105,7 @@ def test_the_modelled_link_runs_in_forward_and_backward_and_changes_no_bits():
         assert link.exchanges == [rows_bytes] * (3 * 2 * len(layers))
         assert all(torch.equal(a, b) for a, b in zip(plain, linked))
         link.exchanges.clear()
-        bench.prepare(Variant(chunks=2))  # the chunked plans reach the link too, per chunk
+        bench.prepare(Variant(waves=2))  # the plans in waves reach the link too, per wave
         assert sum(link.exchanges) == 2 * len(layers) * rows_bytes and len(link.exchanges) == 8
 
 

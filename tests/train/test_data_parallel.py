@@ -61,7 +61,7 @@ def test_activation_memory_is_reported_as_before(rank_pools):
     ["--overlap-grad-reduce", *BUCKETS, "--bf16"],
     ["--use-distributed-optimizer", "--bf16"],
     ["--pipeline-schedule", "zbv", *ALL],
-    ["--delay-wgrad-compute", "--moe-a2a-chunks", "2", *ALL],
+    ["--delay-wgrad-compute", "--moe-a2a-waves", "2", *ALL],
     ["--pipeline-schedule", "dualpipe", "--virtual-pipeline-model-parallel-size", "1",
      "--global-batch-size", "16", *ALL],
 ], ids=["grad-reduce", "grad-reduce-bf16", "dist-opt-bf16", "zbv", "deferred-wgrad", "dualpipe"])

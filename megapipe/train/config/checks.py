@@ -289,17 +289,17 @@ def _check_model_and_schedule(f: PretrainFlags, parallel: ParallelConfig,
 
 def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None:
     """Flags that need each other, and the data files named (checkpoint folders: ``resume``)."""
-    chunks, overlap = f.moe_a2a_chunks, f.overlap_moe_expert_parallel_comm
-    if chunks > 1 and not overlap:
+    waves, overlap = f.moe_a2a_waves, f.overlap_moe_expert_parallel_comm
+    if waves > 1 and not overlap:
         raise ArgsError(
-            f"--moe-a2a-chunks={chunks} needs --overlap-moe-expert-parallel-comm (the chunks "
+            f"--moe-a2a-waves={waves} needs --overlap-moe-expert-parallel-comm (the waves "
             "overlap each other on the combined step's streams)"
         )
     local = f.num_experts // parallel.ep if f.num_experts else 0
-    if chunks > 1 and chunks > local:
+    if waves > 1 and waves > local:
         raise ArgsError(
-            f"--moe-a2a-chunks={chunks} exceeds the {local} experts each EP rank holds "
-            f"(--num-experts={f.num_experts} / ep={parallel.ep}): chunks split a rank's experts "
+            f"--moe-a2a-waves={waves} exceeds the {local} experts each EP rank holds "
+            f"(--num-experts={f.num_experts} / ep={parallel.ep}): waves split a rank's experts "
             "into groups"
         )
     if f.delay_wgrad_compute and not overlap:

@@ -7,7 +7,8 @@ where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``
 ``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
 argparse parser of a record class; ``parse_flags`` / ``record_of`` the record, after each
 flag's checks (a check: ``(flag, value) -> message or None``, never given None): the first
-refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``checks``).
+refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
+record's ``RENAMED`` ({old flag: new flag}) refuses an old name, naming the new one.
 """
 
 from __future__ import annotations
@@ -108,7 +109,20 @@ def build_parser(record: type, prog: str, description: str,
         kwargs.update({key: value for key, value in (("choices", spec.choices),
                                                      ("metavar", spec.metavar)) if value})
         groups[spec.group].add_argument(flag_name(f.name), **kwargs)
+    for old, new in getattr(record, "RENAMED", {}).items():
+        parser.add_argument(old, action=_Renamed, nargs="*", help=argparse.SUPPRESS, new=new)
     return parser
+
+
+class _Renamed(argparse.Action):
+    """An old flag name: refused, naming the new one (argparse's error, one line)."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:  # noqa: ANN001
+        raise argparse.ArgumentError(self, f"renamed: use {self.new}")
 
 
 def record_of(record: type[R], ns: argparse.Namespace) -> R:

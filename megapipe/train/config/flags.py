@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from megapipe.data.blend import check_data_path, is_indexed_prefix
 from megapipe.data.errors import DataError
@@ -119,6 +119,8 @@ def _megapipe_model(what: str, megatron: str) -> Callable[[str, Any], str | None
 @dataclass(frozen=True)
 class PretrainFlags:
     """Every ``megapipe pretrain`` flag, parsed and checked one by one (module docstring)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"--moe-a2a-chunks": "--moe-a2a-waves"}
 
     num_layers: int = flag(6, "transformer layers", POSITIVE, group=MODEL)
     hidden_size: int = flag(96, "model width", POSITIVE, group=MODEL)
@@ -239,10 +241,10 @@ class PretrainFlags:
         metavar="K")
     delay_wgrad_compute: bool = flag(
         False, "defer expert weight gradients to fill the backward all-to-all", group=PARALLEL)
-    moe_a2a_chunks: int = flag(
-        1, "split each MoE layer's all-to-alls into this many expert groups, so a step with no "
-        "partner overlaps its own chunks (needs the overlap; at most the experts per EP rank; "
-        "default 1: off)", POSITIVE, group=PARALLEL)
+    moe_a2a_waves: int = flag(
+        1, "send each MoE layer's all-to-alls in this many waves, one expert group each, so a "
+        "forward or backward with no partner overlaps its own waves (needs the overlap; at most "
+        "the experts per EP rank; default 1: off)", POSITIVE, group=PARALLEL)
     pipeline_schedule: str | None = flag(
         None, f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when vpp > 1, else "
         "1f1b)", _known_schedule, group=PARALLEL)

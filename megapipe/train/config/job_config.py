@@ -48,13 +48,13 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """The combined step: on or off, deferred expert weight gradients, all-to-all chunks, the
+    """The combined step: on or off, deferred expert weight gradients, all-to-all waves, the
     node trace (the log's hidden and exposed all-to-all time), the process groups whose
     collectives go on a high-priority stream (megapipe's names)."""
 
     enabled: bool
     delay_wgrad_compute: bool = False
-    moe_a2a_chunks: int = 1
+    moe_a2a_waves: int = 1
     high_priority_stream_groups: tuple[str, ...] = ()
 
     @property
@@ -216,7 +216,7 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
     return JobConfig(
         seed=f.seed, train_iters=f.train_iters, parallel=parallel,
         schedule=schedule_config(f, parallel.dp),
-        overlap=OverlapConfig(overlap, f.delay_wgrad_compute, f.moe_a2a_chunks, high_priority),
+        overlap=OverlapConfig(overlap, f.delay_wgrad_compute, f.moe_a2a_waves, high_priority),
         model=model_config(f, tokenizer.padded_vocab_size), tokenizer=tokenizer,
         optimizer=OptimizerConfig(f.lr, f.min_lr, f.lr_warmup_iters,
                                   f.lr_decay_iters or f.train_iters, f.lr_decay_style,

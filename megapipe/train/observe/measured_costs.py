@@ -10,7 +10,7 @@ traced rank and step, each node already given its stage. From them:
   action without nodes, as in a plain schedule, counts whole, less its pipeline waits), its
   backward likewise (B and deferred W nodes, plus a separate W action's time); the stages differ
   by ``stage_multipliers``. ``dispatch`` and ``combine`` are the mean all-to-all time of one
-  layer (all chunks together), ``moe_layers`` the most common count of MoE layers per forward,
+  layer (all waves together), ``moe_layers`` the most common count of MoE layers per forward,
   ``attention_share`` the forward compute before the dispatch (attention nodes) over all
   forward compute. The model is coarser than the run (uniform layers, no p2p latency), which is
   why the trace shows both: where they differ, the run lost time the model does not know of.
@@ -80,7 +80,7 @@ def _plain_actions(spans: Sequence) -> dict[tuple, float]:
 
 
 def _comm_per_layer(spans: Sequence, name: str) -> float:
-    """Mean seconds of one layer's ``name`` all-to-all (its chunks summed)."""
+    """Mean seconds of one layer's ``name`` all-to-all (its waves summed)."""
     groups: dict[tuple, float] = defaultdict(float)
     for span in spans:
         if span.kind == "comm" and short_node(span.node).startswith(name):

@@ -1,9 +1,9 @@
-"""Chunked all-to-alls in the executor: bitwise the plain schedule; lone steps pipeline chunks."""
+"""All-to-alls in waves in the executor: bitwise the plain schedule; lone actions pipeline waves."""
 
 import pytest
 
 from support.rank_pool import results_by_case
-from support.combined_cases import chunked_cases
+from support.combined_cases import wave_cases
 from support.pipeline_cases import Case
 
 FOUR_PAIRS = {frozenset(p) for p in [
@@ -11,17 +11,17 @@ FOUR_PAIRS = {frozenset(p) for p in [
     {("B", "dispatch"), ("F", "experts")}, {("F", "combine"), ("B", "attention")},
 ]}
 
-# ep = 2 (two of CONFIG's four experts per rank: chunks of one expert each)
+# ep = 2 (two of CONFIG's four experts per rank: waves of one expert each)
 CASES = [
     Case("1f1b", 1, ep=2, dp=2),
     Case("interleaved-1f1b", 2, vpp=2, ep=2, dp=2),
-    Case("zbv", 2, vpp=2, ep=2, dp=2),  # F;I pairs: the I keeps its chunked weight gradients
+    Case("zbv", 2, vpp=2, ep=2, dp=2),  # F;I pairs: the I keeps its waved weight gradients
 ]
 
 
 @pytest.fixture(scope="module")
 def verdicts(rank_pools):
-    per_rank = rank_pools(8).run(chunked_cases, CASES)
+    per_rank = rank_pools(8).run(wave_cases, CASES)
     return results_by_case(per_rank, CASES)
 
 
@@ -34,8 +34,8 @@ def test_chunked_combined_schedule_is_bitwise_the_plain_one(verdicts, case):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_lone_steps_overlap_their_own_chunks_and_pairs_keep_the_four_pairs(verdicts, case):
     for result in verdicts[case]:
-        # a lone step: one chunk's dispatch or combine beside the other chunk's experts
+        # a lone action: one wave's dispatch or combine beside the other wave's experts
         kinds = {tuple(n.rstrip("01") for n in nodes) for nodes in result["same_microbatch"]}
         assert ("dispatch", "experts") in kinds and ("combine", "experts") in kinds, kinds
-        # a pair: the four pairings between the two microbatches, each chunk group together
+        # a pair: the four pairings between the two microbatches, each wave group together
         assert result["pairings"] == FOUR_PAIRS, result["pairings"]

@@ -67,7 +67,7 @@ def _grouped_causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 
 def rotary_tables(seq_length: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[seq_length, head_dim]`` (float32) of the rotary embedding in the "rotate
-    half" layout: channel j and j + d/2 of a head turn together by angle ``pos * base^(-2j/d)``
+    half" form: channel j and j + d/2 of a head turn together by angle ``pos * base^(-2j/d)``
     (Megatron's non-interleaved rope, Hugging Face's Llama/Qwen3)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)

@@ -1,8 +1,8 @@
 """PipelineExecutor: runs one rank's part of a lowered schedule on its real stages.
 
-The executor walks this rank's action list once per step. Each maximal run of consecutive comm
-actions is posted as one batch when reached; a compute action first waits for the batch that
-holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
+The executor walks this rank's action list once per step. The comm actions of each gap (between
+two computations) are posted as one batch when reached; a compute action first waits for the
+batch that holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
 stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
 combined schedule every training step of a ``StageModule`` runs on the streams as one
 ``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with

@@ -90,7 +90,7 @@ def sum_mirrored_grads(
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    # the peer sends its copy of *our* stage's part: the mirror stage's gradients, same layout
+    # the peer sends its copy of *our* stage's part: the mirror stage's gradients, same shapes
     for grads, received in exchanges:
         _unflatten_into(_flat(grads) + received, grads)
 

@@ -10,9 +10,9 @@ microbatch; a last stage has no output gradient: its backward starts from the lo
 the early-send rule allows one by one (``schedule.p2p.early_sends``). ``track`` (a measured step)
 is told of every tensor taken into transit (``activation_meter``).
 
-**The p2p.** Each maximal run of consecutive comm actions of a lowered schedule goes to
+**The p2p.** The comm actions of each gap of a lowered schedule (between two computations) go to
 ``PipelineP2P.post`` as one batch: all its sends and receives go out together through
-``dist.batch_isend_irecv`` the moment the run is reached, ahead of the computation that needs
+``dist.batch_isend_irecv`` the moment the gap is reached, ahead of the computation that needs
 them, so the transfer overlaps whatever the rank computes in between. A compute action that
 needs a received tensor calls ``PostedBatch.wait`` first.
 
@@ -388,7 +388,7 @@ class StepTensors:
             self.post(rest)
 
     def post(self, actions: Sequence[Action]) -> None:
-        """Post one run of SEND/RECV actions as one batch."""
+        """Post a gap's SEND/RECV actions as one batch."""
         self.posted.update(actions)
         p2p = self.p2p
         assert p2p is not None and self.spec is not None

@@ -14,7 +14,7 @@ import numpy as np
 from .checks.validate import validate
 from .overlap_pass.in_flight import STASH_RELEASE, peak_in_flight
 from .ir import Schedule
-from .p2p.comm_check import check_runs
+from .p2p.comm_check import check_batches
 from .p2p.lower import lower
 from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
@@ -40,7 +40,7 @@ def checked_lowering(schedule: Schedule) -> Schedule:
     is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
     run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
     if not schedule.table.compute_only:
-        check_runs(schedule)
+        check_batches(schedule)
         return schedule
     validate(schedule)
     return lower_schedule(schedule)

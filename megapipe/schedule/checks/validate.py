@@ -11,19 +11,20 @@ the action and the rule):
    adjacent stages on the same rank, F of stage s before F of stage s+1 and backward the reverse;
 5. progress: with every rank running its list in order and each action waiting for the actions
    it needs from other stages, every rank finishes (no cycle of waits across ranks);
-6. lowered run: the schedule with SEND/RECV added (``lower``) finishes under the batched p2p model
-   of ``check_runs``. A schedule that already holds SEND/RECV actions is checked as it is.
+6. lowered batches: the schedule with SEND/RECV added (``lower``) finishes under the batched p2p
+   model of ``check_batches``. A schedule that already holds SEND/RECV actions is checked as it is.
 
 Rules 1-4 are array checks over every action at once (``table_checks``); 5 runs the schedule's
-timeline (kept for lowering); 6 proves the lowered run in O(actions) (``comm_certificate``) and
-simulates it only where the proof does not hold. A passed schedule is not checked again.
+timeline (kept for lowering); 6 proves the lowered schedule finishes in O(actions)
+(``comm_certificate``) and simulates it only where the proof does not hold. A passed schedule is not
+checked again.
 """
 
 from __future__ import annotations
 
 from ..errors import ScheduleError
 from ..ir import Action, Derived, Schedule
-from ..p2p.comm_check import check_runs
+from ..p2p.comm_check import check_batches
 from ..p2p.lower import lower
 from ..table import is_comm
 from ..timing.deps import missing_needs
@@ -46,7 +47,7 @@ def validate(schedule: Schedule) -> None:
     check_counts(schedule)
     check_rank_order(schedule)
     _check_progress(schedule)
-    _check_lowered_run(schedule)
+    _check_lowered_batches(schedule)
     VALID.keep(schedule, True)
 
 
@@ -88,5 +89,5 @@ def _describe_need(schedule: Schedule, comp: Action, made) -> str:
     return f"{text} on rank {schedule.stage_to_rank[stage]}"
 
 
-def _check_lowered_run(schedule: Schedule) -> None:
-    check_runs(lower(schedule) if schedule.table.compute_only else schedule)
+def _check_lowered_batches(schedule: Schedule) -> None:
+    check_batches(lower(schedule) if schedule.table.compute_only else schedule)

@@ -1,6 +1,6 @@
 """A proof, checked in O(actions), that a lowered schedule finishes under batched p2p.
 
-``check_runs`` (``comm_check``) simulates the batched p2p model; that costs more than lowering a
+``check_batches`` (``comm_check``) simulates the batched p2p model; that costs more than lowering a
 million-action schedule. Instead, give every event of the model a key and check that each event
 comes after everything it waits for:
 
@@ -163,8 +163,8 @@ def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
 
 
 class _Batches:
-    """Maximal runs of SEND/RECV rows on a rank: per batch its completion time T (latest send
-    time of its messages), its posting time (start of the computation before it, or -inf) and
+    """The gaps' SEND/RECV rows on a rank, one batch each: per batch its completion time T (latest
+    send time of its messages), its posting time (start of the computation before it, or -inf) and
     the T of the batch before it on its rank (-inf if none); ``of`` maps ops to batches."""
 
     def __init__(self, table, comm: np.ndarray, start: np.ndarray, sent_at: np.ndarray) -> None:

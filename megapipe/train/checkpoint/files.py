@@ -1,6 +1,6 @@
 """Checkpoints on disk: written whole or not at all, verified before use, pruned on request.
 
-Layout of a save directory (Megatron's naming)::
+A save directory (Megatron's naming)::
 
     SAVE/latest_checkpointed_iteration.txt   # the newest published iteration, written last
     SAVE/iter_0000100/                        # one complete checkpoint

@@ -1,4 +1,4 @@
-"""Flat gradient (and parameter) buffers of one stage, cut into buckets: the data-parallel layout.
+"""Flat gradient (and parameter) buffers of one stage, cut into buckets: what data parallelism reduces.
 
 With ``--overlap-grad-reduce`` or ``--use-distributed-optimizer`` every trainable parameter's
 float32 ``main_grad`` (``overlap.main_grad``) is a view into one flat buffer per stage and kind
@@ -15,7 +15,7 @@ consecutive parameters is one contiguous range that one collective reduces in pl
   parameters are all-gathered, so the parameters themselves are views into a flat buffer of
   the model's dtype too. Unsharded, a rank's shard of a bucket is the whole bucket.
 
-``plan_layout`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
+``plan_buckets`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
 buffers and repoints the parameters; a ``Piece`` is where one parameter meets one of this rank's
 shards (what the optimizer steps and a checkpoint stores).
 """
@@ -39,7 +39,7 @@ def _pad(value: int, multiple: int) -> int:
 @dataclass(frozen=True)
 class Bucket:
     """Elements ``start..end`` of a buffer (``end`` padded), holding ``params`` (indices into
-    the buffer's layout order)."""
+    the buffer's order)."""
 
     index: int
     start: int
@@ -52,10 +52,10 @@ class Bucket:
         return self.start + rank * size, self.start + (rank + 1) * size
 
 
-def plan_layout(
+def plan_buckets(
     numels: Sequence[int], bucket_size: int | None, shards: int = 1
 ) -> tuple[list[int], list[Bucket]]:
-    """Start of every parameter (``numels`` in layout order) and the buckets (module docstring).
+    """Start of every parameter (``numels`` in buffer order) and the buckets (module docstring).
 
     A bucket closes after the parameter that brings it to ``bucket_size`` elements or more;
     its end is padded to a multiple of ``ALIGN * shards``.
@@ -100,7 +100,7 @@ class FlatBuffer:
     """One stage's dense (or expert) parameters over one group (module docstring).
 
     ``params`` in registration order; ``group`` the DP (or expert-DP) group, ``sharded`` the
-    distributed optimizer's layout. Every parameter gets ``main_grad``, a float32 view into
+    distributed optimizer's shards. Every parameter gets ``main_grad``, a float32 view into
     ``grad``; sharded, its data becomes a view into ``data`` (the model's dtype).
     """
 
@@ -120,8 +120,8 @@ class FlatBuffer:
         self.group_rank = dist.get_rank(group) if group is not None else 0
         self.sharded = sharded
         self.shards = self.group_size if sharded else 1
-        self.params = list(reversed(params))  # layout order: roughly the backward's
-        starts, self.buckets = plan_layout([p.numel() for p in self.params], bucket_size,
+        self.params = list(reversed(params))  # buffer order: roughly the backward's
+        starts, self.buckets = plan_buckets([p.numel() for p in self.params], bucket_size,
                                            self.shards)
         self.starts = starts
         self.numel = self.buckets[-1].end

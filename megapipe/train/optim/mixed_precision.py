@@ -8,7 +8,7 @@ parameter and runs AdamW (fused on CUDA, foreach on CPU) on the main copies with
 ``main_grad`` as their gradient, so the moments are float32 too; after each step the bf16
 parameters are the main weights rounded to bf16.
 
-State per model parameter ``p`` (what a checkpoint saves and restores, Megatron's layout):
+State per model parameter ``p`` (what a checkpoint saves and restores, as Megatron keeps it):
 ``optimizer.state[p]`` is AdamW's state of p's main copy — ``step``, ``exp_avg``,
 ``exp_avg_sq`` — plus ``main_param``, the float32 main weight itself; every entry is a tensor
 that can be loaded in place. It exists from construction (zeros, step 0, exactly what AdamW

@@ -62,16 +62,16 @@ def _compute_part(schedule: Schedule) -> Schedule:
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list in order against the cross-stage dependencies; find stuck ranks."""
     compute = _compute_part(schedule)
-    run = timeline(compute)
-    if not run.stuck:
+    timed = timeline(compute)
+    if not timed.stuck:
         return
     waits = []
-    for rank, index in run.stuck.items():
+    for rank, index in timed.stuck.items():
         action = compute.row(rank)[index]
-        blocked = [c for c in action.computations() if missing_needs(schedule, c, run.made)]
-        needs = ", ".join(_describe_need(schedule, c, run.made) for c in blocked)
+        blocked = [c for c in action.computations() if missing_needs(schedule, c, timed.made)]
+        needs = ", ".join(_describe_need(schedule, c, timed.made) for c in blocked)
         waits.append(f"rank {rank} at {action} waits for {needs}")
-    first_rank, first_index = next(iter(run.stuck.items()))
+    first_rank, first_index = next(iter(timed.stuck.items()))
     raise ScheduleError(
         "the ranks' orders wait on each other in a cycle (dependency order across stages): "
         + "; ".join(waits),

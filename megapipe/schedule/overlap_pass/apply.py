@@ -57,12 +57,12 @@ dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass 
 schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
 Cost: two to four timeline runs (original, candidates) plus one per refinement round. The first
-candidate runs first, on the engine; the original is then timed in that run's order (each pair's
-backward, then its forward: ``timeline_in_order``, a rerun checked as it goes, which falls back
+candidate runs first, on the engine; the original is then timed in that timing's sequence (each pair's
+backward, then its forward: ``timeline_in_sequence``, a retiming checked as it goes, which falls back
 to the engine where a W sat between a pair's halves). A round's run starts from the previous
 one's times before the first split pair (``timeline_after_change``), and the final schedule
 keeps its timeline and run order, so lowering and validation do not run it again and
-``simulate`` reruns it in that order.
+``simulate`` retimes it in that sequence.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ from ..errors import ScheduleError
 from ..ir import Kind, Schedule
 from ..table import B, I
 from ..timing.deps import DEFAULT_DURATIONS, missing_needs
-from ..timing.rerun import RUN_ORDER
+from ..timing.retime import SWEEP_SEQUENCE
 from ..timing.timeline import (
-    STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_order,
+    STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_sequence,
 )
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
 from .partners import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
@@ -120,25 +120,25 @@ def _opposite_flows(schedule: Schedule) -> bool:
     return False
 
 
-def makespan(run: Timeline) -> float:
+def makespan(timed: Timeline) -> float:
     """When the last action of a timeline ends."""
-    return run.makespan
+    return timed.makespan
 
 
-def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
+def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
     """(rank, index) of the actions on a longest chain of waits ending at the last action.
 
     Walking back from the action that ends last, each step goes to whatever made the action
     start when it did: a product from another rank (the last such need, in need order), or else
     the previous action of its rank. A product made twice counts at its last maker in rank order.
     """
-    table = run.plan.table
+    table = timed.graph.table
     offsets = table.offsets.tolist()
-    last = [(float(run.end_flat[hi - 1]), r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+    last = [(float(timed.end_flat[hi - 1]), r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
             if hi > lo]
     if not last:
         return []
-    before = _waited_for(run)  # walked step by step: a path is short next to the table
+    before = _waited_for(timed)  # walked step by step: a path is short next to the table
     rank_of = table.rank
     k = offsets[max(last)[1] + 1] - 1
     path = []
@@ -150,16 +150,16 @@ def critical_path(schedule: Schedule, run: Timeline) -> list[tuple[int, int]]:
     return [(r, k - offsets[r]) for r, k in zip(ranks, path)]
 
 
-def _waited_for(run: Timeline) -> np.ndarray:
+def _waited_for(timed: Timeline) -> np.ndarray:
     """Per action, the action it waited for last (module docstring of ``critical_path``), or -1
     if it started at once."""
-    plan, table = run.plan, run.plan.table
-    start, end, rank = run.start_flat, run.end_flat, table.rank
-    maker = plan.makers()
+    graph, table = timed.graph, timed.graph.table
+    start, end, rank = timed.start_flat, timed.end_flat, table.rank
+    maker = graph.makers()
     before = np.full(len(table), -1, dtype=np.int64)
-    for j in range(plan.need.shape[1]):  # a later need wins
-        needed = plan.need[:, j]
-        made_by = maker[np.where(needed >= 0, needed, plan.space.never)]
+    for j in range(graph.need.shape[1]):  # a later need wins
+        needed = graph.need[:, j]
+        made_by = maker[np.where(needed >= 0, needed, graph.space.never)]
         ok = (made_by >= 0) & (rank[made_by] != rank) & (end[made_by] == start)
         before = np.where(ok, made_by, before)
     row = np.arange(len(table))
@@ -170,7 +170,7 @@ def _waited_for(run: Timeline) -> np.ndarray:
 
 @dataclass
 class _Attempt:
-    """A pairing being built: its candidate pairs, which are still fused, and the latest run
+    """A pairing being built: its candidate pairs, which are still fused, and the latest timing
     (``rows``: per row of the combined schedule, the pair it holds or -1; ``source``: the row
     of the original it comes from, a pair's backward's)."""
 
@@ -178,17 +178,17 @@ class _Attempt:
     pairs: Candidates
     fused: np.ndarray
     combined: Schedule | None = None
-    run: Timeline | None = None
+    timed: Timeline | None = None
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     source: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
-    def original_order(self) -> np.ndarray | None:
-        """The rows of the original in the order the latest run took them (each pair's
-        backward, then its forward), if that run kept its order (``rerun.run_actions``)."""
-        found = RUN_ORDER.of(self.combined)
+    def original_sequence(self) -> np.ndarray | None:
+        """The rows of the original in the sequence the latest timing took them (each pair's
+        backward, then its forward), if that timing kept its sequence (``retime.time_actions``)."""
+        found = SWEEP_SEQUENCE.of(self.combined)
         if found is None:
             return None
-        taken = found.order
+        taken = found.sequence
         pair = self.rows[taken]
         mate = np.where(pair >= 0, self.pairs.forward[np.maximum(pair, 0)], -1) if len(
             self.pairs.forward) else np.full(len(taken), -1)
@@ -205,16 +205,16 @@ def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
     extra = np.asarray(attempt.pairing.extra, dtype=np.int64)
     table, rows, source = assemble(schedule.table, attempt.pairs, attempt.fused, extra)
     combined = schedule.replace_actions(table)
-    if attempt.run is None or not len(split):
-        run = timeline(combined)
+    if attempt.timed is None or not len(split):
+        timed = timeline(combined)
     else:
         before = attempt.combined.table
         first = np.full(before.pp, np.iinfo(np.int64).max)
         at = np.flatnonzero(np.isin(attempt.rows, split))
         np.minimum.at(first, before.rank[at], before.local_index[at])
         same = np.minimum(first, np.diff(before.offsets)).tolist()
-        run = timeline_after_change(combined, attempt.run, same)
-    attempt.combined, attempt.run, attempt.rows, attempt.source = combined, run, rows, source
+        timed = timeline_after_change(combined, attempt.timed, same)
+    attempt.combined, attempt.timed, attempt.rows, attempt.source = combined, timed, rows, source
 
 
 def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray | None:
@@ -225,17 +225,17 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     none could, every stuck pair. A late one loses, on each rank, the latest pair on the
     critical path.
     """
-    run, table = attempt.run, attempt.combined.table
-    if run.stuck:
-        stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in run.stuck.items()}
+    timed, table = attempt.timed, attempt.combined.table
+    if timed.stuck:
+        stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in timed.stuck.items()}
         stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
         blocking = [pair for r, pair in stuck.items() if not missing_needs(
-            schedule, schedule.action_at(attempt.pairs.backward[pair]), run.made)]
+            schedule, schedule.action_at(attempt.pairs.backward[pair]), timed.made)]
         return np.array(blocking or list(stuck.values()), dtype=np.int64)
-    if run.makespan <= target:
+    if timed.makespan <= target:
         return None
     latest: dict[int, int] = {}
-    for r, i in critical_path(attempt.combined, run):
+    for r, i in critical_path(attempt.combined, timed):
         pair = int(attempt.rows[table.offsets[r] + i])
         if pair >= 0:
             latest[r] = pair
@@ -245,10 +245,10 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
 def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
     """Split pairs of ``attempt`` until its schedule runs and ends by ``target``; False if no
     split is left that could get there. A split puts the forward back behind its backward."""
-    if attempt.run is None:
+    if attempt.timed is None:
         _rebuild(schedule, attempt, np.zeros(0, np.int64))
     while True:
-        if attempt.run.stuck and max(attempt.pairing.extra) > 1:
+        if attempt.timed.stuck and max(attempt.pairing.extra) > 1:
             return False  # splits would not lead back to the original order
         split = _splits(schedule, attempt, target)
         if split is None:
@@ -273,9 +273,9 @@ def apply_overlap(schedule: Schedule) -> Schedule:
             "the overlap pass takes a compute-only schedule; pair before lowering (SEND/RECV)"
         )
     pairings = pairing_candidates(schedule)
-    first = _new_attempt(table, pairings[0])  # its run gives the original's timeline an order
+    first = _new_attempt(table, pairings[0])  # its timing gives the original's timeline a sequence
     _rebuild(schedule, first, np.zeros(0, np.int64))
-    original = timeline_in_order(schedule, first.original_order())
+    original = timeline_in_sequence(schedule, first.original_sequence())
     if original.stuck:
         rank, index = next(iter(original.stuck.items()))
         raise ScheduleError(
@@ -289,13 +289,13 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         attempt = first if pairing is pairings[0] else _new_attempt(table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if attempt.run.makespan <= target:
+        if attempt.timed.makespan <= target:
             return _finish(schedule, attempt.combined)
         settled.append(attempt)
     # None ends in time as paired: refine the fastest first (most pairs on a tie). Splitting
     # every pair of an ``e_r = 1`` pairing gives back the original order, so the refinement
     # always ends in time, in the worst case with no pair left (pairing cannot help then).
-    settled.sort(key=lambda a: (a.run.makespan, -a.paired))
+    settled.sort(key=lambda a: (a.timed.makespan, -a.paired))
     for attempt in settled:
         if _settle(schedule, attempt, target) and attempt.paired:
             return _finish(schedule, attempt.combined)
@@ -325,5 +325,5 @@ def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
         TIMELINES.of(result)[None] = timelines[None]
     if False in structures:
         STRUCTURES.of(result)[False] = structures[False]
-    RUN_ORDER.keep(result, RUN_ORDER.of(combined))
+    SWEEP_SEQUENCE.keep(result, SWEEP_SEQUENCE.of(combined))
     return result

@@ -93,14 +93,14 @@ def apply_overlap_budgeted(schedule: Schedule, budget: int) -> Schedule | None:
         attempt = _new_attempt(schedule.table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if attempt.run.makespan > target:
+        if attempt.timed.makespan > target:
             _settle(schedule, attempt, target)  # refine; keeps the latest runnable split
-        if attempt.run.stuck or not attempt.paired:
+        if attempt.timed.stuck or not attempt.paired:
             continue
         extra = max(extra_in_flight(schedule, attempt.combined))
         if extra > budget:
             continue
-        key = (attempt.run.makespan, -attempt.paired, extra)
+        key = (attempt.timed.makespan, -attempt.paired, extra)
         if key < best_key:
             best, best_key = attempt.combined, key
     return best

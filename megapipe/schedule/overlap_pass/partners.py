@@ -6,7 +6,7 @@ Rank r runs ``e_r`` extra warmup forwards. With ``n(b)`` the forwards that prece
 if b was followed by a forward (W actions aside), forward number ``n(b) + e_r - 1`` may be fused
 with b into one pair placed where b was. Forwards keep their order, backwards and W's keep theirs.
 
-Only the last backward of a run of backwards (W's aside) can have a partner, and its partner's
+Only the last backward of consecutive backwards (W's aside) can have a partner, and its partner's
 number is one more than any earlier pair's, so every candidate pair can be fused whatever other
 pairs are split: the fused lists are a merge of the forwards and the other actions, each of the
 latter placed after the forwards its backward must follow.

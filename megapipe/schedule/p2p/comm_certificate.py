@@ -57,32 +57,32 @@ class _Ops(NamedTuple):
         return (self.kind == SEND_F) | (self.kind == SEND_B)
 
 
-def certified(lowered: Schedule, run: Timeline, source: Schedule) -> bool:
+def certified(lowered: Schedule, timed: Timeline, source: Schedule) -> bool:
     """Whether the keys above prove that ``lowered`` finishes. ``source`` is the compute-only
     schedule whose actions are those of ``lowered`` in the same order, ``run`` its timeline."""
     table = lowered.table
     comm = is_comm(table.kind)
     compute_rows = np.flatnonzero(~comm)
-    found = run.plan
-    if run.stuck or not found.unique or found.table is not source.table:
+    found = timed.graph
+    if timed.stuck or not found.unique or found.table is not source.table:
         return False
-    if not (_rank_order(source, run) and _local_needs_made(source, found)):
+    if not (_rank_order(source, timed) and _local_needs_made(source, found)):
         return False
     ops = _ops(lowered, comm)
     partner = _channels(lowered, ops)
     if partner is None:
         return False
-    sent_at = _message_times(lowered, ops, partner, found, compute_rows, run)
+    sent_at = _message_times(lowered, ops, partner, found, compute_rows, timed)
     if sent_at is None:
         return False
     start = np.full(len(table), -np.inf)
-    start[compute_rows] = run.start_flat
+    start[compute_rows] = timed.start_flat
     batches = _Batches(table, comm, start, sent_at)
     return _batches_hold(batches, ops, partner) and _receives_hold(
-        source, ops, compute_rows, run, batches)
+        source, ops, compute_rows, timed, batches)
 
 
-def _rank_order(source: Schedule, run: Timeline) -> bool:
+def _rank_order(source: Schedule, timed: Timeline) -> bool:
     """Computations sit on their stage's rank and start strictly later than the computation
     before them on it."""
     table = source.table
@@ -90,7 +90,7 @@ def _rank_order(source: Schedule, run: Timeline) -> bool:
     if not (stage_rank(source, comps.stage) == comps.rank).all():
         return False
     same_rank = table.rank[1:] == table.rank[:-1]
-    start = run.start_flat
+    start = timed.start_flat
     return bool((start[1:][same_rank] > start[:-1][same_rank]).all())
 
 
@@ -143,7 +143,7 @@ def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
 
 
 def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
-                   compute_rows: np.ndarray, run: Timeline) -> np.ndarray | None:
+                   compute_rows: np.ndarray, timed: Timeline) -> np.ndarray | None:
     """Per op, when its tensor was made: the end of the computation that made it, which must
     run earlier on the SEND's rank (None otherwise)."""
     sending = np.flatnonzero(ops.sending)
@@ -157,7 +157,7 @@ def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
     if not ((maker_rows < rows) & (lowered.table.rank[maker_rows] == ops.rank[sending])).all():
         return None
     sent_at = np.empty(len(ops.row))
-    sent_at[sending] = run.end_flat[made_by]
+    sent_at[sending] = timed.end_flat[made_by]
     sent_at[partner[sending]] = sent_at[sending]
     return sent_at
 
@@ -196,7 +196,7 @@ def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     return bool((batches.done[batches.of] > ready[batches.of[partner]]).all())
 
 
-def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,
+def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, timed: Timeline,
                    batches: _Batches) -> bool:
     """What a computation receives is in a batch earlier on its rank, completing no later than
     the computation starts (and no tensor is received twice)."""
@@ -215,6 +215,6 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
     if (recv < 0).any():
         return False
     row = compute_rows[comps.action[wants]]
-    in_time = run.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
+    in_time = timed.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
     same_rank = ops.rank[recv] == comps.rank[wants]
     return bool((same_rank & (ops.row[recv] < row) & in_time).all())

@@ -198,8 +198,8 @@ def check_batches(lowered: Schedule, posting: Posting | None = None) -> None:
         return
     if BATCHES_FINISH.of(lowered):
         return
-    source, run = _computations(lowered)
-    if run is None or not certified(lowered, run, source):
+    source, timed = _computations(lowered)
+    if timed is None or not certified(lowered, timed, source):
         _simulate_batches(lowered)
     BATCHES_FINISH.keep(lowered, True)
 

@@ -7,7 +7,7 @@ kernel leaves the host free). Its backward does the same with the B time: a mark
 outputs notes when autograd reaches the node, one on its inputs sleeps until the B time has
 passed (so the sleep is in whichever thread runs the node's backward: the comm stream's worker
 for a comm node). Weight gradients the backward deferred into the layer's queue
-(``delay_wgrad_compute``, an I step) are wrapped to last the W time between them; a backward
+(``delay_wgrad_compute``, an I action) are wrapped to last the W time between them; a backward
 that computed them at once lasts B + W instead. Each timed node also carries its profile times
 (``Node.times``), so the combined step places deferred weight gradients by time, as the
 simulator does (``wgrad_by_time``). Everything else (streams, combined step, tape,

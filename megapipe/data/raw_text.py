@@ -5,8 +5,8 @@ nothing to download); documents are joined with a NUL byte as end-of-document. W
 ``--data-path`` the corpus is the Python standard library's top-level source files, sorted by
 name: real text present on every machine. Samples are non-overlapping windows of
 ``seq_length + 1`` tokens (inputs and next-token labels); the last ``valid_fraction`` of windows is
-the validation split. Training order is a seeded permutation per epoch. At iteration t the global
-batch is the next ``global_batch_size`` samples of that order; DP rank r takes its contiguous
+the validation split. Training takes a seeded permutation per epoch. At iteration t the global
+batch is the next ``global_batch_size`` samples of that permutation; DP rank r takes its contiguous
 ``global_batch_size / dp`` slice, cut into microbatches. Every rank of one pipeline (same dp
 rank) therefore reads the same microbatches, and the position is one integer (consumed samples).
 """
@@ -129,7 +129,7 @@ class TrainBatches:
     """This DP rank's microbatches, iteration by iteration; its position is ``consumed_samples``.
 
     ``next_batch()`` returns the ``num_microbatches`` microbatches of the next iteration. The
-    order of samples is a permutation of the training windows seeded by ``(seed, epoch)``.
+    samples come in a permutation of the training windows seeded by ``(seed, epoch)``.
     """
 
     splits: Splits
@@ -148,8 +148,8 @@ class TrainBatches:
             )
         if not 0 <= self.dp_rank < self.dp:
             raise ValueError(f"dp_rank={self.dp_rank} outside [0, dp={self.dp})")
-        self._order_epoch = -1
-        self._order = torch.empty(0, dtype=torch.long)
+        self._permutation_epoch = -1
+        self._permutation = torch.empty(0, dtype=torch.long)
 
     @property
     def num_microbatches(self) -> int:
@@ -157,11 +157,11 @@ class TrainBatches:
 
     def _sample(self, position: int) -> int:
         epoch, offset = divmod(position, self.splits.num_train)
-        if epoch != self._order_epoch:
+        if epoch != self._permutation_epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = torch.randperm(self.splits.num_train, generator=gen)
-            self._order_epoch = epoch
-        return int(self._order[offset])
+            self._permutation = torch.randperm(self.splits.num_train, generator=gen)
+            self._permutation_epoch = epoch
+        return int(self._permutation[offset])
 
     def next_batch(self) -> list[Microbatch]:
         per_rank = self.global_batch_size // self.dp
@@ -177,7 +177,7 @@ class TrainBatches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if int(state["seed"]) != self.seed:
             raise ValueError(
-                f"the checkpoint's data order was seeded with {int(state['seed'])}, this run "
+                f"the checkpoint's sampling was seeded with {int(state['seed'])}, this run "
                 f"with --seed={self.seed}"
             )
         self.consumed_samples = int(state["consumed_samples"])

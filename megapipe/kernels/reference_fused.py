@@ -158,7 +158,7 @@ def routing_plan(
     indices: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``row_choice [n]``, ``choice_rows [t, k]`` and ``counts [E]`` (choices per expert before
-    any drop) of ``megapipe.moe.permutation.order_by_expert``; ``capacity`` -1: dropless."""
+    any drop) of ``megapipe.moe.permutation.sort_by_expert``; ``capacity`` -1: dropless."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]

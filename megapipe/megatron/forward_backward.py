@@ -219,7 +219,7 @@ class MegatronForwardBackward:
             max_extra_in_flight=o.max_extra_in_flight,
             microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
         )
-        self._check_forward_order(schedule)
+        self._check_microbatch_sequence(schedule)
         pp_rank = pipeline_position(o.pp, o.groups).rank
         stage_ids = schedule.stages_of_rank(pp_rank)
         if len(chunks) != len(stage_ids):
@@ -287,7 +287,7 @@ class MegatronForwardBackward:
         chunk_of = {stage: j for j, stage in enumerate(stages)}  # the order of ``chunks``
         return MegatronGradSync(megatron[0].config, chunks, chunk_of)
 
-    def _check_forward_order(self, schedule: Schedule) -> None:
+    def _check_microbatch_sequence(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
         its forwards in microbatch order for the batches to line up."""
         order: dict[int, list[int]] = {}

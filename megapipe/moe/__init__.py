@@ -5,7 +5,7 @@ from megapipe.moe.dispatcher import DispatchSplits, HostCounts, TokenDispatcher,
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.layer import MoEConfig, MoELayer, pass_leading
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import expert_counts, order_by_expert
+from megapipe.moe.permutation import expert_counts, sort_by_expert
 from megapipe.moe.router import Router, RouterOutput
 
 __all__ = [
@@ -24,5 +24,5 @@ __all__ = [
     "attach_aux_loss",
     "expert_counts",
     "pass_leading",
-    "order_by_expert",
+    "sort_by_expert",
 ]

@@ -1,7 +1,7 @@
 """Token dispatcher: moves permuted tokens to the ranks holding their experts and back.
 
 Expert e lives on EP rank ``e // num_local_experts``. Locally, tokens are first permuted into
-expert order (``order_by_expert``; rows for experts of EP rank 0 come first, and so on). Then:
+expert order (``sort_by_expert``; rows for experts of EP rank 0 come first, and so on). Then:
 
 - ``dispatch``: exchange the per-expert row counts (one small all-to-all), exchange the rows with
   ``all_to_all_single`` and uneven splits, and reorder what arrived from rank-major
@@ -26,7 +26,7 @@ GEMM offsets) is issued next, and only then, as late as possible, the host waits
 and reads the sizes. On CUDA this stalls the host thread (not the compute stream: the
 combined step has queued the slot's compute node before it) for the count exchange only. Every
 other node, and the whole backward, runs without any host sync. With a capacity
-(``order_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
+(``sort_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
 there is no host read at all, nor a count exchange.
 """
 
@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import order_by_expert
+from megapipe.moe.permutation import sort_by_expert
 
-__all__ = ["DispatchSplits", "HostCounts", "TokenDispatcher", "all_to_all", "order_by_expert"]
+__all__ = ["DispatchSplits", "HostCounts", "TokenDispatcher", "all_to_all", "sort_by_expert"]
 
 
 @dataclass

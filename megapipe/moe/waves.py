@@ -1,6 +1,6 @@
 """Expert groups: one MoE layer's all-to-alls in k waves, so that waves overlap each other.
 
-A forward or backward step with no other microbatch beside it hides nothing behind its
+A forward or backward action with no other microbatch beside it hides nothing behind its
 all-to-alls. Split into waves, one wave's dispatch or combine runs beside another wave's
 expert compute (``megapipe.pairing.order.wave_slots``). The waves here are *expert groups*:
 the experts each EP rank holds are cut into k contiguous groups, and wave g carries the rows of

@@ -350,7 +350,7 @@ class BackwardHalf:
     """The backward half of a combined step: a recorded tape and its outputs' gradients.
 
     ``grads`` None reads the ``.grad`` of the tape's outputs. ``wgrad`` collects the weight
-    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I step); with
+    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I action); with
     ``run_wgrad`` they run on the compute stream in the gaps the pair order gives them, without
     it they stay queued for the caller (an I half whose W comes later). ``done(grads)`` is told
     on the host as soon as the backward's last node has been issued (the sends of the step,
@@ -452,7 +452,7 @@ class CombinedStep:
     # ---- carrying out the order ----------------------------------------------------------
     def _issue(self, issues: Sequence[Issue]) -> None:
         """Put each issue on its stream, in host order (``queuing_positions`` on a host that
-        only queues work): a node after the events it needs, W items as a run of their queues
+        only queues work): a node after the events it needs, W items as a drain of their queues
         on the compute stream; the backward's last node hands its gradients on."""
         streams = self.streams
         events = self._events

@@ -6,7 +6,7 @@ autograd accumulates into ``param.grad`` (bf16) is added to ``main_grad`` in flo
 and ``param.grad`` is dropped: the microbatches of a step accumulate in float32, and the
 data-parallel reduction, the norm, clipping and the optimizer read ``main_grad``
 (``grad_buffer``). Code that makes a weight gradient outside autograd's accumulation (deferred
-weight gradients, the zero-bubble W step) adds it with ``accumulate_grad``, which follows the
+weight gradients, the zero-bubble W action) adds it with ``accumulate_grad``, which follows the
 same rule, so the bits do not depend on whether a gradient was deferred. A Megatron-Core model
 under Megatron's DDP already carries ``main_grad``; megapipe writes into it the same way.
 """

@@ -1,7 +1,9 @@
 """megapipe.parallel: the PP x DP (EP folded into DP) grid, its process groups, and launch."""
 
 from megapipe.parallel.config import ParallelConfig
-from megapipe.parallel.groups import ProcessGroups, RankCoordinates, RankGrid, create_groups, rank_grid
+from megapipe.parallel.groups import (
+    ProcessGroups, RankCoordinates, RankGrid, create_groups, rank_grid,
+)
 from megapipe.parallel.launch import (
     LaunchInfo, detect_launcher, free_port, init_distributed, resolve_launch, start_local_ranks,
 )

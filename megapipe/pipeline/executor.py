@@ -15,7 +15,7 @@ outstanding sends are completed, DualPipe's mirrored gradients summed and, unles
 Everything is checked before the first action runs: the schedule is validated (a lowered one
 must run to the end under the batched p2p model), the stages must be exactly those the
 placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
-that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward steps
+that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward actions
 (under ``torch.no_grad``) lowered on their own, so it stores no activation.
 """
 
@@ -120,7 +120,7 @@ class PipelineExecutor:
     function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
     gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
     ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
-    ``module(input)`` (the Megatron front end runs the user's forward step through it).
+    ``module(input)`` (the Megatron front end runs the user's forward_step_func through it).
 
     In combined schedules (any OVERLAP action) every training F/B/I of ``StageModule`` stages
     (``stage_module.py``) runs as a ``CombinedStep`` (``_run_combined``), its comm nodes on one

@@ -1,4 +1,4 @@
-"""Gradient synchronisation after the last backward step of a training step.
+"""Gradient synchronisation after the last backward action of a training step.
 
 - DualPipe mirrors: stage ``n + k`` holds a copy of model part ``k`` (``n`` stages per
   pipeline). Both copies must end the step with the same gradient, the sum of the two, so an

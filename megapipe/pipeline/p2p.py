@@ -382,7 +382,7 @@ class StepTensors:
         return (action.stage, action.microbatch) in outbox
 
     def post_rest(self, actions: Sequence[Action]) -> None:
-        """Post the actions of a run that were not posted early, as one batch (if any)."""
+        """Post the actions of a gap that were not posted early, as one batch (if any)."""
         rest = [action for action in actions if action not in self.posted]
         if rest:
             self.post(rest)
@@ -488,7 +488,7 @@ class PairSends:
             ready.append(self.early.pop(0))
         if not ready:
             return
-        if self.first:  # the run's receives go with the first early send (as in the proof)
+        if self.first:  # the gap's receives go with the first early send (as in the proof)
             ready += [a for a in self.run if a.kind in RECEIVES]
             self.first = False
         tensors.post(ready)

@@ -20,7 +20,7 @@ from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The schedule's forward steps (and their sends/receives) in their original order."""
+    """The schedule's forward actions (and their sends/receives) in their original order."""
     table = schedule.table
     kind = table.kind
     keep = (kind == F) | (kind == SEND_F) | (kind == RECV_F) | (kind == OVERLAP)
@@ -37,7 +37,7 @@ def lower_schedule(schedule: Schedule) -> Schedule:
 
 def checked_lowering(schedule: Schedule) -> Schedule:
     """``schedule`` checked and lowered, each once per schedule object: a compute-only schedule
-    is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
+    is validated (every rule, the lowered batches included) and lowered; a lowered one is checked to
     run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
     if not schedule.table.compute_only:
         check_batches(schedule)

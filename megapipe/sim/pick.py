@@ -1,8 +1,8 @@
 """The fastest schedule under a memory budget: every registry schedule, vpp, in-flight budget
 and recompute choice, simulated, and the fastest one whose activations fit.
 
-A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary),
-the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.overlap_pass.budget``), and
+A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary), the
+overlap pass off or on within an in-flight budget K = 0..pp (``schedule.overlap_pass.budget``), and
 recompute none, selective or full. Its memory is the most any rank holds: ``peak_in_flight`` of the
 rank's action list (microbatch-stages) times the bytes of one chunk and one microbatch, times
 the part recompute keeps. A chunk holds ``pp / stages_per_pipeline`` of the layers of a plain
@@ -29,7 +29,7 @@ from .costs import Costs, NodeCosts
 from .simulate import simulate
 
 
-RECOMPUTE_ORDER = ("none", "selective", "full")  # on a tie, the one re-running less wins
+RECOMPUTE_PREFERENCE = ("none", "selective", "full")  # on a tie, the one re-running less wins
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def all_choices(
 
 
 def _rank_key(choice: Choice) -> tuple:
-    return (choice.makespan, choice.peak_bytes, RECOMPUTE_ORDER.index(choice.recompute),
+    return (choice.makespan, choice.peak_bytes, RECOMPUTE_PREFERENCE.index(choice.recompute),
             -1 if choice.budget is None else choice.budget)
 
 

@@ -108,7 +108,8 @@ def _raise_remade(work: Schedule, graph: ActionGraph, timed: ActionTimes) -> Non
     )
 
 
-def _raise_stuck(schedule: Schedule, work: Schedule, graph: ActionGraph, timed: ActionTimes) -> None:
+def _raise_stuck(schedule: Schedule, work: Schedule, graph: ActionGraph,
+                 timed: ActionTimes) -> None:
     done = MadeTimes(graph.space, timed.arrive)
     waits = []
     for rank, row in timed.stuck.items():

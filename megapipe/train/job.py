@@ -1,10 +1,10 @@
 """One rank's training job, built from the typed config: ``build_job(config) -> Job``.
 
 A ``Job`` holds everything a training step touches — process groups, the schedule, this rank's
-stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the
-step (``train.step``) and the loop (``train.loop``) are short functions of it. Building is
-deterministic in the config's seed: the same flags build the same weights and data order on every
-run, which is what makes resumed runs bitwise equal to uninterrupted ones.
+stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the step
+(``train.step``) and the loop (``train.loop``) are short functions of it. Building is deterministic
+in the config's seed: the same flags build the same weights and data sampling on every run, which is
+what makes resumed runs bitwise equal to uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -234,14 +234,14 @@ def precision_text(config: JobConfig) -> str:
 
 
 def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:
-    """Which ranks run on which node (gathered from every rank)."""
+    """Which ranks run on which host (gathered from every rank)."""
     me = (dist.get_rank(), os.environ.get("SLURMD_NODENAME") or hostname())
     everyone: list[tuple[int, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
-    nodes: dict[str, list[int]] = {}
-    for rank, node in sorted(e for e in everyone if e is not None):
-        nodes.setdefault(node, []).append(rank)
+    hosts: dict[str, list[int]] = {}
+    for rank, host in sorted(e for e in everyone if e is not None):
+        hosts.setdefault(host, []).append(rank)
     placed = "; ".join(
-        f"{node}: ranks {','.join(map(str, ranks))}" for node, ranks in nodes.items()
+        f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in hosts.items()
     )
-    return f"placement: {len(nodes)} node(s): {placed}"
+    return f"placement: {len(hosts)} host(s): {placed}"

@@ -23,7 +23,8 @@ def test_example_grid_pp2_dp4_ep2():
     assert grid.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
     c = grid.coordinates(6)
     assert (c.pp_rank, c.dp_rank, c.ep_rank, c.expert_dp_rank) == (1, 2, 0, 1)
-    assert grid.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7), "expert_dp": (4, 6)}
+    assert grid.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7),
+                                 "expert_dp": (4, 6)}
 
 
 def test_example_grid_tp2_pp2_ep2_is_megatrons():

@@ -28,7 +28,8 @@ def test_early_sends_are_proven_deadlock_free_for_every_combined_schedule(name, 
     lowered = lower_schedule(build_schedule(name, pp, m, vpp=vpp, overlap=True))
     early, found = choose_early_sends(lowered)
     assert found == rule
-    check_batches(lowered, early_posting(lowered, early))  # raises ScheduleError if it could deadlock
+    # raises ScheduleError if it could deadlock
+    check_batches(lowered, early_posting(lowered, early))
     if rule == WHOLE:
         assert early == {}  # each pair's whole batch goes once both halves are done
     if rule == SINGLE:

@@ -47,7 +47,8 @@ def verdicts(rank_pools):
     return of
 
 
-@pytest.mark.parametrize("case,setting", CASE_SETTINGS, ids=lambda v: v if isinstance(v, str) else str(v))
+@pytest.mark.parametrize("case,setting", CASE_SETTINGS,
+                         ids=lambda v: v if isinstance(v, str) else str(v))
 def test_recompute_is_bitwise_no_recompute(verdicts, case, setting):
     for rank, per_setting in enumerate(verdicts(case)):
         problems = per_setting[setting]

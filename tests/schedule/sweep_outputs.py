@@ -4,7 +4,8 @@ The golden file ``golden_sweep.txt`` holds, for every registry schedule and ever
 microbatches 1-24, vpp 1-3 and overlap off/on, the digest of: the schedule's text (or the error
 that refuses the request), its timeline, its lowered text, ``validate``'s verdict, the simulated
 metrics and timeline under two cost models (one with dyadic costs, one with costs like 0.3 that
-round), and the errors ``validate``, ``simulate``, ``lower``, ``check_batches`` and ``apply_overlap``
+round), and the errors ``validate``, ``simulate``, ``lower``, ``check_batches`` and
+``apply_overlap``
 raise on a few perturbed copies (an action swapped, dropped, duplicated, moved, renumbered). The
 file was written by the schedule layer as it was before issue 17 made it fast; the test holds the
 fast layer to the same outputs.

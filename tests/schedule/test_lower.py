@@ -12,7 +12,7 @@ from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import (
     COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
 )
-from megapipe.schedule.p2p.comm_check import check_channel_order
+from megapipe.schedule.p2p.comm_check import check_channel_matching
 
 # (name, pp, vpp, microbatches): a spread over every registered schedule, including odd pp,
 # M not a multiple of pp where allowed, and the smallest M each schedule takes.
@@ -140,7 +140,7 @@ def test_lowered_text_and_csv_round_trip(tmp_path, name, vpp):
 
 def test_channel_order_matching():
     lowered = lower(build_schedule("1f1b", 2, 3))
-    matching = check_channel_order(lowered)
+    matching = check_channel_matching(lowered)
     for (rank, index), (peer, peer_index) in matching.items():
         assert matching[(peer, peer_index)] == (rank, index)
         assert message_of_comm(lowered, lowered.actions[rank][index]) == message_of_comm(
@@ -220,11 +220,11 @@ def test_comm_on_wrong_rank_or_without_peer_is_caught():
     lowered = lower(build_schedule("1f1b", 2, 1))
     expected = r"rank 0, action 1RECV_F0: stage 1 is placed on rank 1"
     with pytest.raises(ScheduleError, match=expected):
-        check_batches(lowered.replace_actions([list(lowered.actions[0]) + [parse_action("1RECV_F0")],
-                                            lowered.actions[1]]))
+        actions = [list(lowered.actions[0]) + [parse_action("1RECV_F0")], lowered.actions[1]]
+        check_batches(lowered.replace_actions(actions))
     with pytest.raises(ScheduleError, match=r"rank 1, action 1SEND_F0: .*no peer"):
-        check_batches(lowered.replace_actions([lowered.actions[0],
-                                            list(lowered.actions[1]) + [parse_action("1SEND_F0")]]))
+        actions = [lowered.actions[0], list(lowered.actions[1]) + [parse_action("1SEND_F0")]]
+        check_batches(lowered.replace_actions(actions))
 
 
 def test_lower_rejects_lowered_and_stuck_schedules():

@@ -29,7 +29,7 @@ from ..p2p.lower import lower
 from ..table import is_comm
 from ..timing.deps import missing_needs
 from ..timing.timeline import timeline
-from .table_checks import check_counts, check_pairs, check_placement, check_rank_order
+from .table_checks import check_counts, check_pairs, check_placement, check_list_order
 
 VALID: Derived[bool] = Derived(bool)  # ``validate`` passed
 
@@ -45,7 +45,7 @@ def validate(schedule: Schedule) -> None:
     check_placement(schedule)
     check_pairs(schedule)
     check_counts(schedule)
-    check_rank_order(schedule)
+    check_list_order(schedule)
     _check_progress(schedule)
     _check_lowered_batches(schedule)
     VALID.keep(schedule, True)

@@ -56,13 +56,13 @@ could run alone (or, if none could, every stuck pair) are split the same way; wi
 dropped. Schedules that already hold OVERLAP actions (DualPipe, DualPipeV) pass unchanged;
 schedules with no forward after a backward (GPipe, looped BFS) get no pairs.
 
-Cost: two to four timeline runs (original, candidates) plus one per refinement round. The first
-candidate runs first, on the engine; the original is then timed in that timing's sequence (each pair's
-backward, then its forward: ``timeline_in_sequence``, a retiming checked as it goes, which falls back
-to the engine where a W sat between a pair's halves). A round's run starts from the previous
-one's times before the first split pair (``timeline_after_change``), and the final schedule
-keeps its timeline and run order, so lowering and validation do not run it again and
-``simulate`` retimes it in that sequence.
+Cost: two to four timeline timings (original, candidates) plus one per refinement round. The
+first candidate is timed first, on the engine; the original is then timed in that timing's
+sequence (each pair's backward, then its forward: ``timeline_in_sequence``, a retiming checked as
+it goes, which falls back to the engine where a W sat between a pair's halves). A round's timing
+starts from the previous one's times before the first split pair (``timeline_after_change``), and
+the final schedule keeps its timeline and sweep sequence, so lowering and validation do not time
+it again and ``simulate`` retimes it in that sequence.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
     """
     table = timed.graph.table
     offsets = table.offsets.tolist()
-    last = [(float(timed.end_flat[hi - 1]), r) for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+    last = [(float(timed.end_flat[hi - 1]), r)
+            for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
             if hi > lo]
     if not last:
         return []

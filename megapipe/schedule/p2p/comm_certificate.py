@@ -13,7 +13,7 @@ Waits: a computation waits for the item before it on its rank and for the batch 
 RECV of what it receives; a batch is posted after the computation before it; it completes after
 it is posted, after the batch before it on its rank, and after each op's partner batch is posted
 and that batch's predecessor completed. If every wait goes to a strictly smaller key there is no
-cycle, so the run finishes. ``lower`` places each RECV before the first computation that starts
+cycle, so the schedule finishes. ``lower`` places each RECV before the first computation that starts
 once its tensor is sent, which makes every such wait hold for the timeline it lowered with
 (module docstring of ``lower``). Anything that does not hold (a hand-written schedule, another
 placement, a broken one) leaves the answer to the simulation, which also words the error.

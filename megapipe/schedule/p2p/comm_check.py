@@ -14,7 +14,7 @@ needs:
   the computation that makes its tensor earlier in the list.
 
 SENDs and RECVs match per ordered pair of ranks in the order posted, so the k-th SEND from rank
-a to rank b pairs with the k-th RECV on b from a; ``check_channel_order`` checks that these are
+a to rank b pairs with the k-th RECV on b from a; ``check_channel_matching`` checks that these are
 the same tensor. ``check_batches`` then simulates and names the stuck ranks if the schedule
 cannot end.
 """
@@ -76,7 +76,7 @@ def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
     return sends, recvs
 
 
-def check_channel_order(lowered: Schedule) -> Matching:
+def check_channel_matching(lowered: Schedule) -> Matching:
     """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
 
     Returns the matching: each comm action's position mapped to its partner's. Raises
@@ -221,7 +221,7 @@ def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
 def _simulate_batches(lowered: Schedule, posting: Posting | None = None) -> None:
     """Simulate ``lowered`` under the batched p2p model (module docstring), its gaps posted
     as ``posting`` says; raise ``ScheduleError`` if it deadlocks."""
-    matching = check_channel_order(lowered)
+    matching = check_channel_matching(lowered)
     per_rank: list[dict[int, list[list[int]]]] = [{} for _ in lowered.actions]
     for (rank, index), batches in (posting or {}).items():
         per_rank[rank][index] = batches

@@ -1,10 +1,10 @@
 """The schedule layer's two hot loops, one source for two ways to run them.
 
 ``sweep`` is the engine's round robin (``engine`` says what it computes); ``in_sequence`` is the
-retiming in a finished timing's sequence (``retime``). Both are written in the subset of Python that numba
-compiles: flat columns in, results written into columns passed in, no dicts, no objects, no
-helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long
-function). The engine runs them as plain Python on lists, or,
+retiming in a finished timing's sequence (``retime``). Both are written in the subset of Python that
+numba compiles: flat columns in, results written into columns passed in, no dicts, no objects, no
+helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long function).
+The engine runs them as plain Python on lists, or,
 where numba is installed (``pip install megapipe[fast]``) and a schedule has at least
 ``COMPILED_FROM_ACTIONS`` actions, compiled on numpy arrays (``compiled_loops``;
 ``MEGAPIPE_NO_NUMBA=1`` keeps them in Python): the same float operations in the same order, so
@@ -42,8 +42,8 @@ def _compiled():
 
 
 def compiled_loops(actions: int):
-    """``(sweep, in_sequence)`` compiled, for a timing of ``actions`` actions; None where numba is not
-    installed, ``MEGAPIPE_NO_NUMBA=1`` is set, or the timing is too short to gain from it."""
+    """``(sweep, in_sequence)`` compiled, for a timing of ``actions`` actions; None where numba is
+    not installed, ``MEGAPIPE_NO_NUMBA=1`` is set, or the timing is too short to gain from it."""
     if actions < COMPILED_FROM_ACTIONS or os.environ.get("MEGAPIPE_NO_NUMBA") == "1":
         return None
     return _compiled()
@@ -149,7 +149,8 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
 
 def in_sequence(sequence, rank, need0, need1, need2, make0, make1, duration, latency, space,
              start, end, free, arrive):
-    """Take the actions in ``sequence``: each starts at the latest of its rank's previous end and its
+    """Take the actions in ``sequence``: each starts at the latest of its rank's previous end and
+    its
     needs' arrivals (the engine's own float operations), writing ``start``, ``end``, ``free``
     and ``arrive``. False at the first action that needs a product not made yet."""
     for k in sequence:

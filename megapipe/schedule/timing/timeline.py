@@ -100,7 +100,8 @@ class ActionGraph:
 
     def makers(self) -> np.ndarray:
         """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
-        once per graph: the overlap pass, the retiming and the lowered schedule's proof ask for it)."""
+        once per graph: the overlap pass, the retiming and the lowered schedule's proof ask
+        for it)."""
         if self._makers is None:
             self._makers = self._find_makers()
         return self._makers
@@ -165,7 +166,8 @@ def _need_cell(schedule: Schedule, comps: Comps, need, space: ProductSpace, make
 
 
 class Timeline:
-    """The times of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's k-th action.
+    """The times of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's
+    k-th action.
 
     ``stuck`` maps each rank that could not finish to the index of the action it waits at (empty
     when it finished); times from a stuck index on are -1. ``made`` maps each product made to

@@ -224,7 +224,7 @@ class PretrainFlags:
                                one_of(*LR_DECAY_STYLES), group=TRAINING)
     weight_decay: float = flag(0.01, "AdamW weight decay", finite, group=TRAINING)
     clip_grad: float = flag(1.0, "0 disables clipping", finite, group=TRAINING)
-    seed: int = flag(1234, "model initialisation and data order", group=TRAINING)
+    seed: int = flag(1234, "model initialisation and data sampling", group=TRAINING)
 
     pipeline_model_parallel_size: int = flag(2, "pp", POSITIVE, group=PARALLEL)
     virtual_pipeline_model_parallel_size: int | None = flag(

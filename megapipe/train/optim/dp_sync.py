@@ -129,7 +129,7 @@ class DataParallelSync:
             self._hooks += self._register_gather_waits(stages)
 
     # ------------------------------------------------------------- GradSyncHooks
-    def step_started(self, forward_order: Sequence[int]) -> None:
+    def step_started(self, forward_stages: Sequence[int]) -> None:
         self._counts = {}
         self._missing = {id(b): [len(bucket.params) for bucket in b.buckets]
                          for bs in self.buffers.values() for b in bs}

@@ -1,4 +1,4 @@
-"""Flat gradient (and parameter) buffers of one stage, cut into buckets: what data parallelism reduces.
+"""Flat gradient (and parameter) buffers of one stage, cut into buckets for data parallelism.
 
 With ``--overlap-grad-reduce`` or ``--use-distributed-optimizer`` every trainable parameter's
 float32 ``main_grad`` (``overlap.main_grad``) is a view into one flat buffer per stage and kind

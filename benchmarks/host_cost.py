@@ -280,6 +280,20 @@ def _launches() -> int:
         for label in sorted(set(counter.launches) | set(counter.free)):
             print("  " + histogram(counter, label))
     plain, combined = counters["plain"].total(), counters["combined"].total()
+    from engine_primitives import PRIMITIVES, count
+
+    per_node, nodes = count()
+    print(f"engine primitives per node of a combined step (CUDA path, counted on CPU, {nodes} "
+          "nodes; benchmarks/engine_primitives.py): " + ", ".join(
+              f"{name} {per_node[name]:.2f}" for name in PRIMITIVES))
+    from launch_count import host_times
+
+    torch.set_num_threads(1)
+    ms = host_times()
+    print(f"host time per MoE layer forward + backward (CPU time of the issuing thread, median; "
+          f"one thread): naive {ms['naive']:.2f} ms, plain {ms['plain']:.2f} ms, combined "
+          f"{ms['combined']:.2f} ms; combined / naive {ms['combined'] / ms['naive']:.2f}, "
+          f"plain / naive {ms['plain'] / ms['naive']:.2f}")
     print(f"launches per MoE layer: plain {plain}, combined {combined}")
     return 0
 

@@ -226,3 +226,54 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
         run(counters[way], stage)
         stage.zero_grad(set_to_none=True)
     return counters
+
+
+def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
+    """Per way, the host's CPU time (this thread) of one MoE layer's forward + backward, in ms,
+    median of ``rounds`` after 20 warm-up rounds, the ways alternating; the same three ways as
+    the count, without the counter (both streams on this thread, as a GPU host issues them)."""
+    import statistics
+    import time
+
+    from megapipe.overlap.combined import combined_step
+    from megapipe.overlap.plan import run_nodes
+    from megapipe.overlap.sequential import record_forward, run_backward
+    from megapipe.overlap.streams import InlineStream, Streams
+
+    stage = demo_layer() if stage is None else stage
+    plans = stage.layer_plans()
+    streams = Streams(InlineStream("compute"), InlineStream("comm"))
+
+    def naive_way() -> float:
+        x, grad = _inputs(stage)
+        start = time.thread_time()
+        values = (x,)
+        for plan in plans:
+            values = run_nodes(plan, values)
+        torch.autograd.backward(values[0], grad)
+        return time.thread_time() - start
+
+    def plain_way() -> float:
+        x, grad = _inputs(stage)
+        start = time.thread_time()
+        _, tape = record_forward(plans, (x,))
+        run_backward(tape, [grad])
+        return time.thread_time() - start
+
+    def combined_way() -> float:
+        y, grad = _inputs(stage)
+        _, tape = record_forward(plans, (y,))
+        x, _ = _inputs(stage)
+        start = time.thread_time()
+        combined_step(plans, (x,), tape, [grad], streams)
+        return time.thread_time() - start
+
+    ways = {"naive": naive_way, "plain": plain_way, "combined": combined_way}
+    samples: dict[str, list[float]] = {way: [] for way in ways}
+    for r in range(rounds + 20):
+        for way, run in ways.items():
+            seconds = run()
+            stage.zero_grad(set_to_none=True)
+            if r >= 20:
+                samples[way].append(seconds)
+    return {way: statistics.median(values) * 1e3 for way, values in samples.items()}

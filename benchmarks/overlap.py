@@ -191,8 +191,8 @@ def _pick_link(s: Settings, groups):
     from megapipe.moe.link import EmulatedLink
 
     name, per_rank = next(iter(FAMILIES[s.pp].items()))
-    one-wave = dataclasses.replace(s, a2a_waves=1)  # the same link with or without waves
-    runs = _Runs(one-wave, _config(s), groups, name, per_rank, with_torch=False)
+    one_wave = dataclasses.replace(s, a2a_waves=1)  # the same link with or without waves
+    runs = _Runs(one_wave, _config(s), groups, name, per_rank, with_torch=False)
     for step in range(2):
         result = runs.step("overlap", step)
     runs.close()

@@ -44,10 +44,10 @@ import torch.distributed as dist
 from spawn_ranks import run_ranks
 
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint import ensure_optimizer_state
+from megapipe.train.checkpoint.state import ensure_optimizer_state
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
-from megapipe.train.optim import optimizer_state_bytes
+from megapipe.train.optim.adamw import optimizer_state_bytes
 from megapipe.train.step import train_step
 
 WORLD = 4

@@ -12,7 +12,7 @@ Sections, ordered by value, each in its own process with its own timeout within 
               times, GPU idle share
     streams   profiler trace of one combined step: streams per node, concurrent kernel ms
     overlap   ep = 1 MoE layer pair and step, sequential vs combined (also deferred wgrad and
-              chunked all-to-alls), modelled all-to-all, node timeline of the headline pair
+              all-to-alls in waves), modelled all-to-all, node timeline of the headline pair
     gemm      experts' GEMMs: per-expert loop vs grouped_mm (megapipe's grouped_gemm)
     kernels   Triton permute/unpermute vs torch and vs the copy bandwidth
     pretrain  world size 1 on NCCL, --deterministic-mode, 20 iterations: exit, save and resume

@@ -62,7 +62,7 @@ def count(hidden: int) -> dict[str, tuple[int, int]]:
     from megapipe.overlap.combined import _run_backward
     from megapipe.overlap.graphs import NodeGraphs
     from megapipe.overlap.plan import LayerState
-    from megapipe.train.mixed_precision import cast_to_bf16
+    from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     config = GPTConfig(hidden_size=hidden, num_heads=4, num_layers=2, seq_length=64,
                        ffn_hidden_size=2 * hidden, num_experts=8, moe_top_k=2,

@@ -14,7 +14,7 @@ the engine's own host time per node. ``--node-ms X``
 gives every node X ms instead and solves the host cost per node at which the simulator's pair
 equals the measured one, as the replay's calibration does (``replay_calibration``).
 
-    python benchmarks/host_cost.py [--moe-layers 4] [--a2a-chunks 1] [--rounds 30]
+    python benchmarks/host_cost.py [--moe-layers 4] [--a2a-waves 1] [--rounds 30]
         [--node-ms X] [--profile N]  # N top functions by own time (cProfile, both threads)
     python benchmarks/host_cost.py --engine [--rounds 1500]
     python benchmarks/host_cost.py --launches
@@ -56,11 +56,11 @@ def _stage(s: ReplaySettings, profile) -> ReplayStage:
                        False, False, None)
 
 
-def _plans(stage: ReplayStage, chunks: int) -> list:
-    from megapipe.overlap.plan import ChunkedPlan
+def _plans(stage: ReplayStage, waves: int) -> list:
+    from megapipe.overlap.plan import WavePlan
 
     plans = stage.layer_plans()
-    return [p.chunked(chunks) if chunks > 1 and isinstance(p, ChunkedPlan) else p
+    return [p.in_waves(waves) if waves > 1 and isinstance(p, WavePlan) else p
             for p in plans]
 
 
@@ -74,9 +74,9 @@ def _node_count(plans: list) -> int:
 class _Pair:
     """One plain and one combined run of the layer pair on ``stage``."""
 
-    def __init__(self, s: ReplaySettings, chunks: int, streams, profile) -> None:
+    def __init__(self, s: ReplaySettings, waves: int, streams, profile) -> None:
         self.stage = _stage(s, profile)
-        self.plans = _plans(self.stage, chunks)
+        self.plans = _plans(self.stage, waves)
         self.nodes = _node_count(self.plans)
         self.streams = streams
         self.delay_wgrad = s.delay_wgrad
@@ -145,14 +145,14 @@ def _timed_rounds(pair: _Pair, rounds: int, labels: tuple[str, ...] = LABELS) ->
             for label in labels}
 
 
-def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tuple[float, float]:
+def _simulated(s: ReplaySettings, profile, waves: int, host_cost: float) -> tuple[float, float]:
     """The simulator's pair (plain, combined) ms with ``host_cost`` ms per F and B node."""
     from megapipe.schedule.ir import Action, Kind
     from megapipe.sim.costs import NodeCosts
     from megapipe.sim.programs import node_ops, op_times
 
     def pair_time(action, defer: bool) -> float:
-        nodes = NodeCosts(profile, 3, s.moe_layers, a2a_chunks=chunks, defer_wgrad=defer,
+        nodes = NodeCosts(profile, 3, s.moe_layers, a2a_waves=waves, defer_wgrad=defer,
                           host_runs_compute=True, wgrad_by_time=True, host_cost=host_cost)
         return max(end for _, end in op_times(node_ops(action, nodes), 0.0))
 
@@ -161,14 +161,14 @@ def _simulated(s: ReplaySettings, profile, chunks: int, host_cost: float) -> tup
     return plain, pair_time(Action.overlap(forward, backward), s.delay_wgrad)
 
 
-def _host_cost_line(s: ReplaySettings, profile, chunks: int, label: str, wall: float) -> str:
+def _host_cost_line(s: ReplaySettings, profile, waves: int, label: str, wall: float) -> str:
     """The measured pair ``label`` beside the simulator's, and the host cost per F/B node at
     which the two agree (``replay_calibration.solve_host_cost``)."""
     from replay_calibration import solve_host_cost
 
     index = LABELS.index(label)
-    h = solve_host_cost(lambda h: _simulated(s, profile, chunks, h)[index], wall)
-    simulated = _simulated(s, profile, chunks, 0.0)[index]
+    h = solve_host_cost(lambda h: _simulated(s, profile, waves, h)[index], wall)
+    simulated = _simulated(s, profile, waves, 0.0)[index]
     return (f"  {label:<8} wall {wall:8.1f} ms, simulated {simulated:8.1f} ms -> host cost "
             f"{h:.3f} ms per node")
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--moe-layers", type=int, default=4)
-    parser.add_argument("--a2a-chunks", type=int, default=1)
+    parser.add_argument("--a2a-waves", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--node-ms", type=float, default=0.0,
                         help="every node's time (0: the real work alone); > 0 also solves the "
@@ -333,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     s = ReplaySettings("", (), moe_layers=a.moe_layers, delay_wgrad=not a.no_delay_wgrad)
     profile = _uniform(a.node_ms)
     with make_streams("cpu") as streams:
-        pair = _Pair(s, a.a2a_chunks, streams, profile)
+        pair = _Pair(s, a.a2a_waves, streams, profile)
         figures = _timed_rounds(pair, a.rounds, ("model",) + LABELS)
-        print(f"layer pair of {a.moe_layers} MoE layers, {a.a2a_chunks} chunk(s), {pair.nodes} "
+        print(f"layer pair of {a.moe_layers} MoE layers, {a.a2a_waves} wave(s), {pair.nodes} "
               f"F+B nodes, every node {a.node_ms:g} ms, {a.rounds} rounds (median):")
         for label, (cpu, wall) in figures.items():
             print(f"  {label:<8} CPU {cpu / pair.nodes:.3f} ms/node, wall {wall / pair.nodes:.3f}"
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{(figures['combined'][0] - model) / pair.nodes:.3f} ms")
         print(f"  combined / plain CPU: {figures['combined'][0] / figures['plain'][0]:.2f}")
         for label in LABELS if a.node_ms > 0 else ():
-            print(_host_cost_line(s, profile, a.a2a_chunks, label, figures[label][1]))
+            print(_host_cost_line(s, profile, a.a2a_waves, label, figures[label][1]))
         for label in LABELS if a.profile else ():
             _profiled(pair, label, max(a.rounds // 3, 1), a.profile)
     return 0

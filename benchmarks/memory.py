@@ -7,8 +7,8 @@ schedule name and variant, and run one training step with the activation meter o
 (``measure_activations``). Per schedule it prints, each the largest over ranks:
 
 - peak in flight: the most microbatch-stages a rank holds at once in the schedule the job ran
-  (``schedule.combine.in_flight.peak_in_flight``: a pair holds its backward's microbatch-stage while
-  its forward runs, the count the overlap budget K caps), plain and combined;
+  (``schedule.overlap_pass.in_flight.peak_in_flight``: a pair holds its backward's microbatch-stage
+  while its forward runs, the count the overlap budget K caps), plain and combined;
 - act MiB: the peak bytes saved for backward or held by the pipeline (``activation_bytes``,
   ``pipeline/activation_meter.py``), plain and combined, and their ratio;
 - the simulated makespan of the combined schedule at every overlap budget K = 0..pp and
@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from spawn_ranks import run_ranks
 
-from megapipe.schedule.combine.in_flight import peak_in_flight
+from megapipe.schedule.overlap_pass.in_flight import peak_in_flight
 from megapipe.schedule.registry import SCHEDULES
 from megapipe.sim.budget_sweep import budget_sweep
 from megapipe.sim.costs import Costs
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
 from megapipe.train.step import to_device
 

@@ -67,7 +67,7 @@ class Settings:
     layers: int
     link_scale: float
     delay_wgrad: bool = False
-    a2a_chunks: int = 1
+    a2a_waves: int = 1
 
 
 def _config(s: Settings, link=None):
@@ -118,7 +118,7 @@ class _Runs:
             self.stages[label] = stages
             self.executors[label] = PipelineExecutor(
                 schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
-                record_trace=overlap, moe_a2a_chunks=s.a2a_chunks if overlap else 1,
+                record_trace=overlap, moe_a2a_waves=s.a2a_waves if overlap else 1,
                 delay_wgrad_compute=s.delay_wgrad and overlap,
             )
         self.schedule = schedule
@@ -191,8 +191,8 @@ def _pick_link(s: Settings, groups):
     from megapipe.moe.link import EmulatedLink
 
     name, per_rank = next(iter(FAMILIES[s.pp].items()))
-    unchunked = dataclasses.replace(s, a2a_chunks=1)  # the same link with or without chunks
-    runs = _Runs(unchunked, _config(s), groups, name, per_rank, with_torch=False)
+    one_wave = dataclasses.replace(s, a2a_waves=1)  # the same link with or without waves
+    runs = _Runs(one_wave, _config(s), groups, name, per_rank, with_torch=False)
     for step in range(2):
         result = runs.step("overlap", step)
     runs.close()
@@ -294,15 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--link-scale", type=float, default=1.0,
                         help="all-to-all time as a multiple of the measured experts node time")
-    parser.add_argument("--a2a-chunks", type=int, default=1,
+    parser.add_argument("--a2a-waves", type=int, default=1,
                         help="the combined run's MoE all-to-alls in this many expert groups "
-                        "(moe_a2a_chunks; each chunk pays the link's latency)")
+                        "(moe_a2a_waves; each wave pays the link's latency)")
     parser.add_argument("--delay-wgrad", action="store_true",
                         help="the combined run defers expert weight gradients "
                         "(delay_wgrad_compute)")
     a = parser.parse_args(argv)
     s = Settings(a.pp, a.rounds, a.microbatches, a.micro_batch, a.seq, a.hidden,
-                 a.expert_hidden, a.layers, a.link_scale, a.delay_wgrad, a.a2a_chunks)
+                 a.expert_hidden, a.layers, a.link_scale, a.delay_wgrad, a.a2a_waves)
     world = s.pp * DP
     lines, speedups = run_ranks(_worker, world, s)
     cores = os.cpu_count() or 1
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         f"gloo, CPU, pp={s.pp} dp={DP} ep={EP} ({world} processes, 1 thread each), "
         f"{s.microbatches} microbatches of {s.micro_batch}x{s.seq} tokens, hidden {s.hidden}, "
         f"experts 4 x {s.expert_hidden} (top-2), {s.layers} MoE layers (even split)"
-        f"{f', all-to-alls in {s.a2a_chunks} chunks' if s.a2a_chunks > 1 else ''}; "
+        f"{f', all-to-alls in {s.a2a_waves} waves' if s.a2a_waves > 1 else ''}; "
         f"EMULATED all-to-all link; machine: {cores} cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end"
     )

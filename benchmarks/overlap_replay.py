@@ -7,7 +7,7 @@ and the cores are left free as a GPU kernel leaves them, so the CPU's limits dro
 is measured is the engine's issue order. Per schedule the plain schedule and its combined
 variant take turns step by step; beside each the simulator's prediction for the same profile
 and issue order (``megapipe.sim`` with ``NodeCosts``, CPU host: the compute stream is the host
-thread). Also the steady-state layer pair alone: one chunk's forward beside another
+thread). Also the steady-state layer pair alone: one wave's forward beside another
 microbatch's backward, combined vs the same nodes one after the other. First a calibration
 replay of a uniform profile measures the engine's host cost per node on this machine
 (``replay_calibration``); the predictions are printed without and with it.
@@ -54,7 +54,7 @@ class ReplaySettings:
     moe_layers: int = 4  # per model chunk
     rounds: int = 2
     time_scale: float = 3.0
-    a2a_chunks: int | None = None  # None: the simulator's choice
+    a2a_waves: int | None = None  # None: the simulator's choice
     delay_wgrad: bool = True
     pair: bool = True
     calibrate: bool = True
@@ -80,7 +80,7 @@ def _schedule(s: ReplaySettings, name: str, overlap: bool):
     return build_schedule(name, s.pp, s.microbatches, vpp=FIXED_VPP.get(name, s.vpp), overlap=overlap)
 
 
-def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
+def node_costs(s: ReplaySettings, schedule, overlap: bool, waves: int = 1,
                early: str | None = None, host_cost: float = 0.0, profile=None):
     """The simulator's view of one run (CPU host: the compute stream is the host thread;
     ``early``: the executor's ``early_send_rule``, None: the simulator's default;
@@ -88,29 +88,29 @@ def node_costs(s: ReplaySettings, schedule, overlap: bool, chunks: int = 1,
     from megapipe.sim.costs import NodeCosts
 
     nodes = NodeCosts(profile or _profile(s), schedule.stages_per_pipeline, s.moe_layers,
-                      a2a_chunks=chunks, defer_wgrad=s.delay_wgrad and overlap,
+                      a2a_waves=waves, defer_wgrad=s.delay_wgrad and overlap,
                       host_runs_compute=True, combined=overlap, wgrad_by_time=True,
                       host_cost=host_cost)
     return nodes if early is None else replace(nodes, early_sends=early)
 
 
 def chunks_for(s: ReplaySettings, name: str) -> int:
-    """``--a2a-chunks`` as given, else the simulator's pick (``choose_a2a_chunks``)."""
-    from megapipe.sim.pick import choose_a2a_chunks
+    """``--a2a-waves`` as given, else the simulator's pick (``choose_a2a_waves``)."""
+    from megapipe.sim.pick import choose_a2a_waves
 
-    if s.a2a_chunks is not None:
-        return s.a2a_chunks
+    if s.a2a_waves is not None:
+        return s.a2a_waves
     schedule = _schedule(s, name, True)
-    return choose_a2a_chunks(schedule, node_costs(s, schedule, True), max_chunks=4)
+    return choose_a2a_waves(schedule, node_costs(s, schedule, True), max_waves=4)
 
 
-def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int, early: str | None = None,
+def predict(s: ReplaySettings, name: str, overlap: bool, waves: int, early: str | None = None,
             host_cost: float = 0.0, profile=None):
     """The simulator's step: (makespan ms, exposed all-to-all fraction)."""
     from megapipe.sim import Costs, simulate
 
     schedule = _schedule(s, name, overlap)
-    nodes = node_costs(s, schedule, overlap, chunks, early, host_cost, profile)
+    nodes = node_costs(s, schedule, overlap, waves, early, host_cost, profile)
     result = simulate(schedule, Costs(nodes=nodes))
     return result.makespan, result.exposed_comm_fraction
 
@@ -118,7 +118,7 @@ def predict(s: ReplaySettings, name: str, overlap: bool, chunks: int, early: str
 class _ReplayRuns:
     """This rank's plain and combined executors of one schedule, on replay stages."""
 
-    def __init__(self, s: ReplaySettings, groups, name: str, chunks: int) -> None:
+    def __init__(self, s: ReplaySettings, groups, name: str, waves: int) -> None:
         from megapipe import PipelineExecutor, TensorSpec
         from megapipe.models.gpt import gpt_loss
 
@@ -140,7 +140,7 @@ class _ReplayRuns:
             self.executors[label] = PipelineExecutor(
                 schedule, stages, spec=TensorSpec((1, config.seq_length, config.hidden_size)),
                 loss_fn=gpt_loss, groups=groups, record_trace=overlap,
-                moe_a2a_chunks=chunks if overlap else 1,
+                moe_a2a_waves=waves if overlap else 1,
                 delay_wgrad_compute=s.delay_wgrad and overlap,
             )
         self.schedule, self.config = schedule, config
@@ -203,9 +203,9 @@ def _measure(runs: _ReplayRuns, rounds: int) -> dict:
     }
 
 
-def measure_schedule(s: ReplaySettings, groups, name: str, chunks: int) -> dict:
+def measure_schedule(s: ReplaySettings, groups, name: str, waves: int) -> dict:
     """``_measure`` of schedule ``name`` on this rank's replay stages."""
-    runs = _ReplayRuns(s, groups, name, chunks)
+    runs = _ReplayRuns(s, groups, name, waves)
     try:
         return _measure(runs, s.rounds)
     finally:
@@ -284,12 +284,12 @@ def _pair_line(s: ReplaySettings, measured: dict, host: dict) -> str:
         + (f"; with host cost {measured['combined'] / calibrated:.3f}" if host else ""))
 
 
-def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int, host: dict) -> str:
+def _schedule_line(s: ReplaySettings, name: str, m: dict, waves: int, host: dict) -> str:
     plain_sim, _ = predict(s, name, False, 1)
-    combined_sim, exposed_sim = predict(s, name, True, chunks, m["early"])
+    combined_sim, exposed_sim = predict(s, name, True, waves, m["early"])
     line = (
         f"{name:<17} plain {m['plain']:8.1f} ms  combined {m['combined']:8.1f} ms  "
-        f"speed-up {m['speedup']:.2f}  exposed a2a {m['exposed']:4.0%}  chunks {chunks}  | "
+        f"speed-up {m['speedup']:.2f}  exposed a2a {m['exposed']:4.0%}  waves {waves}  | "
         f"simulated {plain_sim:8.1f} / {combined_sim:8.1f} ms  speed-up "
         f"{plain_sim / combined_sim:.2f}  exposed {exposed_sim:4.0%}  | measured/simulated "
         f"plain {m['plain'] / plain_sim:.3f} combined {m['combined'] / combined_sim:.3f}"
@@ -297,7 +297,7 @@ def _schedule_line(s: ReplaySettings, name: str, m: dict, chunks: int, host: dic
     if not host:
         return line
     plain_h, _ = predict(s, name, False, 1, host_cost=host["plain"])
-    combined_h, _ = predict(s, name, True, chunks, m["early"], host["combined"])
+    combined_h, _ = predict(s, name, True, waves, m["early"], host["combined"])
     return (line + f"; with host cost: simulated {plain_h:8.1f} / {combined_h:8.1f} ms, "
             f"measured/simulated plain {m['plain'] / plain_h:.3f} combined "
             f"{m['combined'] / combined_h:.3f}")
@@ -324,20 +324,20 @@ def _worker(rank: int, s: ReplaySettings, out) -> None:
     for name in s.schedules:
         try:
             combined = _schedule(s, name, True)
-            chunks = chunks_for(s, name)
+            waves = chunks_for(s, name)
         except ScheduleError as error:
             lines.append(f"{name:<17} skipped: {error}")
             continue
         if not any(a.kind is Kind.OVERLAP for row in combined.actions for a in row):
             lines.append(f"{name:<17} skipped: the overlap pass pairs nothing here")
             continue
-        runs = _ReplayRuns(s, groups, name, chunks)
+        runs = _ReplayRuns(s, groups, name, waves)
         measured = _measure(runs, s.rounds)
         if real is None:
             real = (name, _real_work(runs), measured["combined"])
         runs.close()
         speedups[name] = measured["speedup"]
-        lines.append(_schedule_line(s, name, measured, chunks, host))
+        lines.append(_schedule_line(s, name, measured, waves, host))
     dist.barrier()
     if rank == 0:
         out.put((lines, speedups, real))
@@ -358,8 +358,8 @@ def parse(argv: list[str] | None) -> ReplaySettings:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=3.0,
                         help="multiply every profile time by this")
-    parser.add_argument("--a2a-chunks", type=int, default=None,
-                        help="combined runs' all-to-all chunks (default: the simulator's choice)")
+    parser.add_argument("--a2a-waves", type=int, default=None,
+                        help="combined runs' all-to-all waves (default: the simulator's choice)")
     parser.add_argument("--no-delay-wgrad", action="store_true",
                         help="combined runs compute expert weight gradients inside B")
     parser.add_argument("--no-pair", action="store_true", help="skip the layer pair alone")
@@ -373,7 +373,7 @@ def parse(argv: list[str] | None) -> ReplaySettings:
     if DEFAULT_SCHEDULE in names:  # the headline first
         names.insert(0, names.pop(names.index(DEFAULT_SCHEDULE)))
     return ReplaySettings(a.replay, tuple(names), a.pp, a.vpp, 2, 2, a.microbatches,
-                          a.moe_layers, a.rounds, a.time_scale, a.a2a_chunks,
+                          a.moe_layers, a.rounds, a.time_scale, a.a2a_waves,
                           not a.no_delay_wgrad, not a.no_pair, not a.no_calibration)
 
 

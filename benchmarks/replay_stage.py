@@ -1,13 +1,13 @@
 """Replay: every node of a real model stage lasts its profile time, as on the profiled GPU.
 
-``ReplayStage`` is a ``GPTStage`` whose node plans (plain and chunked) are wrapped by
+``ReplayStage`` is a ``GPTStage`` whose node plans (plain and waved) are wrapped by
 ``timed_node``: a node does its real (small) work and then sleeps until its profile time has
 passed since it started (``time.sleep`` releases the GIL and leaves the core free, as a GPU
 kernel leaves the host free). Its backward does the same with the B time: a marker on the node's
 outputs notes when autograd reaches the node, one on its inputs sleeps until the B time has
 passed (so the sleep is in whichever thread runs the node's backward: the comm stream's worker
 for a comm node). Weight gradients the backward deferred into the layer's queue
-(``delay_wgrad_compute``, an I step) are wrapped to last the W time between them; a backward
+(``delay_wgrad_compute``, an I action) are wrapped to last the W time between them; a backward
 that computed them at once lasts B + W instead. Each timed node also carries its profile times
 (``Node.times``), so the combined step places deferred weight gradients by time, as the
 simulator does (``wgrad_by_time``). Everything else (streams, combined step, tape,
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from megapipe.models.gpt import GPTStage
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, Plan
+from megapipe.overlap.plan import Fork, LayerState, Node, Plan, WavePlan
 from megapipe.sim.profile import NodeProfile, role_of
 
 
@@ -129,13 +129,13 @@ def _marked(mark: Any, clock: _Clock, extra: tuple, values: tuple) -> tuple:
     return tuple(out)
 
 
-def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
+def timed_node(node: Node, profile: NodeProfile, waves: int) -> Node:
     """``node`` lasting its profile time (seconds = profile ms / 1000) forward and backward."""
     role = role_of(node.name)
-    forward_s = profile.time(role, "F", chunks) / 1e3
-    backward_s = profile.time(role, "B", chunks) / 1e3
-    weight_s = profile.time(role, "W", chunks) / 1e3
-    times = profile.node_times(role, chunks)
+    forward_s = profile.time(role, "F", waves) / 1e3
+    backward_s = profile.time(role, "B", waves) / 1e3
+    weight_s = profile.time(role, "W", waves) / 1e3
+    times = profile.node_times(role, waves)
     if not (forward_s or backward_s or weight_s):  # nothing to wait for (a MoE layer's finish)
         return replace(node, times=times)
 
@@ -153,25 +153,25 @@ def timed_node(node: Node, profile: NodeProfile, chunks: int) -> Node:
     return replace(node, fn=fn, times=times)
 
 
-def timed_plan(plan: list, profile: NodeProfile, chunks: int = 1) -> list:
-    """A layer plan (nodes and forks) with every node timed; a ``ChunkedPlan`` stays one."""
+def timed_plan(plan: list, profile: NodeProfile, waves: int = 1) -> list:
+    """A layer plan (nodes and forks) with every node timed; a ``WavePlan`` stays one."""
     def wrap(item: Any) -> Any:
         if isinstance(item, Fork):
-            branches = tuple(tuple(timed_node(n, profile, chunks) for n in b)
+            branches = tuple(tuple(timed_node(n, profile, waves) for n in b)
                              for b in item.branches)
             return Fork(branches, item.width)
-        return timed_node(item, profile, chunks)
+        return timed_node(item, profile, waves)
 
     nodes = [wrap(item) for item in plan]
-    if isinstance(plan, ChunkedPlan):
-        forms: dict[int, list] = {}  # the chunked forms made so far, by k
+    if isinstance(plan, WavePlan):
+        forms: dict[int, list] = {}  # the wave forms made so far, by k
 
-        def chunked(k: int) -> list:
+        def in_waves(k: int) -> list:
             if k not in forms:
-                forms[k] = timed_plan(plan.chunked(k), profile, k)
+                forms[k] = timed_plan(plan.in_waves(k), profile, k)
             return forms[k]
 
-        return ChunkedPlan(nodes, chunked)
+        return WavePlan(nodes, in_waves)
     return Plan(nodes) if isinstance(plan, Plan) else nodes
 
 

@@ -21,7 +21,7 @@ actions (the slower one on a tie: interleaved-1f1b with or without overlap at pp
     python benchmarks/schedule_scale.py [--max-actions 200000] [--schedules interleaved-1f1b,zbv]
                                         [--repeat 3] [--clock cpu|wall]
 
-Runs of 200k+ steps use the compiled loops where numba is installed
+Schedules of 200k+ actions use the compiled loops where numba is installed
 (``schedule/timing/loops.py``); it loads them first and prints how long that took (a cost each
 process pays once, outside the table). Not part of the test suite; a few minutes up to 1M
 actions on a 2-core machine (most of it zbv with overlap at pp 64, whose pass refines its pairs in

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Launch megapipe pretraining with torchrun; extra arguments go to the pretrain script.
 #
-# Single node (all GPUs, or 4 CPU processes without GPUs: the built-in demo):
+# One host (all GPUs, or 4 CPU processes without GPUs: the built-in demo):
 #   bash examples/torchrun.sh
 #   NPROC_PER_NODE=8 bash examples/torchrun.sh --expert-model-parallel-size 4 --train-iters 1000
 #
-# Multi-node (run the same command on every node; c10d rendezvous on the first node):
+# Several hosts (run the same command on every host; c10d rendezvous on the first host):
 #   NNODES=2 MASTER_ADDR=node0.example.com bash examples/torchrun.sh --pipeline-model-parallel-size 4 ...
 #
 # Environment: NPROC_PER_NODE (default: GPU count, 4 on CPU), NNODES (default 1), MASTER_ADDR,
@@ -27,7 +27,7 @@ if [ "$NNODES" -eq 1 ]; then
     --max-restarts="${MAX_RESTARTS:-0}" \
     --nproc-per-node="$NPROC_PER_NODE" examples/pretrain_moe_gpt.py "$@"
 fi
-: "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node for a multi-node run}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of the first host for a run on several hosts}"
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --max-restarts="${MAX_RESTARTS:-0}" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}" \

@@ -103,7 +103,7 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
     p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
-    p.set_defaults(run=run_schedule_command)
+    p.set_defaults(handler=run_schedule_command)
 
 
 
@@ -113,7 +113,7 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     from .schedule.registry import build_schedule
     from .sim.costs import Costs
     from .sim.simulate import simulate
-    from .train.arg_checks import check_output_path
+    from .train.config.checks import check_output_path
 
     for flag in ("csv", "png", "trace"):
         check_output_path(flag, getattr(args, flag))
@@ -176,7 +176,7 @@ def _print_budgets(args: argparse.Namespace, costs, extra: dict) -> None:
 
 
 def _add_pretrain_command(subparsers) -> None:
-    from .train.flags import build_parser as pretrain_flags
+    from .train.config.flags import build_parser as pretrain_flags
 
     p = subparsers.add_parser(
         "pretrain",
@@ -185,7 +185,7 @@ def _add_pretrain_command(subparsers) -> None:
         description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
         "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
     )
-    p.set_defaults(run=run_pretrain_command)
+    p.set_defaults(handler=run_pretrain_command)
 
 
 def run_pretrain_command(args: argparse.Namespace) -> int:
@@ -206,12 +206,12 @@ def _add_trace_command(subparsers) -> None:
         "summarize", help="per rank: exposed all-to-all, largest bubbles; measured vs simulated",
     )
     summarize.add_argument("file", help="the trace (JSON) --profile-trace wrote")
-    summarize.set_defaults(run=run_trace_summarize)
+    summarize.set_defaults(handler=run_trace_summarize)
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
-    """``megapipe trace summarize FILE``: print the trace's figures (``train.trace_summary``)."""
-    from .train.trace_summary import summarize_file
+    """``megapipe trace summarize FILE``: print the trace's figures (``train.observe.trace_summary``)."""
+    from .train.observe.trace_summary import summarize_file
 
     print(summarize_file(args.file))
     return 0
@@ -236,7 +236,7 @@ def _run_pick(args: argparse.Namespace, costs) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser; each subcommand registers itself with ``set_defaults(run=...)``."""
+    """The top-level parser; each subcommand registers itself with ``set_defaults(handler=...)``."""
     parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
+        return args.handler(args)
     except (_UsageError, ScheduleError, ValueError, OSError) as error:
         if debug_enabled():
             traceback.print_exc()

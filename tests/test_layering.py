@@ -6,7 +6,8 @@ README's table, in the same order); besides, the engine (``pipeline/``) imports 
 Inside a folder too, no two files import each other, directly or round a loop of files: imports
 inside functions and under ``TYPE_CHECKING`` count (a package imported as a whole counts as its
 ``__init__.py``; the parent packages Python loads first do not). Inside ``schedule/`` the data
-model comes first and each folder imports only the parts before it (``SCHEDULE_PARTS``).
+model comes first and each folder imports only the parts before it (``SCHEDULE_PARTS``); inside
+``train/`` likewise (``TRAIN_PARTS``).
 """
 
 import ast
@@ -172,22 +173,41 @@ def test_no_import_cycle_between_files():
 # schedule/ inside: its data model, then its folders, then the entry points; a part imports only
 # itself and the parts before it (the README's folder table)
 SCHEDULE_PARTS = [
-    {"actions", "errors", "table", "ir"}, {"timing"}, {"families", "combine", "p2p"}, {"checks"},
-    {"registry", "rank_views", ""},
+    {"actions", "errors", "table", "ir"}, {"timing"}, {"families", "overlap_pass", "p2p"},
+    {"checks"}, {"registry", "rank_views", ""},
 ]
 
 
-def test_schedule_folders_import_only_the_parts_below_them():
+# train/ inside: the optimizer, then the typed config, checkpoints, observation, and the job, step,
+# loop and command at the top
+TRAIN_PARTS = [
+    {"optim"}, {"config"}, {"checkpoint"}, {"observe"},
+    {"job", "job_data", "step", "loop", "main", "supervise", "failures", "exits", "determinism",
+     ""},
+]
+
+
+def _upward_imports(folder: str, parts: list[set[str]]) -> list[str]:
+    """The imports inside ``megapipe.<folder>`` from a part to one listed after it."""
+    prefix = f"megapipe.{folder}"
+
     def part(module: str) -> int:
-        name = module.removeprefix("megapipe.schedule").removeprefix(".").split(".")[0]
-        found = [i for i, names in enumerate(SCHEDULE_PARTS) if name in names]
-        assert found, f"schedule/{name} belongs to no part of SCHEDULE_PARTS"
+        name = module.removeprefix(prefix).removeprefix(".").split(".")[0]
+        found = [i for i, names in enumerate(parts) if name in names]
+        assert found, f"{folder}/{name} belongs to no part"
         return found[0]
 
-    inside = {m: t for m, t in _import_graph().items() if m.startswith("megapipe.schedule")}
-    upward = [f"{m} imports {t}" for m, targets in inside.items() for t in sorted(targets)
-              if t.startswith("megapipe.schedule") and part(t) > part(m)]
-    assert upward == []
+    inside = {m: t for m, t in _import_graph().items() if m.startswith(prefix)}
+    return [f"{m} imports {t}" for m, targets in inside.items() for t in sorted(targets)
+            if t.startswith(prefix) and part(t) > part(m)]
+
+
+def test_schedule_folders_import_only_the_parts_below_them():
+    assert _upward_imports("schedule", SCHEDULE_PARTS) == []
+
+
+def test_train_folders_import_only_the_parts_below_them():
+    assert _upward_imports("train", TRAIN_PARTS) == []
 
 
 def test_the_readme_folder_table_names_every_folder():

@@ -25,8 +25,8 @@ from torch import nn
 
 import megapipe.train.main as pretrain
 from megapipe.cli import main as cli_main
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint_files import DESCRIPTOR_FILE, LATEST_FILE
+from megapipe.train.checkpoint.files import DESCRIPTOR_FILE, LATEST_FILE
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY as SHARED_TINY
 

@@ -21,7 +21,7 @@ from megapipe.models.split import build_stage
 from megapipe.overlap.main_grad import zero_grads
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule import build_schedule
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 from gpu_sections import timeline
 from gpu_sections.gpu_timing import Timed, node_spans, time_ms

@@ -36,7 +36,7 @@ LINK_KINDS = ("sleep", "copy")
 
 
 def set_link(moe_layers: Iterable[MoELayer], link: EmulatedLink | None) -> None:
-    """Give every MoE layer's dispatcher ``link`` (None: no link); chunked plans read it too."""
+    """Give every MoE layer's dispatcher ``link`` (None: no link); plans in waves read it too."""
     for layer in moe_layers:
         layer.dispatcher.link = link
 

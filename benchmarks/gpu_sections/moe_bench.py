@@ -12,8 +12,8 @@ microbatch 0 over the same layers three ways:
   (forward alone, then backward alone), traced node by node -- each node's own time;
 - ``traced(combined=True)``: the combined step, traced node by node.
 
-A ``Variant`` runs the co-scheduled ways with the all-to-alls in k chunks (``moe_a2a_chunks``:
-the layers' chunked plans) and/or the expert weight gradients deferred
+A ``Variant`` runs the co-scheduled ways with the all-to-alls in k waves (``moe_a2a_waves``:
+the layers' plans in waves) and/or the expert weight gradients deferred
 (``delay_wgrad_compute``). The node timeline is megapipe's own ``NodeTrace`` (CUDA events on
 CUDA). Host time is the time until the step's call returned: ``finish`` is stream-ordered on
 CUDA, so there it is the time the host spent issuing (including its wait in the one host read
@@ -33,10 +33,10 @@ from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.streams import Streams
 from megapipe.overlap.sequential import record_forward, run_backward
+from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 from gpu_sections.gpu_timing import Timed, node_spans, synchronize, time_ms
 from gpu_sections.link_model import set_link
@@ -115,14 +115,14 @@ def _empty_layer(config: GPTConfig, index: int, device: torch.device) -> Transfo
 
 @dataclass(frozen=True)
 class Variant:
-    """How the co-scheduled runs go: all-to-alls in ``chunks`` expert groups, weight
+    """How the co-scheduled runs go: all-to-alls in ``waves`` expert groups, weight
     gradients deferred (``delay_wgrad``)."""
 
-    chunks: int = 1
+    waves: int = 1
     delay_wgrad: bool = False
 
     def describe(self) -> str:
-        parts = ([f"{self.chunks} a2a chunks"] if self.chunks > 1 else []) + (
+        parts = ([f"{self.waves} a2a waves"] if self.waves > 1 else []) + (
             ["wgrad delayed"] if self.delay_wgrad else [])
         return ", ".join(parts) or "plain"
 
@@ -179,8 +179,8 @@ class PairBench:
 
     def plans(self, variant: Variant = BASE) -> list[list[Any]]:
         plans = [layer.node_plan() for layer in self.layers]
-        if variant.chunks > 1:
-            return [list(p.chunked(variant.chunks)) if hasattr(p, "chunked") else p for p in plans]
+        if variant.waves > 1:
+            return [list(p.in_waves(variant.waves)) if hasattr(p, "in_waves") else p for p in plans]
         return plans
 
     def prepare(self, variant: Variant = BASE, on_streams: bool = True) -> tuple[list, Any]:

@@ -42,7 +42,7 @@ SECTIONS: tuple[SectionSpec, ...] = (
     SectionSpec("streams", 30, 10, "profiler trace of one combined step: the stream of each "
                 "node's kernels, milliseconds of compute and comm kernels at once"),
     SectionSpec("overlap", 75, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "
-                "combined (also deferred wgrad, chunked all-to-alls), all-to-all modelled on "
+                "combined (also deferred wgrad, all-to-alls in waves), all-to-all modelled on "
                 "the comm stream; the two most telling shapes"),
     SectionSpec("replay", 120, 40, "the DeepSeek-V3 replay (overlap.py --replay) on the "
                 "machine's cores: the engine's issue order with a core per thread",

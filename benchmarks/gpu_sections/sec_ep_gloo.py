@@ -122,7 +122,7 @@ def _step(s: Settings, batch, device: torch.device, groups, overlap: bool,  # no
     from megapipe.overlap.main_grad import accumulated_grad
     from megapipe.pipeline.executor import PipelineExecutor
     from megapipe.schedule import build_schedule
-    from megapipe.train.mixed_precision import cast_to_bf16
+    from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     stage = build_stage(s.config, 0, 1, groups.ep if groups is not None else None).to(device)
     if bf16:

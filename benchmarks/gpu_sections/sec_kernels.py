@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from megapipe.kernels import HAS_TRITON, reference
-from megapipe.moe.dispatcher import order_by_expert
+from megapipe.moe.dispatcher import sort_by_expert
 
 from gpu_sections.gpu_timing import median_ms, time_ms
 from gpu_sections.measure import copy_gbs
@@ -56,7 +56,7 @@ def _operations(module, r: Routing, device: torch.device) -> dict[str, Callable[
     generator = torch.Generator(device=device).manual_seed(0)
     scores = torch.randn(r.tokens, r.experts, device=device, generator=generator)
     probs, indices = scores.softmax(-1).topk(r.top_k, dim=-1)
-    row_choice, choice_rows, _ = order_by_expert(indices, r.experts)
+    row_choice, choice_rows, _ = sort_by_expert(indices, r.experts)
     tokens = torch.randn(r.tokens, r.hidden, device=device, dtype=torch.bfloat16,
                          generator=generator)
     rows_in = torch.randn(row_choice.numel(), r.hidden, device=device, dtype=torch.bfloat16,

@@ -19,7 +19,7 @@ beside the backward of microbatch 0) and, at ratio 1, on a step of several layer
 
 On the first configuration, at the sleep link of ratio 1, the combined step also runs with the
 expert weight gradients deferred (``delay_wgrad_compute``) and with the all-to-alls in 2
-chunks (``moe_a2a_chunks``), against the same sequential time.
+waves (``moe_a2a_waves``), against the same sequential time.
 
 Targets (reported, never asserted): pair speedup >= 1.8 and exposed all-to-all <= 10%
 at ratio 1; host issue time under half the GPU time at hidden 4096.
@@ -45,7 +45,7 @@ REAL = (
 )
 DRY = (Shape(hidden=64, heads=4, experts=4, top_k=2, ffn=32, tokens=64, batch=2),)
 RATIOS = (1.0, 2.0)
-VARIANTS = (Variant(delay_wgrad=True), Variant(chunks=2))  # first configuration, sleep x1
+VARIANTS = (Variant(delay_wgrad=True), Variant(waves=2))  # first configuration, sleep x1
 COLUMNS = ["config", "link", "a2a ms", "a2a GB/s", "fwd ms", "bwd ms", "sequential ms",
            "combined ms", "speedup", "ceiling", "exposed a2a", "host / GPU", "GPU idle"]
 
@@ -115,7 +115,7 @@ def _configuration(ctx, result, shape: Shape, dtype, reps: int, with_copy: bool,
 
 def _variants(ctx, result, pair: PairBench, shape: Shape, label: str, plain: Timed,  # noqa: ANN001
               reps: int, pairs: list) -> None:
-    """The combined step with deferred weight gradients and with chunked all-to-alls."""
+    """The combined step with deferred weight gradients and with all-to-alls in waves."""
     for variant in VARIANTS:
         name = f"{label}, {variant.describe()}"
         if not ctx.enough_time(result, f"{shape.short()} {name}", 10.0 if ctx.cuda else 1.0):

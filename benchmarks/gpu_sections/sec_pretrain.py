@@ -30,7 +30,7 @@ import re
 import torch.distributed as dist
 
 from megapipe.parallel.launch import free_port
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import TrainResult, train
 
 COMMON = ["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",

@@ -39,7 +39,7 @@ def add_data_commands(subparsers) -> None:
                    help="directory to write tokenizer.json and tokenizer_config.json to")
     p.add_argument("--json-keys", nargs="+", default=["text"],
                    help="the fields of each .jsonl line to train on (default: text)")
-    p.set_defaults(run=run_train_tokenizer)
+    p.set_defaults(handler=run_train_tokenizer)
 
     p = subparsers.add_parser(
         "preprocess-data", help="tokenize jsonl documents into Megatron's indexed dataset",
@@ -63,7 +63,7 @@ def add_data_commands(subparsers) -> None:
                    help="tokenizing processes (default 1: this process)")
     p.add_argument("--log-interval", type=_positive_int, default=1000,
                    help="report progress every this many documents (default 1000)")
-    p.set_defaults(run=run_preprocess_data)
+    p.set_defaults(handler=run_preprocess_data)
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:

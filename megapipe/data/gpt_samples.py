@@ -18,11 +18,11 @@ it builds and writes the caches inside a default group of its own process that i
 ends (gloo, world size 1: Megatron's blended dataset asks the rank whenever it writes a
 cache); never run several such processes on one cache directory at once.
 
-**Order.** ``IndexedTrainBatches`` takes samples in Megatron's pretraining-sampler order: the
+**Sampling.** ``IndexedTrainBatches`` takes samples as Megatron's pretraining sampler does: the
 global batch of iteration t is samples ``[t * G, (t + 1) * G)`` (G the global batch size), cut
-into runs of ``b * dp`` consecutive samples (b the micro batch size); data-parallel rank r's
-microbatch is the r-th ``b`` samples of each run. The position is one integer, the samples
-consumed, saved and restored as ``megapipe.train.data.TrainBatches``' is.
+into blocks of ``b * dp`` consecutive samples (b the micro batch size); data-parallel rank r's
+microbatch is the r-th ``b`` samples of each block. The position is one integer, the samples
+consumed, saved and restored as ``megapipe.data.raw_text.TrainBatches``' is.
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ class IndexedTrainBatches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if int(state["seed"]) != self.seed:
             raise DataError(
-                f"the checkpoint's data order was seeded with {int(state['seed'])}, this run "
+                f"the checkpoint's sampling was seeded with {int(state['seed'])}, this run "
                 f"with --seed={self.seed}"
             )
         self.consumed_samples = int(state["consumed_samples"])

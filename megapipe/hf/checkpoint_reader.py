@@ -1,7 +1,7 @@
 """A megapipe checkpoint read in one process, without process groups: its model config and its
 model tensors, whatever layout (pp, vpp, ep, dp, schedule) wrote it.
 
-The checkpoint's keys are layout-free (``train.checkpoint``): ``model/{name}`` per parameter
+The checkpoint's keys are layout-free (``train.checkpoint.state``): ``model/{name}`` per parameter
 and ``model/{name}/expert{e}`` per expert, so the single-process model's state dict is the
 ``model/`` keys with each expert weight stacked back along dim 0. torch.distributed.checkpoint
 loads any subset of keys in one process (``dcp.load(..., no_dist=True)``), so a caller reads
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.models.config import GPTConfig
 from megapipe.moe.experts import GroupedExperts
-from megapipe.train.checkpoint_files import (
+from megapipe.train.checkpoint.files import (
     Checkpoint, CheckpointError, check_complete, select_checkpoint,
 )
 

@@ -25,7 +25,7 @@ def add_export_command(subparsers: Any) -> None:
                         "the checkpoint names")
     p.add_argument("--max-shard-size-mb", type=int, default=DEFAULT_SHARD_MB, metavar="MB",
                    help=f"largest safetensors file in MiB (default {DEFAULT_SHARD_MB})")
-    p.set_defaults(run=run_export_command)
+    p.set_defaults(handler=run_export_command)
 
 
 def run_export_command(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ no QK norm, no dense layers and renormalises the top-k weights, so it fits less.
 Qwen3-MoE equivalent is refused in one line (``check_exportable``); docs/pretraining.md,
 "Export to Hugging Face", has the field table.
 
-Weights are written in Qwen3-MoE's published layout (one tensor per expert and projection,
+Weights are written in Qwen3-MoE's published format (one tensor per expert and projection,
 ``[out, in]``), which every Qwen3-MoE loader reads: ``tensor_plan`` lists each Hugging Face
 tensor with the checkpoint key it comes from and how (a row block of ``w_qkv``; megapipe's
 ``x @ w`` MLP weights transposed).

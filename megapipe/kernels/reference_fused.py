@@ -59,7 +59,7 @@ def rms_norm_backward(
 def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``silu(gate) * up``, per block of ``counts`` rows (one expert each): on CPU a tensor's
     last elements are computed in a scalar tail, so one expert's bits would depend on where its
-    rows lie (a chunked layer runs a group of experts at a time)."""
+    rows lie (a layer in waves runs one expert group at a time)."""
     return torch.cat([F.silu(g) * u for g, u in zip(gate.split(counts), up.split(counts))])
 
 
@@ -158,7 +158,7 @@ def routing_plan(
     indices: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``row_choice [n]``, ``choice_rows [t, k]`` and ``counts [E]`` (choices per expert before
-    any drop) of ``megapipe.moe.permutation.order_by_expert``; ``capacity`` -1: dropless."""
+    any drop) of ``megapipe.moe.permutation.sort_by_expert``; ``capacity`` -1: dropless."""
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     sorted_experts = flat[order]

@@ -118,7 +118,7 @@ class MegatronGradSync:
         self._param_sync = _per_chunk(getattr(config, "param_sync_func", None), count)
         self._context: Any = None
         self._synced: set[int] = set()
-        self._order: list[int] = []
+        self._first_forwards: list[int] = []
 
     # ------------------------------------------------------------ Megatron's toggles
     def _disable(self) -> None:
@@ -136,17 +136,17 @@ class MegatronGradSync:
             self._param_sync[chunk](self.model[chunk].parameters())
 
     # ------------------------------------------------------------ GradSyncHooks
-    def step_started(self, forward_order: Sequence[int]) -> None:
+    def step_started(self, forward_stages: Sequence[int]) -> None:
         self._synced = set()
-        self._order = [self.chunk_of[s] for s in forward_order]
+        self._first_forwards = [self.chunk_of[s] for s in forward_stages]
         self._disable()
-        for chunk in self._order[:2]:
+        for chunk in self._first_forwards[:2]:
             self._sync_params(chunk)
 
     def before_first_forward(self, stage: int) -> None:
-        at = self._order.index(self.chunk_of[stage])
-        if at >= 1 and at + 1 < len(self._order):
-            self._sync_params(self._order[at + 1])
+        at = self._first_forwards.index(self.chunk_of[stage])
+        if at >= 1 and at + 1 < len(self._first_forwards):
+            self._sync_params(self._first_forwards[at + 1])
 
     def before_last_backward(self, stage: int) -> None:
         if self._grad_sync is None:

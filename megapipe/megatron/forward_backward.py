@@ -29,15 +29,15 @@ Megatron's conventions hold:
 
 The schedule follows ``pp``, ``vpp`` and ``schedule`` (default ``interleaved-1f1b`` when
 vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing stages have
-the shape ``(micro_batch_size, seq_length, hidden_size)`` (``layout="bsh"``, megapipe's GPT) or
-``(seq_length, micro_batch_size, hidden_size)`` (``layout="sbh"``, Megatron's). Gradients are
+the shape ``(micro_batch_size, seq_length, hidden_size)`` (``axes="bsh"``, megapipe's GPT) or
+``(seq_length, micro_batch_size, hidden_size)`` (``axes="sbh"``, Megatron's). Gradients are
 reduced over data parallelism inside the call when ``groups`` is given and ``reduce_grads``.
 
 Megatron-Core ``GPTModel`` chunks (also inside Megatron's ``Float16Module`` and
 ``DistributedDataParallel``) are wrapped in ``McoreGPTStage`` (``mcore_adapter``), so they
-overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called
-with the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the
-layout defaults to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
+overlap in combined schedules; ``forward_step_func`` then receives the wrapper, which called with
+the chunk's arguments is the chunk (``.module`` is the chunk as given). For them the tensors' axes
+default to ``"sbh"`` and the activation dtype to the config's ``pipeline_dtype``. With
 ``reduce_grads=False`` the data-parallel reduction is Megatron's: megapipe calls the hooks a
 script set on the config (``config.no_sync_func``, ``grad_sync_func``, ``param_sync_func``,
 ``finalize_model_grads_func``) where Megatron's schedules do, so Megatron's
@@ -104,7 +104,7 @@ class FrontEndOptions:
     schedule: str | None = None
     groups: ProcessGroups | None = None
     hidden_size: int | None = None
-    layout: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
+    axes: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
     dtype: torch.dtype | None = None  # None: a Megatron-Core chunk's pipeline dtype, else fp32
     timeout: float = 300.0
     overlap: bool = False
@@ -121,9 +121,9 @@ class FrontEndOptions:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.layout not in (None, "bsh", "sbh"):
+        if self.axes not in (None, "bsh", "sbh"):
             raise ValueError(
-                f"layout={self.layout!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
+                f"axes={self.axes!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
             )
         if self.groups is not None and self.groups.config.pp != self.pp:
             raise ValueError(
@@ -219,7 +219,7 @@ class MegatronForwardBackward:
             max_extra_in_flight=o.max_extra_in_flight,
             microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
         )
-        self._check_forward_order(schedule)
+        self._check_microbatch_sequence(schedule)
         pp_rank = pipeline_position(o.pp, o.groups).rank
         stage_ids = schedule.stages_of_rank(pp_rank)
         if len(chunks) != len(stage_ids):
@@ -248,13 +248,13 @@ class MegatronForwardBackward:
                 "get_forward_backward_func or give the chunks a .config.hidden_size"
             )
         megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
-        layout = o.layout or ("sbh" if megatron else "bsh")
+        axes = o.axes or ("sbh" if megatron else "bsh")
         shape = (
             (micro_batch_size, seq_length, hidden)
-            if layout == "bsh"
+            if axes == "bsh"
             else (seq_length, micro_batch_size, hidden)
         )
-        if megatron and layout == "sbh" and o.hidden_size is None:  # Megatron's own shape
+        if megatron and axes == "sbh" and o.hidden_size is None:  # Megatron's own shape
             shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
         dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
         executor = PipelineExecutor(
@@ -287,7 +287,7 @@ class MegatronForwardBackward:
         chunk_of = {stage: j for j, stage in enumerate(stages)}  # the order of ``chunks``
         return MegatronGradSync(megatron[0].config, chunks, chunk_of)
 
-    def _check_forward_order(self, schedule: Schedule) -> None:
+    def _check_microbatch_sequence(self, schedule: Schedule) -> None:
         """forward_step_func reads the next batch from a chunk's iterator: every stage must run
         its forwards in microbatch order for the batches to line up."""
         order: dict[int, list[int]] = {}
@@ -358,7 +358,7 @@ def get_forward_backward_func(
     *,
     groups: ProcessGroups | None = None,
     hidden_size: int | None = None,
-    layout: str | None = None,
+    axes: str | None = None,
     dtype: torch.dtype | None = None,
     timeout: float = 300.0,
     overlap: bool = False,
@@ -392,13 +392,13 @@ def get_forward_backward_func(
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
     implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
     Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)
-    overlaps; any other chunk runs F then B (warned once). ``layout`` and ``dtype`` default to
+    overlaps; any other chunk runs F then B (warned once). ``axes`` and ``dtype`` default to
     Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
     ``"bsh"`` and fp32.
     """
     return MegatronForwardBackward(FrontEndOptions(
         pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
-        layout=layout, dtype=dtype, timeout=timeout,
+        axes=axes, dtype=dtype, timeout=timeout,
         overlap=overlap or overlap_moe_expert_parallel_comm,
         calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,

@@ -95,7 +95,7 @@ class McoreGPTStage(nn.Module):
         self._check_delayed_wgrad(gpt)
         # the engine's generic I/W split differentiates with autograd.grad, which Megatron's
         # checkpoints refuse and which would re-run a TE layer's whole backward: such chunks
-        # run on megapipe's tape in every schedule (its W step is the weight-gradient queue)
+        # run on megapipe's tape in every schedule (its W action is the weight-gradient queue)
         self.__dict__["needs_tape"] = (
             self.defers_weight_grads or gpt.config.recompute_granularity is not None
         )

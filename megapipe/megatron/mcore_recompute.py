@@ -17,7 +17,7 @@ happens in a backward, possibly beside another microbatch's forward of the same 
   stream each see their own; a re-run starts from a copy of the dispatcher as the node's first
   run found it.
 - The router counts tokens (expert bias, global aux loss) and logs its losses as side effects
-  of a forward. A re-run sees the router buffers as its first run saw them and leaves both
+  of a forward. A recompute sees the router buffers as the first forward saw them and leaves both
   the buffers and the MoE metrics as it found them, so nothing is counted twice.
 """
 
@@ -109,12 +109,12 @@ def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
             if node.kind != NodeKind.COMPUTE:  # never re-run: the microbatch's dispatcher
                 with switch.using(state.dispatcher):
                     return node.fn(state, inputs)
-            if not state.recomputing:  # a re-run starts from the dispatcher this run found
+            if not state.recomputing:  # a recompute starts from the dispatcher the forward found
                 state.dispatcher_at[node.name] = copy.copy(state.dispatcher)
                 dispatcher = state.dispatcher
             else:
                 dispatcher = copy.copy(state.dispatcher_at[node.name])
-            with switch.using(dispatcher), _first_run_view(state, node.name, buffers, release):
+            with switch.using(dispatcher), _first_forward_view(state, node.name, buffers, release):
                 return node.fn(state, inputs)
 
         return replace(node, fn=fn)
@@ -123,13 +123,14 @@ def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
 
 
 @contextmanager
-def _first_run_view(state: LayerState, key: str, buffers: list[torch.Tensor],
+def _first_forward_view(state: LayerState, key: str, buffers: list[torch.Tensor],
                     release: McoreRelease) -> Iterator[None]:
-    """A first run records the buffers it starts from; a re-run starts from those and leaves
+    """The first forward records the buffers it starts from; a recompute starts from those and
+    leaves
     the buffers and the MoE metrics as it found them."""
-    saved = getattr(state, "buffers_at_first_run", None)
+    saved = getattr(state, "buffers_at_first_forward", None)
     if saved is None:
-        saved = state.buffers_at_first_run = {}
+        saved = state.buffers_at_first_forward = {}
     if not state.recomputing:
         saved[key] = [b.detach().clone() for b in buffers]
         yield

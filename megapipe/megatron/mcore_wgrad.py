@@ -12,7 +12,7 @@ The adapter does the same: ``after_backward(state, work, inputs)`` passes a node
 through an identity whose backward runs once the node's whole backward has run, and hands
 ``work`` (the node's ``backward_dw`` calls) to the queue where megapipe puts its own deferred
 weight gradients (``LayerState.wgrad_queue``: in a combined step, run beside a backward
-all-to-all; in zero-bubble schedules, in the W step), or runs it at once when there is no
+all-to-all; in zero-bubble schedules, in the W action), or runs it at once when there is no
 queue. Megatron's local (non-TE) layers compute every weight gradient in their backward and
 their ``backward_dw()`` does nothing, so with them the flag changes nothing.
 

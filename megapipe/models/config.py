@@ -30,7 +30,7 @@ class GPTConfig:
     onto ``megapipe.moe.MoEConfig`` (``moe_config()``).
 
     Attention fields carry Megatron's flag names: ``position_embedding_type`` ("learned_absolute"
-    or "rope", rotary with ``rotary_base``, "rotate half" layout on the head dim),
+    or "rope", rotary with ``rotary_base``, "rotate half" form on the head dim),
     ``num_query_groups`` (grouped-query attention; None: one group per head), ``qk_layernorm``
     (RMSNorm over each head's q and k), ``kv_channels`` (the head dim; None: hidden/heads) and
     ``untie_embeddings_and_output_weights`` (False: the output layer uses the token embedding;

@@ -37,7 +37,7 @@ from megapipe.overlap.graphs import Graphable
 from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
+    Fork, LayerState, Node, NodeKind, NodeRunner, Plan, WavePlan, run_nodes,
 )
 
 Tensors = tuple[torch.Tensor, ...]
@@ -67,7 +67,7 @@ def _grouped_causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 
 def rotary_tables(seq_length: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[seq_length, head_dim]`` (float32) of the rotary embedding in the "rotate
-    half" layout: channel j and j + d/2 of a head turn together by angle ``pos * base^(-2j/d)``
+    half" form: channel j and j + d/2 of a head turn together by angle ``pos * base^(-2j/d)``
     (Megatron's non-interleaved rope, Hugging Face's Llama/Qwen3)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32), inv_freq)
@@ -165,14 +165,14 @@ class TransformerLayer(nn.Module):
 
     def node_plan(self) -> Plan:
         """``[layer]`` (dense) or ``[attention, dispatch, experts, combine, finish]`` (MoE; its
-        ``.chunked(k)`` has a fork of k expert groups in the middle, ``MoELayer.chunked_plan``)."""
+        ``.in_waves(k)`` has a fork of k expert groups in the middle, ``MoELayer.wave_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
             return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
-        return ChunkedPlan(
+        return WavePlan(
             self._with_residual(self.moe.node_plan()),
-            lambda chunks: self._with_residual(self.moe.chunked_plan(chunks)),
+            lambda waves: self._with_residual(self.moe.wave_plan(waves)),
         )
 
     def _with_residual(self, moe_plan: list) -> list:

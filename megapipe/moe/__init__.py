@@ -1,16 +1,16 @@
 """megapipe.moe: router, all-to-all token dispatcher, grouped experts and the MoE layer."""
 
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
-from megapipe.moe.dispatcher import DispatchLayout, HostCounts, TokenDispatcher, all_to_all
+from megapipe.moe.dispatcher import DispatchSplits, HostCounts, TokenDispatcher, all_to_all
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.layer import MoEConfig, MoELayer, pass_leading
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import expert_counts, order_by_expert
+from megapipe.moe.permutation import expert_counts, sort_by_expert
 from megapipe.moe.router import Router, RouterOutput
 
 __all__ = [
     "AuxLossLog",
-    "DispatchLayout",
+    "DispatchSplits",
     "EmulatedLink",
     "GroupedExperts",
     "HostCounts",
@@ -24,5 +24,5 @@ __all__ = [
     "attach_aux_loss",
     "expert_counts",
     "pass_leading",
-    "order_by_expert",
+    "sort_by_expert",
 ]

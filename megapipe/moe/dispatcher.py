@@ -1,18 +1,18 @@
 """Token dispatcher: moves permuted tokens to the ranks holding their experts and back.
 
 Expert e lives on EP rank ``e // num_local_experts``. Locally, tokens are first permuted into
-expert order (``order_by_expert``; rows for experts of EP rank 0 come first, and so on). Then:
+expert order (``sort_by_expert``; rows for experts of EP rank 0 come first, and so on). Then:
 
 - ``dispatch``: exchange the per-expert row counts (one small all-to-all), exchange the rows with
   ``all_to_all_single`` and uneven splits, and reorder what arrived from rank-major
-  (source rank, then local expert) to expert-major (local expert, then source rank), the layout
-  the grouped experts expect;
+  (source rank, then local expert) to expert-major (local expert, then source rank), the row
+  arrangement the grouped experts expect;
 - ``combine``: the exact inverse (expert-major -> rank-major, reverse all-to-all), returning the
   expert outputs in this rank's permuted order; the probability weighting happens in unpermute.
 
 Both are differentiable: the all-to-all is an autograd Function whose backward is the reverse
 all-to-all. With no EP group (or size 1) no collective is issued. Everything the backward or
-``combine`` needs (split sizes) lives in a ``DispatchLayout`` that the layer keeps in its
+``combine`` needs (split sizes) lives in a ``DispatchSplits`` that the layer keeps in its
 ``LayerState``. An optional ``EmulatedLink`` stretches every token all-to-all (forward and
 backward) to its modelled time; a dispatch's modelled time covers its count exchange too (one
 transfer per all-to-all node, whichever way it goes).
@@ -26,7 +26,7 @@ GEMM offsets) is issued next, and only then, as late as possible, the host waits
 and reads the sizes. On CUDA this stalls the host thread (not the compute stream: the
 combined step has queued the slot's compute node before it) for the count exchange only. Every
 other node, and the whole backward, runs without any host sync. With a capacity
-(``order_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
+(``sort_by_expert`` pads every expert to ``capacity`` rows) the split sizes are static and
 there is no host read at all, nor a count exchange.
 """
 
@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.permutation import order_by_expert
+from megapipe.moe.permutation import sort_by_expert
 
-__all__ = ["DispatchLayout", "HostCounts", "TokenDispatcher", "all_to_all", "order_by_expert"]
+__all__ = ["DispatchSplits", "HostCounts", "TokenDispatcher", "all_to_all", "sort_by_expert"]
 
 
 @dataclass
-class DispatchLayout:
+class DispatchSplits:
     """Split sizes of one dispatch, needed by combine and by the backward passes."""
 
     input_splits: list[int]  # rows this rank sends to each EP rank
@@ -147,9 +147,9 @@ def all_to_all(
     return _AllToAll.apply(rows, output_splits, input_splits, group, link, started)
 
 
-def _reorder_chunks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
-    chunks = torch.split(rows, sizes, dim=0)
-    return torch.cat([chunks[i] for i in order], dim=0)
+def _reorder_blocks(rows: torch.Tensor, sizes: list[int], sequence: list[int]) -> torch.Tensor:
+    blocks = torch.split(rows, sizes, dim=0)
+    return torch.cat([blocks[i] for i in sequence], dim=0)
 
 
 class TokenDispatcher:
@@ -179,7 +179,7 @@ class TokenDispatcher:
 
     def dispatch(
         self, rows: torch.Tensor, rows_per_expert: torch.Tensor, capacity: int | None = None
-    ) -> tuple[torch.Tensor, DispatchLayout]:
+    ) -> tuple[torch.Tensor, DispatchSplits]:
         """Send expert-ordered ``rows`` to their experts' ranks; returns expert-major local rows.
 
         ``rows_per_expert [E]`` (device) counts this rank's rows per expert; ``capacity``, when
@@ -189,34 +189,34 @@ class TokenDispatcher:
         # the link models one transfer per dispatch: its time covers the count exchange too
         started = time.perf_counter()
         if capacity is not None:
-            layout = self._padded_layout(capacity, rows.device)
+            splits = self._padded_splits(capacity, rows.device)
         elif self.group is None:
-            layout = self._local_layout(rows_per_expert)
+            splits = self._local_splits(rows_per_expert)
         else:
-            layout = self._exchange_counts(rows_per_expert)
+            splits = self._exchange_counts(rows_per_expert)
         if self.group is None:
             if self.link is not None:
                 rows = self.link.delay(rows)  # ep = 1: a link that every row crosses
-            return rows, layout
+            return rows, splits
         ep, local = self.ep_size, self.num_local_experts
         received = all_to_all(
-            rows, layout.output_splits, layout.input_splits, self.group, self.link, started
+            rows, splits.output_splits, splits.input_splits, self.group, self.link, started
         )
         if local > 1:
-            sizes = [c for row in layout.received_counts for c in row]  # rank-major chunks
+            sizes = [c for row in splits.received_counts for c in row]  # rank-major blocks
             expert_major = [r * local + e for e in range(local) for r in range(ep)]
-            received = _reorder_chunks(received, sizes, expert_major)
-        return received, layout
+            received = _reorder_blocks(received, sizes, expert_major)
+        return received, splits
 
-    def _local_layout(self, rows_per_expert: torch.Tensor) -> DispatchLayout:
+    def _local_splits(self, rows_per_expert: torch.Tensor) -> DispatchSplits:
         """Every expert is local: read the row counts on the host (the one host read)."""
         host = HostCounts(rows_per_expert)
         offsets = _end_offsets(rows_per_expert)  # device work that needs no host sizes
         counts = host.wait()
         total = sum(counts)
-        return DispatchLayout([total], [total], [counts], counts, offsets)
+        return DispatchSplits([total], [total], [counts], counts, offsets)
 
-    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchLayout:
+    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> DispatchSplits:
         """Exchange per-expert counts over EP and read them on the host (the one host read)."""
         send_counts = rows_per_expert.reshape(self.ep_size, self.num_local_experts).contiguous()
         recv_counts = torch.empty_like(send_counts)
@@ -224,7 +224,7 @@ class TokenDispatcher:
         host = HostCounts(torch.stack([send_counts, recv_counts]))  # issued right after
         offsets = _end_offsets(recv_counts.sum(dim=0))  # device work that needs no host sizes
         sent, received_counts = host.wait()  # as late as possible: the sizes are needed now
-        return DispatchLayout(
+        return DispatchSplits(
             input_splits=[sum(row) for row in sent],
             output_splits=[sum(row) for row in received_counts],
             received_counts=received_counts,
@@ -234,12 +234,12 @@ class TokenDispatcher:
             local_offsets=offsets,
         )
 
-    def _padded_layout(self, capacity: int, device: torch.device) -> DispatchLayout:
+    def _padded_splits(self, capacity: int, device: torch.device) -> DispatchSplits:
         """Every expert has ``capacity`` rows on every EP rank: the sizes need no exchange."""
         ep, local = self.ep_size, self.num_local_experts
         per_expert = capacity * ep  # rows of one local expert after dispatch
         offsets = torch.arange(1, local + 1, device=device, dtype=torch.int32) * per_expert
-        return DispatchLayout(
+        return DispatchSplits(
             input_splits=[local * capacity] * ep,
             output_splits=[local * capacity] * ep,
             received_counts=[[capacity] * local for _ in range(ep)],
@@ -247,13 +247,13 @@ class TokenDispatcher:
             local_offsets=offsets,
         )
 
-    def combine(self, rows: torch.Tensor, layout: DispatchLayout) -> torch.Tensor:
+    def combine(self, rows: torch.Tensor, splits: DispatchSplits) -> torch.Tensor:
         """Inverse of ``dispatch``: expert outputs back to this rank, in its permuted order."""
         if self.group is None:
             return rows if self.link is None else self.link.delay(rows)
         ep, local = self.ep_size, self.num_local_experts
         if local > 1:
-            sizes = [layout.received_counts[r][e] for e in range(local) for r in range(ep)]
+            sizes = [splits.received_counts[r][e] for e in range(local) for r in range(ep)]
             rank_major = [e * ep + r for r in range(ep) for e in range(local)]
-            rows = _reorder_chunks(rows, sizes, rank_major)
-        return all_to_all(rows, layout.input_splits, layout.output_splits, self.group, self.link)
+            rows = _reorder_blocks(rows, sizes, rank_major)
+        return all_to_all(rows, splits.input_splits, splits.output_splits, self.group, self.link)

@@ -7,7 +7,7 @@ slice of expert-major tokens: each of its three matmuls is one grouped GEMM over
 experts where torch has one (given the device offsets the dispatcher makes), else a
 deterministic loop (``overlap.grouped_gemm``), and the activation ``silu(gate) * up`` is one fused
 operator each way (``megapipe.kernels.swiglu``). Every expert runs, even on zero tokens, so every
-expert weight always gets a gradient, zeros when idle. A chunked layer (``moe.chunks``) runs
+expert weight always gets a gradient, zeros when idle. A layer in waves (``moe.waves``) runs
 one group of the local experts at a time (``group_first``), with bitwise the same results.
 """
 
@@ -104,7 +104,7 @@ class GroupedExperts(nn.Module):
         gradients into its ``wgrad_queue`` (megapipe.overlap.wgrad); None computes them at once.
         ``offsets`` (int32 on the tokens' device, each expert's end row) enable the one-kernel
         grouped GEMM. ``group_first``: run only the local experts ``group_first ..`` (one per
-        entry of ``tokens_per_expert``): one expert group of a chunked layer.
+        entry of ``tokens_per_expert``): one expert group of a layer in waves.
         """
         first = 0 if group_first is None else group_first
         expected = self.num_local_experts - first if group_first is None else len(tokens_per_expert)
@@ -121,14 +121,14 @@ class GroupedExperts(nn.Module):
         if group_first is not None:
             offsets = None  # the grouped kernel's offsets describe all local experts
         counts = [int(c) for c in tokens_per_expert]
-        # grouped_matmul = cat_i(chunk_i @ w[first + i]); its backward can defer the weight
+        # grouped_matmul = cat_i(block_i @ w[first + i]); its backward can defer the weight
         # gradients into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
         gate = grouped_matmul(tokens, counts, self.w_gate, state, offsets, first)
         up = grouped_matmul(tokens, counts, self.w_up, state, offsets, first)
         def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             # one operator each way (megapipe.kernels.swiglu); on CPU it runs per expert, since
             # CPU kernels compute a tensor's last elements in a scalar tail, so an expert's
-            # activations would otherwise depend on the other experts' rows and a chunked layer
+            # activations would otherwise depend on the other experts' rows and a layer in waves
             # (a group of experts at a time) would differ
             return fused_swiglu(gate, up, counts)
 

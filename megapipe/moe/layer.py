@@ -33,9 +33,9 @@ of tokens per microbatch; the all-to-all sizes are then static. No node reads an
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
 read").
 
-``node_plan().chunked(k)`` (``chunked_plan(k)``) is the same layer with its all-to-alls in k
+``node_plan().in_waves(k)`` (``wave_plan(k)``) is the same layer with its all-to-alls in k
 expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
-so that chunks of one microbatch overlap each other (``megapipe.moe.chunks``); bitwise the same
+so that waves of one microbatch overlap each other (``megapipe.moe.waves``); bitwise the same
 results.
 """
 
@@ -52,13 +52,13 @@ from torch import nn
 
 from megapipe.kernels import unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.chunks import ChunkedDispatch
+from megapipe.moe.waves import WaveDispatch
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, run_nodes,
+    Fork, LayerState, Node, NodeFn, NodeKind, WavePlan, run_nodes,
 )
 
 
@@ -193,55 +193,55 @@ class MoELayer(nn.Module):
     def num_shared(self) -> int:
         return 0 if self.shared_expert is None else 1
 
-    def node_plan(self) -> ChunkedPlan:
+    def node_plan(self) -> WavePlan:
         """The five nodes (module docstring): route, a ``Fork`` of one branch (dispatch,
         experts, combine), finish, so that what route leaves for finish (the shared expert's
         input, the combine weights, and any leading tensor such as a residual) goes around the
-        all-to-all nodes instead of through them; ``.chunked(k)`` gives ``chunked_plan(k)``."""
+        all-to-all nodes instead of through them; ``.in_waves(k)`` gives ``wave_plan(k)``."""
         dropless = self.config.capacity_factor is None  # dispatch reads its split sizes
         branch = (
             Node("dispatch", NodeKind.COMM, self._dispatch, reads_host=dropless),
             Node("experts", NodeKind.COMPUTE, self._experts),
             Node("combine", NodeKind.COMM, self._combine),
         )
-        return ChunkedPlan([
+        return WavePlan([
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
             Fork((branch,)),
             Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2)),
-        ], self.chunked_plan)
+        ], self.wave_plan)
 
-    def chunked_plan(self, chunks: int) -> list[Node | Fork]:
-        """The layer with its all-to-alls in ``chunks`` expert groups (``megapipe.moe.chunks``):
+    def wave_plan(self, waves: int) -> list[Node | Fork]:
+        """The layer with its all-to-alls in ``waves`` expert groups (``megapipe.moe.waves``):
         route, a ``Fork`` of (dispatch g, experts g, combine g) per group, finish. Its results
         are bitwise those of ``node_plan``."""
-        if chunks == 1:
+        if waves == 1:
             return list(self.node_plan())
-        chunked = ChunkedDispatch(self.dispatcher, chunks)
-        count = len(chunked.groups)
+        by_wave = WaveDispatch(self.dispatcher, waves)
+        count = len(by_wave.groups)
 
         def route(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-            *lead, rows = self._route(state, tensors, relabel=chunked.relabel)
-            return tuple(lead) + (rows,) * count  # each chunk's dispatch takes its block
+            *lead, rows = self._route(state, tensors, relabel=by_wave.relabel)
+            return tuple(lead) + (rows,) * count  # each wave's dispatch takes its block
 
         def dispatch(g: int) -> NodeFn:
             def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 started = None
                 if g == 0:  # the count exchange (and the layer's one host read) of all groups
                     started = time.perf_counter()
-                    state.group_layouts = chunked.layouts(state.rows_per_expert, state.capacity)
-                return (chunked.dispatch(g, tensors[0], state.group_layouts, started),)
+                    state.wave_splits = by_wave.splits(state.rows_per_expert, state.capacity)
+                return (by_wave.dispatch(g, tensors[0], state.wave_splits, started),)
             return fn
 
         def experts(g: int) -> NodeFn:
             def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                counts = state.group_layouts[g].tokens_per_local_expert
-                first = chunked.groups[g][0]
+                counts = state.wave_splits[g].tokens_per_local_expert
+                first = by_wave.groups[g][0]
                 return (self.experts(tensors[0], counts, state=state, group_first=first),)
             return fn
 
         def combine(g: int) -> NodeFn:
             def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                return (chunked.combine(g, tensors[0], state.group_layouts),)
+                return (by_wave.combine(g, tensors[0], state.wave_splits),)
             return fn
 
         branches = tuple(
@@ -304,7 +304,7 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        expert_rows, state.dispatch_layout = self.dispatcher.dispatch(
+        expert_rows, state.dispatch_splits = self.dispatcher.dispatch(
             rows, state.rows_per_expert, state.capacity
         )
         return (expert_rows,)
@@ -315,8 +315,8 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         return (
             self.experts(
-                expert_rows, state.dispatch_layout.tokens_per_local_expert, state=state,
-                offsets=state.dispatch_layout.local_offsets,
+                expert_rows, state.dispatch_splits.tokens_per_local_expert, state=state,
+                offsets=state.dispatch_splits.local_offsets,
             ),
         )
 
@@ -324,13 +324,13 @@ class MoELayer(nn.Module):
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
-        return (self.dispatcher.combine(expert_out, state.dispatch_layout),)
+        return (self.dispatcher.combine(expert_out, state.dispatch_splits),)
 
     def _finish(
         self, state: LayerState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
-        parts = tensors[self.num_shared + 1 :]  # one per chunk of a chunked plan
+        parts = tensors[self.num_shared + 1 :]  # one per wave of a plan in waves
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = unpermute_tokens(rows, probs, state.row_choice, state.choice_rows)
         if self.shared_expert is not None:

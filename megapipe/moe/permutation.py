@@ -26,10 +26,10 @@ import torch
 from megapipe.kernels import routing_plan_op
 from megapipe.kernels.reference_fused import expert_counts
 
-__all__ = ["expert_counts", "order_by_expert"]
+__all__ = ["expert_counts", "sort_by_expert"]
 
 
-def order_by_expert(
+def sort_by_expert(
     indices: torch.Tensor, num_experts: int, capacity: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Order routing choices ``indices [t, k]`` by expert (see the module docstring).

@@ -67,7 +67,7 @@ class Routed:
     probs: torch.Tensor  # [t, k] combine weights in the logits' dtype (differentiable)
     rows: torch.Tensor  # [n, h] the tokens permuted into expert order (differentiable)
     indices: torch.Tensor  # [t, k] int64 expert of each choice
-    row_choice: torch.Tensor  # [n] flat choice of each row (-1: padding), ``order_by_expert``
+    row_choice: torch.Tensor  # [n] flat choice of each row (-1: padding), ``sort_by_expert``
     choice_rows: torch.Tensor  # [t, k] row of each choice (-1: dropped)
     counts: torch.Tensor  # [E] routing choices per expert label, before any drop
     aux: AuxStatistics  # the auxiliary losses' value, summed when read
@@ -153,9 +153,9 @@ class Router(nn.Module):
         loss_scale: float = 1.0,
     ) -> Routed:
         """Route ``tokens [t, h]``: the probs and choices of ``reference``, planned by
-        ``order_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
+        ``sort_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
         ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
-        expert's label for the plan (an expert-group order, ``megapipe.moe.chunks``; None: the
+        expert's label for the plan (an expert-group order, ``megapipe.moe.waves``; None: the
         expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
         gradients times ``loss_scale``."""
         balance_grad, z_grad = (c * loss_scale for c in coefficients)

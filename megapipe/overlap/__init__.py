@@ -3,7 +3,7 @@
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, Tape, combined_step
 from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, LayerState, Node, NodeKind, NodeRunner, layer_graph, run_nodes,
+    Fork, LayerState, Node, NodeKind, NodeRunner, WavePlan, layer_graph, run_nodes,
 )
 from megapipe.overlap.streams import (
     CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams,
@@ -12,7 +12,7 @@ from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 
 __all__ = [
-    "BackwardHalf", "ChunkedPlan", "CombinedStep", "CudaStream", "Event", "Fork", "InlineStream",
+    "BackwardHalf", "WavePlan", "CombinedStep", "CudaStream", "Event", "Fork", "InlineStream",
     "LayerState", "Node", "NodeKind", "NodeRunner", "NodeSpan", "NodeTrace", "Stream", "Streams",
     "Tape", "TapeRunner", "WeightGradQueue", "WorkerStream", "combined_step", "grouped_matmul",
     "layer_graph", "make_streams", "record_forward", "run_backward", "run_nodes",

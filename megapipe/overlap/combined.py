@@ -44,8 +44,8 @@ layer's nodes beside the next backward layer of the other microbatch's tape in t
   its forward also ran on the comm stream (every forward recorded here).
 
 A lone forward or backward is a combined step with one half missing (the executor runs every
-training step of a combined schedule this way); with ``a2a_chunks`` k > 1 a layer without a
-partner overlaps its own all-to-all chunks.
+training step of a combined schedule this way); with ``a2a_waves`` k > 1 a layer without a
+partner overlaps its own all-to-all waves.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from torch.autograd import Variable
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import (
-    ChunkedPlan, LayerState, Node, Plan, Source, Track, WarnOnce, layer_graph, node_plan_of,
+    LayerState, Node, Plan, Source, Track, WarnOnce, WavePlan, layer_graph, node_plan_of,
 )
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -350,7 +350,7 @@ class BackwardHalf:
     """The backward half of a combined step: a recorded tape and its outputs' gradients.
 
     ``grads`` None reads the ``.grad`` of the tape's outputs. ``wgrad`` collects the weight
-    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I step); with
+    gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I action); with
     ``run_wgrad`` they run on the compute stream in the gaps the pair order gives them, without
     it they stay queued for the caller (an I half whose W comes later). ``done(grads)`` is told
     on the host as soon as the backward's last node has been issued (the sends of the step,
@@ -373,7 +373,7 @@ class CombinedStep:
     call ``finish()``; it returns the gradients of the backward tape's inputs. The forward is
     recorded on ``self.tape``. ``route_input_grads``: the forward tape's input gradients also
     flow on into its inputs (a model forward may transform its input before the first layer).
-    ``a2a_chunks`` k > 1 records every layer whose plan is a ``ChunkedPlan`` in its k-chunk form.
+    ``a2a_waves`` k > 1 records every layer whose plan is a ``WavePlan`` in its k-wave form.
     ``track``: the activation meter.
     """
 
@@ -385,7 +385,7 @@ class CombinedStep:
         trace: NodeTrace | None = None,
         fwd_microbatch: int | None = None,
         route_input_grads: bool = True,
-        a2a_chunks: int = 1,
+        a2a_waves: int = 1,
         track: Track | None = None,
     ) -> None:
         self.streams = streams
@@ -393,7 +393,7 @@ class CombinedStep:
         self.backward = backward
         self.trace = trace
         self.microbatch = {"F": fwd_microbatch, "B": backward.microbatch if backward else None}
-        self.a2a_chunks = a2a_chunks
+        self.a2a_waves = a2a_waves
         self.warn_once: WarnOnce | None = None  # layers without a node plan, warned once each
         b_layers = backward.tape.layers if backward is not None else []
         if any(layer.backward_count or layer.outputs is None for layer in b_layers):
@@ -415,12 +415,12 @@ class CombinedStep:
     # ---- public --------------------------------------------------------------------------
     def plan_of(self, layer: Any) -> list[Any]:
         """The node plan ``run_layer`` records for ``layer`` (``plan.node_plan_of``)."""
-        if isinstance(layer, Plan) and (self.a2a_chunks == 1 or
-                                        not isinstance(layer, ChunkedPlan)):
+        if isinstance(layer, Plan) and (self.a2a_waves == 1 or
+                                        not isinstance(layer, WavePlan)):
             return layer
         if self.warn_once is None:
             self.warn_once = WarnOnce()
-        return node_plan_of(layer, self.warn_once, self.a2a_chunks)
+        return node_plan_of(layer, self.warn_once, self.a2a_waves)
 
     def run_layer(self, layer: Any, inputs: Sequence[Any]) -> Values:
         """Record one forward layer, beside the next backward layer; return its outputs."""
@@ -452,7 +452,7 @@ class CombinedStep:
     # ---- carrying out the order ----------------------------------------------------------
     def _issue(self, issues: Sequence[Issue]) -> None:
         """Put each issue on its stream, in host order (``queuing_positions`` on a host that
-        only queues work): a node after the events it needs, W items as a run of their queues
+        only queues work): a node after the events it needs, W items as a drain of their queues
         on the compute stream; the backward's last node hands its gradients on."""
         streams = self.streams
         events = self._events

@@ -7,10 +7,10 @@ earlier node, which the tape holds at the node boundary anyway) instead of every
 would save. The node's backward runs the node function again on those inputs and
 differentiates the fresh graph. Comm nodes (the all-to-alls) are left as they are: they save
 nothing, and they are never run again, so their outputs stay as the inputs of the compute
-nodes after them. In a combined step a node's backward runs in its own slot, so the re-run
+nodes after them. In a combined step a node's backward runs in its own slot, so the recompute
 sits beside the other microbatch's all-to-all like the rest of that backward.
 
-Bitwise: the first run happens with grad enabled and the same ``requires_grad`` flags as without
+Bitwise: the first forward happens with grad enabled and the same ``requires_grad`` flags as without
 recompute (the same kernels), its graph dropped at once; the backward re-runs the same ops on
 the same inputs and differentiates with the gradients the graph would have received, leaving
 out the outputs plain autograd leaves out. ``params`` (the layer's parameters) are inputs of the
@@ -18,7 +18,7 @@ wrapping autograd function, so their gradients flow back through autograd's own 
 (or stay deferred, when an op puts them in the state's ``wgrad_queue``), and the zero-bubble
 I/W split sees them.
 
-Side effects: the re-run happens with ``state.recomputing`` set, so a node function skips what
+Side effects: the recompute happens with ``state.recomputing`` set, so a node function skips what
 must happen once per forward (the MoE layer's aux-loss log) and reads what it fixed then (the
 aux-loss scale) from its state. The reference model draws no random numbers (no dropout), so
 there is no RNG state to restore; a node that draws any cannot be recomputed bitwise.
@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeFn, NodeKind, Plan
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeFn, NodeKind, Plan, WavePlan
 from megapipe.overlap.recompute import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
@@ -102,8 +102,8 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
 
 
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
-    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``ChunkedPlan``
-    stays one, its chunked form recomputed too."""
+    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``WavePlan``
+    stays one, its wave form recomputed too."""
 
     def wrap(items: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
@@ -116,9 +116,9 @@ def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[
                 out.append(recompute_node(item, params))
         return out
 
-    if isinstance(plan, ChunkedPlan):
-        chunked: Callable[[int], list[Any]] = plan.chunked
-        return ChunkedPlan(wrap(plan), lambda chunks: wrap(chunked(chunks)))
+    if isinstance(plan, WavePlan):
+        in_waves: Callable[[int], list[Any]] = plan.in_waves
+        return WavePlan(wrap(plan), lambda waves: wrap(in_waves(waves)))
     return Plan(wrap(plan)) if isinstance(plan, Plan) else wrap(plan)
 
 

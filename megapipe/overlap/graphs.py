@@ -46,7 +46,7 @@ import torch
 from megapipe.overlap.graph_capture import CapturedNode, GraphStats
 from megapipe.overlap.graph_rules import selected, settings_problem
 from megapipe.overlap.plan import (
-    ChunkedPlan, Fork, Node, NodeKind, Plan, run_nodes,
+    Fork, Node, NodeKind, Plan, WavePlan, run_nodes,
 )
 
 @dataclass(frozen=True, eq=False)
@@ -140,8 +140,8 @@ class NodeGraphs:
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:
-        """``plan`` with its captured nodes wrapped, once (a ``ChunkedPlan`` stays one, its
-        chunked forms wrapped too). Only a ``Plan`` (made once, as ``GPTStage`` makes them)
+        """``plan`` with its captured nodes wrapped, once (a ``WavePlan`` stays one, its
+        wave forms wrapped too). Only a ``Plan`` (made once, as ``GPTStage`` makes them)
         is captured: a list made anew per call runs eager (its nodes would be captured anew)."""
         if not isinstance(plan, Plan):
             return plan
@@ -154,9 +154,9 @@ class NodeGraphs:
                          item.width) if isinstance(item, Fork) else self.node(item)
                     for item in items]
 
-        if isinstance(plan, ChunkedPlan):
-            chunked = plan.chunked
-            wrapped: Any = ChunkedPlan(wrap(plan), lambda k: wrap(chunked(k)))
+        if isinstance(plan, WavePlan):
+            in_waves = plan.in_waves
+            wrapped: Any = WavePlan(wrap(plan), lambda k: wrap(in_waves(k)))
         else:
             wrapped = Plan(wrap(plan))
         self._plans[id(plan)] = (plan, wrapped)  # the plan kept: its id stays its own

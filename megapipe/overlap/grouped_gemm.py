@@ -62,8 +62,8 @@ def grouped_forward(
     kernel = _kernel()
     if kernel is not None and use_grouped_mm(x, weight, offsets):
         return kernel(x.contiguous(), weight, offs=offsets)
-    chunks = torch.split(x, list(counts), dim=0)
-    return torch.cat([chunk @ weight[i] for i, chunk in enumerate(chunks)], dim=0)
+    blocks = torch.split(x, list(counts), dim=0)
+    return torch.cat([block @ weight[i] for i, block in enumerate(blocks)], dim=0)
 
 
 def grouped_input_grad(
@@ -73,8 +73,8 @@ def grouped_input_grad(
     kernel = _kernel()
     if kernel is not None and use_grouped_mm(grad, weight, offsets):
         return kernel(grad.contiguous(), weight.transpose(-2, -1), offs=offsets)
-    chunks = torch.split(grad, list(counts), dim=0)
-    return torch.cat([g @ weight[i].t() for i, g in enumerate(chunks)], dim=0)
+    blocks = torch.split(grad, list(counts), dim=0)
+    return torch.cat([g @ weight[i].t() for i, g in enumerate(blocks)], dim=0)
 
 
 def grouped_weight_grad(
@@ -85,6 +85,6 @@ def grouped_weight_grad(
     kernel = _kernel()
     if kernel is not None and use_grouped_mm(x, weight, offsets):
         return kernel(x.contiguous().t(), grad.contiguous(), offs=offsets)
-    x_chunks = torch.split(x, list(counts), dim=0)
-    grad_chunks = torch.split(grad, list(counts), dim=0)
-    return torch.stack([xc.t() @ g for xc, g in zip(x_chunks, grad_chunks)])
+    x_blocks = torch.split(x, list(counts), dim=0)
+    grad_blocks = torch.split(grad, list(counts), dim=0)
+    return torch.stack([xc.t() @ g for xc, g in zip(x_blocks, grad_blocks)])

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from typing import Any, Callable, Sequence
 
-from megapipe.overlap.plan import ChunkedPlan, Fork, LayerState, Node, NodeKind, Plan
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, Plan, WavePlan
 
 Items = list[Any]
 
@@ -81,19 +81,19 @@ def _chain(plans: Sequence[Sequence[Any]]) -> Items:
 
 
 def group_plans(plans: Sequence[Sequence[Any]]) -> Items:
-    """The layers ``plans`` (in order) as one plan (module docstring); a ``ChunkedPlan`` among
-    them makes the group one too (its chunked form chains the layers' chunked forms)."""
+    """The layers ``plans`` (in order) as one plan (module docstring); a ``WavePlan`` among
+    them makes the group one too (its wave form chains the layers' wave forms)."""
     if not plans:
         raise ValueError("group_plans needs at least one layer plan")
     if len(plans) == 1:
         return plans[0] if isinstance(plans[0], Plan) else list(plans[0])
-    if not any(isinstance(p, ChunkedPlan) for p in plans):
+    if not any(isinstance(p, WavePlan) for p in plans):
         return Plan(_chain(plans))
 
-    def chunked(chunks: int) -> Items:
+    def in_waves(waves: int) -> Items:
         forms: list[Callable[[int], Any] | None] = [
-            p.chunked if isinstance(p, ChunkedPlan) else None for p in plans
+            p.in_waves if isinstance(p, WavePlan) else None for p in plans
         ]
-        return _chain([p if f is None else f(chunks) for p, f in zip(plans, forms)])
+        return _chain([p if f is None else f(waves) for p, f in zip(plans, forms)])
 
-    return ChunkedPlan(_chain(plans), chunked)
+    return WavePlan(_chain(plans), in_waves)

@@ -6,7 +6,7 @@ autograd accumulates into ``param.grad`` (bf16) is added to ``main_grad`` in flo
 and ``param.grad`` is dropped: the microbatches of a step accumulate in float32, and the
 data-parallel reduction, the norm, clipping and the optimizer read ``main_grad``
 (``grad_buffer``). Code that makes a weight gradient outside autograd's accumulation (deferred
-weight gradients, the zero-bubble W step) adds it with ``accumulate_grad``, which follows the
+weight gradients, the zero-bubble W action) adds it with ``accumulate_grad``, which follows the
 same rule, so the bits do not depend on whether a gradient was deferred. A Megatron-Core model
 under Megatron's DDP already carries ``main_grad``; megapipe writes into it the same way.
 """
@@ -51,8 +51,8 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def accumulate_grad_rows(param: torch.Tensor, first: int, grad: torch.Tensor) -> None:
-    """Add ``grad`` into rows ``first .. first + len(grad)`` of ``param``'s gradient (a chunked
-    MoE layer's expert group), which equals adding the gradient padded with zeros."""
+    """Add ``grad`` into rows ``first .. first + len(grad)`` of ``param``'s gradient (one
+    wave's expert group of a MoE layer), which equals adding the gradient padded with zeros."""
     if first == 0 and grad.shape == param.shape:
         accumulate_grad(param, grad)
         return

@@ -10,8 +10,8 @@ returns a tuple of tensors: the inputs of the next node. The state carries what 
 for a later node of the same layer (non-differentiable metadata such as routing indices and
 split sizes, as attributes the layer names) and one field the engine owns, ``wgrad_queue``.
 
-A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into chunks,
-``ChunkedPlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
+A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into waves,
+``WavePlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Node:
 
 @dataclass(frozen=True)
 class Fork:
-    """Parallel chains inside a layer plan, e.g. a layer's expert groups in separate chunks.
+    """Parallel chains inside a layer plan, e.g. a layer's expert groups in separate waves.
 
     The node before the fork returns ``(*around, *slots)`` with ``len(branches) * width`` slots:
     branch c reads ``slots[c * width:(c + 1) * width]`` and runs its nodes as a chain. The node
@@ -209,21 +209,21 @@ class Plan(list):
         self.graph = layer_graph(self)
 
 
-class ChunkedPlan(Plan):
-    """A ``Plan`` that can also split itself into ``k`` chunks: ``chunked(k)`` returns the same
+class WavePlan(Plan):
+    """A ``Plan`` that can also split itself into ``k`` waves: ``in_waves(k)`` returns the same
     layer as a plan with a ``Fork`` of k branches whose results equal this plan's (made once per
-    k); the combined step uses it when asked for chunked all-to-alls (``a2a_chunks``)."""
+    k); the combined step uses it when asked for all-to-alls in waves (``a2a_waves``)."""
 
-    def __init__(self, nodes: Sequence[Any], chunked: Callable[[int], list[Any]]) -> None:
+    def __init__(self, nodes: Sequence[Any], in_waves: Callable[[int], list[Any]]) -> None:
         super().__init__(nodes)
-        self._chunk = chunked
-        self._forms: dict[int, ChunkedPlan] = {}
+        self._in_waves = in_waves
+        self._forms: dict[int, WavePlan] = {}
 
-    def chunked(self, chunks: int) -> "ChunkedPlan":
-        """The layer in ``chunks`` expert groups."""
-        form = self._forms.get(chunks)
+    def in_waves(self, waves: int) -> "WavePlan":
+        """The layer in ``waves`` expert groups."""
+        form = self._forms.get(waves)
         if form is None:
-            form = self._forms[chunks] = ChunkedPlan(self._chunk(chunks), self._chunk)
+            form = self._forms[waves] = WavePlan(self._in_waves(waves), self._in_waves)
         return form
 
 
@@ -258,19 +258,19 @@ def is_plan(value: Any) -> bool:
     )
 
 
-def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_chunks: int = 1) -> list[Any]:
+def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_waves: int = 1) -> list[Any]:
     """The node plan of ``layer``: a plan as is, ``layer.node_plan()``, or, for a callable layer
     that does not follow the node protocol, the whole layer as one compute node (its forward and
-    backward then run one after the other; warned once per layer type). With ``a2a_chunks`` > 1
-    a ``ChunkedPlan`` gives its chunked form."""
+    backward then run one after the other; warned once per layer type). With ``a2a_waves`` > 1
+    a ``WavePlan`` gives its wave form."""
     plan = layer
     if type(plan) is not list and not is_plan(plan):
         node_plan = getattr(layer, "node_plan", None)
         if callable(node_plan):
             plan = node_plan()
     if type(plan) is list or is_plan(plan):  # a plan (the tape checks its items)
-        if a2a_chunks > 1 and isinstance(plan, ChunkedPlan):
-            return list(plan.chunked(a2a_chunks))
+        if a2a_waves > 1 and isinstance(plan, WavePlan):
+            return list(plan.in_waves(a2a_waves))
         return plan
     if not callable(layer):
         raise TypeError(

@@ -9,7 +9,7 @@ runs: in a combined step, beside the other microbatch's all-to-all.
 
 Bitwise: the forward runs with the same grad mode and ``requires_grad`` flags as without
 recompute (so the same kernels are chosen, on every device), its graph dropped at once, and the
-backward differentiates the identical re-run with the gradients the graph would have received.
+backward differentiates the identical recompute with the gradients the graph would have received.
 ``fn`` must be a pure function of its tensor arguments (no parameters, no random numbers): the
 attention core and the experts' activation are (``RECOMPUTE_MODULES``).
 """

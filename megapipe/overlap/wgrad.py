@@ -1,4 +1,4 @@
-"""Deferred weight gradients (Megatron's ``delay_wgrad_compute``, DualPipe's W step).
+"""Deferred weight gradients (Megatron's ``delay_wgrad_compute``, DualPipe's W action).
 
 A backward normally computes, for each matmul ``y = x @ W``, both the input gradient
 ``dx = dy @ W^T`` (needed at once by the previous layer) and the weight gradient

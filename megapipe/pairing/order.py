@@ -128,12 +128,12 @@ class LayerWalk:
 
     def lone_slots(self, side: Side) -> list[Slot]:
         """The walk of a layer without a partner: its nodes alone, a fork's chains pipelined
-        (``chunk_slots``: one chain's comm node beside another's compute node)."""
+        (``wave_slots``: one chain's comm node beside another's compute node)."""
         per_item: list[list[Slot]] = []
         for item in self.lone:
             if item and isinstance(item[0], tuple):  # a fork's chains
                 chains = [list(c) if side == "F" else list(c)[::-1] for c in item]
-                per_item.append(chunk_slots(chains, self.kinds, side))
+                per_item.append(wave_slots(chains, self.kinds, side))
             else:
                 ref = ((side, item[0]),)
                 per_item.append([(ref, ()) if self.kinds[item[0]] == COMM else ((), ref)])
@@ -197,12 +197,12 @@ def walk_of(kinds: LayerKinds) -> LayerWalk:
                                 for k in kinds))
 
 
-def chunk_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
+def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
     """Slots for parallel chains with no other microbatch beside them: in each slot the ready
     comm node and the ready compute node that come earliest in their chains (then the lowest
     chain), a node being ready once its chain predecessor ran in an earlier slot. For k chains
     of (dispatch, experts, combine): dispatch 0 | -, dispatch 1 | experts 0, ..., combine 0 |
-    experts k-1, ..., combine k-1: the comm stream never waits for a whole chunk."""
+    experts k-1, ..., combine k-1: the comm stream never waits for a whole wave."""
     position = [0] * len(chains)
     slots: list[Slot] = []
     while any(p < len(chain) for p, chain in zip(position, chains)):

@@ -1,6 +1,6 @@
-"""The rank layout of the PP x DP x TP grid (EP folded into TP x DP), and its process groups.
+"""The rank grid: PP x DP x TP (EP folded into TP x DP), and its process groups.
 
-Layout (Megatron's ``initialize_model_parallel`` order: tensor parallel fastest, then data
+Grid (Megatron's ``initialize_model_parallel`` order: tensor parallel fastest, then data
 parallel, pipeline outermost; experts with expert tensor parallelism 1)::
 
     rank     = (pp_rank * dp + dp_rank) * tp + tp_rank
@@ -14,17 +14,17 @@ parallel, pipeline outermost; experts with expert tensor parallelism 1)::
 - DP group: the ``dp`` ranks with the same ``pp_rank`` and ``tp_rank`` (stride ``tp``); dense
   gradients reduce here.
 - EP group: ``ep`` consecutive ranks of a pipeline stage; the token all-to-all runs here, so it
-  stays on the fastest links when ranks are packed onto nodes in order.
+  stays on the fastest links when ranks are packed onto hosts in order.
 - Expert-DP group: the ``tp * dp // ep`` ranks of a stage with the same ``ep_rank`` (stride
   ``ep``); they hold the same experts, so expert gradients reduce here.
 
-With ``tp = 1`` this is the PP x DP layout (EP and expert-DP inside the DP group). Example
+With ``tp = 1`` this is the PP x DP grid (EP and expert-DP inside the DP group). Example
 pp=2, dp=4, ep=2 (8 ranks): PP [0,4] [1,5] [2,6] [3,7]; DP [0,1,2,3] [4,5,6,7];
 EP [0,1] [2,3] [4,5] [6,7]; expert-DP [0,2] [1,3] [4,6] [5,7]. A Megatron script passes the same
 sizes to ``initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)`` and
 ``ParallelConfig(pp, dp, ep, tp)`` and gets the same groups.
 
-``rank_layout`` is a pure function (tested without processes); ``create_groups`` calls
+``rank_grid`` is a pure function (tested without processes); ``create_groups`` calls
 ``dist.new_group`` for every group in the same order on every rank, as torch requires.
 """
 
@@ -56,7 +56,7 @@ class RankCoordinates:
 
 
 @dataclass(frozen=True)
-class RankLayout:
+class RankGrid:
     """Which global ranks form each PP, DP, EP, expert-DP and TP group (in creation order)."""
 
     config: ParallelConfig
@@ -86,8 +86,8 @@ class RankLayout:
         }
 
 
-def rank_layout(config: ParallelConfig) -> RankLayout:
-    """The rank layout of ``config`` (see the module docstring); pure, no processes needed."""
+def rank_grid(config: ParallelConfig) -> RankGrid:
+    """The rank grid of ``config`` (see the module docstring); pure, no processes needed."""
     pp, dp, ep, tp = config.pp, config.dp, config.ep, config.tp
     per_stage = tp * dp
 
@@ -111,7 +111,7 @@ def rank_layout(config: ParallelConfig) -> RankLayout:
         for p in range(pp)
         for e in range(ep)
     )
-    return RankLayout(config, pp_groups, dp_groups, ep_groups, expert_dp_groups, tp_groups)
+    return RankGrid(config, pp_groups, dp_groups, ep_groups, expert_dp_groups, tp_groups)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class ProcessGroups:
     """
 
     config: ParallelConfig
-    layout: RankLayout
+    grid: RankGrid
     coordinates: RankCoordinates
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
@@ -192,11 +192,11 @@ def create_groups(
             "megapipe.parallel.launch.init_distributed() first"
         )
     config.check_world_size(dist.get_world_size())
-    layout = rank_layout(config)
+    grid = rank_grid(config)
     me = dist.get_rank()
     mine: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
     for name in GROUP_NAMES:
-        for ranks in getattr(layout, f"{name}_groups"):
+        for ranks in getattr(grid, f"{name}_groups"):
             # every rank creates every group, in the same order; only members keep theirs
             options = group_options(name, high_priority, backend or dist.get_backend())
             if timeout is not None:
@@ -204,11 +204,11 @@ def create_groups(
             group = dist.new_group(list(ranks), backend=backend, **options)
             if me in ranks:
                 mine[(name, ranks)] = group
-    return assemble_groups(layout, me, lambda name, ranks: mine[(name, ranks)])
+    return assemble_groups(grid, me, lambda name, ranks: mine[(name, ranks)])
 
 
 def assemble_groups(
-    layout: RankLayout,
+    grid: RankGrid,
     rank: int,
     group_of: Callable[[str, tuple[int, ...]], dist.ProcessGroup],
 ) -> ProcessGroups:
@@ -218,11 +218,11 @@ def assemble_groups(
     ``create_groups`` builds the groups itself; a caller that created them otherwise (for
     instance once, over part of a larger world) assembles the same object from its own.
     """
-    mine = layout.groups_of(rank)
+    mine = grid.groups_of(rank)
     return ProcessGroups(
-        config=layout.config,
-        layout=layout,
-        coordinates=layout.coordinates(rank),
+        config=grid.config,
+        grid=grid,
+        coordinates=grid.coordinates(rank),
         pp=group_of("pp", mine["pp"]),
         dp=group_of("dp", mine["dp"]),
         ep=group_of("ep", mine["ep"]),

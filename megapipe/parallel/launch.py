@@ -118,7 +118,7 @@ def resolve_launch(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     if local_rank is None:
-        # without a launcher's local rank, assume one node: local rank = global rank
+        # without a launcher's local rank, assume one host: local rank = global rank
         local_rank = env_local if env_local is not None else rank
     if local_rank < 0:
         raise ValueError(f"local_rank={local_rank} must be >= 0")

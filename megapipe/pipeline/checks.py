@@ -30,11 +30,11 @@ def check_executor_options(
 
 
 def check_overlap_options(
-    name: str, has_overlap: bool, delay_wgrad_compute: bool, a2a_chunks: int
+    name: str, has_overlap: bool, delay_wgrad_compute: bool, a2a_waves: int
 ) -> None:
     """Options that only a combined schedule (OVERLAP actions) can use."""
-    if not isinstance(a2a_chunks, int) or a2a_chunks < 1:
-        raise ValueError(f"moe_a2a_chunks={a2a_chunks!r} must be an integer >= 1")
+    if not isinstance(a2a_waves, int) or a2a_waves < 1:
+        raise ValueError(f"moe_a2a_waves={a2a_waves!r} must be an integer >= 1")
     if has_overlap:
         return
     if delay_wgrad_compute:
@@ -43,11 +43,11 @@ def check_overlap_options(
             f"with overlap=True): {name!r} has none, so no backward all-to-all "
             "would be in flight to hide the weight gradients behind"
         )
-    if a2a_chunks > 1:
+    if a2a_waves > 1:
         raise ValueError(
-            f"moe_a2a_chunks={a2a_chunks} needs a combined schedule (OVERLAP actions; build it "
+            f"moe_a2a_waves={a2a_waves} needs a combined schedule (OVERLAP actions; build it "
             f"with overlap=True): {name!r} runs its stages as plain autograd, with no stream to "
-            "overlap the chunks on"
+            "overlap the waves on"
         )
 
 

@@ -1,8 +1,8 @@
 """PipelineExecutor: runs one rank's part of a lowered schedule on its real stages.
 
-The executor walks this rank's action list once per step. Each maximal run of consecutive comm
-actions is posted as one batch when reached; a compute action first waits for the batch that
-holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
+The executor walks this rank's action list once per step. The comm actions of each gap (between
+two computations) are posted as one batch when reached; a compute action first waits for the
+batch that holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
 stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
 combined schedule every training step of a ``StageModule`` runs on the streams as one
 ``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with
@@ -15,7 +15,7 @@ outstanding sends are completed, DualPipe's mirrored gradients summed and, unles
 Everything is checked before the first action runs: the schedule is validated (a lowered one
 must run to the end under the batched p2p model), the stages must be exactly those the
 placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
-that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward steps
+that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward actions
 (under ``torch.no_grad``) lowered on their own, so it stores no activation.
 """
 
@@ -120,7 +120,7 @@ class PipelineExecutor:
     function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
     gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
     ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
-    ``module(input)`` (the Megatron front end runs the user's forward step through it).
+    ``module(input)`` (the Megatron front end runs the user's forward_step_func through it).
 
     In combined schedules (any OVERLAP action) every training F/B/I of ``StageModule`` stages
     (``stage_module.py``) runs as a ``CombinedStep`` (``_run_combined``), its comm nodes on one
@@ -128,7 +128,7 @@ class PipelineExecutor:
     that is not a whole ``StageModule`` is refused. Each step sets the stages' auxiliary-loss
     scale to 1/num_microbatches. ``use_tape=True`` runs them on the tape in plain schedules too
     (same bits). ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients
-    into the backward all-to-alls' time; ``moe_a2a_chunks`` k > 1 records MoE layers with their
+    into the backward all-to-alls' time; ``moe_a2a_waves`` k > 1 records MoE layers with their
     all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
     timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
     (Megatron's names) replays the static nodes of the stages' plans as CUDA graphs
@@ -152,7 +152,7 @@ class PipelineExecutor:
         timeout: float = 300.0,
         use_tape: bool = False,
         delay_wgrad_compute: bool = False,
-        moe_a2a_chunks: int = 1,
+        moe_a2a_waves: int = 1,
         record_trace: bool = False,
         measure_activations: bool = False,
         cuda_graph_impl: str = "none",
@@ -194,13 +194,13 @@ class PipelineExecutor:
             )
         self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
         self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
-        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_chunks)
+        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_waves)
         check_graph_options(self.cuda_graphs, self.stages, self.lowered,
                             tape=self.has_overlap or use_tape)
         self.record_trace = record_trace
         self.measure_activations = measure_activations
         self.delay_wgrad_compute = delay_wgrad_compute
-        self.moe_a2a_chunks = moe_a2a_chunks
+        self.moe_a2a_waves = moe_a2a_waves
         self._streams: Streams | None = None  # made on first use, in a combined schedule
         self._warn_once = WarnOnce()
         self._links = stage_links(schedule)  # each stage's neighbours in its pipeline
@@ -385,7 +385,7 @@ class PipelineExecutor:
             self.streams, half, trace=state.trace,
             fwd_microbatch=f.microbatch if f is not None else None,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
-            a2a_chunks=self.moe_a2a_chunks,
+            a2a_waves=self.moe_a2a_waves,
             track=f_worker.track if f_worker is not None else None,
         )
         if f is not None and f_worker is not None:

@@ -37,13 +37,13 @@ _BACKWARD_KINDS = (Kind.B, Kind.I)
 class GradSyncHooks(Protocol):
     """What the executor tells a gradient reduction during a training step (module docstring).
 
-    ``step_started(forward_order)``: the step begins; ``forward_order`` lists this rank's stages
+    ``step_started(forward_stages)``: the step begins; ``forward_stages`` lists this rank's stages
     in the order of their first forward. Then, as the actions run, ``before_first_forward(s)``,
     ``before_last_backward(s)``, ``after_last_backward(s)`` and ``stage_grads_final(s)`` once
     per stage, and last ``step_finished()``, after DualPipe's mirrored gradients were summed.
     """
 
-    def step_started(self, forward_order: Sequence[int]) -> None: ...
+    def step_started(self, forward_stages: Sequence[int]) -> None: ...
 
     def before_first_forward(self, stage: int) -> None: ...
 
@@ -60,7 +60,7 @@ class GradSyncHooks(Protocol):
 class GradPoints:
     """Per action index of one rank's action list: which stages reach which point there."""
 
-    forward_order: tuple[int, ...]
+    forward_stages: tuple[int, ...]
     first_forward: dict[int, tuple[int, ...]] = field(default_factory=dict)  # before action i
     last_backward: dict[int, tuple[int, ...]] = field(default_factory=dict)  # around action i
     grads_final: dict[int, tuple[int, ...]] = field(default_factory=dict)  # after action i
@@ -103,7 +103,7 @@ class StepGradEvents:
 
     def start(self) -> None:
         if self.hooks is not None:
-            self.hooks.step_started(self.points.forward_order)
+            self.hooks.step_started(self.points.forward_stages)
 
     def before(self, index: int) -> None:
         """Before action ``index`` runs."""

@@ -1,4 +1,4 @@
-"""Gradient synchronisation after the last backward step of a training step.
+"""Gradient synchronisation after the last backward action of a training step.
 
 - DualPipe mirrors: stage ``n + k`` holds a copy of model part ``k`` (``n`` stages per
   pipeline). Both copies must end the step with the same gradient, the sum of the two, so an
@@ -90,7 +90,7 @@ def sum_mirrored_grads(
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    # the peer sends its copy of *our* stage's part: the mirror stage's gradients, same layout
+    # the peer sends its copy of *our* stage's part: the mirror stage's gradients, same shapes
     for grads, received in exchanges:
         _unflatten_into(_flat(grads) + received, grads)
 

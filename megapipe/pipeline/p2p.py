@@ -10,9 +10,9 @@ microbatch; a last stage has no output gradient: its backward starts from the lo
 the early-send rule allows one by one (``schedule.p2p.early_sends``). ``track`` (a measured step)
 is told of every tensor taken into transit (``activation_meter``).
 
-**The p2p.** Each maximal run of consecutive comm actions of a lowered schedule goes to
+**The p2p.** The comm actions of each gap of a lowered schedule (between two computations) go to
 ``PipelineP2P.post`` as one batch: all its sends and receives go out together through
-``dist.batch_isend_irecv`` the moment the run is reached, ahead of the computation that needs
+``dist.batch_isend_irecv`` the moment the gap is reached, ahead of the computation that needs
 them, so the transfer overlaps whatever the rank computes in between. A compute action that
 needs a received tensor calls ``PostedBatch.wait`` first.
 
@@ -382,13 +382,13 @@ class StepTensors:
         return (action.stage, action.microbatch) in outbox
 
     def post_rest(self, actions: Sequence[Action]) -> None:
-        """Post the actions of a run that were not posted early, as one batch (if any)."""
+        """Post the actions of a gap that were not posted early, as one batch (if any)."""
         rest = [action for action in actions if action not in self.posted]
         if rest:
             self.post(rest)
 
     def post(self, actions: Sequence[Action]) -> None:
-        """Post one run of SEND/RECV actions as one batch."""
+        """Post a gap's SEND/RECV actions as one batch."""
         self.posted.update(actions)
         p2p = self.p2p
         assert p2p is not None and self.spec is not None
@@ -488,7 +488,7 @@ class PairSends:
             ready.append(self.early.pop(0))
         if not ready:
             return
-        if self.first:  # the run's receives go with the first early send (as in the proof)
+        if self.first:  # the gap's receives go with the first early send (as in the proof)
             ready += [a for a in self.run if a.kind in RECEIVES]
             self.first = False
         tensors.post(ready)

@@ -1,7 +1,7 @@
-"""Forward and backward steps of one pipeline stage, one microbatch at a time.
+"""Forward and backward actions of one pipeline stage, one microbatch at a time.
 
 ``StageWorker`` owns a stage's stash: for every microbatch between its forward and its last
-backward step, the tensors that backward needs. Nothing else is kept, so the stash size is the
+backward action, the tensors that backward needs. Nothing else is kept, so the stash size is the
 number of live activations, which the executor reports and the tests bound.
 
 Two ways to run a stage, performing the same operations (so results are bitwise equal):
@@ -54,7 +54,7 @@ class _Entry:
 
 
 class StageWorker:
-    """Runs one stage's forward and backward steps and keeps its per-microbatch stash.
+    """Runs one stage's forward and backward actions and keeps its per-microbatch stash.
 
     ``use_tape`` runs every training forward of a ``StageModule`` on the tape even without a
     combined step (both paths perform the same operations; the tape costs one autograd call per
@@ -91,7 +91,7 @@ class StageWorker:
 
     @property
     def live_activations(self) -> int:
-        """Microbatches whose activations are held (forward done, last backward step not yet)."""
+        """Microbatches whose activations are held (forward done, last backward action not yet)."""
         return len(self._stash)
 
     def has_tape(self, microbatch: int) -> bool:
@@ -281,7 +281,7 @@ class StageWorker:
     def _missing(self, microbatch: int, what: str) -> RuntimeError:
         return RuntimeError(
             f"stage {self.stage}: {what} of microbatch {microbatch} has no stored forward "
-            "(the schedule runs a backward step before its forward, or twice)"
+            "(the schedule runs a backward before its forward, or twice)"
         )
 
     def clear(self) -> None:

@@ -52,8 +52,9 @@ class ScheduleOptions:
 class Derived(Generic[T]):
     """One kind of fact derived from a schedule, kept with it and worked out once (a schedule never
     changes). The module that derives it declares it with its type, so the IR imports none of
-    them: ``timing.timeline.TIMELINES``, ``STRUCTURES``, ``timing.rerun.RUN_ORDER``,
-    ``p2p.lower.LOWERED``, ``LOWERED_FROM``, ``p2p.comm_check.RUNS``, ``checks.validate.VALID``."""
+    them: ``timing.timeline.TIMELINES``, ``STRUCTURES``, ``timing.retime.SWEEP_SEQUENCE``,
+    ``p2p.lower.LOWERED``, ``LOWERED_FROM``, ``p2p.comm_check.BATCHES_FINISH``,
+    ``checks.validate.VALID``."""
 
     def __init__(self, default: Callable[[], T]) -> None:
         self._default = default

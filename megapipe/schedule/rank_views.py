@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 from .checks.validate import validate
-from .combine.in_flight import STASH_RELEASE, peak_in_flight
+from .overlap_pass.in_flight import STASH_RELEASE, peak_in_flight
 from .ir import Schedule
-from .p2p.comm_check import check_runs
+from .p2p.comm_check import check_batches
 from .p2p.lower import lower
 from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The schedule's forward steps (and their sends/receives) in their original order."""
+    """The schedule's forward actions (and their sends/receives) in their original order."""
     table = schedule.table
     kind = table.kind
     keep = (kind == F) | (kind == SEND_F) | (kind == RECV_F) | (kind == OVERLAP)
@@ -37,10 +37,10 @@ def lower_schedule(schedule: Schedule) -> Schedule:
 
 def checked_lowering(schedule: Schedule) -> Schedule:
     """``schedule`` checked and lowered, each once per schedule object: a compute-only schedule
-    is validated (every rule, the lowered run included) and lowered; a lowered one is checked to
+    is validated (every rule, the lowered batches included) and lowered; a lowered one is checked to
     run as it is. Raises ``ScheduleError`` naming rank, action and rule."""
     if not schedule.table.compute_only:
-        check_runs(schedule)
+        check_batches(schedule)
         return schedule
     validate(schedule)
     return lower_schedule(schedule)

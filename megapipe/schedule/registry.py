@@ -17,7 +17,7 @@ at least pp. A smaller group sends a microbatch to its next chunk before it has 
 rank, which stalls the pipeline (and deadlocks interleaved 1F1B's order). With the default g = pp
 this means M is a multiple of pp; a larger g admits other M. ``overlap=True`` asks for
 OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule goes through
-``megapipe.schedule.combine.combine_pass.apply_overlap``.
+``megapipe.schedule.overlap_pass.apply.apply_overlap``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .combine.budget import apply_overlap_within, check_budget, check_native_budget
+from .overlap_pass.budget import apply_overlap_within, check_budget, check_native_budget
 from .families.dualpipe import dualpipe, dualpipev
 from .errors import ScheduleError
 from .families.interleaved import interleaved_1f1b, looped_bfs
@@ -106,7 +106,7 @@ def build_schedule(
     stages per rank and accept vpp=1 (the default) or 2. Impossible requests raise
     ``ScheduleError`` before anything is built; the module docstring lists every constraint.
     ``max_extra_in_flight`` K (with ``overlap``): the combined schedule holds at most K more
-    microbatch-stages in flight on any rank than the plain one (``schedule.combine.budget``).
+    microbatch-stages in flight on any rank than the plain one (``schedule.overlap_pass.budget``).
     ``microbatch_group_size_per_vp_stage``: Megatron's group size, for interleaved-1f1b and zb1p.
     The request is kept as the schedule's ``options``.
     """

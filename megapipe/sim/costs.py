@@ -18,7 +18,7 @@ from typing import Sequence
 from ..pairing.timing import COMM, COMPUTE, NodeTimes
 from ..schedule.p2p.early_sends import EACH, SINGLE, WHOLE
 from ..schedule.ir import Kind
-from .profile import CHUNKED_ROLES, MOE_ROLES, NodeProfile
+from .profile import MOE_ROLES, WAVE_ROLES, NodeProfile
 
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
 # when an OVERLAP's halves hand their outputs on: the executor's rules
@@ -56,7 +56,7 @@ class NodeCosts:
     profile: NodeProfile
     num_stages: int
     moe_layers: int
-    a2a_chunks: int = 1
+    a2a_waves: int = 1
     defer_wgrad: bool = False
     host_runs_compute: bool = False
     combined: bool = True
@@ -65,7 +65,7 @@ class NodeCosts:
     host_cost: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("num_stages", "a2a_chunks"):
+        for name in ("num_stages", "a2a_waves"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
@@ -86,28 +86,28 @@ class NodeCosts:
 
     def layers(self, stage: int) -> list[tuple[str, ...]]:
         """The node roles of each layer of ``stage``, in forward order."""
-        k = self.a2a_chunks
-        moe = MOE_ROLES if k == 1 else ("attn",) + CHUNKED_ROLES * k + ("finish",)
+        k = self.a2a_waves
+        moe = MOE_ROLES if k == 1 else ("attn",) + WAVE_ROLES * k + ("finish",)
         kind = self.stage_class(stage)
         layers = [("embedding",)] if kind & 1 else []
         layers += [moe] * self.moe_layers
         return layers + ([("head",)] if kind & 2 else [])
 
     def kinds(self, roles: Sequence[str]) -> list:
-        """The pair order's kinds of a layer (a fork of the chunks when k > 1)."""
-        if len(roles) == 1 or self.a2a_chunks == 1:
+        """The pair order's kinds of a layer (a fork of the waves when k > 1)."""
+        if len(roles) == 1 or self.a2a_waves == 1:
             return [_KIND.get(role, COMPUTE) for role in roles]
-        chunk = tuple(_KIND[role] for role in CHUNKED_ROLES)
-        return [COMPUTE, tuple(chunk for _ in range(self.a2a_chunks)), COMPUTE]
+        wave = tuple(_KIND[role] for role in WAVE_ROLES)
+        return [COMPUTE, tuple(wave for _ in range(self.a2a_waves)), COMPUTE]
 
     def node_times(self, roles: Sequence[str]) -> tuple[NodeTimes, ...]:
         """The times of a layer's nodes as the time rule sees them."""
-        return tuple(self.profile.node_times(role, self.a2a_chunks) for role in roles)
+        return tuple(self.profile.node_times(role, self.a2a_waves) for role in roles)
 
     def backward_time(self, role: str, kind: Kind) -> float:
         """A node's backward: B, plus its W where the action computes it."""
-        time = self.profile.time(role, "B", self.a2a_chunks)
-        weight = self.profile.time(role, "W", self.a2a_chunks)
+        time = self.profile.time(role, "B", self.a2a_waves)
+        weight = self.profile.time(role, "W", self.a2a_waves)
         if role == "attn":
             keeps = kind is Kind.B or self.combined
         else:

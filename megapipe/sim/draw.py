@@ -62,7 +62,7 @@ class _Box:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Geometry:
     """Where and how boxes go: the shade of each stage, the box height, the label size."""
 
     local_chunk: dict[int, int]
@@ -111,11 +111,11 @@ def draw_timeline(
     per_rank = max((len(result.actions_of(r)) for r in range(pp)), default=1)
     width = min(max(10.0, 0.42 * per_rank + 2.5), 40.0)
     fig, ax = plt.subplots(figsize=(width, 2.0 + 0.75 * pp), dpi=110)
-    layout = _Layout(local_chunk, max(local_chunk.values(), default=0) + 1,
+    geometry = _Geometry(local_chunk, max(local_chunk.values(), default=0) + 1,
                      result.makespan or 1.0, width * 0.86, 0.62 if show_comm else 0.8)
-    boxes, seen = _action_boxes(result, layout, ax)
+    boxes, seen = _action_boxes(result, geometry, ax)
     if show_comm:
-        boxes += _comm_boxes(result, layout.top + layout.box_h + 0.04, 0.16)
+        boxes += _comm_boxes(result, geometry.top + geometry.box_h + 0.04, 0.16)
     ax.add_collection(PolyCollection(
         [[(b.x, b.y), (b.x + b.width, b.y), (b.x + b.width, b.y + b.height), (b.x, b.y + b.height)]
          for b in boxes],
@@ -123,7 +123,7 @@ def draw_timeline(
         edgecolors=[b.edge for b in boxes],
         linewidths=[b.line for b in boxes],
     ))
-    ax.set_xlim(0, layout.span)
+    ax.set_xlim(0, geometry.span)
     ax.set_ylim(pp - 0.5, -0.5)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
@@ -131,43 +131,43 @@ def draw_timeline(
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(_title(result, title), fontsize=10, loc="left")
-    handles = _legend_handles(result, layout, seen)
+    handles = _legend_handles(result, geometry, seen)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
               ncol=min(len(handles), 4), fontsize=8, frameon=False)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
-def _action_boxes(result: SimResult, layout: _Layout, ax) -> tuple[list[_Box], set]:
+def _action_boxes(result: SimResult, geometry: _Geometry, ax) -> tuple[list[_Box], set]:
     """One box per action (an OVERLAP: its two halves and an outline), labelled; and the
     (kind, chunk) pairs seen, plus ``"overlap"`` if any OVERLAP was drawn."""
     boxes: list[_Box] = []
     seen: set = set()
     for timed in result.timeline:
-        y, length = timed.rank + layout.top, timed.end - timed.start
+        y, length = timed.rank + geometry.top, timed.end - timed.start
         halves = timed.action.computations()
         for i, half in enumerate(halves):
-            seen.add((half.kind, layout.local_chunk.get(half.stage, 0)))
-            h = layout.box_h / len(halves)
-            box = _Box(timed.start, y + i * h, length, h, layout.shade(half))
+            seen.add((half.kind, geometry.local_chunk.get(half.stage, 0)))
+            h = geometry.box_h / len(halves)
+            box = _Box(timed.start, y + i * h, length, h, geometry.shade(half))
             boxes.append(box)
-            layout.label(ax, box, str(half.microbatch))
+            geometry.label(ax, box, str(half.microbatch))
         if len(halves) > 1:
             seen.add("overlap")
-            boxes.append(_Box(timed.start, y, length, layout.box_h, "none", "black", 1.4))
+            boxes.append(_Box(timed.start, y, length, geometry.box_h, "none", "black", 1.4))
     return boxes, seen
 
 
-def _legend_handles(result: SimResult, layout: _Layout, seen: set) -> list:
+def _legend_handles(result: SimResult, geometry: _Geometry, seen: set) -> list:
     from matplotlib.patches import Patch
 
     handles = []
     for kind in _COLOURS:
-        for chunk in range(layout.chunks):
+        for chunk in range(geometry.chunks):
             if (kind, chunk) in seen:
-                probe = Action(_first_stage(layout.local_chunk, chunk), kind, 0)
-                name = _NAMES[kind] + (f", chunk {chunk}" if layout.chunks > 1 else "")
-                handles.append(Patch(facecolor=layout.shade(probe), label=name))
+                probe = Action(_first_stage(geometry.local_chunk, chunk), kind, 0)
+                name = _NAMES[kind] + (f", chunk {chunk}" if geometry.chunks > 1 else "")
+                handles.append(Patch(facecolor=geometry.shade(probe), label=name))
     if "overlap" in seen:
         handles.append(Patch(fill=False, edgecolor="black", linewidth=1.4,
                              label="OVERLAP (F top, B/I below)"))

@@ -1,8 +1,8 @@
 """The fastest schedule under a memory budget: every registry schedule, vpp, in-flight budget
 and recompute choice, simulated, and the fastest one whose activations fit.
 
-A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary),
-the overlap pass off or on within an in-flight budget K = 0..pp (``schedule.combine.budget``), and
+A choice is a schedule name, its stages per rank (vpp 1 or 2 where the schedule lets it vary), the
+overlap pass off or on within an in-flight budget K = 0..pp (``schedule.overlap_pass.budget``), and
 recompute none, selective or full. Its memory is the most any rank holds: ``peak_in_flight`` of the
 rank's action list (microbatch-stages) times the bytes of one chunk and one microbatch, times
 the part recompute keeps. A chunk holds ``pp / stages_per_pipeline`` of the layers of a plain
@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..schedule.errors import ScheduleError
-from ..schedule.combine.in_flight import peak_in_flight
+from ..schedule.overlap_pass.in_flight import peak_in_flight
 from ..schedule.ir import Schedule
 from ..schedule.registry import SCHEDULES, build_schedule
 from .costs import Costs, NodeCosts
 from .simulate import simulate
 
 
-RECOMPUTE_ORDER = ("none", "selective", "full")  # on a tie, the one re-running less wins
+RECOMPUTE_PREFERENCE = ("none", "selective", "full")  # on a tie, the one re-running less wins
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def all_choices(
 
 
 def _rank_key(choice: Choice) -> tuple:
-    return (choice.makespan, choice.peak_bytes, RECOMPUTE_ORDER.index(choice.recompute),
+    return (choice.makespan, choice.peak_bytes, RECOMPUTE_PREFERENCE.index(choice.recompute),
             -1 if choice.budget is None else choice.budget)
 
 
@@ -179,14 +179,14 @@ def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> st
     return "\n".join(lines)
 
 
-def choose_a2a_chunks(schedule: Schedule, nodes: NodeCosts, max_chunks: int = 4,
+def choose_a2a_waves(schedule: Schedule, nodes: NodeCosts, max_waves: int = 4,
                       tolerance: float = 0.01) -> int:
-    """The default of ``--moe-a2a-chunks``: the smallest k in 1..``max_chunks`` whose simulated
-    step is within ``tolerance`` of the fastest (chunks that gain nothing are not worth their
+    """The default of ``--moe-a2a-waves``: the smallest k in 1..``max_waves`` whose simulated
+    step is within ``tolerance`` of the fastest (waves that gain nothing are not worth their
     extra latency and smaller GEMMs, which the profile does not price)."""
     spans = {}
-    for k in range(1, max_chunks + 1):
-        costs = Costs(nodes=dataclasses.replace(nodes, a2a_chunks=k))
+    for k in range(1, max_waves + 1):
+        costs = Costs(nodes=dataclasses.replace(nodes, a2a_waves=k))
         spans[k] = simulate(schedule, costs).makespan
     best = min(spans.values())
     return min(k for k, span in spans.items() if span <= best * (1 + tolerance))

@@ -12,7 +12,7 @@ times. Format (a JSON object; milliseconds per MoE layer; other top-level keys a
 ``attn`` is the attention (and router) node, ``mlp`` the experts node; ``_W`` is the weight
 gradient, which runs where the schedule runs weight gradients (deferred, or inside B: attention's
 always inside B, as the engine defers only the experts' GEMMs). ``embedding``, ``head`` and
-``dense_layer`` are optional (0 when absent). A layer split into k chunks gives each chunk 1/k
+``dense_layer`` are optional (0 when absent). A layer split into k waves gives each wave 1/k
 of the dispatch, experts and combine times. Nodes the profile does not name (a MoE layer's
 ``finish``) take no time beyond their real work.
 """
@@ -30,9 +30,9 @@ from ..pairing.timing import NodeTimes
 COMPUTE_KEYS = ("attn_F", "attn_B", "attn_W", "mlp_F", "mlp_B", "mlp_W")
 COMM_KEYS = ("dispatch_F", "dispatch_B", "combine_F", "combine_B")
 OPTIONAL = ("embedding", "head", "dense_layer")
-# a MoE layer's nodes in the engine's order; the three middle ones are split by chunks
+# a MoE layer's nodes in the engine's order; the three middle ones are split by waves
 MOE_ROLES = ("attn", "dispatch", "mlp", "combine", "finish")
-CHUNKED_ROLES = ("dispatch", "mlp", "combine")
+WAVE_ROLES = ("dispatch", "mlp", "combine")
 WGRAD_ITEMS = 3  # the weight-gradient GEMMs an experts node defers (gate, up, down)
 
 
@@ -89,16 +89,16 @@ class NodeProfile:
         _number("time scale", factor)
         return NodeProfile({key: value * factor for key, value in self.times.items()})
 
-    def time(self, role: str, direction: str, chunks: int = 1) -> float:
-        """ms of one node of ``role`` in ``direction`` (a chunk's share in a k-chunk layer)."""
+    def time(self, role: str, direction: str, waves: int = 1) -> float:
+        """ms of one node of ``role`` in ``direction`` (a wave's share in a k-wave layer)."""
         value = self.times.get((role, direction), 0.0)
-        return value / chunks if role in CHUNKED_ROLES else value
+        return value / waves if role in WAVE_ROLES else value
 
-    def node_times(self, role: str, chunks: int = 1) -> NodeTimes:
+    def node_times(self, role: str, waves: int = 1) -> NodeTimes:
         """A node's times for the pair planner's time rule: attention's W inside its backward
         (the engine never defers it), the experts' W as ``WGRAD_ITEMS`` deferrable items."""
-        forward, backward = self.time(role, "F", chunks), self.time(role, "B", chunks)
-        weight = self.time(role, "W", chunks)
+        forward, backward = self.time(role, "F", waves), self.time(role, "B", waves)
+        weight = self.time(role, "W", waves)
         if role == "mlp":
             return NodeTimes(forward, backward, (weight / WGRAD_ITEMS,) * WGRAD_ITEMS)
         return NodeTimes(forward, backward + weight)

@@ -16,12 +16,12 @@ node-level timing model) times the program. Two cost models:
 - **node model** (``Costs(nodes=NodeCosts(...))``): the action's layers as the engine runs them
   (embedding on a first stage, ``moe_layers`` MoE layers of five nodes, head on a last), each
   node lasting its profile time (``profile.NodeProfile``), deferred weight gradients where the
-  order puts them (by count, or by time with ``wgrad_by_time``), a lone layer's chunks
+  order puts them (by count, or by time with ``wgrad_by_time``), a lone layer's waves
   pipelined, an OVERLAP's halves handing their outputs on as the executor's early sends do
   (``half_ends``). ``host_runs_compute`` models a host that is itself the compute stream (CPU:
   a comm node starts only when the host reaches it).
 
-(``sim.pick.choose_a2a_chunks`` picks the default of ``--moe-a2a-chunks`` from the node model.)
+(``sim.pick.choose_a2a_waves`` picks the default of ``--moe-a2a-waves`` from the node model.)
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
         if issue.side == "F":
             assert forward is not None
             role = f_layers[issue.layer][issue.node]
-            return role, forward, nodes.profile.time(role, "F", nodes.a2a_chunks) + nodes.host_cost
+            return role, forward, nodes.profile.time(role, "F", nodes.a2a_waves) + nodes.host_cost
         assert backward is not None
         role = b_layers[issue.layer][issue.node]
         return role, backward, nodes.backward_time(role, backward.kind) + nodes.host_cost

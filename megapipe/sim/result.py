@@ -1,4 +1,4 @@
-"""What a simulation returns: the metrics of one run of a schedule, and its timeline."""
+"""What a simulation returns: the metrics of one simulated schedule, and its timeline."""
 
 from __future__ import annotations
 

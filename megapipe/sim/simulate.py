@@ -14,9 +14,9 @@ node by node (``Costs.nodes``): then each half hands its output on as the execut
 sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
-The run is the in-order run of ``megapipe.schedule.timing.engine`` (the round robin of the ranks, in
-O(actions)); the metrics come from all pieces at once (``action_costs``); the timeline of
-``TimedAction`` objects is made only when asked for.
+The actions are timed by the in-order engine (``megapipe.schedule.timing.engine``: the round robin
+of the ranks, in O(actions)); the metrics come from all pieces at once (``action_costs``); the
+timeline of ``TimedAction`` objects is made only when asked for.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import numpy as np
 
 from ..schedule.timing.deps import Product, missing_needs
 from ..schedule.p2p.early_sends import executor_rule
-from ..schedule.timing.engine import Run
-from ..schedule.timing.rerun import run_actions
+from ..schedule.timing.engine import ActionTimes
+from ..schedule.timing.retime import time_actions
 from ..schedule.errors import ScheduleError
-from ..schedule.combine.in_flight import peak_of_events
+from ..schedule.overlap_pass.in_flight import peak_of_events
 from ..schedule.ir import Action, Schedule
 from ..schedule.table import B, F, I, OVERLAP, is_comm
 from ..schedule.checks.table_checks import faults
@@ -83,35 +83,36 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
         costs = replace(costs, nodes=replace(costs.nodes, early_sends=executor_rule(work)))
     pieces = ActionCosts(work.table, costs, schedule.num_stages)
     duration = pieces.durations() if pieces.exact else np.zeros(len(work.table))
-    plan = ActionGraph.build(work, duration, costs.p2p_latency)
+    graph = ActionGraph.build(work, duration, costs.p2p_latency)
     if not pieces.exact:
-        plan.inputs.end_of = pieces.end_of
+        graph.inputs.end_of = pieces.end_of
     if costs.nodes is not None and table.has_overlap:
-        plan.inputs.made_at = pieces.made_at
-    run = run_actions(work, plan, plan.watch)
-    if run.remade is not None:
-        _raise_remade(work, plan, run)
-    if run.stuck:
-        _raise_stuck(schedule, work, plan, run)
-    return _result(schedule, work, pieces, run, costs)
+        graph.inputs.made_at = pieces.made_at
+    timed = time_actions(work, graph, graph.watch)
+    if timed.remade is not None:
+        _raise_remade(work, graph, timed)
+    if timed.stuck:
+        _raise_stuck(schedule, work, graph, timed)
+    return _result(schedule, work, pieces, timed, costs)
 
 
-def _raise_remade(work: Schedule, plan: ActionGraph, run: Run) -> None:
-    row, first, product = run.remade
+def _raise_remade(work: Schedule, graph: ActionGraph, timed: ActionTimes) -> None:
+    row, first, product = timed.remade
     table = work.table
     rank, first_rank = int(table.rank[row]), int(table.rank[first])
     action, first_action = work.action_at(row), work.action_at(first)
     raise ScheduleError(
-        f"{_product_text(plan.space.product(product))} runs twice "
+        f"{_product_text(graph.space.product(product))} runs twice "
         f"(also in {first_action} on rank {first_rank})",
         rank, action,
     )
 
 
-def _raise_stuck(schedule: Schedule, work: Schedule, plan: ActionGraph, run: Run) -> None:
-    done = MadeTimes(plan.space, run.arrive)
+def _raise_stuck(schedule: Schedule, work: Schedule, graph: ActionGraph,
+                 timed: ActionTimes) -> None:
+    done = MadeTimes(graph.space, timed.arrive)
     waits = []
-    for rank, row in run.stuck.items():
+    for rank, row in timed.stuck.items():
         action = work.row(rank)[row - int(work.table.offsets[rank])]
         missing = [_product_text(k) for k in missing_needs(schedule, action, done)]
         waits.append(f"rank {rank} at {action} waits for {', '.join(missing)}")
@@ -123,11 +124,11 @@ def _sum(values: np.ndarray):
     return float(np.cumsum(values)[-1]) if len(values) else 0
 
 
-def _result(schedule: Schedule, work: Schedule, pieces: ActionCosts, run: Run,
+def _result(schedule: Schedule, work: Schedule, pieces: ActionCosts, timed: ActionTimes,
             costs: Costs) -> SimResult:
     table = work.table
-    start = np.asarray(run.start, dtype=np.float64)
-    end = np.asarray(run.end, dtype=np.float64)
+    start = np.asarray(timed.start, dtype=np.float64)
+    end = np.asarray(timed.end, dtype=np.float64)
     by_stream = pieces.pieces(start)
     compute, comm = by_stream[COMPUTE], by_stream[COMM]
     takes = (table.kind == F) | (table.kind == OVERLAP)
@@ -149,7 +150,7 @@ def _result(schedule: Schedule, work: Schedule, pieces: ActionCosts, run: Run,
         comm=tuple(metrics[1]),
         exposed_comm=tuple(metrics[2]),
         peak_in_flight=tuple(metrics[3]),
-        make_timeline=lambda: _timeline(work, run, costs),
+        make_timeline=lambda: _timeline(work, timed, costs),
     )
 
 
@@ -168,15 +169,15 @@ def _half(rank: int, half: Action, segments: tuple[Segment, ...]) -> TimedAction
     return TimedAction(rank, half, start, end, (), tuple(own))
 
 
-def _timeline(work: Schedule, run: Run, costs: Costs) -> tuple[TimedAction, ...]:
-    """The actions in the order the run took them (sweep, rank, list order), with pieces."""
+def _timeline(work: Schedule, timed: ActionTimes, costs: Costs) -> tuple[TimedAction, ...]:
+    """The actions in the sequence the timing took them (sweep, rank, list order), with pieces."""
     table = work.table
-    order = np.lexsort((np.arange(len(table)), np.asarray(run.sweep)))
+    order = np.lexsort((np.arange(len(table)), np.asarray(timed.sweep)))
     out = []
     for row in order.tolist():
         rank = int(table.rank[row])
         action = work.row(rank)[row - int(table.offsets[rank])]
-        start, end = float(run.start[row]), float(run.end[row])
+        start, end = float(timed.start[row]), float(timed.end[row])
         segments = time_action(action, start, costs)
         halves = ()
         if action.kind is action.kind.OVERLAP:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megapipe.train.config import FailureConfig
+from megapipe.train.config.job_config import FailureConfig
 
 
 class ExitPolicy:

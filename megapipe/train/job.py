@@ -1,10 +1,10 @@
 """One rank's training job, built from the typed config: ``build_job(config) -> Job``.
 
 A ``Job`` holds everything a training step touches — process groups, the schedule, this rank's
-stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the
-step (``train.step``) and the loop (``train.loop``) are short functions of it. Building is
-deterministic in the config's seed: the same flags build the same weights and data order on every
-run, which is what makes resumed runs bitwise equal to uninterrupted ones.
+stages of the model, the pipeline executor, the data shards, AdamW and the LR schedule — so the step
+(``train.step``) and the loop (``train.loop``) are short functions of it. Building is deterministic
+in the config's seed: the same flags build the same weights and data sampling on every run, which is
+what makes resumed runs bitwise equal to uninterrupted ones.
 """
 
 from __future__ import annotations
@@ -19,25 +19,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.data.gpt_samples import IndexedTrainBatches
+from megapipe.data.raw_text import Microbatch, TrainBatches
+from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
-from megapipe.data.gpt_samples import IndexedTrainBatches
-from megapipe.models.config import GPTConfig
-from megapipe.train.config import JobConfig
-from megapipe.train.data import Microbatch, TrainBatches
+from megapipe.train.config.job_config import JobConfig
 from megapipe.train.job_data import build_data
-from megapipe.pipeline.grad_sync import is_expert_param
-from megapipe.train.dp_sync import DataParallelSync
-from megapipe.train.flat_adamw import FlatAdamW
-from megapipe.train.grad_buffers import stage_buffers
-from megapipe.train.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
-from megapipe.train.optim import (
+from megapipe.train.optim.adamw import (
     LRSchedule, build_optimizer, optimizer_state_bytes, unique_params,
 )
+from megapipe.train.optim.dp_sync import DataParallelSync
+from megapipe.train.optim.flat_adamw import FlatAdamW
+from megapipe.train.optim.grad_buffers import stage_buffers
+from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW, cast_to_bf16
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Job:
     all_params: list[nn.Parameter]
     # each model part once per pipeline (DualPipe mirrors), a tied output weight's copy left out
     norm_params: list[nn.Parameter]
-    dp_sync: DataParallelSync | None = None  # bucketed reductions (train.dp_sync), if asked
+    dp_sync: DataParallelSync | None = None  # bucketed reductions (optim.dp_sync), if asked
 
     def close(self) -> None:
         """Stop the threads of the communication streams."""
@@ -105,7 +105,7 @@ def build_job(config: JobConfig) -> Job:
         grad_reduction="none" if dp_sync is not None else "dp",
         spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
                         torch.bfloat16 if bf16 else torch.float32),
-        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_chunks=overlap.moe_a2a_chunks,
+        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
         record_trace=overlap.record_trace, measure_activations=config.logging.activation_memory,
         timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
         cuda_graph_modules=config.graphs.modules,
@@ -154,13 +154,13 @@ def describe(job: Job) -> list[str]:
     config = job.config
     parallel, overlap, model = config.parallel, config.overlap, config.model
     local_params = sum(p.numel() for p in job.all_params)
-    chunks = overlap.moe_a2a_chunks
+    waves = overlap.moe_a2a_waves
     lines = [
         f"megapipe pretrain: world {parallel.world_size} = pp {parallel.pp} x dp {parallel.dp} "
         f"(ep {parallel.ep}), vpp {config.schedule.vpp}, schedule {job.schedule.name}"
         f"{' with overlap' if overlap.enabled else ''}"
         f"{', delayed wgrad' if overlap.delay_wgrad_compute else ''}"
-        f"{f', all-to-alls in {chunks} chunks' if chunks > 1 else ''}; "
+        f"{f', all-to-alls in {waves} waves' if waves > 1 else ''}; "
         f"{precision_text(config)}; "
         f"{config.schedule.num_microbatches} microbatches of {config.data.micro_batch_size} x "
         f"{model.seq_length} tokens per dp rank per step",
@@ -234,14 +234,14 @@ def precision_text(config: JobConfig) -> str:
 
 
 def placement_line(hostname: Callable[[], str] = socket.gethostname) -> str:
-    """Which ranks run on which node (gathered from every rank)."""
+    """Which ranks run on which host (gathered from every rank)."""
     me = (dist.get_rank(), os.environ.get("SLURMD_NODENAME") or hostname())
     everyone: list[tuple[int, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
-    nodes: dict[str, list[int]] = {}
-    for rank, node in sorted(e for e in everyone if e is not None):
-        nodes.setdefault(node, []).append(rank)
+    hosts: dict[str, list[int]] = {}
+    for rank, host in sorted(e for e in everyone if e is not None):
+        hosts.setdefault(host, []).append(rank)
     placed = "; ".join(
-        f"{node}: ranks {','.join(map(str, ranks))}" for node, ranks in nodes.items()
+        f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in hosts.items()
     )
-    return f"placement: {len(nodes)} node(s): {placed}"
+    return f"placement: {len(hosts)} host(s): {placed}"

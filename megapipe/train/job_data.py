@@ -20,10 +20,10 @@ from megapipe.data.blend import parse_data_path
 from megapipe.data.gpt_samples import (
     IndexedTrainBatches, build_gpt_datasets, indexed_validation_batches, megatron_sample_counts,
 )
-from megapipe.train.config import JobConfig
-from megapipe.train.data import (
+from megapipe.data.raw_text import (
     Microbatch, TrainBatches, load_tokens, resolve_data_files, split_corpus, validation_batches,
 )
+from megapipe.train.config.job_config import JobConfig
 
 
 @dataclass

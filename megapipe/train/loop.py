@@ -14,15 +14,15 @@ from typing import Callable
 import torch.distributed as dist
 
 from megapipe.parallel.launch import init_distributed
-from megapipe.train.checkpoint import load_checkpoint, save_checkpoint
-from megapipe.train.checkpoint_files import CheckpointError
-from megapipe.train.config import JobConfig
+from megapipe.train.checkpoint.files import CheckpointError
+from megapipe.train.checkpoint.resume import ResumeChoice, descriptor_parts, choose_resume
+from megapipe.train.checkpoint.state import load_checkpoint, save_checkpoint
+from megapipe.train.config.job_config import JobConfig
 from megapipe.train.determinism import deterministic_kernels
 from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe
-from megapipe.train.logging import TrainingLogger
-from megapipe.train.profiling import RunProfiler
-from megapipe.train.resume import ResumeChoice, descriptor_parts, choose_resume
+from megapipe.train.observe.logging import TrainingLogger
+from megapipe.train.observe.profiling import RunProfiler
 from megapipe.train.step import evaluate, train_step
 
 
@@ -86,7 +86,7 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
     tokens_per_iter = data.global_batch_size * config.model.seq_length
     iteration = result.first_iteration
     started = time.perf_counter()
-    profiler = RunProfiler(job, say)
+    profiler = RunProfiler(config, job.schedule, job.device, job.groups.coordinates, say)
     try:
         while iteration < iters:
             start = time.perf_counter()

@@ -24,13 +24,13 @@ import torch.distributed as dist
 
 from megapipe.data.errors import DataError
 from megapipe.parallel.launch import launched_world_size, start_local_ranks
-from megapipe.train.args import ArgsError, args_from_namespace, parse_pretrain_args
-from megapipe.train.checkpoint_files import CheckpointError
-from megapipe.train.config import JobConfig
+from megapipe.train.checkpoint.files import CheckpointError
+from megapipe.train.checkpoint.resume import ResumeChoice, choose_resume
+from megapipe.train.config.job_config import JobConfig
+from megapipe.train.config.parse import ArgsError, args_from_namespace, parse_pretrain_args
 from megapipe.train.failures import debug_enabled, describe_failure, is_secondary
-from megapipe.train.logging import NonFiniteLossError
 from megapipe.train.loop import train
-from megapipe.train.resume import ResumeChoice, choose_resume
+from megapipe.train.observe.logging import NonFiniteLossError
 from megapipe.train.supervise import run_local, write_report
 
 PROG = "megapipe pretrain"
@@ -93,7 +93,7 @@ def run(config: JobConfig) -> int:
 
 
 def _local_world_size() -> int:
-    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, or srun's tasks per node."""
+    """Processes on this host: torchrun's LOCAL_WORLD_SIZE, or srun's tasks per host."""
     text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
     match = re.match(r"\d+", text)  # Slurm may write "2(x3)"
     return max(1, int(match.group())) if match else 1
@@ -104,7 +104,7 @@ def _print_report(line: str, secondary: bool) -> None:
 
 
 def missing_gpus(world_size: int) -> str | None:
-    """With CUDA, the processes this node would run (the launcher's, else the ranks started
+    """With CUDA, the processes this host would run (the launcher's, else the ranks started
     here) must not outnumber its GPUs; the reason if they do, else None."""
     if not torch.cuda.is_available():
         return None
@@ -115,7 +115,7 @@ def missing_gpus(world_size: int) -> str | None:
         return None
     asked = "LOCAL_WORLD_SIZE" if launched else "--nproc (default pp x ep)"
     return (
-        f"{per_node} processes on this node ({asked}) but it has {count} GPU(s); each rank "
+        f"{per_node} processes on this host ({asked}) but it has {count} GPU(s); each rank "
         "needs its own GPU"
     )
 

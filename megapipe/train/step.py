@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from megapipe.data.bits_per_byte import bits_per_byte, target_bytes
+from megapipe.data.raw_text import Microbatch
 from megapipe.pipeline.executor import StepResult
 from megapipe.pipeline.grad_sync import sum_tied_embedding_grads
-from megapipe.train.data import Microbatch
 from megapipe.train.job import Job
-from megapipe.train.logging import check_finite_loss
-from megapipe.train.profiling import RunProfiler
-from megapipe.train.flat_adamw import FlatAdamW
-from megapipe.train.optim import clip_grads, global_grad_norm
+from megapipe.train.observe.logging import check_finite_loss
+from megapipe.train.observe.profiling import RunProfiler
+from megapipe.train.optim.adamw import clip_grads, global_grad_norm
+from megapipe.train.optim.flat_adamw import FlatAdamW
 
 
 @dataclass(frozen=True)

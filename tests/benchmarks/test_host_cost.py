@@ -30,7 +30,7 @@ def _grads(pair: _Pair, label: str) -> dict:
 def test_the_combined_pair_equals_the_plain_pair_bitwise():
     with make_streams("cpu") as streams:
         pair = _Pair(ReplaySettings("", (), moe_layers=2), 2, streams, _uniform(0.0))
-        assert pair.nodes == 2 * 2 * 8  # F and B of 2 MoE layers in 2 chunks, 8 nodes each
+        assert pair.nodes == 2 * 2 * 8  # F and B of 2 MoE layers in 2 waves, 8 nodes each
         plain, combined = _grads(pair, "plain"), _grads(pair, "combined")
     assert plain.keys() == combined.keys() and plain
     for name, grad in plain.items():

@@ -16,7 +16,7 @@ from support.pretrain_flags import TINY  # noqa: E402
 
 from megapipe.sim.budget_sweep import budget_sweep  # noqa: E402
 from megapipe.sim.costs import Costs  # noqa: E402
-from megapipe.train.args import parse_pretrain_args  # noqa: E402
+from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
 
 FLAGS = [*TINY, "--global-batch-size", "16"]  # 4 microbatches: 1f1b's pairs hold one more
 

@@ -22,7 +22,7 @@ PROFILE = BENCHMARKS / "profiles" / "deepseek_v3_h800.json"
 
 def test_a_tiny_replay_runs_beside_the_simulators_prediction(rank_pools):
     settings = ReplaySettings(str(PROFILE), ("interleaved-1f1b",), microbatches=4, moe_layers=1,
-                              rounds=1, a2a_chunks=2)
+                              rounds=1, a2a_waves=2)
     measured = rank_pools(4).run(replay_run, asdict(settings), "interleaved-1f1b", 2)[0]
     plain_sim, _ = predict(settings, "interleaved-1f1b", False, 1)
     combined_sim, _ = predict(settings, "interleaved-1f1b", True, 2, measured["early"])

@@ -316,7 +316,7 @@ def test_sbatch_pretrains_across_two_nodes_and_saves_when_preempted(slurm_cluste
     log = _output(output)
     report = f"job state {state}; job output:\n{log}\n{slurm_cluster.logs()}"
     assert state == "COMPLETED", report
-    assert "placement: 2 node(s): n1: ranks 0,1; n2: ranks 2,3" in log, report
+    assert "placement: 2 host(s): n1: ranks 0,1; n2: ranks 2,3" in log, report
     exits = [line for line in log.splitlines() if line.startswith("exiting after iteration")]
     assert len(exits) == 1 and "SIGTERM received; saved checkpoint" in exits[0], report
     stopped = int(exits[0].split()[3].rstrip(":"))

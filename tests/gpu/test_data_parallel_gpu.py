@@ -19,9 +19,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from megapipe.pipeline.grad_sync import is_expert_param  # noqa: E402
-from megapipe.train.dp_sync import DataParallelSync  # noqa: E402
-from megapipe.train.flat_adamw import FlatAdamW  # noqa: E402
-from megapipe.train.grad_buffers import stage_buffers  # noqa: E402
+from megapipe.train.optim.dp_sync import DataParallelSync  # noqa: E402
+from megapipe.train.optim.flat_adamw import FlatAdamW  # noqa: E402
+from megapipe.train.optim.grad_buffers import stage_buffers  # noqa: E402
 
 
 def _model(seed: int) -> nn.Module:

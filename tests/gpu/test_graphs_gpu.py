@@ -25,7 +25,7 @@ from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
 from megapipe.pipeline.executor import PipelineExecutor  # noqa: E402
 from megapipe.schedule import build_schedule  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
-from megapipe.train.mixed_precision import cast_to_bf16  # noqa: E402
+from megapipe.train.optim.mixed_precision import cast_to_bf16  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, seq_length=64,
                    ffn_hidden_size=256, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,
@@ -72,8 +72,8 @@ def test_a_graph_captured_on_the_side_stream_replays_on_the_current_one() -> Non
     """The replay follows the stream current at the call: a side stream's work and the graph's
     reads and writes are ordered by the usual stream waits."""
     from megapipe.overlap.graphs import NodeGraphs, GraphApi
-    from megapipe.overlap.plan import Node, NodeKind, Plan, run_nodes
     from megapipe.overlap.graphs import Graphable
+    from megapipe.overlap.plan import Node, NodeKind, Plan, run_nodes
 
     weight = torch.randn(64, 64, device="cuda", requires_grad=True)
     node = Node("n", NodeKind.COMPUTE, lambda s, t: (torch.tanh(t[0] @ weight),),

@@ -28,11 +28,11 @@ def test_triton_kernels_match_reference_on_cuda():
 def test_triton_kernels_are_deterministic_on_cuda():
     pytest.importorskip("triton")
     from megapipe.kernels import triton_permute
-    from megapipe.moe.dispatcher import order_by_expert
+    from megapipe.moe.dispatcher import sort_by_expert
 
     gen = torch.Generator().manual_seed(0)
     indices = torch.stack([torch.randperm(8, generator=gen)[:4] for _ in range(512)]).cuda()
-    row_choice, choice_rows, _ = order_by_expert(indices, 8)
+    row_choice, choice_rows, _ = sort_by_expert(indices, 8)
     rows = torch.randn(row_choice.numel(), 1024, device="cuda")
     probs = torch.rand(512, 4, device="cuda")
     first = triton_permute.sum_choices(rows, probs, choice_rows)

@@ -28,10 +28,10 @@ from megapipe.overlap.grouped_gemm import (  # noqa: E402
 )
 from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
 from megapipe.overlap.sequential import run_backward  # noqa: E402
-from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
-from megapipe.train.mixed_precision import cast_to_bf16  # noqa: E402
-from megapipe.train.optim import build_optimizer  # noqa: E402
+from megapipe.train.determinism import deterministic_kernels  # noqa: E402
+from megapipe.train.optim.adamw import build_optimizer  # noqa: E402
+from megapipe.train.optim.mixed_precision import cast_to_bf16  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, seq_length=64,
                    ffn_hidden_size=256, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=128,

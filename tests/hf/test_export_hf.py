@@ -26,7 +26,7 @@ from megapipe.hf.load_hf import load_hf  # noqa: E402
 from megapipe.hf.qwen3_moe import check_exportable, gpt_config_from_hf  # noqa: E402
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
-from megapipe.train.checkpoint_files import DESCRIPTOR_FILE  # noqa: E402
+from megapipe.train.checkpoint.files import DESCRIPTOR_FILE  # noqa: E402
 from support.hf_cases import LAYOUTS, MODERN, TIED, reference_model, write_checkpoints  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megapipe.kernels import reference_fused as R
 from megapipe.kernels import rms_norm, rms_norm_residual, swiglu
-from megapipe.moe.permutation import order_by_expert
+from megapipe.moe.permutation import sort_by_expert
 from megapipe.moe.router import load_balancing_loss, z_loss
 
 
@@ -110,7 +110,7 @@ def test_routing_plan_reference_is_order_by_expert():
                                                          else capacity)
         flat = indices.reshape(-1)
         assert counts.tolist() == [int((flat == e).sum()) for e in range(5)]
-        expected = order_by_expert(indices, 5, capacity)
+        expected = sort_by_expert(indices, 5, capacity)
         assert torch.equal(row_choice, expected[0]) and torch.equal(choice_rows, expected[1])
         rows = row_choice[row_choice >= 0]  # expert-major, token order within an expert
         assert torch.equal(flat[rows], flat[rows].sort(stable=True).values)

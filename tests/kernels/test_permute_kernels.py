@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megapipe.kernels import permute_tokens, reference, unpermute_tokens
-from megapipe.moe.dispatcher import order_by_expert
+from megapipe.moe.dispatcher import sort_by_expert
 
 
 def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None, seed: int):
@@ -24,7 +24,7 @@ def routing(num_tokens: int, top_k: int, num_experts: int, capacity: int | None,
     indices = torch.stack(
         [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
     )
-    row_choice, choice_rows, _ = order_by_expert(indices, num_experts, capacity)
+    row_choice, choice_rows, _ = sort_by_expert(indices, num_experts, capacity)
     probs = torch.rand(num_tokens, top_k, generator=gen)
     return row_choice, choice_rows, probs
 

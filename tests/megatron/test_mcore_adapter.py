@@ -52,7 +52,7 @@ CASES = [
     # not doubled by full recompute's re-runs
     (McoreCase(pp=2, vpp=2, ep=2, balancing="quantile_balancing", recompute="full"), NEWEST,
      ("0.19",)),
-    # deferred weight gradients in the zero-bubble W step and beside the all-to-all
+    # deferred weight gradients in the zero-bubble W action and beside the all-to-all
     (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"),
      EVERY, None),
     # tensor + sequence parallelism, MTP, selective recompute, shared experts, expert bias
@@ -247,7 +247,7 @@ def test_backward_dw_runs_where_megapipe_puts_its_deferred_weight_gradients(
         release, case, where, needs):
     """Megatron's backward_dw() calls run as megapipe's W items (Megatron's local layers give
     the queue nothing else): beside a backward dispatch in the combined step, as the trace
-    shows. (In zb1p they stay queued for the W step, which the trace of the pairs does not
+    shows. (In zb1p they stay queued for the W action, which the trace of the pairs does not
     show; that case checks that none is left pending and every gradient is Megatron's.)"""
     outs = _result(release, case)
     assert all(out["overlap"]["wgrads"] for out in outs)

@@ -182,7 +182,7 @@ def check_emulated_link_sleeps_modelled_time() -> list[str]:
     started = time.perf_counter()
     (received,) = dispatch.fn(state, (rows_leaf,))
     forward_s = time.perf_counter() - started
-    plan = state.dispatch_layout
+    plan = state.dispatch_splits
     row_bytes = H * 4
     sent = (sum(plan.input_splits) - plan.input_splits[rank]) * row_bytes
     received_bytes = (sum(plan.output_splits) - plan.output_splits[rank]) * row_bytes

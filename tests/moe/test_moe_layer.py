@@ -10,7 +10,7 @@ from megapipe.moe import (
     MoEConfig,
     MoELayer,
     pass_leading,
-    order_by_expert,
+    sort_by_expert,
 )
 from megapipe.overlap.plan import LayerState, NodeKind, run_nodes
 
@@ -84,13 +84,13 @@ def test_sigmoid_weights_are_normalised_and_softmax_weights_are_not():
 
 def test_plan_permutation_orders_by_expert_and_drops_over_capacity():
     indices = torch.tensor([[2, 0], [2, 1], [2, 0], [3, 2]])
-    row_choice, choice_rows, counts = order_by_expert(indices, 4)
+    row_choice, choice_rows, counts = sort_by_expert(indices, 4)
     assert counts.tolist() == [2, 1, 4, 1]
     assert indices.reshape(-1)[row_choice].tolist() == [0, 0, 1, 2, 2, 2, 2, 3]
     assert row_choice.tolist() == [1, 5, 3, 0, 2, 4, 7, 6]
     assert (choice_rows.reshape(-1)[row_choice] == torch.arange(8)).all()
     # with a capacity every expert gets exactly 2 rows: its earliest choices, then padding (-1)
-    row_choice, choice_rows, counts = order_by_expert(indices, 4, capacity=2)
+    row_choice, choice_rows, counts = sort_by_expert(indices, 4, capacity=2)
     assert counts.tolist() == [2, 2, 2, 2]
     assert row_choice.tolist() == [1, 5, 3, -1, 0, 2, 6, -1]  # expert 2 keeps tokens 0 and 1
     assert choice_rows.tolist() == [[4, 0], [5, 2], [-1, 1], [6, -1]]
@@ -103,7 +103,7 @@ def test_plan_permutation_makes_no_host_sync():
     indices = torch.randint(0, 8, (64, 2), generator=torch.Generator().manual_seed(0))
     with HostSyncs() as syncs:
         for capacity in (None, 5):
-            order_by_expert(indices, 8, capacity)
+            sort_by_expert(indices, 8, capacity)
         indices[indices > 3].sum()  # the instrument sees a boolean index (it must fail here)
     assert [e.op for e in syncs.events] == ["boolean indexing"], syncs.events
 

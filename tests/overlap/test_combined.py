@@ -348,17 +348,17 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
     g = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(5))
     results, traces = [], []
-    for chunks in (1, 2):
+    for waves in (1, 2):
         layers = [MoELayer(config, layer_index=i, seed=3) for i in range(2)]
         trace = NodeTrace()
         with make_streams("cpu") as streams:
-            forward = CombinedStep(streams, trace=trace, fwd_microbatch=0, a2a_chunks=chunks)
+            forward = CombinedStep(streams, trace=trace, fwd_microbatch=0, a2a_waves=waves)
             out = (x,)
             for layer in layers:
                 out = forward.run_layer(layer, out)
             forward.finish()
             backward = CombinedStep(streams, BackwardHalf(forward.tape, (g,), 0, WeightGradQueue()),
-                                   trace=trace, a2a_chunks=chunks)
+                                   trace=trace, a2a_waves=waves)
             (gx,) = backward.finish()
         results.append([out[0], gx] + [p.grad for layer in layers for p in layer.parameters()])
         traces.append(trace)
@@ -368,15 +368,15 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
                  for slot in trace.slots()]
         return [nodes for nodes in slots if len(nodes) > 1]
 
-    chunked = side_by_side(traces[1])
+    waved = side_by_side(traces[1])
     for direction in ("F", "B"):
-        # one chunk's all-to-all beside the other chunk's experts, twice per layer
+        # one wave's all-to-all beside the other wave's experts, twice per layer
         for pair in ({"dispatch1", "experts0"}, {"combine0", "experts1"}):
             if direction == "B":
                 pair = {"combine1", "experts0"} if "dispatch1" in pair else {"dispatch0", "experts1"}
-            found = [n for n in chunked if n[0][0] == direction and {x for _, x in n} == pair]
-            assert len(found) == 2, (direction, pair, chunked)
-    assert side_by_side(traces[0]) == []  # unchunked, a lone step runs its nodes one by one
+            found = [n for n in waved if n[0][0] == direction and {x for _, x in n} == pair]
+            assert len(found) == 2, (direction, pair, waved)
+    assert side_by_side(traces[0]) == []  # one-wave, a lone action runs its nodes one by one
 
 
 # expected times (ms) the combined step may plan with: comm nodes three times the compute ones,

@@ -1,6 +1,6 @@
 """Full recompute node by node (``overlap.full_recompute``): a compute node keeps its inputs
 only and runs again inside its own backward, comm nodes never run again, the results are
-bitwise those without recompute (on the tape, with chunked all-to-alls, in bf16 with deferred
+bitwise those without recompute (on the tape, with all-to-alls in waves, in bf16 with deferred
 expert weight gradients), and the re-run is marked on the layer state so once-per-forward side
 effects happen once."""
 
@@ -14,14 +14,14 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 
 def _toy(weight: torch.Tensor, calls: list[tuple[str, bool]]) -> list[Node]:
@@ -66,11 +66,11 @@ def test_compute_nodes_rerun_in_their_backward_comm_nodes_never():
     assert calls_r == forward + [("last", True), ("first", True)] * 2
 
 
-def _gpt_step(config: GPTConfig, chunks: int):
+def _gpt_step(config: GPTConfig, waves: int):
     model = build_stage(config, 0, 1)
     ids = torch.randint(0, config.vocab_size, (2, config.seq_length),
                         generator=torch.Generator().manual_seed(3))
-    plans = [node_plan_of(p, WarnOnce(), chunks) for p in model.layer_plans()]
+    plans = [node_plan_of(p, WarnOnce(), waves) for p in model.layer_plans()]
     (logits,), tape = record_forward(plans, (ids,))
     run_backward(tape, (torch.ones_like(logits),))
     return logits, [p.grad for p in model.parameters()], plans
@@ -79,12 +79,12 @@ def _gpt_step(config: GPTConfig, chunks: int):
 @pytest.mark.parametrize("method, layers", [("uniform", 1), ("uniform", 2), ("block", 2)])
 def test_gpt_on_the_tape_with_chunked_all_to_alls_is_bitwise(method, layers):
     config = GPTConfig()
-    logits, grads, _ = _gpt_step(config, chunks=2)
+    logits, grads, _ = _gpt_step(config, waves=2)
     recomputed = dataclasses.replace(config, recompute_method=method, recompute_num_layers=layers)
-    logits_r, grads_r, plans_r = _gpt_step(recomputed, chunks=2)
+    logits_r, grads_r, plans_r = _gpt_step(recomputed, waves=2)
     assert torch.equal(logits, logits_r)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
-    # the chunked form of a recomputed MoE layer wraps its fork's expert nodes too
+    # the wave form of a recomputed MoE layer wraps its fork's expert nodes too
     grouped = method == "uniform" and layers == 2  # layers 0 (dense) and 1 (MoE): one plan
     moe = plans_r[1] if grouped else plans_r[2]  # after the embedding's plan
     fork = next(item for item in moe if isinstance(item, Fork))

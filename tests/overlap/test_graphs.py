@@ -23,8 +23,8 @@ from megapipe.overlap.graphs import Graphable, NodeGraphs, node_graphs
 from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
 from megapipe.overlap.wgrad import grouped_matmul
-from megapipe.train import flags
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.config import flags
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
 
 CONFIG = GPTConfig(hidden_size=32, num_layers=3, num_heads=2, seq_length=16, ffn_hidden_size=64,

@@ -204,8 +204,8 @@ def test_time_rule_needs_times_for_every_node_of_the_backward():
     assert IssueOrder([MOE], backward_times=[[NodeTimes(1.0, 1.0)] * 5]).clock is None
 
 
-MOE2 = ["compute", (("comm", "compute", "comm"),) * 2, "compute"]  # a MoE layer in 2 chunks
-# nodes: 0 attention, 1-3 chunk 0 (dispatch, experts, combine), 4-6 chunk 1, 7 finish
+MOE2 = ["compute", (("comm", "compute", "comm"),) * 2, "compute"]  # a MoE layer in 2 waves
+# nodes: 0 attention, 1-3 wave 0 (dispatch, experts, combine), 4-6 wave 1, 7 finish
 CHUNK_NAMES = ["attention", "dispatch0", "experts0", "combine0", "dispatch1", "experts1",
                "combine1", "finish"]
 

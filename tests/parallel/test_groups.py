@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.parallel.config import ParallelConfig
-from megapipe.parallel.groups import create_groups, rank_layout
+from megapipe.parallel.groups import create_groups, rank_grid
 
 
 def _grids(max_world: int = 8):
@@ -15,58 +15,59 @@ def _grids(max_world: int = 8):
                         yield ParallelConfig(pp, dp, ep, tp)
 
 
-def test_example_layout_pp2_dp4_ep2():
-    layout = rank_layout(ParallelConfig(pp=2, dp=4, ep=2))
-    assert layout.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert layout.dp_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert layout.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
-    assert layout.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
-    c = layout.coordinates(6)
+def test_example_grid_pp2_dp4_ep2():
+    grid = rank_grid(ParallelConfig(pp=2, dp=4, ep=2))
+    assert grid.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert grid.dp_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert grid.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert grid.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    c = grid.coordinates(6)
     assert (c.pp_rank, c.dp_rank, c.ep_rank, c.expert_dp_rank) == (1, 2, 0, 1)
-    assert layout.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7), "expert_dp": (4, 6)}
+    assert grid.groups_of(6) == {"pp": (2, 6), "dp": (4, 5, 6, 7), "ep": (6, 7),
+                                 "expert_dp": (4, 6)}
 
 
-def test_example_layout_tp2_pp2_ep2_is_megatrons():
+def test_example_grid_tp2_pp2_ep2_is_megatrons():
     """Megatron's initialize_model_parallel(2, 2, expert_model_parallel_size=2) on 8 ranks:
     tensor parallel fastest, then data parallel; EP over consecutive ranks of a stage."""
-    layout = rank_layout(ParallelConfig(pp=2, dp=2, ep=2, tp=2))
-    assert layout.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
-    assert layout.dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
-    assert layout.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert layout.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
-    assert layout.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
-    c = layout.coordinates(6)
+    grid = rank_grid(ParallelConfig(pp=2, dp=2, ep=2, tp=2))
+    assert grid.tp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert grid.dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert grid.pp_groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert grid.ep_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert grid.expert_dp_groups == ((0, 2), (1, 3), (4, 6), (5, 7))
+    c = grid.coordinates(6)
     assert (c.pp_rank, c.dp_rank, c.tp_rank, c.ep_rank, c.expert_dp_rank) == (1, 1, 0, 0, 1)
-    assert rank_layout(ParallelConfig(pp=2, dp=4)).tp_groups == ()  # tp 1: no groups to make
+    assert rank_grid(ParallelConfig(pp=2, dp=4)).tp_groups == ()  # tp 1: no groups to make
 
 
 @pytest.mark.parametrize("config", list(_grids()), ids=str)
-def test_layout_invariants(config):
-    layout = rank_layout(config)
+def test_grid_invariants(config):
+    grid = rank_grid(config)
     world = set(range(config.world_size))
     sizes = {"pp": config.pp, "dp": config.dp, "ep": config.ep, "expert_dp": config.expert_dp}
     if config.tp > 1:
         sizes["tp"] = config.tp
     for name, size in sizes.items():
-        groups = getattr(layout, f"{name}_groups")
+        groups = getattr(grid, f"{name}_groups")
         flat = [r for g in groups for r in g]
         assert sorted(flat) == sorted(world), f"{name} groups must partition the world"
         assert all(len(g) == size for g in groups), name
     for rank in world:
-        c = layout.coordinates(rank)
-        mine = layout.groups_of(rank)
+        c = grid.coordinates(rank)
+        mine = grid.groups_of(rank)
         assert rank == (c.pp_rank * config.dp + c.dp_rank) * config.tp + c.tp_rank  # Megatron's
         assert mine["pp"][c.pp_rank] == rank and mine["dp"][c.dp_rank] == rank
         assert mine["ep"][c.ep_rank] == rank and mine["expert_dp"][c.expert_dp_rank] == rank
         # PP peers share the data- and tensor-parallel position; DP peers the tensor position
-        assert all(layout.coordinates(r).dp_rank == c.dp_rank for r in mine["pp"])
-        assert all(layout.coordinates(r).tp_rank == c.tp_rank for r in mine["pp"] + mine["dp"])
-        stage = {r for r in world if layout.coordinates(r).pp_rank == c.pp_rank}
+        assert all(grid.coordinates(r).dp_rank == c.dp_rank for r in mine["pp"])
+        assert all(grid.coordinates(r).tp_rank == c.tp_rank for r in mine["pp"] + mine["dp"])
+        stage = {r for r in world if grid.coordinates(r).pp_rank == c.pp_rank}
         assert set(mine["ep"]) <= stage and set(mine["expert_dp"]) <= stage
         if config.tp == 1:  # EP and expert-DP then live inside the DP group
             assert set(mine["ep"]) <= set(mine["dp"]) and set(mine["expert_dp"]) <= set(mine["dp"])
         # expert-DP peers hold the same experts: same EP position, one per EP block
-        assert all(layout.coordinates(r).ep_rank == c.ep_rank for r in mine["expert_dp"])
+        assert all(grid.coordinates(r).ep_rank == c.ep_rank for r in mine["expert_dp"])
         assert set(mine["ep"]) & set(mine["expert_dp"]) == {rank}
 
 
@@ -102,7 +103,7 @@ def test_bad_types_and_world_rejected():
     with pytest.raises(ValueError, match="not divisible by pp x tp = 2 x 3"):
         ParallelConfig.from_world_size(8, pp=2, tp=3)
     with pytest.raises(ValueError, match="rank=8 is outside the world of 8 ranks"):
-        rank_layout(ParallelConfig(2, 4)).coordinates(8)
+        rank_grid(ParallelConfig(2, 4)).coordinates(8)
 
 
 def _sum_over_groups(configs):
@@ -127,14 +128,14 @@ def _create_with_wrong_world():
     return "no error"
 
 
-def test_create_groups_all_reduces_over_layout(rank_pools):
+def test_create_groups_all_reduces_over_the_grid(rank_pools):
     configs = [ParallelConfig(2, 2, 2), ParallelConfig(1, 4, 2), ParallelConfig(4, 1, 1)]
     results = rank_pools(4).run(_sum_over_groups, configs)
     for rank, per_config in enumerate(results):
         for config, (coords, sums) in zip(configs, per_config):
-            layout = rank_layout(config)
-            assert coords == layout.coordinates(rank)
-            for name, ranks in layout.groups_of(rank).items():
+            grid = rank_grid(config)
+            assert coords == grid.coordinates(rank)
+            for name, ranks in grid.groups_of(rank).items():
                 assert sums[name] == (float(sum(ranks)), ranks), (config, rank, name)
 
 
@@ -167,9 +168,9 @@ def test_high_priority_groups_get_nccl_high_priority_streams(monkeypatch):
     monkeypatch.setattr(dist, "new_group", new_group)
     config = ParallelConfig(pp=2, dp=4, ep=2)
     create_groups(config, high_priority=["ep"])
-    layout = rank_layout(config)
+    grid = rank_grid(config)
     with_options = [ranks for ranks, kw in created if kw]
-    assert with_options == list(layout.ep_groups)  # every EP group, and only those
+    assert with_options == list(grid.ep_groups)  # every EP group, and only those
     assert all(kw["pg_options"].is_high_priority_stream for _, kw in created if kw)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     created.clear()

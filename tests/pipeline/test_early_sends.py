@@ -3,10 +3,10 @@
 import pytest
 
 from megapipe.schedule.p2p.early_sends import (
-    EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_layout,
+    EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_posting,
 )
 from megapipe.schedule import build_schedule
-from megapipe.schedule.p2p.comm_check import check_runs
+from megapipe.schedule.p2p.comm_check import check_batches
 from megapipe.schedule.errors import ScheduleError
 from megapipe.schedule.rank_views import lower_schedule
 from support.combined_cases import early_send_order
@@ -28,7 +28,8 @@ def test_early_sends_are_proven_deadlock_free_for_every_combined_schedule(name, 
     lowered = lower_schedule(build_schedule(name, pp, m, vpp=vpp, overlap=True))
     early, found = choose_early_sends(lowered)
     assert found == rule
-    check_runs(lowered, early_layout(lowered, early))  # raises ScheduleError if it could deadlock
+    # raises ScheduleError if it could deadlock
+    check_batches(lowered, early_posting(lowered, early))
     if rule == WHOLE:
         assert early == {}  # each pair's whole batch goes once both halves are done
     if rule == SINGLE:
@@ -36,7 +37,7 @@ def test_early_sends_are_proven_deadlock_free_for_every_combined_schedule(name, 
     if rule != EACH:
         # why not each half: two neighbours that both send early wait on each other
         with pytest.raises(ScheduleError, match="deadlocks"):
-            check_runs(lowered, early_layout(lowered, candidates(lowered)))
+            check_batches(lowered, early_posting(lowered, candidates(lowered)))
 
 
 def test_each_half_sends_before_its_pair_ends(rank_pools):

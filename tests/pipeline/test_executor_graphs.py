@@ -15,8 +15,8 @@ from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule import build_schedule
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.declare import ArgsError
+from megapipe.train.config.declare import ArgsError
+from megapipe.train.config.parse import parse_pretrain_args
 from support.fake_graphs import FakeGraphApi
 
 CONFIG = GPTConfig(hidden_size=16, num_layers=2, num_heads=2, seq_length=8, ffn_hidden_size=32,
@@ -107,10 +107,10 @@ def test_chunked_all_to_alls_capture_the_chunked_attention_node_with_the_same_bi
                             cuda_graph_modules=("attn", "moe_router", "mlp"))):
         stage = build_stage(config, 0, 1)
         with PipelineExecutor(build_schedule("1f1b", 1, 4, overlap=True), {0: stage},
-                              loss_fn=gpt_loss, moe_a2a_chunks=2, **graphs) as executor:
+                              loss_fn=gpt_loss, moe_a2a_waves=2, **graphs) as executor:
             result = executor.step([i[:, :-1] for i in ids], [i[:, 1:] for i in ids])
         runs.append(([result.losses[m] for m in sorted(result.losses)],
                      [accumulated_grad(p) for p in stage.parameters()], result))
     (losses, grads, _), (g_losses, g_grads, graphed) = runs
     assert all(torch.equal(a, b) for a, b in zip(losses + grads, g_losses + g_grads))
-    assert graphed.graph_instances == 4  # the dense node and the chunked attention node, x2
+    assert graphed.graph_instances == 4  # the dense and attention nodes (in waves), x2

@@ -31,9 +31,9 @@ def test_points_are_each_stages_first_forward_last_backward_and_last_gradient(na
             assert stage in points.grads_final[final]
             assert final >= last_b
         firsts = [min(i for i, c in comps if c.stage == s and c.kind is Kind.F)
-                  for s in points.forward_order]
+                  for s in points.forward_stages]
         assert firsts == sorted(firsts)
-        assert sorted(points.forward_order) == sorted(schedule.stages_of_rank(rank))
+        assert sorted(points.forward_stages) == sorted(schedule.stages_of_rank(rank))
 
 
 def test_dualpipe_stages_become_final_only_after_the_mirrored_sum():

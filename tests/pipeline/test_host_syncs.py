@@ -14,7 +14,7 @@ import torch
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.overlap import combined_step, make_streams, record_forward
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.combined_cases import host_sync_run
 from support.host_syncs import HostSyncs, the_one_point
 from support.pipeline_cases import CONFIG, Case, microbatch

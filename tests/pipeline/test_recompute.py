@@ -25,7 +25,7 @@ SETTINGS = {
 EVERYWHERE = ("selective", "full-uniform")
 CHUNKED = {c for c in BITWISE_CASES if c.schedule in ("interleaved-1f1b", "dualpipev")
            and c.pp == 2}
-RUNS = [(case, setting) for case in BITWISE_CASES for setting in SETTINGS
+CASE_SETTINGS = [(case, setting) for case in BITWISE_CASES for setting in SETTINGS
         if setting in EVERYWHERE or case in CHUNKED]
 
 
@@ -36,7 +36,7 @@ def verdicts(rank_pools):
 
     def of(case):
         if case not in found:
-            settings = {name: SETTINGS[name] for c, name in RUNS if c == case}
+            settings = {name: SETTINGS[name] for c, name in CASE_SETTINGS if c == case}
             # plain recompute differs from combined only in who calls the nodes: full recompute
             # is checked plain where chunks hold several layers, combined everywhere
             combined_only = () if case in CHUNKED else ("full-uniform",)
@@ -47,7 +47,8 @@ def verdicts(rank_pools):
     return of
 
 
-@pytest.mark.parametrize("case,setting", RUNS, ids=lambda v: v if isinstance(v, str) else str(v))
+@pytest.mark.parametrize("case,setting", CASE_SETTINGS,
+                         ids=lambda v: v if isinstance(v, str) else str(v))
 def test_recompute_is_bitwise_no_recompute(verdicts, case, setting):
     for rank, per_setting in enumerate(verdicts(case)):
         problems = per_setting[setting]

@@ -4,7 +4,8 @@ The golden file ``golden_sweep.txt`` holds, for every registry schedule and ever
 microbatches 1-24, vpp 1-3 and overlap off/on, the digest of: the schedule's text (or the error
 that refuses the request), its timeline, its lowered text, ``validate``'s verdict, the simulated
 metrics and timeline under two cost models (one with dyadic costs, one with costs like 0.3 that
-round), and the errors ``validate``, ``simulate``, ``lower``, ``check_runs`` and ``apply_overlap``
+round), and the errors ``validate``, ``simulate``, ``lower``, ``check_batches`` and
+``apply_overlap``
 raise on a few perturbed copies (an action swapped, dropped, duplicated, moved, renumbered). The
 file was written by the schedule layer as it was before issue 17 made it fast; the test holds the
 fast layer to the same outputs.
@@ -22,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
-from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, check_runs, lower
+from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, check_batches, lower
 from megapipe.schedule import validate
 from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
@@ -108,7 +109,7 @@ def _validate_text(schedule: Schedule) -> str:
 
 
 def _check_runs_text(schedule: Schedule) -> str:
-    check_runs(schedule)
+    check_batches(schedule)
     return "runs"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from megapipe.schedule import ScheduleError, build_schedule, lower
 from megapipe.schedule.p2p.comm_certificate import certified
-from megapipe.schedule.p2p.comm_check import _computations, _simulate_runs
+from megapipe.schedule.p2p.comm_check import _computations, _simulate_batches
 
 from sweep_outputs import _perturbed
 
@@ -39,7 +39,7 @@ def test_the_proof_never_holds_for_a_stuck_schedule(name, pp, vpp, m):
         source, run = _computations(broken)
         holds = run is not None and certified(broken, run, source)
         try:
-            _simulate_runs(broken)
+            _simulate_batches(broken)
         except ScheduleError:
             assert not holds, f"{how}: proved, but the simulation is stuck"
             refused += 1

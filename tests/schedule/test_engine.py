@@ -12,8 +12,8 @@ import pytest
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, parse_action
 from megapipe.schedule.timing.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.ir import Schedule
-from megapipe.schedule.timing.engine import run_in_order
-from megapipe.schedule.timing.rerun import RUN_ORDER, RunOrder, rerun
+from megapipe.schedule.timing.engine import time_in_order
+from megapipe.schedule.timing.retime import SWEEP_SEQUENCE, SweepSequence, retime
 from megapipe.schedule.timing.timeline import ActionGraph, action_durations, timeline
 from megapipe.sim import Costs, simulate
 
@@ -64,13 +64,13 @@ def schedules():
 @pytest.mark.parametrize("schedule", list(schedules()), ids=lambda s: s.name)
 def test_engine_equals_the_round_robin(schedule):
     start, end, order, stuck, made = round_robin(schedule)
-    run = timeline(schedule)
-    assert run.stuck == stuck
-    assert dict(run.made) == made
+    timed = timeline(schedule)
+    assert timed.stuck == stuck
+    assert dict(timed.made) == made
     for rank, row in enumerate(schedule.actions):
         for index in range(len(row)):
             expected = (start.get((rank, index), -1.0), end.get((rank, index), -1.0))
-            assert (run.start[rank][index], run.end[rank][index]) == expected
+            assert (timed.start[rank][index], timed.end[rank][index]) == expected
     try:
         result = simulate(schedule, Costs(1, 2, 1))  # the same durations as the timeline
     except ScheduleError:
@@ -83,8 +83,8 @@ def test_a_product_made_twice_is_read_as_it_stood():
     # Rank 0 makes 0F0's output twice (ends 1, then 2) before rank 1 comes to read it.
     schedule = Schedule([[parse_action("0F0"), parse_action("0F0")], [parse_action("1F0")]],
                         2, 1, (0, 1))
-    run = timeline(schedule)
-    assert run.start == ((0.0, 1.0), (2.0,))
+    timed = timeline(schedule)
+    assert timed.start == ((0.0, 1.0), (2.0,))
     assert round_robin(schedule)[0][(1, 0)] == 2.0
 
 
@@ -96,28 +96,28 @@ def test_a_rerun_in_a_finished_runs_order_equals_the_engine(schedule, latency):
     step before what it needs is refused (None)."""
     durations = action_durations(schedule.table, dict(DEFAULT_DURATIONS))
     first = ActionGraph.build(schedule, durations)
-    run = run_in_order(first.inputs)
-    if run.stuck or not first.unique:
+    timed = time_in_order(first.inputs)
+    if timed.stuck or not first.unique:
         return
-    found = RunOrder.of(run)
-    plan = ActionGraph.build(schedule, durations * 1.5 + 0.125, latency)
-    expected = run_in_order(plan.inputs)
-    got = rerun(plan, found.order, found.sweep)
+    found = SweepSequence.of(timed)
+    graph = ActionGraph.build(schedule, durations * 1.5 + 0.125, latency)
+    expected = time_in_order(graph.inputs)
+    got = retime(graph, found.sequence, found.sweep)
     assert (got.start, got.end, got.arrive, got.sweep) == (
         expected.start, expected.end, expected.arrive, expected.sweep)
     assert all(type(x) is float for x in got.start + got.end + got.arrive)
-    swapped = found.order.copy()
+    swapped = found.sequence.copy()
     swapped[[0, -1]] = swapped[[-1, 0]]
-    assert rerun(plan, swapped, None) is None
+    assert retime(graph, swapped, None) is None
     # Rank after rank, each in list order: rank 0 would run before what it waits for.
     by_rank = np.arange(len(schedule.table))
-    if (plan.need[: schedule.table.offsets[1]] >= 0).any():
-        assert rerun(plan, by_rank, None) is None
+    if (graph.need[: schedule.table.offsets[1]] >= 0).any():
+        assert retime(graph, by_rank, None) is None
 
 
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "1f1b", "zb1p", "zbv"])
 def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
-    """The pass times the original in the order its first candidate ran (a rerun, kept only
+    """The pass times the original in the order its first candidate ran (a retiming, kept only
     when that order holds): the same timeline as a fresh engine run."""
     schedule = build_schedule(name, 4, 12, **({"vpp": 2} if name == "interleaved-1f1b" else {}))
     apply_overlap(schedule)
@@ -126,14 +126,14 @@ def test_the_overlap_pass_times_the_original_as_the_engine_does(name):
     assert (rerun_run.start, rerun_run.end, rerun_run.stuck, dict(rerun_run.made)) == (
         fresh.start, fresh.end, fresh.stuck, dict(fresh.made))
     if name == "interleaved-1f1b":  # no W between a pair's halves: the order holds
-        assert RUN_ORDER.of(schedule) is None  # the engine did not run on it
+        assert SWEEP_SEQUENCE.of(schedule) is None  # the engine did not run on it
 
 
 def test_a_rerun_refuses_an_order_that_repeats_a_step():
     schedule = build_schedule("1f1b", 2, 3)
-    plan = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
-    run = run_in_order(plan.inputs)
-    order = RunOrder.of(run).order.copy()
-    assert rerun(plan, order, None) is not None
+    graph = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    timed = time_in_order(graph.inputs)
+    order = SweepSequence.of(timed).sequence.copy()
+    assert retime(graph, order, None) is not None
     order[-1] = order[-2]  # the last step twice, another never
-    assert rerun(plan, order, None) is None
+    assert retime(graph, order, None) is None

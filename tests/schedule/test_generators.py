@@ -7,7 +7,7 @@ import pytest
 from megapipe.schedule import Kind, build_schedule, validate
 from megapipe.schedule.families.dualpipe import dualpipe, dualpipev
 from megapipe.schedule.families.interleaved import (
-    interleaved_1f1b, megatron_chunk_order, megatron_warmup,
+    interleaved_1f1b, megatron_chunk_sequence, megatron_warmup,
 )
 from megapipe.schedule.ir import loop_placement, v_placement
 from megapipe.schedule.families.simple import gpipe, one_f_one_b
@@ -44,9 +44,9 @@ def test_gpipe_by_hand():
     assert texts(gpipe(2, 3).actions[1]) == "1F0 1F1 1F2 1B0 1B1 1B2"
 
 
-def test_megatron_chunk_order_matches_megatron_docstring_example():
+def test_megatron_chunk_sequence_matches_megatron_docstring_example():
     # Megatron's example: PP2, N=3 (group size), M=5, VP2.
-    order = megatron_chunk_order(5, 2, 3)
+    order = megatron_chunk_sequence(5, 2, 3)
     assert [mb for mb, _ in order] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
     assert [chunk for _, chunk in order] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
 

@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megapipe.schedule import ScheduleError, build_schedule, check_runs, lower
+from megapipe.schedule import ScheduleError, build_schedule, check_batches, lower
 from megapipe.schedule.timing.deps import message_of_comm, received_message, sent_message
 from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import (
     COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
 )
-from megapipe.schedule.p2p.comm_check import check_channel_order
+from megapipe.schedule.p2p.comm_check import check_channel_matching
 
 # (name, pp, vpp, microbatches): a spread over every registered schedule, including odd pp,
 # M not a multiple of pp where allowed, and the smallest M each schedule takes.
@@ -42,7 +42,7 @@ def two_rank_schedule(text: str, microbatches: int = 1) -> Schedule:
 def test_every_schedule_lowers_without_deadlock(name, pp, vpp, m, overlap):
     schedule = build_schedule(name, pp, m, vpp=vpp, overlap=overlap)
     lowered = lower(schedule)
-    check_runs(lowered)
+    check_batches(lowered)
     # Compute actions are untouched, in order.
     for old, new in zip(schedule.actions, lowered.actions):
         assert [a for a in new if a.is_compute] == list(old)
@@ -97,7 +97,7 @@ def test_recvs_posted_when_the_data_is_sent(name, vpp, overlap, durations):
     schedule = build_schedule(name, 4, 8, vpp=vpp, overlap=overlap)
     run = timeline(schedule, durations)
     lowered = lower(schedule, durations)
-    check_runs(lowered)
+    check_batches(lowered)
     sent_at = {}
     for rank, row in enumerate(schedule.actions):
         for k, action in enumerate(row):
@@ -135,12 +135,12 @@ def test_lowered_text_and_csv_round_trip(tmp_path, name, vpp):
     loaded = read_csv(path, bidirectional=lowered.bidirectional)
     assert loaded.actions == lowered.actions
     assert loaded.stage_to_rank == lowered.stage_to_rank
-    check_runs(loaded)
+    check_batches(loaded)
 
 
 def test_channel_order_matching():
     lowered = lower(build_schedule("1f1b", 2, 3))
-    matching = check_channel_order(lowered)
+    matching = check_channel_matching(lowered)
     for (rank, index), (peer, peer_index) in matching.items():
         assert matching[(peer, peer_index)] == (rank, index)
         assert message_of_comm(lowered, lowered.actions[rank][index]) == message_of_comm(
@@ -155,7 +155,7 @@ def test_swapped_recv_order_is_caught():
     row[first], row[second] = row[second], row[first]
     broken = lowered.replace_actions([lowered.actions[0], row])
     with pytest.raises(ScheduleError, match=r"rank 1, action 1RECV_F1: is message 0 from rank 0"):
-        check_runs(broken)
+        check_batches(broken)
 
 
 @pytest.mark.parametrize("removed, error", [
@@ -167,7 +167,7 @@ def test_missing_send_or_recv_is_caught(removed, error):
     row = [a for a in lowered.actions[0] if str(a) != removed]
     broken = lowered.replace_actions([row, lowered.actions[1]])
     with pytest.raises(ScheduleError, match=error):
-        check_runs(broken)
+        check_batches(broken)
 
 
 def test_nccl_head_of_line_deadlock_is_caught():
@@ -175,7 +175,7 @@ def test_nccl_head_of_line_deadlock_is_caught():
     # so rank 1 never gets F0's output and never sends the gradient.
     broken = two_rank_schedule("0RECV_B0 0F0 0SEND_F0 0B0\n1RECV_F0 1F0 1B0 1SEND_B0")
     with pytest.raises(ScheduleError) as err:
-        check_runs(broken)
+        check_batches(broken)
     message = str(err.value)
     assert "deadlocks, stuck ranks [0, 1]" in message
     assert "rank 0 ran its list" not in message
@@ -183,26 +183,26 @@ def test_nccl_head_of_line_deadlock_is_caught():
     assert "rank 1 at 1F0 waits for 1RECV_F0" in message
     assert "rank 0's earlier batches to complete before its 0SEND_F0" in message
     # The same ops with the SEND first (as lower places them) run.
-    check_runs(two_rank_schedule("0F0 0SEND_F0 0RECV_B0 0B0\n1RECV_F0 1F0 1B0 1SEND_B0"))
+    check_batches(two_rank_schedule("0F0 0SEND_F0 0RECV_B0 0B0\n1RECV_F0 1F0 1B0 1SEND_B0"))
 
 
 def test_recv_after_its_consumer_is_caught():
     broken = two_rank_schedule("0F0 0SEND_F0 0RECV_B0 0B0\n1F0 1RECV_F0 1B0 1SEND_B0")
     expected = r"rank 1 at 1F0 waits for 1RECV_F0, which is posted only after it"
     with pytest.raises(ScheduleError, match=expected):
-        check_runs(broken)
+        check_batches(broken)
 
 
 def test_compute_only_schedule_has_no_recvs():
     expected = r"rank 1 at 1F0 waits for a RECV of 0F0 \(rank 0\) that is never posted"
     with pytest.raises(ScheduleError, match=expected):
-        check_runs(build_schedule("1f1b", 2, 2))
+        check_batches(build_schedule("1f1b", 2, 2))
 
 
 def test_send_before_its_computation_is_caught():
     broken = two_rank_schedule("0SEND_F0 0F0 0RECV_B0 0B0\n1RECV_F0 1F0 1B0 1SEND_B0")
     with pytest.raises(ScheduleError, match=r"rank 0, action 0SEND_F0: sends the result of 0F0"):
-        check_runs(broken)
+        check_batches(broken)
 
 
 def test_comm_inside_one_rank_is_caught():
@@ -213,18 +213,18 @@ def test_comm_inside_one_rank_is_caught():
     broken = lowered.replace_actions([lowered.actions[0], row])
     expected = r"rank 1, action 1SEND_F0: both stages are on this rank"
     with pytest.raises(ScheduleError, match=expected):
-        check_runs(broken)
+        check_batches(broken)
 
 
 def test_comm_on_wrong_rank_or_without_peer_is_caught():
     lowered = lower(build_schedule("1f1b", 2, 1))
     expected = r"rank 0, action 1RECV_F0: stage 1 is placed on rank 1"
     with pytest.raises(ScheduleError, match=expected):
-        check_runs(lowered.replace_actions([list(lowered.actions[0]) + [parse_action("1RECV_F0")],
-                                            lowered.actions[1]]))
+        actions = [list(lowered.actions[0]) + [parse_action("1RECV_F0")], lowered.actions[1]]
+        check_batches(lowered.replace_actions(actions))
     with pytest.raises(ScheduleError, match=r"rank 1, action 1SEND_F0: .*no peer"):
-        check_runs(lowered.replace_actions([lowered.actions[0],
-                                            list(lowered.actions[1]) + [parse_action("1SEND_F0")]]))
+        actions = [lowered.actions[0], list(lowered.actions[1]) + [parse_action("1SEND_F0")]]
+        check_batches(lowered.replace_actions(actions))
 
 
 def test_lower_rejects_lowered_and_stuck_schedules():
@@ -272,4 +272,4 @@ def test_property_any_durations_lower_deadlock_free(case, overlap, costs):
     # Durations only move RECVs; the placement stays deadlock-free and order-matched for any.
     name, pp, vpp, m = case
     durations = dict(zip((Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP), costs))
-    check_runs(lower(build_schedule(name, pp, m, vpp=vpp, overlap=overlap), durations))
+    check_batches(lower(build_schedule(name, pp, m, vpp=vpp, overlap=overlap), durations))

@@ -11,7 +11,7 @@ from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, vali
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
 from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.p2p.lower import lower
-from megapipe.schedule.combine.combine_pass import (
+from megapipe.schedule.overlap_pass.apply import (
     critical_path,
     makespan,
     pair_is_independent,

@@ -12,7 +12,7 @@ from megapipe.schedule.rank_views import (
 )
 from megapipe.schedule import SCHEDULES, Kind, build_schedule
 from megapipe.schedule.checks.validate import VALID
-from megapipe.schedule.p2p.comm_check import RUNS, check_runs
+from megapipe.schedule.p2p.comm_check import BATCHES_FINISH, check_batches
 
 VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "zb1p": 2}
 
@@ -23,7 +23,7 @@ VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-b
 def test_forward_only_view_is_deadlock_free(name, pp, overlap):
     schedule = build_schedule(name, pp, 2 * pp * 2, vpp=VPP.get(name, 1), overlap=overlap)
     view = forward_only_schedule(lower_schedule(schedule))
-    check_runs(view)  # raises ScheduleError naming the stuck ranks if it could hang
+    check_batches(view)  # raises ScheduleError naming the stuck ranks if it could hang
     kinds = {a.kind for row in view.actions for a in row}
     assert kinds <= {Kind.F, Kind.SEND_F, Kind.RECV_F}
     forwards = sum(a.kind is Kind.F for row in view.actions for a in row)
@@ -46,6 +46,6 @@ def test_checked_lowering_is_worked_out_once_per_schedule():
     schedule = build_schedule("interleaved-1f1b", 4, 8, vpp=2, overlap=True)
     lowered = checked_lowering(schedule)
     assert lowered is checked_lowering(schedule)  # kept with the schedule
-    assert VALID.of(schedule) and RUNS.of(lowered)
+    assert VALID.of(schedule) and BATCHES_FINISH.of(lowered)
     assert checked_lowering(lowered) is lowered  # a lowered schedule is checked as it is
     assert lowered.row(2) == lowered.actions[2]

@@ -13,7 +13,7 @@ from megapipe.schedule.ir import Action, Kind
 from megapipe.sim import Costs, simulate
 from megapipe.schedule.p2p.early_sends import EACH, WHOLE
 from megapipe.sim.costs import AT_END, NodeCosts
-from megapipe.sim.pick import choose_a2a_chunks
+from megapipe.sim.pick import choose_a2a_waves
 from megapipe.sim.programs import half_ends, node_ops, op_times
 from megapipe.sim.profile import NodeProfile, role_of
 
@@ -28,7 +28,7 @@ def span(ops) -> float:
 
 def test_the_profile_of_the_issue_and_its_errors():
     assert DEEPSEEK.time("attn", "B") == 9.5 and DEEPSEEK.time("combine", "F") == 8.7
-    assert DEEPSEEK.time("mlp", "F", chunks=2) == 2.3 and DEEPSEEK.time("attn", "F", 2) == 4.1
+    assert DEEPSEEK.time("mlp", "F", waves=2) == 2.3 and DEEPSEEK.time("attn", "F", 2) == 4.1
     assert DEEPSEEK.time("head", "F") == 0.0  # optional parts absent: no time
     data = json.loads(PROFILE_FILE.read_text())
     with pytest.raises(ValueError, match=r"compute.mlp_W must be a finite number of ms >= 0, got -1"):
@@ -69,8 +69,8 @@ def test_the_steady_state_pair_of_four_deepseek_layers():
 
 
 def test_a_program_keeps_each_stream_in_order_and_each_node_after_its_inputs():
-    for chunks in (1, 3):
-        nodes = NodeCosts(DEEPSEEK, 2, 2, a2a_chunks=chunks, defer_wgrad=True)
+    for waves in (1, 3):
+        nodes = NodeCosts(DEEPSEEK, 2, 2, a2a_waves=waves, defer_wgrad=True)
         for action in (PAIR, Action(0, Kind.F, 0), Action(1, Kind.B, 0)):
             ops = node_ops(action, nodes)
             times = op_times(ops, 5.0)
@@ -83,10 +83,10 @@ def test_a_program_keeps_each_stream_in_order_and_each_node_after_its_inputs():
 
 def test_chunks_pipeline_a_lone_forward():
     plain = span(node_ops(Action(1, Kind.F, 0), NodeCosts(DEEPSEEK, 3, 4)))
-    chunked = span(node_ops(Action(1, Kind.F, 0), NodeCosts(DEEPSEEK, 3, 4, a2a_chunks=2)))
+    waved = span(node_ops(Action(1, Kind.F, 0), NodeCosts(DEEPSEEK, 3, 4, a2a_waves=2)))
     assert plain == pytest.approx(4 * DEEPSEEK.layer_time("F"))
-    # two chunks: each layer is attention + its comm chain (the experts hide): 4 x 19.5
-    assert chunked == pytest.approx(78.0)
+    # two waves: each layer is attention + its comm chain (the experts hide): 4 x 19.5
+    assert waved == pytest.approx(78.0)
 
 
 def test_a_plain_run_is_its_nodes_in_sequence():
@@ -99,10 +99,10 @@ def test_a_plain_run_is_its_nodes_in_sequence():
 def test_the_chunk_default_comes_from_the_costs():
     schedule = build_schedule("interleaved-1f1b", 2, 8, vpp=2, overlap=True)
     nodes = NodeCosts(DEEPSEEK, schedule.num_stages, 2, defer_wgrad=True)
-    assert choose_a2a_chunks(schedule, nodes) == 2  # 3 and 4 gain under 1% more
-    assert choose_a2a_chunks(schedule, nodes, max_chunks=1) == 1
+    assert choose_a2a_waves(schedule, nodes) == 2  # 3 and 4 gain under 1% more
+    assert choose_a2a_waves(schedule, nodes, max_waves=1) == 1
     free_comm = NodeProfile({k: v for k, v in DEEPSEEK.times.items() if k[0] in ("attn", "mlp")})
-    assert choose_a2a_chunks(schedule, replace(nodes, profile=free_comm)) == 1
+    assert choose_a2a_waves(schedule, replace(nodes, profile=free_comm)) == 1
 
 
 def test_the_combined_schedule_hides_most_of_the_all_to_all():

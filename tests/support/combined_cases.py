@@ -25,7 +25,7 @@ from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
 from support.pipeline_cases import (
     CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,
@@ -36,13 +36,13 @@ GRAPH_MODULES = ("attn", "moe_router", "mlp")
 
 
 def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = False,
-         bf16: bool = False, chunks: int = 1, graphs: bool = False):
+         bf16: bool = False, waves: int = 1, graphs: bool = False):
     """One training step of ``case``: (losses, {(stage, name): grad}, StepResult, wall s).
 
     ``config``: the model (default: the case's, ``Case.config``).
     ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
-    trains with); the gradients compared are then the float32 main gradients. ``chunks``: the
-    all-to-alls in that many expert groups (``moe_a2a_chunks``). ``graphs``: the static nodes
+    trains with); the gradients compared are then the float32 main gradients. ``waves``: the
+    all-to-alls in that many expert groups (``moe_a2a_waves``). ``graphs``: the static nodes
     as CUDA graphs, through the CPU stand-in (``fake_graphs``)."""
     config = case.config if config is None else config
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
@@ -60,7 +60,7 @@ def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = Fals
     data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
     with PipelineExecutor(
         schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
-        delay_wgrad_compute=delay, record_trace=trace, moe_a2a_chunks=chunks,
+        delay_wgrad_compute=delay, record_trace=trace, moe_a2a_waves=waves,
         **(dict(cuda_graph_impl="local", cuda_graph_modules=GRAPH_MODULES,
                 graph_api=FakeGraphApi()) if graphs else {}),
     ) as executor:
@@ -346,26 +346,26 @@ def early_send_order(case: Case) -> dict | None:
     return {"log": log, "differences": _differences(plain, (losses, grads))}
 
 
-def chunked_cases(cases: list[Case]) -> list[dict | None]:
+def wave_cases(cases: list[Case]) -> list[dict | None]:
     """Per case: what differs between the plain schedule and the combined one with the
-    all-to-alls in 2 chunks (with and without deferred weight gradients), and, from the trace,
-    the nodes of one microbatch that ran side by side (a chunk's all-to-all beside another's
-    experts: only lone steps do that)."""
+    all-to-alls in 2 waves (with and without deferred weight gradients), and, from the trace,
+    the nodes of one microbatch that ran side by side (a wave's all-to-all beside another's
+    experts: only lone actions do that)."""
     prepare_groups([ParallelConfig(c.pp, c.dp, c.ep) for c in cases])
     out = []
     for case in cases:
         if dist.get_rank() < case.world:
             plain = _run(case, overlap=False, delay=False)
-            chunked = _run(case, overlap=True, delay=False, chunks=2, trace=True)
-            delayed = _run(case, overlap=True, delay=True, chunks=2)
-            problems = [f"chunked: {p}" for p in _differences(plain, chunked)]
-            problems += [f"chunked+delay: {p}" for p in _differences(plain, delayed)]
+            waved = _run(case, overlap=True, delay=False, waves=2, trace=True)
+            delayed = _run(case, overlap=True, delay=True, waves=2)
+            problems = [f"waved: {p}" for p in _differences(plain, waved)]
+            problems += [f"waves+delay: {p}" for p in _differences(plain, delayed)]
             same_microbatch, pairings = [], set()
-            for slot in chunked[2].trace.slots():
+            for slot in waved[2].trace.slots():
                 nodes = [s for s in slot if s.direction in ("F", "B")]
                 if len(nodes) == 2 and nodes[0].microbatch == nodes[1].microbatch:
                     same_microbatch.append(sorted(n.node.split(".")[-1] for n in nodes))
-                if {n.direction for n in nodes} == {"F", "B"}:  # a pair: chunks grouped
+                if {n.direction for n in nodes} == {"F", "B"}:  # a pair: waves grouped
                     pairings.add(frozenset(
                         (n.direction, n.node.split(".")[-1].rstrip("0123456789")) for n in nodes
                     ))

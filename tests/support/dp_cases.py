@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.pipeline.grad_sync import is_expert_param
-from megapipe.train.dp_sync import DataParallelSync
-from megapipe.train.grad_buffers import stage_buffers
+from megapipe.train.optim.dp_sync import DataParallelSync
+from megapipe.train.optim.grad_buffers import stage_buffers
 
 
 def _toy(seed: int) -> nn.Module:
@@ -117,10 +117,10 @@ def gather_outside_forward_case() -> str:
 
 def optimizer_state_bytes(argv: list[str]) -> int:
     """Bytes of optimizer state on this rank for the job the flags build."""
-    from megapipe.train.args import parse_pretrain_args
-    from megapipe.train.checkpoint import ensure_optimizer_state
+    from megapipe.train.checkpoint.state import ensure_optimizer_state
+    from megapipe.train.config.parse import parse_pretrain_args
     from megapipe.train.job import build_job
-    from megapipe.train.optim import optimizer_state_bytes
+    from megapipe.train.optim.adamw import optimizer_state_bytes
 
     job = build_job(parse_pretrain_args(argv, env={}))
     try:

@@ -20,11 +20,11 @@ import megapipe.train.loop as loop
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.overlap.streams import WorkerStream
 from megapipe.parallel.config import ParallelConfig
-from megapipe.parallel.groups import assemble_groups, rank_layout
+from megapipe.parallel.groups import assemble_groups, rank_grid
 from megapipe.pipeline.grad_sync import all_reduce_grads
 from megapipe.pipeline.p2p import CommOp, PipelineP2P, TensorSpec
 from megapipe.schedule.ir import parse_action
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.failures import describe_failure
 
 
@@ -58,8 +58,8 @@ def _all_to_all(group) -> None:
 
 
 def _gradient_reduction(group) -> None:
-    layout = rank_layout(ParallelConfig(pp=1, dp=2, ep=1))
-    groups = assemble_groups(layout, 0, lambda name, ranks: group)
+    grid = rank_grid(ParallelConfig(pp=1, dp=2, ep=1))
+    groups = assemble_groups(grid, 0, lambda name, ranks: group)
     stage = nn.Linear(2, 2)
     stage(torch.ones(1, 2)).sum().backward()
     all_reduce_grads({0: stage}, groups)

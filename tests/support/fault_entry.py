@@ -26,7 +26,7 @@ from dataclasses import replace
 import megapipe.train.loop as loop
 import megapipe.train.main as entry
 from megapipe.pipeline.executor import PipelineExecutor
-from megapipe.train.resume import ResumeChoice
+from megapipe.train.checkpoint.resume import ResumeChoice
 
 ACTIONS_BEFORE_FAULT = 3
 _REFERENCE_RUNNING = {"now": False}

@@ -24,7 +24,7 @@ from megapipe.moe.experts import GroupedExperts
 from megapipe.moe.seeding import seeded_normal
 from megapipe.parallel.config import ParallelConfig
 from megapipe.schedule import build_schedule
-from megapipe.train.checkpoint import save_checkpoint
+from megapipe.train.checkpoint.state import save_checkpoint
 from support.pipeline_cases import subworld_groups
 
 # rope + GQA (2 query groups) + QK norm + untied, head dim 12 (kv_channels, not hidden/heads),

@@ -11,7 +11,7 @@ same calls are made, so they can be counted: ``HostSyncs`` records
 - ``Tensor.tolist``, ``Tensor.cpu`` and ``Tensor.numpy`` — which dispatch nothing for CPU
   tensors, so the methods are wrapped;
 
-each with the node running on that thread (the tape's forward or backward step of a node
+each with the node running on that thread (the tape's forward or backward action of a node
 plan; None outside every node), its direction and the innermost megapipe function on the stack.
 A dispatch mode is per thread, so it is entered on the calling thread for the whole ``with``
 block and, inside every node step, on whichever thread runs it (the CPU comm stream's worker).

@@ -20,12 +20,12 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.overlap.main_grad import accumulated_grad, zero_grads
 from megapipe.parallel.config import ParallelConfig
-from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_layout
+from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_grid
 from megapipe.pipeline.executor import PipelineExecutor
-from megapipe.schedule.rank_views import in_flight_limit
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, build_schedule
-from megapipe.train.mixed_precision import cast_to_bf16
+from megapipe.schedule.rank_views import in_flight_limit
+from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 MICRO_BATCH = 2
 CONFIG = GPTConfig(
@@ -103,7 +103,7 @@ def prepare_groups(configs: list[ParallelConfig]) -> None:
             tuple(ranks)
             for config in configs
             for kind in GROUP_NAMES
-            for ranks in getattr(rank_layout(config), f"{kind}_groups")
+            for ranks in getattr(rank_grid(config), f"{kind}_groups")
         }
     )
     for ranks in needed:
@@ -115,7 +115,7 @@ def subworld_groups(config: ParallelConfig) -> ProcessGroups:
     """``create_groups`` for the first ``config.world_size`` ranks of a larger pool."""
     prepare_groups([config])
     return assemble_groups(
-        rank_layout(config), dist.get_rank(), lambda name, ranks: _GROUPS_BY_RANKS[ranks]
+        rank_grid(config), dist.get_rank(), lambda name, ranks: _GROUPS_BY_RANKS[ranks]
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megapipe.train.args import parse_pretrain_args
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
 from megapipe.train.main import main
 from support.pretrain_flags import TINY
@@ -71,7 +71,7 @@ def test_more_processes_than_gpus_is_one_line_and_exit_2(monkeypatch, capsys):
     code = main(TINY + ["--nproc", "4"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "4 processes on this node" in err and "it has 2 GPU(s)" in err
+    assert "4 processes on this host" in err and "it has 2 GPU(s)" in err
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -7,12 +7,12 @@ import torch
 from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
-from megapipe.train.checkpoint import checkpoint_entries, ensure_optimizer_state
-from megapipe.train.checkpoint_files import (
+from megapipe.train.checkpoint.files import (
     DESCRIPTOR_FILE, FORMAT, LATEST_FILE, CheckpointError, file_digest, iteration_dir,
     prepare_temporary, prune, publish, select_checkpoint, temporary_dir,
 )
-from megapipe.train.optim import build_optimizer
+from megapipe.train.checkpoint.state import checkpoint_entries, ensure_optimizer_state
+from megapipe.train.optim.adamw import build_optimizer
 
 
 class _Part(nn.Module):
@@ -130,5 +130,5 @@ def test_descriptor_of_another_format_is_refused_by_name(tmp_path):
     data["format"] = 1
     (path / DESCRIPTOR_FILE).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="has format 1; this megapipe reads format 2"):
-        from megapipe.train.checkpoint_files import check_complete
+        from megapipe.train.checkpoint.files import check_complete
         check_complete(path)

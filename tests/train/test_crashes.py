@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megapipe.train.checkpoint_files import LATEST_FILE, select_checkpoint
+from megapipe.train.checkpoint.files import LATEST_FILE, select_checkpoint
 
 from support.pretrain_flags import TINY
 

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint_files import LATEST_FILE
+from megapipe.train.checkpoint.files import LATEST_FILE
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
-from megapipe.train.trace_summary import summarize_file
+from megapipe.train.observe.trace_summary import summarize_file
 
 from support.dp_cases import optimizer_state_bytes
 from support.pretrain_flags import TINY
@@ -61,7 +61,7 @@ def test_activation_memory_is_reported_as_before(rank_pools):
     ["--overlap-grad-reduce", *BUCKETS, "--bf16"],
     ["--use-distributed-optimizer", "--bf16"],
     ["--pipeline-schedule", "zbv", *ALL],
-    ["--delay-wgrad-compute", "--moe-a2a-chunks", "2", *ALL],
+    ["--delay-wgrad-compute", "--moe-a2a-waves", "2", *ALL],
     ["--pipeline-schedule", "dualpipe", "--virtual-pipeline-model-parallel-size", "1",
      "--global-batch-size", "16", *ALL],
 ], ids=["grad-reduce", "grad-reduce-bf16", "dist-opt-bf16", "zbv", "deferred-wgrad", "dualpipe"])

@@ -8,9 +8,9 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.declare import ArgsError, at_least, build_parser, flag, one_of, parse_flags
-from megapipe.train.flags import PretrainFlags
+from megapipe.train.config.declare import ArgsError, at_least, build_parser, flag, one_of, parse_flags
+from megapipe.train.config.flags import PretrainFlags
+from megapipe.train.config.parse import parse_pretrain_args
 
 
 def _each_module(name: str, modules: tuple[str, ...]) -> str | None:
@@ -50,6 +50,15 @@ def test_a_flag_declared_once_is_parsed_listed_and_checked():
         with pytest.raises(ArgsError) as err:
             _parse(argv)
         assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
+
+
+def test_a_renamed_flag_is_refused_naming_its_new_name():
+    for argv in (["--moe-a2a-chunks", "2"], ["--moe-a2a-chunks"]):
+        with pytest.raises(ArgsError, match=r"^argument --moe-a2a-chunks: renamed: use "
+                           r"--moe-a2a-waves$"):
+            parse_flags(PretrainFlags, argv, "megapipe pretrain")
+    assert parse_flags(PretrainFlags, ["--moe-a2a-waves", "2"], "p").moe_a2a_waves == 2
+    assert "--moe-a2a-chunks" not in build_parser(PretrainFlags, "p", "").format_help()
 
 
 def test_every_pretrain_flag_is_in_help_under_its_megatron_name():

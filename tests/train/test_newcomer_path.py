@@ -37,7 +37,7 @@ from megapipe.hf.checkpoint_reader import (  # noqa: E402
     config_of, copy_into_stage, find_checkpoint, read_model_state,
 )
 from megapipe.models.split import build_stage  # noqa: E402
-from megapipe.train.args import parse_pretrain_args  # noqa: E402
+from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
 from megapipe.train.loop import train  # noqa: E402
 
 MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",

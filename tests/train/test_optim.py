@@ -7,7 +7,7 @@ from torch import nn
 
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import create_groups
-from megapipe.train.optim import (
+from megapipe.train.optim.adamw import (
     LRSchedule,
     build_optimizer,
     clip_grads,
@@ -99,7 +99,7 @@ def test_optimizer_skips_weight_decay_on_vectors_and_counts_shared_params_once()
 
 
 def _bf16_model(seed: int) -> nn.Module:
-    from megapipe.train.mixed_precision import cast_to_bf16
+    from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))

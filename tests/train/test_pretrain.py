@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from megapipe.train.args import ArgsError, parse_pretrain_args
-from megapipe.train.data import (
+from megapipe.data.raw_text import (
     END_OF_DOCUMENT, load_tokens, resolve_data_files, split_corpus, validation_batches,
 )
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
 
@@ -88,10 +88,10 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--delay-wgrad-compute", "--no-overlap-moe-expert-parallel-comm"],
      "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm"),
     (["--save-interval", "5"], "--save-interval needs --save DIR"),
-    (["--moe-a2a-chunks", "3"], "--moe-a2a-chunks=3 exceeds the 2 experts each EP rank holds"),
-    (["--moe-a2a-chunks", "2", "--no-overlap-moe-expert-parallel-comm"],
-     "--moe-a2a-chunks=2 needs --overlap-moe-expert-parallel-comm"),
-    (["--moe-a2a-chunks", "0"], "--moe-a2a-chunks=0 must be >= 1"),
+    (["--moe-a2a-waves", "3"], "--moe-a2a-waves=3 exceeds the 2 experts each EP rank holds"),
+    (["--moe-a2a-waves", "2", "--no-overlap-moe-expert-parallel-comm"],
+     "--moe-a2a-waves=2 needs --overlap-moe-expert-parallel-comm"),
+    (["--moe-a2a-waves", "0"], "--moe-a2a-waves=0 must be >= 1"),
     (["--recompute-granularity", "full"],
      "--recompute-granularity full needs --recompute-method uniform or block"),
     (["--recompute-num-layers", "2"], "--recompute-num-layers=2 needs --recompute-granularity full"),
@@ -159,7 +159,7 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     # deferring the expert weight gradients changes when they run, not the bits; measuring
     # the activation memory changes none either, nor does splitting the all-to-alls into expert
     # groups (each alone is checked bitwise in tests/pipeline and tests/overlap)
-    changed = base + ["--delay-wgrad-compute", "--log-activation-memory", "--moe-a2a-chunks", "2"]
+    changed = base + ["--delay-wgrad-compute", "--log-activation-memory", "--moe-a2a-waves", "2"]
     assert rank_pools(4).run(_train, changed)[0].losses == interleaved
     # the other families (zbv and dualpipe are checked bitwise against plain in tests/pipeline)
     for flags in (["--pipeline-schedule", "dualpipev"],

@@ -7,9 +7,9 @@ import pytest
 
 from megapipe.cli import main as cli_main
 from megapipe.schedule import build_schedule
-from megapipe.train.args import ArgsError, parse_pretrain_args
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
-from megapipe.train.profiling import torch_trace_path
+from megapipe.train.observe.profiling import torch_trace_path
 from support.pretrain_flags import TINY
 
 PP2 = TINY + ["--nproc", "2", "--expert-model-parallel-size", "1",

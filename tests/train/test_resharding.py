@@ -4,8 +4,8 @@ import shutil
 
 import pytest
 
-from megapipe.train.args import parse_pretrain_args
-from megapipe.train.checkpoint_files import LATEST_FILE
+from megapipe.train.checkpoint.files import LATEST_FILE
+from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
 
 from support.pretrain_flags import TINY

@@ -10,7 +10,7 @@ refused in one line before any process group.
 
 import pytest
 
-from megapipe.train.args import ArgsError, parse_pretrain_args
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
 

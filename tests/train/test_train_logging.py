@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from megapipe.train.logging import NonFiniteLossError, TrainingLogger
+from megapipe.train.observe.logging import NonFiniteLossError, TrainingLogger
 
 
 def test_line_every_interval_with_means_and_na_fraction():

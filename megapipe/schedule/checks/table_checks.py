@@ -179,7 +179,7 @@ def _check_missing(schedule: Schedule, has: dict[int, np.ndarray]) -> None:
         )
 
 
-def check_rank_order(schedule: Schedule) -> None:
+def check_list_order(schedule: Schedule) -> None:
     """On a rank: F before B/I before W of the same stage and microbatch; between adjacent
     stages on the same rank, F of stage s before F of s+1 and the backwards the other way."""
     comps = compute_comps(schedule)
@@ -193,14 +193,14 @@ def check_rank_order(schedule: Schedule) -> None:
         mine = comps.kind == code
         pos[code][cell[mine]] = position[mine]
     keys = np.flatnonzero(pos[F] >= 0)
-    wrong = _order_errors(schedule, pos, keys)
+    wrong = _list_order_errors(schedule, pos, keys)
     if not any(w.any() for w in wrong):
         return
     # Name the first broken cell in the order cells first appear in the lists.
     first_seen = np.full(cells, len(cell), dtype=np.int64)
     np.minimum.at(first_seen, cell, np.arange(len(cell)))
     keys = keys[np.argsort(first_seen[keys], kind="stable")]
-    wrong = _order_errors(schedule, pos, keys)
+    wrong = _list_order_errors(schedule, pos, keys)
     stage, mb = keys // m, keys % m
     has_b = pos[B][keys] >= 0
     nxt = np.where(wrong[2] | wrong[3], keys + m, keys)
@@ -224,7 +224,7 @@ def check_rank_order(schedule: Schedule) -> None:
         f"gradient of stage {s + 1}", rank, Action(s, back_kind, i))
 
 
-def _order_errors(schedule: Schedule, pos: dict, keys: np.ndarray) -> list[np.ndarray]:
+def _list_order_errors(schedule: Schedule, pos: dict, keys: np.ndarray) -> list[np.ndarray]:
     """Per (stage, microbatch) cell in ``keys``, whether each of the four order rules breaks:
     backward before forward, W before I, and (adjacent stages on one rank) the next stage's F
     before this F, this backward before the next stage's."""

@@ -11,24 +11,25 @@ the action and the rule):
    adjacent stages on the same rank, F of stage s before F of stage s+1 and backward the reverse;
 5. progress: with every rank running its list in order and each action waiting for the actions
    it needs from other stages, every rank finishes (no cycle of waits across ranks);
-6. lowered run: the schedule with SEND/RECV added (``lower``) finishes under the batched p2p model
-   of ``check_runs``. A schedule that already holds SEND/RECV actions is checked as it is.
+6. lowered batches: the schedule with SEND/RECV added (``lower``) finishes under the batched p2p
+   model of ``check_batches``. A schedule that already holds SEND/RECV actions is checked as it is.
 
 Rules 1-4 are array checks over every action at once (``table_checks``); 5 runs the schedule's
-timeline (kept for lowering); 6 proves the lowered run in O(actions) (``comm_certificate``) and
-simulates it only where the proof does not hold. A passed schedule is not checked again.
+timeline (kept for lowering); 6 proves the lowered schedule finishes in O(actions)
+(``comm_certificate``) and simulates it only where the proof does not hold. A passed schedule is not
+checked again.
 """
 
 from __future__ import annotations
 
 from ..errors import ScheduleError
 from ..ir import Action, Derived, Schedule
-from ..p2p.comm_check import check_runs
+from ..p2p.comm_check import check_batches
 from ..p2p.lower import lower
 from ..table import is_comm
 from ..timing.deps import missing_needs
 from ..timing.timeline import timeline
-from .table_checks import check_counts, check_pairs, check_placement, check_rank_order
+from .table_checks import check_counts, check_pairs, check_placement, check_list_order
 
 VALID: Derived[bool] = Derived(bool)  # ``validate`` passed
 
@@ -44,9 +45,9 @@ def validate(schedule: Schedule) -> None:
     check_placement(schedule)
     check_pairs(schedule)
     check_counts(schedule)
-    check_rank_order(schedule)
+    check_list_order(schedule)
     _check_progress(schedule)
-    _check_lowered_run(schedule)
+    _check_lowered_batches(schedule)
     VALID.keep(schedule, True)
 
 
@@ -61,16 +62,16 @@ def _compute_part(schedule: Schedule) -> Schedule:
 def _check_progress(schedule: Schedule) -> None:
     """Run every rank's list in order against the cross-stage dependencies; find stuck ranks."""
     compute = _compute_part(schedule)
-    run = timeline(compute)
-    if not run.stuck:
+    timed = timeline(compute)
+    if not timed.stuck:
         return
     waits = []
-    for rank, index in run.stuck.items():
+    for rank, index in timed.stuck.items():
         action = compute.row(rank)[index]
-        blocked = [c for c in action.computations() if missing_needs(schedule, c, run.made)]
-        needs = ", ".join(_describe_need(schedule, c, run.made) for c in blocked)
+        blocked = [c for c in action.computations() if missing_needs(schedule, c, timed.made)]
+        needs = ", ".join(_describe_need(schedule, c, timed.made) for c in blocked)
         waits.append(f"rank {rank} at {action} waits for {needs}")
-    first_rank, first_index = next(iter(run.stuck.items()))
+    first_rank, first_index = next(iter(timed.stuck.items()))
     raise ScheduleError(
         "the ranks' orders wait on each other in a cycle (dependency order across stages): "
         + "; ".join(waits),
@@ -88,5 +89,5 @@ def _describe_need(schedule: Schedule, comp: Action, made) -> str:
     return f"{text} on rank {schedule.stage_to_rank[stage]}"
 
 
-def _check_lowered_run(schedule: Schedule) -> None:
-    check_runs(lower(schedule) if schedule.table.compute_only else schedule)
+def _check_lowered_batches(schedule: Schedule) -> None:
+    check_batches(lower(schedule) if schedule.table.compute_only else schedule)

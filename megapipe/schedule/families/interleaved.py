@@ -14,8 +14,9 @@ from .simple import one_f_one_b
 from ..table import B, F, ActionTable
 
 
-def chunk_order(num_microbatches: int, vpp: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``megatron_chunk_order`` as (microbatch, chunk) columns."""
+def chunk_sequence(num_microbatches: int, vpp: int,
+                   group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``megatron_chunk_sequence`` as (microbatch, chunk) columns."""
     mbs, chunks = [], []
     for first in range(0, num_microbatches, group_size):
         group = np.arange(first, min(first + group_size, num_microbatches))
@@ -26,7 +27,7 @@ def chunk_order(num_microbatches: int, vpp: int, group_size: int) -> tuple[np.nd
     return np.concatenate(mbs), np.concatenate(chunks)
 
 
-def megatron_chunk_order(
+def megatron_chunk_sequence(
     num_microbatches: int, vpp: int, group_size: int
 ) -> list[tuple[int, int]]:
     """The (microbatch, chunk) order in which every rank runs its forwards, as Megatron does.
@@ -36,7 +37,7 @@ def megatron_chunk_order(
     group takes whatever microbatches remain, so the count need not divide evenly.
     Backwards use the same order with the chunks reversed.
     """
-    mbs, chunks = chunk_order(num_microbatches, vpp, group_size)
+    mbs, chunks = chunk_sequence(num_microbatches, vpp, group_size)
     return list(zip(mbs.tolist(), chunks.tolist()))
 
 
@@ -57,7 +58,7 @@ def interleaved_1f1b(
 ) -> Schedule:
     """Interleaved (virtual-pipeline) 1F1B, Megatron-LM's order (Narayanan et al. 2021).
 
-    Each rank runs ``megatron_warmup`` forwards in ``megatron_chunk_order``, then alternates one
+    Each rank runs ``megatron_warmup`` forwards in ``megatron_chunk_sequence``, then alternates one
     forward and one backward (chunks reversed), then drains the backwards. With vpp=1 this is
     Megatron's non-interleaved schedule, plain 1F1B.
     """
@@ -65,7 +66,7 @@ def interleaved_1f1b(
     if vpp == 1:
         plain = one_f_one_b(pp, num_microbatches)
         return plain.replace_actions(plain.table, name="interleaved-1f1b")
-    mbs, chunks = chunk_order(num_microbatches, vpp, group)
+    mbs, chunks = chunk_sequence(num_microbatches, vpp, group)
     total = len(mbs)
     blocks = []
     for rank in range(pp):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .builder import RowBuilder
-from .interleaved import chunk_order
+from .interleaved import chunk_sequence
 from ..ir import Schedule, loop_placement, v_placement
 from ..table import F, I, W, ActionTable
 
@@ -31,7 +31,7 @@ def zb1p(
     cooldown have the most W's left to fill the wait.
     """
     group = microbatch_group_size_per_vp_stage or pp
-    mbs, chunks = chunk_order(num_microbatches, vpp, group)
+    mbs, chunks = chunk_sequence(num_microbatches, vpp, group)
     total = len(mbs)
     steps = np.arange(total)
     blocks = []

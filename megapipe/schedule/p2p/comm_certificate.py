@@ -1,6 +1,6 @@
 """A proof, checked in O(actions), that a lowered schedule finishes under batched p2p.
 
-``check_runs`` (``comm_check``) simulates the batched p2p model; that costs more than lowering a
+``check_batches`` (``comm_check``) simulates the batched p2p model; that costs more than lowering a
 million-action schedule. Instead, give every event of the model a key and check that each event
 comes after everything it waits for:
 
@@ -13,7 +13,7 @@ Waits: a computation waits for the item before it on its rank and for the batch 
 RECV of what it receives; a batch is posted after the computation before it; it completes after
 it is posted, after the batch before it on its rank, and after each op's partner batch is posted
 and that batch's predecessor completed. If every wait goes to a strictly smaller key there is no
-cycle, so the run finishes. ``lower`` places each RECV before the first computation that starts
+cycle, so the schedule finishes. ``lower`` places each RECV before the first computation that starts
 once its tensor is sent, which makes every such wait hold for the timeline it lowered with
 (module docstring of ``lower``). Anything that does not hold (a hand-written schedule, another
 placement, a broken one) leaves the answer to the simulation, which also words the error.
@@ -57,32 +57,32 @@ class _Ops(NamedTuple):
         return (self.kind == SEND_F) | (self.kind == SEND_B)
 
 
-def certified(lowered: Schedule, run: Timeline, source: Schedule) -> bool:
+def certified(lowered: Schedule, timed: Timeline, source: Schedule) -> bool:
     """Whether the keys above prove that ``lowered`` finishes. ``source`` is the compute-only
     schedule whose actions are those of ``lowered`` in the same order, ``run`` its timeline."""
     table = lowered.table
     comm = is_comm(table.kind)
     compute_rows = np.flatnonzero(~comm)
-    found = run.plan
-    if run.stuck or not found.unique or found.table is not source.table:
+    found = timed.graph
+    if timed.stuck or not found.unique or found.table is not source.table:
         return False
-    if not (_rank_order(source, run) and _local_needs_made(source, found)):
+    if not (_rank_order(source, timed) and _local_needs_made(source, found)):
         return False
     ops = _ops(lowered, comm)
     partner = _channels(lowered, ops)
     if partner is None:
         return False
-    sent_at = _message_times(lowered, ops, partner, found, compute_rows, run)
+    sent_at = _message_times(lowered, ops, partner, found, compute_rows, timed)
     if sent_at is None:
         return False
     start = np.full(len(table), -np.inf)
-    start[compute_rows] = run.start_flat
+    start[compute_rows] = timed.start_flat
     batches = _Batches(table, comm, start, sent_at)
     return _batches_hold(batches, ops, partner) and _receives_hold(
-        source, ops, compute_rows, run, batches)
+        source, ops, compute_rows, timed, batches)
 
 
-def _rank_order(source: Schedule, run: Timeline) -> bool:
+def _rank_order(source: Schedule, timed: Timeline) -> bool:
     """Computations sit on their stage's rank and start strictly later than the computation
     before them on it."""
     table = source.table
@@ -90,7 +90,7 @@ def _rank_order(source: Schedule, run: Timeline) -> bool:
     if not (stage_rank(source, comps.stage) == comps.rank).all():
         return False
     same_rank = table.rank[1:] == table.rank[:-1]
-    start = run.start_flat
+    start = timed.start_flat
     return bool((start[1:][same_rank] > start[:-1][same_rank]).all())
 
 
@@ -143,7 +143,7 @@ def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
 
 
 def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
-                   compute_rows: np.ndarray, run: Timeline) -> np.ndarray | None:
+                   compute_rows: np.ndarray, timed: Timeline) -> np.ndarray | None:
     """Per op, when its tensor was made: the end of the computation that made it, which must
     run earlier on the SEND's rank (None otherwise)."""
     sending = np.flatnonzero(ops.sending)
@@ -157,14 +157,14 @@ def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
     if not ((maker_rows < rows) & (lowered.table.rank[maker_rows] == ops.rank[sending])).all():
         return None
     sent_at = np.empty(len(ops.row))
-    sent_at[sending] = run.end_flat[made_by]
+    sent_at[sending] = timed.end_flat[made_by]
     sent_at[partner[sending]] = sent_at[sending]
     return sent_at
 
 
 class _Batches:
-    """Maximal runs of SEND/RECV rows on a rank: per batch its completion time T (latest send
-    time of its messages), its posting time (start of the computation before it, or -inf) and
+    """The gaps' SEND/RECV rows on a rank, one batch each: per batch its completion time T (latest
+    send time of its messages), its posting time (start of the computation before it, or -inf) and
     the T of the batch before it on its rank (-inf if none); ``of`` maps ops to batches."""
 
     def __init__(self, table, comm: np.ndarray, start: np.ndarray, sent_at: np.ndarray) -> None:
@@ -196,7 +196,7 @@ def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     return bool((batches.done[batches.of] > ready[batches.of[partner]]).all())
 
 
-def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: Timeline,
+def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, timed: Timeline,
                    batches: _Batches) -> bool:
     """What a computation receives is in a batch earlier on its rank, completing no later than
     the computation starts (and no tensor is received twice)."""
@@ -215,6 +215,6 @@ def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, run: T
     if (recv < 0).any():
         return False
     row = compute_rows[comps.action[wants]]
-    in_time = run.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
+    in_time = timed.start_flat[comps.action[wants]] >= batches.done[batches.of[recv]]
     same_rank = ops.rank[recv] == comps.rank[wants]
     return bool((same_rank & (ops.row[recv] < row) & in_time).all())

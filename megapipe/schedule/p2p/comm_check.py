@@ -1,10 +1,10 @@
-"""Checks of a lowered schedule: channel order, and a simulated run under batched p2p (NCCL).
+"""Checks of a lowered schedule: channel order, and a simulation under batched p2p (NCCL).
 
 The model is how the executor issues point-to-point communication, read the strict way NCCL
 needs:
 
-* each rank runs its list in order; a maximal run of consecutive SEND/RECV actions is posted as
-  one batch (``batch_isend_irecv``) without waiting;
+* each rank runs its list in order; the SEND/RECV actions of a *gap* (those between two
+  computations of its list) are posted as one batch (``batch_isend_irecv``) without waiting;
 * a rank's batches complete one after another, in the order posted (one p2p stream), so a batch
   is *active* once posted and all earlier batches of its rank completed;
 * a SEND and its RECV complete together once both of their batches are active; a batch
@@ -14,8 +14,9 @@ needs:
   the computation that makes its tensor earlier in the list.
 
 SENDs and RECVs match per ordered pair of ranks in the order posted, so the k-th SEND from rank
-a to rank b pairs with the k-th RECV on b from a; ``check_channel_order`` checks that these are
-the same tensor. ``check_runs`` then simulates and names the stuck ranks if the run cannot end.
+a to rank b pairs with the k-th RECV on b from a; ``check_channel_matching`` checks that these are
+the same tensor. ``check_batches`` then simulates and names the stuck ranks if the schedule
+cannot end.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ ListPosition = tuple[int, int]
 # each comm action's position mapped to its partner's
 Matching = dict[ListPosition, ListPosition]
 
-RUNS: Derived[bool] = Derived(bool)  # the lowered run is proven to finish (``check_runs``)
+# the lowered schedule's batches are proven to finish (``check_batches``)
+BATCHES_FINISH: Derived[bool] = Derived(bool)
 
 
 def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
@@ -74,7 +76,7 @@ def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
     return sends, recvs
 
 
-def check_channel_order(lowered: Schedule) -> Matching:
+def check_channel_matching(lowered: Schedule) -> Matching:
     """Check that, per (sender, receiver), SENDs and RECVs carry the same tensors in one order.
 
     Returns the matching: each comm action's position mapped to its partner's. Raises
@@ -133,14 +135,14 @@ class _RankState:
         return self.cursor == len(self.items) and self.completed == len(self.batches)
 
 
-Layout = dict[ListPosition, list[list[int]]]
-"""(rank, index of the first action of a run of comm actions) -> the batches that run is posted
-as, one after the other (indices in the rank's list; every index of the run once)."""
+Posting = dict[ListPosition, list[list[int]]]
+"""(rank, index of the first comm action of a gap) -> the batches that gap is posted as, one after
+the other (indices in the rank's list; every index of the gap once)."""
 
 
-def _split_batches(row, layout: dict[int, list[list[int]]]) -> _RankState:
-    """The rank's items: computations, and its runs of comm actions as batches (one per run, or
-    as ``layout`` gives them for a run that starts at one of its keys)."""
+def _split_batches(row, posting: dict[int, list[list[int]]]) -> _RankState:
+    """The rank's items: computations, and its gaps' comm actions as batches (one per gap, or
+    as ``posting`` gives them for a gap that starts at one of its keys)."""
     state = _RankState(items=[])
     taken: set[int] = set()
     for index, action in enumerate(row):
@@ -149,8 +151,8 @@ def _split_batches(row, layout: dict[int, list[list[int]]]) -> _RankState:
         if action.kind not in COMM_KINDS:
             state.items.append(("compute", index))
             continue
-        if index in layout:
-            for batch in layout[index]:
+        if index in posting:
+            for batch in posting[index]:
                 state.items.append(("batch", list(batch)))
                 state.batches.append(state.items[-1][1])
                 for member in batch:
@@ -181,25 +183,25 @@ def _ready(lowered: Schedule, rank: int, state: _RankState, action) -> bool:
     return True
 
 
-def check_runs(lowered: Schedule, layout: Layout | None = None) -> None:
+def check_batches(lowered: Schedule, posting: Posting | None = None) -> None:
     """Check that ``lowered`` finishes under the batched p2p model; raise ``ScheduleError``
     naming every stuck rank, the action it waits at and what that action waits for.
 
-    ``layout`` posts some runs of comm actions as several batches, one after the other (the
-    executor's early sends, ``pipeline.early_sends``); by default each run is one batch. Checked
-    once per schedule (with the default layout). A schedule ``lower`` made (or whose SEND/RECV
+    ``posting`` posts some gaps as several batches, one after the other (the
+    executor's early sends, ``pipeline.early_sends``); by default each gap is one batch. Checked
+    once per schedule (with the default posting). A schedule ``lower`` made (or whose SEND/RECV
     placement is as ``lower`` would make it) is proved to finish in O(actions) by
-    ``comm_certificate``; any other, and any other layout, is simulated.
+    ``comm_certificate``; any other, and any other posting, is simulated.
     """
-    if layout:
-        _simulate_runs(lowered, layout)
+    if posting:
+        _simulate_batches(lowered, posting)
         return
-    if RUNS.of(lowered):
+    if BATCHES_FINISH.of(lowered):
         return
-    source, run = _computations(lowered)
-    if run is None or not certified(lowered, run, source):
-        _simulate_runs(lowered)
-    RUNS.keep(lowered, True)
+    source, timed = _computations(lowered)
+    if timed is None or not certified(lowered, timed, source):
+        _simulate_batches(lowered)
+    BATCHES_FINISH.keep(lowered, True)
 
 
 def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
@@ -216,12 +218,12 @@ def _computations(lowered: Schedule) -> tuple[Schedule, Timeline | None]:
         return source, None
 
 
-def _simulate_runs(lowered: Schedule, layout: Layout | None = None) -> None:
-    """Simulate ``lowered`` under the batched p2p model (module docstring), its comm runs posted
-    as ``layout`` says; raise ``ScheduleError`` if it deadlocks."""
-    matching = check_channel_order(lowered)
+def _simulate_batches(lowered: Schedule, posting: Posting | None = None) -> None:
+    """Simulate ``lowered`` under the batched p2p model (module docstring), its gaps posted
+    as ``posting`` says; raise ``ScheduleError`` if it deadlocks."""
+    matching = check_channel_matching(lowered)
     per_rank: list[dict[int, list[list[int]]]] = [{} for _ in lowered.actions]
-    for (rank, index), batches in (layout or {}).items():
+    for (rank, index), batches in (posting or {}).items():
         per_rank[rank][index] = batches
     states = [_split_batches(row, per_rank[r]) for r, row in enumerate(lowered.actions)]
     done: set[ListPosition] = set()

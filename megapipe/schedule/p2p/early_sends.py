@@ -8,18 +8,18 @@ run, the backward half's input gradient once the backward's last node has run. T
 models the same rule (``sim.programs.half_ends``). Pure Python, no torch.
 
 What may go early is decided once per schedule and proven deadlock-free under the lowering's
-batched p2p model (``check_runs``: a rank's batches complete in the order posted; a send and its
-receive complete together once both of their batches are active), run on the schedule with its
-comm runs posted as they will be (``early_layout``):
+batched p2p model (``check_batches``: a rank's batches complete in the order posted; a send and its
+receive complete together once both of their batches are active), checked on the schedule with
+its gaps posted as they will be (``early_posting``):
 
-- *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the run after it,
-  kept in their lowered order, so per-peer matching is unchanged) each go in a batch of their
-  own as soon as ready, the run's receives with the first; the rest of the run after the pair.
-  In the model these batches are posted one after the other right after the OVERLAP. At run
-  time a send goes once it and every send before it are ready, so the real batches are these
-  or coarser, which in the model are active, and complete, no later. Tried for every OVERLAP
-  first, then (``SINGLE``) for OVERLAPs with one own send only;
-- *the whole batch* for every other OVERLAP: the run after it is posted as it stands, as soon as
+- *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the gap after it, kept
+  in their lowered order, so per-peer matching is unchanged) each go in a batch of their own as soon
+  as ready, the gap's receives with the first; the rest of the gap after the pair. In the model
+  these batches are posted one after the other right after the OVERLAP. While the step runs, a send
+  goes once it and every send before it are ready, so the real batches are these or coarser, which
+  in the model are active, and complete, no later. Tried for every OVERLAP first, then (``SINGLE``)
+  for OVERLAPs with one own send only;
+- *the whole batch* for every other OVERLAP: the gap after it is posted as it stands, as soon as
   both halves are done, i.e. before the held weight gradients and the end of the step. The model
   cannot tell this from "after the OVERLAP", so it is always safe.
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .comm_check import Layout, check_runs
+from .comm_check import Posting, check_batches
 from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Action, Kind, Schedule
 from .lower import lower
@@ -48,19 +48,19 @@ RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 
 
 def comm_batch(row: Sequence[Action], index: int) -> list[Action]:
-    """The run of comm actions right after ``row[index]``."""
+    """The comm actions of the gap right after ``row[index]``."""
     end = index + 1
     while end < len(row) and row[end].kind in COMM_KINDS:
         end += 1
     return list(row[index + 1 : end])
 
 
-def own_sends(overlap: Action, run: Sequence[Action]) -> tuple[Action, ...]:
-    """The leading SENDs of ``run`` that carry ``overlap``'s own results."""
+def own_sends(overlap: Action, gap: Sequence[Action]) -> tuple[Action, ...]:
+    """The leading SENDs of ``gap`` that carry ``overlap``'s own results."""
     f, b = overlap.forward, overlap.backward
     own = {(Kind.SEND_F, f.stage, f.microbatch), (Kind.SEND_B, b.stage, b.microbatch)}
     sends = []
-    for action in run:
+    for action in gap:
         if (action.kind, action.stage, action.microbatch) not in own:
             break
         sends.append(action)
@@ -79,33 +79,33 @@ def candidates(lowered: Schedule) -> EarlySends:
     return found
 
 
-def early_batches(run: Sequence[Action], early: Sequence[Action]) -> list[list[Action]]:
-    """How the run after an OVERLAP is posted when ``early`` (a prefix of its sends) go out one
-    by one: the first with every receive of the run, each further one alone, then the rest."""
+def early_batches(gap: Sequence[Action], early: Sequence[Action]) -> list[list[Action]]:
+    """How the gap after an OVERLAP is posted when ``early`` (a prefix of its sends) go out one
+    by one: the first with every receive of the gap, each further one alone, then the rest."""
     if not early:
-        return [list(run)]
-    receives = [a for a in run if a.kind in RECEIVES]
-    rest = [a for a in run if a not in early and a.kind not in RECEIVES]
+        return [list(gap)]
+    receives = [a for a in gap if a.kind in RECEIVES]
+    rest = [a for a in gap if a not in early and a.kind not in RECEIVES]
     batches = [[early[0]] + receives] + [[send] for send in early[1:]]
     return batches + ([rest] if rest else [])
 
 
-def early_layout(lowered: Schedule, early: EarlySends) -> Layout:
-    """How the runs after the OVERLAPs in ``early`` are posted (``early_batches``), as the
-    batched p2p model's layout (``comm_check.check_runs``)."""
-    layout: Layout = {}
+def early_posting(lowered: Schedule, early: EarlySends) -> Posting:
+    """How the gaps after the OVERLAPs in ``early`` are posted (``early_batches``), as the
+    batched p2p model's posting (``comm_check.check_batches``)."""
+    posting: Posting = {}
     for (rank, index), sends in early.items():
         row = lowered.row(rank)
-        run = comm_batch(row, index)
-        position = {action: index + 1 + n for n, action in enumerate(run)}
-        layout[(rank, index + 1)] = [[position[a] for a in batch]
-                                     for batch in early_batches(run, sends)]
-    return layout
+        gap = comm_batch(row, index)
+        position = {action: index + 1 + n for n, action in enumerate(gap)}
+        posting[(rank, index + 1)] = [[position[a] for a in batch]
+                                     for batch in early_batches(gap, sends)]
+    return posting
 
 
 def _holds(lowered: Schedule, early: EarlySends) -> bool:
     try:
-        check_runs(lowered, early_layout(lowered, early))
+        check_batches(lowered, early_posting(lowered, early))
     except ScheduleError:
         return False
     return True

@@ -19,12 +19,12 @@ Where things go:
   exists (a consumer waits for its RECV's whole batch, so posting earlier would stall it).
 
 Both sides order a channel's messages by send time, so for every pair of ranks the RECVs on the
-receiver come in the order of the SENDs on the sender (NCCL matches p2p in order). A run of
-consecutive comm actions is one batch; within one, SENDs come first, then RECVs sorted by send
-time and sender order. This placement cannot deadlock under the batched model of
-``check_runs``, whatever the real durations: the batch before an action holds only messages
-sent before that action starts on the timeline, so (by induction on time) every message sent by
-time t completes once every rank has run the actions that start before t.
+receiver come in the order of the SENDs on the sender (NCCL matches p2p in order). The comm actions
+of one gap (between two computations) are one batch; within one, SENDs come first, then RECVs sorted
+by send time and sender order. This placement cannot deadlock under the batched model of
+``check_batches``, whatever the real durations: the batch before an action holds only messages sent
+before that action starts on the timeline, so (by induction on time) every message sent by time t
+completes once every rank has run the actions that start before t.
 """
 
 from __future__ import annotations
@@ -155,14 +155,14 @@ def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap
     back = ([np.full(out_len, -1, dtype=dtype) for dtype in (np.int8, np.int32, np.int32)]
             if table.has_overlap else [])
     # SENDs: in computation order, which is gap order.
-    at = gap_start[send_gap] + _rank_in_run(send_gap)
+    at = gap_start[send_gap] + _rank_among_equals(send_gap)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)
     stage[at], mb[at] = sends.stage, sends.mb
     # RECVs: by gap, then by the send they match (time, sender rank, sender order).
     order = np.argsort(recv_gap * (len(sends.comp) + 1) + sends.priority[source], kind="stable")
     ranked = recv_gap[order]
     at = np.empty(len(order), dtype=np.int64)
-    at[order] = gap_start[ranked] + n_send[ranked] + _rank_in_run(ranked)
+    at[order] = gap_start[ranked] + n_send[ranked] + _rank_among_equals(ranked)
     letter = r_letter[receiving]
     kind[at] = np.where(letter == 0, RECV_F, RECV_B)
     stage[at] = r_stage[receiving] + np.where(letter == 0, 1, -1)  # the receiving stage
@@ -176,7 +176,7 @@ def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap
     return ActionTable.from_columns(offsets, kind, stage, mb, *back)
 
 
-def _rank_in_run(sorted_values: np.ndarray) -> np.ndarray:
+def _rank_among_equals(sorted_values: np.ndarray) -> np.ndarray:
     """For a sorted array, each element's index among the equal elements before it."""
     index = np.arange(len(sorted_values))
     new = np.ones(len(sorted_values), dtype=bool)

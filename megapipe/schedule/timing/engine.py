@@ -1,8 +1,8 @@
-"""The in-order run both the timeline and the simulator use: every rank runs its list in order,
+"""The in-order engine both the timeline and the simulator use: every rank runs its list in order,
 each action once every product it needs has arrived; each product is looked at once per wait.
 
 Semantics (the definition the schedule layer has always had): the ranks are swept round robin,
-0 to pp-1, each running as far as it can, until a sweep moves nothing. ``run_in_order`` gives
+0 to pp-1, each running as far as it can, until a sweep moves nothing. ``time_in_order`` gives
 exactly that result, order included (a product made twice is read as it stood when the reader
 ran), without retrying blocked ranks: a rank that waits is parked on the product it waits for
 and woken when it is made, in the sweep where the round robin would have moved it (this sweep if
@@ -66,8 +66,8 @@ class ActionInputs:
 
 @dataclass
 class Prefix:
-    """Where a run starts when the first ``done[r]`` actions of each rank already ran (with these
-    ``start``, ``end``, ``free`` per rank and cells ``arrive``): the rest is run from there."""
+    """Where a timing starts when the first ``done[r]`` actions of each rank already ran (with these
+    ``start``, ``end``, ``free`` per rank and cells ``arrive``): the rest is timed from there."""
 
     done: list[int]
     free: list[float]
@@ -77,11 +77,11 @@ class Prefix:
 
 
 @dataclass
-class Run:
-    """What ``run_in_order`` found: per-action start, end and sweep (-1 where an action never ran),
+class ActionTimes:
+    """What ``time_in_order`` found: per-action start, end and sweep (-1 where an action never ran),
     the time each cell became available (``arrive``, -1.0 where never), where each stuck rank
     stopped (``{rank: action}``), and, with ``watch``, the first product made twice
-    (``(action, first maker action, product)``), at which the run stopped. The columns are lists,
+    (``(action, first maker action, product)``), at which the timing stopped. The columns are lists,
     or numpy arrays where the compiled loops ran (``loops``)."""
 
     start: list[float] | np.ndarray
@@ -94,7 +94,7 @@ class Run:
 
 class LoopColumns:
     """Columns for one of ``loops``' loops: lists where it runs in Python, numpy arrays where it
-    runs compiled (the engine here, ``rerun`` for its reruns)."""
+    runs compiled (the engine here, ``retime`` for its retimings)."""
 
     def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
@@ -114,13 +114,13 @@ class LoopColumns:
         return (*actions.columns.lists, actions.duration.tolist())
 
 
-def run_in_order(
+def time_in_order(
     actions: ActionInputs, watch: frozenset = frozenset(), prefix: Prefix | None = None
-) -> Run:
-    """Run ``actions`` (module docstring). A product in ``watch`` made a second time stops the
-    run there (the simulator reports it). Cell ``2 * space`` is never filled (a need nobody
+) -> ActionTimes:
+    """Time ``actions`` (module docstring). A product in ``watch`` made a second time stops the
+    timing there (the simulator reports it). Cell ``2 * space`` is never filled (a need nobody
     makes). With ``prefix``, the actions it holds are taken as run; only valid where every product
-    has one maker, since then the result does not depend on the order actions run in."""
+    has one maker, since then the result does not depend on the sequence actions run in."""
     offsets, total, space = actions.offsets, len(actions.duration), actions.space
     pp = len(offsets) - 1
     plain = actions.end_of is None and actions.made_at is None
@@ -146,4 +146,4 @@ def run_in_order(
         new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
     stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}
     found = None if remade[0] < 0 else tuple(int(x) for x in remade)
-    return Run(start, end, sweep, arrive, stuck, found)
+    return ActionTimes(start, end, sweep, arrive, stuck, found)

@@ -1,15 +1,15 @@
 """The schedule layer's two hot loops, one source for two ways to run them.
 
-``sweep`` is the engine's round robin (``engine`` says what it computes); ``in_order`` is the
-rerun of a finished run's order (``rerun``). Both are written in the subset of Python that numba
-compiles: flat columns in, results written into columns passed in, no dicts, no objects, no
-helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long
-function). The engine runs them as plain Python on lists, or,
-where numba is installed (``pip install megapipe[fast]``) and a run has at least
+``sweep`` is the engine's round robin (``engine`` says what it computes); ``in_sequence`` is the
+retiming in a finished timing's sequence (``retime``). Both are written in the subset of Python that
+numba compiles: flat columns in, results written into columns passed in, no dicts, no objects, no
+helper functions (compiled code cannot call plain Python ones; so ``sweep`` is one long function).
+The engine runs them as plain Python on lists, or,
+where numba is installed (``pip install megapipe[fast]``) and a schedule has at least
 ``COMPILED_FROM_ACTIONS`` actions, compiled on numpy arrays (``compiled_loops``;
 ``MEGAPIPE_NO_NUMBA=1`` keeps them in Python): the same float operations in the same order, so
 the same bits either way (``tests/schedule/test_loops.py`` runs golden sweep cases through
-both). Compiled code is cached on disk (numba's ``cache=True``): the first run on a machine
+both). Compiled code is cached on disk (numba's ``cache=True``): the first use on a machine
 compiles it (about 1.5 s), a process loads it once (about 0.35 s).
 
 The round robin's ranks to run this sweep and the next are two flag columns (``now``,
@@ -38,12 +38,12 @@ def _compiled():
     except ImportError:
         return None
     jit = numba.njit(cache=True, nogil=True)
-    return jit(sweep), jit(in_order)
+    return jit(sweep), jit(in_sequence)
 
 
 def compiled_loops(actions: int):
-    """``(sweep, in_order)`` compiled, for a run of ``actions`` actions; None where numba is not
-    installed, ``MEGAPIPE_NO_NUMBA=1`` is set, or the run is too short to gain from it."""
+    """``(sweep, in_sequence)`` compiled, for a timing of ``actions`` actions; None where numba is
+    not installed, ``MEGAPIPE_NO_NUMBA=1`` is set, or the timing is too short to gain from it."""
     if actions < COMPILED_FROM_ACTIONS or os.environ.get("MEGAPIPE_NO_NUMBA") == "1":
         return None
     return _compiled()
@@ -51,7 +51,7 @@ def compiled_loops(actions: int):
 
 def warm_up() -> bool:
     """Load the compiled loops now (compile them, the first time on a machine) by running each
-    on one action, rather than inside the first large run; False where they are not used
+    on one action, rather than inside the first large timing; False where they are not used
     (``compiled_loops``)."""
     found = compiled_loops(COMPILED_FROM_ACTIONS)
     if found is None:
@@ -75,7 +75,7 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
     none) and ``watched`` (per product, empty: none) are the rarer parts of making a product;
     ``end_of``/``made_at`` (None, or callables: Python only) time an action from its start.
     Returns ``(action, first maker, product)`` of the first watched product made twice, at which
-    the run stopped, else ``(-1, -1, -1)``."""
+    the timing stopped, else ``(-1, -1, -1)``."""
     has_delay, has_watch = len(delay) > 0, len(watched) > 0
     n_now, n_later, t, pos = len(offsets) - 1, 0, 0, 0
     while n_now > 0 or n_later > 0:
@@ -147,12 +147,13 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
     return -1, -1, -1
 
 
-def in_order(order, rank, need0, need1, need2, make0, make1, duration, latency, space,
+def in_sequence(sequence, rank, need0, need1, need2, make0, make1, duration, latency, space,
              start, end, free, arrive):
-    """Take the actions in ``order``: each starts at the latest of its rank's previous end and its
+    """Take the actions in ``sequence``: each starts at the latest of its rank's previous end and
+    its
     needs' arrivals (the engine's own float operations), writing ``start``, ``end``, ``free``
     and ``arrive``. False at the first action that needs a product not made yet."""
-    for k in order:
+    for k in sequence:
         r = rank[k]
         s = free[r]
         for a in (need0[k], need1[k], need2[k]):  # packed: the first -1 ends them

@@ -22,8 +22,8 @@ import numpy as np
 
 from ..actions import Kind
 from .deps import DEFAULT_DURATIONS
-from .engine import Prefix, Run, ActionColumns, ActionInputs, run_in_order
-from .rerun import rerun, run_actions
+from .engine import Prefix, ActionTimes, ActionColumns, ActionInputs, time_in_order
+from .retime import retime, time_actions
 from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from ..ir import Derived, Schedule
 from ..table import CODE, OVERLAP, ActionTable, Comps, is_comm
@@ -100,7 +100,8 @@ class ActionGraph:
 
     def makers(self) -> np.ndarray:
         """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
-        once per plan: the overlap pass, the rerun and the lowered run's proof ask for it)."""
+        once per graph: the overlap pass, the retiming and the lowered schedule's proof ask
+        for it)."""
         if self._makers is None:
             self._makers = self._find_makers()
         return self._makers
@@ -165,21 +166,22 @@ def _need_cell(schedule: Schedule, comps: Comps, need, space: ProductSpace, make
 
 
 class Timeline:
-    """A run of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's k-th action.
+    """The times of a compute-only schedule: ``start[r][k]`` and ``end[r][k]`` of rank r's
+    k-th action.
 
     ``stuck`` maps each rank that could not finish to the index of the action it waits at (empty
-    when the run finished); times from a stuck index on are -1. ``made`` maps each product made to
+    when it finished); times from a stuck index on are -1. ``made`` maps each product made to
     the time it was made. ``start_flat``/``end_flat`` hold the same times as arrays, ranks one
     after another (``offsets``).
     """
 
-    def __init__(self, plan: ActionGraph, run: Run) -> None:
-        self.plan = plan
-        self.offsets = plan.table.offsets
-        self.start_list, self.end_list = run.start, run.end
-        self.arrive = run.arrive
-        self.stuck = {r: k - int(self.offsets[r]) for r, k in run.stuck.items()}
-        self.made = MadeTimes(plan.space, run.arrive)
+    def __init__(self, graph: ActionGraph, timed: ActionTimes) -> None:
+        self.graph = graph
+        self.offsets = graph.table.offsets
+        self.start_list, self.end_list = timed.start, timed.end
+        self.arrive = timed.arrive
+        self.stuck = {r: k - int(self.offsets[r]) for r, k in timed.stuck.items()}
+        self.made = MadeTimes(graph.space, timed.arrive)
 
     @functools.cached_property
     def start_flat(self) -> np.ndarray:
@@ -237,7 +239,7 @@ def duration_key(durations: dict | None) -> DurationKey:
 
 
 def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Timeline:
-    """Run a compute-only schedule: each rank runs its list in order, each action starting once
+    """Time a compute-only schedule: each rank runs its list in order, each action starting once
     its rank is free and every product it needs is made (on any rank).
 
     A product needed from the same rank but made later in its list can never come, so such a
@@ -254,23 +256,23 @@ def timeline(schedule: Schedule, durations: dict[Kind, float] | None = None) -> 
         rank = int(table.rank[comm[0]])
         action = schedule.action_at(comm[0])
         raise ValueError(f"timeline runs compute-only schedules; rank {rank} holds {action}")
-    plan = ActionGraph.build(schedule, action_durations(table, durations))
-    result = Timeline(plan, run_actions(schedule, plan))
+    graph = ActionGraph.build(schedule, action_durations(table, durations))
+    result = Timeline(graph, time_actions(schedule, graph))
     kept[key] = result
     return result
 
 
-def timeline_in_order(schedule: Schedule, order: np.ndarray | None) -> Timeline:
-    """``timeline(schedule)`` (default durations), computed in ``order`` (a guess, e.g. from
-    the run of a schedule with the same actions fused in pairs) where the actions can run in that
-    order with one maker per product (``rerun.rerun``), else as ``timeline`` runs it."""
-    if None in TIMELINES.of(schedule) or order is None:
+def timeline_in_sequence(schedule: Schedule, sequence: np.ndarray | None) -> Timeline:
+    """``timeline(schedule)`` (default durations), computed in ``sequence`` (a guess, e.g. from
+    the timing of a schedule with the same actions fused in pairs) where the actions can run in
+    that sequence with one maker per product (``retime.retime``), else as ``timeline`` times it."""
+    if None in TIMELINES.of(schedule) or sequence is None:
         return timeline(schedule)
-    plan = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
-    run = rerun(plan, order, None) if plan.unique else None
-    if run is None:
+    graph = ActionGraph.build(schedule, action_durations(schedule.table, dict(DEFAULT_DURATIONS)))
+    timed = retime(graph, sequence, None) if graph.unique else None
+    if timed is None:
         return timeline(schedule)
-    result = Timeline(plan, run)
+    result = Timeline(graph, timed)
     TIMELINES.of(schedule)[None] = result
     return result
 
@@ -280,14 +282,14 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
     whose rank r started with the same ``same[r]`` actions.
 
     Every action that started before the earliest changed one did so for the same reasons, so it
-    keeps its times; the run resumes from there. Only where each product has one maker (the
+    keeps its times; the timing resumes from there. Only where each product has one maker (the
     result then does not depend on the order actions run in); otherwise it runs afresh.
     """
     if None in TIMELINES.of(schedule):
         return TIMELINES.of(schedule)[None]
     table = schedule.table
-    plan = ActionGraph.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
-    if not (plan.unique and before.plan.unique):
+    graph = ActionGraph.build(schedule, action_durations(table, dict(DEFAULT_DURATIONS)))
+    if not (graph.unique and before.graph.unique):
         return timeline(schedule)
     old = before.offsets
     cut = np.inf
@@ -299,18 +301,18 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
         starts = before.start_flat[old[r]:old[r + 1]]
         ran = starts[: np.searchsorted(starts < 0, True)] if len(starts) else starts
         done.append(int(np.searchsorted(ran, cut, "left")))
-    prefix = _prefix(plan, before, done)
-    result = Timeline(plan, run_in_order(plan.inputs, prefix=prefix))
+    prefix = _prefix(graph, before, done)
+    result = Timeline(graph, time_in_order(graph.inputs, prefix=prefix))
     TIMELINES.of(schedule)[None] = result
     return result
 
 
-def _prefix(plan: ActionGraph, before: Timeline, done: list[int]) -> Prefix | None:
+def _prefix(graph: ActionGraph, before: Timeline, done: list[int]) -> Prefix | None:
     """The state after the first ``done[r]`` actions of each rank, taken from ``before``: their
     times, and every product but those of the later actions ``before`` ran."""
-    if plan.space != before.plan.space:
+    if graph.space != before.graph.space:
         return None
-    new, old = plan.table.offsets.tolist(), before.offsets.tolist()
+    new, old = graph.table.offsets.tolist(), before.offsets.tolist()
     start = np.full(new[-1], -1.0)
     end = np.full(new[-1], -1.0)
     free, dropped = [], []
@@ -319,7 +321,7 @@ def _prefix(plan: ActionGraph, before: Timeline, done: list[int]) -> Prefix | No
         start[at:at + count] = before.start_flat[lo:lo + count]
         end[at:at + count] = before.end_flat[lo:lo + count]
         free.append(float(before.end_flat[lo + count - 1]) if count else 0.0)
-        dropped.append(before.plan.make[lo + count:old[r + 1]].reshape(-1))
+        dropped.append(before.graph.make[lo + count:old[r + 1]].reshape(-1))
     arrive = np.array(before.arrive, dtype=np.float64)  # a copy: ``before`` keeps its own
     products = np.concatenate(dropped)
     arrive[products[products >= 0]] = -1.0

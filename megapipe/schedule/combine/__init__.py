@@ -1,1 +1,0 @@
-"""The combine pass: which backward runs beside which forward, within an in-flight budget."""

@@ -1,0 +1,1 @@
+"""What was asked: each pretrain flag declared once, the rules between flags, the typed config."""

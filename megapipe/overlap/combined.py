@@ -59,8 +59,7 @@ from torch.autograd import Variable
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import (
-    LayerState, Node, Plan, Source, Track, WarnOnce, WavePlan, layer_graph, new_state,
-    node_plan_of,
+    LayerState, Node, Plan, Source, Track, WarnOnce, WavePlan, layer_graph, node_plan_of,
 )
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -157,10 +156,13 @@ class Tape:
         if self.layers and self.layers[-1].forward_count < len(self.layers[-1].nodes):
             raise RuntimeError(f"layer {self.layers[-1].index} is still being recorded; "
                                "finish it before the next")
-        graph = plan.graph if isinstance(plan, Plan) else layer_graph(plan)
+        if isinstance(plan, Plan):  # the layer kind's state (a list of nodes: LayerState)
+            graph, state = plan.graph, plan.state_type()
+        else:
+            graph, state = layer_graph(plan), LayerState()
         records = list(map(NodeRecord, graph.nodes, graph.sources, graph.readers))
         inputs = checked(inputs, "layer inputs")
-        layer = LayerRecord(len(self.layers), records, inputs, graph.kinds, new_state(plan))
+        layer = LayerRecord(len(self.layers), records, inputs, graph.kinds, state)
         records[0].inputs = detached(inputs)
         if self.track is not None and self.layers:  # the first layer's: the stage's input
             self.track(inputs)

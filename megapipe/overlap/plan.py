@@ -11,7 +11,8 @@ for a later node of the same layer (non-differentiable metadata such as routing 
 split sizes) and the fields the engine owns, ``wgrad_queue`` and ``recomputing``. Each layer
 kind declares its state: a dataclass subclass of ``LayerState`` beside the layer (``MoEState``
 in ``moe/layer.py``), named by its plan (``Plan(items, state_type)``); the engine makes one per
-layer and microbatch (``new_state``). A write of an undeclared name raises ``AttributeError``.
+layer and microbatch (``plan.state_type()``). A write of an undeclared name raises
+``AttributeError``.
 
 A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into waves,
 ``WavePlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
@@ -187,8 +188,9 @@ def run_nodes(
     nodes: Sequence[Any], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd, on
-    ``state`` (None: a fresh one of the plan's state type, ``new_state``)."""
-    state = new_state(nodes) if state is None else state
+    ``state`` (None: a fresh one of a ``Plan``'s state type; a ``LayerState`` for a list)."""
+    if state is None:
+        state = nodes.state_type() if isinstance(nodes, Plan) else LayerState()
     if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
         values = inputs
         for node in nodes:
@@ -245,12 +247,6 @@ class WavePlan(Plan):
         in_waves = self.in_waves
         return WavePlan(wrap(list(self)), lambda waves: wrap(list(in_waves(waves))),
                         self.state_type)
-
-
-def new_state(plan: Sequence[Any]) -> LayerState:
-    """A fresh state for one run of ``plan``: of its state type (``LayerState`` for a plain
-    list of nodes)."""
-    return plan.state_type() if isinstance(plan, Plan) else LayerState()
 
 
 @runtime_checkable

@@ -150,7 +150,7 @@ def labelled_plans(counter: LaunchCounter, plans: Sequence[Any]) -> list[list[An
     ``<node> B`` (the same node functions, wrapped)."""
     from dataclasses import replace
 
-    from megapipe.overlap.plan import Fork, Plan
+    from megapipe.overlap.plan import Fork
 
     def wrap(node: Any) -> Any:
         if isinstance(node, Fork):
@@ -165,7 +165,7 @@ def labelled_plans(counter: LaunchCounter, plans: Sequence[Any]) -> list[list[An
 
         return replace(node, fn=fn)
 
-    return [Plan([wrap(node) for node in plan]) for plan in plans]
+    return [plan.wrapped(lambda nodes: [wrap(node) for node in nodes]) for plan in plans]
 
 
 def _inputs(stage: Any, microbatch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

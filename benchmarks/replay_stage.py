@@ -171,8 +171,8 @@ def timed_plan(plan: list, profile: NodeProfile, waves: int = 1) -> list:
                 forms[k] = timed_plan(plan.in_waves(k), profile, k)
             return forms[k]
 
-        return WavePlan(nodes, in_waves)
-    return Plan(nodes) if isinstance(plan, Plan) else nodes
+        return WavePlan(nodes, in_waves, plan.state_type)
+    return Plan(nodes, plan.state_type) if isinstance(plan, Plan) else nodes
 
 
 class ReplayStage(GPTStage):

@@ -33,6 +33,7 @@ from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeTrace
+from megapipe.overlap.plan import WavePlan
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -180,7 +181,7 @@ class PairBench:
     def plans(self, variant: Variant = BASE) -> list[list[Any]]:
         plans = [layer.node_plan() for layer in self.layers]
         if variant.waves > 1:
-            return [list(p.in_waves(variant.waves)) if hasattr(p, "in_waves") else p for p in plans]
+            return [p.in_waves(variant.waves) if isinstance(p, WavePlan) else p for p in plans]
         return plans
 
     def prepare(self, variant: Variant = BASE, on_streams: bool = True) -> tuple[list, Any]:

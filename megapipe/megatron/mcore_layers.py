@@ -21,7 +21,7 @@ sequence parallelism the compute nodes run inside Megatron's model-parallel RNG 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 
 from megapipe.megatron.mcore_release import McoreRelease
 from megapipe.megatron.mcore_wgrad import after_backward
-from megapipe.overlap.plan import LayerState, Node, NodeKind
+from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan
 
 Tensors = tuple[Any, ...]
 
@@ -82,6 +82,18 @@ class ForwardCall:
         )
 
 
+@dataclass(eq=False, slots=True)
+class McoreLayerState(LayerState):
+    """What the nodes of one Megatron-Core decoder or MTP layer leave for later ones, for one
+    microbatch (``layer_plan``, ``mtp_plan``; the last three: ``mcore_recompute``)."""
+
+    moe_mbs: int | None = None  # the batch size unflatten_for_moe restored, for combine
+    mtp_ids: tuple[Any, Any, Any] | None = None  # an MTP layer's (ids, positions, padding mask)
+    dispatcher: Any = None  # this microbatch's copy of the layer's token dispatcher
+    dispatcher_at: dict[str, Any] = field(default_factory=dict)  # per node: as it found it
+    buffers_at_first_forward: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
 def rng_fork(config: Any) -> ContextManager:
     """Megatron's model-parallel RNG fork under sequence parallelism (what its block and MTP
     layers run inside), where dropout draws from it; else nothing. (Without dropout nothing
@@ -96,15 +108,15 @@ def rng_fork(config: Any) -> ContextManager:
 
 # -------------------------------------------------------------------------------- dense
 def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
-               before: Optional[Callable[[LayerState, Tensors], Tensors]] = None,
-               after: Optional[Callable[[LayerState, torch.Tensor], Tensors]] = None
+               before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
+               after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
                ) -> list[Node]:
     """A dense ``TransformerLayer`` as one compute node (``before``/``after``: an MTP layer's
     own preprocessing and final norm around it)."""
     work = [("attention.backward_dw", layer.self_attention.backward_dw),
             ("mlp.backward_dw", layer.mlp.backward_dw)] if call.delay_wgrad else []
 
-    def dense(state: LayerState, inputs: Tensors) -> Tensors:
+    def dense(state: McoreLayerState, inputs: Tensors) -> Tensors:
         lead, hidden, kwargs = _enter(state, inputs, before, call)
         (hidden,) = after_backward(state, work, (hidden,))
         with rng_fork(layer.config):
@@ -114,7 +126,7 @@ def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
     return [Node(name, NodeKind.COMPUTE, dense)]
 
 
-def _enter(state: LayerState, inputs: Tensors, before: Any, call: ForwardCall
+def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCall
            ) -> tuple[Tensors, torch.Tensor, dict[str, Any]]:
     """(tensors passed on untouched, the layer's hidden input, its keyword arguments);
     ``before(state, inputs)`` -> (passed on, hidden, padding mask) for an MTP layer."""
@@ -127,8 +139,8 @@ def _enter(state: LayerState, inputs: Tensors, before: Any, call: ForwardCall
 
 # -------------------------------------------------------------------------------- MoE
 def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
-             before: Optional[Callable[[LayerState, Tensors], Tensors]] = None,
-             after: Optional[Callable[[LayerState, torch.Tensor], Tensors]] = None
+             before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
+             after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
              ) -> list[Node]:
     """Megatron's four-node split of a MoE ``TransformerLayer`` (module docstring): the
     operations of ``TransformerLayer._forward_attention``, ``_forward_mlp`` and
@@ -146,7 +158,7 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
     ] if call.delay_wgrad else []
     carried = 0  # how many passed-on tensors lead the tuples (set by the attn node)
 
-    def attn(state: LayerState, inputs: Tensors) -> Tensors:
+    def attn(state: McoreLayerState, inputs: Tensors) -> Tensors:
         nonlocal carried
         lead, hidden, kwargs = _enter(state, inputs, before, call)
         carried = len(lead)
@@ -165,11 +177,11 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
         mid = (residual, shared_out) if shared else (residual,)
         return (*lead, *mid, tokens, probs)
 
-    def dispatch(state: LayerState, inputs: Tensors) -> Tensors:
+    def dispatch(state: McoreLayerState, inputs: Tensors) -> Tensors:
         tokens, probs = moe.dispatch(*inputs[-2:])
         return (*inputs[:-2], tokens, probs)
 
-    def mlp(state: LayerState, inputs: Tensors) -> Tensors:
+    def mlp(state: McoreLayerState, inputs: Tensors) -> Tensors:
         tokens, probs = after_backward(state, mlp_work, inputs[-2:])
         with rng_fork(config):
             output, bias = moe.routed_experts_compute(tokens, probs)
@@ -178,7 +190,7 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
                                       "alltoall dispatcher does not support one either")
         return (*inputs[:-2], output)
 
-    def combine(state: LayerState, inputs: Tensors) -> Tensors:
+    def combine(state: McoreLayerState, inputs: Tensors) -> Tensors:
         lead = inputs[:carried]
         residual = inputs[carried]
         shared_out = inputs[carried + 1] if shared else None
@@ -205,13 +217,15 @@ def is_moe_layer(layer: nn.Module) -> bool:
     return isinstance(getattr(layer, "mlp", None), MoELayer)
 
 
-def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) -> list[Node]:
-    """The plan of a decoder layer: four nodes for a MoE layer, one for a dense layer."""
-    return (moe_plan if is_moe_layer(layer) else dense_plan)(layer, call, name, **around)
+def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) -> Plan:
+    """The plan of a decoder layer: four nodes for a MoE layer, one for a dense layer; its
+    state is a ``McoreLayerState``."""
+    nodes = (moe_plan if is_moe_layer(layer) else dense_plan)(layer, call, name, **around)
+    return Plan(nodes, McoreLayerState)
 
 
 # -------------------------------------------------------------------------------- MTP
-def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> list[Node]:
+def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> Plan:
     """MTP layer ``index`` of the chunk (``MultiTokenPredictionBlock.forward`` and the layer's
     own forward): its input tuple is (decoder output, earlier MTP outputs...), its output the
     same with its own appended; the head concatenates them as the block does. The first MTP
@@ -220,7 +234,7 @@ def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> list[Node]:
     inner = call.release.mtp_inner_layer(mtp_layer)
     config = mtp_layer.config
 
-    def before(state: LayerState, inputs: Tensors) -> tuple[Tensors, torch.Tensor, Any]:
+    def before(state: McoreLayerState, inputs: Tensors) -> tuple[Tensors, torch.Tensor, Any]:
         if index == 0:
             (hidden,) = inputs
             hidden = final_norm(gpt, hidden)
@@ -238,20 +252,20 @@ def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> list[Node]:
             hidden = mtp_layer._concat_embeddings(hidden, decoder_input)
         return inputs, hidden, padding
 
-    def after(state: LayerState, hidden: torch.Tensor) -> Tensors:
+    def after(state: McoreLayerState, hidden: torch.Tensor) -> Tensors:
         return (mtp_layer._postprocess(hidden),)
 
     plan = layer_plan(inner, call, f"mtp{index}", before=before, after=after)
     if call.delay_wgrad:  # the projection's backward_dw, with the first node's
-        plan = [_with_work(plan[0], ("eh_proj.backward_dw", mtp_layer.eh_proj.backward_dw))
-                ] + plan[1:]
+        work = ("eh_proj.backward_dw", mtp_layer.eh_proj.backward_dw)
+        plan = plan.wrapped(lambda nodes: [_with_work(nodes[0], work)] + nodes[1:])
     return plan
 
 
 def _with_work(node: Node, work: tuple[str, Callable[[], None]]) -> Node:
     """``node`` with one more delayed weight gradient driven after its backward."""
 
-    def fn(state: LayerState, inputs: Tensors) -> Tensors:
+    def fn(state: McoreLayerState, inputs: Tensors) -> Tensors:
         return node.fn(state, after_backward(state, [work], inputs))
 
     return replace(node, fn=fn)

@@ -33,9 +33,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
+from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.megatron.mcore_release import McoreRelease
 from megapipe.overlap.full_recompute import recompute_plan
-from megapipe.overlap.plan import LayerState, Node, NodeKind
+from megapipe.overlap.plan import Node, NodeKind, Plan
 
 
 class DispatcherSwitch:
@@ -89,23 +90,23 @@ def recompute_mtp(config: Any) -> bool:
     return config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
 
-def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
-                    params: Sequence[torch.Tensor]) -> list[Node]:
-    """``plan`` (one layer's nodes) recomputed node by node, its re-runs guarded (module
-    docstring). ``layer``: the ``TransformerLayer`` (its MoE part, if any, is guarded);
-    ``params``: every parameter the nodes may use."""
+def recompute_layer(plan: Plan, layer: nn.Module, release: McoreRelease,
+                    params: Sequence[torch.Tensor]) -> Plan:
+    """``plan`` (one layer's nodes, ``mcore_layers.layer_plan``) recomputed node by node, its
+    re-runs guarded (module docstring; what they keep is in the layer's ``McoreLayerState``).
+    ``layer``: the ``TransformerLayer`` (its MoE part, if any, is guarded); ``params``: every
+    parameter the nodes may use."""
     moe = getattr(layer, "mlp", None)
     router = getattr(moe, "router", None) if moe is not None else None
     switch = dispatcher_switch(moe) if router is not None else None
     buffers = list(router.buffers()) if router is not None else []
 
     def guarded(node: Node) -> Node:
-        def fn(state: LayerState, inputs: tuple) -> tuple:
+        def fn(state: McoreLayerState, inputs: tuple) -> tuple:
             if switch is None:
                 return node.fn(state, inputs)
-            if not hasattr(state, "dispatcher"):
+            if state.dispatcher is None:
                 state.dispatcher = switch.fresh()
-                state.dispatcher_at = {}
             if node.kind != NodeKind.COMPUTE:  # never re-run: the microbatch's dispatcher
                 with switch.using(state.dispatcher):
                     return node.fn(state, inputs)
@@ -119,18 +120,15 @@ def recompute_layer(plan: list[Node], layer: nn.Module, release: McoreRelease,
 
         return replace(node, fn=fn)
 
-    return recompute_plan([guarded(node) for node in plan], params)
+    return plan.wrapped(lambda nodes: recompute_plan([guarded(node) for node in nodes], params))
 
 
 @contextmanager
-def _first_forward_view(state: LayerState, key: str, buffers: list[torch.Tensor],
-                    release: McoreRelease) -> Iterator[None]:
+def _first_forward_view(state: McoreLayerState, key: str, buffers: list[torch.Tensor],
+                        release: McoreRelease) -> Iterator[None]:
     """The first forward records the buffers it starts from; a recompute starts from those and
-    leaves
-    the buffers and the MoE metrics as it found them."""
-    saved = getattr(state, "buffers_at_first_forward", None)
-    if saved is None:
-        saved = state.buffers_at_first_forward = {}
+    leaves the buffers and the MoE metrics as it found them."""
+    saved = state.buffers_at_first_forward
     if not state.recomputing:
         saved[key] = [b.detach().clone() for b in buffers]
         yield

@@ -30,14 +30,14 @@ from torch import nn
 from megapipe.models.config import GPTConfig
 from megapipe.models.norm import RMSNorm
 from megapipe.moe.experts import SwiGLUMLP
-from megapipe.moe.layer import MoELayer
+from megapipe.moe.layer import MoELayer, MoEState
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.full_recompute import recompute_plan
 from megapipe.overlap.graphs import Graphable
 from megapipe.overlap.layer_groups import group_plans
 from megapipe.overlap.recompute import recompute
 from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeKind, NodeRunner, Plan, WavePlan, run_nodes,
+    Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
 )
 
 Tensors = tuple[torch.Tensor, ...]
@@ -170,10 +170,7 @@ class TransformerLayer(nn.Module):
         if not self.is_moe:
             graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
             return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
-        return WavePlan(
-            self._with_residual(self.moe.node_plan()),
-            lambda waves: self._with_residual(self.moe.wave_plan(waves)),
-        )
+        return self.moe.node_plan().wrapped(self._with_residual)
 
     def _with_residual(self, moe_plan: list) -> list:
         """The MoE plan with the attention block before its route and the residual after its
@@ -181,12 +178,12 @@ class TransformerLayer(nn.Module):
         name = f"layer{self.layer_index}"
         route, *middle, finish = moe_plan
 
-        def attention(state: LayerState, inputs: Tensors) -> Tensors:
+        def attention(state: MoEState, inputs: Tensors) -> Tensors:
             (x,) = inputs
             h = self._attention_block(x)
             return route.fn(state, (h, self.ffn_norm(h)))
 
-        def finish_with_residual(state: LayerState, inputs: Tensors) -> Tensors:
+        def finish_with_residual(state: MoEState, inputs: Tensors) -> Tensors:
             h, moe_out = finish.fn(state, inputs)
             return (h + moe_out,)
 

@@ -3,7 +3,7 @@
 from megapipe.moe.aux_loss import AuxLossLog, attach_aux_loss
 from megapipe.moe.dispatcher import DispatchSplits, HostCounts, TokenDispatcher, all_to_all
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
-from megapipe.moe.layer import MoEConfig, MoELayer, pass_leading
+from megapipe.moe.layer import MoEConfig, MoELayer, MoEState, pass_leading
 from megapipe.moe.link import EmulatedLink
 from megapipe.moe.permutation import expert_counts, sort_by_expert
 from megapipe.moe.router import Router, RouterOutput
@@ -16,6 +16,7 @@ __all__ = [
     "HostCounts",
     "MoEConfig",
     "MoELayer",
+    "MoEState",
     "Router",
     "RouterOutput",
     "SwiGLUMLP",

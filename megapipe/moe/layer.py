@@ -18,7 +18,8 @@ fork's ``around`` tensors), so no node carries a tensor it does not use. Own ten
 (x flattened to [t, h], the shared expert's input, kept for finish) when the config has a shared
 expert, else empty. ``probs [t, k]`` are the router's combine weights, ``rows [n, h]`` the tokens
 permuted into expert order (local experts of EP rank 0 first). Routing indices and split sizes
-are written into the ``LayerState`` by route and dispatch and read by later nodes.
+are written into the layer's state (``MoEState``, its declared fields) by route and dispatch
+and read by later nodes.
 
 The auxiliary loss (``aux_loss_coeff * load_balancing + z_loss_coeff * z``) adds its gradient
 (times ``aux_loss_scale``, read at forward time) in the router's own backward, which runs when
@@ -52,8 +53,8 @@ from torch import nn
 
 from megapipe.kernels import unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.waves import WaveDispatch
-from megapipe.moe.dispatcher import TokenDispatcher
+from megapipe.moe.waves import WaveDispatch, WaveSplits
+from megapipe.moe.dispatcher import DispatchSplits, TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
@@ -119,6 +120,21 @@ class MoEConfig:
         if self.capacity_factor is None:
             return None
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+
+@dataclass(eq=False, slots=True)
+class MoEState(LayerState):
+    """What one MoE layer's nodes leave for its later nodes, for one microbatch (route writes
+    all but the splits; dispatch, or wave 0's dispatch, writes the splits)."""
+
+    aux_loss_scale: float | None = None  # the scale of the aux-loss gradient, fixed at forward
+    input_shape: torch.Size | None = None  # x's shape, which finish gives its output
+    row_choice: torch.Tensor | None = None  # per permuted row, its flat choice (-1: padding)
+    choice_rows: torch.Tensor | None = None  # per token and choice, its row (-1: dropped)
+    rows_per_expert: torch.Tensor | None = None  # per expert label (a capacity: all of it)
+    capacity: int | None = None  # rows per expert (None: dropless)
+    dispatch_splits: DispatchSplits | None = None  # the all-to-all's sizes (one wave)
+    wave_splits: list[WaveSplits] | None = None  # per wave, its all-to-all's sizes
 
 
 def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
@@ -208,7 +224,7 @@ class MoELayer(nn.Module):
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
             Fork((branch,)),
             Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2)),
-        ], self.wave_plan)
+        ], self.wave_plan, MoEState)
 
     def wave_plan(self, waves: int) -> list[Node | Fork]:
         """The layer with its all-to-alls in ``waves`` expert groups (``megapipe.moe.waves``):
@@ -219,12 +235,12 @@ class MoELayer(nn.Module):
         by_wave = WaveDispatch(self.dispatcher, waves)
         count = len(by_wave.groups)
 
-        def route(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        def route(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             *lead, rows = self._route(state, tensors, relabel=by_wave.relabel)
             return tuple(lead) + (rows,) * count  # each wave's dispatch takes its block
 
         def dispatch(g: int) -> NodeFn:
-            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 started = None
                 if g == 0:  # the count exchange (and the layer's one host read) of all groups
                     started = time.perf_counter()
@@ -233,14 +249,14 @@ class MoELayer(nn.Module):
             return fn
 
         def experts(g: int) -> NodeFn:
-            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 counts = state.wave_splits[g].tokens_per_local_expert
                 first = by_wave.groups[g][0]
                 return (self.experts(tensors[0], counts, state=state, group_first=first),)
             return fn
 
         def combine(g: int) -> NodeFn:
-            def fn(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 return (by_wave.combine(g, tensors[0], state.wave_splits),)
             return fn
 
@@ -262,7 +278,7 @@ class MoELayer(nn.Module):
         return run_nodes(self.node_plan(), (x,))[0]
 
     def _route(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...],
+        self, state: MoEState, tensors: tuple[torch.Tensor, ...],
         relabel: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         (x,) = tensors
@@ -301,7 +317,7 @@ class MoELayer(nn.Module):
         return shared + (routed.probs, rows)
 
     def _dispatch(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
         expert_rows, state.dispatch_splits = self.dispatcher.dispatch(
@@ -310,7 +326,7 @@ class MoELayer(nn.Module):
         return (expert_rows,)
 
     def _experts(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
         return (
@@ -321,13 +337,13 @@ class MoELayer(nn.Module):
         )
 
     def _combine(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
         return (self.dispatcher.combine(expert_out, state.dispatch_splits),)
 
     def _finish(
-        self, state: LayerState, tensors: tuple[torch.Tensor, ...]
+        self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
         parts = tensors[self.num_shared + 1 :]  # one per wave of a plan in waves

@@ -115,16 +115,17 @@ class NodeRecord:
 
 class LayerRecord:
     """One layer of one microbatch: the inputs it was given, its nodes (in the forward order of
-    its ``LayerGraph``), the outputs handed to the caller, and how many nodes ran each way."""
+    its ``LayerGraph``), its state (of its plan's state type), the outputs handed to the
+    caller, and how many nodes ran each way."""
 
     __slots__ = ("index", "nodes", "state", "given_inputs", "outputs", "kinds", "forward_count",
                  "backward_count")
 
     def __init__(self, index: int, nodes: list[NodeRecord], given_inputs: Values,
-                 kinds: tuple[Any, ...]) -> None:
+                 kinds: tuple[Any, ...], state: LayerState) -> None:
         self.index = index
         self.nodes = nodes
-        self.state = LayerState()
+        self.state = state
         self.given_inputs = given_inputs
         self.outputs: Values | None = None
         self.kinds = kinds  # ``LayerGraph.kinds``, for the pair order
@@ -155,10 +156,13 @@ class Tape:
         if self.layers and self.layers[-1].forward_count < len(self.layers[-1].nodes):
             raise RuntimeError(f"layer {self.layers[-1].index} is still being recorded; "
                                "finish it before the next")
-        graph = plan.graph if isinstance(plan, Plan) else layer_graph(plan)
+        if isinstance(plan, Plan):  # the layer kind's state (a list of nodes: LayerState)
+            graph, state = plan.graph, plan.state_type()
+        else:
+            graph, state = layer_graph(plan), LayerState()
         records = list(map(NodeRecord, graph.nodes, graph.sources, graph.readers))
         inputs = checked(inputs, "layer inputs")
-        layer = LayerRecord(len(self.layers), records, inputs, graph.kinds)
+        layer = LayerRecord(len(self.layers), records, inputs, graph.kinds, state)
         records[0].inputs = detached(inputs)
         if self.track is not None and self.layers:  # the first layer's: the stage's input
             self.track(inputs)
@@ -207,7 +211,7 @@ class Tape:
         """Route the gradients of the layer's given inputs to where they came from."""
         given = layer.given_inputs
         layer.given_inputs = ()
-        layer.state = LayerState()
+        layer.state = type(layer.state)()  # its metadata dropped
         previous = self.layers[layer.index - 1] if layer.index > 0 else None
         prev_outputs = previous.outputs if previous is not None else None
         direct: dict[int, torch.Tensor] = {}

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.plan import Fork, LayerState, Node, NodeFn, NodeKind, Plan, WavePlan
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeFn, NodeKind, Plan
 from megapipe.overlap.recompute import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
@@ -102,8 +102,8 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
 
 
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
-    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``WavePlan``
-    stays one, its wave form recomputed too."""
+    """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``Plan`` stays
+    one of its kind and state type (a ``WavePlan``'s wave forms recomputed too)."""
 
     def wrap(items: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
@@ -116,10 +116,7 @@ def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[
                 out.append(recompute_node(item, params))
         return out
 
-    if isinstance(plan, WavePlan):
-        in_waves: Callable[[int], list[Any]] = plan.in_waves
-        return WavePlan(wrap(plan), lambda waves: wrap(in_waves(waves)))
-    return Plan(wrap(plan)) if isinstance(plan, Plan) else wrap(plan)
+    return plan.wrapped(wrap) if isinstance(plan, Plan) else wrap(plan)
 
 
 RECOMPUTE_METHODS = ("uniform", "block")

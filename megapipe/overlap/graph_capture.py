@@ -9,7 +9,7 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -47,12 +47,16 @@ def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class _Recorder(LayerState):
-    """The layer state a node sees while it is captured: writes kept, reads recorded."""
+    """The layer state a node sees while it is captured: writes kept, reads recorded. A write
+    of a name the real state's type does not declare raises, as it would on that state."""
+
+    __slots__ = ("_base", "_writes", "_reads", "_fields")
 
     def __init__(self, base: LayerState) -> None:
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_writes", {})
         object.__setattr__(self, "_reads", {})
+        object.__setattr__(self, "_fields", frozenset(f.name for f in fields(type(base))))
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -65,6 +69,8 @@ class _Recorder(LayerState):
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._fields:
+            raise AttributeError(f"{type(self._base).__name__} declares no field {name!r}")
         self._writes[name] = value
 
 
@@ -91,7 +97,7 @@ class _Instance:
     def fits(self, state: LayerState) -> bool:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
         handed out: a deferred weight gradient may keep an output) and its guards hold."""
-        return self.lease is None and all(getattr(state, name, _MISSING) == value
+        return self.lease is None and all(getattr(state, name) == value
                                      for name, value in self.guards.items()) and all(
             _views(t) <= count for t, count in zip(self.handed, self.counts))
 
@@ -120,9 +126,6 @@ def _moves_grad(param: torch.Tensor) -> bool:
 def _views(tensor: torch.Tensor) -> int:
     """How many tensors view ``tensor``'s storage (plus one: the storage object asked)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
-
-
-_MISSING = object()
 
 
 class _Lease:

@@ -46,7 +46,7 @@ import torch
 from megapipe.overlap.graph_capture import CapturedNode, GraphStats
 from megapipe.overlap.graph_rules import selected, settings_problem
 from megapipe.overlap.plan import (
-    Fork, Node, NodeKind, Plan, WavePlan, run_nodes,
+    Fork, Node, NodeKind, Plan, run_nodes,
 )
 
 @dataclass(frozen=True, eq=False)
@@ -148,17 +148,15 @@ class NodeGraphs:
         kept = self._plans.get(id(plan))
         if kept is not None:
             return kept[1]
+        if not any(self.covers(node) for node in plan.graph.nodes):
+            return plan  # nothing to capture (not kept: a plan made per call stays uncounted)
 
         def wrap(items: Sequence[Any]) -> list[Any]:
             return [Fork(tuple(tuple(self.node(n) for n in b) for b in item.branches),
                          item.width) if isinstance(item, Fork) else self.node(item)
                     for item in items]
 
-        if isinstance(plan, WavePlan):
-            in_waves = plan.in_waves
-            wrapped: Any = WavePlan(wrap(plan), lambda k: wrap(in_waves(k)))
-        else:
-            wrapped = Plan(wrap(plan))
+        wrapped = plan.wrapped(wrap)
         self._plans[id(plan)] = (plan, wrapped)  # the plan kept: its id stays its own
         return wrapped
 

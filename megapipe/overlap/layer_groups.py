@@ -9,48 +9,53 @@ dense layers thus becomes a single node that keeps only the group's input, as Me
 uniform method does; in a group of MoE layers the all-to-alls still separate nodes (they are
 never run again, so their outputs stay), and only the layer outputs inside the group go.
 
-Each layer of a group gets its own ``LayerState`` (its routing metadata must not meet another
-layer's); the group's state, the one the engine sees, lends them its ``wgrad_queue`` and
-``recomputing``. The chained plan runs the very ops of the layers in the same order, so results
-are bitwise those of the layers one by one.
+Each layer of a group gets its own state, of its plan's state type (its routing metadata must
+not meet another layer's); the group's state (``GroupState``), the one the engine sees, sets its
+own ``wgrad_queue`` and ``recomputing`` on each of them. The chained plan runs the very ops of
+the layers in the same order, so results are bitwise those of the layers one by one.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 from typing import Any, Callable, Sequence
 
 from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, Plan, WavePlan
 
 Items = list[Any]
+_ENGINE_FIELDS = frozenset(f.name for f in fields(LayerState))
 
 
-class _PartState(LayerState):
-    """One layer's state inside a group: its own metadata; the engine's fields are the group's."""
+@dataclass(eq=False, slots=True, init=False)
+class GroupState(LayerState):
+    """The state of a group of layers: per layer (its index in the group) its own state, made
+    on first use; what the engine sets here (``LayerState``'s fields) is set on each part."""
 
-    def __init__(self, group: LayerState) -> None:  # not the dataclass __init__: no own fields
-        self._group = group
+    parts: dict[int, LayerState]
 
-    @property  # type: ignore[override]
-    def wgrad_queue(self):  # noqa: D401 - the group's queue, set by the engine at backward
-        return self._group.wgrad_queue
+    def __init__(self) -> None:
+        object.__setattr__(self, "parts", {})
+        LayerState.__init__(self)
 
-    @property  # type: ignore[override]
-    def recomputing(self) -> bool:
-        return self._group.recomputing
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _ENGINE_FIELDS:
+            for part in self.parts.values():
+                setattr(part, name, value)
+
+    def part(self, index: int, state_type: type[LayerState]) -> LayerState:
+        """Layer ``index``'s state (a ``state_type``), made with the engine's fields as set."""
+        part = self.parts.get(index)
+        if part is None:
+            part = self.parts[index] = state_type(
+                wgrad_queue=self.wgrad_queue, recomputing=self.recomputing)
+        return part
 
 
-def _part(state: LayerState, index: int) -> LayerState:
-    parts = state.__dict__.setdefault("layer_parts", {})
-    if index not in parts:
-        parts[index] = _PartState(state)
-    return parts[index]
-
-
-def _in_part(node: Node, index: int) -> Node:
-    def fn(state: LayerState, inputs: tuple) -> tuple:
-        return node.fn(_part(state, index), inputs)
+def _in_part(node: Node, index: int, state_type: type[LayerState]) -> Node:
+    def fn(state: GroupState, inputs: tuple) -> tuple:
+        return node.fn(state.part(index, state_type), inputs)
 
     return replace(node, fn=fn)
 
@@ -65,9 +70,11 @@ def _joined(first: Node, second: Node) -> Node:
 def _chain(plans: Sequence[Sequence[Any]]) -> Items:
     out: Items = []
     for index, plan in enumerate(plans):
+        state_type = plan.state_type if isinstance(plan, Plan) else LayerState
         items = [
-            Fork(tuple(tuple(_in_part(n, index) for n in b) for b in item.branches), item.width)
-            if isinstance(item, Fork) else _in_part(item, index)
+            Fork(tuple(tuple(_in_part(n, index, state_type) for n in b) for b in item.branches),
+                 item.width)
+            if isinstance(item, Fork) else _in_part(item, index, state_type)
             for item in plan
         ]
         last = out[-1] if out else None
@@ -88,7 +95,7 @@ def group_plans(plans: Sequence[Sequence[Any]]) -> Items:
     if len(plans) == 1:
         return plans[0] if isinstance(plans[0], Plan) else list(plans[0])
     if not any(isinstance(p, WavePlan) for p in plans):
-        return Plan(_chain(plans))
+        return Plan(_chain(plans), GroupState)
 
     def in_waves(waves: int) -> Items:
         forms: list[Callable[[int], Any] | None] = [
@@ -96,4 +103,4 @@ def group_plans(plans: Sequence[Sequence[Any]]) -> Items:
         ]
         return _chain([p if f is None else f(waves) for p, f in zip(plans, forms)])
 
-    return WavePlan(_chain(plans), in_waves)
+    return WavePlan(_chain(plans), in_waves, GroupState)

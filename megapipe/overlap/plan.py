@@ -8,7 +8,11 @@ code of a layer is written once.
 A node's function takes the layer's per-microbatch ``LayerState`` and a tuple of tensors, and
 returns a tuple of tensors: the inputs of the next node. The state carries what one node leaves
 for a later node of the same layer (non-differentiable metadata such as routing indices and
-split sizes, as attributes the layer names) and one field the engine owns, ``wgrad_queue``.
+split sizes) and the fields the engine owns, ``wgrad_queue`` and ``recomputing``. Each layer
+kind declares its state: a dataclass subclass of ``LayerState`` beside the layer (``MoEState``
+in ``moe/layer.py``), named by its plan (``Plan(items, state_type)``); the engine makes one per
+layer and microbatch (``plan.state_type()``). A write of an undeclared name raises
+``AttributeError``.
 
 A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into waves,
 ``WavePlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
@@ -34,17 +38,18 @@ class NodeKind(str, Enum):
     COMM = "comm"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LayerState:
-    """Scratch space of one layer for one microbatch.
+    """Scratch space of one layer for one microbatch (slotted: a layer kind that leaves
+    metadata for a later node declares it as a field of its own subclass, also slotted).
 
     ``wgrad_queue`` is set by the engine for the duration of the layer's backward: deferrable
     ops (``overlap.wgrad.grouped_matmul``, given this state at forward time) put their weight
     gradient into it instead of computing it at once; None computes it at once. ``recomputing``
     is True while a recomputed node runs its forward again inside its backward
     (``overlap.full_recompute``): a node then skips what must happen once per forward (logging).
-    Everything else on the state is the layer's own metadata, written by one node and read by a
-    later one.
+    A subclass's fields are the layer's own metadata, written by one node and read by a later
+    one; a layer that leaves none uses ``LayerState`` itself.
     """
 
     wgrad_queue: WeightGradQueue | None = None
@@ -182,8 +187,10 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
 def run_nodes(
     nodes: Sequence[Any], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
 ) -> tuple[torch.Tensor, ...]:
-    """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd."""
-    state = LayerState() if state is None else state
+    """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd, on
+    ``state`` (None: a fresh one of a ``Plan``'s state type; a ``LayerState`` for a list)."""
+    if state is None:
+        state = nodes.state_type() if isinstance(nodes, Plan) else LayerState()
     if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
         values = inputs
         for node in nodes:
@@ -200,13 +207,20 @@ def run_nodes(
 
 
 class Plan(list):
-    """A node plan (a list of ``Node`` and ``Fork``) built once, with its graph: ``graph`` is
-    its ``layer_graph``, made here so the engine does not make it again every time it records
-    the layer. A model that builds its plans once (``GPTStage.layer_plans``) gives them so."""
+    """A node plan (a list of ``Node`` and ``Fork``) with its graph and its state type:
+    ``graph`` is its ``layer_graph``, made here so the engine does not make it again every time
+    it records the layer; ``state_type`` is the ``LayerState`` class its nodes share (the layer
+    kind's declaration). A model that builds its plans once (``GPTStage.layer_plans``) gives
+    them so; a layer kind with its own state gives its plans as ``Plan`` always."""
 
-    def __init__(self, items: Sequence[Any]) -> None:
+    def __init__(self, items: Sequence[Any], state_type: type[LayerState] = LayerState) -> None:
         super().__init__(items)
         self.graph = layer_graph(self)
+        self.state_type = state_type
+
+    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> "Plan":
+        """This plan with its items replaced by ``wrap(items)``, its state type kept."""
+        return Plan(wrap(list(self)), self.state_type)
 
 
 class WavePlan(Plan):
@@ -214,8 +228,9 @@ class WavePlan(Plan):
     layer as a plan with a ``Fork`` of k branches whose results equal this plan's (made once per
     k); the combined step uses it when asked for all-to-alls in waves (``a2a_waves``)."""
 
-    def __init__(self, nodes: Sequence[Any], in_waves: Callable[[int], list[Any]]) -> None:
-        super().__init__(nodes)
+    def __init__(self, nodes: Sequence[Any], in_waves: Callable[[int], list[Any]],
+                 state_type: type[LayerState] = LayerState) -> None:
+        super().__init__(nodes, state_type)
         self._in_waves = in_waves
         self._forms: dict[int, WavePlan] = {}
 
@@ -223,8 +238,15 @@ class WavePlan(Plan):
         """The layer in ``waves`` expert groups."""
         form = self._forms.get(waves)
         if form is None:
-            form = self._forms[waves] = WavePlan(self._in_waves(waves), self._in_waves)
+            form = self._forms[waves] = WavePlan(self._in_waves(waves), self._in_waves,
+                                                 self.state_type)
         return form
+
+    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> "WavePlan":
+        """This plan and its wave forms with their items replaced by ``wrap(items)``."""
+        in_waves = self.in_waves
+        return WavePlan(wrap(list(self)), lambda waves: wrap(list(in_waves(waves))),
+                        self.state_type)
 
 
 @runtime_checkable
@@ -270,7 +292,7 @@ def node_plan_of(layer: Any, warn_once: WarnOnce, a2a_waves: int = 1) -> list[An
             plan = node_plan()
     if type(plan) is list or is_plan(plan):  # a plan (the tape checks its items)
         if a2a_waves > 1 and isinstance(plan, WavePlan):
-            return list(plan.in_waves(a2a_waves))
+            return plan.in_waves(a2a_waves)
         return plan
     if not callable(layer):
         raise TypeError(

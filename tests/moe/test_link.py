@@ -4,8 +4,7 @@ import time
 
 import torch
 
-from megapipe.moe import EmulatedLink, MoEConfig, MoELayer
-from megapipe.overlap.plan import LayerState
+from megapipe.moe import EmulatedLink, MoEConfig, MoELayer, MoEState
 
 
 def test_link_with_ep1_stretches_dispatch_and_combine_both_ways_and_keeps_the_bits():
@@ -14,7 +13,7 @@ def test_link_with_ep1_stretches_dispatch_and_combine_both_ways_and_keeps_the_bi
     layer = MoELayer(MoEConfig(**base, link=link), seed=3)
     plain = MoELayer(MoEConfig(**base), seed=3)
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
-    state = LayerState()
+    state = MoEState()
     route, dispatch, experts, combine, _ = layer.node_plan().graph.nodes
     _, rows = route.fn(state, (x,))
     modelled = link.transfer_time(rows.numel() * rows.element_size())  # every row crosses

@@ -6,8 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megapipe.moe import EmulatedLink, MoEConfig, MoELayer
-from megapipe.overlap.plan import LayerState
+from megapipe.moe import EmulatedLink, MoEConfig, MoELayer, MoEState
 
 H = 6
 E = 8
@@ -60,7 +59,7 @@ def _run(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor, scale: float):
     layer.zero_grad(set_to_none=True)
     layer.aux_loss_scale = scale
     x = x.clone().requires_grad_()
-    state = LayerState()
+    state = MoEState()
     from megapipe.overlap.plan import run_nodes
 
     (y,) = run_nodes(layer.node_plan(), (x,), state)
@@ -175,7 +174,7 @@ def check_emulated_link_sleeps_modelled_time() -> list[str]:
     layer = MoELayer(MoEConfig(**base, link=link), ep_group=dist.group.WORLD, seed=SEED)
     plain = MoELayer(MoEConfig(**base), ep_group=dist.group.WORLD, seed=SEED)
     x = _inputs(5, 2, False)[rank].requires_grad_()
-    state = LayerState()
+    state = MoEState()
     route, dispatch, *_ = layer.node_plan().graph.nodes
     probs, rows = route.fn(state, (x,))
     rows_leaf = rows.detach().requires_grad_()

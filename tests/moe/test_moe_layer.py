@@ -9,6 +9,7 @@ from megapipe.moe import (
     GroupedExperts,
     MoEConfig,
     MoELayer,
+    MoEState,
     pass_leading,
     sort_by_expert,
 )
@@ -110,7 +111,7 @@ def test_plan_permutation_makes_no_host_sync():
 
 def test_capacity_factor_drops_tokens_and_pads_every_expert():
     layer = make(capacity_factor=0.25)
-    state = LayerState()
+    state = MoEState()
     x = torch.randn(12, H)
     out = run_nodes(layer.node_plan(), (x,), state)[0]
     capacity = layer.config.capacity(12)
@@ -139,7 +140,7 @@ def test_node_plan_shape_and_leading_tensors_go_around_the_all_to_alls():
     route, dispatch, experts, combine, finish = plan.graph.nodes
     x = torch.randn(3, 4, H)
     residual = torch.randn(3, 4, H)
-    state = LayerState()
+    state = MoEState()
     *around, rows = route.fn(state, (residual, x))
     assert around[0] is residual and len(around) == 3  # residual, shared input, probs
     (rows,) = combine.fn(state, experts.fn(state, dispatch.fn(state, (rows,))))

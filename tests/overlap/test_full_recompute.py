@@ -14,7 +14,9 @@ import torch
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
+from megapipe.moe.layer import MoEState
 from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.overlap.layer_groups import GroupState
 from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
@@ -121,13 +123,15 @@ def test_a_group_of_layers_is_one_plan_joining_compute_nodes_across_layers():
         "layer2.finish+layer3.attention", "layer3.dispatch", "layer3.experts",
         "layer3.combine", "layer3.finish",
     ]
-    # each layer of a group keeps its own routing metadata on a state of its own
-    state = LayerState()
+    # each layer of a group keeps its own routing metadata on a state of its own, of its kind
+    assert plans[2].state_type is GroupState
+    state = GroupState()
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     hidden = model.embedding(ids)
     run_nodes(plans[2], (hidden,), state)
-    parts = state.layer_parts
-    assert set(parts) == {0, 1} and parts[0].row_choice is not parts[1].row_choice
+    parts = state.parts
+    assert set(parts) == {0, 1} and all(type(p) is MoEState for p in parts.values())
+    assert parts[0].row_choice is not parts[1].row_choice
     state.wgrad_queue = "queue"
     assert parts[1].wgrad_queue == "queue" and not parts[0].recomputing
 

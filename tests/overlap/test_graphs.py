@@ -9,12 +9,14 @@ replays, the state writes, the gradients, the refusals.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss, graph_holders
+from megapipe.moe.layer import MoEState
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.graph_rules import (
     GRAPH_IMPLS, GRAPH_MODULES, coverage_problem, settings_problem,
@@ -147,7 +149,7 @@ def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:
         out_eager = run_nodes(eager_plan, (x,))[0]
         (g_eager,) = torch.autograd.grad(out_eager.sum(), x)
         eager_log = moe.aux_loss_log.pop_all()
-        state = LayerState()
+        state = MoEState()
         out = run_nodes(plan, (x,), state)[0]
         (g,) = torch.autograd.grad(out.sum(), x)
         log = moe.aux_loss_log.pop_all()
@@ -157,8 +159,8 @@ def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:
     assert graphs.captured == 2
 
 
-def _route_state(stage, x: torch.Tensor) -> LayerState:  # noqa: ANN001
-    state = LayerState()
+def _route_state(stage, x: torch.Tensor) -> MoEState:  # noqa: ANN001
+    state = MoEState()
     with torch.no_grad():
         stage.layer_plans()[2][0].fn(state, (x,))
     stage.layers["1"].moe.aux_loss_log.pop_all()
@@ -192,13 +194,16 @@ def _one_node(fn, params=(), **spec) -> tuple[Plan, NodeGraphs, FakeGraphApi]:  
     return graphs.plan(Plan([node])), graphs, api
 
 
+@dataclass(eq=False, slots=True)
+class _ScaleState(LayerState):
+    scale: torch.Tensor | None = None
+
+
 def test_a_node_that_reads_a_tensor_from_the_state_or_defers_wgrad_is_refused() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     plan, _, _ = _one_node(lambda s, t: (t[0] * s.scale,))
-    state = LayerState()
-    state.scale = torch.ones(8)
     with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor made outside it"):
-        run_nodes(plan, (x,), state)
+        run_nodes(plan, (x,), _ScaleState(scale=torch.ones(8)))
     weight = torch.randn(2, 8, 8, requires_grad=True)
 
     def deferring(state: LayerState, tensors: tuple) -> tuple:
@@ -207,6 +212,21 @@ def test_a_node_that_reads_a_tensor_from_the_state_or_defers_wgrad_is_refused() 
     plan, _, _ = _one_node(deferring, [weight])
     with pytest.raises(RuntimeError, match=r"defers weight gradients"):  # its queue comes later
         run_nodes(plan, (x,))
+
+
+def test_a_captured_node_writing_an_undeclared_state_field_is_refused() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def writes(state: LayerState, tensors: tuple) -> tuple:
+        state.scale = tensors[0].sum()
+        return (tensors[0] * 2,)
+
+    plan, _, _ = _one_node(writes)
+    with pytest.raises(AttributeError, match="LayerState declares no field 'scale'"):
+        run_nodes(plan, (x,))
+    state = _ScaleState()
+    assert torch.equal(run_nodes(plan, (x,), state)[0], x * 2)  # declared: written at replay
+    assert torch.equal(state.scale, x.sum())
 
 
 def test_undeclared_parameters_host_syncs_and_moved_storage_are_refused() -> None:

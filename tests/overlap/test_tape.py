@@ -1,11 +1,12 @@
 """The tape: node-by-node forward/backward gives the bits of plain autograd over run_nodes."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from megapipe.overlap.plan import LayerState, Node, NodeKind, run_nodes
+from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
 from megapipe.overlap.combined import backward_node
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.combined import Tape
@@ -139,21 +140,31 @@ def test_bad_plans_and_misuse_are_named():
         tape.begin_layer_backward((torch.ones(2),))
 
 
-def test_state_is_per_layer_and_per_microbatch():
+@dataclasses.dataclass(eq=False, slots=True)
+class _RowsState(LayerState):
+    rows: int | None = None
+
+
+def test_state_is_per_layer_and_per_microbatch_and_of_the_plans_state_type():
     seen = []
 
-    def write(state: LayerState, t):
+    def write(state: _RowsState, t):
         state.rows = t[0].shape[0]
         return t
 
-    def read(state: LayerState, t):
+    def read(state: _RowsState, t):
         seen.append(state.rows)
         return (t[0] + 1,)
 
-    plan = [Node("w", NodeKind.COMPUTE, write), Node("r", NodeKind.COMPUTE, read)]
-    record_forward([plan, plan], (torch.ones(3),))
+    plan = Plan([Node("w", NodeKind.COMPUTE, write), Node("r", NodeKind.COMPUTE, read)],
+                _RowsState)
+    _, tape = record_forward([plan, plan], (torch.ones(3),))
+    assert [type(layer.state) for layer in tape.layers] == [_RowsState, _RowsState]
     record_forward([plan], (torch.ones(5),))
     assert seen == [3, 3, 5]
+    # a plain list of nodes shares a LayerState, which declares no field of a layer's own
+    with pytest.raises(AttributeError, match="rows"):
+        record_forward([list(plan)], (torch.ones(3),))
 
 
 @pytest.mark.parametrize("shared,defer", [(None, False), (12, False), (12, True)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
@@ -67,6 +68,7 @@ class RankPool:
 
     def _start(self) -> None:
         self._stopping = False
+        self.last_used = time.monotonic()  # when a task last ended (``RankPools`` reads it)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -83,7 +85,11 @@ class RankPool:
                     os.environ[name] = value
         self._procs = ranks.processes
 
-    def _most_threads(self) -> int:
+    def running(self) -> bool:
+        """Whether the ranks are up (a closed pool starts again on its next task)."""
+        return bool(self._procs)
+
+    def most_threads(self) -> int:
         """The most threads of any rank (0 where /proc cannot tell)."""
         try:
             return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self._procs)
@@ -92,8 +98,11 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order. Ranks
-        that hold more than ``THREAD_LIMIT`` threads are replaced by fresh ones first."""
-        if self._most_threads() > THREAD_LIMIT:
+        that hold more than ``THREAD_LIMIT`` threads are replaced by fresh ones first, and a
+        closed pool starts again."""
+        if not self._procs:
+            self._start()
+        elif self.most_threads() > THREAD_LIMIT:
             self.close()
             self._start()
         for q in self._tasks:
@@ -111,6 +120,7 @@ class RankPool:
                     f"on ranks {missing}" + _format_failures(failures)
                 )
             (results if ok else failures)[rank] = value
+        self.last_used = time.monotonic()
         if failures:
             raise RankError(f"{getattr(fn, '__name__', fn)} failed" + _format_failures(failures))
         return [results[r] for r in range(self.world_size)]

@@ -61,7 +61,6 @@ def count(hidden: int) -> dict[str, tuple[int, int]]:
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap.combined import _run_backward
     from megapipe.overlap.graphs import NodeGraphs
-    from megapipe.overlap.plan import LayerState
     from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     config = GPTConfig(hidden_size=hidden, num_heads=4, num_layers=2, seq_length=64,
@@ -77,7 +76,7 @@ def count(hidden: int) -> dict[str, tuple[int, int]]:
         x = torch.randn(2, config.seq_length, hidden, dtype=torch.bfloat16)
 
         def once(run: Any, leaf: torch.Tensor) -> tuple:
-            outs = run.fn(LayerState(), (leaf,))
+            outs = run.fn(plan.state_type(), (leaf,))  # the layer kind's state
             return tuple(o for o in outs if o.requires_grad)
 
         grads = tuple(torch.ones_like(o) for o in once(node, x.clone().requires_grad_()))

@@ -1,5 +1,3 @@
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,12 +56,12 @@ def test_an_idle_pool_with_many_threads_is_closed_when_another_is_asked_for(rank
                                                                           monkeypatch):
     """Idle gloo threads still cost CPU: asking for one pool closes another that has been idle
     past IDLE_SECONDS with more than IDLE_THREADS threads; its next task starts it again."""
-    conftest = sys.modules[type(rank_pools).__module__]
+    settings = type(rank_pools).__call__.__globals__  # tests/conftest.py's (not a folder's)
     pools = type(rank_pools)()  # its own registry: the session's pools are left alone
     try:
         first = pools(1, "first")
-        monkeypatch.setattr(conftest, "IDLE_THREADS", first.most_threads() + 3)
-        monkeypatch.setattr(conftest, "IDLE_SECONDS", 0.0)
+        monkeypatch.setitem(settings, "IDLE_THREADS", first.most_threads() + 3)
+        monkeypatch.setitem(settings, "IDLE_SECONDS", 0.0)
         assert pools(1, "second").run(_make_groups, 1) == [1]
         assert first.running()  # a few threads only: kept
         first.run(_make_groups, 3)

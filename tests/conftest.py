@@ -1,27 +1,17 @@
 """Shared fixtures: long-lived gloo process pools, one per world size, started on first use."""
 
 import os
-import time
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# An idle pool whose ranks hold many gloo groups still costs CPU: each group's transport
-# threads wake up on their own (4 idle ranks of 264 threads each took 0.4 of a core from the
-# pool at work). When another pool is asked for, such a pool that has been idle this long is
-# closed; its next task starts it again (about 4 s).
-IDLE_SECONDS = 20.0
-IDLE_THREADS = 100
-
-
 class RankPools:
     """``pools(n)``: a RankPool of n gloo processes, kept for the whole session.
     ``pools(n, tag, env)``: a separate pool for one purpose (e.g. one Megatron-Core release,
     whose processes import it), with extra environment variables; ``close(n, tag)`` ends it
-    early, once its tests are done. Asking for a pool closes the other pools that are idle and
-    hold many threads (``IDLE_SECONDS``, ``IDLE_THREADS``)."""
+    early, once its tests are done."""
 
     def __init__(self) -> None:
         self._pools = {}
@@ -30,11 +20,6 @@ class RankPools:
         from support.rank_pool import RankPool
 
         key = (world_size, tag)
-        now = time.monotonic()
-        for other, pool in self._pools.items():
-            if (other != key and pool.running() and now - pool.last_used > IDLE_SECONDS
-                    and pool.most_threads() > IDLE_THREADS):
-                pool.close()
         if key not in self._pools:
             self._pools[key] = RankPool(world_size, env=env)
         return self._pools[key]

@@ -29,7 +29,7 @@ def test_pool_reports_failing_rank_traceback(rank_pools):
 
 
 def _make_groups(count):
-    groups = [dist.new_group(list(range(dist.get_world_size()))) for _ in range(count)]
+    groups = [dist.new_group([0, 1]) for _ in range(count)]
     for group in groups:
         dist.all_reduce(torch.ones(1), group=group)
     return len(groups)
@@ -41,33 +41,34 @@ def test_a_pool_past_the_thread_limit_starts_afresh(monkeypatch):
     from support import rank_pool
 
     with rank_pool.RankPool(2) as pool:
-        monkeypatch.setattr(rank_pool, "THREAD_LIMIT", pool.most_threads() + 10)
+        monkeypatch.setattr(rank_pool, "THREAD_LIMIT", pool._most_threads() + 10)
         first = [p.pid for p in pool._procs]
         assert pool.run(_make_groups, 2) == [2, 2]
         assert [p.pid for p in pool._procs] == first  # under the limit: the same ranks
         pool.run(_make_groups, 10)
-        assert pool.most_threads() > rank_pool.THREAD_LIMIT
+        assert pool._most_threads() > rank_pool.THREAD_LIMIT
         assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
         assert [p.pid for p in pool._procs] != first
-        assert pool.most_threads() <= rank_pool.THREAD_LIMIT
+        assert pool._most_threads() <= rank_pool.THREAD_LIMIT
 
 
-def test_an_idle_pool_with_many_threads_is_closed_when_another_is_asked_for(rank_pools,
-                                                                          monkeypatch):
-    """Idle gloo threads still cost CPU: asking for one pool closes another that has been idle
-    past IDLE_SECONDS with more than IDLE_THREADS threads; its next task starts it again."""
-    settings = type(rank_pools).__call__.__globals__  # tests/conftest.py's (not a folder's)
-    pools = type(rank_pools)()  # its own registry: the session's pools are left alone
+def _die_on_rank_one():
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a crash would: no traceback, no result
+    dist.barrier()  # rank 0 waits for the dead rank, as a collective would
+
+
+def test_a_rank_that_dies_is_named_at_once_and_the_pool_starts_afresh(rank_pools):
+    """A rank killed mid-task (a segfault, the OOM killer) ends the task with its name and
+    exit code instead of a wait to the timeout; the next task runs on fresh ranks."""
+    pool = rank_pools(2)
+    pool.timeout, limit = 60.0, pool.timeout  # a missed death would end in "did not finish"
     try:
-        first = pools(1, "first")
-        monkeypatch.setitem(settings, "IDLE_THREADS", first.most_threads() + 3)
-        monkeypatch.setitem(settings, "IDLE_SECONDS", 0.0)
-        assert pools(1, "second").run(_make_groups, 1) == [1]
-        assert first.running()  # a few threads only: kept
-        first.run(_make_groups, 3)
-        second = pools(1, "second")
-        assert not first.running() and second.running()
-        assert first.run(_allreduce_rank) == [(0, 0.0)]  # started again
-        assert first.running()
+        with pytest.raises(RankError, match=r"ranks \[1\] died \(exit codes \[-9\]"):
+            pool.run(_die_on_rank_one)
     finally:
-        pools.close_all()
+        pool.timeout = limit
+    assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]

@@ -54,6 +54,7 @@ def _serve(rank: int, task_queues: list[Any], results: Any) -> None:
 # own groups), and idle ones still cost CPU: 450 threads on each of 4 ranks kept 0.65 of a core
 # busy doing nothing. A pool whose ranks pass this many threads starts afresh (about 4 s).
 THREAD_LIMIT = 300
+_POLL_S = 1.0  # how often a waiting ``run`` looks for ranks that died
 
 
 class RankPool:
@@ -68,7 +69,6 @@ class RankPool:
 
     def _start(self) -> None:
         self._stopping = False
-        self.last_used = time.monotonic()  # when a task last ended (``RankPools`` reads it)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -85,11 +85,7 @@ class RankPool:
                     os.environ[name] = value
         self._procs = ranks.processes
 
-    def running(self) -> bool:
-        """Whether the ranks are up (a closed pool starts again on its next task)."""
-        return bool(self._procs)
-
-    def most_threads(self) -> int:
+    def _most_threads(self) -> int:
         """The most threads of any rank (0 where /proc cannot tell)."""
         try:
             return max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self._procs)
@@ -99,30 +95,39 @@ class RankPool:
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order. Ranks
         that hold more than ``THREAD_LIMIT`` threads are replaced by fresh ones first, and a
-        closed pool starts again."""
+        pool that was killed (a timeout, a lost rank) starts afresh. A rank that dies during
+        the task (a crash, a signal) ends it at once with ``RankError`` naming the rank."""
         if not self._procs:
             self._start()
-        elif self.most_threads() > THREAD_LIMIT:
+        elif self._most_threads() > THREAD_LIMIT:
             self.close()
             self._start()
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        name = getattr(fn, "__name__", fn)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
+        deadline = time.monotonic() + self.timeout
         while len(results) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout)
+                rank, ok, value = self._results.get(timeout=min(_POLL_S, self.timeout))
             except queue.Empty:
                 missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
-                self.close(kill=True)
-                raise RankError(
-                    f"{getattr(fn, '__name__', fn)} did not finish within {self.timeout:.0f}s "
-                    f"on ranks {missing}" + _format_failures(failures)
-                )
+                dead = {r: self._procs[r].exitcode for r in missing
+                        if not self._procs[r].is_alive()}
+                if dead:
+                    self.close(kill=True)
+                    raise RankError(f"{name}: ranks {sorted(dead)} died (exit codes "
+                                    f"{list(dead.values())}; a negative code is a signal)"
+                                    + _format_failures(failures))
+                if time.monotonic() > deadline:
+                    self.close(kill=True)
+                    raise RankError(f"{name} did not finish within {self.timeout:.0f}s "
+                                    f"on ranks {missing}" + _format_failures(failures))
+                continue
             (results if ok else failures)[rank] = value
-        self.last_used = time.monotonic()
         if failures:
-            raise RankError(f"{getattr(fn, '__name__', fn)} failed" + _format_failures(failures))
+            raise RankError(f"{name} failed" + _format_failures(failures))
         return [results[r] for r in range(self.world_size)]
 
     def stop(self) -> None:

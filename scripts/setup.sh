@@ -26,7 +26,7 @@ fi
 if ! $PIP install -q -e ".[data]"; then
   echo "setup.sh: tokenizers/safetensors could not be installed; tests/data/ will skip" >&2
 fi
-# Hugging Face interop (megapipe export-hf, --load-hf): safetensors, tokenizers and transformers
+# Hugging Face interop (megapipe export-hf, megapipe.hf.load_hf): safetensors, tokenizers and transformers
 # (the tests load the export with transformers); where they cannot be installed those tests skip.
 if ! $PIP install -q -e ".[hf]"; then
   echo "setup.sh: transformers/safetensors could not be installed; tests/hf will skip" >&2
@@ -42,3 +42,8 @@ fi
 # .venv/mcore-releases/ (the tests fetch them too, and skip a release only without a network).
 .venv/bin/python tests/support/mcore_releases.py || \
   echo "setup.sh: could not fetch every megatron-core release; the tests say which they skip" >&2
+# Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set, every process (a run's ranks,
+# the tests' process pools and subprocesses) would otherwise compile megapipe and the fetched
+# Megatron-Core releases from source again (0.2 to 0.5 s each).
+.venv/bin/python -m compileall -q megapipe benchmarks examples tests .venv/mcore-releases \
+  > /dev/null || echo "setup.sh: byte-compiling failed; everything still runs from source" >&2

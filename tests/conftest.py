@@ -30,10 +30,10 @@ class RankPools:
             pool.close()
 
     def close_all(self) -> None:
+        """At the session's end: the ranks are killed (leaving their gloo groups one by one
+        took 6 to 8 s)."""
         for pool in self._pools.values():
-            pool.stop()
-        for pool in self._pools.values():
-            pool.close()
+            pool.close(kill=True)
         self._pools.clear()
 
 

@@ -38,6 +38,7 @@ import torch
 from megapipe.data.blend import check_data_path, parse_split
 from megapipe.data.errors import DataError
 from megapipe.data.mcore_datasets import mcore_datasets
+from megapipe.data.position import SamplingPosition
 from megapipe.data.tokenizer import Tokenizer
 
 Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s]), int64
@@ -167,7 +168,7 @@ def stack_samples(dataset: Any, indices: Sequence[int]) -> Microbatch:
 
 
 @dataclass
-class IndexedTrainBatches:
+class IndexedTrainBatches(SamplingPosition):
     """This data-parallel rank's microbatches of a Megatron train dataset, iteration by
     iteration, in Megatron's sampler order (see the module); position ``consumed_samples``."""
 
@@ -208,17 +209,6 @@ class IndexedTrainBatches:
             batches.append(stack_samples(self.dataset, range(first, first + mbs)))
         self.consumed_samples = end
         return batches
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["seed"]) != self.seed:
-            raise DataError(
-                f"the checkpoint's sampling was seeded with {int(state['seed'])}, this run "
-                f"with --seed={self.seed}"
-            )
-        self.consumed_samples = int(state["consumed_samples"])
 
 
 def indexed_validation_batches(

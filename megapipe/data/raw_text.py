@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from megapipe.data.position import SamplingPosition
 from megapipe.data.tokenizer import BYTE_END_OF_DOCUMENT as END_OF_DOCUMENT
 
 
@@ -125,7 +126,7 @@ def _stack(splits: Splits, indices: Sequence[int]) -> Microbatch:
 
 
 @dataclass
-class TrainBatches:
+class TrainBatches(SamplingPosition):
     """This DP rank's microbatches, iteration by iteration; its position is ``consumed_samples``.
 
     ``next_batch()`` returns the ``num_microbatches`` microbatches of the next iteration. The
@@ -170,17 +171,6 @@ class TrainBatches:
         self.consumed_samples += self.global_batch_size
         mbs = self.micro_batch_size
         return [_stack(self.splits, indices[i : i + mbs]) for i in range(0, per_rank, mbs)]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if int(state["seed"]) != self.seed:
-            raise ValueError(
-                f"the checkpoint's sampling was seeded with {int(state['seed'])}, this run "
-                f"with --seed={self.seed}"
-            )
-        self.consumed_samples = int(state["consumed_samples"])
 
 
 def validation_batches(

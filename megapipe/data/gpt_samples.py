@@ -181,17 +181,7 @@ class IndexedTrainBatches(SamplingPosition):
     consumed_samples: int = 0
 
     def __post_init__(self) -> None:
-        if self.global_batch_size % (self.micro_batch_size * self.dp) != 0:
-            raise DataError(
-                f"global_batch_size={self.global_batch_size} is not divisible by "
-                f"micro_batch_size x dp = {self.micro_batch_size} x {self.dp}"
-            )
-        if not 0 <= self.dp_rank < self.dp:
-            raise DataError(f"dp_rank={self.dp_rank} outside [0, dp={self.dp})")
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
+        self.check_batch_shape()
 
     def next_batch(self) -> list[Microbatch]:
         """The next iteration's ``num_microbatches`` microbatches of this rank."""

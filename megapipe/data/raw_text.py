@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from megapipe.data.files import files_under
 from megapipe.data.position import SamplingPosition
 from megapipe.data.tokenizer import BYTE_END_OF_DOCUMENT as END_OF_DOCUMENT
 
@@ -40,10 +41,7 @@ def resolve_data_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
-            found = sorted(
-                p for p in path.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
+            found = files_under(path)
             if not found:
                 raise FileNotFoundError(f"--data-path directory {path} holds no files")
             files.extend(found)
@@ -142,19 +140,9 @@ class TrainBatches(SamplingPosition):
     consumed_samples: int = 0
 
     def __post_init__(self) -> None:
-        if self.global_batch_size % (self.micro_batch_size * self.dp) != 0:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} is not divisible by "
-                f"micro_batch_size x dp = {self.micro_batch_size} x {self.dp}"
-            )
-        if not 0 <= self.dp_rank < self.dp:
-            raise ValueError(f"dp_rank={self.dp_rank} outside [0, dp={self.dp})")
+        self.check_batch_shape()
         self._permutation_epoch = -1
         self._permutation = torch.empty(0, dtype=torch.long)
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def _sample(self, position: int) -> int:
         epoch, offset = divmod(position, self.splits.num_train)

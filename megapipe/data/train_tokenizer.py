@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from megapipe.data.errors import DataError
+from megapipe.data.files import files_under
 
 END_OF_DOCUMENT_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # the 256 byte characters and the end-of-document token
@@ -43,10 +44,7 @@ def corpus_files(inputs: Sequence[str | os.PathLike]) -> tuple[list[Path], list[
     files, named = [], []
     for item in map(Path, inputs):
         if item.is_dir():
-            found = sorted(
-                p for p in item.rglob("*")
-                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(item).parts)
-            )
+            found = files_under(item)
             if not found:
                 raise DataError(f"--input directory {item} holds no files")
             files.extend(found)

@@ -57,12 +57,18 @@ def results(rank_pools):
     return results_by_case(per_rank, cases)
 
 
-def _assert_matches(got: torch.Tensor, want: torch.Tensor, bitwise: bool, what: str) -> None:
+def _assert_matches(got: torch.Tensor, want: torch.Tensor, bitwise: bool, what: str,
+                    step: int) -> None:
+    """Bitwise, or within fp32 rounding: 1e-6 of the tensor's largest value at step 0; 1e-5
+    after an update, when the weights themselves differ in their last bits (SGD from gradients
+    that did) and step 1's gradients carry both differences. The attention's q/k norm weights,
+    whose gradients are sums with much cancellation, reach 1.26x of 1e-6 at step 1 on some
+    CPUs (the modern-model cases with ep 2)."""
     if bitwise:
         assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item():.3e}"
     else:
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale, msg=what)
+        scale, tol = want.abs().max().item(), 1e-6 if step == 0 else 1e-5
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
 
 
 @pytest.mark.parametrize("case", CASES + OVERLAP_CASES, ids=str)
@@ -85,7 +91,8 @@ def test_matches_single_process_reference(results, case):
                 seen_losses.add((result["dp_rank"], i))
             for (stage, name), grad in grads.items():
                 want = expected_grad(case, result, name, (stage, name), ref_grads)
-                _assert_matches(grad, want, bitwise, f"{case} step {step} stage {stage} {name}")
+                _assert_matches(grad, want, bitwise, f"{case} step {step} stage {stage} {name}",
+                                step)
     assert seen_losses == {(d, i) for d in range(case.dp) for i in range(case.microbatches)}
 
 

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pretrain_command(subparsers)
     _add_trace_command(subparsers)
     add_data_commands(subparsers)
-    from .hf.command import add_export_command
+    from .train.checkpoint.export_command import add_export_command
     add_export_command(subparsers)
     return parser
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import megapipe
 
 LAYERS = [
-    "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models",
-    "pipeline", "megatron", "train", "hf", "cli",
+    "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models", "hf",
+    "pipeline", "megatron", "train", "cli",
 ]
-# hf/ (Hugging Face export) reads models/, moe/ and train/'s checkpoint files only
-FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron"}, "hf": {"pipeline", "megatron"}}
+# hf/ (Hugging Face's format of the GPT) sits on models/, below the app that starts from it
+FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron", "hf"}}
 ROOT = Path(megapipe.__file__).parent
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 from torch import nn
 
 import megapipe.train.main as pretrain
@@ -148,6 +149,23 @@ def _prefix(w: World, idx: bool = True, bin_: bool = True) -> str:
     return str(prefix)
 
 
+def _hf_dir(weights: bool = True, **edits) -> Callable[[World], list[str]]:
+    """``--load-hf`` of a directory whose config.json describes TINY's model, edited; its
+    weights file is only looked for (an empty file), since the run is refused first."""
+    def setup(w: World) -> list[str]:
+        from megapipe.hf.qwen3_moe import hf_config
+
+        folder = w.root / "hf"
+        folder.mkdir()
+        model = parse_pretrain_args(TINY, env={}).model
+        (folder / "config.json").write_text(json.dumps(dict(hf_config(model, torch.float32),
+                                                            **edits)))
+        if weights:
+            (folder / "model.safetensors").write_bytes(b"")
+        return ["--load-hf", str(folder)]
+    return setup
+
+
 def _truncate(ckpt: Path) -> None:
     shard = _shard(ckpt, 2)
     shard.write_bytes(shard.read_bytes()[:100])
@@ -254,6 +272,22 @@ PRETRAIN_ERRORS: list[tuple[str, Callable[[World], list[str]], list[str]]] = [
      ["--data-path", _prefix(w), str(w.root / "t.txt")], ["mixes raw text", "t.txt"]),
     ("indexed-without-tokenizer-type", lambda w: ["--data-path", _prefix(w)],
      ["indexed datasets needs --tokenizer-type"]),
+    ("load-hf-missing", lambda w: ["--load-hf", str(w.root / "nohf")],
+     ["--load-hf", "nohf is not a directory"]),
+    ("load-hf-without-config", lambda w: (w.root / "hf").mkdir() or
+     ["--load-hf", str(w.root / "hf")], ["--load-hf", "no config.json"]),
+    ("load-hf-without-weights", _hf_dir(weights=False),
+     ["--load-hf", "no model.safetensors or its index"]),
+    ("load-hf-other-width", _hf_dir(hidden_size=64),
+     ["its config.json has --hidden-size=64 but this run has --hidden-size=32"]),
+    ("load-hf-other-top-k", _hf_dir(num_experts_per_tok=1),
+     ["--moe-router-topk=1", "--moe-router-topk=2"]),
+    ("load-hf-renormalised-router", _hf_dir(norm_topk_prob=True),
+     ["config.json norm_topk_prob=true has no equivalent"]),
+    ("load-hf-vocabulary-too-small", _hf_dir(vocab_size=128),
+     ["the tokenizer has 256 tokens, more than its model's vocabulary of 128"]),
+    ("load-hf-other-architecture", _hf_dir(model_type="mixtral"),
+     ["model_type='mixtral'", "'qwen3_moe'"]),
     ("shared-expert-added", _model_change("--moe-shared-expert-intermediate-size", "16"),
      ["--moe-shared-expert-intermediate-size=None", "=16"]),
     ("keep-last-zero", lambda w: ["--save", str(w.root / "new"), "--keep-last", "0"],
@@ -348,6 +382,24 @@ def test_a_layout_change_is_accepted(world, capsys):
              "--expert-model-parallel-size", "1", "--pipeline-schedule", "zb1p"]
     assert pretrain.main(TINY + ["--load", str(ckpt), "--save", str(ckpt)] + flags) == 0
     assert capsys.readouterr().err == "" and world.plans[-1].checkpoint.iteration == 2
+
+
+def test_load_hf_starts_a_run_without_a_checkpoint_and_a_checkpoint_wins(world, capsys):
+    """``--load-hf`` is the start when ``--load`` holds nothing (the choice names it), and a
+    checkpoint in ``--load`` is resumed instead, with one warning."""
+    flags = _hf_dir()(world)
+    assert pretrain.main(TINY + flags + ["--load", str(world.root / "empty"),
+                                         "--save", str(world.root / "empty")]) == 0
+    assert capsys.readouterr().err == ""
+    plan = world.plans[-1]
+    assert plan.checkpoint is None and plan.hf_dir == flags[1]
+    assert plan.note == f"starting from the weights of --load-hf {flags[1]}"
+    ckpt = world.copy()
+    assert pretrain.main(TINY + flags + ["--load", str(ckpt)]) == 0
+    line = _one_line(capsys.readouterr().err)
+    assert f"--load-hf {flags[1]} is not read: --load {ckpt} holds a checkpoint (iteration 2)" \
+        in line
+    assert world.plans[-1].checkpoint.iteration == 2 and world.plans[-1].hf_dir is None
 
 
 def test_resume_after_fallback_trains_from_the_older_checkpoint(rank_pools, world):

@@ -1,11 +1,17 @@
 """``--load-hf DIR``: a Qwen3-MoE directory (as ``export-hf`` writes it, or any whose features
 megapipe's GPT mirrors) back into a ``GPTConfig`` and the single-process state dict, which
-``checkpoint_reader.copy_into_stage`` copies into the stages of any layout."""
+``models.split.copy_into_stage`` copies into the stages of any layout.
+
+``hf_model_config`` reads ``config.json`` only (the run checks it against its flags before any
+process starts); ``load_hf`` reads the weights too, and with ``keep`` only the parameters one
+rank's stages hold (each tensor read from its file when it is needed, so a rank never holds
+the whole model)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -17,6 +23,10 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (directory / name).is_file()]
+        if missing:
+            raise ValueError(f"--load-hf {directory}: its index names {missing[0]}, which is "
+                             "not there")
         return [directory / name for name in names]
     single = directory / "model.safetensors"
     if not single.is_file():
@@ -24,18 +34,55 @@ def _weight_files(directory: Path) -> list[Path]:
     return [single]
 
 
-def load_hf(directory: str | Path, seq_length: int | None = None
-            ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The config and single-process state dict (experts stacked) of a Qwen3-MoE directory.
+def hf_model_config(directory: str | Path, seq_length: int | None = None) -> GPTConfig:
+    """The ``GPTConfig`` of the directory's ``config.json``, after checking that its weight
+    files are there; a ValueError (one line) for what megapipe cannot read or mirror.
     ``seq_length``: the training sequence length (default: its max_position_embeddings)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"--load-hf {directory} is not a directory")
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"--load-hf {directory}: no config.json")
-    config = gpt_config_from_hf(json.loads(config_file.read_text()), seq_length)
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _weight_files(directory):
-        tensors.update(load_file(str(path)))
-    return config, state_from_hf(config, tensors)
+    try:
+        fields = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--load-hf {directory}: config.json is not JSON ({err})") from None
+    try:
+        config = gpt_config_from_hf(fields, seq_length)
+    except KeyError as err:
+        raise ValueError(f"--load-hf {directory}: config.json has no {err}") from None
+    except ValueError as err:
+        raise ValueError(f"--load-hf {directory}: {err}") from None
+    _weight_files(directory)
+    return config
+
+
+class _LazyTensors(Mapping[str, torch.Tensor]):
+    """The directory's tensors by Hugging Face name, each read from its file when asked for."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._open = [safe_open(str(path), framework="pt") for path in files]
+        self._where = {name: handle for handle in self._open for name in handle.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf(directory: str | Path, seq_length: int | None = None,
+            keep: Callable[[str], bool] | None = None
+            ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The config and single-process state dict (experts stacked) of a Qwen3-MoE directory;
+    with ``keep`` only the parameters whose global names it keeps (a rank's stages)."""
+    directory = Path(directory)
+    config = hf_model_config(directory, seq_length)
+    tensors = _LazyTensors(_weight_files(directory))
+    return config, state_from_hf(config, tensors, keep)

@@ -17,7 +17,7 @@ tensor with the checkpoint key it comes from and how (a row block of ``w_qkv``; 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -195,11 +195,14 @@ def gpt_config_from_hf(hf: Mapping[str, Any], seq_length: int | None = None) -> 
     return GPTConfig(**fields)
 
 
-def state_from_hf(config: GPTConfig, tensors: Mapping[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
-    """The single-process model's state dict (experts stacked) from Hugging Face tensors."""
+def state_from_hf(config: GPTConfig, tensors: Mapping[str, torch.Tensor],
+                  keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The single-process model's state dict (experts stacked) from Hugging Face tensors; with
+    ``keep``, only the parameters whose names it keeps (their tensors alone are read)."""
     sources: dict[str, list[tuple[HFTensor, torch.Tensor]]] = {}
     for item in tensor_plan(config):
+        if keep is not None and not keep(item.source.removeprefix("model/").split("/")[0]):
+            continue
         if item.name not in tensors:
             raise ValueError(f"the Hugging Face weights lack {item.name}")
         t = tensors[item.name]

@@ -1,7 +1,7 @@
 """GPTConfig: the reference MoE GPT's sizes, with tiny defaults so tests run in milliseconds.
 
 ``to_dict`` / ``GPTConfig.from_dict`` turn a config into a JSON-safe dict and back (versioned:
-``CONFIG_VERSION``), the form a checkpoint's descriptor stores it in (``hf.checkpoint_reader``).
+``CONFIG_VERSION``), the form a checkpoint's descriptor stores it in (``train.checkpoint.reader``).
 """
 
 from __future__ import annotations

@@ -7,14 +7,21 @@ get fewer transformer layers. Layers are handed out one at a time to the least-l
 keeps the layer counts contiguous in order.
 
 Placement follows ``megapipe.schedule.ir``: loop (stage s on rank s % pp) or V (zig-zag).
+``copy_into_stage`` fills a stage of any split and EP rank from the single-process model's
+state dict (a checkpoint read in one process, or a Hugging Face directory's weights).
 """
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import GPTStage
+from megapipe.moe.experts import GroupedExperts
 from megapipe.schedule.ir import loop_placement, v_placement
 
 PLACEMENTS = {"loop": loop_placement, "v": v_placement}
@@ -84,3 +91,24 @@ def build_stage(
         is_last=model_part == num_parts - 1,
         ep_group=ep_group,
     )
+
+
+def copy_into_stage(stage: nn.Module, state: Mapping[str, Any]) -> None:
+    """Copy the single-process ``state`` into one stage (any split, any EP rank): each
+    parameter by its global name, a grouped-experts weight sliced to this rank's experts."""
+    first_expert = {
+        id(p): m.first_expert for m in stage.modules() if isinstance(m, GroupedExperts)
+        for p in m.parameters(recurse=False)
+    }
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            if name not in state:
+                raise ValueError(f"the state holds no {name}")
+            value = state[name]
+            if id(param) in first_expert:
+                first = first_expert[id(param)]
+                value = value[first:first + param.shape[0]]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}, the stage's "
+                                 f"{tuple(param.shape)}")
+            param.copy_(value)

@@ -23,7 +23,7 @@ from megapipe.data.gpt_samples import IndexedTrainBatches
 from megapipe.data.raw_text import Microbatch, TrainBatches
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
-from megapipe.models.split import build_stage
+from megapipe.models.split import build_stage, copy_into_stage
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.grad_sync import is_expert_param
@@ -78,9 +78,11 @@ def job_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_job(config: JobConfig) -> Job:
+def build_job(config: JobConfig, start_from: str | None = None) -> Job:
     """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
-    each part from its typed configuration (``config``)."""
+    each part from its typed configuration (``config``). The weights are the seed's, or with
+    ``start_from`` those of that Hugging Face directory (``--load-hf``; checked beforehand by
+    ``checkpoint.resume.check_hf_model``)."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     device = job_device()
@@ -94,6 +96,8 @@ def build_job(config: JobConfig) -> Job:
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
+    if start_from is not None:  # before the bf16 cast and the optimizer's fp32 copies
+        _copy_hf_weights(start_from, model, stages)
     modules = [stages[s] for s in sorted(stages)]
     bf16, flat = config.precision.bf16, config.data_parallel.flat_grad_buffers
     if bf16:  # flat buffers give the parameters their main_grad themselves
@@ -124,6 +128,17 @@ def build_job(config: JobConfig) -> Job:
                      if not getattr(p, "shared", False)],
         dp_sync=dp_sync,
     )
+
+
+def _copy_hf_weights(directory: str, model: GPTConfig, stages: dict[int, nn.Module]) -> None:
+    """The weights of a Hugging Face directory into this rank's stages; the rank reads only the
+    tensors its stages hold (its MoE layers' experts all, each stage keeping its own)."""
+    from megapipe.hf.load_hf import load_hf  # safetensors: the hf extra
+
+    names = {name for stage in stages.values() for name, _ in stage.named_parameters()}
+    _, state = load_hf(directory, model.seq_length, keep=names.__contains__)
+    for stage in stages.values():
+        copy_into_stage(stage, state)
 
 
 def _optimizer(

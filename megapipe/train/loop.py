@@ -65,12 +65,15 @@ def _train(config: JobConfig, write: Callable[[str], None],
         if is_rank_0:
             write(line)
 
-    job = build_job(config)
+    decided_here = choice is None  # then this rank tells the decision's warnings
+    if choice is None:
+        choice = choose_resume(config)
+    job = build_job(config, start_from=choice.hf_dir)
     for line in describe(job):
         say(line)
     try:
         with ExitPolicy(config.failures, job.device) as exits:
-            result.first_iteration = resume(job, say, choice)
+            result.first_iteration = resume(job, say, choice, decided_here)
             _run(job, result, exits, say)
     finally:
         job.close()  # the communication streams' threads
@@ -130,10 +133,11 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
         logger.close()
 
 
-def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice | None = None) -> int:
-    """Load the checkpoint the resume choice names into the job; returns its iteration (0: none)."""
-    if choice is None:
-        choice = choose_resume(job.config)
+def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice,
+           tell_warnings: bool = False) -> int:
+    """Load the checkpoint the resume choice names into the job; returns its iteration (0: none,
+    the weights the job was built with: its seed's, or ``--load-hf``'s)."""
+    if tell_warnings:
         for line in choice.warnings:
             say(line)
     _check_ranks_agree(choice)

@@ -15,15 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.hf.checkpoint_reader import (
-    CONFIG_KEY, TOKENIZER_KEY, copy_into_stage, read_model_state,
-)
 from megapipe.models.config import GPTConfig
-from megapipe.models.split import build_stage
+from megapipe.models.split import build_stage, copy_into_stage
 from megapipe.moe.experts import GroupedExperts
 from megapipe.moe.seeding import seeded_normal
 from megapipe.parallel.config import ParallelConfig
 from megapipe.schedule import build_schedule
+from megapipe.train.checkpoint.reader import CONFIG_KEY, TOKENIZER_KEY, read_model_state
 from megapipe.train.checkpoint.state import save_checkpoint
 from support.pipeline_cases import subworld_groups
 

@@ -33,11 +33,13 @@ from megapipe.data.gpt_samples import (  # noqa: E402
     build_gpt_datasets, indexed_validation_batches, megatron_sample_counts,
 )
 from megapipe.data.tokenizer import HuggingFaceTokenizer  # noqa: E402
-from megapipe.hf.checkpoint_reader import (  # noqa: E402
-    config_of, copy_into_stage, find_checkpoint, read_model_state,
+from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
+from megapipe.moe.experts import GroupedExperts  # noqa: E402
+from megapipe.train.checkpoint.reader import (  # noqa: E402
+    config_of, find_checkpoint, read_model_state,
 )
-from megapipe.models.split import build_stage  # noqa: E402
 from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
+from megapipe.train.job import build_job  # noqa: E402
 from megapipe.train.loop import train  # noqa: E402
 
 MODEL = ["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -161,3 +163,44 @@ def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_is_refused(walk, tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the tokenizer has 400 tokens, more than the checkpoint's " \
         "model vocabulary of 384" in err, err
+
+
+def _start_from_hf(argv: list[str], hf: str, checkpoint: str) -> dict:
+    """One rank: a run of ``argv`` started from ``hf`` (one step), then its job built again
+    from ``hf``: each parameter of this rank's stages against the checkpoint the export came
+    from (a grouped-experts weight: this rank's experts)."""
+    config = parse_pretrain_args(argv + ["--load-hf", hf], env={})
+    result = train(config, write=lambda line: None)
+    source = read_model_state(checkpoint)
+    job = build_job(config, start_from=hf)
+    try:
+        differ, compared = [], 0
+        for stage in job.stages.values():
+            first = {id(p): m.first_expert for m in stage.modules()
+                     if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)}
+            for name, param in stage.named_parameters():
+                want = source[name]
+                if id(param) in first:
+                    want = want[first[id(param)]:first[id(param)] + param.shape[0]]
+                compared += 1
+                if not torch.equal(param.detach(), want):
+                    differ.append(name)
+    finally:
+        job.close()
+    return {"result": result, "differ": differ, "compared": compared}
+
+
+def test_a_run_starts_from_the_export_under_another_layout(rank_pools, walk, tmp_path):
+    """``pretrain --load-hf``: the export of the pp 1 dp 4 checkpoint starts a pp 2 vpp 2 ep 2
+    run, whose stages hold exactly the checkpoint's weights, and which trains from there."""
+    root, _, _, argv, _, _ = walk
+    hf, checkpoint = tmp_path / "HFDIR", root / "CKPT" / "iter_0000005"
+    assert megapipe(["export-hf", "--load", str(checkpoint), "--out", str(hf)]) == 0
+    new = ["--save", str(tmp_path / "NEW"), "--train-iters", "1"]
+    ranks = rank_pools(4).run(_start_from_hf, argv + new, str(hf), str(checkpoint))
+    for rank in ranks:
+        assert rank["compared"] > 0 and rank["differ"] == [], rank["differ"]
+    result = ranks[0]["result"]
+    assert result.first_iteration == 0 and len(result.losses) == 1
+    assert math.isfinite(result.losses[0])
+    assert f"starting from the weights of --load-hf {hf}" in result.lines

@@ -7,7 +7,9 @@ descriptor stores under ``model.gpt_config``), the tokenizer, the sequence lengt
 must match (the parallel layout and the schedule may change: the checkpoint's keys are
 layout-free, see ``state``). Megatron's tracker file ``latest_checkpointed_iteration.txt``
 must name an iteration whose folder is there (one line otherwise: a run never starts from
-scratch over a folder that says it holds a checkpoint). It also guards what is already saved: a
+scratch over a folder that says it holds a checkpoint). Without a checkpoint to resume, a run
+may start from the weights of a Hugging Face directory (``--load-hf``), whose model the flags must
+describe (``check_hf_model``). It also guards what is already saved: a
 ``--save`` folder that holds checkpoints must be the ``--load`` folder, so a new run never
 overwrites or interleaves with another run's checkpoints.
 """
@@ -28,7 +30,7 @@ from megapipe.train.config.job_config import JobConfig, TokenizerConfig
 if TYPE_CHECKING:
     from megapipe.models.config import GPTConfig
 
-CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # hf.checkpoint_reader's, without torch
+CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # reader's, without torch
 RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
     "hidden_size": "--hidden-size", "num_layers": "--num-layers",
     "num_heads": "--num-attention-heads", "seq_length": "--seq-length",
@@ -53,6 +55,7 @@ class ResumeChoice:
     checkpoint: Checkpoint | None
     warnings: list[str] = field(default_factory=list)
     note: str | None = None
+    hf_dir: str | None = None  # no checkpoint: start from this Hugging Face directory's weights
 
     @property
     def saved_world(self) -> int:
@@ -143,11 +146,13 @@ def _check_save_target(save: str | None, load: str | None) -> None:
 
 def choose_resume(config: JobConfig) -> ResumeChoice:
     """The resume decision for ``config`` (module docstring); CheckpointError if none."""
-    save, load = config.checkpoint.save, config.checkpoint.load
+    save, load, hf_dir = config.checkpoint.save, config.checkpoint.load, config.checkpoint.load_hf
     check_paths(save, load)
     _check_save_target(save, load)
+    if hf_dir is not None:  # checked even when --load's checkpoint wins: a typo is told at once
+        check_hf_model(hf_dir, config)
     if load is None:
-        return ResumeChoice(None)
+        return ResumeChoice(None, note=_hf_note(hf_dir), hf_dir=hf_dir)
     selection = select_checkpoint(load)
     _check_marker(load, selection)
     if selection.chosen is None:
@@ -157,15 +162,59 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
                 f"--load {load}: no complete checkpoint ({len(selection.damaged)} damaged; "
                 f"newest {path.name}: {problem})"
             )
-        return ResumeChoice(None, note=f"--load {load}: no checkpoint yet, starting from scratch")
+        note = _hf_note(hf_dir) or f"--load {load}: no checkpoint yet, starting from scratch"
+        return ResumeChoice(None, note=note, hf_dir=hf_dir)
     check_model(selection.chosen, config)
-    return ResumeChoice(selection.chosen, selection.warnings())
+    warnings = selection.warnings()
+    if hf_dir is not None:
+        warnings.append(f"warning: --load-hf {hf_dir} is not read: --load {load} holds a "
+                        f"checkpoint (iteration {selection.chosen.iteration}), which is resumed")
+    return ResumeChoice(selection.chosen, warnings)
 
 
-def _architecture(model: "GPTConfig") -> dict[str, Any]:
-    """The ``RESUMED_FIELDS`` of ``model``, the query groups and head dim as they are (the
-    defaults None and the heads, or hidden / heads, are the same model)."""
-    values = {name: getattr(model, name) for name in RESUMED_FIELDS}
+def _hf_note(hf_dir: str | None) -> str | None:
+    return None if hf_dir is None else f"starting from the weights of --load-hf {hf_dir}"
+
+
+HF_FIELDS = {  # GPTConfig field -> how the message names it, beside RESUMED_FIELDS
+    "moe_top_k": "--moe-router-topk",
+    "moe_capacity_factor": "--moe-expert-capacity-factor",
+    "norm_eps": "the RMSNorm epsilon",
+}
+"""What a Hugging Face directory's model must share with the run it starts, besides the
+``RESUMED_FIELDS`` (less the seed and the sequence length: rotary positions fix no length)."""
+
+
+def check_hf_model(hf_dir: str, config: JobConfig) -> None:
+    """Refuse a ``--load-hf`` directory megapipe cannot read or whose model the flags do not
+    describe, naming the flag and both values."""
+    from megapipe.hf.load_hf import hf_model_config  # torch: the ranks have not started yet
+
+    mine = config.model
+    try:
+        theirs = hf_model_config(hf_dir, mine.seq_length)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if config.tokenizer.vocab_size > theirs.vocab_size:
+        raise CheckpointError(f"--load-hf {hf_dir}: the tokenizer has "
+                              f"{config.tokenizer.vocab_size:,} tokens, more than its model's "
+                              f"vocabulary of {theirs.vocab_size:,}")
+    fields = {name: shown for name, shown in RESUMED_FIELDS.items()
+              if name not in ("seed", "seq_length")}
+    fields.update(HF_FIELDS)
+    ours, its = _architecture(mine, fields), _architecture(theirs, fields)
+    for name, shown in fields.items():
+        if ours[name] != its[name]:
+            raise CheckpointError(
+                f"--load-hf {hf_dir}: its config.json has {shown}={its[name]!r} but this run "
+                f"has {shown}={ours[name]!r}; pass the model flags of its model")
+
+
+def _architecture(model: "GPTConfig", fields: dict[str, str] = RESUMED_FIELDS
+                  ) -> dict[str, Any]:
+    """The ``fields`` of ``model``, the query groups and head dim as they are (the defaults
+    None and the heads, or hidden / heads, are the same model)."""
+    values = {name: getattr(model, name) for name in fields}
     values.update(num_query_groups=model.query_groups, kv_channels=model.head_dim)
     return values
 

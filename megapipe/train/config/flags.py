@@ -304,6 +304,10 @@ class PretrainFlags:
         "(0.7 A 0.3 B)", _indexed_or_text, group=IO, nargs="+")
     save: str | None = flag(None, "checkpoint directory", group=IO)
     load: str | None = flag(None, "resume directory", group=IO)
+    load_hf: str | None = flag(
+        None, "start from the weights of a Hugging Face Qwen3-MoE directory (as export-hf "
+        "writes it): the model flags must describe its model; once --load holds a checkpoint, "
+        "that is resumed instead", group=IO, metavar="DIR")
     save_interval: int | None = flag(
         None, "iterations between saves (a final save always happens with --save)", POSITIVE,
         group=IO)

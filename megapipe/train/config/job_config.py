@@ -145,7 +145,7 @@ class TokenizerConfig:
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model)
 
     def descriptor(self) -> dict[str, Any]:
-        """What a checkpoint stores under ``model.tokenizer`` (``hf.checkpoint_reader``)."""
+        """What a checkpoint stores under ``model.tokenizer`` (``checkpoint.reader``)."""
         spec: dict[str, Any] = {"tokenizer_type": self.tokenizer_type}
         if self.tokenizer_model is not None:
             spec["tokenizer_model"] = self.tokenizer_model
@@ -154,12 +154,13 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Save and load folders, interval, how many to keep."""
+    """Save and load folders, interval, how many to keep; a Hugging Face start."""
 
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None
+    load_hf: str | None = None  # a Hugging Face directory whose weights start the run
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
             f.overlap_grad_reduce, f.use_distributed_optimizer, f.overlap_param_gather,
             bucket_size(f, parallel.dp), f.dp_emulated_link_gbps),
         data=data_config(f),
-        checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last),
+        checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last, f.load_hf),
         logging=LoggingConfig(f.log_interval, f.tensorboard_dir, f.log_activation_memory,
                               f.profile_trace, f.profile_step_start,
                               f.profile_step_end or f.profile_step_start, f.use_pytorch_profiler),

@@ -4,7 +4,7 @@ Qwen3-MoE model directory (``config.json``, safetensors, tokenizer files).
 Order: find the checkpoint and its config, refuse what Qwen3-MoE cannot express (one line,
 before reading any tensor), check every tensor the model needs is in the checkpoint with its
 shape (and nothing else is), then write the weights shard by shard, each shard's checkpoint
-tensors read on their own (``checkpoint_reader.read_tensors``) so the memory held is about one
+tensors read on their own (``reader.read_tensors``) so the memory held is about one
 shard. One shard is ``model.safetensors``; more are ``model-0000i-of-0000n.safetensors`` with
 ``model.safetensors.index.json``. Weights keep the checkpoint's dtype (float32, or bfloat16
 from a ``--bf16`` run).
@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from megapipe.hf.checkpoint_reader import (
-    TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
-)
 from megapipe.hf.qwen3_moe import ARCHITECTURE, HFTensor, check_exportable, hf_config, tensor_plan
 from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
+from megapipe.train.checkpoint.reader import (
+    TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
+)
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

@@ -18,15 +18,13 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.models.config import GPTConfig
-from megapipe.moe.experts import GroupedExperts
 from megapipe.train.checkpoint.files import (
     Checkpoint, CheckpointError, check_complete, select_checkpoint,
 )
@@ -116,24 +114,3 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path}: the experts of {name} are {sorted(by_index)}, not 0..E-1")
         state[name] = torch.stack([by_index[e] for e in range(len(by_index))])
     return state
-
-
-def copy_into_stage(stage: nn.Module, state: Mapping[str, Any]) -> None:
-    """Copy the single-process ``state`` into one stage (any split, any EP rank): each
-    parameter by its global name, a grouped-experts weight sliced to this rank's experts."""
-    first_expert = {
-        id(p): m.first_expert for m in stage.modules() if isinstance(m, GroupedExperts)
-        for p in m.parameters(recurse=False)
-    }
-    with torch.no_grad():
-        for name, param in stage.named_parameters():
-            if name not in state:
-                raise ValueError(f"the state holds no {name}")
-            value = state[name]
-            if id(param) in first_expert:
-                first = first_expert[id(param)]
-                value = value[first:first + param.shape[0]]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{name} has shape {tuple(value.shape)}, the stage's "
-                                 f"{tuple(param.shape)}")
-            param.copy_(value)

@@ -1,4 +1,4 @@
-"""The ``megapipe export-hf`` subcommand: its flags, and the call into ``hf.export`` (imported
+"""The ``megapipe export-hf`` subcommand: its flags, and the call into ``export_hf`` (imported
 when it runs, so building the CLI's parser stays torch-free)."""
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ def add_export_command(subparsers: Any) -> None:
 
 
 def run_export_command(args: argparse.Namespace) -> int:
-    """``megapipe export-hf``: ``hf.export.export_hf``, its lines printed."""
+    """``megapipe export-hf``: ``export_hf.export_hf``, its lines printed."""
     if args.max_shard_size_mb < 1:
         raise ValueError(f"--max-shard-size-mb must be >= 1, got {args.max_shard_size_mb}")
-    from megapipe.hf.export import export_hf
+    from megapipe.train.checkpoint.export_hf import export_hf
 
     for line in export_hf(args.load, args.out, args.tokenizer_model,
                           args.max_shard_size_mb * 2**20):

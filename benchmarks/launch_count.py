@@ -231,7 +231,10 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
 def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
     """Per way, the host's CPU time (this thread) of one MoE layer's forward + backward, in ms,
     median of ``rounds`` after 20 warm-up rounds, the ways alternating; the same three ways as
-    the count, without the counter (both streams on this thread, as a GPU host issues them)."""
+    the count, without the counter (both streams on this thread, as a GPU host issues them),
+    and ``interleaved``: the combined step's work (the forward of one microbatch, the backward
+    of another recorded before it) by plain autograd, which has the combined step's working
+    set of two microbatches without its engine."""
     import statistics
     import time
 
@@ -253,6 +256,19 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
         torch.autograd.backward(values[0], grad)
         return time.thread_time() - start
 
+    def interleaved_way() -> float:  # the combined step's work, by plain autograd
+        y, grad = _inputs(stage)
+        values = (y,)
+        for plan in plans:
+            values = run_nodes(plan, values)
+        x, _ = _inputs(stage)
+        start = time.thread_time()
+        forward = (x,)
+        for plan in plans:
+            forward = run_nodes(plan, forward)
+        torch.autograd.backward(values[0], grad)
+        return time.thread_time() - start
+
     def plain_way() -> float:
         x, grad = _inputs(stage)
         start = time.thread_time()
@@ -268,12 +284,15 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
         combined_step(plans, (x,), tape, [grad], streams)
         return time.thread_time() - start
 
-    ways = {"naive": naive_way, "plain": plain_way, "combined": combined_way}
+    ways = {"naive": naive_way, "interleaved": interleaved_way, "plain": plain_way,
+            "combined": combined_way}
     samples: dict[str, list[float]] = {way: [] for way in ways}
     for r in range(rounds + 20):
         for way, run in ways.items():
             seconds = run()
             stage.zero_grad(set_to_none=True)
+            for layer in stage.moe_layers():  # as a training step does (its log would grow)
+                layer.aux_loss_log.pop_all()
             if r >= 20:
                 samples[way].append(seconds)
     return {way: statistics.median(values) * 1e3 for way, values in samples.items()}

@@ -149,9 +149,11 @@ def _prefix(w: World, idx: bool = True, bin_: bool = True) -> str:
     return str(prefix)
 
 
-def _hf_dir(weights: bool = True, **edits) -> Callable[[World], list[str]]:
+def _hf_dir(weights: bool = True, index: str | None = None, **edits
+            ) -> Callable[[World], list[str]]:
     """``--load-hf`` of a directory whose config.json describes TINY's model, edited; its
-    weights file is only looked for (an empty file), since the run is refused first."""
+    weights file is only looked for (an empty file), since the run is refused first; ``index``:
+    the text of a ``model.safetensors.index.json`` beside it."""
     def setup(w: World) -> list[str]:
         from megapipe.hf.qwen3_moe import hf_config
 
@@ -162,6 +164,8 @@ def _hf_dir(weights: bool = True, **edits) -> Callable[[World], list[str]]:
                                                             **edits)))
         if weights:
             (folder / "model.safetensors").write_bytes(b"")
+        if index is not None:
+            (folder / "model.safetensors.index.json").write_text(index)
         return ["--load-hf", str(folder)]
     return setup
 
@@ -278,6 +282,8 @@ PRETRAIN_ERRORS: list[tuple[str, Callable[[World], list[str]], list[str]]] = [
      ["--load-hf", str(w.root / "hf")], ["--load-hf", "no config.json"]),
     ("load-hf-without-weights", _hf_dir(weights=False),
      ["--load-hf", "no model.safetensors or its index"]),
+    ("load-hf-bad-index", _hf_dir(weights=False, index="{oops"),
+     ["model.safetensors.index.json is not an index of weight files"]),
     ("load-hf-other-width", _hf_dir(hidden_size=64),
      ["its config.json has --hidden-size=64 but this run has --hidden-size=32"]),
     ("load-hf-other-top-k", _hf_dir(num_experts_per_tok=1),

@@ -22,7 +22,11 @@ from megapipe.models.config import GPTConfig
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
+            raise ValueError(f"--load-hf {directory}: {index.name} is not an index of weight "
+                             f"files ({type(err).__name__}: {err})") from None
         missing = [name for name in names if not (directory / name).is_file()]
         if missing:
             raise ValueError(f"--load-hf {directory}: its index names {missing[0]}, which is "

@@ -308,13 +308,17 @@ def backward_node(tape: Tape, layer: LayerRecord, index: int) -> Grads:
     # leaves it out
     pairs = [(out, grad) for out, grad in zip(record.outputs, grads)
              if grad is not None and isinstance(out, _Tensor) and out.requires_grad]
-    if pairs:
-        roots, root_grads = zip(*pairs)
-        _run_backward(roots, root_grads, False, False, (), True, True)
     inputs = record.inputs
     assert inputs is not None
-    input_grads = tuple([x.grad if isinstance(x, _Tensor) and x.requires_grad else None
-                         for x in inputs])
+    passed = _passed_through(pairs, inputs)
+    if passed is not None:  # the node handed its inputs on unchanged: so are the gradients
+        input_grads = passed
+    else:
+        if pairs:
+            roots, root_grads = zip(*pairs)
+            _run_backward(roots, root_grads, False, False, (), True, True)
+        input_grads = tuple([x.grad if isinstance(x, _Tensor) and x.requires_grad else None
+                             for x in inputs])
     record.inputs = record.outputs = record.grads = None
     layer.backward_count += 1
     if len(record.sources) == 1:  # one source gave every input (a node of a chain)
@@ -330,6 +334,23 @@ def backward_node(tape: Tape, layer: LayerRecord, index: int) -> Grads:
     if layer.backward_count == len(layer.nodes):
         tape._finish_layer_backward(layer, input_grads)
     return input_grads
+
+
+def _passed_through(pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Values
+                    ) -> Grads | None:
+    """The input gradients of a node whose outputs with a gradient are all its own input
+    leaves, each once (a comm node with nothing to exchange: expert parallelism 1, no link):
+    each input's gradient is its output's, the very values autograd would copy into the
+    leaf's ``.grad`` (which costs a copy kernel per tensor). None for any other node."""
+    if not pairs:
+        return None
+    given: dict[int, torch.Tensor] = {}
+    for out, grad in pairs:
+        if out.grad_fn is not None or id(out) in given or \
+                not any(out is x for x in inputs):
+            return None
+        given[id(out)] = grad
+    return tuple([given.get(id(x)) if isinstance(x, _Tensor) else None for x in inputs])
 
 
 def _deliver(record: NodeRecord, part: slice, grads: Sequence[torch.Tensor | None]) -> None:

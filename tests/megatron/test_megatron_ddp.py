@@ -51,9 +51,21 @@ def _merged(outs, run):
     return params, losses
 
 
+@pytest.fixture(scope="module")
+def ddp_pools(rank_pools):
+    """Pools of their own, ended after these tests: in the shared pool of 4, after the adapter's
+    cases, a rank died natively twice in the interleaved case (SIGSEGV once, SIGABRT once, the
+    second in Megatron's own reference run); run alone the file passes. The cause was not
+    found; a fresh pool keeps the adapter's many process groups and patches out of it."""
+    worlds = sorted({world for world, _ in CASES})
+    yield lambda world: rank_pools(world, "megatron-ddp")
+    for world in worlds:
+        rank_pools.close(world, "megatron-ddp")
+
+
 @pytest.mark.parametrize("world,case", CASES, ids=IDS)
-def test_three_steps_give_megatrons_parameters(rank_pools, world, case):
-    outs = _run(rank_pools(world), case)
+def test_three_steps_give_megatrons_parameters(ddp_pools, world, case):
+    outs = _run(ddp_pools(world), case)
     ref, ref_losses = _merged(outs, "reference")
     assert len(ref) > 20
     for run in ("plain", "overlap"):

@@ -256,3 +256,37 @@ def test_a_node_whose_output_gradients_are_incomplete_cannot_run_backward():
     backward_node(tape, layer, 1)
     with pytest.raises(RuntimeError, match="'head': the gradients of its outputs are not all known"):
         backward_node(tape, layer, 0)  # branch 1 has not run backward yet
+
+
+def test_a_node_that_hands_its_inputs_on_hands_the_gradients_on_without_autograd(monkeypatch):
+    """A comm node with nothing to exchange (expert parallelism 1) returns its input leaves: its
+    backward gives its outputs' gradients as its inputs' (the same tensors, no copy into the
+    leaf's ``.grad``) and calls autograd's engine once less; the bits are plain autograd's."""
+    import megapipe.overlap.combined as combined
+
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    plan = Plan([Node("split", NodeKind.COMPUTE, lambda state, t: (t[0] @ w, t[0] + 1.0)),
+                 Node("exchange", NodeKind.COMM, lambda state, t: t),
+                 Node("join", NodeKind.COMPUTE, lambda state, t: (t[0] @ w, t[1] * 2.0))])
+    x, g0, g1 = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+
+    leaf = x.clone().requires_grad_(True)
+    torch.autograd.backward(list(run_nodes(plan, (leaf,))), [g0, g1])
+    want_x, want_w = leaf.grad, w.grad.clone()
+    w.grad = None
+
+    calls, given = [], {}
+    engine, deliver = combined._run_backward, combined._deliver
+    monkeypatch.setattr(combined, "_run_backward", lambda *a: calls.append(1) or engine(*a))
+
+    def delivered(record, part, grads):  # the gradients each node's readers give it
+        given[record.node.name] = list(grads)
+        deliver(record, part, grads)
+
+    monkeypatch.setattr(combined, "_deliver", delivered)
+    _, tape = record_forward([plan], (x.clone().requires_grad_(True),))
+    (gx,) = run_backward(tape, (g0, g1))
+    assert torch.equal(gx, want_x) and torch.equal(w.grad, want_w)
+    assert len(calls) == 2  # split and join; the exchange needed none
+    # what the exchange gave "split" is what "join" gave the exchange: the same tensors
+    assert all(s is e for s, e in zip(given["split"], given["exchange"], strict=True))

@@ -42,7 +42,11 @@ def hf_model_config(directory: str | Path, seq_length: int | None = None) -> GPT
     """The ``GPTConfig`` of the directory's ``config.json``, after checking that its weight
     files are there; a ValueError (one line) for what megapipe cannot read or mirror.
     ``seq_length``: the training sequence length (default: its max_position_embeddings)."""
-    directory = Path(directory)
+    return _read(Path(directory), seq_length)[0]
+
+
+def _read(directory: Path, seq_length: int | None) -> tuple[GPTConfig, list[Path]]:
+    """``hf_model_config``'s config and the weight files it found."""
     if not directory.is_dir():
         raise ValueError(f"--load-hf {directory} is not a directory")
     config_file = directory / "config.json"
@@ -58,8 +62,7 @@ def hf_model_config(directory: str | Path, seq_length: int | None = None) -> GPT
         raise ValueError(f"--load-hf {directory}: config.json has no {err}") from None
     except ValueError as err:
         raise ValueError(f"--load-hf {directory}: {err}") from None
-    _weight_files(directory)
-    return config
+    return config, _weight_files(directory)
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
@@ -68,8 +71,8 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
     def __init__(self, files: list[Path]) -> None:
         from safetensors import safe_open
 
-        self._open = [safe_open(str(path), framework="pt") for path in files]
-        self._where = {name: handle for handle in self._open for name in handle.keys()}
+        handles = [safe_open(str(path), framework="pt") for path in files]
+        self._where = {name: handle for handle in handles for name in handle.keys()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
@@ -86,7 +89,5 @@ def load_hf(directory: str | Path, seq_length: int | None = None,
             ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The config and single-process state dict (experts stacked) of a Qwen3-MoE directory;
     with ``keep`` only the parameters whose global names it keeps (a rank's stages)."""
-    directory = Path(directory)
-    config = hf_model_config(directory, seq_length)
-    tensors = _LazyTensors(_weight_files(directory))
-    return config, state_from_hf(config, tensors, keep)
+    config, files = _read(Path(directory), seq_length)
+    return config, state_from_hf(config, _LazyTensors(files), keep)

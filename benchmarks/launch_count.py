@@ -228,13 +228,17 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
     return counters
 
 
-def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
-    """Per way, the host's CPU time (this thread) of one MoE layer's forward + backward, in ms,
-    median of ``rounds`` after 20 warm-up rounds, the ways alternating; the same three ways as
-    the count, without the counter (both streams on this thread, as a GPU host issues them),
-    and ``interleaved``: the combined step's work (the forward of one microbatch, the backward
-    of another recorded before it) by plain autograd, which has the combined step's working
-    set of two microbatches without its engine."""
+HOST_WAYS = ("naive", "interleaved", "plain", "combined")
+
+
+def host_time(way: str, rounds: int = 200) -> float:
+    """The host's CPU time (this thread), in ms, of one MoE layer's forward + backward done
+    ``way``, in this process: median of ``rounds`` after 20 warm-up rounds, each round as a
+    training step runs it (the layer's auxiliary-loss log popped, gradients dropped). The ways
+    are the count's three (both streams on this thread, as a GPU host issues them, without the
+    counter) and ``interleaved``: the combined step's work (the forward of one microbatch, the
+    backward of another recorded before it) by plain autograd, which has the combined step's
+    working set of two microbatches without its engine."""
     import statistics
     import time
 
@@ -243,7 +247,10 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
     from megapipe.overlap.sequential import record_forward, run_backward
     from megapipe.overlap.streams import InlineStream, Streams
 
-    stage = demo_layer() if stage is None else stage
+    if way not in HOST_WAYS:
+        raise ValueError(f"way must be one of {', '.join(HOST_WAYS)}, got {way!r}")
+    torch.set_num_threads(1)
+    stage = demo_layer()
     plans = stage.layer_plans()
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
 
@@ -253,13 +260,13 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
             values = run_nodes(plan, values)
         return values[0]
 
-    def naive_way() -> float:
+    def naive() -> float:
         x, grad = _inputs(stage)
         start = time.thread_time()
         torch.autograd.backward(forward(x), grad)
         return time.thread_time() - start
 
-    def interleaved_way() -> float:  # the combined step's work, by plain autograd
+    def interleaved() -> float:
         y, grad = _inputs(stage)
         out = forward(y)
         x, _ = _inputs(stage)
@@ -268,14 +275,14 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
         torch.autograd.backward(out, grad)
         return time.thread_time() - start
 
-    def plain_way() -> float:
+    def plain() -> float:
         x, grad = _inputs(stage)
         start = time.thread_time()
         _, tape = record_forward(plans, (x,))
         run_backward(tape, [grad])
         return time.thread_time() - start
 
-    def combined_way() -> float:
+    def combined() -> float:
         y, grad = _inputs(stage)
         _, tape = record_forward(plans, (y,))
         x, _ = _inputs(stage)
@@ -283,15 +290,48 @@ def host_times(stage: Any | None = None, rounds: int = 200) -> dict[str, float]:
         combined_step(plans, (x,), tape, [grad], streams)
         return time.thread_time() - start
 
-    ways = {"naive": naive_way, "interleaved": interleaved_way, "plain": plain_way,
-            "combined": combined_way}
-    samples: dict[str, list[float]] = {way: [] for way in ways}
+    run = {"naive": naive, "interleaved": interleaved, "plain": plain,
+           "combined": combined}[way]
+    samples = []
     for r in range(rounds + 20):
-        for way, run in ways.items():
-            seconds = run()
-            stage.zero_grad(set_to_none=True)
-            for layer in stage.moe_layers():  # as a training step does (its log would grow)
-                layer.aux_loss_log.pop_all()
-            if r >= 20:
-                samples[way].append(seconds)
-    return {way: statistics.median(values) * 1e3 for way, values in samples.items()}
+        seconds = run()
+        stage.zero_grad(set_to_none=True)
+        for layer in stage.moe_layers():  # as a training step does (its log would grow)
+            layer.aux_loss_log.pop_all()
+        if r >= 20:
+            samples.append(seconds)
+    return statistics.median(samples) * 1e3
+
+
+def host_times(rounds: int = 200, processes: int = 3) -> dict[str, float]:
+    """Per way (``HOST_WAYS``), ``host_time`` in a process of its own, as a training job runs
+    one way over and over: the processes start one at a time, the ways in turn, ``processes``
+    times over; the median of their medians, in ms. Ways timed side by side in one process
+    disturb each other: each leaves the allocator and the caches to the next in its own state,
+    which moved the combined step's time by up to 0.2x between runs of one script here."""
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    samples: dict[str, list[float]] = {way: [] for way in HOST_WAYS}
+    for _ in range(processes):
+        for way in HOST_WAYS:
+            done = subprocess.run(
+                [sys.executable, __file__, "--host-time", way, "--rounds", str(rounds)],
+                capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(f"host_time({way!r}) failed: {done.stderr.strip()[-2000:]}")
+            samples[way].append(float(done.stdout.split()[-1]))
+    return {way: statistics.median(values) for way, values in samples.items()}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="one way's host time (host_time), in ms")
+    parser.add_argument("--host-time", choices=HOST_WAYS, required=True)
+    parser.add_argument("--rounds", type=int, default=200)
+    a = parser.parse_args()
+    print(f"{host_time(a.host_time, a.rounds):.4f}")

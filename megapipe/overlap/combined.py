@@ -510,8 +510,8 @@ class CombinedStep:
                 if stream.keeps_memory and (issue.needs or issue.reads_caller):  # CUDA
                     self._keep_crossing(stream, layer, record, forward)
                 record.stream = stream
-                run, args = (forward_node, (tape, layer, issue.node)) if forward else \
-                    (self._backward_node, (tape, layer, issue.node))
+                run = _forward_node if forward else self._backward_node
+                args = (tape, layer, issue.node)
                 if self.trace is not None:
                     run = self._traced(run, stream, issue, record.node)
                 events[start + n] = stream.run(run, args, comm or issue.signals)
@@ -553,15 +553,17 @@ class CombinedStep:
             if source < 0 or layer.nodes[source].stream is not stream:
                 stream.record_use(_part(layer, source, part, record))
 
-    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
-        """``backward_node``; the layer's last node (its first backward) begins the layer."""
+    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> None:
+        """``backward_node``; the layer's last node (its first backward) begins the layer.
+        Returns nothing, as ``_forward_node``: an event keeps what its work returned until the
+        step ends, and a gradient handed on must die once the node before has read it."""
         assert self.backward is not None
         if index == len(layer.nodes) - 1:
             grads = self.backward.grads if layer.index == len(tape.layers) - 1 else None
             wgrad = self.backward.wgrad if self._layer_wgrad is None \
                 else self._layer_wgrad[layer.index]
             tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)
-        return backward_node(tape, layer, index)
+        backward_node(tape, layer, index)
 
     def _issue_wgrad(self, issue: Issue) -> None:
         assert self.backward is not None
@@ -623,6 +625,11 @@ class CombinedStep:
                 return run(*args)
 
         return traced
+
+
+def _forward_node(tape: Tape, layer: LayerRecord, index: int) -> None:
+    """``forward_node``, returning nothing (``CombinedStep._backward_node``)."""
+    forward_node(tape, layer, index)
 
 
 def _times(nodes: Sequence[NodeRecord]) -> tuple | None:

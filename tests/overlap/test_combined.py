@@ -198,6 +198,41 @@ def test_memory_of_combined_step_is_at_most_sequential():
     assert peaks[1] < peaks[0]
 
 
+@pytest.mark.parametrize("kind", ["cpu", "inline"])
+def test_a_gradient_handed_between_nodes_dies_once_read_not_at_the_steps_end(kind, monkeypatch):
+    """The step's events carry no node's values: the gradients a backward node hands to the
+    node before it are freed once that node ran, while the step still runs (its events live
+    until its end); only the backward tape's input gradients, returned, stay."""
+    import gc
+    import weakref
+
+    import megapipe.overlap.combined as combined_module
+
+    handed = []
+    real = combined_module.backward_node
+
+    def backward_node(tape, layer, index):
+        grads = real(tape, layer, index)
+        handed.extend(weakref.ref(g) for g in grads if isinstance(g, torch.Tensor))
+        return grads
+
+    monkeypatch.setattr(combined_module, "backward_node", backward_node)
+    stack_b, stack_f = toy_stack("mdm", seed=1), toy_stack("mdm", seed=2)
+    _, tape = record_forward(_plans(stack_b), (torch.randn(4, 8, requires_grad=True),))
+    streams = make_streams("cpu") if kind == "cpu" else \
+        Streams(InlineStream("compute"), InlineStream("comm"))
+    with streams:
+        step = CombinedStep(streams, BackwardHalf(tape, (torch.ones(4, 8),)))
+        x = (torch.randn(4, 8),)
+        for layer in stack_f:
+            x = step.run_layer(layer, x)
+        (grad_in,) = step.finish()
+        gc.collect()
+        alive = [ref() for ref in handed if ref() is not None]
+        assert len(handed) > 10
+        assert len(alive) == 1 and alive[0] is grad_in, len(alive)  # the step is still alive
+
+
 def test_layer_without_node_protocol_runs_whole_and_warns_once():
     stack = toy_stack("mo")
     ref = copy.deepcopy(stack)

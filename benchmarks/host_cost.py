@@ -291,7 +291,7 @@ def _launches() -> int:
     torch.set_num_threads(1)
     ms = host_times()
     print(f"host time per MoE layer forward + backward (CPU time of the issuing thread, one "
-          f"thread, each way in processes of its own: the median of 3 processes' medians of 200 "
+          f"thread, each way in processes of its own: the median of 5 processes' medians of 200 "
           f"rounds): naive {ms['naive']:.2f} ms, plain {ms['plain']:.2f} ms, combined "
           f"{ms['combined']:.2f} ms; combined / naive {ms['combined'] / ms['naive']:.2f}, "
           f"plain / naive {ms['plain'] / ms['naive']:.2f}; the combined step's work by plain "

@@ -249,7 +249,6 @@ def host_time(way: str, rounds: int = 200) -> float:
 
     if way not in HOST_WAYS:
         raise ValueError(f"way must be one of {', '.join(HOST_WAYS)}, got {way!r}")
-    torch.set_num_threads(1)
     stage = demo_layer()
     plans = stage.layer_plans()
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
@@ -303,7 +302,7 @@ def host_time(way: str, rounds: int = 200) -> float:
     return statistics.median(samples) * 1e3
 
 
-def host_times(rounds: int = 200, processes: int = 3) -> dict[str, float]:
+def host_times(rounds: int = 200, processes: int = 5) -> dict[str, float]:
     """Per way (``HOST_WAYS``), ``host_time`` in a process of its own, as a training job runs
     one way over and over: the processes start one at a time, the ways in turn, ``processes``
     times over; the median of their medians, in ms. Ways timed side by side in one process
@@ -334,4 +333,5 @@ if __name__ == "__main__":
     parser.add_argument("--host-time", choices=HOST_WAYS, required=True)
     parser.add_argument("--rounds", type=int, default=200)
     a = parser.parse_args()
+    torch.set_num_threads(1)
     print(f"{host_time(a.host_time, a.rounds):.4f}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -82,3 +83,14 @@ def test_moe_layer_launches_meet_the_targets():
     assert fused["attention F"]["router"] == fused["attention F"]["routing_plan"] == 1
     backward = fused["attention B"]
     assert backward["router_backward"] == 1 and backward["rms_norm_backward"] == 2
+
+
+def test_each_way_of_the_host_time_runs_and_a_wrong_way_is_named():
+    """``host_time`` (what ``host_cost.py --launches`` runs in a process per way): every way
+    runs the layer's forward and backward; no time is asserted."""
+    from launch_count import HOST_WAYS, host_time
+
+    for way in HOST_WAYS:
+        assert host_time(way, rounds=1) > 0
+    with pytest.raises(ValueError, match="got 'eager'"):
+        host_time("eager")

@@ -38,6 +38,9 @@ layer's nodes beside the next backward layer of the other microbatch's tape in t
   made once (``Stream.run``, ``recycle``); no stream switch on the compute stream (the device's
   current stream); ``record_stream`` only on tensors that cross streams; one autograd-engine
   call per backward node.
+- **Nothing held by an event.** An issue's work returns nothing (its results live on the tape),
+  so the step's events, kept to its end, hold no tensor: a gradient handed to the node before
+  dies once that node has read it.
 - **Bitwise.** The operations are those of the tape path (``sequential``), only their order
   differs, and the two sides belong to different microbatches. On CUDA autograd runs each
   backward op on the stream its forward op ran on, so a comm node's backward overlaps only when

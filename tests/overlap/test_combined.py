@@ -1,9 +1,11 @@
 """The combined step: bitwise equal to the sequential path, the four pairs, real concurrency."""
 
+import contextlib
 import copy
 import time
 import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,9 @@ import torch.distributed as dist
 
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.plan import Node, NodeKind
-from megapipe.overlap.streams import InlineStream, Streams, WorkerStream, make_streams
+from megapipe.overlap.streams import (
+    CudaApi, CudaStream, InlineStream, Streams, WorkerStream, make_streams,
+)
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -198,11 +202,41 @@ def test_memory_of_combined_step_is_at_most_sequential():
     assert peaks[1] < peaks[0]
 
 
-@pytest.mark.parametrize("kind", ["cpu", "inline"])
+class _HostCudaApi(CudaApi):
+    """The CUDA path's calls, done on the host: events and streams are plain objects."""
+
+    def new_event(self):
+        return SimpleNamespace(synchronize=lambda: None, query=lambda: True)
+
+    def record(self, event, stream):
+        pass
+
+    def wait(self, stream, event):
+        pass
+
+    def switch(self, stream):
+        return contextlib.nullcontext()
+
+    def current_stream(self, device):
+        return "compute"
+
+
+def _streams(kind):
+    if kind == "cpu":
+        return make_streams("cpu")
+    if kind == "inline":
+        return Streams(InlineStream("compute"), InlineStream("comm"))
+    api, cpu = _HostCudaApi(), torch.device("cpu")  # the CUDA path's events, on CPU
+    return Streams(CudaStream("compute", cpu, stream="compute", current=True, api=api),
+                   CudaStream("comm", cpu, stream="comm", api=api))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "inline", "cuda path"])
 def test_a_gradient_handed_between_nodes_dies_once_read_not_at_the_steps_end(kind, monkeypatch):
     """The step's events carry no node's values: the gradients a backward node hands to the
     node before it are freed once that node ran, while the step still runs (its events live
-    until its end); only the backward tape's input gradients, returned, stay."""
+    until its end); only the backward tape's input gradients, returned, stay. On the CUDA path
+    (its events on the host here) every comm issue records an event."""
     import gc
     import weakref
 
@@ -219,9 +253,7 @@ def test_a_gradient_handed_between_nodes_dies_once_read_not_at_the_steps_end(kin
     monkeypatch.setattr(combined_module, "backward_node", backward_node)
     stack_b, stack_f = toy_stack("mdm", seed=1), toy_stack("mdm", seed=2)
     _, tape = record_forward(_plans(stack_b), (torch.randn(4, 8, requires_grad=True),))
-    streams = make_streams("cpu") if kind == "cpu" else \
-        Streams(InlineStream("compute"), InlineStream("comm"))
-    with streams:
+    with _streams(kind) as streams:
         step = CombinedStep(streams, BackwardHalf(tape, (torch.ones(4, 8),)))
         x = (torch.randn(4, 8),)
         for layer in stack_f:

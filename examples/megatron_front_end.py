@@ -79,9 +79,13 @@ def train(rank: int, iters: int) -> None:
             micro_batch_size=MICRO_BATCH_SIZE,
         )
         optimizer.step()
+        # each of this rank's MoE layers' router loss over the call (the front end empties the
+        # layers' logs after every call, as Megatron clears its tracker)
+        aux = forward_backward_func.last_aux_losses
         if losses and groups.dp_rank == 0:  # the last pipeline stage holds the loss dicts
             mean = sum(d["lm loss"].item() for d in losses) / len(losses)
-            print(f"iteration {iteration}: lm loss {mean:.4f}", flush=True)
+            aux_text = f", router loss {sum(a.item() for a in aux) / len(aux):.4f}" if aux else ""
+            print(f"iteration {iteration}: lm loss {mean:.4f}{aux_text}", flush=True)
     dist.destroy_process_group()
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,6 +147,20 @@ def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
         return tuple(tensors[:split]) + tuple(fn(state, tuple(tensors[split:])))
 
     return wrapped
+
+
+def pop_aux_loss_means(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The mean auxiliary loss of each ``MoELayer`` inside ``modules`` over the forwards it
+    recorded since its log was last popped (layers that recorded none are left out), in module
+    order; the logs are emptied. What a step's caller reads, so the logs do not grow."""
+    means = []
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, MoELayer):
+                mean = layer.aux_loss_log.pop_mean()
+                if mean is not None:
+                    means.append(mean)
+    return means
 
 
 class MoELayer(nn.Module):

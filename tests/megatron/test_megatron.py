@@ -112,3 +112,44 @@ def test_collect_non_loss_data_single_process():
     with torch.no_grad():
         assert torch.equal(data[1], model(tokens[1]).argmax(-1))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_each_call_hands_back_the_aux_losses_and_empties_the_logs(monkeypatch):
+    """A Megatron-style loop never pops megapipe's auxiliary-loss logs: the front end does, after
+    each call, so they do not grow; ``last_aux_losses`` holds each MoE layer's mean over the
+    call's forwards (the values the layer recorded, read independently here)."""
+    from megapipe.models.config import GPTConfig
+    from megapipe.models.gpt import gpt_loss
+    from megapipe.models.split import build_stage
+    from megapipe.moe.aux_loss import AuxLossLog
+
+    recorded = []
+    real_record = AuxLossLog.record
+
+    def record(log, value):
+        recorded.append(value.value() if hasattr(value, "value") else value.detach())
+        real_record(log, value)
+
+    monkeypatch.setattr(AuxLossLog, "record", record)
+    config = GPTConfig(num_layers=3)  # layer 0 dense, layers 1 and 2 MoE
+    model = build_stage(config, 0, 1)
+    layers = list(model.moe_layers())
+    assert len(layers) == 2
+
+    def forward_step(data_iterator, chunk):
+        tokens, labels = next(data_iterator)
+        return chunk(tokens), lambda output: (gpt_loss(output, labels), {})
+
+    func = get_forward_backward_func()
+    for call in range(2):
+        recorded.clear()
+        g = torch.Generator().manual_seed(call)
+        ids = [torch.randint(0, config.vocab_size, (1, 9), generator=g) for _ in range(3)]
+        func(forward_step_func=forward_step, data_iterator=iter([(t[:, :-1], t[:, 1:]) for t in ids]),
+             model=model, num_microbatches=3, seq_length=8, micro_batch_size=1)
+        assert all(len(layer.aux_loss_log) == 0 for layer in layers)
+        assert len(recorded) == 6  # 3 microbatches x 2 layers, in forward order
+        expected = [torch.stack(recorded[i::2]).mean() for i in range(2)]
+        assert len(func.last_aux_losses) == 2
+        for got, want in zip(func.last_aux_losses, expected):
+            assert torch.equal(got, want)

@@ -81,7 +81,7 @@ def train(rank: int, iters: int) -> None:
         optimizer.step()
         # each of this rank's MoE layers' router loss over the call (the front end empties the
         # layers' logs after every call, as Megatron clears its tracker)
-        aux = forward_backward_func.last_aux_losses
+        aux = forward_backward_func.aux_losses()
         if losses and groups.dp_rank == 0:  # the last pipeline stage holds the loss dicts
             mean = sum(d["lm loss"].item() for d in losses) / len(losses)
             aux_text = f", router loss {sum(a.item() for a in aux) / len(aux):.4f}" if aux else ""

@@ -26,10 +26,11 @@ Megatron's conventions hold:
   function returns the list of per-microbatch dicts on ranks that hold a last stage (an empty
   list elsewhere). With ``forward_only`` and ``collect_non_loss_data`` it stores
   ``loss_func(output_tensor, non_loss_data=True)`` instead.
-- The auxiliary losses of megapipe's MoE layers inside the chunks are the front end's to read,
-  as Megatron's tracker is Megatron's: after each call ``last_aux_losses`` holds each such
-  layer's mean over the call's forwards, and the layers' logs are emptied (a Megatron loop
-  never pops them, and a log nobody pops keeps two small tensors per layer per forward).
+- The auxiliary losses of megapipe's MoE layers inside the chunks are the front end's to keep,
+  as Megatron's tracker is Megatron's: after each call the layers' logs are taken (emptied,
+  nothing summed: a Megatron loop never pops them, and a log nobody pops keeps two small
+  tensors per layer per forward), and ``aux_losses()`` gives each such layer's mean over the
+  call's forwards, summed only when asked.
 
 The schedule follows ``pp``, ``vpp`` and ``schedule`` (default ``interleaved-1f1b`` when
 vpp > 1, ``1f1b`` when pp > 1, no pipelining when pp = 1). Activations crossing stages have
@@ -65,7 +66,8 @@ from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
 from megapipe.megatron.mcore_support import (
     activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
 )
-from megapipe.moe.layer import pop_aux_loss_means
+from megapipe.moe.aux_loss import AuxLossLog
+from megapipe.moe.layer import take_aux_loss_logs
 from megapipe.overlap.graph_rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
@@ -155,8 +157,7 @@ class MegatronForwardBackward:
         self.options = options
         self.schedule_name = options.schedule_name
         self.last_result: StepResult | None = None  # the executor's StepResult of the last call
-        # the mean auxiliary loss of each of this rank's megapipe MoE layers over the last call
-        self.last_aux_losses: list[torch.Tensor] = []
+        self._aux_logs: list[AuxLossLog] = []  # what this rank's MoE layers logged last call
         self._executors: dict[tuple, tuple[PipelineExecutor, dict[int, nn.Module]]] = {}
         self._call: _CallState | None = None
 
@@ -207,12 +208,17 @@ class MegatronForwardBackward:
             hooks = None if forward_only else self._megatron_hooks(chunks, stages)
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only,
                                              grad_hooks=hooks)
-            self.last_aux_losses = pop_aux_loss_means(chunks)  # the logs stay one call long
+            self._aux_logs = take_aux_loss_logs(chunks)  # the layers' logs stay one call long
             if not forward_only and self.options.reduce_grads:
                 finish_router_step(chunks)  # Megatron's expert-bias update, per-step resets
             return [self._call.store[i] for i in sorted(self._call.store)]
         finally:
             self._call = None
+
+    def aux_losses(self) -> list[torch.Tensor]:
+        """The mean auxiliary loss of each of this rank's megapipe MoE layers over the last
+        call's forwards (module docstring), summed when asked."""
+        return [log.mean() for log in self._aux_logs]  # type: ignore[misc]
 
     # -------------------------------------------------------------- executor per shape
     def _executor(
@@ -390,8 +396,8 @@ def get_forward_backward_func(
     expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
     overlap) defers expert weight gradients into the time of a backward all-to-all. With
     ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
-    ``a2a_time`` and ``exposed_comm_fraction``; ``.last_aux_losses`` are the call's auxiliary
-    losses (module docstring). ``microbatch_group_size_per_vp_stage`` and
+    ``a2a_time`` and ``exposed_comm_fraction``; ``.aux_losses()`` are the last call's
+    auxiliary losses (module docstring). ``microbatch_group_size_per_vp_stage`` and
     ``max_extra_in_flight`` go to ``build_schedule``. ``cuda_graph_impl="local"`` with
     ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
     replays megapipe's static GPT nodes as CUDA graphs (``megapipe.overlap.graphs``; on CPU the

@@ -77,13 +77,31 @@ class AuxLossLog:
     def __len__(self) -> int:
         return len(self._values)
 
-    def pop_mean(self) -> torch.Tensor | None:
-        """Mean of the values recorded since the last call (None if none), and forget them."""
+    def values(self) -> list[torch.Tensor]:
+        """Every value recorded since the last pop or take, in order (summed now)."""
+        return [v.value() if isinstance(v, AuxStatistics) else v for v in self._values]
+
+    def mean(self) -> torch.Tensor | None:
+        """Mean of the values recorded since the last pop or take (None if none)."""
         if not self._values:
             return None
-        return torch.stack(self.pop_all()).mean()
+        return torch.stack(self.values()).mean()
+
+    def pop_mean(self) -> torch.Tensor | None:
+        """``mean()``, and forget the values."""
+        mean = self.mean()
+        self._values = []
+        return mean
 
     def pop_all(self) -> list[torch.Tensor]:
-        """Every value recorded since the last pop, in order, and forget them."""
-        values, self._values = self._values, []
-        return [v.value() if isinstance(v, AuxStatistics) else v for v in values]
+        """``values()``, and forget them."""
+        values = self.values()
+        self._values = []
+        return values
+
+    def take(self) -> "AuxLossLog":
+        """A log of the values recorded since the last pop or take, which this one forgets:
+        nothing is summed, so a caller that may never read them pays nothing for them."""
+        taken = AuxLossLog()
+        taken._values, self._values = self._values, []
+        return taken

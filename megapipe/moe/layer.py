@@ -149,18 +149,18 @@ def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
     return wrapped
 
 
+def take_aux_loss_logs(modules: Sequence[nn.Module]) -> list[AuxLossLog]:
+    """What each ``MoELayer`` inside ``modules`` logged since its log was last popped or taken
+    (``AuxLossLog.take``: nothing summed), in module order, layers that logged nothing left
+    out; the layers' logs are emptied, so they do not grow."""
+    return [layer.aux_loss_log.take() for module in modules for layer in module.modules()
+            if isinstance(layer, MoELayer) and len(layer.aux_loss_log)]
+
+
 def pop_aux_loss_means(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
     """The mean auxiliary loss of each ``MoELayer`` inside ``modules`` over the forwards it
-    recorded since its log was last popped (layers that recorded none are left out), in module
-    order; the logs are emptied. What a step's caller reads, so the logs do not grow."""
-    means = []
-    for module in modules:
-        for layer in module.modules():
-            if isinstance(layer, MoELayer):
-                mean = layer.aux_loss_log.pop_mean()
-                if mean is not None:
-                    means.append(mean)
-    return means
+    logged since it was last popped (``take_aux_loss_logs``, then each log's mean)."""
+    return [log.mean() for log in take_aux_loss_logs(modules)]  # type: ignore[misc]
 
 
 class MoELayer(nn.Module):

@@ -115,9 +115,10 @@ def test_collect_non_loss_data_single_process():
 
 
 def test_each_call_hands_back_the_aux_losses_and_empties_the_logs(monkeypatch):
-    """A Megatron-style loop never pops megapipe's auxiliary-loss logs: the front end does, after
-    each call, so they do not grow; ``last_aux_losses`` holds each MoE layer's mean over the
-    call's forwards (the values the layer recorded, read independently here)."""
+    """A Megatron-style loop never pops megapipe's auxiliary-loss logs: the front end takes them
+    after each call, so they do not grow, summing nothing; ``aux_losses()`` gives each MoE
+    layer's mean over the last call's forwards (the values the layer recorded, read
+    independently here)."""
     from megapipe.models.config import GPTConfig
     from megapipe.models.gpt import gpt_loss
     from megapipe.models.split import build_stage
@@ -150,6 +151,7 @@ def test_each_call_hands_back_the_aux_losses_and_empties_the_logs(monkeypatch):
         assert all(len(layer.aux_loss_log) == 0 for layer in layers)
         assert len(recorded) == 6  # 3 microbatches x 2 layers, in forward order
         expected = [torch.stack(recorded[i::2]).mean() for i in range(2)]
-        assert len(func.last_aux_losses) == 2
-        for got, want in zip(func.last_aux_losses, expected):
-            assert torch.equal(got, want)
+        got = func.aux_losses()
+        assert len(got) == 2
+        for mean, want in zip(got, expected):
+            assert torch.equal(mean, want)

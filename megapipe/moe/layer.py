@@ -157,12 +157,6 @@ def take_aux_loss_logs(modules: Sequence[nn.Module]) -> list[AuxLossLog]:
             if isinstance(layer, MoELayer) and len(layer.aux_loss_log)]
 
 
-def pop_aux_loss_means(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """The mean auxiliary loss of each ``MoELayer`` inside ``modules`` over the forwards it
-    logged since it was last popped (``take_aux_loss_logs``, then each log's mean)."""
-    return [log.mean() for log in take_aux_loss_logs(modules)]  # type: ignore[misc]
-
-
 class MoELayer(nn.Module):
     """Router, token dispatcher, grouped SwiGLU experts and optional shared expert."""
 

@@ -67,9 +67,6 @@ class Job:
         if self.dp_sync is not None:
             self.dp_sync.close()
 
-    def moe_layers(self) -> list[nn.Module]:
-        return [layer for stage in self.stages.values() for layer in stage.moe_layers()]
-
 
 def job_device() -> torch.device:
     """The GPU of this rank under NCCL, else the CPU."""

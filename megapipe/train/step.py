@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megapipe.data.bits_per_byte import bits_per_byte, target_bytes
 from megapipe.data.raw_text import Microbatch
-from megapipe.moe.layer import pop_aux_loss_means
+from megapipe.moe.layer import take_aux_loss_logs
 from megapipe.pipeline.executor import StepResult
 from megapipe.pipeline.grad_sync import sum_tied_embedding_grads
 from megapipe.train.job import Job
@@ -72,7 +72,8 @@ def peak_activation_bytes(step: StepResult, device: torch.device) -> float | Non
 
 def pop_aux_losses(job: Job) -> list[torch.Tensor]:
     """The mean auxiliary loss each MoE layer recorded since the last call."""
-    return pop_aux_loss_means(list(job.stages.values()))
+    logs = take_aux_loss_logs(list(job.stages.values()))
+    return [log.mean() for log in logs]  # type: ignore[misc]
 
 
 def to_device(

@@ -38,9 +38,9 @@ layer's nodes beside the next backward layer of the other microbatch's tape in t
   made once (``Stream.run``, ``recycle``); no stream switch on the compute stream (the device's
   current stream); ``record_stream`` only on tensors that cross streams; one autograd-engine
   call per backward node.
-- **Nothing held by an event.** An issue's work returns nothing (its results live on the tape),
-  so the step's events, kept to its end, hold no tensor: a gradient handed to the node before
-  dies once that node has read it.
+- **Nothing held by an event.** The events ``Stream.run`` gives carry no value (an issue's
+  results live on the tape), so the step's events, kept to its end, hold no tensor: a
+  gradient handed to the node before dies once that node has read it.
 - **Bitwise.** The operations are those of the tape path (``sequential``), only their order
   differs, and the two sides belong to different microbatches. On CUDA autograd runs each
   backward op on the stream its forward op ran on, so a comm node's backward overlaps only when
@@ -513,8 +513,8 @@ class CombinedStep:
                 if stream.keeps_memory and (issue.needs or issue.reads_caller):  # CUDA
                     self._keep_crossing(stream, layer, record, forward)
                 record.stream = stream
-                run = _forward_node if forward else self._backward_node
-                args = (tape, layer, issue.node)
+                run, args = (forward_node, (tape, layer, issue.node)) if forward else \
+                    (self._backward_node, (tape, layer, issue.node))
                 if self.trace is not None:
                     run = self._traced(run, stream, issue, record.node)
                 events[start + n] = stream.run(run, args, comm or issue.signals)
@@ -556,17 +556,15 @@ class CombinedStep:
             if source < 0 or layer.nodes[source].stream is not stream:
                 stream.record_use(_part(layer, source, part, record))
 
-    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> None:
-        """``backward_node``; the layer's last node (its first backward) begins the layer.
-        Returns nothing, as ``_forward_node``: an event keeps what its work returned until the
-        step ends, and a gradient handed on must die once the node before has read it."""
+    def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
+        """``backward_node``; the layer's last node (its first backward) begins the layer."""
         assert self.backward is not None
         if index == len(layer.nodes) - 1:
             grads = self.backward.grads if layer.index == len(tape.layers) - 1 else None
             wgrad = self.backward.wgrad if self._layer_wgrad is None \
                 else self._layer_wgrad[layer.index]
             tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)
-        backward_node(tape, layer, index)
+        return backward_node(tape, layer, index)
 
     def _issue_wgrad(self, issue: Issue) -> None:
         assert self.backward is not None
@@ -628,11 +626,6 @@ class CombinedStep:
                 return run(*args)
 
         return traced
-
-
-def _forward_node(tape: Tape, layer: LayerRecord, index: int) -> None:
-    """``forward_node``, returning nothing (``CombinedStep._backward_node``)."""
-    forward_node(tape, layer, index)
 
 
 def _times(nodes: Sequence[NodeRecord]) -> tuple | None:

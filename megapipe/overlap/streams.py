@@ -51,6 +51,11 @@ class Event(ABC):
         """The value, made safe for work submitted to ``stream`` from now on."""
 
 
+def _dropped(fn: Callable[..., Any], args: tuple) -> None:
+    """``fn(*args)``, its value dropped (``Stream.run``)."""
+    fn(*args)
+
+
 class Stream(ABC):
     """An ordered queue of work (see the module docstring)."""
 
@@ -80,9 +85,12 @@ class Stream(ABC):
     def run(self, fn: Callable[..., Any] | None, args: tuple = (),
             record: bool = True) -> Event | None:
         """The combined step's ``submit``: ``fn(*args)`` (None: nothing, only the event), and
-        an event only when ``record`` (a CPU stream always gives one: it carries the value).
-        Events recorded this way may be recorded again after ``recycle``."""
-        return self.submit(fn, *args) if fn is not None else self.record_event()
+        an event only when ``record`` (a CPU stream always gives one). The event carries no
+        value: what ``fn`` returns is dropped, as the combined step keeps its events to the
+        step's end and its work leaves its results on the tape (a value kept would keep, say,
+        a gradient alive after the node that reads it ran). Events recorded this way may be
+        recorded again after ``recycle``."""
+        return self.submit(_dropped, fn, args) if fn is not None else self.record_event()
 
     def recycle(self) -> None:
         """Every wait on the events ``run`` gave so far has been issued: they may be reused."""
@@ -173,7 +181,9 @@ class InlineStream(Stream):
 
     def run(self, fn: Callable[..., Any] | None, args: tuple = (),
             record: bool = True) -> Event | None:
-        return DoneEvent(None if fn is None else fn(*args))
+        if fn is not None:
+            fn(*args)
+        return DoneEvent()
 
     def wait_event(self, event: Event) -> None:
         event.synchronize()
@@ -362,7 +372,8 @@ class CudaStream(Stream):
 
     def run(self, fn: Callable[..., Any] | None, args: tuple = (),
             record: bool = True) -> Event | None:
-        value = None if fn is None else self._call(fn, args, {})
+        if fn is not None:
+            self._call(fn, args, {})
         if not record:
             return None
         if self._used == len(self._pool):
@@ -370,7 +381,7 @@ class CudaStream(Stream):
         event = self._pool[self._used]
         self._used += 1
         self.api.record(event, self.stream)
-        return CudaEvent(event, value, self)
+        return CudaEvent(event, None, self)
 
     def recycle(self) -> None:
         self._used = 0

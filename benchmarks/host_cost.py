@@ -286,14 +286,13 @@ def _launches() -> int:
     print(f"engine primitives per node of a combined step (CUDA path, counted on CPU, {nodes} "
           "nodes; benchmarks/engine_primitives.py): " + ", ".join(
               f"{name} {per_node[name]:.2f}" for name in PRIMITIVES))
-    from launch_count import host_times
+    from launch_count import HOST_PROCESSES, HOST_ROUNDS, host_times
 
-    torch.set_num_threads(1)
     ms = host_times()
     print(f"host time per MoE layer forward + backward (CPU time of the issuing thread, one "
-          f"thread, each way in processes of its own: the median of 5 processes' medians of 200 "
-          f"rounds): naive {ms['naive']:.2f} ms, plain {ms['plain']:.2f} ms, combined "
-          f"{ms['combined']:.2f} ms; combined / naive {ms['combined'] / ms['naive']:.2f}, "
+          f"thread, each way in processes of its own: the median of {HOST_PROCESSES} processes' "
+          f"medians of {HOST_ROUNDS} rounds): naive {ms['naive']:.2f} ms, plain "
+          f"{ms['plain']:.2f} ms, combined {ms['combined']:.2f} ms; combined / naive {ms['combined'] / ms['naive']:.2f}, "
           f"plain / naive {ms['plain'] / ms['naive']:.2f}; the combined step's work by plain "
           f"autograd (F of one microbatch, B of another) {ms['interleaved']:.2f} ms: combined / "
           f"it {ms['combined'] / ms['interleaved']:.2f}")

@@ -229,9 +229,10 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
 
 
 HOST_WAYS = ("naive", "interleaved", "plain", "combined")
+HOST_ROUNDS, HOST_PROCESSES = 200, 5  # per process; processes per way
 
 
-def host_time(way: str, rounds: int = 200) -> float:
+def host_time(way: str, rounds: int = HOST_ROUNDS) -> float:
     """The host's CPU time (this thread), in ms, of one MoE layer's forward + backward done
     ``way``, in this process: median of ``rounds`` after 20 warm-up rounds, each round as a
     training step runs it (the layer's auxiliary-loss log popped, gradients dropped). The ways
@@ -302,7 +303,8 @@ def host_time(way: str, rounds: int = 200) -> float:
     return statistics.median(samples) * 1e3
 
 
-def host_times(rounds: int = 200, processes: int = 5) -> dict[str, float]:
+def host_times(rounds: int = HOST_ROUNDS, processes: int = HOST_PROCESSES
+               ) -> dict[str, float]:
     """Per way (``HOST_WAYS``), ``host_time`` in a process of its own, as a training job runs
     one way over and over: the processes start one at a time, the ways in turn, ``processes``
     times over; the median of their medians, in ms. Ways timed side by side in one process
@@ -331,7 +333,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="one way's host time (host_time), in ms")
     parser.add_argument("--host-time", choices=HOST_WAYS, required=True)
-    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=HOST_ROUNDS)
     a = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{host_time(a.host_time, a.rounds):.4f}")

@@ -293,9 +293,9 @@ def _launches() -> int:
           f"thread, each way in processes of its own: the median of {HOST_PROCESSES} processes' "
           f"medians of {HOST_ROUNDS} rounds): naive {ms['naive']:.2f} ms, plain "
           f"{ms['plain']:.2f} ms, combined {ms['combined']:.2f} ms; combined / naive "
-          f"{ms['combined'] / ms['naive']:.2f}, plain / naive {ms['plain'] / ms['naive']:.2f}; the combined step's work by plain "
-          f"autograd (F of one microbatch, B of another) {ms['interleaved']:.2f} ms: combined / "
-          f"it {ms['combined'] / ms['interleaved']:.2f}")
+          f"{ms['combined'] / ms['naive']:.2f}, plain / naive {ms['plain'] / ms['naive']:.2f}; "
+          f"the combined step's work by plain autograd (F of one microbatch, B of another) "
+          f"{ms['interleaved']:.2f} ms: combined / it {ms['combined'] / ms['interleaved']:.2f}")
     print(f"launches per MoE layer: plain {plain}, combined {combined}")
     return 0
 

@@ -146,8 +146,9 @@ def test_each_call_hands_back_the_aux_losses_and_empties_the_logs(monkeypatch):
         recorded.clear()
         g = torch.Generator().manual_seed(call)
         ids = [torch.randint(0, config.vocab_size, (1, 9), generator=g) for _ in range(3)]
-        func(forward_step_func=forward_step, data_iterator=iter([(t[:, :-1], t[:, 1:]) for t in ids]),
-             model=model, num_microbatches=3, seq_length=8, micro_batch_size=1)
+        batches = iter([(t[:, :-1], t[:, 1:]) for t in ids])
+        func(forward_step_func=forward_step, data_iterator=batches, model=model,
+             num_microbatches=3, seq_length=8, micro_batch_size=1)
         assert all(len(layer.aux_loss_log) == 0 for layer in layers)
         assert len(recorded) == 6  # 3 microbatches x 2 layers, in forward order
         expected = [torch.stack(recorded[i::2]).mean() for i in range(2)]

@@ -136,6 +136,14 @@ class MoEState(LayerState):
     dispatch_splits: DispatchSplits | None = None  # the all-to-all's sizes (one wave)
     wave_splits: list[WaveSplits] | None = None  # per wave, its all-to-all's sizes
 
+    def crossing(self) -> tuple[torch.Tensor, ...]:
+        """Route's row counts (made on the compute stream, read by the dispatch on the comm
+        stream) and the dispatch's grouped-GEMM offsets (made on the comm stream, read by the
+        experts and their deferred weight gradients on the compute stream)."""
+        splits = self.dispatch_splits
+        found = (self.rows_per_expert, None if splits is None else splits.local_offsets)
+        return tuple(t for t in found if t is not None)
+
 
 def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
     """Wrap a node fn reading exactly ``num_own`` tensors so leading extras pass through."""

@@ -194,13 +194,7 @@ class Tape:
             raise RuntimeError("every layer of the tape already ran backward")
         if layer.outputs is None:
             raise RuntimeError(f"layer {layer.index} was never finished forward")
-        if grads is None:
-            grads = self._pending_grads
-        if grads is None:
-            if layer is not self.layers[-1]:
-                raise RuntimeError(f"layer {layer.index}: no gradients for its outputs")
-            grads = tuple(o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
-                          for o in layer.outputs)
+        grads = self.incoming_grads(layer, grads)
         if len(grads) != len(layer.outputs):
             raise ValueError(f"layer {layer.index} has {len(layer.outputs)} outputs but got "
                              f"{len(grads)} gradients")
@@ -209,6 +203,21 @@ class Tape:
         layer.nodes[-1].grads = list(grads)
         layer.state.wgrad_queue = wgrad
         return layer
+
+    def incoming_grads(self, layer: LayerRecord,
+                       grads: Sequence[torch.Tensor | None] | None = None
+                       ) -> Sequence[torch.Tensor | None]:
+        """The gradients of ``layer``'s outputs that ``begin_layer_backward(grads)`` hands to
+        its last node: ``grads``, else those the layer after it gave, else (the last layer)
+        its outputs' ``.grad``."""
+        if grads is None:
+            grads = self._pending_grads
+        if grads is None:
+            if layer is not self.layers[-1]:
+                raise RuntimeError(f"layer {layer.index}: no gradients for its outputs")
+            grads = tuple(o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
+                          for o in layer.outputs or ())
+        return grads
 
     def _finish_layer_backward(self, layer: LayerRecord, input_grads: Grads) -> None:
         """Route the gradients of the layer's given inputs to where they came from."""
@@ -537,14 +546,20 @@ class CombinedStep:
     def _keep_crossing(self, stream: Stream, layer: LayerRecord, record: NodeRecord,
                        forward: bool) -> None:
         """``record_use`` on ``stream`` of what a node that waits for the other stream reads:
-        forward, its sources' outputs made on another stream (or given by the caller);
-        backward, the gradients its readers on another stream gave (all of them for the
-        layer's last node: they came from the next layer or the caller)."""
+        the tensors its layer's state lets cross (``LayerState.crossing``); forward, its
+        sources' outputs made on another stream (or given by the caller); backward, the
+        gradients its readers on another stream gave (for the layer's last node, all the
+        layer's incoming gradients, from the next layer or the caller, which
+        ``begin_layer_backward`` hands it only when it runs)."""
+        stream.record_use(layer.state.crossing())
         if not forward:
             grads = record.grads
             index = layer.nodes.index(record)
             if index == len(layer.nodes) - 1:
-                stream.record_use(grads)
+                tape = self.backward.tape  # type: ignore[union-attr]
+                given = self.backward.grads  # type: ignore[union-attr]
+                stream.record_use(tape.incoming_grads(
+                    layer, given if layer.index == len(tape.layers) - 1 else None))
                 return
             for reader in layer.nodes:
                 if reader.stream is not stream:

@@ -55,6 +55,13 @@ class LayerState:
     wgrad_queue: WeightGradQueue | None = None
     recomputing: bool = False
 
+    def crossing(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors of this state that a node on another stream than their maker's
+        reads (the node tuples' tensors cross through the tape; these go around it): the
+        combined step keeps them for each stream that waits for the other (CUDA
+        ``record_stream``), so the allocator reuses none while a reader may still run."""
+        return ()
+
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 

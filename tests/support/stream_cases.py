@@ -123,3 +123,16 @@ def job_findings(argv: list[str], iterations: int = 2) -> list[str]:
         del job
     assert checker.ops > 100, checker.ops
     return [str(f) for f in checker.findings]
+
+
+def pipeline_findings(case: Any, delay: bool = False, bf16: bool = False) -> list[str]:
+    """One training step of a pipeline ``Case`` (``pipeline_cases``; inside a rank pool: p2p
+    between ranks, expert-parallel all-to-alls on the comm stream) under the checker."""
+    from support.combined_cases import _run
+
+    checker = StreamChecker()
+    with checked_streams(checker), checker:
+        result = _run(case, True, delay, bf16=bf16)
+        del result
+    assert checker.ops > 100, checker.ops
+    return [str(f) for f in checker.findings]

@@ -10,8 +10,9 @@ operator:
 - **ordering**: each stream keeps a vector clock (one counter per stream); an operator ticks the
   current stream's; ``record(event, s)`` snapshots ``s``'s clock, ``wait(s, event)`` merges the
   snapshot into ``s``'s, and the host merges it when it synchronizes on the event. Each storage
-  remembers its last writer (stream, tick, operator). A read on another stream whose clock has
-  not reached that tick is an ``unordered`` finding: no event wait after the write.
+  remembers the last write (stream, tick) of each byte range written (a flat buffer's buckets
+  are written one by one). A read on another stream whose clock has not reached the tick of a
+  write it overlaps is an ``unordered`` finding: no event wait after the write.
 - **the caching allocator**: each storage is owned by the stream current when it was made. When
   its last Python reference dies (a finalizer on the storage), the allocator hands the block to
   the owner stream's next allocation at once, unless ``record_stream`` named the other stream
@@ -21,9 +22,9 @@ operator:
   reference (a use-after-free on a GPU).
 
 Findings carry the operator, the tensor's origin (the operator that made it, and its stream),
-both streams and the innermost megapipe line of the use. Tensors made before the checker
-started (parameters, inputs) count as made on the device's default stream, the compute
-stream. Autograd's backward operators are checked on the stream current when the backward is
+both streams and the innermost megapipe line of the use. A tensor the checker first meets as
+an operator's input (made before the check, or inside an operator it cannot see, such as a
+collective's scratch) counts as made on the stream that meets it. Autograd's backward operators are checked on the stream current when the backward is
 issued: the combined step issues each node's backward on the stream of its forward, which is
 where CUDA's autograd runs it. One host thread only (the CUDA path issues everything from one
 thread); ``Tensor.tolist`` dispatches nothing on CPU, so host reads through it do not count as
@@ -52,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from megapipe.overlap.streams import CudaApi, CudaStream, Streams
 
 HOST = "host"
-DEFAULT = "compute"  # the device's default stream: where tensors made before the check live
+DEFAULT = "compute"  # the device's default stream
 _NO_ACCESS = {"record_stream", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
               "is_same_size", "_has_compatible_shallow_copy_type"}
 _HOST_WAITS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select",
@@ -122,13 +123,30 @@ class Finding:
 
 @dataclass
 class _Block:
-    """One storage: its owner stream, origin, last write, and uses on other streams."""
+    """One storage: its owner stream, origin, its writes (by byte range: a flat buffer's
+    buckets are written on their own) and its uses on other streams."""
 
     owner: str
     origin: str
-    writer: tuple[str, int, str]  # stream, tick, operator
+    # (first byte, end byte, stream, tick, where): the last write of each range
+    writes: list[tuple[int, int, str, int, str]] = field(default_factory=list)
     uses: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # stream -> tick, op, where
     kept: set[str] = field(default_factory=set)  # streams named by record_stream
+
+    def write(self, span: tuple[int, int], stream: str, tick: int, where: str) -> None:
+        first, end = span
+        self.writes = [w for w in self.writes if not (first <= w[0] and w[1] <= end)]
+        self.writes.append((first, end, stream, tick, where))
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``tensor`` covers (first, end)."""
+    size = tensor.element_size()
+    first = tensor.storage_offset() * size
+    if tensor.numel() == 0:
+        return first, first
+    extent = sum((n - 1) * abs(st) for n, st in zip(tensor.shape, tensor.stride())) + 1
+    return first, first + extent * size
 
 
 def _where() -> str:
@@ -177,6 +195,14 @@ class CheckedCudaApi(CudaApi):
             block.kept.add(stream.name)
 
 
+class CheckedCudaStream(CudaStream):
+    """A ``CudaStream`` on the checker's API; its timing marks read the host clock (the
+    checker orders work, it does not time it)."""
+
+    def mark(self) -> None:
+        return None
+
+
 class StreamChecker(TorchDispatchMode):
     """Checks every operator run inside ``with checker:`` against CUDA's stream and allocator
     rules (module docstring); ``findings`` lists the breaches, once each."""
@@ -197,8 +223,8 @@ class StreamChecker(TorchDispatchMode):
     def stream(self, name: str) -> CudaStream:
         """A ``CudaStream`` on CPU checked here; ``"compute"`` is the device's current stream."""
         raw = self._streams.setdefault(name, CheckedStream(name))
-        return CudaStream(name, torch.device("cpu"), stream=raw, current=name == DEFAULT,
-                          api=self.api)
+        return CheckedCudaStream(name, torch.device("cpu"), stream=raw,
+                                 current=name == DEFAULT, api=self.api)
 
     def streams(self, comm: str = "comm") -> Streams:
         """The combined step's pair: the compute stream and a communication stream."""
@@ -218,10 +244,10 @@ class StreamChecker(TorchDispatchMode):
             self.findings.append(finding)
 
     # ---- storages ------------------------------------------------------------------------
-    def _block(self, tensor: torch.Tensor, made: bool = False, op: str = "",
-               tick: int = 0) -> _Block | None:
-        """The block of ``tensor``'s storage; registered on first sight (``made``: by ``op``
-        now, on the current stream; else made before the check, on the default stream)."""
+    def _block(self, tensor: torch.Tensor, made: bool = False, op: str = "") -> _Block | None:
+        """The block of ``tensor``'s storage; registered on first sight: ``made`` by ``op``
+        now, or met here first (made before the check, or inside an operator below the
+        dispatcher, a collective's scratch): either way owned by the current stream."""
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -231,11 +257,7 @@ class StreamChecker(TorchDispatchMode):
         key = id(storage)
         block = self._blocks.get(key)
         if block is None:
-            if made:
-                name = self.current.name
-                block = _Block(name, op, (name, tick, op))
-            else:
-                block = _Block(DEFAULT, "a tensor made before the check", (DEFAULT, 0, "?"))
+            block = _Block(self.current.name, op if made else "a tensor first met here")
             self._blocks[key] = block
             weakref.finalize(storage, self._freed, key)
         return block
@@ -286,24 +308,30 @@ class StreamChecker(TorchDispatchMode):
         for tensor in read:
             block = self._block(tensor)
             if block is not None:
-                self._use(block, op, stream, tick)
+                self._use(block, tensor, op, stream, tick)
         for tensor in [t for t in tree_leaves(mutated) if isinstance(t, torch.Tensor)]:
             block = self._block(tensor)
             if block is not None:
-                block.writer = (stream.name, tick, op)
+                block.write(_span(tensor), stream.name, tick,
+                            "" if stream.name == block.owner else _where())
         fresh = not written and not any(r.alias_info is not None for r in schema.returns)
-        if fresh:
+        if fresh:  # new tensors; or (a collective's output) written here
             for tensor in outputs:
-                block = self._block(tensor, made=True, op=op, tick=tick)
+                block = self._block(tensor, made=True, op=op)
                 if block is not None:
-                    block.writer = (stream.name, tick, op)
+                    block.write(_span(tensor), stream.name, tick,
+                                "" if stream.name == block.owner else _where())
         if name in _HOST_WAITS:  # the host reads the result: it waits for the stream
             self.host.merge(stream.clock)
         return out
 
-    def _use(self, block: _Block, op: str, stream: CheckedStream, tick: int) -> None:
-        writer, written_at, _ = block.writer
-        if writer != stream.name and not stream.reached(writer, written_at):
-            self._find(Finding("unordered", op, block.origin, writer, stream.name, _where()))
+    def _use(self, block: _Block, tensor: torch.Tensor, op: str, stream: CheckedStream,
+             tick: int) -> None:
+        first, end = _span(tensor)
+        for lo, hi, writer, written_at, wrote in block.writes:
+            if lo < end and first < hi and writer != stream.name and \
+                    not stream.reached(writer, written_at):
+                self._find(Finding("unordered", op, block.origin, writer, stream.name,
+                                   f"{_where()}; written at {wrote}"))
         if block.owner != stream.name:
             block.uses[stream.name] = (tick, op, _where())

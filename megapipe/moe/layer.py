@@ -136,13 +136,17 @@ class MoEState(LayerState):
     dispatch_splits: DispatchSplits | None = None  # the all-to-all's sizes (one wave)
     wave_splits: list[WaveSplits] | None = None  # per wave, its all-to-all's sizes
 
-    def crossing(self) -> tuple[torch.Tensor, ...]:
-        """Route's row counts (made on the compute stream, read by the dispatch on the comm
-        stream) and the dispatch's grouped-GEMM offsets (made on the comm stream, read by the
-        experts and their deferred weight gradients on the compute stream)."""
+    def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
+        """The dispatch's grouped-GEMM offsets (made on the comm stream), for the experts on
+        the compute stream: deferred weight-gradient closures keep them after the layer's
+        backward, past the comm stream's last wait for the compute stream. (Route's row counts,
+        read by the dispatch on the comm stream, need nothing: the compute stream waits for
+        the dispatch before the state can drop them; ``tests/support/stream_checker.py``
+        checks both.)"""
         splits = self.dispatch_splits
-        found = (self.rows_per_expert, None if splits is None else splits.local_offsets)
-        return tuple(t for t in found if t is not None)
+        if reader is not NodeKind.COMPUTE or splits is None or splits.local_offsets is None:
+            return ()
+        return (splits.local_offsets,)
 
 
 def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:

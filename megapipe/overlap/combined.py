@@ -546,12 +546,12 @@ class CombinedStep:
     def _keep_crossing(self, stream: Stream, layer: LayerRecord, record: NodeRecord,
                        forward: bool) -> None:
         """``record_use`` on ``stream`` of what a node that waits for the other stream reads:
-        the tensors its layer's state lets cross (``LayerState.crossing``); forward, its
-        sources' outputs made on another stream (or given by the caller); backward, the
-        gradients its readers on another stream gave (for the layer's last node, all the
-        layer's incoming gradients, from the next layer or the caller, which
-        ``begin_layer_backward`` hands it only when it runs)."""
-        stream.record_use(layer.state.crossing())
+        forward, its sources' outputs made on another stream (or given by the caller) and the
+        tensors its layer's state lets cross (``LayerState.crossing``: kept once, in the
+        forward that makes them, for all their uses); backward, the gradients its readers on
+        another stream gave (for the layer's last node, all the layer's incoming gradients,
+        from the next layer or the caller, which ``begin_layer_backward`` hands it only when
+        it runs)."""
         if not forward:
             grads = record.grads
             index = layer.nodes.index(record)
@@ -570,6 +570,7 @@ class CombinedStep:
         for source, part in record.sources:
             if source < 0 or layer.nodes[source].stream is not stream:
                 stream.record_use(_part(layer, source, part, record))
+        stream.record_use(layer.state.crossing(record.node.kind))
 
     def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
         """``backward_node``; the layer's last node (its first backward) begins the layer."""

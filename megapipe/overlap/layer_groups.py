@@ -44,9 +44,9 @@ class GroupState(LayerState):
             for part in self.parts.values():
                 setattr(part, name, value)
 
-    def crossing(self) -> tuple[Any, ...]:
+    def crossing(self, reader: NodeKind) -> tuple[Any, ...]:
         """Every part's ``crossing`` tensors."""
-        return tuple(t for part in self.parts.values() for t in part.crossing())
+        return tuple(t for part in self.parts.values() for t in part.crossing(reader))
 
     def part(self, index: int, state_type: type[LayerState]) -> LayerState:
         """Layer ``index``'s state (a ``state_type``), made with the engine's fields as set."""

@@ -55,11 +55,13 @@ class LayerState:
     wgrad_queue: WeightGradQueue | None = None
     recomputing: bool = False
 
-    def crossing(self) -> tuple[torch.Tensor, ...]:
-        """The device tensors of this state that a node on another stream than their maker's
-        reads (the node tuples' tensors cross through the tape; these go around it): the
-        combined step keeps them for each stream that waits for the other (CUDA
-        ``record_stream``), so the allocator reuses none while a reader may still run."""
+    def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
+        """The device tensors of this state, made so far, that nodes of kind ``reader`` read
+        although a node of the other kind made them (the node tuples' tensors cross through
+        the tape; these go around it) and that may outlive the maker's stream's next wait for
+        the reader's: the combined step keeps them for the reader's stream (CUDA
+        ``record_stream``) so that the allocator reuses none while a reader may still run.
+        None here; a layer kind with such metadata names it."""
         return ()
 
 

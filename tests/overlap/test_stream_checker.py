@@ -81,9 +81,10 @@ def test_every_combined_schedule_keeps_the_stream_rules(schedule, vpp):
         assert executor_findings(schedule, vpp, delay=delay) == [], (schedule, delay)
 
 
-def test_graphs_bf16_and_waves_keep_the_stream_rules():
+def test_graphs_bf16_waves_and_full_recompute_keep_the_stream_rules():
     assert executor_findings("1f1b", graphs=True, delay=True, bf16=True) == []
     assert executor_findings("1f1b", waves=2, delay=True) == []
+    assert executor_findings("interleaved-1f1b", 2, recompute=True, delay=True) == []
 
 
 def test_layers_ending_in_a_comm_node_keep_their_incoming_gradients():
@@ -97,7 +98,7 @@ def test_a_crossing_without_record_stream_is_reported_naming_the_op(monkeypatch)
     """The dispatch's grouped-GEMM offsets (made on the comm stream) without their
     ``record_stream`` on the compute stream: the deferred weight gradient's grouped GEMM reads
     them after the layer dropped them."""
-    monkeypatch.setattr(MoEState, "crossing", lambda self: ())
+    monkeypatch.setattr(MoEState, "crossing", lambda self, reader: ())
     (finding,) = executor_findings("1f1b", delay=True)
     assert finding.startswith("aten._grouped_mm on 'compute' uses a tensor made on 'comm' by "
                               "aten.cumsum"), finding

@@ -11,6 +11,7 @@ for a job, the DP sync's streams are the checker's ``CudaStream`` pair (``make_s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import torch
@@ -52,13 +53,16 @@ def checked_streams(checker: StreamChecker) -> Iterator[None]:
 
 
 def executor_findings(schedule: str, vpp: int = 1, delay: bool = False, graphs: bool = False,
-                      bf16: bool = False, waves: int = 1, microbatches: int = 4) -> list[str]:
+                      bf16: bool = False, waves: int = 1, microbatches: int = 4,
+                      recompute: bool = False) -> list[str]:
     """One training step of the reference GPT at pp 1 (every stage on this process) with the
-    schedule's OVERLAP pairs, under the checker."""
+    schedule's OVERLAP pairs, under the checker (``recompute``: full recompute, node by
+    node)."""
+    config = dataclasses.replace(CONFIG, recompute_method="uniform") if recompute else CONFIG
     ids = torch.randint(0, 64, (microbatches, 1, CONFIG.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))
     built = build_schedule(schedule, 1, microbatches, vpp=vpp, overlap=True)
-    stages = {s: build_stage(CONFIG, built.model_part(s), built.stages_per_pipeline)
+    stages = {s: build_stage(config, built.model_part(s), built.stages_per_pipeline)
               for s in built.stages_of_rank(0)}
     if bf16:
         cast_to_bf16(stages.values(), [p for m in stages.values() for p in m.parameters()])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megapipe.moe.layer import MoEState
+from megapipe.overlap.combined import CombinedStep
 from support.pipeline_cases import Case
 from support.pretrain_flags import TINY
 from support.stream_cases import (
@@ -87,11 +88,21 @@ def test_graphs_bf16_waves_and_full_recompute_keep_the_stream_rules():
     assert executor_findings("interleaved-1f1b", 2, recompute=True, delay=True) == []
 
 
-def test_layers_ending_in_a_comm_node_keep_their_incoming_gradients():
+def test_layers_ending_in_a_comm_node_keep_their_incoming_gradients(monkeypatch):
     """The Megatron-Core adapter's MoE plans end in combine: that node's backward runs first,
     on the comm stream, reading the gradient the next layer (compute) gave."""
     assert comm_last_findings(delay=False) == []
     assert comm_last_findings(delay=True) == []
+    real = CombinedStep._keep_crossing
+
+    def unkept(self, stream, layer, record, forward):
+        if forward or record is not layer.nodes[-1]:  # the incoming gradients go unkept
+            real(self, stream, layer, record, forward)
+
+    monkeypatch.setattr(CombinedStep, "_keep_crossing", unkept)
+    findings = comm_last_findings(delay=False)
+    assert findings and all(f.startswith("aten.mul on 'comm' uses a tensor made on 'compute'")
+                            for f in findings), findings
 
 
 def test_a_crossing_without_record_stream_is_reported_naming_the_op(monkeypatch):
@@ -105,7 +116,7 @@ def test_a_crossing_without_record_stream_is_reported_naming_the_op(monkeypatch)
     assert "use after free" in finding and "grouped_weight_grad" in finding
 
 
-DP_JOB = TINY + [
+DP_JOB = [f if f != "32" else "16" for f in TINY] + [  # TINY at half its sizes
     "--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "1",
     "--nproc", "2", "--train-iters", "2", "--eval-interval", "0", "--bf16",
     "--delay-wgrad-compute", "--use-distributed-optimizer", "--overlap-grad-reduce",

@@ -140,3 +140,18 @@ def pipeline_findings(case: Any, delay: bool = False, bf16: bool = False) -> lis
         del result
     assert checker.ops > 100, checker.ops
     return [str(f) for f in checker.findings]
+
+
+def mcore_findings(case: Any) -> list[str]:
+    """megapipe's combined schedule on Megatron-Core's own chunks (``mcore_cases``: inside the
+    pool whose processes imported the release) under the checker. Megatron's own side streams
+    are host stand-ins there (``megatron_cpu``), so only megapipe's streams are checked."""
+    from support import mcore_cases
+
+    mcore_cases._setup(case)
+    checker = StreamChecker()
+    with checked_streams(checker), checker:
+        result = mcore_cases.megapipe_run(case, overlap=True)
+        del result
+    assert checker.ops > 100, checker.ops
+    return [str(f) for f in checker.findings]

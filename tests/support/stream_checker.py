@@ -24,11 +24,13 @@ operator:
 Findings carry the operator, the tensor's origin (the operator that made it, and its stream),
 both streams and the innermost megapipe line of the use. A tensor the checker first meets as
 an operator's input (made before the check, or inside an operator it cannot see, such as a
-collective's scratch) counts as made on the stream that meets it. Autograd's backward operators are checked on the stream current when the backward is
-issued: the combined step issues each node's backward on the stream of its forward, which is
-where CUDA's autograd runs it. One host thread only (the CUDA path issues everything from one
-thread); ``Tensor.tolist`` dispatches nothing on CPU, so host reads through it do not count as
-host waits (stricter, never kinder).
+collective's scratch) counts as made on the stream that meets it. Autograd's backward
+operators are checked on the stream current when the backward is issued: the combined step
+issues each node's backward on the stream of its forward, which is where CUDA's autograd runs
+it. One host thread only (the CUDA path issues everything from one thread); ``Tensor.tolist``
+dispatches nothing on CPU, so host reads through it do not count as host waits (stricter,
+never kinder). ``stream_cases.checked_streams`` puts the executor and the DP sync on the
+checker's streams.
 
 Use::
 
@@ -108,7 +110,7 @@ class Finding:
     origin: str  # the operator that made the tensor
     maker: str  # the stream that made it (for "unordered": that last wrote it)
     reader: str  # the other stream
-    where: str  # innermost megapipe line of the use
+    where: str  # innermost megapipe line of the use (and of the write, when unordered)
 
     def __str__(self) -> str:
         if self.kind == "unordered":
@@ -331,7 +333,7 @@ class StreamChecker(TorchDispatchMode):
         for lo, hi, writer, written_at, wrote in block.writes:
             if lo < end and first < hi and writer != stream.name and \
                     not stream.reached(writer, written_at):
-                self._find(Finding("unordered", op, block.origin, writer, stream.name,
-                                   f"{_where()}; written at {wrote}"))
+                where = _where() + (f"; written at {wrote}" if wrote else "")
+                self._find(Finding("unordered", op, block.origin, writer, stream.name, where))
         if block.owner != stream.name:
             block.uses[stream.name] = (tick, op, _where())

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_sections import report  # noqa: E402
 from gpu_sections.budget import Budget  # noqa: E402
-from gpu_sections.registry import SECTIONS, select  # noqa: E402
+from gpu_sections.registry import CHECK_S, SECTIONS, select  # noqa: E402
 from gpu_sections.result import FAILED  # noqa: E402
 from gpu_sections.runner import RunSettings, run_all  # noqa: E402
 
@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the reports (created)")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds for all sections together (default 420)")
+    parser.add_argument("--budget", type=float, default=float(CHECK_S),
+                        help=f"seconds for all sections together (default {CHECK_S}; "
+                        "scripts/gpu_check.sh passes what its set-up left of its BUDGET)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every section on the CPU with tiny sizes")
     parser.add_argument("--sections", default=None,
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+    for name, allowed in report.device_rows(results):
+        print(f"[gpu_check] on the device, {name}: {allowed}")
     print(report.text_table(results))
     print(f"reports: {out / 'gpu_check.md'}, {out / 'gpu_check.json'}")
     print(report.summary_line(results))

@@ -12,7 +12,7 @@
 # Set-up, no network needed, nothing installed:
 #  1. the Python: $PYTHON, else python3 if it imports torch, else /opt/torch/.venv/bin/python3;
 #  2. PYTHONPATH=<this checkout> (ahead of any megapipe installed elsewhere), then a check, run
-#     from outside the checkout, that megapipe and its kernels import from it. Every section
+#     from outside the checkout, that megapipe resolves to it. Every section
 #     (and every process a section starts) gets the same path from the runner.
 # BUDGET (default 360): seconds for the whole check, this set-up included; the sections get
 # what is left of it (--budget).
@@ -37,7 +37,7 @@ SETUP_LOG="$OUT/setup.log"
 say() { echo "[gpu_check.sh] $*" | tee -a "$SETUP_LOG" >&2; }
 
 pick_python() {
-  local candidate
+  local candidate versions
   for candidate in "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3; do
     [ -n "$candidate" ] || continue
     if [ "${candidate#*/}" != "$candidate" ]; then  # a path: made absolute (not resolved)
@@ -45,26 +45,31 @@ pick_python() {
     else
       candidate="$(command -v "$candidate")" || continue
     fi
-    if "$candidate" -c "import torch" >>"$SETUP_LOG" 2>&1; then
-      echo "$candidate"
+    # one torch import per candidate (seconds each): it also gives the versions for the log
+    if versions="$("$candidate" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>>"$SETUP_LOG")"; then
+      printf '%s\t%s\n' "$candidate" "$versions"
       return 0
     fi
   done
   return 1
 }
 
-imports_megapipe() {  # $1: python; megapipe and its kernels must resolve to this checkout,
-  # judged from outside it: run from the repository root, `python -c` would find the checkout
-  # itself on its path and take a Python that merely has torch for one with megapipe
+imports_megapipe() {  # $1: python; megapipe must resolve to this checkout, judged from
+  # outside it: run from the repository root, `python -c` would find the checkout itself on its
+  # path and take a Python that merely has torch for one with megapipe. find_spec locates the
+  # package without importing it (or torch): no second torch import in the set-up
   (cd / && "$1" -c "
-import os, sys, megapipe.kernels, megapipe.train
-where = os.path.realpath(megapipe.kernels.__file__)
-assert where.startswith(os.path.realpath(sys.argv[1]) + os.sep), where
+import importlib.util, os, sys
+spec = importlib.util.find_spec('megapipe')
+assert spec is not None, 'no megapipe on the path'
+where = os.path.realpath(spec.origin)
+assert where == os.path.join(os.path.realpath(sys.argv[1]), 'megapipe', '__init__.py'), where
 " "$ROOT") >>"$SETUP_LOG" 2>&1
 }
 
-BASE="$(pick_python)" || { say "no Python with torch found (tried \$PYTHON, python3, /opt/torch/.venv/bin/python3)"; exit 2; }
-say "Python with torch: $BASE ($("$BASE" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>&1))"
+FOUND="$(pick_python)" || { say "no Python with torch found (tried \$PYTHON, python3, /opt/torch/.venv/bin/python3)"; exit 2; }
+BASE="${FOUND%%$'\t'*}"
+say "Python with torch: $BASE (${FOUND#*$'\t'})"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if ! imports_megapipe "$BASE"; then
   say "megapipe does not import from $ROOT with PYTHONPATH=$PYTHONPATH (see $SETUP_LOG)"

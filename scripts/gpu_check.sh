@@ -46,7 +46,8 @@ pick_python() {
       candidate="$(command -v "$candidate")" || continue
     fi
     # one torch import per candidate (seconds each): it also gives the versions for the log
-    if versions="$("$candidate" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>>"$SETUP_LOG")"; then
+    if versions="$("$candidate" -c 'import sys, torch
+print(sys.version.split()[0], "torch", torch.__version__)' 2>>"$SETUP_LOG")"; then
       printf '%s\t%s\n' "$candidate" "$versions"
       return 0
     fi

@@ -1,30 +1,37 @@
 """Every figure that matters from one GPU, in one command (``scripts/gpu_check.sh`` runs it).
 
 Sections, ordered by value, each in its own process with its own timeout within ``--budget``
-(the modules are in ``benchmarks/gpu_sections/``, one per section; ``registry.py`` lists them):
+(the modules are in ``benchmarks/gpu_sections/``, one per section; ``registry.py`` lists them
+with their caps; ``budget.py`` says how the budget is shared):
 
     env       device, clocks, memory, versions; copy bandwidth, bf16 GEMM TFLOP/s
-    tests     pytest tests/gpu -rA
+    executor  pp = 1, 1f1b, 8 microbatches, stages built on the device: step times at hidden
+              1024 and 4096, link off/on, CUDA graphs off/on: combined / plain, host issue
+              time vs kernel time, exposed all-to-all, GPU idle share
+    kernels   every fused operator: GPU ms, share of HBM bandwidth, host us per launch
+    bitwise   the executor's runs bit for bit, with a plain-vs-plain control: combined,
+              deferred wgrad, slow comm stream (race detector), CUDA graphs on
     syncs     host reads of one combined step by node (only the documented one), no
               synchronizing CUDA call, the host's wait in the documented read
-    executor  pp = 1, 1f1b, 8 microbatches, deterministic kernels: plain vs combined bitwise,
-              a plain-vs-plain control, a slow comm stream as race detector; step and host
-              times, GPU idle share
+    tests     pytest tests/gpu -rA
+    pretrain  world size 1 on NCCL, --deterministic-mode, 20 iterations: exit, save and resume
+              bitwise (with a control), tokens/s
+    (the sections above always get their caps in the default 360 s; the ones below run in
+    what they leave)
     streams   profiler trace of one combined step: streams per node, concurrent kernel ms
     overlap   ep = 1 MoE layer pair and step, sequential vs combined (also deferred wgrad and
               all-to-alls in waves), modelled all-to-all, node timeline of the headline pair
     gemm      experts' GEMMs: per-expert loop vs grouped_mm (megapipe's grouped_gemm)
-    kernels   Triton permute/unpermute vs torch and vs the copy bandwidth
-    pretrain  world size 1 on NCCL, --deterministic-mode, 20 iterations: exit, save and resume
-              bitwise, tokens/s
     ep_gloo   two processes on one GPU over gloo: ep = 2 vs ep = 1, combined vs plain
     megatron  Megatron-Core's GPT (when a megatron-core wheel was carried): megapipe's combined
               step vs Megatron's combined_1f1b, bitwise
+    replay    the DeepSeek-V3 replay on the machine's cores (CPU only)
 
 Everything that trains or times runs in bf16 with fp32 main gradients (``--bf16``).
 
 ``--dry-run`` runs every section on the CPU with tiny sizes (the GPU hidden), reporting the
-GPU-only parts as skipped with the reason; the test suite runs it.
+GPU-only parts as skipped with the reason and stating what each section would be allowed on
+the device with the same budget; the test suite runs it.
 
 Writes at most four files into ``--out``: ``gpu_check.json`` (everything), ``gpu_check.md`` (the
 readable report), ``gpu_check.log`` (every section's output) and ``streams_trace.json.gz`` (the
@@ -34,7 +41,7 @@ are rewritten after each section, and the running section writes its figures as 
 moment keeps what it measured. Prints a table at
 the end; the last line is ``N passed, N failed, N skipped``; exit code 1 when a section failed.
 
-    python benchmarks/gpu_check.py --out DIR [--budget 420] [--dry-run] [--sections a,b]
+    python benchmarks/gpu_check.py --out DIR [--budget 360] [--dry-run] [--sections a,b]
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_sections import report  # noqa: E402
 from gpu_sections.budget import Budget  # noqa: E402
-from gpu_sections.registry import SECTIONS, select  # noqa: E402
+from gpu_sections.registry import CHECK_S, SECTIONS, select  # noqa: E402
 from gpu_sections.result import FAILED  # noqa: E402
 from gpu_sections.runner import RunSettings, run_all  # noqa: E402
 
@@ -61,8 +68,9 @@ REPO = Path(__file__).resolve().parents[1]
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder for the reports (created)")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds for all sections together (default 420)")
+    parser.add_argument("--budget", type=float, default=float(CHECK_S),
+                        help=f"seconds for all sections together (default {CHECK_S}; "
+                        "scripts/gpu_check.sh passes what its set-up left of its BUDGET)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every section on the CPU with tiny sizes")
     parser.add_argument("--sections", default=None,
@@ -111,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+    for name, allowed in report.device_rows(results):
+        print(f"[gpu_check] on the device, {name}: {allowed}")
     print(report.text_table(results))
     print(f"reports: {out / 'gpu_check.md'}, {out / 'gpu_check.json'}")
     print(report.summary_line(results))

@@ -9,15 +9,13 @@
 # OUT_DIR defaults to out/gpu_check. It receives at most five files: gpu_check.json,
 # gpu_check.md, gpu_check.log, streams_trace.json.gz and setup.log (this script's set-up).
 #
-# Set-up, no network needed (no pip index is reached):
+# Set-up, no network needed, nothing installed:
 #  1. the Python: $PYTHON, else python3 if it imports torch, else /opt/torch/.venv/bin/python3;
-#  2. a venv ($GPU_CHECK_VENV, default .venv-gpu) made with --system-site-packages and
-#     --without-pip; when that Python is itself a venv (its torch is not in the system site),
-#     a .pth file adds its site-packages (pip and setuptools come from there too); then
-#     pip install --no-index --no-deps --no-build-isolation -e .
-#  3. if any of that fails: no venv, the Python itself with PYTHONPATH pointing at the checkout.
-# GPU_CHECK_SETUP=venv or links forces one way (default auto: as above).
-# BUDGET (default 420) is passed as --budget: seconds for all sections together.
+#  2. PYTHONPATH=<this checkout> (ahead of any megapipe installed elsewhere), then a check, run
+#     from outside the checkout, that megapipe resolves to it. Every section
+#     (and every process a section starts) gets the same path from the runner.
+# BUDGET (default 360): seconds for the whole check, this set-up included; the sections get
+# what is left of it (--budget).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -39,7 +37,7 @@ SETUP_LOG="$OUT/setup.log"
 say() { echo "[gpu_check.sh] $*" | tee -a "$SETUP_LOG" >&2; }
 
 pick_python() {
-  local candidate
+  local candidate versions
   for candidate in "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3; do
     [ -n "$candidate" ] || continue
     if [ "${candidate#*/}" != "$candidate" ]; then  # a path: made absolute (not resolved)
@@ -47,70 +45,46 @@ pick_python() {
     else
       candidate="$(command -v "$candidate")" || continue
     fi
-    if "$candidate" -c "import torch" >>"$SETUP_LOG" 2>&1; then
-      echo "$candidate"
+    # one torch import per candidate (seconds each): it also gives the versions for the log
+    if versions="$("$candidate" -c 'import sys, torch
+print(sys.version.split()[0], "torch", torch.__version__)' 2>>"$SETUP_LOG")"; then
+      printf '%s\t%s\n' "$candidate" "$versions"
       return 0
     fi
   done
   return 1
 }
 
-imports_megapipe() {  # $1: python; megapipe and its kernels must resolve to this checkout,
-  # checked from the repository root, where the sections run
-  (cd "$ROOT" && "$1" -c "
-import os, sys, megapipe.kernels, megapipe.train
-where = os.path.realpath(megapipe.kernels.__file__)
-assert where.startswith(os.path.realpath(sys.argv[1]) + os.sep), where
+imports_megapipe() {  # $1: python; megapipe must resolve to this checkout, judged from
+  # outside it: run from the repository root, `python -c` would find the checkout itself on its
+  # path and take a Python that merely has torch for one with megapipe. find_spec locates the
+  # package without importing it (or torch): no second torch import in the set-up
+  (cd / && "$1" -c "
+import importlib.util, os, sys
+spec = importlib.util.find_spec('megapipe')
+assert spec is not None, 'no megapipe on the path'
+where = os.path.realpath(spec.origin)
+assert where == os.path.join(os.path.realpath(sys.argv[1]), 'megapipe', '__init__.py'), where
 " "$ROOT") >>"$SETUP_LOG" 2>&1
 }
 
-venv_setup() {  # $1: base python; prints the venv's python on success
-  local base="$1" venv="${GPU_CHECK_VENV:-$ROOT/.venv-gpu}" vpy site
-  if [ ! -x "$venv/bin/python" ]; then
-    "$base" -m venv --system-site-packages --without-pip "$venv" >>"$SETUP_LOG" 2>&1 || return 1
-  fi
-  vpy="$venv/bin/python"
-  if ! "$vpy" -c "import torch" >>"$SETUP_LOG" 2>&1; then
-    site="$("$vpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 1
-    # one "import site; site.addsitedir(...)" line per folder: their own .pth files count too
-    "$base" -c 'import site, sysconfig
-paths = site.getsitepackages() + [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-print("\n".join(f"import site; site.addsitedir({p!r})" for p in dict.fromkeys(paths)))' \
-      >"$site/_gpu_check_base_site.pth" || return 1
-    "$vpy" -c "import torch" >>"$SETUP_LOG" 2>&1 || return 1
-  fi
-  "$vpy" -m pip install --no-index --no-deps --no-build-isolation -e "$ROOT" >>"$SETUP_LOG" 2>&1 \
-    || return 1
-  imports_megapipe "$vpy" || return 1
-  echo "$vpy"
-}
-
-links_setup() {  # $1: python; exports PYTHONPATH to the checkout itself
-  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  imports_megapipe "$1"
-}
-
-BASE="$(pick_python)" || { say "no Python with torch found (tried \$PYTHON, python3, /opt/torch/.venv/bin/python3)"; exit 2; }
-say "Python with torch: $BASE ($("$BASE" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__)' 2>&1))"
-MODE="${GPU_CHECK_SETUP:-auto}"  # auto | venv | links (the last two force one way, for tests)
-if [ "$MODE" = auto ] && imports_megapipe "$BASE"; then
-  RUN_PY="$BASE"
-  say "megapipe is already installed for it"
-elif [ "$MODE" != links ] && RUN_PY="$(venv_setup "$BASE")"; then
-  say "installed megapipe (editable, offline) into ${GPU_CHECK_VENV:-$ROOT/.venv-gpu}"
-elif [ "$MODE" != venv ] && links_setup "$BASE"; then
-  RUN_PY="$BASE"
-  say "venv set-up failed (see setup.log); using PYTHONPATH=$PYTHONPATH"
-else
-  say "could not make megapipe importable (see $SETUP_LOG)"
+FOUND="$(pick_python)" || { say "no Python with torch found (tried \$PYTHON, python3, /opt/torch/.venv/bin/python3)"; exit 2; }
+BASE="${FOUND%%$'\t'*}"
+say "Python with torch: $BASE (${FOUND#*$'\t'})"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if ! imports_megapipe "$BASE"; then
+  say "megapipe does not import from $ROOT with PYTHONPATH=$PYTHONPATH (see $SETUP_LOG)"
   exit 2
 fi
+RUN_PY="$BASE"
+say "megapipe from the checkout: PYTHONPATH=$PYTHONPATH"
 say "running with $RUN_PY"
 if [ "$SETUP_ONLY" = 1 ]; then
   echo "python: $RUN_PY"
   echo "PYTHONPATH: ${PYTHONPATH:-}"
-  echo "PYTHONSAFEPATH: ${PYTHONSAFEPATH:-}"
   exit 0
 fi
 export PYTHONUNBUFFERED=1
-exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "${BUDGET:-420}" "$@"
+LEFT=$(( ${BUDGET:-360} - SECONDS ))  # SECONDS: this script's own time so far (the set-up)
+say "set-up took ${SECONDS} s; the sections get ${LEFT} s of ${BUDGET:-360}"
+exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "$LEFT" "$@"

@@ -1,10 +1,12 @@
 """The time budget of one GPU check: how long each section may run.
 
-Sections run one after another in priority order. Each declares a cap (the most it may use)
-and a minimum (below which running it is pointless). A section gets at most its cap, and leaves
-the later sections their minimums when it can; when that would leave it less than its own
-minimum it takes from the later sections' share instead (it comes first, it matters more); it
-is skipped only when less than its minimum is left of the whole budget.
+Sections run one after another in the order of what their figures are worth (``registry.py``).
+A section gets its cap, or what is left of the budget when that is less, and is stopped there
+(the runner kills its process group); it is skipped when less than its minimum is left. No
+section can take more than its cap, so none eats the time of a section after it beyond that;
+and the caps of the sections that matter most add up to less than the default check
+(``registry.GUARANTEED``, tested), so those always get their caps, whatever the sections before
+them do. ``device_plan`` states each section's time on the device (what a dry run prints).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Allowance:
     reason: str = ""
 
 
-def allowance(left: float, cap: float, minimum: float, later_minimums: float) -> Allowance:
+def allowance(left: float, cap: float, minimum: float) -> Allowance:
     """The time a section gets with ``left`` seconds of budget remaining."""
     if cap < minimum:
         raise ValueError(f"a section's cap {cap} s is below its minimum {minimum} s")
@@ -30,9 +32,6 @@ def allowance(left: float, cap: float, minimum: float, later_minimums: float) ->
         return Allowance(
             None, f"budget spent: {max(left, 0):.0f} s left, the section needs at least {minimum:.0f} s"
         )
-    polite = min(cap, left - later_minimums)
-    if polite >= minimum:
-        return Allowance(polite)
     return Allowance(min(cap, left))
 
 
@@ -52,6 +51,19 @@ class Budget:
     def left(self) -> float:
         return self.seconds - (self.clock() - self.started)
 
-    def for_section(self, index: int, caps: Sequence[float], minimums: Sequence[float]) -> Allowance:
-        """The allowance of section ``index`` of the sections with these caps and minimums."""
-        return allowance(self.left(), caps[index], minimums[index], sum(minimums[index + 1 :]))
+    def for_section(self, cap: float, minimum: float) -> Allowance:
+        """The allowance of a section with this cap and minimum, now."""
+        return allowance(self.left(), cap, minimum)
+
+
+def device_plan(caps: Sequence[float], minimums: Sequence[float],
+                seconds: float) -> list[float | None]:
+    """Each section's allowance on the device at worst, when every section before it used its
+    whole allowance (None: it may be skipped, when they do)."""
+    plan: list[float | None] = []
+    left = seconds
+    for cap, minimum in zip(caps, minimums):
+        got = allowance(left, cap, minimum).seconds
+        plan.append(got)
+        left -= got or 0.0
+    return plan

@@ -47,8 +47,23 @@ def batch(config: GPTConfig, micro_batch: int, device: torch.device, seed: int =
 
 
 def bf16_stage(config: GPTConfig, device: torch.device) -> torch.nn.Module:
-    """The reference GPT as one bf16 stage with fp32 main gradients."""
-    stage = build_stage(config, 0, 1).to(device)
+    """The reference GPT as one bf16 stage with fp32 main gradients, built on ``device``: its
+    shapes on the meta device, then its weights drawn there (matrices N(0, init_std), norm
+    weights 1) by a generator seeded with ``config.seed``. The model's own initialisation draws
+    on the CPU (15-25 s of a section at hidden 4096); these weights are not its values, but
+    every build is the same, which is all the timings and the bitwise comparisons need."""
+    with torch.device("meta"):
+        stage = build_stage(config, 0, 1)
+    stage.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, config.init_std, generator=generator)
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                raise ValueError(f"bf16_stage does not know how to initialise {name}")
     cast_to_bf16([stage], list(stage.parameters()))
     return stage
 

@@ -24,42 +24,53 @@ class SectionSpec:
 
 
 DETERMINISTIC = (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)  # before the process's first GEMM
+TRITON_CACHE = (("TRITON_CACHE_DIR", "{scratch}/triton-cache"),)  # one cache for all sections
 
-# Ordered by value: the evidence that megapipe is right on a GPU first (tests, syncs, the
-# executor's bitwise runs), then what it buys (streams, overlap), then the parts around it.
+CHECK_S = 360  # the whole check by default, set-up included (scripts/gpu_check.sh's BUDGET)
+SETUP_S = 20  # what the set-up may take of it (measured: a few seconds)
+
+# Ordered by value: the executor's step (what the check is for), then every fused kernel, then
+# the bitwise evidence with its controls; the sections after GUARANTEED run in what is left,
+# the CPU-only replay last.
 SECTIONS: tuple[SectionSpec, ...] = (
-    SectionSpec("env", 30, 10, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
+    SectionSpec("env", 15, 5, "device, clocks, memory, versions; copy bandwidth and bf16 GEMM "
                 "TFLOP/s (the ceilings the other sections compare with)", needs_cuda=False),
-    SectionSpec("tests", 80, 20, "pytest tests/gpu -rA", needs_cuda=False),
-    SectionSpec("syncs", 30, 10, "host syncs of one combined step: every host read by node (only "
+    SectionSpec("executor", 110, 45, "pp = 1, 1f1b, 8 microbatches, bf16, stages built on the "
+                "device: step times at hidden 1024 and 4096, all-to-all link off and on, CUDA "
+                "graphs off and on: combined / plain, host issue time vs kernel time, exposed "
+                "all-to-all, GPU idle share, the graphs' memory", env=TRITON_CACHE),
+    SectionSpec("kernels", 35, 12, "every fused operator (megapipe.kernels): GPU ms, share of "
+                "HBM bandwidth, host us per launch beside an aten op's; first-call seconds",
+                env=TRITON_CACHE),
+    SectionSpec("bitwise", 50, 25, "the executor's runs bit for bit under deterministic kernels, "
+                "with a plain-vs-plain control: combined, deferred wgrad, a slow comm stream as "
+                "race detector, CUDA graphs on", env=DETERMINISTIC + TRITON_CACHE),
+    SectionSpec("syncs", 20, 8, "host syncs of one combined step: every host read by node (only "
                 "the dispatch's documented one), no synchronizing CUDA call, the host's wait in "
-                "the read"),
-    SectionSpec("executor", 120, 35, "pp = 1, 1f1b, 8 microbatches, bf16, deterministic "
-                "kernels: plain vs combined bitwise, CUDA graphs off and on (with a "
-                "plain-vs-plain control, and with a slow comm stream as race detector); step "
-                "times at hidden 1024 and 4096, graphs off and on: host issue time, kernel time, "
-                "exposed all-to-all, GPU idle share, the graphs' memory", env=DETERMINISTIC),
-    SectionSpec("streams", 30, 10, "profiler trace of one combined step: the stream of each "
-                "node's kernels, milliseconds of compute and comm kernels at once"),
-    SectionSpec("overlap", 75, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "
+                "the read", env=TRITON_CACHE),
+    SectionSpec("tests", 50, 20, "pytest tests/gpu -rA", needs_cuda=False, env=TRITON_CACHE),
+    SectionSpec("pretrain", 55, 30, "world size 1 on NCCL, bf16, --deterministic-mode, 20 "
+                "iterations; exit, save and resume bitwise (with a control); tokens/s",
+                env=DETERMINISTIC + TRITON_CACHE),
+    SectionSpec("streams", 25, 10, "profiler trace of one combined step: the stream of each "
+                "node's kernels, milliseconds of compute and comm kernels at once",
+                env=TRITON_CACHE),
+    SectionSpec("overlap", 60, 30, "ep = 1 MoE layer pair and step in bf16, sequential vs "
                 "combined (also deferred wgrad, all-to-alls in waves), all-to-all modelled on "
-                "the comm stream; the two most telling shapes"),
-    SectionSpec("replay", 120, 40, "the DeepSeek-V3 replay (overlap.py --replay) on the "
-                "machine's cores: the engine's issue order with a core per thread",
-                needs_cuda=False),
-    SectionSpec("gemm", 25, 8, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
+                "the comm stream; the two most telling shapes", env=TRITON_CACHE),
+    SectionSpec("gemm", 20, 8, "experts' GEMMs, per-expert loop vs grouped_mm: TFLOP/s, host "
                 "us per call"),
-    SectionSpec("kernels", 35, 10, "Triton permute/unpermute forward and backward: GB/s vs torch "
-                "and vs the copy bandwidth; compile times",
-                env=(("TRITON_CACHE_DIR", "{scratch}/triton-cache-kernels"),)),
-    SectionSpec("pretrain", 75, 30, "world size 1 on NCCL, bf16, --deterministic-mode, 20 "
-                "iterations; exit, save and resume bitwise; tokens/s", env=DETERMINISTIC),
-    SectionSpec("ep_gloo", 40, 15, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
-                "combined vs plain, fp32 and bf16", env=DETERMINISTIC),
-    SectionSpec("megatron", 45, 15, "Megatron-Core's GPT (a carried megatron-core wheel) on two "
+    SectionSpec("ep_gloo", 35, 15, "two processes on one GPU over gloo: ep = 2 vs ep = 1, "
+                "combined vs plain, fp32 and bf16", env=DETERMINISTIC + TRITON_CACHE),
+    SectionSpec("megatron", 40, 15, "Megatron-Core's GPT (a carried megatron-core wheel) on two "
                 "processes over gloo on the GPU, bf16, pp = 1, ep = 2: megapipe's combined step "
-                "vs Megatron's own combined_1f1b, bitwise", env=DETERMINISTIC),
+                "vs Megatron's own combined_1f1b, bitwise", env=DETERMINISTIC + TRITON_CACHE),
+    SectionSpec("replay", 90, 40, "the DeepSeek-V3 replay (overlap.py --replay) on the "
+                "machine's cores: the engine's issue order with a core per thread (CPU only)",
+                needs_cuda=False),
 )
+# The sections whose caps, with the set-up's, fit the default check: they always run in full.
+GUARANTEED = ("env", "executor", "kernels", "bitwise", "syncs", "tests", "pretrain")
 
 
 def select(names: str | None) -> tuple[SectionSpec, ...]:

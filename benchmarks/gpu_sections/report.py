@@ -61,6 +61,11 @@ def summary_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
     return [[r["name"], status_of(r), f"{r.get('seconds', 0):.0f}", headline(r)] for r in results]
 
 
+def device_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Per section what it would be allowed on the device (a dry run's ``on_device``)."""
+    return [[r["name"], r["on_device"]] for r in results if r.get("on_device")]
+
+
 def text_table(results: Sequence[dict[str, Any]]) -> str:
     """The summary as aligned plain text (for the terminal)."""
     rows = [["section", "status", "s", "figures / reason"]] + summary_rows(results)
@@ -113,6 +118,10 @@ def markdown(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> str:
     lines += [f"- {key}: {value}" for key, value in meta.items()] + [""]
     for result in results:
         lines += section_markdown(result)
+    if device_rows(results):
+        lines += ["## On the device", "", "What each section would be allowed on the GPU with "
+                  "this budget, at worst (every section before it using its whole allowance):",
+                  ""] + _md_table(["section", "allowed"], device_rows(results)) + [""]
     lines += ["## Summary", ""]
     lines += _md_table(["section", "status", "seconds", "figures / reason"], summary_rows(results))
     lines += ["", summary_line(results)]

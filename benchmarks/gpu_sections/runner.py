@@ -1,7 +1,8 @@
 """Run the sections one by one, each in its own process under its own timeout.
 
 (A dry run ignores the sections' caps: on a shared CPU its times say nothing of a GPU run's;
-only the budget and the minimums apply.)
+only the budget and the minimums apply. It records instead what each section would be allowed
+on the device with the same budget, ``on_device``.)
 
 Every section runs as ``python -m gpu_sections.child NAME`` in a new process session, with its
 stdout and stderr appended to the one log (``gpu_check.log``, under a header per section), and
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gpu_sections.budget import Budget
+from gpu_sections.budget import Budget, device_plan
 from gpu_sections.registry import SectionSpec
 from gpu_sections.result import empty, status_of
 
@@ -49,11 +50,13 @@ class RunSettings:
 
 
 def child_env(spec: SectionSpec, settings: RunSettings) -> dict[str, str]:
-    """The section's environment: ``benchmarks/`` importable, unbuffered output, no GPU in a dry
-    run, and the section's own variables."""
+    """The section's environment: ``benchmarks/`` and the checkout itself on ``PYTHONPATH``
+    (so the section, and every process it starts, script or pytest, imports megapipe from this
+    checkout however the check was set up), unbuffered output, no GPU in a dry run, and the
+    section's own variables."""
     env = dict(os.environ)
-    benchmarks = str(settings.repo / "benchmarks")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (benchmarks, env.get("PYTHONPATH")) if p)
+    paths = (str(settings.repo / "benchmarks"), str(settings.repo), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONUNBUFFERED"] = "1"
     if settings.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -126,20 +129,33 @@ def run_section(spec: SectionSpec, settings: RunSettings, allowed: float) -> dic
     return finish_result(data, code, timed_out, time.monotonic() - started, allowed)
 
 
+def device_words(spec: SectionSpec, seconds: float | None) -> str:
+    """What ``spec`` is allowed on the device at worst (``budget.device_plan``), in words."""
+    if seconds is None:
+        return (f"cap {spec.cap_s:.0f} s; runs only in time the sections before it leave "
+                f"(needs {spec.min_s:.0f} s)")
+    if seconds < spec.cap_s:
+        return f"{seconds:.0f} s at worst (cap {spec.cap_s:.0f} s)"
+    return f"{seconds:.0f} s (its cap)"
+
+
 def run_all(specs: Sequence[SectionSpec], settings: RunSettings, budget: Budget,
             on_result: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Run ``specs`` in order within ``budget``; ``on_result(results so far)`` after each."""
     results: list[dict[str, Any]] = []
-    # the caps plan a GPU run; a dry run's times depend on how busy the CPU is: budget only
-    caps = [budget.seconds if settings.dry_run else s.cap_s for s in specs]
-    minimums = [s.min_s for s in specs]
-    for index, spec in enumerate(specs):
-        allowance = budget.for_section(index, caps, minimums)
+    # the caps plan a GPU run; a dry run's times depend on how busy the CPU is: budget only,
+    # and it states what each section would be allowed on the device instead
+    plan = device_plan([s.cap_s for s in specs], [s.min_s for s in specs], budget.seconds)
+    for spec, on_device in zip(specs, plan):
+        cap = budget.seconds if settings.dry_run else spec.cap_s
+        allowance = budget.for_section(cap, spec.min_s)
         if allowance.seconds is None:
             data = empty(spec.name)
             data.update(skipped_reason=allowance.reason, what=spec.what, seconds=0.0)
         else:
             data = run_section(spec, settings, allowance.seconds)
+        if settings.dry_run:
+            data["on_device"] = device_words(spec, on_device)
         results.append(data)
         on_result(results)
         print(f"[gpu_check] {spec.name}: {status_of(data)} ({data['seconds']:.0f} s)", flush=True)

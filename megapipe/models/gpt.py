@@ -169,7 +169,8 @@ class TransformerLayer(nn.Module):
         name = f"layer{self.layer_index}"
         if not self.is_moe:
             graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
-            return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)])
+            return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)],
+                        LayerState)
         return self.moe.node_plan().wrapped(self._with_residual)
 
     def _with_residual(self, moe_plan: list) -> list:
@@ -272,7 +273,7 @@ def _single_node(name: str, module: nn.Module) -> Plan:
         (x,) = inputs
         return (module(x),)
 
-    return Plan([Node(name, NodeKind.COMPUTE, fn)])
+    return Plan([Node(name, NodeKind.COMPUTE, fn)], LayerState)
 
 
 class GPTStage(nn.Module):

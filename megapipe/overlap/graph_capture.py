@@ -48,7 +48,8 @@ def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 class _Recorder(LayerState):
     """The layer state a node sees while it is captured: writes kept, reads recorded. A write
-    of a name the real state's type does not declare raises, as it would on that state."""
+    of a name the real state's type does not declare raises, as it would on that state (an
+    ``UndeclaredState`` takes any name)."""
 
     __slots__ = ("_base", "_writes", "_reads", "_fields")
 
@@ -56,7 +57,8 @@ class _Recorder(LayerState):
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_writes", {})
         object.__setattr__(self, "_reads", {})
-        object.__setattr__(self, "_fields", frozenset(f.name for f in fields(type(base))))
+        declared = None if hasattr(base, "__dict__") else frozenset(f.name for f in fields(base))
+        object.__setattr__(self, "_fields", declared)
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -69,7 +71,7 @@ class _Recorder(LayerState):
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self._fields:
+        if self._fields is not None and name not in self._fields:
             raise AttributeError(f"{type(self._base).__name__} declares no field {name!r}")
         self._writes[name] = value
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass, fields, replace
 
 from typing import Any, Callable, Sequence
 
-from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, Plan, WavePlan
+from megapipe.overlap.plan import (
+    Fork, LayerState, Node, NodeKind, Plan, WavePlan, state_type_of,
+)
 
 Items = list[Any]
 _ENGINE_FIELDS = frozenset(f.name for f in fields(LayerState))
@@ -74,7 +76,7 @@ def _joined(first: Node, second: Node) -> Node:
 def _chain(plans: Sequence[Sequence[Any]]) -> Items:
     out: Items = []
     for index, plan in enumerate(plans):
-        state_type = plan.state_type if isinstance(plan, Plan) else LayerState
+        state_type = state_type_of(plan)
         items = [
             Fork(tuple(tuple(_in_part(n, index, state_type) for n in b) for b in item.branches),
                  item.width)

@@ -12,7 +12,8 @@ split sizes) and the fields the engine owns, ``wgrad_queue`` and ``recomputing``
 kind declares its state: a dataclass subclass of ``LayerState`` beside the layer (``MoEState``
 in ``moe/layer.py``), named by its plan (``Plan(items, state_type)``); the engine makes one per
 layer and microbatch (``plan.state_type()``). A write of an undeclared name raises
-``AttributeError``.
+``AttributeError``. A plan that declares no state (a plain list of nodes, ``Plan(items)``: a
+model written before states were declared) gets an ``UndeclaredState``, which takes any name.
 
 A plan may also hold a ``Fork``: parallel chains between two nodes (a layer split into waves,
 ``WavePlan``); ``layer_graph`` turns any plan into nodes and the places their inputs come from.
@@ -63,6 +64,14 @@ class LayerState:
         ``record_stream``) so that the allocator reuses none while a reader may still run.
         None here; a layer kind with such metadata names it."""
         return ()
+
+
+@dataclass(eq=False)
+class UndeclaredState(LayerState):
+    """The state of a plan that declares none (a plain list of nodes, ``Plan(items)``): not
+    slotted, it takes any attribute, as every layer state did before layer kinds declared
+    theirs, so a model whose nodes write their own names (``state.shape = ...``) runs unchanged
+    with the same numbers. A declared state type is still the way to have typos refused."""
 
 
 NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
@@ -197,9 +206,9 @@ def run_nodes(
     nodes: Sequence[Any], inputs: tuple[torch.Tensor, ...], state: LayerState | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Run a node plan (``Node`` and ``Fork`` items) in order with ordinary autograd, on
-    ``state`` (None: a fresh one of a ``Plan``'s state type; a ``LayerState`` for a list)."""
+    ``state`` (None: a fresh one of the plan's state type, ``state_type_of``)."""
     if state is None:
-        state = nodes.state_type() if isinstance(nodes, Plan) else LayerState()
+        state = state_type_of(nodes)()
     if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
         values = inputs
         for node in nodes:
@@ -219,10 +228,12 @@ class Plan(list):
     """A node plan (a list of ``Node`` and ``Fork``) with its graph and its state type:
     ``graph`` is its ``layer_graph``, made here so the engine does not make it again every time
     it records the layer; ``state_type`` is the ``LayerState`` class its nodes share (the layer
-    kind's declaration). A model that builds its plans once (``GPTStage.layer_plans``) gives
-    them so; a layer kind with its own state gives its plans as ``Plan`` always."""
+    kind's declaration; none given: ``UndeclaredState``). A model that builds its plans once
+    (``GPTStage.layer_plans``) gives them so; a layer kind with its own state gives its plans
+    as ``Plan`` always."""
 
-    def __init__(self, items: Sequence[Any], state_type: type[LayerState] = LayerState) -> None:
+    def __init__(self, items: Sequence[Any],
+                 state_type: type[LayerState] = UndeclaredState) -> None:
         super().__init__(items)
         self.graph = layer_graph(self)
         self.state_type = state_type
@@ -238,7 +249,7 @@ class WavePlan(Plan):
     k); the combined step uses it when asked for all-to-alls in waves (``a2a_waves``)."""
 
     def __init__(self, nodes: Sequence[Any], in_waves: Callable[[int], list[Any]],
-                 state_type: type[LayerState] = LayerState) -> None:
+                 state_type: type[LayerState] = UndeclaredState) -> None:
         super().__init__(nodes, state_type)
         self._in_waves = in_waves
         self._forms: dict[int, WavePlan] = {}
@@ -256,6 +267,12 @@ class WavePlan(Plan):
         in_waves = self.in_waves
         return WavePlan(wrap(list(self)), lambda waves: wrap(list(in_waves(waves))),
                         self.state_type)
+
+
+def state_type_of(plan: Sequence[Any]) -> type[LayerState]:
+    """The state type the engine makes for one run of ``plan``: a ``Plan``'s own, else (a plain
+    list of nodes) ``UndeclaredState``."""
+    return plan.state_type if isinstance(plan, Plan) else UndeclaredState
 
 
 @runtime_checkable

@@ -8,16 +8,18 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 
-from gpu_sections import report, timeline, trace_analysis  # noqa: E402
-from gpu_sections.budget import Budget, allowance  # noqa: E402
+from gpu_sections import fused_ops, report, timeline, trace_analysis  # noqa: E402
+from gpu_sections.budget import Budget, allowance, device_plan  # noqa: E402
+from gpu_sections.fused_ops import OPERATORS, Case, cases  # noqa: E402
 from gpu_sections.gpu_timing import node_spans  # noqa: E402
 from gpu_sections.result import FAILED, PASSED, SKIPPED, SectionResult, clean, status_of  # noqa: E402
-from gpu_sections.sec_kernels import moved_bytes  # noqa: E402
+from gpu_sections.registry import CHECK_S, GUARANTEED, SECTIONS, SETUP_S  # noqa: E402
 from gpu_sections.sec_pretrain import tokens_per_second  # noqa: E402
 from gpu_sections.sec_tests import parse_outcomes, skip_reason, tally  # noqa: E402
 from gpu_sections.sync_sites import SYNC_MESSAGE, SyncLog, capture_syncs, site_of  # noqa: E402
@@ -94,20 +96,13 @@ def test_intersection_of_unsorted_interval_lists():
 
 
 # ---- budget ---------------------------------------------------------------------------------
-def test_a_section_gets_its_cap_when_the_budget_allows():
-    assert allowance(left=500, cap=60, minimum=20, later_minimums=100).seconds == 60
-
-
-def test_a_section_leaves_the_later_sections_their_minimums():
-    assert allowance(left=200, cap=150, minimum=30, later_minimums=100).seconds == 100
-
-
-def test_a_section_takes_from_later_sections_rather_than_run_below_its_minimum():
-    assert allowance(left=60, cap=150, minimum=30, later_minimums=100).seconds == 60
+def test_a_section_gets_its_cap_or_what_is_left():
+    assert allowance(left=500, cap=60, minimum=20).seconds == 60
+    assert allowance(left=45, cap=60, minimum=20).seconds == 45
 
 
 def test_a_section_is_skipped_when_less_than_its_minimum_is_left():
-    got = allowance(left=12, cap=150, minimum=30, later_minimums=0)
+    got = allowance(left=12, cap=150, minimum=30)
     assert got.seconds is None
     assert "12 s left" in got.reason and "at least 30 s" in got.reason
 
@@ -115,16 +110,28 @@ def test_a_section_is_skipped_when_less_than_its_minimum_is_left():
 def test_budget_counts_down_on_its_clock():
     now = [100.0]
     budget = Budget(300, clock=lambda: now[0])
-    caps, minimums = [60, 200, 60], [20, 30, 20]
-    assert budget.for_section(0, caps, minimums).seconds == 60
+    assert budget.for_section(60, 20).seconds == 60
     now[0] += 250  # 50 s left
-    assert budget.for_section(1, caps, minimums).seconds == 30  # leaves the last its 20 s
+    assert budget.for_section(200, 30).seconds == 50
     now[0] += 45
-    assert budget.for_section(2, caps, minimums).seconds is None
+    assert budget.for_section(60, 20).seconds is None
     with pytest.raises(ValueError, match="budget"):
         Budget(0)
     with pytest.raises(ValueError, match="cap"):
-        allowance(100, cap=10, minimum=20, later_minimums=0)
+        allowance(100, cap=10, minimum=20)
+
+
+def test_the_sections_that_matter_most_always_get_their_caps_in_the_default_check():
+    """Their caps and the set-up's fit the six-minute check, they come first, and the plan of a
+    check where every section uses its whole allowance gives each of them its cap."""
+    specs = {s.name: s for s in SECTIONS}
+    assert [s.name for s in SECTIONS[:len(GUARANTEED)]] == list(GUARANTEED)
+    assert SETUP_S + sum(specs[n].cap_s for n in GUARANTEED) <= CHECK_S == 360
+    plan = device_plan([s.cap_s for s in SECTIONS], [s.min_s for s in SECTIONS],
+                       CHECK_S - SETUP_S)
+    assert plan[:len(GUARANTEED)] == [specs[n].cap_s for n in GUARANTEED]
+    assert SECTIONS[-1].name == "replay" and not SECTIONS[-1].needs_cuda  # CPU-only: last
+    assert device_plan([60, 60, 60], [20, 20, 20], 100) == [60, 40, None]
 
 
 # ---- sync sites -----------------------------------------------------------------------------
@@ -245,12 +252,23 @@ def test_tokens_per_second_comes_from_the_last_log_line_with_one():
     assert tokens_per_second(["no rate"]) is None
 
 
-def test_kernel_bytes_are_the_least_each_operation_moves():
-    # 4 tokens, top-2: 8 rows of 16 bf16 values (32 bytes a row)
-    assert moved_bytes("permute forward", 4, 8, 16, 2) == 2 * 8 * 32
-    assert moved_bytes("permute backward", 4, 8, 16, 2) == (8 + 4) * 32
-    assert moved_bytes("unpermute forward", 4, 8, 16, 2) == (8 + 4) * 32
-    assert moved_bytes("unpermute backward", 4, 8, 16, 2) == (4 + 16) * 32
+def test_a_kernel_moves_every_tensor_it_reads_and_writes_once():
+    # 4 tokens of 16 bf16 values (32 bytes each), 8 int64 indices, top-2: 8 rows out
+    case = Case("permute", lambda: None, (torch.zeros(4, 16, dtype=torch.bfloat16),
+                                          torch.zeros(8, dtype=torch.int64), 2))
+    assert case.moved_bytes(torch.zeros(8, 16, dtype=torch.bfloat16)) == 4 * 32 + 8 * 8 + 8 * 32
+    assert case.moved_bytes((torch.zeros(2), None)) == 4 * 32 + 8 * 8 + 2 * 4
+
+
+def test_every_fused_operator_has_a_kernels_case():
+    from megapipe import kernels
+
+    defined = {v._schema.name for v in vars(kernels).values()
+               if isinstance(v, torch._ops.OpOverload) and v._schema.name.startswith("megapipe::")}
+    assert {f"megapipe::{name}" for name in OPERATORS} == defined
+    made = cases(fused_ops.DRY, torch.device("cpu"))
+    assert [c.operator for c in made] == list(OPERATORS)
+    assert all(c.moved_bytes(c.call()) > 0 for c in made)
 
 
 # ---- results and reports --------------------------------------------------------------------

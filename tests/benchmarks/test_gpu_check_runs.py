@@ -1,5 +1,6 @@
 """The GPU check runs: timeouts stop whole process groups, the modelled links change no bits,
-the node timeline of a combined step, the whole dry run, and the offline set-up script."""
+the node timeline of a combined step, and the whole dry run through the set-up script from a
+Python that has torch but not megapipe."""
 
 import json
 import os
@@ -18,6 +19,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gpu_sections.link_model import make_link  # noqa: E402
 from gpu_sections.moe_bench import PairBench, Shape, Variant, build_layers  # noqa: E402
+from gpu_sections.fused_ops import OPERATORS  # noqa: E402
 from gpu_sections.registry import SECTIONS  # noqa: E402
 from gpu_sections.result import empty  # noqa: E402
 from gpu_sections.runner import finish_result, run_child  # noqa: E402
@@ -149,46 +151,88 @@ def test_the_copy_link_copies_and_changes_no_bits_under_the_triton_interpreter()
 
 # The dry run's sections in two halves run side by side (two cores; most sections use one):
 # each half is a whole check of its own, and together they are every section.
-_HALVES = (("env", "replay", "gemm", "megatron"),
-           ("tests", "syncs", "executor", "streams", "overlap", "kernels", "pretrain", "ep_gloo"))
+_HALVES = (("env", "executor", "kernels", "gemm", "megatron", "replay"),
+           ("bitwise", "syncs", "tests", "pretrain", "streams", "overlap", "ep_gloo"))
 
 
-def test_the_dry_run_runs_every_section_and_reports_the_gpu_parts_as_skipped(tmp_path):
+@pytest.fixture(scope="module")
+def torch_only_python(tmp_path_factory):
+    """A Python that has torch (and this venv's other packages) but not megapipe, as a lent
+    machine's: a venv of the base interpreter whose one ``.pth`` adds this venv's
+    site-packages folders as plain paths (their own ``.pth`` files, megapipe's editable
+    install among them, are not run)."""
+    import site
+    import venv
+
+    folder = tmp_path_factory.mktemp("torch_only")
+    venv.create(folder, with_pip=False, symlinks=True)
+    python = folder / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "torch_only.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    probe = subprocess.run([str(python), "-c", "import torch\ntry:\n import megapipe\n"
+                            "except ModuleNotFoundError:\n print('torch only')"],
+                           cwd="/", env=_without_pythonpath(), capture_output=True, text=True)
+    assert probe.stdout.strip() == "torch only", probe.stdout + probe.stderr
+    return python
+
+
+def _without_pythonpath() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_dry_run_from_a_python_with_torch_only_runs_every_section(tmp_path,
+                                                                      torch_only_python):
+    """``PYTHON=<torch only> bash scripts/gpu_check.sh OUT --dry-run``, the default set-up, in
+    two halves: no section fails, the GPU parts are reported as skipped with the reason, every
+    fused operator is named, and each section says what it would be allowed on the device."""
     assert sorted(sum(_HALVES, ())) == sorted(s.name for s in SECTIONS)
     outs = [tmp_path / f"out{i}" for i in range(len(_HALVES))]
+    env = dict(_without_pythonpath(), PYTHON=str(torch_only_python), OMP_NUM_THREADS="1",
+               BUDGET="500")
     running = [subprocess.Popen(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out),
-         "--budget", "500", "--sections", ",".join(half)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1")) for out, half in zip(outs, _HALVES)]
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--dry-run", "--sections",
+         ",".join(half)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=env) for out, half in zip(outs, _HALVES)]
     sections, passed = [], 0
     for process, out, half in zip(running, outs, _HALVES):
         stdout, stderr = process.communicate(timeout=560)
         log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
         assert process.returncode == 0, stdout + stderr + log[-3000:]
+        setup = (out / "setup.log").read_text()
+        assert f"megapipe from the checkout: PYTHONPATH={REPO}" in setup, setup
+        assert f"running with {torch_only_python}" in setup, setup
         data = json.loads((out / "gpu_check.json").read_text())
         assert [s["name"] for s in data["sections"]] == [s.name for s in SECTIONS
                                                         if s.name in half]
         assert data["failed"] == 0, data["summary"]
         last = stdout.strip().splitlines()[-1]
         assert last == data["summary"]
-        assert (out / "gpu_check.md").read_text().strip().splitlines()[-1] == last
+        markdown = (out / "gpu_check.md").read_text()
+        assert markdown.strip().splitlines()[-1] == last and "## On the device" in markdown
         sections += data["sections"]
         passed += data["passed"]
-    assert passed >= 9
-    skipped_parts = {s["name"]: s["skipped_parts"] for s in sections}
+    assert passed >= 10
+    by_name = {s["name"]: s for s in sections}
+    assert by_name["executor"]["on_device"] == "110 s (its cap)"
+    assert all(s["on_device"] for s in sections)
     for name in ("syncs", "streams", "overlap", "kernels"):
         assert any("dry run" in part["reason"] or "CUDA" in part["reason"]
-                   for part in skipped_parts[name]), (name, skipped_parts[name])
+                   for part in by_name[name]["skipped_parts"]), (name, by_name[name])
+    kernels_skipped = [p["part"] for p in by_name["kernels"]["skipped_parts"]]
+    assert kernels_skipped == [f"{op}: GPU ms, share of HBM bandwidth, host us per launch"
+                               for op in OPERATORS]
     assert all(c["ok"] for s in sections for c in s["checks"])
-    executor = next(s for s in sections if s["name"] == "executor")
+    bitwise, executor = by_name["bitwise"], by_name["executor"]
     # without CUDA the runs with graphs are left out (they would run eager), and one shape is timed
-    assert not any("CUDA graphs" in c["name"] for c in executor["checks"])
+    assert not any("CUDA graphs" in c["name"] for c in bitwise["checks"])
+    assert len(bitwise["checks"]) == 4  # the control, combined, deferred wgrad, slow comm
+    assert "CUDA graphs need CUDA: the runs with graphs are left out here" in bitwise["notes"]
     assert {t["title"]: [tuple(r[:2]) for r in t["rows"]] for t in executor["tables"]} == {
         "1f1b step, hidden 32, bf16": [("no link", "off"), ("sleep link, comm ~ experts", "off")]}
-    assert "CUDA graphs need CUDA: the runs with graphs are left out here" in executor["notes"]
     files = sorted(p.name for out in outs for p in out.iterdir())
-    assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md"] * 2
+    assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md", "setup.log"] * 2
                            + ["streams_trace.json.gz"])
 
 
@@ -220,38 +264,3 @@ def test_a_check_killed_mid_section_leaves_the_finished_sections_and_the_running
     assert "## env: passed" in (out / "gpu_check.md").read_text()
     running = json.loads(current.read_text())
     assert running["name"] == "tests" and running["error"] is None
-
-
-def test_the_venv_set_up_makes_megapipe_importable_offline_where_the_sections_run(tmp_path):
-    """Checked from the repository root, where the sections run: megapipe and its kernels
-    resolve to this checkout (the links set-up: the next test runs its whole chain)."""
-    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP="venv",
-               GPU_CHECK_VENV=str(tmp_path / "venv"), PIP_NO_INDEX="1")
-    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
-                           "--setup-only"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
-    python, pythonpath = lines["python"], lines.get("PYTHONPATH", "")
-    assert python == str(tmp_path / "venv" / "bin" / "python")
-    section_env = dict(os.environ, PYTHONPATH=pythonpath,
-                       PYTHONSAFEPATH=lines.get("PYTHONSAFEPATH", ""))
-    check = subprocess.run(
-        [python, "-c", "import os, megapipe.kernels as k; print(os.path.realpath(k.__file__))"],
-        cwd=REPO, env=section_env, capture_output=True, text=True, timeout=120)
-    assert check.stdout.strip() == str(REPO / "megapipe" / "kernels" / "__init__.py"), check.stderr
-
-
-def test_a_section_runs_from_the_repository_root_with_the_fallback_set_up(tmp_path):
-    """The whole chain in links mode: set-up, then a section that imports megapipe.kernels."""
-    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SETUP="links", PIP_NO_INDEX="1",
-               OMP_NUM_THREADS="1")
-    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "out"),
-                           "--dry-run", "--sections", "kernels", "--budget", "200"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert done.returncode == 0, done.stdout + done.stderr + log[-3000:]
-    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert [(s["name"], s["error"]) for s in data["sections"]] == [("kernels", None)]
-    setup_log = (tmp_path / "out" / "setup.log").read_text()
-    assert f"using PYTHONPATH={REPO}" in setup_log and f"running with {sys.executable}" in setup_log

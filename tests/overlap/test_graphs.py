@@ -191,7 +191,7 @@ def _one_node(fn, params=(), **spec) -> tuple[Plan, NodeGraphs, FakeGraphApi]:  
     api = FakeGraphApi()
     graphs = NodeGraphs(("attn",), api)
     node = Node("n", NodeKind.COMPUTE, fn, graphable=Graphable(("attn",), tuple(params), **spec))
-    return graphs.plan(Plan([node])), graphs, api
+    return graphs.plan(Plan([node], LayerState)), graphs, api
 
 
 @dataclass(eq=False, slots=True)

@@ -9,8 +9,12 @@ from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.models import GPTConfig, build_stage
 from megapipe.moe.layer import MoEState
 from megapipe.overlap.layer_groups import GroupState
-from megapipe.overlap.plan import LayerState, WarnOnce, WavePlan, node_plan_of
-from megapipe.overlap.sequential import record_forward
+from megapipe.overlap.combined import combined_step
+from megapipe.overlap.plan import (
+    LayerState, Node, NodeKind, UndeclaredState, WarnOnce, WavePlan, node_plan_of,
+)
+from megapipe.overlap.sequential import record_forward, run_backward
+from megapipe.overlap.streams import make_streams
 
 
 @pytest.mark.parametrize("state_type", [LayerState, MoEState, McoreLayerState, GroupState])
@@ -41,3 +45,59 @@ def test_the_tape_holds_each_layer_in_its_plans_state_type(waves):
         assert kinds == ([LayerState, GroupState, MoEState, LayerState] if grouped else
                          [LayerState, LayerState, MoEState, MoEState, LayerState])
         assert all(isinstance(p, WavePlan) for p, k in zip(plans, kinds) if k is MoEState)
+
+
+class _OldProtocolMoE(torch.nn.Module):
+    """A layer as the previous release's docs had it: ``node_plan()`` a plain list of nodes
+    whose dispatch keeps its own metadata on the state (``state.shape``, ``state.order``) for
+    the combine to read."""
+
+    def __init__(self, hidden: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.3)
+        self.v = torch.nn.Parameter(torch.randn(hidden, hidden, generator=g) * 0.3)
+
+    def node_plan(self) -> list:
+        return [Node("attention", NodeKind.COMPUTE, self._attention),
+                Node("dispatch", NodeKind.COMM, self._dispatch),
+                Node("experts", NodeKind.COMPUTE, self._experts),
+                Node("combine", NodeKind.COMM, self._combine)]
+
+    def _attention(self, state, t):
+        return (torch.tanh(t[0] @ self.w),)
+
+    def _dispatch(self, state, t):
+        state.shape = t[0].shape
+        state.order = torch.argsort(t[0][:, 0])  # non-differentiable routing metadata
+        return (t[0][state.order].reshape(-1),)
+
+    def _experts(self, state, t):
+        return (torch.relu(t[0].reshape(state.shape) @ self.v),)
+
+    def _combine(self, state, t):
+        return (t[0][torch.argsort(state.order)],)
+
+
+def test_a_model_written_for_the_previous_protocol_runs_unchanged_plain_and_combined():
+    """Nodes that write their own names on the state: the plain path (the tape, F then B) and
+    the combined step (F of one microbatch beside B of another on two streams) both run, with
+    bitwise the same outputs and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    x_f, x_b, g_f, g_b = (torch.randn(6, 8, generator=gen) for _ in range(4))
+    runs = []
+    for combined in (False, True):
+        stack = [_OldProtocolMoE(8, seed) for seed in (1, 2)]
+        plans = [layer.node_plan() for layer in stack]
+        _, tape_b = record_forward(plans, (x_b.clone().requires_grad_(),))
+        if combined:
+            with make_streams("cpu") as streams:
+                out_f, tape_f, grads_b = combined_step(plans, (x_f.clone().requires_grad_(),),
+                                                       tape_b, (g_b,), streams)
+        else:
+            out_f, tape_f = record_forward(plans, (x_f.clone().requires_grad_(),))
+            grads_b = run_backward(tape_b, (g_b,))
+        assert {type(layer.state) for layer in tape_f.layers} == {UndeclaredState}
+        grads_f = run_backward(tape_f, (g_f,))
+        runs.append([*out_f, *grads_b, *grads_f, *(p.grad for m in stack for p in m.parameters())])
+    assert len(runs[0]) == 7 and all(a is not None and torch.equal(a, b) for a, b in zip(*runs))

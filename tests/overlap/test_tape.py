@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
+from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, UndeclaredState, run_nodes
 from megapipe.overlap.combined import backward_node
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.combined import Tape
@@ -162,9 +162,13 @@ def test_state_is_per_layer_and_per_microbatch_and_of_the_plans_state_type():
     assert [type(layer.state) for layer in tape.layers] == [_RowsState, _RowsState]
     record_forward([plan], (torch.ones(5),))
     assert seen == [3, 3, 5]
-    # a plain list of nodes shares a LayerState, which declares no field of a layer's own
+    # a plan declaring LayerState refuses a field of the layer's own; a plain list of nodes
+    # (declaring nothing, as before states were declared) gets a state that takes any name
     with pytest.raises(AttributeError, match="rows"):
-        record_forward([list(plan)], (torch.ones(3),))
+        record_forward([Plan(list(plan), LayerState)], (torch.ones(3),))
+    _, tape = record_forward([list(plan), Plan(list(plan))], (torch.ones(4),))
+    assert [type(layer.state) for layer in tape.layers] == [UndeclaredState] * 2
+    assert seen[-2:] == [4, 4]
 
 
 @pytest.mark.parametrize("shared,defer", [(None, False), (12, False), (12, True)])

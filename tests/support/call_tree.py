@@ -63,7 +63,7 @@ class OverlapPath:
         if not self._stack:
             action = frame.f_locals.get("action") if code.co_name == "_run_combined" else None
             if action is not None and getattr(action.kind, "name", None) == "OVERLAP" \
-                    and code.co_filename.endswith(os.path.join("pipeline", "executor.py")):
+                    and frame.f_globals.get("__name__") == "megapipe.pipeline.executor":
                 self.roots += 1
                 self._push(code, 1, None)
             return

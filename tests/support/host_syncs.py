@@ -81,13 +81,26 @@ def sync_op(func: Any, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+def library_site(frame: Any) -> str | None:
+    """``megapipe/<module path>.py:<function>`` when ``frame`` runs megapipe's code, else None.
+
+    Judged by the frame's module (``megapipe`` or ``megapipe.*``), never by its file's path: a
+    checkout may itself sit in a folder named ``megapipe``, where every test helper's path
+    contains ``/megapipe/`` too."""
+    module = frame.f_globals.get("__name__", "")
+    if module != "megapipe" and not module.startswith("megapipe."):
+        return None
+    package = str(frame.f_globals.get("__file__", "")).endswith("__init__.py")
+    file = module.replace(".", "/") + ("/__init__.py" if package else ".py")
+    return f"{file}:{frame.f_code.co_qualname}"
+
+
 def _megapipe_frame() -> str:
     frame = sys._getframe(2)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if "/megapipe/" in path or "/kernels/" in path:
-            short = path[path.rindex("/megapipe/") + 1 :] if "/megapipe/" in path else path
-            return f"{short}:{frame.f_code.co_qualname}"
+        site = library_site(frame)
+        if site is not None:
+            return site
         frame = frame.f_back
     return "outside megapipe"
 

@@ -42,19 +42,21 @@ class TrainResult:
 
 
 def train(
-    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
+    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
     ``choice`` is the resume decision made before the processes started (``choose_resume``); when
-    it is None every rank makes it here, and the ranks check that they agree.
+    it is None every rank makes it here, and the ranks check that they agree. ``clock`` times
+    the steps the overlap's auto mode compares (tests script it).
     """
     with deterministic_kernels() if config.precision.deterministic else nullcontext():
-        return _train(config, write, choice)
+        return _train(config, write, choice, clock)
 
 
 def _train(config: JobConfig, write: Callable[[str], None],
-           choice: ResumeChoice | None) -> TrainResult:
+           choice: ResumeChoice | None, clock: Callable[[], float]) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=config.failures.timeout)
     result = TrainResult()
@@ -68,7 +70,7 @@ def _train(config: JobConfig, write: Callable[[str], None],
     decided_here = choice is None  # then this rank tells the decision's warnings
     if choice is None:
         choice = choose_resume(config)
-    job = build_job(config, start_from=choice.hf_dir)
+    job = build_job(config, start_from=choice.hf_dir, clock=clock)
     for line in describe(job):
         say(line)
     try:
@@ -93,8 +95,15 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
     try:
         while iteration < iters:
             start = time.perf_counter()
+            auto = job.overlap_auto
+            if auto is not None:  # plain or combined: its trial's, or its choice
+                job.executor = auto.executor
+                auto.start()
             stats = train_step(job, job.batches.next_batch(), iteration + 1, profiler)
+            decision = auto.finish() if auto is not None else None
             iteration += 1
+            if decision is not None:
+                say(decision)
             result.losses.append(stats.loss)
             result.aux_losses.append(stats.aux_loss)
             result.grad_norms.append(stats.grad_norm)

@@ -32,6 +32,7 @@ def validate(f: PretrainFlags, world_size: int) -> None:
     parallel = _check_parallel(f, world_size)
     _check_data_parallel(f, parallel)
     _check_overlap_budget(f)
+    _check_overlap_auto(f)
     _check_recompute(f)
     _check_attention(f)
     vocab = check_data(f)
@@ -161,6 +162,36 @@ def _check_overlap_budget(f: PretrainFlags) -> None:
             f"--overlap-max-extra-in-flight={budget} needs --overlap-moe-expert-parallel-comm "
             "(the budget bounds what the overlap pass adds)"
         )
+
+
+def _check_overlap_auto(f: PretrainFlags) -> None:
+    """Auto switches between the plain and the combined schedule: both must run the same
+    model with the same bits, so options that exist in one mode only are refused."""
+    interval = f.overlap_auto_interval
+    if not f.overlap_moe_expert_parallel_comm_auto:
+        if interval != PretrainFlags.overlap_auto_interval:
+            raise ArgsError(f"--overlap-auto-interval={interval} needs "
+                            "--overlap-moe-expert-parallel-comm-auto")
+        return
+    auto = "--overlap-moe-expert-parallel-comm-auto"
+    from megapipe.pipeline.overlap_auto import TRIAL  # torch: only when the flag is given
+
+    if 0 < interval < len(TRIAL):
+        raise ArgsError(f"--overlap-auto-interval={interval} is shorter than one timing trial "
+                        f"({len(TRIAL)} iterations); use 0 (time once) or at least {len(TRIAL)}")
+    only_combined = [(name, on) for name, on in (
+        ("--no-overlap-moe-expert-parallel-comm", not f.overlap_moe_expert_parallel_comm),
+        ("--delay-wgrad-compute", f.delay_wgrad_compute),
+        (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
+        (f"--overlap-max-extra-in-flight={f.overlap_max_extra_in_flight}",
+         f.overlap_max_extra_in_flight is not None),
+        ("--profile-trace", f.profile_trace is not None),
+    ) if on]
+    if only_combined:
+        name = only_combined[0][0]
+        raise ArgsError(f"{auto} with {name}: auto chooses between the plain and the combined "
+                        "step, which must differ in nothing else (and a profile traces one "
+                        "schedule); drop one of the two")
 
 
 def _check_recompute(f: PretrainFlags) -> None:
@@ -347,7 +378,8 @@ def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig, vocab: int) -
     schedule = schedule_config(f, parallel.dp).build()
     split = any(c.kind is Kind.I for row in schedule.actions for a in row
                 for c in a.computations())
-    problem = problem or split_backward_problem(f"--pipeline-schedule {schedule.name}", split,
-                                                f.overlap_moe_expert_parallel_comm)
+    problem = problem or split_backward_problem(  # auto runs plain steps too
+        f"--pipeline-schedule {schedule.name}", split,
+        f.overlap_moe_expert_parallel_comm and not f.overlap_moe_expert_parallel_comm_auto)
     if problem is not None:
         raise ArgsError(problem)

@@ -235,6 +235,15 @@ class PretrainFlags:
         True, "co-schedule one microbatch's forward with another's backward to hide the "
         "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
         group=PARALLEL)
+    overlap_moe_expert_parallel_comm_auto: bool = flag(
+        False, "time plain and combined steps over the first iterations and keep the faster "
+        "(every rank agrees; same losses either way), checking again every "
+        "--overlap-auto-interval iterations; each decision is logged as 'overlap auto:'",
+        group=PARALLEL)
+    overlap_auto_interval: int = flag(
+        500, "with --overlap-moe-expert-parallel-comm-auto: iterations from one timing trial's "
+        "start to the next (0: time once; else at least the trial's 6)", COUNT, group=PARALLEL,
+        metavar="N")
     overlap_max_extra_in_flight: int | None = flag(
         None, "with the overlap: at most K more microbatch-stages in flight on any rank than the "
         "plain schedule (activation memory; default: no budget)", COUNT, group=PARALLEL,

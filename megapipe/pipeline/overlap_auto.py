@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,13 +47,14 @@ class OverlapAuto:
     """Chooses between ``plain`` and ``combined`` executors by timing them (module docstring).
 
     ``interval``: training steps from one trial's start to the next (0: one trial only);
-    ``group``: the process group that agrees (default: the world); ``device``: where the
-    all-reduce's tensor lives and what is synchronised around a counted step.
+    ``groups``: process groups whose MAX, taken over each in turn, reaches every rank of the run
+    (default: the world; e.g. pp then dp for a grid); ``device``: where the all-reduce's tensor
+    lives and what is synchronised around a counted step.
     """
 
     def __init__(self, plain: PipelineExecutor, combined: PipelineExecutor, interval: int,
                  clock: Callable[[], float] = time.perf_counter,
-                 group: dist.ProcessGroup | None = None,
+                 groups: Sequence[dist.ProcessGroup | None] = (None,),
                  device: torch.device | str = "cpu") -> None:
         if interval < 0 or 0 < interval < len(TRIAL):
             raise ValueError(f"interval={interval} must be 0 (one trial) or at least the trial's "
@@ -61,7 +62,7 @@ class OverlapAuto:
         self.executors = {False: plain, True: combined}
         self.interval = interval
         self.clock = clock
-        self.group = group
+        self.groups = tuple(groups)
         self.device = torch.device(device)
         self.combined = False  # the mode kept between trials (before the first: plain)
         self.decisions: list[tuple[bool, float, float]] = []  # (on, plain s, combined s)
@@ -116,7 +117,8 @@ class OverlapAuto:
         local = torch.tensor([min(trial.times[False]), min(trial.times[True])],
                              dtype=torch.float64, device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            for group in self.groups:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         plain, combined = (float(t) for t in local.tolist())
         self.combined = combined < plain
         self.decisions.append((self.combined, plain, combined))

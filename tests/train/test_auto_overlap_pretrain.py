@@ -2,9 +2,10 @@
 faster mode, log it, and the losses are bitwise those of either fixed mode. The step times are
 scripted (a clock the test controls), so the choice is deterministic."""
 
+import pytest
 import torch.distributed as dist
 
-from megapipe.train.config.parse import parse_pretrain_args
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
 from support.scripted_clock import ScriptedClock
@@ -54,3 +55,22 @@ def test_auto_keeps_the_faster_mode_with_the_fixed_modes_losses(rank_pools):
         traced = [" | a2a hidden " in next(line for line in results[0].lines
                                            if line.startswith(f"iter {i}/7")) for i in range(1, 8)]
         assert traced == [False] * 3 + [True] * 3 + [seventh], traced
+
+
+AUTO = "--overlap-moe-expert-parallel-comm-auto"
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([AUTO, "--no-overlap-moe-expert-parallel-comm"],
+     f"{AUTO} with --no-overlap-moe-expert-parallel-comm: auto chooses between"),
+    ([AUTO, "--delay-wgrad-compute"], f"{AUTO} with --delay-wgrad-compute"),
+    ([AUTO, "--moe-a2a-waves", "2"], f"{AUTO} with --moe-a2a-waves=2"),
+    ([AUTO, "--overlap-max-extra-in-flight", "1"], f"{AUTO} with --overlap-max-extra-in-flight=1"),
+    ([AUTO, "--overlap-auto-interval", "5"],
+     "--overlap-auto-interval=5 is shorter than one timing trial (6 iterations)"),
+    (["--overlap-auto-interval", "10"], "--overlap-auto-interval=10 needs " + AUTO),
+])
+def test_auto_with_a_one_mode_option_is_one_clear_line(flags, message):
+    with pytest.raises(ArgsError) as err:
+        parse_pretrain_args(flags, env={})
+    assert message in str(err.value) and "\n" not in str(err.value)

@@ -44,6 +44,13 @@ def slot_rows(rows: int, factor: float, ep: int) -> int:
     return max(1, math.ceil(factor * rows / ep))
 
 
+def buffer_bytes(slot: int, ep: int, hidden: int, element_size: int) -> int:
+    """Bytes of one MoE layer's fixed buffers for one microbatch: the send and receive buffers
+    of the dispatch and of the combine, and the expert rows in and out (six of ep x slot rows
+    of ``hidden`` elements)."""
+    return 6 * ep * slot * hidden * element_size
+
+
 @dataclass
 class RankCapacitySplits:
     """What ``combine`` and the backward need of one dispatch; device tensors only."""
@@ -88,9 +95,9 @@ class RankCapacityDispatch:
         return self.ep * self.slot
 
     def buffer_bytes(self, hidden: int, dtype: torch.dtype) -> int:
-        """Bytes of one layer's fixed buffers per microbatch: the send and receive buffers of the
-        dispatch and of the combine, and the expert rows in and out (six of ep x slot rows)."""
-        return 6 * self.buffer_rows * hidden * torch.empty((), dtype=dtype).element_size()
+        """Bytes of one layer's fixed buffers per microbatch (``buffer_bytes``)."""
+        return buffer_bytes(self.slot, self.ep, hidden,
+                            torch.empty((), dtype=dtype).element_size())
 
     def dispatch(self, rows: torch.Tensor, rows_per_expert: torch.Tensor
                  ) -> tuple[torch.Tensor, RankCapacitySplits]:

@@ -37,6 +37,7 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)  # mean loss per token
     valid_bits_per_byte: dict[int, float | None] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
+    ran_again: list[int] = field(default_factory=list)  # iterations a rank capacity ran again
     lines: list[str] = field(default_factory=list)
     exit_reason: str | None = None
 
@@ -104,6 +105,10 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
             iteration += 1
             if decision is not None:
                 say(decision)
+            if stats.ran_again:
+                result.ran_again.append(iteration)
+                say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
+                    f"again without it ({len(result.ran_again)} so far)")
             result.losses.append(stats.loss)
             result.aux_losses.append(stats.aux_loss)
             result.grad_norms.append(stats.grad_norm)
@@ -136,7 +141,9 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
                 f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}")
-                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}"))
+                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
+                + ("" if config.model.moe_expert_rank_capacity_factor is None else
+                   f"; steps run again without the rank capacity: {len(result.ran_again)}"))
     finally:
         profiler.close()
         logger.close()

@@ -33,6 +33,7 @@ def validate(f: PretrainFlags, world_size: int) -> None:
     _check_data_parallel(f, parallel)
     _check_overlap_budget(f)
     _check_overlap_auto(f)
+    _check_rank_capacity(f)
     _check_recompute(f)
     _check_attention(f)
     vocab = check_data(f)
@@ -192,6 +193,34 @@ def _check_overlap_auto(f: PretrainFlags) -> None:
         raise ArgsError(f"{auto} with {name}: auto chooses between the plain and the combined "
                         "step, which must differ in nothing else (and a profile traces one "
                         "schedule); drop one of the two")
+
+
+def _check_rank_capacity(f: PretrainFlags) -> None:
+    """``--moe-expert-rank-capacity-factor`` (``moe.rank_capacity``): dropless, one all-to-all
+    per node, a step that can run again, experts on the grouped GEMM kernel."""
+    factor = f.moe_expert_rank_capacity_factor
+    if factor is None:
+        return
+    name = f"--moe-expert-rank-capacity-factor={factor:g}"
+    for other, on in (
+        (f"--moe-expert-capacity-factor={f.moe_expert_capacity_factor}",
+         f.moe_expert_capacity_factor is not None),
+        (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
+        ("--overlap-grad-reduce", f.overlap_grad_reduce),
+        ("--use-distributed-optimizer", f.use_distributed_optimizer),
+    ):
+        if on:
+            raise ArgsError(
+                f"{name} with {other}: not supported (the rank capacity keeps the layer "
+                "dropless in one all-to-all per node, and a step that overflows runs again, "
+                "which bucketed gradient reductions already issued would not undo)")
+    row_bytes = 2 if f.bf16 else 4
+    for flag_name, size in (("--hidden-size", f.hidden_size),
+                            ("--moe-ffn-hidden-size", f.moe_ffn_hidden_size)):
+        if size is not None and size * row_bytes % 16:
+            raise ArgsError(
+                f"{name} needs {flag_name} x {row_bytes} bytes to be a multiple of 16 (got "
+                f"{size}): its experts run on torch's grouped GEMM, which reads no host counts")
 
 
 def _check_recompute(f: PretrainFlags) -> None:

@@ -143,6 +143,11 @@ class PretrainFlags:
     moe_expert_capacity_factor: float | None = flag(
         None, "drop routing choices over capacity factor x tokens x top-k / experts per expert, "
         "padding every expert to that capacity (default: dropless)", above(0), group=MODEL)
+    moe_expert_rank_capacity_factor: float | None = flag(
+        None, "dropless MoE without host reads: each EP rank's dispatch and expert buffers hold "
+        "F x its routed rows, counts stay on the device, and a step in which any rank's rows do "
+        "not fit runs again without the capacity (same losses; the log counts the steps run "
+        "again)", finite, above(0), group=MODEL, metavar="F")
     moe_pad_expert_input_to_capacity: bool = flag(
         False, "accepted for Megatron scripts: megapipe always pads to the capacity (needs "
         "--moe-expert-capacity-factor)", group=MODEL)

@@ -70,7 +70,7 @@ from megapipe.megatron.mcore_support import (
     activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
 )
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.layer import take_aux_loss_logs
+from megapipe.moe.layer import take_aux_loss_logs, take_overflow
 from megapipe.overlap.graph_rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
@@ -267,6 +267,11 @@ class MegatronForwardBackward:
                 f"model has {len(chunks)}"
             )
         chunks = [as_stage_module(chunk) for chunk in chunks]
+        if take_overflow(chunks) is not None:
+            raise ValueError(
+                "MoE layers with a rank capacity (moe_expert_rank_capacity_factor) are not "
+                "supported by the Megatron front end: a step that overflows must run again "
+                "from the gradients the call started with (megapipe pretrain does it)")
         for chunk in chunks:
             if not callable(getattr(chunk, "set_input_tensor", None)):
                 raise TypeError(

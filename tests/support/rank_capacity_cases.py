@@ -64,3 +64,21 @@ def compare(rows: int, factor: float, skew: bool) -> dict:
         "grad_equal": torch.equal(got_grad, want_grad),
         "buffer_bytes": d.buffer_bytes(HIDDEN, torch.float32),
     }
+
+
+def pretrain_step_syncs(argv: list[str]) -> dict:
+    """A real pretrain step (after a warm-up step) under ``HostSyncs``: where each host sync
+    was made, and whether the step ran again."""
+    from megapipe.train.config.parse import parse_pretrain_args
+    from megapipe.train.job import build_job
+    from megapipe.train.step import train_step
+
+    job = build_job(parse_pretrain_args(argv, env={}))
+    try:
+        train_step(job, job.batches.next_batch(), 1)
+        with HostSyncs() as syncs:
+            stats = train_step(job, job.batches.next_batch(), 2)
+    finally:
+        job.close()
+    return {"syncs": sorted({(e.where, e.op, e.node is not None) for e in syncs.events}),
+            "ran_again": stats.ran_again}

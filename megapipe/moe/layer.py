@@ -32,7 +32,11 @@ With a capacity, every expert gets exactly ``capacity`` rows (padding after the 
 Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have the same number
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
-read").
+read"). With a rank capacity (``MoEConfig.rank_capacity_factor``, ``moe.rank_capacity``) the
+layer stays dropless and reads nothing either: dispatch and combine use fixed-size lanes, the
+experts run from device offsets, and each dispatch's overflow is ORed into ``rank_overflow``
+(a device flag) for the step to read once (``take_overflow``); ``sync_free=False`` runs the
+layer as the plain dropless one (the step run again after an overflow, ``set_sync_free``).
 
 ``node_plan().in_waves(k)`` (``wave_plan(k)``) is the same layer with its all-to-alls in k
 expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
@@ -57,7 +61,7 @@ from megapipe.moe.waves import WaveDispatch, WaveSplits
 from megapipe.moe.dispatcher import DispatchSplits, TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
-from megapipe.moe.rank_capacity import RankCapacityDispatch, RankCapacitySplits, slot_rows
+from megapipe.moe.rank_capacity import RankCapacityDispatch, RankCapacitySplits, lane_rows
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeFn, NodeKind, WavePlan, run_nodes,
@@ -371,10 +375,10 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        if self.sync_free:  # fixed-size slots, counts on the device (moe.rank_capacity)
+        if self.sync_free:  # fixed-size lanes, counts on the device (moe.rank_capacity)
             d = self.dispatcher
-            slot = slot_rows(rows.shape[0], self.config.rank_capacity_factor, d.ep_size)
-            state.rank_dispatch = RankCapacityDispatch(d.num_experts, slot, d.group, d.link)
+            lane = lane_rows(rows.shape[0], self.config.rank_capacity_factor, d.ep_size)
+            state.rank_dispatch = RankCapacityDispatch(d.num_experts, lane, d.group, d.link)
             expert_rows, state.rank_splits = state.rank_dispatch.dispatch(
                 rows, state.rows_per_expert)
             return (expert_rows,)
@@ -390,9 +394,13 @@ class MoELayer(nn.Module):
         (expert_rows,) = tensors
         if state.rank_splits is not None:
             # noted here, on the compute stream, which has waited for the dispatch
-            self.rank_overflow.bitwise_or_(state.rank_splits.overflow.to(torch.int32))
-            return (self.experts(expert_rows, None, state=state,
-                                 offsets=state.rank_splits.offsets),)
+            splits = state.rank_splits
+            if splits.offsets.is_cuda:  # made on the comm stream, read on this one
+                current = torch.cuda.current_stream()
+                splits.offsets.record_stream(current)
+                splits.overflow.record_stream(current)
+            self.rank_overflow.bitwise_or_(splits.overflow.to(torch.int32))
+            return (self.experts(expert_rows, None, state=state, offsets=splits.offsets),)
         return (
             self.experts(
                 expert_rows, state.dispatch_splits.tokens_per_local_expert, state=state,

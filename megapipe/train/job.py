@@ -25,7 +25,7 @@ from megapipe.data.raw_text import Microbatch, TrainBatches
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage, copy_into_stage
-from megapipe.moe.rank_capacity import buffer_bytes, slot_rows
+from megapipe.moe.rank_capacity import buffer_bytes, lane_rows
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.grad_sync import is_expert_param
@@ -262,16 +262,16 @@ def data_parallel_text(job: Job) -> str:
 
 
 def rank_capacity_text(config: JobConfig) -> str:
-    """What the log says of ``--moe-expert-rank-capacity-factor``: the slots and the memory of
+    """What the log says of ``--moe-expert-rank-capacity-factor``: the lanes and the memory of
     the fixed buffers."""
     model, factor = config.model, config.model.moe_expert_rank_capacity_factor
     assert factor is not None
     ep = config.parallel.ep
     rows = config.data.micro_batch_size * model.seq_length * model.moe_top_k
-    slot = slot_rows(rows, factor, ep)
-    size = buffer_bytes(slot, ep, model.hidden_size, 2 if config.precision.bf16 else 4)
-    return (f"rank capacity {factor:g}: dispatch in fixed slots of {slot} rows per EP rank "
-            f"pair ({ep * slot} rows received for {rows} routed), counts on the device; "
+    lane = lane_rows(rows, factor, ep)
+    size = buffer_bytes(lane, ep, model.hidden_size, 2 if config.precision.bf16 else 4)
+    return (f"rank capacity {factor:g}: dispatch in fixed lanes of {lane} rows per EP rank "
+            f"pair ({ep * lane} rows received for {rows} routed), counts on the device; "
             f"buffers {size / 2**20:.3f} MiB per MoE layer and microbatch; a step that "
             "overflows on any rank runs again without it")
 

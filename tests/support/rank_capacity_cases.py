@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe.dispatcher import TokenDispatcher
-from megapipe.moe.rank_capacity import OverflowFlag, RankCapacityDispatch, slot_rows
+from megapipe.moe.rank_capacity import RankCapacityDispatch, lane_rows
 from support.host_syncs import HostSyncs
 
 EXPERTS, HIDDEN = 4, 8
@@ -33,15 +33,15 @@ def _dropless(group, rows, counts):
 
 def _sync_free(group, rows, counts, factor):
     x = rows.clone().requires_grad_()
-    d = RankCapacityDispatch(EXPERTS, slot_rows(rows.shape[0], factor, dist.get_world_size(group)),
+    d = RankCapacityDispatch(EXPERTS, lane_rows(rows.shape[0], factor, dist.get_world_size(group)),
                              group)
     with HostSyncs() as syncs:
         expert_rows, splits = d.dispatch(x, counts)
         out = d.combine(expert_rows * 2 + 1, splits)
         out.backward(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape))
-    flag = OverflowFlag()
-    flag.note(splits.overflow)
-    return expert_rows.detach(), out.detach(), x.grad, splits, syncs.events, flag.check(group), d
+    overflow = splits.overflow.to(torch.int32)
+    dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=group)  # did any rank overflow
+    return expert_rows.detach(), out.detach(), x.grad, splits, syncs.events, bool(overflow), d
 
 
 def compare(rows: int, factor: float, skew: bool) -> dict:

@@ -36,9 +36,9 @@ def test_losses_are_the_dropless_runs_with_and_without_overflow(rank_pools):
             f"iter {i}: the rank capacity overflowed on some rank; the step ran again without "
             f"it ({n} so far)" for n, i in enumerate(again, 1)]
         assert lines[-1].endswith(f"steps run again without the rank capacity: {len(again)}")
-    # 2 x 32 tokens x top-2 = 128 routed rows, ep 2: slots of ceil(2 x 128 / 2) rows; fp32 rows
+    # 2 x 32 tokens x top-2 = 128 routed rows, ep 2: lanes of ceil(2 x 128 / 2) rows; fp32 rows
     # of hidden 32 in six buffers of 2 x 128 rows
-    assert ("rank capacity 2: dispatch in fixed slots of 128 rows per EP rank pair (256 rows "
+    assert ("rank capacity 2: dispatch in fixed lanes of 128 rows per EP rank pair (256 rows "
             "received for 128 routed), counts on the device; buffers 0.188 MiB per MoE layer "
             "and microbatch") in "\n".join(roomy[0].lines)
     assert 6 * 256 * 32 * 4 / 2**20 == pytest.approx(0.1875)

@@ -228,6 +228,26 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
     return counters
 
 
+RANK_CAPACITY = 2.0  # the rank capacity factor of the count outside graphs (never overflows)
+
+
+def launches_outside_graphs(stage: Any | None = None) -> tuple[int, tuple[str, ...]]:
+    """Launches one MoE layer's combined step (F of one microbatch beside B of another) issues
+    outside CUDA graphs with ``--moe-expert-rank-capacity-factor`` (the demo's layer, ep 1):
+    every launch of a node that is not graphable today, plus one replay each way per graphable
+    node (the static nodes ``overlap.graphs`` captures). Returns (the count, the graphable
+    nodes' names)."""
+    from megapipe.overlap.plan import layer_graph
+
+    stage = demo_layer(moe_expert_rank_capacity_factor=RANK_CAPACITY) if stage is None else stage
+    counter = moe_layer_launches(stage)["combined"]
+    graphed = tuple(node.name.split(".")[-1] for plan in stage.layer_plans()
+                    for node in layer_graph(plan).nodes if node.graphable is not None)
+    eager = sum(sum(ops.values()) for label, ops in counter.launches.items()
+                if label.split()[0] not in graphed)
+    return eager + 2 * len(graphed), graphed
+
+
 HOST_WAYS = ("naive", "interleaved", "plain", "combined")
 HOST_ROUNDS, HOST_PROCESSES = 200, 5  # per process; processes per way
 

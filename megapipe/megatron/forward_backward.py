@@ -55,10 +55,13 @@ unused (no encoder-decoder models, no validation-step special case).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
@@ -67,10 +70,11 @@ from megapipe.megatron.mcore_support import (
     activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
 )
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.layer import take_aux_loss_logs
+from megapipe.moe.layer import take_aux_loss_logs, take_overflow
 from megapipe.overlap.graph_rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
+from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, Schedule, build_schedule
 from megapipe.schedule.registry import default_schedule_name
@@ -123,6 +127,9 @@ class FrontEndOptions:
     max_extra_in_flight: int | None = None
     cuda_graph_impl: str = "none"
     cuda_graph_modules: tuple[str, ...] = ()
+    overlap_auto: bool = False  # time plain and combined calls, keep the faster
+    overlap_auto_interval: int = 500
+    overlap_auto_clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
         for name, value in (("pp", self.pp), ("vpp", self.vpp)):
@@ -144,6 +151,15 @@ class FrontEndOptions:
                 "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
                 "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
             )
+        combined_only = [name for name, on in (
+            ("delay_wgrad_compute=True", self.delay_wgrad_compute),
+            (f"max_extra_in_flight={self.max_extra_in_flight}",
+             self.max_extra_in_flight is not None)) if on]
+        if self.overlap_auto and combined_only:
+            raise ValueError(
+                f"overlap_moe_expert_parallel_comm='auto' with {combined_only[0]}: auto chooses "
+                "between the plain and the combined step, which must differ in nothing else"
+            )
 
     @property
     def schedule_name(self) -> str:
@@ -159,6 +175,8 @@ class MegatronForwardBackward:
         self.last_result: StepResult | None = None  # the executor's StepResult of the last call
         self._aux_logs: list[AuxLossLog] = []  # what this rank's MoE layers logged last call
         self._executors: dict[tuple, tuple[PipelineExecutor, dict[int, nn.Module]]] = {}
+        self._autos: dict[tuple, OverlapAuto] = {}  # overlap "auto": the plain one beside
+        self.overlap_auto_lines: list[str] = []  # its decisions (rank 0 also prints them)
         self._call: _CallState | None = None
 
     # -------------------------------------------------------------- Megatron's call
@@ -206,8 +224,18 @@ class MegatronForwardBackward:
                             targets[i] = _LossTarget(stage, i)
             placeholders = [None] * num_microbatches
             hooks = None if forward_only else self._megatron_hooks(chunks, stages)
+            auto = None if forward_only else self._autos.get(self._key(chunks, num_microbatches,
+                                                                      seq_length, micro_batch_size))
+            if auto is not None:  # this call's mode: the trial's, or the faster one's
+                executor = auto.executor
+                auto.start()
             self.last_result = executor.step(placeholders, targets, forward_only=forward_only,
                                              grad_hooks=hooks)
+            decision = auto.finish() if auto is not None else None
+            if decision is not None:
+                self.overlap_auto_lines.append(decision)
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(decision, flush=True)
             self._aux_logs = take_aux_loss_logs(chunks)  # the layers' logs stay one call long
             if not forward_only and self.options.reduce_grads:
                 finish_router_step(chunks)  # Megatron's expert-bias update, per-step resets
@@ -224,15 +252,11 @@ class MegatronForwardBackward:
     def _executor(
         self, chunks: list[nn.Module], num_microbatches: int, seq_length: int, micro_batch_size: int
     ) -> tuple[PipelineExecutor, dict[int, nn.Module]]:
-        key = (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
+        key = self._key(chunks, num_microbatches, seq_length, micro_batch_size)
         if key in self._executors:
             return self._executors[key]
         o = self.options
-        schedule = build_schedule(
-            self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=o.overlap,
-            max_extra_in_flight=o.max_extra_in_flight,
-            microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
-        )
+        schedule = self._schedule(num_microbatches, o.overlap)
         self._check_microbatch_sequence(schedule)
         pp_rank = pipeline_position(o.pp, o.groups).rank
         stage_ids = schedule.stages_of_rank(pp_rank)
@@ -243,6 +267,11 @@ class MegatronForwardBackward:
                 f"model has {len(chunks)}"
             )
         chunks = [as_stage_module(chunk) for chunk in chunks]
+        if take_overflow(chunks) is not None:
+            raise ValueError(
+                "MoE layers with a rank capacity (moe_expert_rank_capacity_factor) are not "
+                "supported by the Megatron front end: a step that overflows must run again "
+                "from the gradients the call started with (megapipe pretrain does it)")
         for chunk in chunks:
             if not callable(getattr(chunk, "set_input_tensor", None)):
                 raise TypeError(
@@ -271,9 +300,9 @@ class MegatronForwardBackward:
         if megatron and axes == "sbh" and o.hidden_size is None:  # Megatron's own shape
             shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
         dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
-        executor = PipelineExecutor(
-            schedule,
-            stages,
+        build = partial(
+            PipelineExecutor,
+            stages=stages,
             spec=TensorSpec(shape, dtype) if hidden is not None else None,
             loss_fn=self._loss,
             groups=o.groups,
@@ -287,8 +316,31 @@ class MegatronForwardBackward:
             use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
             cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
         )
+        executor = build(schedule)
+        if o.overlap_auto:  # the plain schedule's executor beside it (pipeline.overlap_auto)
+            plain_schedule = self._schedule(num_microbatches, overlap=False)
+            self._check_microbatch_sequence(plain_schedule)
+            device = next((p.device for c in chunks for p in c.parameters()), "cpu")
+            g = o.groups  # the MAX over pp, then dp (and tp) reaches every rank of the grid
+            agree = (None,) if g is None else tuple(x for x in (g.pp, g.dp, g.tp) if x is not None)
+            self._autos[key] = OverlapAuto(build(plain_schedule), executor,
+                                           o.overlap_auto_interval, o.overlap_auto_clock,
+                                           groups=agree, device=device)
         self._executors[key] = (executor, stages)
         return executor, stages
+
+    @staticmethod
+    def _key(chunks: list[nn.Module], num_microbatches: int, seq_length: int,
+             micro_batch_size: int) -> tuple:
+        return (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
+
+    def _schedule(self, num_microbatches: int, overlap: bool) -> Schedule:
+        o = self.options
+        return build_schedule(
+            self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=overlap,
+            max_extra_in_flight=o.max_extra_in_flight,
+            microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
+        )
 
     def _megatron_hooks(
         self, chunks: list[nn.Module], stages: dict[int, nn.Module]
@@ -322,6 +374,8 @@ class MegatronForwardBackward:
         """Stop the executors' communication streams (combined schedules)."""
         for executor, _ in self._executors.values():
             executor.close()
+        for auto in self._autos.values():
+            auto.close()
 
     # -------------------------------------------------------------- executor hooks
     def _forward(self, chunk: nn.Module, stage_input: Any) -> torch.Tensor:
@@ -378,13 +432,15 @@ def get_forward_backward_func(
     overlap: bool = False,
     calculate_per_token_loss: bool = False,
     reduce_grads: bool = True,
-    overlap_moe_expert_parallel_comm: bool = False,
+    overlap_moe_expert_parallel_comm: bool | str = False,
     delay_wgrad_compute: bool = False,
     record_trace: bool = False,
     microbatch_group_size_per_vp_stage: int | None = None,
     max_extra_in_flight: int | None = None,
     cuda_graph_impl: str = "none",
     cuda_graph_modules: Sequence[str] = (),
+    overlap_auto_interval: int = 500,
+    overlap_auto_clock: Callable[[], float] = time.perf_counter,
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
 
@@ -402,6 +458,11 @@ def get_forward_backward_func(
     ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
     replays megapipe's static GPT nodes as CUDA graphs (``megapipe.overlap.graphs``; on CPU the
     executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
+    ``overlap_moe_expert_parallel_comm="auto"`` times plain and combined training calls on this
+    machine and keeps the faster (``megapipe.pipeline.overlap_auto``: every rank agrees, the
+    numbers are those of either mode), timing again every ``overlap_auto_interval`` calls (0:
+    once); each decision is printed on rank 0 as ``overlap auto: ...`` and kept in
+    ``.overlap_auto_lines``; ``overlap_auto_clock`` reads the time (tests script it).
 
     The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
     the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
@@ -411,10 +472,15 @@ def get_forward_backward_func(
     Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
     ``"bsh"`` and fp32.
     """
+    auto = overlap_moe_expert_parallel_comm == "auto"
+    if not isinstance(overlap_moe_expert_parallel_comm, bool) and not auto:
+        raise ValueError(f"overlap_moe_expert_parallel_comm={overlap_moe_expert_parallel_comm!r} "
+                         "must be True, False or 'auto'")
     return MegatronForwardBackward(FrontEndOptions(
         pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
         axes=axes, dtype=dtype, timeout=timeout,
-        overlap=overlap or overlap_moe_expert_parallel_comm,
+        overlap=overlap or bool(overlap_moe_expert_parallel_comm), overlap_auto=auto,
+        overlap_auto_interval=overlap_auto_interval, overlap_auto_clock=overlap_auto_clock,
         calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,

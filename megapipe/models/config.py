@@ -52,6 +52,8 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 1e-2
     moe_z_loss_coeff: float = 1e-3
     moe_capacity_factor: float | None = None
+    # dropless in fixed-size buffers, no host read, an overflowed step run again (rank_capacity)
+    moe_expert_rank_capacity_factor: float | None = None
     moe_shared_expert_intermediate_size: int | None = None
     moe_link: EmulatedLink | None = None  # emulated interconnect for the A2A (CPU overlap studies)
     moe_router_dtype: str | None = None  # None: the activations' dtype; "fp32" / "fp64"
@@ -208,6 +210,7 @@ class GPTConfig:
             aux_loss_coeff=self.moe_aux_loss_coeff,
             z_loss_coeff=self.moe_z_loss_coeff,
             capacity_factor=self.moe_capacity_factor,
+            rank_capacity_factor=self.moe_expert_rank_capacity_factor,
             shared_expert_intermediate_size=self.moe_shared_expert_intermediate_size,
             link=self.moe_link,
             init_std=self.init_std,

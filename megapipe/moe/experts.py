@@ -22,6 +22,7 @@ from megapipe.kernels import swiglu as fused_swiglu
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
 from megapipe.overlap.recompute import recompute
+from megapipe.overlap.grouped_gemm import use_grouped_mm
 from megapipe.overlap.wgrad import grouped_matmul
 
 
@@ -94,7 +95,7 @@ class GroupedExperts(nn.Module):
         self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
 
     def forward(
-        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int],
+        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int] | None,
         state: LayerState | None = None, offsets: torch.Tensor | None = None,
         group_first: int | None = None,
     ) -> torch.Tensor:
@@ -105,7 +106,12 @@ class GroupedExperts(nn.Module):
         ``offsets`` (int32 on the tokens' device, each expert's end row) enable the one-kernel
         grouped GEMM. ``group_first``: run only the local experts ``group_first ..`` (one per
         entry of ``tokens_per_expert``): one expert group of a layer in waves.
+        ``tokens_per_expert=None``: the counts live on the device only (``moe.rank_capacity``):
+        ``offsets`` end the experts' rows, the rows after the last are padding, and the grouped
+        kernel must apply (it reads no counts); the activation runs over all rows at once.
         """
+        if tokens_per_expert is None:
+            return self._device_counts(tokens, state, offsets)
         first = 0 if group_first is None else group_first
         expected = self.num_local_experts - first if group_first is None else len(tokens_per_expert)
         if len(tokens_per_expert) != expected or first + expected > self.num_local_experts:
@@ -137,3 +143,25 @@ class GroupedExperts(nn.Module):
         else:
             hidden = activation(gate, up)
         return grouped_matmul(hidden, counts, self.w_down, state, offsets, first)
+
+    def _device_counts(self, tokens: torch.Tensor, state: LayerState | None,
+                       offsets: torch.Tensor | None) -> torch.Tensor:
+        """The experts with their row counts on the device only (``forward``)."""
+        if offsets is None or not all(use_grouped_mm(tokens, w, offsets)
+                                      for w in (self.w_gate, self.w_down)):
+            raise NotImplementedError(
+                f"experts with device-only row counts need torch's grouped GEMM for "
+                f"{tokens.dtype} on {tokens.device.type} (CUDA: bf16 on compute capability 9.x "
+                "or 10.x; CPU: float32, bf16 or float16 with 16-byte aligned rows)"
+            )
+        # the kernel reads only ``offsets``; ``whole`` satisfies the host-side shape checks
+        whole = (tokens.shape[0],) + (0,) * (self.num_local_experts - 1)
+        gate = grouped_matmul(tokens, whole, self.w_gate, state, offsets)
+        up = grouped_matmul(tokens, whole, self.w_up, state, offsets)
+
+        def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return fused_swiglu(gate, up, [gate.shape[0]])
+
+        hidden = recompute(activation, gate, up) if self.recompute_activation else \
+            activation(gate, up)
+        return grouped_matmul(hidden, whole, self.w_down, state, offsets)

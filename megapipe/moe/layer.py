@@ -32,7 +32,11 @@ With a capacity, every expert gets exactly ``capacity`` rows (padding after the 
 Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have the same number
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
-read").
+read"). With a rank capacity (``MoEConfig.rank_capacity_factor``, ``moe.rank_capacity``) the
+layer stays dropless and reads nothing either: dispatch and combine use fixed-size lanes, the
+experts run from device offsets, and each dispatch's overflow is ORed into ``rank_overflow``
+(a device flag) for the step to read once (``take_overflow``); ``sync_free=False`` runs the
+layer as the plain dropless one (the step run again after an overflow, ``set_sync_free``).
 
 ``node_plan().in_waves(k)`` (``wave_plan(k)``) is the same layer with its all-to-alls in k
 expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
@@ -57,6 +61,7 @@ from megapipe.moe.waves import WaveDispatch, WaveSplits
 from megapipe.moe.dispatcher import DispatchSplits, TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
 from megapipe.moe.link import EmulatedLink
+from megapipe.moe.rank_capacity import RankCapacityDispatch, RankCapacitySplits, lane_rows
 from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeFn, NodeKind, WavePlan, run_nodes,
@@ -75,6 +80,8 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     capacity_factor: float | None = None  # None: dropless; else padded to the capacity
+    # dropless in fixed-size buffers, no host read (moe.rank_capacity); None: off
+    rank_capacity_factor: float | None = None
     shared_expert_intermediate_size: int | None = None
     link: EmulatedLink | None = None
     init_std: float = 0.02
@@ -106,6 +113,12 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 or None (dropless)"
             )
+        if self.rank_capacity_factor is not None and (
+                self.capacity_factor is not None or not self.rank_capacity_factor > 0):
+            raise ValueError(
+                f"MoEConfig.rank_capacity_factor={self.rank_capacity_factor} must be > 0, and "
+                "it keeps the layer dropless: it excludes capacity_factor (token dropping)"
+            )
         if (
             self.shared_expert_intermediate_size is not None
             and self.shared_expert_intermediate_size < 1
@@ -135,6 +148,8 @@ class MoEState(LayerState):
     capacity: int | None = None  # rows per expert (None: dropless)
     dispatch_splits: DispatchSplits | None = None  # the all-to-all's sizes (one wave)
     wave_splits: list[WaveSplits] | None = None  # per wave, its all-to-all's sizes
+    rank_dispatch: RankCapacityDispatch | None = None  # a rank capacity's exchange (sync-free)
+    rank_splits: RankCapacitySplits | None = None  # and its device-side splits
 
     def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
         """The dispatch's grouped-GEMM offsets (made on the comm stream), for the experts on
@@ -159,6 +174,29 @@ def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
         return tuple(tensors[:split]) + tuple(fn(state, tuple(tensors[split:])))
 
     return wrapped
+
+
+def take_overflow(modules: Sequence[nn.Module]) -> torch.Tensor | None:
+    """Whether any rank-capacity dispatch of the ``MoELayer``s inside ``modules`` overflowed
+    since the last call (an int32 device scalar, nothing read; None: no such layer); the
+    layers' flags are cleared."""
+    flags = [layer.rank_overflow for module in modules for layer in module.modules()
+             if isinstance(layer, MoELayer) and layer.config.rank_capacity_factor is not None]
+    if not flags:
+        return None
+    taken = torch.stack(flags).amax()
+    for flag in flags:
+        flag.zero_()
+    return taken
+
+
+def set_sync_free(modules: Sequence[nn.Module], on: bool) -> None:
+    """Turn the rank capacity of the ``MoELayer``s inside ``modules`` on, or off for a step run
+    again dropless after an overflow."""
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, MoELayer) and layer.config.rank_capacity_factor is not None:
+                layer.sync_free = on
 
 
 def take_aux_loss_logs(modules: Sequence[nn.Module]) -> list[AuxLossLog]:
@@ -216,6 +254,11 @@ class MoELayer(nn.Module):
             )
         self.aux_loss_scale = 1.0
         self.aux_loss_log = AuxLossLog()
+        # a rank capacity (moe.rank_capacity): on unless a step runs again without it; its
+        # dispatches' overflow, kept on the device until the step's one check (take_overflow)
+        self.sync_free = config.rank_capacity_factor is not None
+        self.register_buffer("rank_overflow", torch.zeros((), dtype=torch.int32),
+                             persistent=False)
 
     def describe(self) -> str:
         """One line for logs and outputs: experts, EP size, and whether the emulated link is on."""
@@ -234,7 +277,8 @@ class MoELayer(nn.Module):
         experts, combine), finish, so that what route leaves for finish (the shared expert's
         input, the combine weights, and any leading tensor such as a residual) goes around the
         all-to-all nodes instead of through them; ``.in_waves(k)`` gives ``wave_plan(k)``."""
-        dropless = self.config.capacity_factor is None  # dispatch reads its split sizes
+        # dispatch reads its split sizes: dropless, unless a rank capacity keeps them on device
+        dropless = self.config.capacity_factor is None and not self.sync_free
         branch = (
             Node("dispatch", NodeKind.COMM, self._dispatch, reads_host=dropless),
             Node("experts", NodeKind.COMPUTE, self._experts),
@@ -252,6 +296,9 @@ class MoELayer(nn.Module):
         are bitwise those of ``node_plan``."""
         if waves == 1:
             return list(self.node_plan())
+        if self.config.rank_capacity_factor is not None:
+            raise NotImplementedError("a MoE layer with a rank capacity (sync-free dispatch) "
+                                      "does not run in waves: its all-to-alls are not split")
         by_wave = WaveDispatch(self.dispatcher, waves)
         count = len(by_wave.groups)
 
@@ -340,6 +387,14 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
+        if self.sync_free:  # fixed-size lanes, counts on the device (moe.rank_capacity)
+            d = self.dispatcher
+            lane = lane_rows(rows.shape[0], self.config.rank_capacity_factor, d.ep_size)
+            state.rank_dispatch = RankCapacityDispatch(d.num_experts, lane, d.group, d.link)
+            expert_rows, state.rank_splits = state.rank_dispatch.dispatch(
+                rows, state.rows_per_expert)
+            return (expert_rows,)
+        state.rank_dispatch = state.rank_splits = None
         expert_rows, state.dispatch_splits = self.dispatcher.dispatch(
             rows, state.rows_per_expert, state.capacity
         )
@@ -349,6 +404,15 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
+        if state.rank_splits is not None:
+            # noted here, on the compute stream, which has waited for the dispatch
+            splits = state.rank_splits
+            if splits.offsets.is_cuda:  # made on the comm stream, read on this one
+                current = torch.cuda.current_stream()
+                splits.offsets.record_stream(current)
+                splits.overflow.record_stream(current)
+            self.rank_overflow.bitwise_or_(splits.overflow.to(torch.int32))
+            return (self.experts(expert_rows, None, state=state, offsets=splits.offsets),)
         return (
             self.experts(
                 expert_rows, state.dispatch_splits.tokens_per_local_expert, state=state,
@@ -360,6 +424,9 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
+        if state.rank_dispatch is not None:
+            assert state.rank_splits is not None
+            return (state.rank_dispatch.combine(expert_out, state.rank_splits),)
         return (self.dispatcher.combine(expert_out, state.dispatch_splits),)
 
     def _finish(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import random
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -24,9 +25,11 @@ from megapipe.data.raw_text import Microbatch, TrainBatches
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage, copy_into_stage
+from megapipe.moe.rank_capacity import buffer_bytes, lane_rows
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.grad_sync import is_expert_param
+from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Schedule
 from megapipe.train.config.job_config import JobConfig
@@ -60,10 +63,14 @@ class Job:
     # each model part once per pipeline (DualPipe mirrors), a tied output weight's copy left out
     norm_params: list[nn.Parameter]
     dp_sync: DataParallelSync | None = None  # bucketed reductions (optim.dp_sync), if asked
+    # --overlap-moe-expert-parallel-comm-auto: both executors; ``executor`` is its choice
+    overlap_auto: OverlapAuto | None = None
 
     def close(self) -> None:
         """Stop the threads of the communication streams."""
         self.executor.close()
+        if self.overlap_auto is not None:
+            self.overlap_auto.close()
         if self.dp_sync is not None:
             self.dp_sync.close()
 
@@ -75,15 +82,17 @@ def job_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_job(config: JobConfig, start_from: str | None = None) -> Job:
+def build_job(config: JobConfig, start_from: str | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> Job:
     """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
     each part from its typed configuration (``config``). The weights are the seed's, or with
     ``start_from`` those of that Hugging Face directory (``--load-hf``; checked beforehand by
-    ``checkpoint.resume.check_hf_model``)."""
+    ``checkpoint.resume.check_hf_model``). ``clock`` times the steps of the overlap's auto
+    mode (``pipeline.overlap_auto``)."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     device = job_device()
-    overlap, optim, model, data = config.overlap, config.optimizer, config.model, config.data
+    overlap, optim, model = config.overlap, config.optimizer, config.model
     timeout, dp = config.failures.timeout, config.parallel.dp
     groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
                            timeout=timeout)
@@ -101,16 +110,15 @@ def build_job(config: JobConfig, start_from: str | None = None) -> Job:
         cast_to_bf16(modules, [] if flat else unique_params(modules))
     norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
     dp_sync, optimizer = _optimizer(config, stages, groups, device, norm_stages)
-    executor = PipelineExecutor(
-        schedule, stages, groups=groups, loss_fn=gpt_loss,
-        grad_reduction="none" if dp_sync is not None else "dp",
-        spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
-                        torch.bfloat16 if bf16 else torch.float32),
-        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
-        record_trace=overlap.record_trace, measure_activations=config.logging.activation_memory,
-        timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
-        cuda_graph_modules=config.graphs.modules,
-    )
+    executor = _executor(config, schedule, stages, groups, dp_sync is not None,
+                         overlap.record_trace)
+    overlap_auto = None
+    if overlap.auto:  # the plain schedule's executor too, over the same stages
+        plain = replace(config.schedule, overlap=False).build()
+        overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync is not None,
+                                             record_trace=False),
+                                   executor, overlap.auto_interval, clock, device=device)
+        executor = overlap_auto.executor
     job_data = build_data(config, dp, groups.dp_rank)
     counts = job_data.byte_counts
     return Job(
@@ -123,7 +131,23 @@ def build_job(config: JobConfig, start_from: str | None = None) -> Job:
         all_params=unique_params(modules),
         norm_params=[p for p in unique_params([stages[s] for s in norm_stages])
                      if not getattr(p, "shared", False)],
-        dp_sync=dp_sync,
+        dp_sync=dp_sync, overlap_auto=overlap_auto,
+    )
+
+
+def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],
+              groups: ProcessGroups, flat_buffers: bool, record_trace: bool) -> PipelineExecutor:
+    """The pipeline executor of ``schedule`` over this rank's ``stages``."""
+    overlap, model, data = config.overlap, config.model, config.data
+    return PipelineExecutor(
+        schedule, stages, groups=groups, loss_fn=gpt_loss,
+        grad_reduction="none" if flat_buffers else "dp",
+        spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
+                        torch.bfloat16 if config.precision.bf16 else torch.float32),
+        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
+        record_trace=record_trace, measure_activations=config.logging.activation_memory,
+        timeout=config.failures.timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
+        cuda_graph_modules=config.graphs.modules,
     )
 
 
@@ -170,7 +194,7 @@ def describe(job: Job) -> list[str]:
     lines = [
         f"megapipe pretrain: world {parallel.world_size} = pp {parallel.pp} x dp {parallel.dp} "
         f"(ep {parallel.ep}), vpp {config.schedule.vpp}, schedule {job.schedule.name}"
-        f"{' with overlap' if overlap.enabled else ''}"
+        f"{' with overlap' if overlap.enabled else ''}{' auto' if overlap.auto else ''}"
         f"{', delayed wgrad' if overlap.delay_wgrad_compute else ''}"
         f"{f', all-to-alls in {waves} waves' if waves > 1 else ''}; "
         f"{precision_text(config)}; "
@@ -182,6 +206,8 @@ def describe(job: Job) -> list[str]:
     ]
     if model.moe_link is not None:
         lines.append(model.moe_link.describe())
+    if model.moe_expert_rank_capacity_factor is not None:
+        lines.append(rank_capacity_text(config))
     if job.dp_sync is not None:
         lines.append(data_parallel_text(job))
     if job.executor.cuda_graph_note is not None:  # graphs on, or off without CUDA
@@ -233,6 +259,21 @@ def data_parallel_text(job: Job) -> str:
     if link is not None:
         text += f"; emulated DP link ON: {link.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
     return text
+
+
+def rank_capacity_text(config: JobConfig) -> str:
+    """What the log says of ``--moe-expert-rank-capacity-factor``: the lanes and the memory of
+    the fixed buffers."""
+    model, factor = config.model, config.model.moe_expert_rank_capacity_factor
+    assert factor is not None
+    ep = config.parallel.ep
+    rows = config.data.micro_batch_size * model.seq_length * model.moe_top_k
+    lane = lane_rows(rows, factor, ep)
+    size = buffer_bytes(lane, ep, model.hidden_size, 2 if config.precision.bf16 else 4)
+    return (f"rank capacity {factor:g}: dispatch in fixed lanes of {lane} rows per EP rank "
+            f"pair ({ep * lane} rows received for {rows} routed), counts on the device; "
+            f"buffers {size / 2**20:.3f} MiB per MoE layer and microbatch; a step that "
+            "overflows on any rank runs again without it")
 
 
 def precision_text(config: JobConfig) -> str:

@@ -37,24 +37,27 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)  # mean loss per token
     valid_bits_per_byte: dict[int, float | None] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
+    ran_again: list[int] = field(default_factory=list)  # iterations a rank capacity ran again
     lines: list[str] = field(default_factory=list)
     exit_reason: str | None = None
 
 
 def train(
-    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None
+    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
     ``choice`` is the resume decision made before the processes started (``choose_resume``); when
-    it is None every rank makes it here, and the ranks check that they agree.
+    it is None every rank makes it here, and the ranks check that they agree. ``clock`` times
+    the steps the overlap's auto mode compares (tests script it).
     """
     with deterministic_kernels() if config.precision.deterministic else nullcontext():
-        return _train(config, write, choice)
+        return _train(config, write, choice, clock)
 
 
 def _train(config: JobConfig, write: Callable[[str], None],
-           choice: ResumeChoice | None) -> TrainResult:
+           choice: ResumeChoice | None, clock: Callable[[], float]) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=config.failures.timeout)
     result = TrainResult()
@@ -68,7 +71,7 @@ def _train(config: JobConfig, write: Callable[[str], None],
     decided_here = choice is None  # then this rank tells the decision's warnings
     if choice is None:
         choice = choose_resume(config)
-    job = build_job(config, start_from=choice.hf_dir)
+    job = build_job(config, start_from=choice.hf_dir, clock=clock)
     for line in describe(job):
         say(line)
     try:
@@ -93,8 +96,19 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
     try:
         while iteration < iters:
             start = time.perf_counter()
+            auto = job.overlap_auto
+            if auto is not None:  # plain or combined: its trial's, or its choice
+                job.executor = auto.executor
+                auto.start()
             stats = train_step(job, job.batches.next_batch(), iteration + 1, profiler)
+            decision = auto.finish() if auto is not None else None
             iteration += 1
+            if decision is not None:
+                say(decision)
+            if stats.ran_again:
+                result.ran_again.append(iteration)
+                say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
+                    f"again without it ({len(result.ran_again)} so far)")
             result.losses.append(stats.loss)
             result.aux_losses.append(stats.aux_loss)
             result.grad_norms.append(stats.grad_norm)
@@ -127,7 +141,9 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
                 f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
                 f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}")
-                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}"))
+                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
+                + ("" if config.model.moe_expert_rank_capacity_factor is None else
+                   f"; steps run again without the rank capacity: {len(result.ran_again)}"))
     finally:
         profiler.close()
         logger.close()

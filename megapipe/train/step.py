@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megapipe.data.bits_per_byte import bits_per_byte, target_bytes
 from megapipe.data.raw_text import Microbatch
-from megapipe.moe.layer import take_aux_loss_logs
+from megapipe.moe.layer import set_sync_free, take_aux_loss_logs, take_overflow
 from megapipe.pipeline.executor import StepResult
 from megapipe.pipeline.grad_sync import sum_tied_embedding_grads
 from megapipe.train.job import Job
@@ -38,6 +38,7 @@ class StepStats:
     a2a_hidden: float | None
     a2a_exposed: float | None
     act_mem: float | None = None  # the largest rank's peak bytes saved or held (activation_meter)
+    ran_again: bool = False  # a rank capacity overflowed: the step ran again without it
 
 
 def global_mean(values: Sequence[torch.Tensor], device: torch.device) -> float:
@@ -94,6 +95,16 @@ def train_step(
     if profiler is not None:
         profiler.open_dp_trace(iteration, sync)
     step = job.executor.step(tokens, labels, profile=options, grad_hooks=sync)
+    ran_again = rank_capacity_overflowed(job)
+    if ran_again:  # some rank's rows did not fit: the same step again, dropless, from scratch
+        pop_aux_losses(job)
+        job.optimizer.zero_grad(set_to_none=True)
+        stages = list(job.stages.values())
+        set_sync_free(stages, False)
+        try:
+            step = job.executor.step(tokens, labels, profile=options, grad_hooks=sync)
+        finally:
+            set_sync_free(stages, True)
     if sync is not None:
         sync.finish_grad_sync()
         finish_tied_grads(job)
@@ -118,7 +129,19 @@ def train_step(
             profiler.open_dp_trace(iteration + 1, sync)
         sync.start_param_gather()
     hidden, exposed = a2a if a2a is not None else (None, None)
-    return StepStats(loss, aux, lr, norm, hidden, exposed, act_mem)
+    return StepStats(loss, aux, lr, norm, hidden, exposed, act_mem, ran_again)
+
+
+def rank_capacity_overflowed(job: Job) -> bool:
+    """Whether any rank's rank-capacity dispatch overflowed in the step just run: one MAX
+    all-reduce and the step's one host read, after the step (False without a rank capacity,
+    with nothing issued)."""
+    if job.config.model.moe_expert_rank_capacity_factor is None:
+        return False
+    local = take_overflow(list(job.stages.values()))
+    flag = torch.zeros((), dtype=torch.int32, device=job.device) if local is None else local
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def finish_tied_grads(job: Job) -> None:

@@ -156,3 +156,24 @@ def test_each_call_hands_back_the_aux_losses_and_empties_the_logs(monkeypatch):
         assert len(got) == 2
         for mean, want in zip(got, expected):
             assert torch.equal(mean, want)
+
+
+def test_overlap_auto_keeps_the_faster_mode_with_the_fixed_modes_numbers(rank_pools):
+    from support.auto_cases import auto_calls
+
+    case = Case("interleaved-1f1b", 2, vpp=2)
+    pool = rank_pools(8)
+    fixed = pool.run(auto_calls, case, False, 7)
+    # rank 1 alone would keep combined; the slowest rank's times decide for both: plain
+    seconds = [{False: 1.0, True: 1.5}, {False: 0.8, True: 0.5}] + [None] * 6
+    auto = pool.run(auto_calls, case, "auto", 7, seconds)
+    for a, f in zip(auto[:2], fixed[:2]):
+        assert a["losses"] == f["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["weights"], f["weights"]))
+        assert a["lines"] == ["overlap auto: off (combined 1.5 s vs plain 1 s per step, "
+                              "slowest rank, steps 1-6; no further check)"]
+    with pytest.raises(ValueError, match="'auto' with delay_wgrad_compute=True"):
+        get_forward_backward_func(pp=2, overlap_moe_expert_parallel_comm="auto",
+                                  delay_wgrad_compute=True)
+    with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm='yes' must be"):
+        get_forward_backward_func(pp=2, overlap_moe_expert_parallel_comm="yes")

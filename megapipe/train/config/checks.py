@@ -32,6 +32,8 @@ def validate(f: PretrainFlags, world_size: int) -> None:
     parallel = _check_parallel(f, world_size)
     _check_data_parallel(f, parallel)
     _check_overlap_budget(f)
+    _check_overlap_auto(f)
+    _check_rank_capacity(f)
     _check_recompute(f)
     _check_attention(f)
     vocab = check_data(f)
@@ -161,6 +163,64 @@ def _check_overlap_budget(f: PretrainFlags) -> None:
             f"--overlap-max-extra-in-flight={budget} needs --overlap-moe-expert-parallel-comm "
             "(the budget bounds what the overlap pass adds)"
         )
+
+
+def _check_overlap_auto(f: PretrainFlags) -> None:
+    """Auto switches between the plain and the combined schedule: both must run the same
+    model with the same bits, so options that exist in one mode only are refused."""
+    interval = f.overlap_auto_interval
+    if not f.overlap_moe_expert_parallel_comm_auto:
+        if interval != PretrainFlags.overlap_auto_interval:
+            raise ArgsError(f"--overlap-auto-interval={interval} needs "
+                            "--overlap-moe-expert-parallel-comm-auto")
+        return
+    auto = "--overlap-moe-expert-parallel-comm-auto"
+    from megapipe.pipeline.overlap_auto import TRIAL  # torch: only when the flag is given
+
+    if 0 < interval < len(TRIAL):
+        raise ArgsError(f"--overlap-auto-interval={interval} is shorter than one timing trial "
+                        f"({len(TRIAL)} iterations); use 0 (time once) or at least {len(TRIAL)}")
+    only_combined = [(name, on) for name, on in (
+        ("--no-overlap-moe-expert-parallel-comm", not f.overlap_moe_expert_parallel_comm),
+        ("--delay-wgrad-compute", f.delay_wgrad_compute),
+        (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
+        (f"--overlap-max-extra-in-flight={f.overlap_max_extra_in_flight}",
+         f.overlap_max_extra_in_flight is not None),
+        ("--profile-trace", f.profile_trace is not None),
+    ) if on]
+    if only_combined:
+        name = only_combined[0][0]
+        raise ArgsError(f"{auto} with {name}: auto chooses between the plain and the combined "
+                        "step, which must differ in nothing else (and a profile traces one "
+                        "schedule); drop one of the two")
+
+
+def _check_rank_capacity(f: PretrainFlags) -> None:
+    """``--moe-expert-rank-capacity-factor`` (``moe.rank_capacity``): dropless, one all-to-all
+    per node, a step that can run again, experts on the grouped GEMM kernel."""
+    factor = f.moe_expert_rank_capacity_factor
+    if factor is None:
+        return
+    name = f"--moe-expert-rank-capacity-factor={factor:g}"
+    for other, on in (
+        (f"--moe-expert-capacity-factor={f.moe_expert_capacity_factor}",
+         f.moe_expert_capacity_factor is not None),
+        (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
+        ("--overlap-grad-reduce", f.overlap_grad_reduce),
+        ("--use-distributed-optimizer", f.use_distributed_optimizer),
+    ):
+        if on:
+            raise ArgsError(
+                f"{name} with {other}: not supported (the rank capacity keeps the layer "
+                "dropless in one all-to-all per node, and a step that overflows runs again, "
+                "which bucketed gradient reductions already issued would not undo)")
+    row_bytes = 2 if f.bf16 else 4
+    for flag_name, size in (("--hidden-size", f.hidden_size),
+                            ("--moe-ffn-hidden-size", f.moe_ffn_hidden_size)):
+        if size is not None and size * row_bytes % 16:
+            raise ArgsError(
+                f"{name} needs {flag_name} x {row_bytes} bytes to be a multiple of 16 (got "
+                f"{size}): its experts run on torch's grouped GEMM, which reads no host counts")
 
 
 def _check_recompute(f: PretrainFlags) -> None:
@@ -347,7 +407,8 @@ def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig, vocab: int) -
     schedule = schedule_config(f, parallel.dp).build()
     split = any(c.kind is Kind.I for row in schedule.actions for a in row
                 for c in a.computations())
-    problem = problem or split_backward_problem(f"--pipeline-schedule {schedule.name}", split,
-                                                f.overlap_moe_expert_parallel_comm)
+    problem = problem or split_backward_problem(  # auto runs plain steps too
+        f"--pipeline-schedule {schedule.name}", split,
+        f.overlap_moe_expert_parallel_comm and not f.overlap_moe_expert_parallel_comm_auto)
     if problem is not None:
         raise ArgsError(problem)

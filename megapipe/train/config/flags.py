@@ -143,6 +143,11 @@ class PretrainFlags:
     moe_expert_capacity_factor: float | None = flag(
         None, "drop routing choices over capacity factor x tokens x top-k / experts per expert, "
         "padding every expert to that capacity (default: dropless)", above(0), group=MODEL)
+    moe_expert_rank_capacity_factor: float | None = flag(
+        None, "dropless MoE without host reads: each EP rank's dispatch and expert buffers hold "
+        "F x its routed rows, counts stay on the device, and a step in which any rank's rows do "
+        "not fit runs again without the capacity (same losses; the log counts the steps run "
+        "again)", finite, above(0), group=MODEL, metavar="F")
     moe_pad_expert_input_to_capacity: bool = flag(
         False, "accepted for Megatron scripts: megapipe always pads to the capacity (needs "
         "--moe-expert-capacity-factor)", group=MODEL)
@@ -235,6 +240,15 @@ class PretrainFlags:
         True, "co-schedule one microbatch's forward with another's backward to hide the "
         "all-to-all (default on; --no-overlap-moe-expert-parallel-comm turns it off)",
         group=PARALLEL)
+    overlap_moe_expert_parallel_comm_auto: bool = flag(
+        False, "time plain and combined steps over the first iterations and keep the faster "
+        "(every rank agrees; same losses either way), checking again every "
+        "--overlap-auto-interval iterations; each decision is logged as 'overlap auto:'",
+        group=PARALLEL)
+    overlap_auto_interval: int = flag(
+        500, "with --overlap-moe-expert-parallel-comm-auto: iterations from one timing trial's "
+        "start to the next (0: time once; else at least the trial's 6)", COUNT, group=PARALLEL,
+        metavar="N")
     overlap_max_extra_in_flight: int | None = flag(
         None, "with the overlap: at most K more microbatch-stages in flight on any rank than the "
         "plain schedule (activation memory; default: no budget)", COUNT, group=PARALLEL,

@@ -50,12 +50,16 @@ class ScheduleConfig:
 class OverlapConfig:
     """The combined step: on or off, deferred expert weight gradients, all-to-all waves, the
     node trace (the log's hidden and exposed all-to-all time), the process groups whose
-    collectives go on a high-priority stream (megapipe's names)."""
+    collectives go on a high-priority stream (megapipe's names); ``auto``: choose between plain
+    and combined steps by timing both, again every ``auto_interval`` iterations
+    (``pipeline.overlap_auto``)."""
 
     enabled: bool
     delay_wgrad_compute: bool = False
     moe_a2a_waves: int = 1
     high_priority_stream_groups: tuple[str, ...] = ()
+    auto: bool = False
+    auto_interval: int = 0
 
     @property
     def record_trace(self) -> bool:
@@ -217,7 +221,8 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
     return JobConfig(
         seed=f.seed, train_iters=f.train_iters, parallel=parallel,
         schedule=schedule_config(f, parallel.dp),
-        overlap=OverlapConfig(overlap, f.delay_wgrad_compute, f.moe_a2a_waves, high_priority),
+        overlap=OverlapConfig(overlap, f.delay_wgrad_compute, f.moe_a2a_waves, high_priority,
+                              f.overlap_moe_expert_parallel_comm_auto, f.overlap_auto_interval),
         model=model_config(f, tokenizer.padded_vocab_size), tokenizer=tokenizer,
         optimizer=OptimizerConfig(f.lr, f.min_lr, f.lr_warmup_iters,
                                   f.lr_decay_iters or f.train_iters, f.lr_decay_style,
@@ -310,7 +315,9 @@ def model_config(f: PretrainFlags, vocab_size: int) -> "GPTConfig":
         moe_aux_loss_coeff=f.moe_aux_loss_coeff,
         moe_shared_expert_intermediate_size=f.moe_shared_expert_intermediate_size,
         moe_link=None if link is None else _link(link, f.moe_emulated_link_latency_us),
-        moe_capacity_factor=f.moe_expert_capacity_factor, moe_router_dtype=f.moe_router_dtype,
+        moe_capacity_factor=f.moe_expert_capacity_factor,
+        moe_expert_rank_capacity_factor=f.moe_expert_rank_capacity_factor,
+        moe_router_dtype=f.moe_router_dtype,
         recompute_modules=selective_recompute_modules(f),
         recompute_method=f.recompute_method if full else None,
         recompute_num_layers=(f.recompute_num_layers or 1) if full else 1, seed=f.seed,

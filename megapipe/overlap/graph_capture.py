@@ -48,15 +48,18 @@ def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 class _Recorder(LayerState):
     """The layer state a node sees while it is captured: writes kept, reads recorded. A write
-    of a name the real state's type does not declare raises, as it would on that state."""
+    of a name the real state's type does not declare raises, as it would on that state; so
+    does, at once (before any capture), a read of a tensor it did not write or of the deferred
+    weight-gradient queue."""
 
-    __slots__ = ("_base", "_writes", "_reads", "_fields")
+    __slots__ = ("_base", "_writes", "_reads", "_fields", "_node")
 
-    def __init__(self, base: LayerState) -> None:
+    def __init__(self, base: LayerState, node: str) -> None:
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_writes", {})
         object.__setattr__(self, "_reads", {})
         object.__setattr__(self, "_fields", frozenset(f.name for f in fields(type(base))))
+        object.__setattr__(self, "_node", node)
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -65,6 +68,12 @@ class _Recorder(LayerState):
         if name in writes:
             return writes[name]
         value = getattr(object.__getattribute__(self, "_base"), name)
+        if name == "wgrad_queue" or isinstance(value, torch.Tensor):
+            what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
+                    "outside graphs" if name == "wgrad_queue" else
+                    f"reads state.{name}, a tensor made outside it; a captured node takes "
+                    "its tensors through its inputs")
+            raise RuntimeError(f"node {self._node!r} cannot be captured: it {what}")
         object.__getattribute__(self, "_reads")[name] = value
         return value
 
@@ -235,7 +244,7 @@ class CapturedNode:
             static.requires_grad_(x.requires_grad)
         wanted = [t for t in instance.inputs + spec.params if t.requires_grad]
         live: dict[str, Any] = {}
-        recorder = _Recorder(state)
+        recorder = _Recorder(state, node.name)
 
         def forward_region() -> tuple[torch.Tensor, ...]:
             # the node records into fresh logs, read here: the values it logs are computed
@@ -265,6 +274,7 @@ class CapturedNode:
 
         def warm() -> None:
             forward_region()
+            self._check_leaves(live["outputs"], wanted)  # refused before any capture
             roots = [o for o in live["outputs"] if o.requires_grad]
             if roots and wanted:
                 torch.autograd.grad(roots, wanted, [torch.ones_like(o) for o in roots],
@@ -276,19 +286,20 @@ class CapturedNode:
                 api.warm(warm)
             # thread_local: other threads (NCCL's watchdog, autograd's device thread) may make
             # calls a global capture would forbid them; work they queue on the stream is captured
+            # what the graphs read in place besides their pool (their static inputs)
+            static = instance.inputs + spec.params + spec.buffers
             before = api.reserved()
-            instance.fwd, _ = api.capture(forward_region, None, "thread_local")
+            instance.fwd, _ = api.capture(forward_region, None, "thread_local", static)
             pooled = api.reserved() - before
             instance.outputs = live["outputs"]
-            self._check_leaves(instance.outputs, wanted)
             instance.logged = live["logged"]
             instance.grad_outputs = [torch.empty_like(o) if o.requires_grad else None
                                      for o in instance.outputs]
             before = api.reserved()
-            instance.bwd, found = api.capture(backward_region, api.pool(instance.fwd),
-                                              "thread_local")
+            instance.bwd, found = api.capture(
+                backward_region, api.pool(instance.fwd), "thread_local",
+                static + tuple(g for g in instance.grad_outputs if g is not None))
             pooled += api.reserved() - before
-        self._check_state(recorder)
         instance.writes = dict(recorder._writes)
         instance.guards = dict(recorder._reads)
         live.clear()
@@ -319,12 +330,3 @@ class CapturedNode:
                                    f"tensor of shape {tuple(leaf.shape)} that needs a gradient "
                                    "but is neither its input nor in Graphable.params")
             todo.extend(f for f, _ in fn.next_functions if f is not None)
-
-    def _check_state(self, recorder: _Recorder) -> None:
-        for name, value in recorder._reads.items():
-            if name == "wgrad_queue" or isinstance(value, torch.Tensor):
-                what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
-                        "outside graphs" if name == "wgrad_queue" else
-                        f"reads state.{name}, a tensor made outside it; a captured node takes "
-                        "its tensors through its inputs")
-                raise RuntimeError(f"node {self.node.name!r} cannot be captured: it {what}")

@@ -57,12 +57,14 @@ class Graphable:
     captured per value: the MoE auxiliary-loss scale), ``logs``: ``(owner, attribute)`` of
     each log it records into (``owner.attribute.record(value)``; the MoE layer's
     ``aux_loss_log``): while it is captured it records into a fresh log of the same type, whose
-    ``pop_all()`` gives the tensors each replay records again, copied."""
+    ``pop_all()`` gives the tensors each replay records again, copied; ``buffers``: the other
+    tensors it reads in place (rotary tables), which must stay where they are."""
 
     modules: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
     key: Callable[[], Hashable] | None = None
     logs: tuple[tuple[Any, str], ...] = ()
+    buffers: tuple[torch.Tensor, ...] = ()
 
 
 class GraphApi:
@@ -86,9 +88,13 @@ class GraphApi:
             fn()
         current.wait_stream(side)
 
-    def capture(self, fn: Callable[[], Any], pool: Any, mode: str) -> tuple[Any, Any]:
+    def capture(self, fn: Callable[[], Any], pool: Any, mode: str,
+                static: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
         """A graph of ``fn``'s kernels, captured on the side stream into ``pool`` (None: a new
-        one), and what ``fn`` returned (tensors in the pool, written by each replay)."""
+        one), and what ``fn`` returned (tensors in the pool, written by each replay).
+        ``static``: the tensors outside the pool the graph reads in place (static inputs,
+        parameters); CUDA needs no list (a replay reads their addresses), the CPU stand-in
+        refuses any other memory."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self._stream()):

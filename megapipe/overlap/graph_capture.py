@@ -10,7 +10,7 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -209,9 +209,12 @@ class _Replay(torch.autograd.Function):
 class CapturedNode:
     """A node's instances by input signature, capture on first use (module docstring)."""
 
-    def __init__(self, node: Node, spec: Any, stats: GraphStats) -> None:
-        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count."""
+    def __init__(self, node: Node, spec: Any, stats: GraphStats,
+                 before_replay: Sequence[Callable[[tuple[torch.Tensor, ...]], None]] = ()) -> None:
+        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count;
+        ``before_replay``: called with its parameters before each forward replay."""
         self.node, self.spec, self.stats = node, spec, stats
+        self.before_replay = before_replay
         self.instances: dict[tuple, list[_Instance]] = {}
         self.pointers = tuple(p.data_ptr() for p in spec.params)
 
@@ -230,6 +233,8 @@ class CapturedNode:
         if instance is None:
             instance = self._capture(state, inputs)
             found.append(instance)
+        for call in self.before_replay:
+            call(spec.params)
         return _Replay.apply(_Lease(instance), state, spec.logs, len(inputs), *inputs,
                              *spec.params)
 

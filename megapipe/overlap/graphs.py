@@ -119,12 +119,16 @@ class GraphApi:
 class NodeGraphs:
     """One executor's CUDA graphs: the modules captured, the graph calls (``GraphApi``, or a
     stand-in), every captured node's instances; ``captured`` and ``bytes`` (private pools and
-    static buffers) count them."""
+    static buffers) count them; ``before_replay``: what runs before each forward replay."""
 
     def __init__(self, modules: Iterable[str], api: Any) -> None:
         self.modules = selected(modules)
         self.api = api
         self.stats = GraphStats(api)
+        # called with a captured node's parameters before each forward replay, outside its
+        # graph: what module hooks do in eager (the parameter all-gather waits), which a
+        # replay runs no Python for
+        self.before_replay: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
         self._nodes: dict[int, tuple[Node, CapturedNode]] = {}
         self._plans: dict[int, tuple[Any, Any]] = {}
 
@@ -142,7 +146,8 @@ class NodeGraphs:
                              "or reads the host: it can never be captured")
         held = self._nodes.get(id(node))
         if held is None:  # one set of instances per node of a plan made once
-            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats))
+            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats,
+                                                               self.before_replay))
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:

@@ -111,6 +111,8 @@ def build_job(config: JobConfig, start_from: str | None = None) -> Job:
         timeout=timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
         cuda_graph_modules=config.graphs.modules,
     )
+    if dp_sync is not None and executor.cuda_graphs is not None:
+        dp_sync.wait_before_replays(executor.cuda_graphs)  # a replay runs no module hook
     job_data = build_data(config, dp, groups.dp_rank)
     counts = job_data.byte_counts
     return Job(

@@ -132,6 +132,17 @@ def _moves_grad(param: torch.Tensor) -> bool:
         getattr(param, "_post_accumulate_grad_hooks", None))
 
 
+def _accumulators(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """The parameters' ``AccumulateGrad`` nodes, made now (on the current stream: the one the
+    node is issued on, which the data-parallel reduction waits on) unless they live. Autograd
+    accumulates a parameter, and runs its ``main_grad`` hook, on the stream current when its
+    node was made; held here, the warm-up and captures on the graphs' side stream reuse them
+    instead of making them there (pytorch/pytorch#137483)."""
+    with torch.enable_grad():
+        return tuple(p.view_as(p).grad_fn.next_functions[0][0] for p in params
+                     if p.requires_grad)
+
+
 def _views(tensor: torch.Tensor) -> int:
     """How many tensors view ``tensor``'s storage (plus one: the storage object asked)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
@@ -215,6 +226,7 @@ class CapturedNode:
         ``before_replay``: called with its parameters before each forward replay."""
         self.node, self.spec, self.stats = node, spec, stats
         self.before_replay = before_replay
+        self.accumulators: tuple[Any, ...] | None = None  # see _accumulators
         self.instances: dict[tuple, list[_Instance]] = {}
         self.pointers = tuple(p.data_ptr() for p in spec.params)
 
@@ -240,6 +252,8 @@ class CapturedNode:
 
     def _capture(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> _Instance:
         api, node, spec = self.stats.api, self.node, self.spec
+        if self.accumulators is None:  # before the warm-up on the side stream makes them there
+            self.accumulators = _accumulators(spec.params)
         instance = _Instance(api)
         with torch.no_grad():
             instance.inputs = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,

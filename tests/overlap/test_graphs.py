@@ -335,3 +335,23 @@ def test_without_cuda_the_graphs_are_off_and_say_so() -> None:
     assert node_graphs("none", (), torch.device("cpu")) == (None, None)
     with pytest.raises(ValueError, match="TransformerEngine"):
         node_graphs("transformer_engine", ("attn",), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("path", ["plain", "tape"])
+def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(path: str) -> None:
+    """Autograd binds a parameter's accumulation to the stream current when its node is made
+    (``support.accumulator_streams``); the warm-up and capture run on the graphs' side stream,
+    but every accumulation, in the step that captures and after, runs on the compute stream
+    (here the calling thread), the one the data-parallel reduction waits on."""
+    from support.accumulator_streams import AccumulatorStreams
+
+    stage, api = _stage(bf16=True), FakeGraphApi()
+    graphs = NodeGraphs(MODULES, api)
+    run = _plain_run if path == "plain" else _tape_run
+    with AccumulatorStreams(api.stream_of) as streams:
+        run(stage, graphs, _batches(2))
+    assert graphs.captured == 3 and api.count("warm") == 3
+    assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
+    captured = [p for plan in stage.layer_plans() for n in plan
+                if isinstance(n, Node) and n.graphable is not None for p in n.graphable.params]
+    assert len(streams.accumulated) >= 2 * len(captured) > 0  # two microbatches

@@ -71,8 +71,12 @@ class GraphApi:
     """The ``torch.cuda`` calls of capture and replay, in one place: a stand-in that records
     and re-runs the captured functions runs the capture logic on CPU (tests)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, check_input_liveness: bool = False) -> None:
+        """``check_input_liveness``: torch's capture check (torch 2.13's ``capture_begin``
+        option) that every tensor a graph reads from outside its pool still lives at each
+        replay (a debugging aid, on in the GPU tests; it tracks each capture's inputs)."""
         self.device = device
+        self.check_input_liveness = check_input_liveness
         self._side: torch.cuda.Stream | None = None
 
     def _stream(self) -> "torch.cuda.Stream":
@@ -98,7 +102,8 @@ class GraphApi:
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self._stream()):
-            graph.capture_begin(pool=pool, capture_error_mode=mode)
+            checked = {"check_input_liveness": True} if self.check_input_liveness else {}
+            graph.capture_begin(pool=pool, capture_error_mode=mode, **checked)
             try:
                 result = fn()
             finally:

@@ -5,10 +5,10 @@ hooks: ``main_grad``, the data-parallel bucket counts) on the stream that was cu
 node was made, and the node lives as long as some autograd graph holds it (pytorch/pytorch
 #137483). ``AccumulatorStreams`` is a torch-function mode that, after each call that recorded
 autograd history from a leaf needing a gradient, stamps that leaf's node (made by the call,
-unless one lived) with the stream current then (``stream_of()``, e.g. ``FakeGraphApi.stream_of``: the graphs' side stream
-in a warm-up or capture); ``accumulated`` lists, per accumulation, the leaf's shape and the
-stream its node is bound to. A reduction that waits only on the compute stream needs them all
-on it.
+unless one lived) with the stream current then (``stream_of()``, e.g.
+``FakeGraphApi.stream_of``: the graphs' side stream in a warm-up or capture); ``accumulated``
+lists, per accumulation, the leaf's shape and the stream its node is bound to. A reduction that
+waits only on the compute stream needs them all on it.
 """
 
 from __future__ import annotations

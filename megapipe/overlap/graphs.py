@@ -32,6 +32,8 @@ buffers, valid while it is busy); a plain value it reads becomes a guard of the 
 tensor it reads from the state, or the deferred weight-gradient queue, is refused (a captured
 node takes tensors through its inputs; deferred GEMMs stay outside graphs). Tensors it records
 in ``Graphable.logs`` (the MoE auxiliary-loss log) are recorded again, copied, at each replay.
+A replay runs no Python of the node (no module hook): what must happen per replay runs in the
+wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits).
 The mechanics of one node's instances: ``overlap.graph_capture``; the flags' rules:
 ``overlap.graph_rules``.
 """

@@ -66,13 +66,6 @@ class WaveDispatch:
     def __init__(self, dispatcher: TokenDispatcher, waves: int) -> None:
         self.dispatcher = dispatcher
         self.groups = expert_groups(dispatcher.num_local_experts, waves)
-        ep, local = dispatcher.ep_size, dispatcher.num_local_experts
-        self.label_of_expert = [0] * (ep * local)  # expert e -> its group-major label
-        for first, size in self.groups:
-            for r in range(ep):
-                for offset in range(size):
-                    label = ep * first + r * size + offset
-                    self.label_of_expert[r * local + first + offset] = label
 
     def relabel(self, indices: torch.Tensor) -> torch.Tensor:
         """Routing choices as group-major labels (sorting them orders rows group-major),

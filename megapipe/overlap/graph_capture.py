@@ -228,7 +228,7 @@ class CapturedNode:
         self.before_replay = before_replay
         self.accumulators: tuple[Any, ...] | None = None  # see _accumulators
         self.instances: dict[tuple, list[_Instance]] = {}
-        self.pointers = tuple(p.data_ptr() for p in spec.params)
+        self.pointers = tuple(p.data_ptr() for p in spec.params + spec.buffers)
 
     def __call__(self, state: LayerState, inputs: tuple) -> tuple[torch.Tensor, ...]:
         inputs = _tensors(inputs, "inputs")
@@ -236,9 +236,10 @@ class CapturedNode:
         if not torch.is_grad_enabled() or not any(
                 t.requires_grad for t in inputs + spec.params):  # nothing to save: eager
             return tuple(self.node.fn(state, inputs))
-        if tuple(p.data_ptr() for p in spec.params) != self.pointers:
-            raise RuntimeError(f"node {self.node.name!r}: a parameter's storage moved since its "
-                               "graphs were captured (they would read the old memory)")
+        if tuple(p.data_ptr() for p in spec.params + spec.buffers) != self.pointers:
+            raise RuntimeError(f"node {self.node.name!r}: a parameter's or buffer's storage "
+                               "moved since its graphs were captured (they would read the old "
+                               "memory)")
         key = (_signature(inputs), spec.key() if spec.key is not None else None)
         found = self.instances.setdefault(key, [])
         instance = next((i for i in found if i.fits(state)), None)

@@ -71,7 +71,7 @@ class Graphable:
 
 class GraphApi:
     """The ``torch.cuda`` calls of capture and replay, in one place: a stand-in that records
-    and re-runs the captured functions runs the capture logic on CPU (tests)."""
+    the captured operations and replays only them runs the capture logic on CPU (tests)."""
 
     def __init__(self, device: torch.device, check_input_liveness: bool = False) -> None:
         """``check_input_liveness``: torch's capture check (torch 2.13's ``capture_begin``

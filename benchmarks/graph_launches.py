@@ -43,7 +43,8 @@ class _CountingGraphs:
     def warm(self, fn: Callable[[], Any]) -> None:
         fn()
 
-    def capture(self, fn: Callable[[], Any], pool: Any, mode: str) -> tuple[Any, Any]:
+    def capture(self, fn: Callable[[], Any], pool: Any, mode: str,
+                static: Any = ()) -> tuple[Any, Any]:
         return object(), fn()
 
     def pool(self, graph: Any) -> None:

@@ -30,8 +30,9 @@ megapipe schedule, overlapped or not:
 
 ``check_data_parallel`` refuses, in one line, what this cannot run: DualPipe's mirrored stages
 under ``overlap_grad_reduce`` (the two copies of a model part must be summed before the
-reduction, which Megatron's DDP would start inside the backward) and Megatron-FSDP (see
-``check_data_parallel``).
+reduction, which Megatron's DDP would start inside the backward), Megatron-FSDP (see
+``check_data_parallel``) and ``overlap_param_gather`` with CUDA graphs (its waits are module
+hooks, which a replay does not run).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def _fsdp(chunk: nn.Module) -> nn.Module | None:
     )
 
 
-def check_data_parallel(chunk: nn.Module, schedule: Schedule) -> None:
+def check_data_parallel(chunk: nn.Module, schedule: Schedule, graphs: bool = False) -> None:
     """What megapipe cannot run of the data parallelism a Megatron script set up (module
-    docstring); one line naming the setting and why."""
+    docstring); one line naming the setting and why. ``graphs``: CUDA graphs are on."""
     fsdp = _fsdp(chunk)
     if fsdp is not None:
         raise NotImplementedError(
@@ -68,6 +69,11 @@ def check_data_parallel(chunk: nn.Module, schedule: Schedule) -> None:
             "use_distributed_optimizer=True (ZeRO-1 sharding)"
         )
     ddp = megatron_ddp(chunk)
+    if graphs and getattr(getattr(ddp, "ddp_config", None), "overlap_param_gather", False):
+        raise NotImplementedError(
+            "Megatron DDP's overlap_param_gather=True with CUDA graphs: its all-gather waits are "
+            "module forward pre-hooks, which a graph replay does not run; use "
+            "overlap_param_gather=False or cuda_graph_impl='none'")
     overlap = getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False)
     if overlap and schedule.bidirectional:
         raise NotImplementedError(

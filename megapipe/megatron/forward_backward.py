@@ -199,7 +199,7 @@ class MegatronForwardBackward:
         if not forward_only:
             for chunk in chunks:
                 check_ddp(chunk, self.options.reduce_grads)
-                check_data_parallel(chunk, executor.schedule)
+                check_data_parallel(chunk, executor.schedule, executor.cuda_graphs is not None)
         if isinstance(data_iterator, (list, tuple)):
             if len(data_iterator) != len(chunks):
                 raise ValueError(

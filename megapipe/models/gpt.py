@@ -168,7 +168,8 @@ class TransformerLayer(nn.Module):
         ``.in_waves(k)`` has a fork of k expert groups in the middle, ``MoELayer.wave_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
-            graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()))
+            graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()),
+                                  buffers=tuple(self.buffers()))
             return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)],
                         LayerState)
         return self.moe.node_plan().wrapped(self._with_residual)
@@ -207,12 +208,13 @@ class TransformerLayer(nn.Module):
         """What the MoE attention node holds for CUDA graphs (``overlap.graphs``): Megatron's
         attn, moe_router and moe_preprocess (route's permutation into expert order); every
         parameter of the layer but the experts' (their nodes come later); the auxiliary-loss
-        scale it reads and the log it records into."""
+        scale it reads and the log it records into; the rotary tables it reads in place."""
         moe = self.moe
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
         return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
-                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),))
+                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),),
+                         buffers=tuple(self.attention.buffers()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]

@@ -66,22 +66,20 @@ class WaveDispatch:
     def __init__(self, dispatcher: TokenDispatcher, waves: int) -> None:
         self.dispatcher = dispatcher
         self.groups = expert_groups(dispatcher.num_local_experts, waves)
-        ep, local = dispatcher.ep_size, dispatcher.num_local_experts
-        self.label_of_expert = [0] * (ep * local)  # expert e -> its group-major label
-        for first, size in self.groups:
-            for r in range(ep):
-                for offset in range(size):
-                    label = ep * first + r * size + offset
-                    self.label_of_expert[r * local + first + offset] = label
-        self._labels: dict[torch.device, torch.Tensor] = {}
 
     def relabel(self, indices: torch.Tensor) -> torch.Tensor:
-        """Routing choices as group-major labels (sorting them orders rows group-major)."""
-        labels = self._labels.get(indices.device)
-        if labels is None:
-            labels = torch.tensor(self.label_of_expert, dtype=indices.dtype, device=indices.device)
-            self._labels[indices.device] = labels
-        return labels[indices]
+        """Routing choices as group-major labels (sorting them orders rows group-major),
+        computed on the device from the group sizes (no table: a CUDA graph of the route
+        reads no memory made outside it)."""
+        ep, local = self.dispatcher.ep_size, self.dispatcher.num_local_experts
+        base, extra = divmod(local, len(self.groups))
+        edge = extra * (base + 1)  # the first ``extra`` groups hold base + 1 experts
+        rank, offset = indices // local, indices % local
+        low = offset < edge
+        first = torch.where(low, offset // (base + 1) * (base + 1),
+                            edge + (offset - edge) // base * base)
+        size = torch.where(low, base + 1, base)
+        return ep * first + rank * size + (offset - first)
 
     def splits(self, rows_per_label: torch.Tensor, capacity: int | None = None) -> list[WaveSplits]:
         """Plan every group: with a ``capacity`` (every expert padded to it on every rank) the

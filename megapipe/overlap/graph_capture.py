@@ -10,7 +10,7 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -49,16 +49,19 @@ def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 class _Recorder(LayerState):
     """The layer state a node sees while it is captured: writes kept, reads recorded. A write
     of a name the real state's type does not declare raises, as it would on that state (an
-    ``UndeclaredState`` takes any name)."""
+    ``UndeclaredState`` takes any name); so does, at once (before any capture), a read of a
+    tensor it did not write or of the deferred weight-gradient queue."""
 
-    __slots__ = ("_base", "_writes", "_reads", "_fields")
+    __slots__ = ("_base", "_writes", "_reads", "_fields", "_node")
 
-    def __init__(self, base: LayerState) -> None:
+    def __init__(self, base: LayerState, node: str) -> None:
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_writes", {})
         object.__setattr__(self, "_reads", {})
-        declared = None if hasattr(base, "__dict__") else frozenset(f.name for f in fields(base))
+        declared = (None if hasattr(base, "__dict__")
+                    else frozenset(f.name for f in fields(type(base))))
         object.__setattr__(self, "_fields", declared)
+        object.__setattr__(self, "_node", node)
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -67,6 +70,12 @@ class _Recorder(LayerState):
         if name in writes:
             return writes[name]
         value = getattr(object.__getattribute__(self, "_base"), name)
+        if name == "wgrad_queue" or isinstance(value, torch.Tensor):
+            what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
+                    "outside graphs" if name == "wgrad_queue" else
+                    f"reads state.{name}, a tensor made outside it; a captured node takes "
+                    "its tensors through its inputs")
+            raise RuntimeError(f"node {self._node!r} cannot be captured: it {what}")
         object.__getattribute__(self, "_reads")[name] = value
         return value
 
@@ -123,6 +132,17 @@ def _moves_grad(param: torch.Tensor) -> bool:
     leave ``.grad`` None), so a buffer handed to it is never kept."""
     return getattr(param, "main_grad", None) is not None and bool(
         getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+def _accumulators(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """The parameters' ``AccumulateGrad`` nodes, made now (on the current stream: the one the
+    node is issued on, which the data-parallel reduction waits on) unless they live. Autograd
+    accumulates a parameter, and runs its ``main_grad`` hook, on the stream current when its
+    node was made; held here, the warm-up and captures on the graphs' side stream reuse them
+    instead of making them there (pytorch/pytorch#137483)."""
+    with torch.enable_grad():
+        return tuple(p.view_as(p).grad_fn.next_functions[0][0] for p in params
+                     if p.requires_grad)
 
 
 def _views(tensor: torch.Tensor) -> int:
@@ -202,11 +222,15 @@ class _Replay(torch.autograd.Function):
 class CapturedNode:
     """A node's instances by input signature, capture on first use (module docstring)."""
 
-    def __init__(self, node: Node, spec: Any, stats: GraphStats) -> None:
-        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count."""
+    def __init__(self, node: Node, spec: Any, stats: GraphStats,
+                 before_replay: Sequence[Callable[[tuple[torch.Tensor, ...]], None]] = ()) -> None:
+        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count;
+        ``before_replay``: called with its parameters before each forward replay."""
         self.node, self.spec, self.stats = node, spec, stats
+        self.before_replay = before_replay
+        self.accumulators: tuple[Any, ...] | None = None  # see _accumulators
         self.instances: dict[tuple, list[_Instance]] = {}
-        self.pointers = tuple(p.data_ptr() for p in spec.params)
+        self.pointers = tuple(p.data_ptr() for p in spec.params + spec.buffers)
 
     def __call__(self, state: LayerState, inputs: tuple) -> tuple[torch.Tensor, ...]:
         inputs = _tensors(inputs, "inputs")
@@ -214,20 +238,25 @@ class CapturedNode:
         if not torch.is_grad_enabled() or not any(
                 t.requires_grad for t in inputs + spec.params):  # nothing to save: eager
             return tuple(self.node.fn(state, inputs))
-        if tuple(p.data_ptr() for p in spec.params) != self.pointers:
-            raise RuntimeError(f"node {self.node.name!r}: a parameter's storage moved since its "
-                               "graphs were captured (they would read the old memory)")
+        if tuple(p.data_ptr() for p in spec.params + spec.buffers) != self.pointers:
+            raise RuntimeError(f"node {self.node.name!r}: a parameter's or buffer's storage "
+                               "moved since its graphs were captured (they would read the old "
+                               "memory)")
         key = (_signature(inputs), spec.key() if spec.key is not None else None)
         found = self.instances.setdefault(key, [])
         instance = next((i for i in found if i.fits(state)), None)
         if instance is None:
             instance = self._capture(state, inputs)
             found.append(instance)
+        for call in self.before_replay:
+            call(spec.params)
         return _Replay.apply(_Lease(instance), state, spec.logs, len(inputs), *inputs,
                              *spec.params)
 
     def _capture(self, state: LayerState, inputs: tuple[torch.Tensor, ...]) -> _Instance:
         api, node, spec = self.stats.api, self.node, self.spec
+        if self.accumulators is None:  # before the warm-up on the side stream makes them there
+            self.accumulators = _accumulators(spec.params)
         instance = _Instance(api)
         with torch.no_grad():
             instance.inputs = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
@@ -237,7 +266,7 @@ class CapturedNode:
             static.requires_grad_(x.requires_grad)
         wanted = [t for t in instance.inputs + spec.params if t.requires_grad]
         live: dict[str, Any] = {}
-        recorder = _Recorder(state)
+        recorder = _Recorder(state, node.name)
 
         def forward_region() -> tuple[torch.Tensor, ...]:
             # the node records into fresh logs, read here: the values it logs are computed
@@ -267,6 +296,7 @@ class CapturedNode:
 
         def warm() -> None:
             forward_region()
+            self._check_leaves(live["outputs"], wanted)  # refused before any capture
             roots = [o for o in live["outputs"] if o.requires_grad]
             if roots and wanted:
                 torch.autograd.grad(roots, wanted, [torch.ones_like(o) for o in roots],
@@ -278,19 +308,20 @@ class CapturedNode:
                 api.warm(warm)
             # thread_local: other threads (NCCL's watchdog, autograd's device thread) may make
             # calls a global capture would forbid them; work they queue on the stream is captured
+            # what the graphs read in place besides their pool (their static inputs)
+            static = instance.inputs + spec.params + spec.buffers
             before = api.reserved()
-            instance.fwd, _ = api.capture(forward_region, None, "thread_local")
+            instance.fwd, _ = api.capture(forward_region, None, "thread_local", static)
             pooled = api.reserved() - before
             instance.outputs = live["outputs"]
-            self._check_leaves(instance.outputs, wanted)
             instance.logged = live["logged"]
             instance.grad_outputs = [torch.empty_like(o) if o.requires_grad else None
                                      for o in instance.outputs]
             before = api.reserved()
-            instance.bwd, found = api.capture(backward_region, api.pool(instance.fwd),
-                                              "thread_local")
+            instance.bwd, found = api.capture(
+                backward_region, api.pool(instance.fwd), "thread_local",
+                static + tuple(g for g in instance.grad_outputs if g is not None))
             pooled += api.reserved() - before
-        self._check_state(recorder)
         instance.writes = dict(recorder._writes)
         instance.guards = dict(recorder._reads)
         live.clear()
@@ -321,12 +352,3 @@ class CapturedNode:
                                    f"tensor of shape {tuple(leaf.shape)} that needs a gradient "
                                    "but is neither its input nor in Graphable.params")
             todo.extend(f for f, _ in fn.next_functions if f is not None)
-
-    def _check_state(self, recorder: _Recorder) -> None:
-        for name, value in recorder._reads.items():
-            if name == "wgrad_queue" or isinstance(value, torch.Tensor):
-                what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
-                        "outside graphs" if name == "wgrad_queue" else
-                        f"reads state.{name}, a tensor made outside it; a captured node takes "
-                        "its tensors through its inputs")
-                raise RuntimeError(f"node {self.node.name!r} cannot be captured: it {what}")

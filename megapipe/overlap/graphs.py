@@ -32,6 +32,8 @@ buffers, valid while it is busy); a plain value it reads becomes a guard of the 
 tensor it reads from the state, or the deferred weight-gradient queue, is refused (a captured
 node takes tensors through its inputs; deferred GEMMs stay outside graphs). Tensors it records
 in ``Graphable.logs`` (the MoE auxiliary-loss log) are recorded again, copied, at each replay.
+A replay runs no Python of the node (no module hook): what must happen per replay runs in the
+wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits).
 The mechanics of one node's instances: ``overlap.graph_capture``; the flags' rules:
 ``overlap.graph_rules``.
 """
@@ -57,20 +59,26 @@ class Graphable:
     captured per value: the MoE auxiliary-loss scale), ``logs``: ``(owner, attribute)`` of
     each log it records into (``owner.attribute.record(value)``; the MoE layer's
     ``aux_loss_log``): while it is captured it records into a fresh log of the same type, whose
-    ``pop_all()`` gives the tensors each replay records again, copied."""
+    ``pop_all()`` gives the tensors each replay records again, copied; ``buffers``: the other
+    tensors it reads in place (rotary tables), which must stay where they are."""
 
     modules: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
     key: Callable[[], Hashable] | None = None
     logs: tuple[tuple[Any, str], ...] = ()
+    buffers: tuple[torch.Tensor, ...] = ()
 
 
 class GraphApi:
     """The ``torch.cuda`` calls of capture and replay, in one place: a stand-in that records
-    and re-runs the captured functions runs the capture logic on CPU (tests)."""
+    the captured operations and replays only them runs the capture logic on CPU (tests)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, check_input_liveness: bool = False) -> None:
+        """``check_input_liveness``: torch's capture check (torch 2.13's ``capture_begin``
+        option) that every tensor a graph reads from outside its pool still lives at each
+        replay (a debugging aid, on in the GPU tests; it tracks each capture's inputs)."""
         self.device = device
+        self.check_input_liveness = check_input_liveness
         self._side: torch.cuda.Stream | None = None
 
     def _stream(self) -> "torch.cuda.Stream":
@@ -86,13 +94,18 @@ class GraphApi:
             fn()
         current.wait_stream(side)
 
-    def capture(self, fn: Callable[[], Any], pool: Any, mode: str) -> tuple[Any, Any]:
+    def capture(self, fn: Callable[[], Any], pool: Any, mode: str,
+                static: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
         """A graph of ``fn``'s kernels, captured on the side stream into ``pool`` (None: a new
-        one), and what ``fn`` returned (tensors in the pool, written by each replay)."""
+        one), and what ``fn`` returned (tensors in the pool, written by each replay).
+        ``static``: the tensors outside the pool the graph reads in place (static inputs,
+        parameters); CUDA needs no list (a replay reads their addresses), the CPU stand-in
+        refuses any other memory."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self.device)
         with torch.cuda.stream(self._stream()):
-            graph.capture_begin(pool=pool, capture_error_mode=mode)
+            checked = {"check_input_liveness": True} if self.check_input_liveness else {}
+            graph.capture_begin(pool=pool, capture_error_mode=mode, **checked)
             try:
                 result = fn()
             finally:
@@ -113,12 +126,16 @@ class GraphApi:
 class NodeGraphs:
     """One executor's CUDA graphs: the modules captured, the graph calls (``GraphApi``, or a
     stand-in), every captured node's instances; ``captured`` and ``bytes`` (private pools and
-    static buffers) count them."""
+    static buffers) count them; ``before_replay``: what runs before each forward replay."""
 
     def __init__(self, modules: Iterable[str], api: Any) -> None:
         self.modules = selected(modules)
         self.api = api
         self.stats = GraphStats(api)
+        # called with a captured node's parameters before each forward replay, outside its
+        # graph: what module hooks do in eager (the parameter all-gather waits), which a
+        # replay runs no Python for
+        self.before_replay: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
         self._nodes: dict[int, tuple[Node, CapturedNode]] = {}
         self._plans: dict[int, tuple[Any, Any]] = {}
 
@@ -136,7 +153,8 @@ class NodeGraphs:
                              "or reads the host: it can never be captured")
         held = self._nodes.get(id(node))
         if held is None:  # one set of instances per node of a plan made once
-            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats))
+            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats,
+                                                               self.before_replay))
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:

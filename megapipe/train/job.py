@@ -110,12 +110,11 @@ def build_job(config: JobConfig, start_from: str | None = None,
         cast_to_bf16(modules, [] if flat else unique_params(modules))
     norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
     dp_sync, optimizer = _optimizer(config, stages, groups, device, norm_stages)
-    executor = _executor(config, schedule, stages, groups, dp_sync is not None,
-                         overlap.record_trace)
+    executor = _executor(config, schedule, stages, groups, dp_sync, overlap.record_trace)
     overlap_auto = None
     if overlap.auto:  # the plain schedule's executor too, over the same stages
         plain = replace(config.schedule, overlap=False).build()
-        overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync is not None,
+        overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync,
                                              record_trace=False),
                                    executor, overlap.auto_interval, clock, device=device)
         executor = overlap_auto.executor
@@ -136,12 +135,14 @@ def build_job(config: JobConfig, start_from: str | None = None,
 
 
 def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],
-              groups: ProcessGroups, flat_buffers: bool, record_trace: bool) -> PipelineExecutor:
-    """The pipeline executor of ``schedule`` over this rank's ``stages``."""
+              groups: ProcessGroups, dp_sync: DataParallelSync | None,
+              record_trace: bool) -> PipelineExecutor:
+    """The pipeline executor of ``schedule`` over this rank's ``stages``; with CUDA graphs and
+    the flat buffers, its replays wait for the parameter gathers (a replay runs no module hook)."""
     overlap, model, data = config.overlap, config.model, config.data
-    return PipelineExecutor(
+    executor = PipelineExecutor(
         schedule, stages, groups=groups, loss_fn=gpt_loss,
-        grad_reduction="none" if flat_buffers else "dp",
+        grad_reduction="none" if dp_sync is not None else "dp",
         spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
                         torch.bfloat16 if config.precision.bf16 else torch.float32),
         delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
@@ -149,6 +150,9 @@ def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module
         timeout=config.failures.timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
         cuda_graph_modules=config.graphs.modules,
     )
+    if dp_sync is not None and executor.cuda_graphs is not None:
+        dp_sync.wait_before_replays(executor.cuda_graphs)
+    return executor
 
 
 def _copy_hf_weights(directory: str, model: GPTConfig, stages: dict[int, nn.Module]) -> None:

@@ -5,10 +5,13 @@ graphs on give the losses and every main gradient of graphs off, in the plain an
 schedule (also with deferred expert weight gradients and a capacity), each against a control
 (the eager run twice: if it differs, a kernel is non-deterministic and the comparison says
 nothing); the combined step replays its graphs on its compute stream; the graphs' private pools
-are reported. The same logic runs on CPU with a stand-in (``tests/overlap/test_graphs.py``).
+are reported. Every capture runs with torch's input-liveness check (``check_input_liveness``:
+a replay whose graph reads a tensor freed since its capture raises). The same logic runs on CPU
+with a stand-in (``tests/overlap/test_graphs.py``).
 """
 
 import dataclasses
+import inspect
 import os
 
 import pytest
@@ -34,13 +37,24 @@ MODULES = ("attn", "moe_router", "moe_preprocess", "mlp")
 MICROBATCHES = 4
 
 
+def _api():  # noqa: ANN202
+    """The real graph calls with torch's input-liveness check on every capture."""
+    from megapipe.overlap.graphs import GraphApi
+
+    if "check_input_liveness" not in inspect.signature(
+            torch.cuda.CUDAGraph.capture_begin).parameters:
+        pytest.skip("this torch has no CUDA-graph input-liveness check (torch 2.13 has)")
+    return GraphApi(torch.device("cuda"), check_input_liveness=True)
+
+
 def _step(overlap: bool, graphs: bool, capacity=None, **options):  # noqa: ANN003, ANN202
     config = dataclasses.replace(CONFIG, moe_capacity_factor=capacity)
     stage = build_stage(config, 0, 1).cuda()
     cast_to_bf16([stage], list(stage.parameters()))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (MICROBATCHES, 2, CONFIG.seq_length + 1), generator=gen).cuda()
-    extra = dict(cuda_graph_impl="local", cuda_graph_modules=MODULES) if graphs else {}
+    extra = dict(cuda_graph_impl="local", cuda_graph_modules=MODULES,
+                 graph_api=_api()) if graphs else {}
     with PipelineExecutor(build_schedule("1f1b", 1, MICROBATCHES, overlap=overlap), {0: stage},
                           loss_fn=gpt_loss, **extra, **options) as executor:
         for _ in range(2):  # the second step replays graphs captured in the first
@@ -71,14 +85,14 @@ def test_graphs_on_give_the_bits_of_graphs_off(capacity) -> None:  # noqa: ANN00
 def test_a_graph_captured_on_the_side_stream_replays_on_the_current_one() -> None:
     """The replay follows the stream current at the call: a side stream's work and the graph's
     reads and writes are ordered by the usual stream waits."""
-    from megapipe.overlap.graphs import NodeGraphs, GraphApi
+    from megapipe.overlap.graphs import NodeGraphs
     from megapipe.overlap.graphs import Graphable
     from megapipe.overlap.plan import Node, NodeKind, Plan, run_nodes
 
     weight = torch.randn(64, 64, device="cuda", requires_grad=True)
     node = Node("n", NodeKind.COMPUTE, lambda s, t: (torch.tanh(t[0] @ weight),),
                 graphable=Graphable(("attn",), (weight,)))
-    plan = NodeGraphs(("attn",), GraphApi(torch.device("cuda"))).plan(Plan([node]))
+    plan = NodeGraphs(("attn",), _api()).plan(Plan([node]))
     other = torch.cuda.Stream()
     x = torch.randn(32, 64, device="cuda", requires_grad=True)
     run_nodes(plan, (x,))[0].sum().backward()  # the capture

@@ -106,3 +106,8 @@ def test_megatron_fsdp_and_dualpipe_with_overlapped_ddp_are_refused_in_one_line(
                        "'dualpipe'"):
         check_data_parallel(overlapped, dualpipe)
     check_data_parallel(overlapped, build_schedule("dualpipev", 2, 4))  # no mirrored stages
+    gathered = _megatron_like("DistributedDataParallel", finish_grad_sync=lambda: None,
+                              ddp_config=SimpleNamespace(overlap_param_gather=True))
+    with pytest.raises(NotImplementedError, match="overlap_param_gather=True with CUDA graphs"):
+        check_data_parallel(gathered, build_schedule("1f1b", 2, 4), graphs=True)
+    check_data_parallel(gathered, build_schedule("1f1b", 2, 4))

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.moe import MoEConfig, MoELayer
-from megapipe.moe.waves import expert_groups
+from megapipe.moe.waves import WaveDispatch, expert_groups
 from megapipe.overlap.plan import Fork, run_nodes
 
 # widths that are multiples of 16 floats: every expert's rows start 64-byte aligned in any
@@ -60,3 +60,19 @@ def check_chunked_on_two_ranks() -> int:
 
 def test_chunked_layer_is_bitwise_the_unchunked_one_over_ep2(rank_pools):
     assert rank_pools(2).run(check_chunked_on_two_ranks) == [len(VARIANTS)] * 2
+
+
+def test_relabel_gives_each_expert_its_group_major_label():
+    """Expert e = r * local + l of group g (first_g, size_g) gets ep * first_g + r * size_g +
+    (l - first_g), computed on the device (no table a CUDA graph would read)."""
+    from types import SimpleNamespace
+
+    for ep, local in ((1, 5), (2, 4), (3, 7)):
+        for waves in range(1, local + 1):
+            by_wave = WaveDispatch(SimpleNamespace(ep_size=ep, num_local_experts=local), waves)
+            want = [0] * (ep * local)
+            for first, size in expert_groups(local, waves):
+                for r in range(ep):
+                    for offset in range(size):
+                        want[r * local + first + offset] = ep * first + r * size + offset
+            assert by_wave.relabel(torch.arange(ep * local)).tolist() == want

@@ -242,7 +242,7 @@ def test_undeclared_parameters_host_syncs_and_moved_storage_are_refused() -> Non
     plan, _, _ = _one_node(lambda s, t: (t[0] @ weight,), [weight])
     run_nodes(plan, (x,))[0].sum().backward()
     weight.data = weight.data.clone()
-    with pytest.raises(RuntimeError, match="a parameter's storage moved"):
+    with pytest.raises(RuntimeError, match="a parameter's or buffer's storage moved"):
         run_nodes(plan, (x,))
 
 
@@ -335,3 +335,50 @@ def test_without_cuda_the_graphs_are_off_and_say_so() -> None:
     assert node_graphs("none", (), torch.device("cpu")) == (None, None)
     with pytest.raises(ValueError, match="TransformerEngine"):
         node_graphs("transformer_engine", ("attn",), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("path", ["plain", "tape"])
+def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(path: str) -> None:
+    """Autograd binds a parameter's accumulation to the stream current when its node is made
+    (``support.accumulator_streams``); the warm-up and capture run on the graphs' side stream,
+    but every accumulation, in the step that captures and after, runs on the compute stream
+    (here the calling thread), the one the data-parallel reduction waits on."""
+    from support.accumulator_streams import AccumulatorStreams
+
+    stage, api = _stage(bf16=True), FakeGraphApi()
+    graphs = NodeGraphs(MODULES, api)
+    run = _plain_run if path == "plain" else _tape_run
+    with AccumulatorStreams(api.stream_of) as streams:
+        run(stage, graphs, _batches(2))
+    assert graphs.captured == 3 and api.count("warm") == 3
+    assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
+    captured = [p for plan in stage.layer_plans() for n in plan
+                if isinstance(n, Node) and n.graphable is not None for p in n.graphable.params]
+    assert len(streams.accumulated) >= 2 * len(captured) > 0  # two microbatches
+
+
+def test_the_stand_in_replays_only_the_captured_operations_on_the_captured_memory() -> None:
+    """What makes ``FakeGraphApi`` as strict as CUDA: a replay runs no Python of the captured
+    function (its side effects happened once, at capture) and recomputes from the static
+    inputs' current values; a capture's results are garbage until the first replay; memory the
+    capture neither made nor took as a static input is refused at capture, a static input
+    moved to other memory at replay."""
+    api, calls = FakeGraphApi(), []
+    x, weight, outside = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8)
+
+    def region() -> tuple[torch.Tensor]:
+        calls.append(1)  # a Python side effect: a hook, a counter
+        return (torch.tanh(x @ weight) * 2,)
+
+    graph, (out,) = api.capture(region, None, "thread_local", (x, weight))
+    assert calls == [1] and out.isnan().all()
+    x.copy_(torch.randn(4, 8))
+    api.replay(graph)
+    api.replay(graph)
+    assert calls == [1] and torch.equal(out, torch.tanh(x @ weight) * 2)
+    with pytest.raises(RuntimeError, match=r"aten.add.Tensor inside a CUDA graph capture reads "
+                                           r"or writes a tensor of shape \(8,\)"):
+        api.capture(lambda: (x @ weight + outside,), None, "thread_local", (x, weight))
+    weight.data = weight.data.clone()
+    with pytest.raises(RuntimeError, match=r"static input of shape \(8, 8\) moved"):
+        api.replay(graph)

@@ -128,3 +128,23 @@ def optimizer_state_bytes(argv: list[str]) -> int:
         return optimizer_state_bytes(job.optimizer)
     finally:
         job.close()
+
+
+def graph_replay_losses(argv: list[str]) -> Any:
+    """pretrain's losses with ``--cuda-graph-impl local`` through the CPU graph stand-in (which
+    replays like CUDA: no module hook runs at a replay)."""
+    import megapipe.pipeline.executor as executor_module
+    from megapipe.train.config.parse import parse_pretrain_args
+    from megapipe.train.loop import train
+    from support.fake_graphs import FakeGraphApi
+
+    real = executor_module.node_graphs
+
+    def with_stand_in(impl: str, modules: Any, device: Any, api: Any = None) -> Any:
+        return real(impl, modules, device, FakeGraphApi() if impl != "none" else api)
+
+    executor_module.node_graphs = with_stand_in
+    try:
+        return train(parse_pretrain_args(argv, env={}), write=lambda line: None).losses
+    finally:
+        executor_module.node_graphs = real

@@ -121,3 +121,17 @@ def test_the_profile_trace_shows_the_reductions_inside_the_backward(rank_pools, 
     assert early > 0  # some bucket was reduced while the rank still computed
     text = summarize_file(str(path))
     assert text.count("data parallel: collectives") == 4, text
+
+
+def test_graph_replays_wait_for_the_parameter_gathers(rank_pools):
+    """--overlap-param-gather with CUDA graphs (the CPU stand-in, which runs no module hook at
+    a replay): the engine waits for a captured node's gathers before its replay, so the losses
+    are those without graphs (before this wait the second step stopped: gathers never waited
+    for)."""
+    from support.dp_cases import graph_replay_losses
+
+    common = TINY + ["--train-iters", "2", "--eval-interval", "0"] + ALL
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router"]
+    base = rank_pools(4).run(graph_replay_losses, common)[0]
+    got = rank_pools(4).run(graph_replay_losses, common + graphs)[0]
+    assert isinstance(got, list) and got == base

@@ -298,6 +298,18 @@ class DataParallelSync:
                     handles.append(sub.register_forward_pre_hook(_wait_hook(self, keys)))
         return handles
 
+    def wait_before_replays(self, graphs: Any) -> None:
+        """With CUDA graphs (``overlap.graphs.NodeGraphs``): a replay runs no module hook, so
+        before each forward replay of a captured node the engine waits for the gathers of its
+        parameters' buckets (outside the graph, on the stream it replays on)."""
+        if self.sharded and self.overlap_param_gather:
+            graphs.before_replay.append(self.wait_param_gathers)
+
+    def wait_param_gathers(self, params: Sequence[torch.Tensor]) -> None:
+        """The current stream waits for the gathers of the buckets holding ``params``."""
+        where = [self._where[id(p)] for p in params if id(p) in self._where]
+        self._wait_gathers(sorted({(id(buffer), bucket) for buffer, bucket in where}))
+
     def _wait_gathers(self, keys: Sequence[tuple[int, int]]) -> None:
         for key in keys:
             event = self._gathers.pop(key, None)

@@ -43,12 +43,14 @@ DEVICES = {
 
 @dataclass(frozen=True)
 class Launch:
-    """One recorded launch: kernel name, grid, registers and stack bytes per thread."""
+    """One recorded launch: kernel name, grid, registers and stack bytes per thread, and
+    whether it was compiled with FP fusion (``enable_fp_fusion``)."""
 
     kernel: str
     grid: tuple[int, int, int]
     registers: int
     stack_bytes: int
+    fp_fusion: bool
 
     @property
     def spills(self) -> int:
@@ -109,12 +111,12 @@ class StandInDriver(DriverBase):
 
         class Launcher:
             def __init__(self, src: Any, metadata: Any) -> None:
-                pass
+                self.fp_fusion = bool(metadata.enable_fp_fusion)
 
             def __call__(self, gx: int, gy: int, gz: int, stream: Any, function: _Module,
                          *args: Any) -> None:
                 recorder.append(Launch(function.name, (gx, gy, gz), function.registers,
-                                       function.stack_bytes))
+                                       function.stack_bytes, self.fp_fusion))
 
         self.launcher_cls = Launcher
 

@@ -3,14 +3,17 @@ backward) and for the routing plan: one launch each, the definitions of ``refere
 
 The router kernels run one program per ``STAT_BLOCK`` tokens (forward; the backward per tile),
 holding every expert of a tile of those tokens at once (experts padded to a power of two, at
-most 4096 elements a tile): softmax or sigmoid in float32 (float64 for
-float64 logits is the reference's), top-k by k rounds of argmax (ties to the lowest expert),
-and each program's sums of the balance scores and of logsumexp^2 as one row of ``partials``.
-The backward recomputes scores and top-k from the logits instead of saving them.
+most ``TILE`` elements a tile, so nothing spills up to 256 experts and top-8): softmax or
+sigmoid in float32 (float64 for float64 logits is the reference's), top-k by k rounds of max
+with its index (the tie rule of ``reference_fused.stable_top_k``: among equal scores the lowest
+expert first), and each program's sums of the balance scores and of logsumexp^2 as one row of
+``partials``. The backward recomputes scores and top-k from the logits instead of saving them.
 
-The routing plan runs one program per expert: it counts the choices of lower experts (its first
-row) and its own, then walks the choices in order with a running count (a stable counting
-sort), so each choice and each row is written by exactly one program: deterministic, no atomics.
+The routing plan runs a grid of experts x chunks of the choices (``plan_chunks``: at least
+``PLAN_PROGRAMS`` programs when the choices allow). Program (e, c) counts, in one pass over
+every choice, those of lower experts and those of e before its chunk (its first row), then
+walks its chunk with a running count (a stable counting sort), so each choice and each row is
+written by exactly one program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from .library import KERNEL_OPTIONS
 from .reference_fused import STAT_BLOCK
 
 PLAN_BLOCK = 1024  # choices a plan program reads at once
+PLAN_GRAIN = 256  # a chunk of the plan holds a multiple of this many choices
 PLAN_PROGRAMS = 264  # at least, when the choices allow: 2 per SM of an H100 (132 SMs)
 TILE = 1024  # elements of a router tile: 8 a thread per [rows, experts] array at 4 warps
 
@@ -61,7 +65,7 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
     ks = tl.arange(0, KB)
     column_sums = tl.zeros([EB], dtype=tl.float32)
     lse_squares = tl.zeros([SUB], dtype=tl.float32)
-    for part in tl.static_range(BT // SUB):
+    for part in range(0, BT // SUB):
         x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + part * SUB, t,
                                                            num_experts, SUB, EB, SIGMOID)
         work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
@@ -161,7 +165,7 @@ def router(
         experts, rows = _tile(num_experts)
         _router_kernel[(blocks,)](logits.contiguous(), probs, indices, partials, t, num_experts,
                                   K=top_k, SIGMOID=sigmoid, BT=STAT_BLOCK, SUB=rows, EB=experts,
-                                  KB=triton.next_power_of_2(top_k), num_warps=4,
+                                  KB=triton.next_power_of_2(top_k), num_warps=8,
                                   **KERNEL_OPTIONS)
     return probs, indices, partials
 
@@ -236,10 +240,10 @@ def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, chunk,
 
 def plan_chunks(n: int, num_experts: int) -> tuple[int, int]:
     """(chunks, choices a chunk) of the routing plan's grid of experts x chunks: chunks of
-    whole blocks, enough of them for ``PLAN_PROGRAMS`` programs in all when the choices
-    allow."""
-    chunks = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_BLOCK)))
-    chunk = triton.cdiv(triton.cdiv(max(n, 1), chunks), PLAN_BLOCK) * PLAN_BLOCK
+    ``PLAN_GRAIN`` choices or a multiple, enough of them for ``PLAN_PROGRAMS`` programs in all
+    when the choices allow."""
+    chunks = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_GRAIN)))
+    chunk = triton.cdiv(triton.cdiv(max(n, 1), chunks), PLAN_GRAIN) * PLAN_GRAIN
     return triton.cdiv(max(n, 1), chunk), chunk
 
 

@@ -9,11 +9,11 @@ with its index (the tie rule of ``reference_fused.stable_top_k``: among equal sc
 expert first), and each program's sums of the balance scores and of logsumexp^2 as one row of
 ``partials``. The backward recomputes scores and top-k from the logits instead of saving them.
 
-The routing plan runs a grid of experts x chunks of the choices (``plan_chunks``: at least
-``PLAN_PROGRAMS`` programs when the choices allow). Program (e, c) counts, in one pass over
-every choice, those of lower experts and those of e before its chunk (its first row), then
-walks its chunk with a running count (a stable counting sort), so each choice and each row is
-written by exactly one program: deterministic, no atomics.
+The routing plan runs a grid of experts x parts of the choices (``plan_parts``: aiming at
+``PLAN_PROGRAMS`` programs). Program (e, p) counts, in one pass over every choice, those of
+lower experts and those of e before its part (its first row), then walks its part with a
+running count (a stable counting sort), so each choice and each row is written by exactly one
+program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .library import KERNEL_OPTIONS
 from .reference_fused import STAT_BLOCK
 
 PLAN_BLOCK = 1024  # choices a plan program reads at once
-PLAN_GRAIN = 256  # a chunk of the plan holds a multiple of this many choices
+PLAN_GRAIN = 256  # a part of the plan holds a multiple of this many choices
 PLAN_PROGRAMS = 264  # at least, when the choices allow: 2 per SM of an H100 (132 SMs)
 TILE = 1024  # elements of a router tile: 8 a thread per [rows, experts] array at 4 warps
 
@@ -65,8 +65,8 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
     ks = tl.arange(0, KB)
     column_sums = tl.zeros([EB], dtype=tl.float32)
     lse_squares = tl.zeros([SUB], dtype=tl.float32)
-    for part in range(0, BT // SUB):
-        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + part * SUB, t,
+    for tile in range(0, BT // SUB):
+        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + tile * SUB, t,
                                                            num_experts, SUB, EB, SIGMOID)
         work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
         values = tl.zeros([SUB, KB], dtype=tl.float32)
@@ -193,14 +193,14 @@ def router_backward(
 
 
 @triton.jit
-def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, chunk,
+def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
                  BLOCK: tl.constexpr):
-    """Program (e, c): the choices of expert e in chunk c (choices c*chunk .. c*chunk+chunk-1).
-    One pass over every choice counts those of lower experts and those of e before the chunk
-    (its first row); then it walks its chunk with a running count (a stable counting sort).
-    Chunk 0 also writes e's count and, with a capacity, e's padding rows."""
+    """Program (e, p): the choices of expert e in part p (choices p*part .. p*part+part-1).
+    One pass over every choice counts those of lower experts and those of e before the part
+    (its first row); then it walks its part with a running count (a stable counting sort).
+    Part 0 also writes e's count and, with a capacity, e's padding rows."""
     expert = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1).to(tl.int64) * chunk
+    first = tl.program_id(1).to(tl.int64) * part
     below = tl.full([], 0, tl.int64)
     before = tl.full([], 0, tl.int64)
     own = tl.full([], 0, tl.int64)
@@ -215,9 +215,9 @@ def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, chunk,
     if first == 0:
         tl.store(counts + expert, own)
     seen = before
-    for start in range(0, chunk, BLOCK):
+    for start in range(0, part, BLOCK):
         offsets = first + start + tl.arange(0, BLOCK)
-        inside = (offsets < n) & (offsets < first + chunk)
+        inside = (offsets < n) & (offsets < first + part)
         hit = inside & (tl.load(flat + offsets, mask=inside, other=-1) == expert)
         position = seen + tl.cumsum(hit.to(tl.int64), axis=0) - 1
         if capacity < 0:
@@ -238,13 +238,13 @@ def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, chunk,
                      mask=padding)
 
 
-def plan_chunks(n: int, num_experts: int) -> tuple[int, int]:
-    """(chunks, choices a chunk) of the routing plan's grid of experts x chunks: chunks of
-    ``PLAN_GRAIN`` choices or a multiple, enough of them for ``PLAN_PROGRAMS`` programs in all
-    when the choices allow."""
-    chunks = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_GRAIN)))
-    chunk = triton.cdiv(triton.cdiv(max(n, 1), chunks), PLAN_GRAIN) * PLAN_GRAIN
-    return triton.cdiv(max(n, 1), chunk), chunk
+def plan_parts(n: int, num_experts: int) -> tuple[int, int]:
+    """(parts, choices a part) of the routing plan's grid of experts x parts of the choices:
+    parts of ``PLAN_GRAIN`` choices or a multiple, enough of them for ``PLAN_PROGRAMS``
+    programs in all when the choices allow."""
+    parts = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_GRAIN)))
+    part = triton.cdiv(triton.cdiv(max(n, 1), parts), PLAN_GRAIN) * PLAN_GRAIN
+    return triton.cdiv(max(n, 1), part), part
 
 
 def routing_plan(
@@ -256,7 +256,7 @@ def routing_plan(
     row_choice = torch.empty(rows, dtype=torch.int64, device=indices.device)
     choice_rows = torch.empty(indices.shape, dtype=torch.int64, device=indices.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=indices.device)
-    chunks, chunk = plan_chunks(n, num_experts)
-    _plan_kernel[(num_experts, chunks)](indices.contiguous(), row_choice, choice_rows, counts,
-                                        n, capacity, chunk, BLOCK=PLAN_BLOCK, **KERNEL_OPTIONS)
+    parts, part = plan_parts(n, num_experts)
+    _plan_kernel[(num_experts, parts)](indices.contiguous(), row_choice, choice_rows, counts,
+                                       n, capacity, part, BLOCK=PLAN_BLOCK, **KERNEL_OPTIONS)
     return row_choice, choice_rows, counts

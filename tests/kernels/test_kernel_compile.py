@@ -3,7 +3,7 @@
 up to 256 experts and top-8, launch with FP fusion pinned off, and the routing plan and the
 RMSNorm weight gradient fill an H100's 132 SMs at 4096 tokens. The default run compiles the
 kernels this concerns at one shape each (the router at its worst: 256 experts, top-8, sigmoid,
-bf16); ``kernel_sweep`` (``MEGAPIPE_KERNEL_SWEEP=1``) compiles every kernel at every shape of
+bf16); ``heavy_kernels`` (``MEGAPIPE_HEAVY_KERNELS=1``) compiles every kernel at every shape of
 ``benchmarks/kernel_registers.py`` for both architectures."""
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100()
     _assert_lean(rows)
     router, router_backward, plan, norm = (row.launch for row in rows)
     assert (router.kernel, router_backward.kernel) == ("_router_kernel", "_router_backward_kernel")
-    # the plan: experts x chunks programs; the norm: dweight column programs, then one per row
+    # the plan: experts x parts programs; the norm: dweight column programs, then one per row
     assert plan.kernel == "_plan_kernel" and plan.grid[0] * plan.grid[1] >= H100_SMS
     assert norm.grid[0] - tokens == 1024 // TN.dweight_columns(1024) >= H100_SMS
-    assert TR.plan_chunks(tokens * 2, 8) == (32, 256)
+    assert TR.plan_parts(tokens * 2, 8) == (32, 256)
 
 
 def test_the_stand_in_driver_leaves_triton_as_it_found_it():
@@ -67,7 +67,7 @@ def test_the_stand_in_driver_leaves_triton_as_it_found_it():
             pass
 
 
-@pytest.mark.kernel_sweep
+@pytest.mark.heavy_kernels
 @pytest.mark.parametrize("arch", [90, 100])
 def test_every_kernel_compiles_at_every_real_shape_without_spills(arch):
     rows = KR.compile_all(arch, KR.cases())

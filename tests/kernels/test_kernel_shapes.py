@@ -3,9 +3,10 @@ interpreter on CPU (bf16 included): router logits in bf16 full of ties (the top-
 lowest expert index first, ``reference_fused.stable_top_k``), 64 to 256 experts, top-6 and
 top-8, routing plans longer than a block with experts that get no token, RMSNorm over
 thousands of rows, hidden sizes up to 7168. The default run takes a few small ones (the
-interpreter runs a program in Python: thousands of rows take minutes); the ``kernel_sweep``
-marker (``MEGAPIPE_KERNEL_SWEEP=1``, tests/kernels/conftest.py) takes them all. Triton reads TRITON_INTERPRET when a kernel module is first imported, so the checks run
-this file as a script in a fresh process."""
+interpreter runs a program in Python: thousands of rows take minutes); the ``heavy_kernels``
+marker (``MEGAPIPE_HEAVY_KERNELS=1``, tests/kernels/conftest.py) takes them all. Triton reads
+TRITON_INTERPRET when a kernel module is first imported, so the checks run this file as a
+script in a fresh process."""
 
 from __future__ import annotations
 
@@ -152,10 +153,10 @@ def permute_checks(tokens: int, hidden: int, experts: int, top_k: int) -> list[s
     return failures
 
 
-def shape_checks(sweep: bool) -> list[str]:
-    """Every check at one shape each (``sweep``: at every shape); failure messages."""
+def shape_checks(every_shape: bool) -> list[str]:
+    """Every check at one shape each (``every_shape``: at every shape); failure messages."""
     failures: list[str] = []
-    if not sweep:
+    if not every_shape:
         failures += router_checks(40, 64, 6, False)
         failures += router_checks(40, 128, 8, True)
         failures += plan_checks(180, 8, 6, idle=2)
@@ -173,27 +174,27 @@ def shape_checks(sweep: bool) -> list[str]:
     return failures
 
 
-def _interpreted(sweep: bool) -> None:
+def _interpreted(every_shape: bool) -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    args = [sys.executable, __file__] + (["sweep"] if sweep else [])
+    args = [sys.executable, __file__] + (["every-shape"] if every_shape else [])
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "interpreted: ok" in proc.stdout
 
 
 def test_kernels_at_real_shapes_under_interpreter():
-    _interpreted(sweep=False)
+    _interpreted(every_shape=False)
 
 
-@pytest.mark.kernel_sweep
+@pytest.mark.heavy_kernels
 def test_kernels_at_every_real_shape_under_interpreter():
-    _interpreted(sweep=True)
+    _interpreted(every_shape=True)
 
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    problems = shape_checks(sweep=sys.argv[1:] == ["sweep"])
+    problems = shape_checks(every_shape=sys.argv[1:] == ["every-shape"])
     if problems:
         print("\n".join(problems))
         sys.exit(1)

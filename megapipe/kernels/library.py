@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from types import MappingProxyType
 from typing import Any, Callable
 
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Options every megapipe kernel launches with. ``enable_fp_fusion`` (a*b+c as one FMA) is
+# pinned: Triton 3.9 fuses unless TRITON_DEFAULT_FP_FUSION says otherwise and 3.10 will not,
+# and the kernels' low bits follow it. Off: each operation rounds once, as in the references.
+KERNEL_OPTIONS = MappingProxyType({"enable_fp_fusion": False})
 NAMESPACE = "megapipe"
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")

@@ -76,6 +76,14 @@ def swiglu_backward(
 
 # --- router ----------------------------------------------------------------------------------
 
+def stable_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest scores of each row, largest first. The tie rule,
+    shared with the Triton router: among equal scores the lowest expert index comes first
+    (``torch.topk`` leaves ties unspecified, and with bf16 logits they are common)."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k].contiguous(), indices[..., :k].contiguous()
+
+
 def router_scores(
     logits: torch.Tensor, top_k: int, sigmoid: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,10 +92,10 @@ def router_scores(
     x = logits.to(_acc(logits.dtype))
     if not sigmoid:
         scores = torch.softmax(x, dim=-1)
-        probs, indices = torch.topk(scores, top_k, dim=-1)
+        probs, indices = stable_top_k(scores, top_k)
         return probs, indices, scores, scores
     scores = torch.sigmoid(x)
-    top, indices = torch.topk(scores, top_k, dim=-1)
+    top, indices = stable_top_k(scores, top_k)
     probs = top / top.sum(dim=-1, keepdim=True)
     return probs, indices, scores / scores.sum(dim=-1, keepdim=True), scores
 

@@ -2,9 +2,11 @@
 
 Same definitions as ``reference_fused`` (float32 inside, one rounding per output); float64 runs
 the reference (there is no float64 path here). Each RMSNorm backward program owns its outputs:
-programs 0..rows-1 write one row of dx each; the next ceil(h / COL_BLOCK) programs each sum
-dweight for a block of columns over every row, in row order, so dweight is deterministic with
-no atomics and no second kernel.
+the first ceil(h / col_block) programs each sum dweight for a block of columns over every row,
+tile after tile in row order, so dweight is deterministic with no atomics and no second kernel;
+the next ``rows`` programs write one row of dx each. The column block shrinks with the hidden
+size so the dweight programs alone fill an H100 (256 of them at hidden 1024, each 16 tiles at
+4096 rows), and they come first, so they run beside the dx rows instead of after them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import triton
 import triton.language as tl
 
 from . import reference_fused
+from .library import KERNEL_OPTIONS
 
 MAX_BLOCK = 4096  # columns a row program holds at once
-COL_BLOCK = 16  # columns of dweight per program (hidden 1024: 64 programs; untuned)
-ROW_TILE = 64  # rows a dweight program reads at once
+DWEIGHT_PROGRAMS = 264  # at least, when the columns allow: 2 per SM of an H100 (132 SMs)
+DWEIGHT_TILE = 1024  # elements a dweight program reads at once
 ELEMENTS = 1024  # elements per SwiGLU program
 
 
@@ -41,13 +44,27 @@ def _rms_norm_kernel(x, weight, y, rstd, hidden, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    grad, x, weight, rstd, residual_grad, dx, dweight, rows, hidden,
+    grad, x, weight, rstd, residual_grad, dx, dweight, rows, hidden, column_programs,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr,
     ROW_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    if pid < rows:
-        row = pid
+    if pid < column_programs:
+        cols = pid * COL_BLOCK + tl.arange(0, COL_BLOCK)
+        col_mask = cols < hidden
+        sums = tl.zeros([ROW_TILE, COL_BLOCK], dtype=tl.float32)
+        for first in range(0, rows, ROW_TILE):
+            tile = first + tl.arange(0, ROW_TILE)
+            row_mask = tile < rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            offsets = tile[:, None].to(tl.int64) * hidden + cols[None, :]
+            dy = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(rstd + tile, mask=row_mask, other=0.0)
+            sums += dy * (v * r[:, None])
+        tl.store(dweight + cols, tl.sum(sums, axis=0).to(dweight.dtype.element_ty), mask=col_mask)
+    else:
+        row = pid - column_programs
         r = tl.load(rstd + row)
         dots = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
@@ -69,20 +86,12 @@ def _rms_norm_backward_kernel(
                 out += tl.load(residual_grad + row * hidden + cols, mask=mask,
                                other=0.0).to(tl.float32)
             tl.store(dx + row * hidden + cols, out.to(dx.dtype.element_ty), mask=mask)
-    else:
-        cols = (pid - rows) * COL_BLOCK + tl.arange(0, COL_BLOCK)
-        col_mask = cols < hidden
-        sums = tl.zeros([ROW_TILE, COL_BLOCK], dtype=tl.float32)
-        for first in range(0, rows, ROW_TILE):
-            tile = first + tl.arange(0, ROW_TILE)
-            row_mask = tile < rows
-            mask = row_mask[:, None] & col_mask[None, :]
-            offsets = tile[:, None].to(tl.int64) * hidden + cols[None, :]
-            dy = tl.load(grad + offsets, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(rstd + tile, mask=row_mask, other=0.0)
-            sums += dy * (v * r[:, None])
-        tl.store(dweight + cols, tl.sum(sums, axis=0).to(dweight.dtype.element_ty), mask=col_mask)
+
+
+def dweight_columns(hidden: int) -> int:
+    """Columns of dweight a program sums: a power of two from 4 up, as few as gives
+    ``DWEIGHT_PROGRAMS`` programs."""
+    return max(4, triton.next_power_of_2(triton.cdiv(max(hidden, 1), DWEIGHT_PROGRAMS)))
 
 
 def _row_block(hidden: int) -> dict[str, int]:
@@ -102,7 +111,7 @@ def rms_norm(
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         _rms_norm_kernel[(rows,)](x.contiguous(), weight.contiguous(), y, rstd, hidden, eps,
-                                  **_row_block(hidden))
+                                  **_row_block(hidden), **KERNEL_OPTIONS)
     return y, rstd
 
 
@@ -118,12 +127,14 @@ def rms_norm_backward(
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dweight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     residual = residual_grad.contiguous() if residual_grad is not None else grad
-    programs = rows + triton.cdiv(hidden, COL_BLOCK)
+    columns = dweight_columns(hidden)
+    column_programs = triton.cdiv(hidden, columns)
     if hidden:
-        _rms_norm_backward_kernel[(programs,)](
+        _rms_norm_backward_kernel[(column_programs + rows,)](
             grad.contiguous(), x.contiguous(), weight.contiguous(), rstd, residual, dx, dweight,
-            rows, hidden, HAS_RESIDUAL=residual_grad is not None, COL_BLOCK=COL_BLOCK,
-            ROW_TILE=ROW_TILE, **_row_block(hidden),
+            rows, hidden, column_programs, HAS_RESIDUAL=residual_grad is not None,
+            COL_BLOCK=columns, ROW_TILE=DWEIGHT_TILE // columns, **_row_block(hidden),
+            **KERNEL_OPTIONS,
         )
     return dx, dweight
 
@@ -158,7 +169,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Ten
     n = gate.numel()
     if n:
         _swiglu_kernel[(triton.cdiv(n, ELEMENTS),)](gate.contiguous(), up.contiguous(), out, n,
-                                                    BLOCK=ELEMENTS)
+                                                    BLOCK=ELEMENTS, **KERNEL_OPTIONS)
     return out
 
 
@@ -174,6 +185,6 @@ def swiglu_backward(
     if n:
         _swiglu_backward_kernel[(triton.cdiv(n, ELEMENTS),)](
             grad.contiguous(), gate.contiguous(), up.contiguous(), d_gate, d_up, n,
-            BLOCK=ELEMENTS,
+            BLOCK=ELEMENTS, **KERNEL_OPTIONS,
         )
     return d_gate, d_up

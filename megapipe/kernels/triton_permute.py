@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .library import KERNEL_OPTIONS
+
 MAX_BLOCK = 2048  # columns per block: 4 KB of bf16 per block, 8 to 16 bytes per thread
 
 
@@ -117,7 +119,7 @@ def sum_choices(
         weights = probs.contiguous() if probs is not None else choice_rows  # unused when absent
         _sum_choices_kernel[(num_tokens,)](
             rows.contiguous(), weights, choice_rows.contiguous(), out, hidden, top_k,
-            HAS_PROBS=probs is not None, **_block(hidden),
+            HAS_PROBS=probs is not None, **_block(hidden), **KERNEL_OPTIONS,
         )
     return out
 
@@ -129,6 +131,7 @@ def permute(tokens: torch.Tensor, row_choice: torch.Tensor, top_k: int) -> torch
     if row_choice.numel() and hidden:
         _permute_kernel[(row_choice.numel(),)](
             tokens.contiguous(), row_choice.contiguous(), out, hidden, top_k, **_block(hidden),
+            **KERNEL_OPTIONS,
         )
     return out
 
@@ -147,5 +150,6 @@ def unpermute_backward(
             grad_out.contiguous(), rows.contiguous(), probs.contiguous(),
             row_choice.contiguous(), choice_rows.contiguous(), grad_rows, grad_probs, num_rows,
             hidden, top_k, K_BLOCK=triton.next_power_of_2(top_k), **_block(max(hidden, 1)),
+            **KERNEL_OPTIONS,
         )
     return grad_rows, grad_probs

@@ -3,14 +3,17 @@ backward) and for the routing plan: one launch each, the definitions of ``refere
 
 The router kernels run one program per ``STAT_BLOCK`` tokens (forward; the backward per tile),
 holding every expert of a tile of those tokens at once (experts padded to a power of two, at
-most 4096 elements a tile): softmax or sigmoid in float32 (float64 for
-float64 logits is the reference's), top-k by k rounds of argmax (ties to the lowest expert),
-and each program's sums of the balance scores and of logsumexp^2 as one row of ``partials``.
-The backward recomputes scores and top-k from the logits instead of saving them.
+most ``TILE`` elements a tile, so nothing spills up to 256 experts and top-8): softmax or
+sigmoid in float32 (float64 for float64 logits is the reference's), top-k by k rounds of max
+with its index (the tie rule of ``reference_fused.stable_top_k``: among equal scores the lowest
+expert first), and each program's sums of the balance scores and of logsumexp^2 as one row of
+``partials``. The backward recomputes scores and top-k from the logits instead of saving them.
 
-The routing plan runs one program per expert: it counts the choices of lower experts (its first
-row) and its own, then walks the choices in order with a running count (a stable counting
-sort), so each choice and each row is written by exactly one program: deterministic, no atomics.
+The routing plan runs a grid of experts x parts of the choices (``plan_parts``: aiming at
+``PLAN_PROGRAMS`` programs). Program (e, p) counts, in one pass over every choice, those of
+lower experts and those of e before its part (its first row), then walks its part with a
+running count (a stable counting sort), so each choice and each row is written by exactly one
+program: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ import triton
 import triton.language as tl
 
 from . import reference_fused
+from .library import KERNEL_OPTIONS
 from .reference_fused import STAT_BLOCK
 
 PLAN_BLOCK = 1024  # choices a plan program reads at once
+PLAN_GRAIN = 256  # a part of the plan holds a multiple of this many choices
+PLAN_PROGRAMS = 264  # at least, when the choices allow: 2 per SM of an H100 (132 SMs)
+TILE = 1024  # elements of a router tile: 8 a thread per [rows, experts] array at 4 warps
 
 
 @triton.jit
@@ -58,17 +65,17 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
     ks = tl.arange(0, KB)
     column_sums = tl.zeros([EB], dtype=tl.float32)
     lse_squares = tl.zeros([SUB], dtype=tl.float32)
-    for part in tl.static_range(BT // SUB):
-        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + part * SUB, t,
+    for tile in range(0, BT // SUB):
+        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + tile * SUB, t,
                                                            num_experts, SUB, EB, SIGMOID)
         work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
         values = tl.zeros([SUB, KB], dtype=tl.float32)
-        chosen = tl.zeros([SUB, KB], dtype=tl.int64)
+        chosen = tl.zeros([SUB, KB], dtype=tl.int32)
         for j in tl.static_range(K):
-            best = tl.max(work, axis=1)
-            index = tl.argmax(work, axis=1, tie_break_left=True)
+            best, index = tl.max(work, axis=1, return_indices=True,
+                                 return_indices_tie_break_left=True)
             values = tl.where(ks[None, :] == j, best[:, None], values)
-            chosen = tl.where(ks[None, :] == j, index[:, None].to(tl.int64), chosen)
+            chosen = tl.where(ks[None, :] == j, index[:, None], chosen)
             work = tl.where(cols[None, :] == index[:, None], -2.0, work)
         if SIGMOID:
             values = values / tl.sum(tl.where(ks[None, :] < K, values, 0.0), axis=1)[:, None]
@@ -78,7 +85,7 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
         out_mask = row_mask[:, None] & (ks[None, :] < K)
         out = rows[:, None].to(tl.int64) * K + ks[None, :]
         tl.store(probs + out, values.to(probs.dtype.element_ty), mask=out_mask)
-        tl.store(indices + out, chosen, mask=out_mask)
+        tl.store(indices + out, chosen.to(tl.int64), mask=out_mask)
         balance = tl.where(row_mask[:, None] & col_mask[None, :], balance, 0.0)
         column_sums += tl.sum(balance, axis=0)
         lse_squares += tl.where(row_mask, lse * lse, 0.0)
@@ -104,12 +111,11 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
     a = balance_scale * per_expert  # d loss / d balance score, per expert
     work = tl.where(col_mask[None, :], scores, -1.0)
     spread = tl.zeros([BT, EB], dtype=tl.float32)  # grad_probs at the chosen experts
-    picked = tl.zeros([BT, EB], dtype=tl.float32)  # 1 at the chosen experts
     chosen_sum = tl.zeros([BT], dtype=tl.float32)
     weighted = tl.zeros([BT], dtype=tl.float32)  # sum_j g_j * top_j
     for j in tl.static_range(K):
-        best = tl.max(work, axis=1)
-        index = tl.argmax(work, axis=1, tie_break_left=True)
+        best, index = tl.max(work, axis=1, return_indices=True,
+                             return_indices_tie_break_left=True)
         hit = cols[None, :] == index[:, None]
         if HAS_GRAD:
             g = tl.load(grad_probs + rows.to(tl.int64) * K + j, mask=row_mask,
@@ -117,17 +123,16 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
         else:
             g = tl.zeros([BT], dtype=tl.float32)
         spread += tl.where(hit, g[:, None], 0.0)
-        picked += tl.where(hit, 1.0, 0.0)
         chosen_sum += best
         weighted += g * best
-        work = tl.where(hit, -2.0, work)
+        work = tl.where(hit, -2.0, work)  # -2: chosen
     if SIGMOID:
         total = tl.sum(scores, axis=1)
         balance = scores / total[:, None]
         d_scores = (a[None, :] - tl.sum(a[None, :] * balance, axis=1)[:, None]) / total[:, None]
         # probs_j = top_j / S: d top_j = (g_j - sum_i g_i probs_i) / S
         d_top = (spread - (weighted / chosen_sum)[:, None]) / chosen_sum[:, None]
-        d = (d_scores + picked * d_top) * scores * (1.0 - scores)
+        d = (d_scores + tl.where(work == -2.0, d_top, 0.0)) * scores * (1.0 - scores)
     else:
         upstream = a[None, :] + spread
         d = scores * (upstream - tl.sum(upstream * scores, axis=1)[:, None])
@@ -139,10 +144,10 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
 
 
 def _tile(num_experts: int) -> tuple[int, int]:
-    """(experts padded to a power of two, token rows per tile: at most 4096 elements a tile,
-    so a program's few [rows, experts] arrays stay in registers)."""
+    """(experts padded to a power of two, token rows per tile: at most ``TILE`` elements a
+    tile, so a program's few [rows, experts] arrays stay in registers)."""
     experts = triton.next_power_of_2(num_experts)
-    return experts, min(STAT_BLOCK, max(1, 4096 // experts))
+    return experts, min(STAT_BLOCK, max(1, TILE // experts))
 
 
 def router(
@@ -160,7 +165,8 @@ def router(
         experts, rows = _tile(num_experts)
         _router_kernel[(blocks,)](logits.contiguous(), probs, indices, partials, t, num_experts,
                                   K=top_k, SIGMOID=sigmoid, BT=STAT_BLOCK, SUB=rows, EB=experts,
-                                  KB=triton.next_power_of_2(top_k), num_warps=4)
+                                  KB=triton.next_power_of_2(top_k), num_warps=8,
+                                  **KERNEL_OPTIONS)
     return probs, indices, partials
 
 
@@ -181,27 +187,38 @@ def router_backward(
             counts, labels if labels is not None else counts, d_logits, t, num_experts,
             balance_grad * num_experts / (t * top_k * t), 2.0 * z_grad / t, K=top_k,
             SIGMOID=sigmoid, HAS_GRAD=grad_probs is not None, HAS_LABELS=labels is not None,
-            HAS_Z=z_grad != 0.0, BT=rows, EB=experts, num_warps=4,
+            HAS_Z=z_grad != 0.0, BT=rows, EB=experts, num_warps=4, **KERNEL_OPTIONS,
         )
     return d_logits
 
 
 @triton.jit
-def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, BLOCK: tl.constexpr):
+def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
+                 BLOCK: tl.constexpr):
+    """Program (e, p): the choices of expert e in part p (choices p*part .. p*part+part-1).
+    One pass over every choice counts those of lower experts and those of e before the part
+    (its first row); then it walks its part with a running count (a stable counting sort).
+    Part 0 also writes e's count and, with a capacity, e's padding rows."""
     expert = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * part
     below = tl.full([], 0, tl.int64)
+    before = tl.full([], 0, tl.int64)
     own = tl.full([], 0, tl.int64)
     for start in range(0, n, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
-        e = tl.load(flat + offsets, mask=offsets < n, other=-1)
         valid = offsets < n
+        e = tl.load(flat + offsets, mask=valid, other=-1)
+        hit = e == expert
         below += tl.sum((valid & (e < expert)).to(tl.int64), axis=0)
-        own += tl.sum((e == expert).to(tl.int64), axis=0)
-    tl.store(counts + expert, own)
-    seen = tl.full([], 0, tl.int64)
-    for start in range(0, n, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        hit = tl.load(flat + offsets, mask=offsets < n, other=-1) == expert
+        before += tl.sum((hit & (offsets < first)).to(tl.int64), axis=0)
+        own += tl.sum(hit.to(tl.int64), axis=0)
+    if first == 0:
+        tl.store(counts + expert, own)
+    seen = before
+    for start in range(0, part, BLOCK):
+        offsets = first + start + tl.arange(0, BLOCK)
+        inside = (offsets < n) & (offsets < first + part)
+        hit = inside & (tl.load(flat + offsets, mask=inside, other=-1) == expert)
         position = seen + tl.cumsum(hit.to(tl.int64), axis=0) - 1
         if capacity < 0:
             row = below + position
@@ -213,12 +230,21 @@ def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, BLOCK: tl.c
             tl.store(row_choice + row, offsets.to(tl.int64), mask=hit & kept)
             tl.store(choice_rows + offsets, tl.where(kept, row, -1), mask=hit)
         seen += tl.sum(hit.to(tl.int64), axis=0)
-    if capacity >= 0:
+    if (capacity >= 0) & (first == 0):
         for start in range(0, capacity, BLOCK):
             slot = start + tl.arange(0, BLOCK)
             padding = (slot < capacity) & (slot >= own)
             tl.store(row_choice + expert * capacity + slot, tl.full([BLOCK], -1, tl.int64),
                      mask=padding)
+
+
+def plan_parts(n: int, num_experts: int) -> tuple[int, int]:
+    """(parts, choices a part) of the routing plan's grid of experts x parts of the choices:
+    parts of ``PLAN_GRAIN`` choices or a multiple, enough of them for ``PLAN_PROGRAMS``
+    programs in all when the choices allow."""
+    parts = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_GRAIN)))
+    part = triton.cdiv(triton.cdiv(max(n, 1), parts), PLAN_GRAIN) * PLAN_GRAIN
+    return triton.cdiv(max(n, 1), part), part
 
 
 def routing_plan(
@@ -230,6 +256,7 @@ def routing_plan(
     row_choice = torch.empty(rows, dtype=torch.int64, device=indices.device)
     choice_rows = torch.empty(indices.shape, dtype=torch.int64, device=indices.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=indices.device)
-    _plan_kernel[(num_experts,)](indices.contiguous(), row_choice, choice_rows, counts, n,
-                                 capacity, BLOCK=PLAN_BLOCK)
+    parts, part = plan_parts(n, num_experts)
+    _plan_kernel[(num_experts, parts)](indices.contiguous(), row_choice, choice_rows, counts,
+                                       n, capacity, part, BLOCK=PLAN_BLOCK, **KERNEL_OPTIONS)
     return row_choice, choice_rows, counts

@@ -41,6 +41,7 @@ from torch import nn
 from megapipe.kernels import (
     permute_op, router_backward_op, router_op, routing_plan_op, sum_choices_op,
 )
+from megapipe.kernels.reference_fused import stable_top_k
 from megapipe.moe.aux_loss import AuxStatistics
 from megapipe.moe.permutation import expert_counts
 from megapipe.moe.seeding import seeded_normal
@@ -133,11 +134,11 @@ class Router(nn.Module):
         logits = raw.to(torch.promote_types(raw.dtype, torch.float32))
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
-            probs, indices = torch.topk(scores, self.top_k, dim=-1)
+            probs, indices = stable_top_k(scores, self.top_k)
             balance_scores = scores
         else:
             scores = torch.sigmoid(logits)
-            top_scores, indices = torch.topk(scores, self.top_k, dim=-1)
+            top_scores, indices = stable_top_k(scores, self.top_k)
             probs = top_scores / top_scores.sum(dim=-1, keepdim=True)
             balance_scores = scores / scores.sum(dim=-1, keepdim=True)
         return RouterOutput(

@@ -1,0 +1,75 @@
+"""The Triton kernels compiled for sm_90 (and sm_100) on this CPU through the stand-in driver
+(``megapipe.kernels.standin_driver``): they compile at the shapes users run, spill no register
+up to 256 experts and top-8, launch with FP fusion pinned off, and the routing plan and the
+RMSNorm weight gradient fill an H100's 132 SMs at 4096 tokens. The default run compiles the
+kernels this concerns at one shape each (the router at its worst: 256 experts, top-8, sigmoid,
+bf16); ``heavy_kernels`` (``MEGAPIPE_HEAVY_KERNELS=1``) compiles every kernel at every shape of
+``benchmarks/kernel_registers.py`` for both architectures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import kernel_registers as KR  # noqa: E402
+
+from megapipe.kernels.standin_driver import compiling_for  # noqa: E402
+
+H100_SMS = 132
+
+
+def _assert_lean(rows: list[KR.Row]) -> None:
+    for row in rows:
+        launch = row.launch
+        assert launch.stack_bytes == 0, f"{launch.kernel} {row.shape} spills: {launch}"
+        assert launch.registers < 255, f"{launch.kernel} {row.shape} at the register limit"
+        assert not launch.fp_fusion, f"{launch.kernel} {row.shape} compiled with FP fusion"
+
+
+def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100():
+    from megapipe.kernels import triton_norm as TN
+    from megapipe.kernels import triton_router as TR
+
+    tokens = 4096
+    x, w = torch.empty(tokens, 1024, dtype=torch.bfloat16), torch.empty(1024, dtype=torch.bfloat16)
+    rstd = torch.empty(tokens)
+    shapes = [(f"E=256 k=8 sigmoid {i}", call)
+              for i, call in enumerate(KR.router_launches(tokens, 256, 8, True))]
+    shapes += [("E=8 k=2 plan", KR.plan_launches(tokens, 8, 2)[0]),
+               ("h=1024 norm backward", lambda: TN.rms_norm_backward(x, x, w, rstd, None))]
+    rows = KR.compile_all(90, shapes)
+    _assert_lean(rows)
+    router, router_backward, plan, norm = (row.launch for row in rows)
+    assert (router.kernel, router_backward.kernel) == ("_router_kernel", "_router_backward_kernel")
+    # the plan: experts x parts programs; the norm: dweight column programs, then one per row
+    assert plan.kernel == "_plan_kernel" and plan.grid[0] * plan.grid[1] >= H100_SMS
+    assert norm.grid[0] - tokens == 1024 // TN.dweight_columns(1024) >= H100_SMS
+    assert TR.plan_parts(tokens * 2, 8) == (32, 256)
+
+
+def test_the_stand_in_driver_leaves_triton_as_it_found_it():
+    from triton.runtime.driver import driver
+
+    before = driver._active
+    with pytest.raises(ZeroDivisionError):
+        with compiling_for(90):
+            raise ZeroDivisionError
+    assert driver._active is before
+    with pytest.raises(ValueError, match="arch=75"):
+        with compiling_for(75):
+            pass
+
+
+@pytest.mark.heavy_kernels
+@pytest.mark.parametrize("arch", [90, 100])
+def test_every_kernel_compiles_at_every_real_shape_without_spills(arch):
+    rows = KR.compile_all(arch, KR.cases())
+    assert len(rows) == len(KR.HIDDEN) * 7 + len(KR.EXPERTS) * (len(KR.TOP_K) * 4 + 2)
+    _assert_lean(rows)

@@ -77,14 +77,11 @@ def _read(directory: Path, seq_length: int | None
 def _tensors(directory: Path, config: GPTConfig, arch: Architecture, files: list[Path]
              ) -> "_LazyTensors":
     """The files' tensors (headers read), checked to be the model's (``tensors.check_names``)."""
-    from safetensors import SafetensorError
-
     try:
         tensors = _LazyTensors(files)
         check_names(config, arch, set(tensors))
-    except (SafetensorError, OSError, ValueError) as err:
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"--load-hf {directory}: {message}") from None
+    except ValueError as err:
+        raise ValueError(f"--load-hf {directory}: {err}") from None
     return tensors
 
 
@@ -92,9 +89,14 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
     """The directory's tensors by Hugging Face name, each read from its file when asked for."""
 
     def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        handles = [safe_open(str(path), framework="pt") for path in files]
+        handles = []
+        for path in files:
+            try:
+                handles.append(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{path.name} is not a safetensors file ({err})") from None
         self._where = {name: handle for handle in handles for name in handle.keys()}
 
     def __getitem__(self, name: str) -> torch.Tensor:

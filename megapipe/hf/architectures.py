@@ -251,7 +251,9 @@ def hf_config(config: GPTConfig, dtype: Any, eos_token_id: int | None = None) ->
             sliding_window=None,
         )
     elif arch is MIXTRAL:
-        out.update(head_dim=config.head_dim, intermediate_size=config.moe_ffn_hidden_size,
+        derived = config.head_dim * config.num_heads == config.hidden_size
+        out.update(head_dim=None if derived else config.head_dim,
+                   intermediate_size=config.moe_ffn_hidden_size,
                    sliding_window=None, router_jitter_noise=0.0)
     else:
         out.update(attention_bias=False, clip_qkv=None,

@@ -168,3 +168,11 @@ def test_bad_input_is_one_line_before_any_process(published, tmp_path, monkeypat
     assert code == 2 and not started and err.count("\n") == 1, err
     for word in words:
         assert word in err, (word, err)
+
+
+def test_the_flags_know_the_models_qk_norm_scopes():
+    """``train.config.flags`` spells them without importing torch; they must be the model's."""
+    from megapipe.models.config import QK_LAYERNORM_SCOPES
+    from megapipe.train.config import flags
+
+    assert flags.QK_LAYERNORM_SCOPES == QK_LAYERNORM_SCOPES

@@ -210,3 +210,20 @@ if __name__ == "__main__":
         print("\n".join(problems))
         sys.exit(1)
     print("interpreted: ok")
+
+
+def test_the_cuda_router_refuses_renormalisation_and_calls_triton_without_the_option():
+    """What the CUDA registration runs with Triton (``library.define``'s ``refuse``): the
+    Triton functions get only their own arguments, and a renormalising call is refused."""
+    from megapipe.kernels import RENORMALIZE_ON_TRITON, _renormalizing
+    from megapipe.kernels.library import _refusing
+
+    forward = _refusing(lambda *args: args, _renormalizing, 3)
+    backward = _refusing(lambda *args: args, _renormalizing, 8)
+    assert forward("logits", 2, False) == ("logits", 2, False)
+    assert forward("logits", 2, False, False) == ("logits", 2, False)
+    assert backward(*range(8), False) == tuple(range(8))
+    for call, args in ((forward, ("logits", 2, False, True)), (backward, (*range(8), True))):
+        with pytest.raises(NotImplementedError, match="--no-moe-router-pre-softmax") as caught:
+            call(*args)
+        assert str(caught.value) == RENORMALIZE_ON_TRITON and "\n" not in RENORMALIZE_ON_TRITON

@@ -3,10 +3,10 @@ or ``export-hf`` writes it, one ``model.safetensors`` or an index and its shards
 ``GPTConfig`` and the single-process state dict, which ``models.split.copy_into_stage`` copies
 into the stages of any layout.
 
-``hf_model_config`` reads ``config.json`` and the weight files' headers only (the run checks
-it against its flags before any process starts); ``load_hf`` reads the weights too, and with ``keep`` only the parameters one
-rank's stages hold (each tensor read from its file when it is needed, so a rank never holds
-the whole model)."""
+``hf_model_config`` reads ``config.json`` (the run checks it against its flags before any
+process starts), ``check_hf_weights`` the weight files' headers; ``load_hf`` reads the weights
+too, and with ``keep`` only the parameters one rank's stages hold (each tensor read from its
+file when it is needed, so a rank never holds the whole model)."""
 
 from __future__ import annotations
 

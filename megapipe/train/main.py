@@ -70,9 +70,9 @@ def run(config: JobConfig) -> int:
         _error(str(err))
         return 2
     world_size = config.parallel.world_size
-    missing = missing_gpus(world_size) or _kernel_problem(config)
-    if missing is not None:
-        _error(missing)
+    problem = missing_gpus(world_size) or _kernel_problem(config)
+    if problem is not None:
+        _error(problem)
         return 2
     launched = launched_world_size() is not None
     if not launched or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:

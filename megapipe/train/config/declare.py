@@ -6,8 +6,9 @@
 where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``metavar``. A
 ``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
 argparse parser of a record class, whose namespace also notes the flags the command line gave
-(``given_flags``); ``parse_flags`` / ``record_of`` the record, after each flag's checks (a check: ``(flag, value) -> message or None``, never given None): the first
-refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
+(``given_flags``); ``parse_flags`` / ``record_of`` the record, after each flag's checks (a
+check: ``(flag, value) -> message or None``, never given None): the first refusal raises
+``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
 record's ``RENAMED`` ({old flag: new flag}) refuses an old name, naming the new one.
 """
 

@@ -149,13 +149,30 @@ def _prefix(w: World, idx: bool = True, bin_: bool = True) -> str:
     return str(prefix)
 
 
-def _hf_dir(weights: bool = True, index: str | None = None, **edits
-            ) -> Callable[[World], list[str]]:
+def _hf_weights(model, path: Path) -> None:
+    """TINY's model (its seeded initial weights) as Hugging Face tensors in ``path``."""
+    from safetensors.torch import save_file
+
+    from megapipe.hf.architectures import export_architecture
+    from megapipe.hf.tensors import tensor_plan
+    from megapipe.models.split import build_stage
+
+    state = build_stage(model, 0, 1).state_dict()
+    tensors = {}
+    for item in tensor_plan(model, export_architecture(model)):
+        name, _, expert = item.source.removeprefix("model/").partition("/expert")
+        tensors[item.name] = item.make(state[name][int(expert)] if expert else state[name])
+    save_file(tensors, str(path))
+
+
+def _hf_dir(weights: bool | None = True, index: str | None = None,
+            flags: tuple[str, ...] = (), **edits) -> Callable[[World], list[str]]:
     """``--load-hf`` of a directory whose config.json describes TINY's model, edited; its
-    weights file is only looked for (an empty file), since the run is refused first; ``index``:
-    the text of a ``model.safetensors.index.json`` beside it."""
+    weights: TINY's (True), an empty file (None) or none (False); ``index``: the text of a
+    ``model.safetensors.index.json`` beside it; ``flags``: more model flags given (the others
+    are config.json's)."""
     def setup(w: World) -> list[str]:
-        from megapipe.hf.qwen3_moe import hf_config
+        from megapipe.hf.architectures import hf_config
 
         folder = w.root / "hf"
         folder.mkdir()
@@ -163,10 +180,12 @@ def _hf_dir(weights: bool = True, index: str | None = None, **edits
         (folder / "config.json").write_text(json.dumps(dict(hf_config(model, torch.float32),
                                                             **edits)))
         if weights:
+            _hf_weights(model, folder / "model.safetensors")
+        elif weights is None:
             (folder / "model.safetensors").write_bytes(b"")
         if index is not None:
             (folder / "model.safetensors.index.json").write_text(index)
-        return ["--load-hf", str(folder)]
+        return ["--load-hf", str(folder), *flags]
     return setup
 
 
@@ -286,14 +305,19 @@ PRETRAIN_ERRORS: list[tuple[str, Callable[[World], list[str]], list[str]]] = [
      ["model.safetensors.index.json is not an index of weight files"]),
     ("load-hf-other-width", _hf_dir(hidden_size=64),
      ["its config.json has --hidden-size=64 but this run has --hidden-size=32"]),
-    ("load-hf-other-top-k", _hf_dir(num_experts_per_tok=1),
+    ("load-hf-other-top-k", _hf_dir(num_experts_per_tok=1, flags=("--moe-router-topk", "2")),
      ["--moe-router-topk=1", "--moe-router-topk=2"]),
-    ("load-hf-renormalised-router", _hf_dir(norm_topk_prob=True),
-     ["config.json norm_topk_prob=true has no equivalent"]),
+    ("load-hf-renormalised-router", _hf_dir(norm_topk_prob=True,
+                                            flags=("--moe-router-pre-softmax",)),
+     ["--moe-router-pre-softmax=False but this run has --moe-router-pre-softmax=True"]),
+    ("load-hf-empty-weights", _hf_dir(weights=None),
+     ["--load-hf", "model.safetensors is not a safetensors file"]),
     ("load-hf-vocabulary-too-small", _hf_dir(vocab_size=128),
      ["the tokenizer has 256 tokens, more than its model's vocabulary of 128"]),
-    ("load-hf-other-architecture", _hf_dir(model_type="mixtral"),
-     ["model_type='mixtral'", "'qwen3_moe'"]),
+    ("load-hf-other-architecture", _hf_dir(model_type="deepseek_v3"),
+     ['model_type="deepseek_v3"', "qwen3_moe (Qwen3MoeForCausalLM), mixtral"]),
+    ("load-hf-sliding-window", _hf_dir(use_sliding_window=True, sliding_window=8),
+     ["config.json use_sliding_window=true has no equivalent in megapipe's GPT"]),
     ("shared-expert-added", _model_change("--moe-shared-expert-intermediate-size", "16"),
      ["--moe-shared-expert-intermediate-size=None", "=16"]),
     ("keep-last-zero", lambda w: ["--save", str(w.root / "new"), "--keep-last", "0"],

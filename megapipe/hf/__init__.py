@@ -1,7 +1,7 @@
-"""megapipe.hf: Hugging Face's format (Qwen3-MoE) for megapipe's GPT.
+"""megapipe.hf: Hugging Face's MoE formats (Qwen3-MoE, Mixtral, OLMoE) for megapipe's GPT.
 
-- ``hf.qwen3_moe`` holds the field and tensor mapping both ways, ``hf.tokenizer_files`` the
-  tokenizer files an export carries;
+- ``hf.architectures`` holds the families and their ``config.json`` both ways, ``hf.tensors``
+  the tensor mapping both ways, ``hf.tokenizer_files`` the tokenizer files an export carries;
 - ``hf.load_hf`` reads such a directory into a ``GPTConfig`` and a state dict (``--load-hf``),
   which ``models.split.copy_into_stage`` copies into the stages of any layout.
 

@@ -1,11 +1,12 @@
-"""``--load-hf DIR``: a Qwen3-MoE directory (as ``export-hf`` writes it, or any whose features
-megapipe's GPT mirrors) back into a ``GPTConfig`` and the single-process state dict, which
-``models.split.copy_into_stage`` copies into the stages of any layout.
+"""``--load-hf DIR``: a Qwen3-MoE, Mixtral or OLMoE directory (as transformers' ``save_pretrained``
+or ``export-hf`` writes it, one ``model.safetensors`` or an index and its shards) back into a
+``GPTConfig`` and the single-process state dict, which ``models.split.copy_into_stage`` copies
+into the stages of any layout.
 
-``hf_model_config`` reads ``config.json`` only (the run checks it against its flags before any
-process starts); ``load_hf`` reads the weights too, and with ``keep`` only the parameters one
-rank's stages hold (each tensor read from its file when it is needed, so a rank never holds
-the whole model)."""
+``hf_model_config`` reads ``config.json`` (the run checks it against its flags before any
+process starts), ``check_hf_weights`` the weight files' headers; ``load_hf`` reads the weights
+too, and with ``keep`` only the parameters one rank's stages hold (each tensor read from its
+file when it is needed, so a rank never holds the whole model)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from megapipe.hf.qwen3_moe import gpt_config_from_hf, state_from_hf
+from megapipe.hf.architectures import Architecture, architecture_of, gpt_config_from_hf
+from megapipe.hf.tensors import check_names, state_from_hf
 from megapipe.models.config import GPTConfig
 
 
@@ -45,8 +47,15 @@ def hf_model_config(directory: str | Path, seq_length: int | None = None) -> GPT
     return _read(Path(directory), seq_length)[0]
 
 
-def _read(directory: Path, seq_length: int | None) -> tuple[GPTConfig, list[Path]]:
-    """``hf_model_config``'s config and the weight files it found."""
+def check_hf_weights(directory: str | Path, seq_length: int | None = None) -> None:
+    """A ValueError (one line) unless the weight files hold the tensors of the directory's model
+    and no other (their headers only are read)."""
+    _tensors(Path(directory), *_read(Path(directory), seq_length))
+
+
+def _read(directory: Path, seq_length: int | None
+          ) -> tuple[GPTConfig, Architecture, list[Path]]:
+    """``hf_model_config``'s config, its family and the weight files it found."""
     if not directory.is_dir():
         raise ValueError(f"--load-hf {directory} is not a directory")
     config_file = directory / "config.json"
@@ -62,16 +71,32 @@ def _read(directory: Path, seq_length: int | None) -> tuple[GPTConfig, list[Path
         raise ValueError(f"--load-hf {directory}: config.json has no {err}") from None
     except ValueError as err:
         raise ValueError(f"--load-hf {directory}: {err}") from None
-    return config, _weight_files(directory)
+    return config, architecture_of(fields), _weight_files(directory)
+
+
+def _tensors(directory: Path, config: GPTConfig, arch: Architecture, files: list[Path]
+             ) -> "_LazyTensors":
+    """The files' tensors (headers read), checked to be the model's (``tensors.check_names``)."""
+    try:
+        tensors = _LazyTensors(files)
+        check_names(config, arch, set(tensors))
+    except ValueError as err:
+        raise ValueError(f"--load-hf {directory}: {err}") from None
+    return tensors
 
 
 class _LazyTensors(Mapping[str, torch.Tensor]):
     """The directory's tensors by Hugging Face name, each read from its file when asked for."""
 
     def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        handles = [safe_open(str(path), framework="pt") for path in files]
+        handles = []
+        for path in files:
+            try:
+                handles.append(safe_open(str(path), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{path.name} is not a safetensors file ({err})") from None
         self._where = {name: handle for handle in handles for name in handle.keys()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -87,7 +112,9 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
 def load_hf(directory: str | Path, seq_length: int | None = None,
             keep: Callable[[str], bool] | None = None
             ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The config and single-process state dict (experts stacked) of a Qwen3-MoE directory;
-    with ``keep`` only the parameters whose global names it keeps (a rank's stages)."""
-    config, files = _read(Path(directory), seq_length)
-    return config, state_from_hf(config, _LazyTensors(files), keep)
+    """The config and single-process state dict (experts stacked) of a directory; with ``keep``
+    only the parameters whose global names it keeps (a rank's stages), each read from its file
+    when needed."""
+    config, arch, files = _read(Path(directory), seq_length)
+    tensors = _tensors(Path(directory), config, arch, files)
+    return config, state_from_hf(config, arch, tensors, keep)

@@ -85,14 +85,17 @@ def stable_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def router_scores(
-    logits: torch.Tensor, top_k: int, sigmoid: bool
+    logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs [t, k] float, indices [t, k], balance scores [t, E], scores [t, E]) in at least
-    float32, as the router computes them (``megapipe.moe.router``)."""
+    float32, as the router computes them (``megapipe.moe.router``); ``renormalize``: softmax's
+    top-k probabilities divided by their sum (sigmoid's always are)."""
     x = logits.to(_acc(logits.dtype))
     if not sigmoid:
         scores = torch.softmax(x, dim=-1)
         probs, indices = stable_top_k(scores, top_k)
+        if renormalize:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs, indices, scores, scores
     scores = torch.sigmoid(x)
     top, indices = stable_top_k(scores, top_k)
@@ -101,13 +104,13 @@ def router_scores(
 
 
 def router(
-    logits: torch.Tensor, top_k: int, sigmoid: bool
+    logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``probs [t, k]`` in the logits' dtype, ``indices [t, k]`` int64 and ``partials [b, E+1]``
     (at least float32): per block of ``STAT_BLOCK`` tokens, the sum of each expert's balance
     score and, last, the sum of logsumexp(logits)^2: the auxiliary losses' statistics, summed
     over the blocks when the loss value is read (``megapipe.moe.router.AuxStatistics``)."""
-    probs, indices, balance, _ = router_scores(logits, top_k, sigmoid)
+    probs, indices, balance, _ = router_scores(logits, top_k, sigmoid, renormalize)
     x = logits.to(_acc(logits.dtype))
     stats = torch.cat([balance, torch.logsumexp(x, dim=-1).square().unsqueeze(1)], dim=1)
     blocks = -(-stats.shape[0] // STAT_BLOCK)
@@ -119,6 +122,7 @@ def router(
 def router_backward(
     grad_probs: torch.Tensor | None, logits: torch.Tensor, counts: torch.Tensor,
     labels: torch.Tensor | None, top_k: int, sigmoid: bool, balance_grad: float, z_grad: float,
+    renormalize: bool = False,
 ) -> torch.Tensor:
     """d logits of ``probs`` (given ``grad_probs``) plus ``balance_grad`` x the load-balancing
     loss and ``z_grad`` x the z-loss, in the logits' dtype. ``counts [E]`` are the routing
@@ -126,17 +130,20 @@ def router_backward(
 
     Load balancing ``E * sum_e f_e * mean_t bs[t, e]`` with ``f_e = counts_e / (t k)`` has
     d/d bs[t, e] = ``E f_e / t``; z-loss ``mean_t lse_t^2`` has d/d logits = ``2 lse_t
-    softmax / t``; the rest is the chain rule through softmax, or through sigmoid and the two
-    normalisations."""
+    softmax / t``; the rest is the chain rule through softmax (and the top-k renormalisation),
+    or through sigmoid and the two normalisations."""
     x = logits.to(_acc(logits.dtype))
     t, num_experts = x.shape
-    probs, indices, balance, scores = router_scores(logits, top_k, sigmoid)
+    probs, indices, balance, scores = router_scores(logits, top_k, sigmoid, renormalize)
     per_expert = (counts if labels is None else counts[labels]).to(x.dtype)
     a = (balance_grad * num_experts / (t * top_k * t)) * per_expert  # d loss / d balance[t, e]
     g = torch.zeros_like(x) if grad_probs is None else grad_probs.to(x.dtype)
     if not sigmoid:
         upstream = a.expand(t, num_experts)
         if grad_probs is not None:
+            if renormalize:  # probs = top / sum(top): d top = (g - sum(g * probs)) / sum(top)
+                chosen = torch.gather(scores, 1, indices).sum(dim=-1, keepdim=True)
+                g = (g - (g * probs).sum(dim=-1, keepdim=True)) / chosen
             upstream = upstream.scatter_add(1, indices, g)
         d = scores * (upstream - (upstream * scores).sum(dim=-1, keepdim=True))
     else:

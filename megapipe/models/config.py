@@ -18,6 +18,7 @@ from megapipe.overlap.recompute import check_recompute_modules
 CONFIG_VERSION = 1
 """The version of ``GPTConfig.to_dict``'s form; ``from_dict`` reads this version only."""
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+QK_LAYERNORM_SCOPES = ("head", "all")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class GPTConfig:
     Attention fields carry Megatron's flag names: ``position_embedding_type`` ("learned_absolute"
     or "rope", rotary with ``rotary_base``, "rotate half" form on the head dim),
     ``num_query_groups`` (grouped-query attention; None: one group per head), ``qk_layernorm``
-    (RMSNorm over each head's q and k), ``kv_channels`` (the head dim; None: hidden/heads) and
+    (RMSNorm over each head's q and k; ``qk_layernorm_scope="all"``: over all heads at once, as
+    OLMoE), ``kv_channels`` (the head dim; None: hidden/heads) and
     ``untie_embeddings_and_output_weights`` (False: the output layer uses the token embedding;
     across stages both copies get the summed gradient, ``shared_embedding``).
     """
@@ -57,6 +59,9 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: int | None = None
     moe_link: EmulatedLink | None = None  # emulated interconnect for the A2A (CPU overlap studies)
     moe_router_dtype: str | None = None  # None: the activations' dtype; "fp32" / "fp64"
+    # Megatron's --moe-router-pre-softmax: softmax's top-k probabilities as they are; False:
+    # divided by their sum (Megatron's default; Mixtral, Qwen3-MoE's norm_topk_prob)
+    moe_router_pre_softmax: bool = True
     # Megatron's --recompute-modules (selective recompute): "core_attn", "moe_act"
     recompute_modules: tuple[str, ...] = ()
     # Megatron's --recompute-granularity full: None (off), "uniform" (every layer of a chunk)
@@ -67,6 +72,9 @@ class GPTConfig:
     rotary_base: float = 10000
     num_query_groups: int | None = None  # None: num_heads (plain multi-head attention)
     qk_layernorm: bool = False
+    # with qk_layernorm: "head", one RMSNorm over each head's d (Qwen3, Megatron); "all", one
+    # over all the heads' q (heads x d) and one over all the keys (groups x d), as OLMoE
+    qk_layernorm_scope: str = "head"
     kv_channels: int | None = None  # None: hidden_size // num_heads
     untie_embeddings_and_output_weights: bool = True
     norm_eps: float = 1e-5
@@ -123,6 +131,9 @@ class GPTConfig:
                 f"GPTConfig.num_query_groups={self.num_query_groups} must divide "
                 f"num_heads={self.num_heads}"
             )
+        if self.qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
+            raise ValueError(f"GPTConfig.qk_layernorm_scope={self.qk_layernorm_scope!r} must be "
+                             f"one of {', '.join(QK_LAYERNORM_SCOPES)}")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"GPTConfig.position_embedding_type={self.position_embedding_type!r} must be one "
@@ -215,5 +226,6 @@ class GPTConfig:
             link=self.moe_link,
             init_std=self.init_std,
             router_dtype=self.moe_router_dtype,
+            pre_softmax=self.moe_router_pre_softmax,
             recompute_activation="moe_act" in self.recompute_modules,
         )

@@ -89,7 +89,9 @@ class CausalSelfAttention(nn.Module):
     ``groups * d`` of keys and of values (head-major inside each), with ``d`` the head dim and
     ``groups`` the key/value heads (grouped-query attention when fewer than the heads). With
     ``qk_layernorm`` each head's q and k go through an RMSNorm over d (``q_norm``, ``k_norm``)
-    before the rotary embedding (rope), as Qwen3 and Megatron's ``--qk-layernorm`` do.
+    before the rotary embedding (rope), as Qwen3 and Megatron's ``--qk-layernorm`` do; with
+    ``qk_layernorm_scope="all"`` all the queries (heads x d) go through one RMSNorm and all the
+    keys (groups x d) through another, as OLMoE's.
     """
 
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
@@ -108,9 +110,13 @@ class CausalSelfAttention(nn.Module):
             seeded_normal((h, self.num_heads * self.head_dim), std, seed, *keys, "out")
         )
         self.q_norm = self.k_norm = None
+        self.norm_all_heads = config.qk_layernorm and config.qk_layernorm_scope == "all"
         if config.qk_layernorm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+            q_size, k_size = self.head_dim, self.head_dim
+            if self.norm_all_heads:
+                q_size, k_size = self.num_heads * self.head_dim, self.groups * self.head_dim
+            self.q_norm = nn.RMSNorm(q_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(k_size, eps=config.norm_eps)
         self.rotary = config.position_embedding_type == "rope"
         if self.rotary:  # tables in the model's dtype, as Megatron and Hugging Face apply them
             cos, sin = rotary_tables(config.seq_length, self.head_dim, config.rotary_base)
@@ -120,9 +126,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         d, heads, groups = self.head_dim, self.num_heads, self.groups
-        qkv = F.linear(x, self.w_qkv).view(b, s, heads + 2 * groups, d).transpose(1, 2)
+        qkv = F.linear(x, self.w_qkv)
+        if self.norm_all_heads:
+            q, k, v = qkv.split((heads * d, groups * d, groups * d), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(b, s, heads + 2 * groups, d).transpose(1, 2)
         q, k, v = qkv.split((heads, groups, groups), dim=1)  # [b, heads | groups, s, d]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             cos, sin = self.rotary_cos[:s], self.rotary_sin[:s]

@@ -86,6 +86,9 @@ class MoEConfig:
     link: EmulatedLink | None = None
     init_std: float = 0.02
     router_dtype: str | None = None  # None: the input's dtype; "fp32" (Megatron's flag)
+    # softmax's top-k probabilities as they are (True) or divided by their sum (Megatron's
+    # --moe-router-pre-softmax, whose default is off)
+    pre_softmax: bool = True
     recompute_activation: bool = False  # --recompute-modules moe_act
 
     def __post_init__(self) -> None:
@@ -230,6 +233,7 @@ class MoELayer(nn.Module):
             layer_index=layer_index,
             init_std=config.init_std,
             router_dtype=config.router_dtype,
+            pre_softmax=config.pre_softmax,
         )
         local = self.dispatcher.num_local_experts
         self.experts = GroupedExperts(
@@ -265,7 +269,8 @@ class MoELayer(nn.Module):
         c = self.config
         return (
             f"MoE layer {self.layer_index}: {c.num_experts} experts, top-{c.top_k} "
-            f"{c.score_function}, {self.dispatcher.describe()}"
+            f"{c.score_function}{'' if c.pre_softmax else ' renormalised'}, "
+            f"{self.dispatcher.describe()}"
         )
 
     @property

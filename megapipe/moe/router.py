@@ -3,7 +3,10 @@ losses that keep experts balanced.
 
 Scoring (``score_function``):
 - ``"softmax"``: softmax over all experts, top k of those probabilities used as combine weights
-  without renormalisation (Switch/GShard style, so the router still learns when k = 1);
+  without renormalisation (``pre_softmax``, Megatron's ``--moe-router-pre-softmax``: Switch/GShard
+  style, so the router still learns when k = 1), or divided by their sum (``pre_softmax=False``:
+  Megatron's default, Mixtral's, Qwen3-MoE's ``norm_topk_prob``; Megatron takes the softmax of
+  the chosen logits, the same numbers up to rounding);
 - ``"sigmoid"``: per-expert sigmoid scores, top k, weights normalised to sum to 1 per token
   (DeepSeek-V3 style).
 
@@ -39,7 +42,8 @@ import torch
 from torch import nn
 
 from megapipe.kernels import (
-    permute_op, router_backward_op, router_op, routing_plan_op, sum_choices_op,
+    HAS_TRITON, RENORMALIZE_ON_TRITON, permute_op, router_backward_op, router_op,
+    routing_plan_op, sum_choices_op,
 )
 from megapipe.kernels.reference_fused import stable_top_k
 from megapipe.moe.aux_loss import AuxStatistics
@@ -74,6 +78,13 @@ class Routed:
     aux: AuxStatistics  # the auxiliary losses' value, summed when read
 
 
+def kernel_problem(score_function: str, pre_softmax: bool, device_type: str) -> str | None:
+    """Why the router kernels of ``device_type`` cannot route this way (None: they can): the
+    Triton kernel does not renormalise softmax's top-k probabilities."""
+    renormalises = score_function == "softmax" and not pre_softmax
+    return RENORMALIZE_ON_TRITON if renormalises and device_type == "cuda" and HAS_TRITON else None
+
+
 def load_balancing_loss(
     scores: torch.Tensor, indices: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
@@ -103,6 +114,7 @@ class Router(nn.Module):
         layer_index: int = 0,
         init_std: float = 0.02,
         router_dtype: str | None = None,
+        pre_softmax: bool = True,
     ) -> None:
         super().__init__()
         if router_dtype not in ROUTER_DTYPES:
@@ -115,6 +127,7 @@ class Router(nn.Module):
         self.top_k = top_k
         self.score_function = score_function
         self.router_dtype = router_dtype
+        self.pre_softmax = pre_softmax
         self.weight = nn.Parameter(
             seeded_normal((num_experts, hidden_size), init_std, seed, "router", layer_index)
         )
@@ -135,6 +148,8 @@ class Router(nn.Module):
         if self.score_function == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs, indices = stable_top_k(scores, self.top_k)
+            if not self.pre_softmax:
+                probs = probs / probs.sum(dim=-1, keepdim=True)
             balance_scores = scores
         else:
             scores = torch.sigmoid(logits)
@@ -162,7 +177,8 @@ class Router(nn.Module):
         balance_grad, z_grad = (c * loss_scale for c in coefficients)
         dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]
         spec = _RouteSpec(self.top_k, self.score_function == "sigmoid", self.num_experts,
-                          -1 if capacity is None else capacity, dtype, balance_grad, z_grad)
+                          -1 if capacity is None else capacity, dtype, balance_grad, z_grad,
+                          not self.pre_softmax and self.score_function == "softmax")
         probs, rows, indices, row_choice, choice_rows, counts, partials = _Route.apply(
             tokens, self.weight, labels, spec)
         aux = AuxStatistics(partials, counts, labels, tokens.shape[0], self.top_k, *coefficients)
@@ -178,6 +194,7 @@ class _RouteSpec:
     dtype: torch.dtype | None  # the logits' dtype (None: the tokens', or autocast's)
     balance_grad: float
     z_grad: float
+    renormalize: bool  # softmax's top-k probabilities divided by their sum
 
 
 class _Route(torch.autograd.Function):
@@ -193,7 +210,7 @@ class _Route(torch.autograd.Function):
         tokens_c, weight_c = tokens.to(dtype), weight.to(dtype)
         with torch.autocast(device, enabled=False):  # the dtype is chosen above
             logits = torch.mm(tokens_c, weight_c.t())
-        probs, indices, partials = router_op(logits, spec.top_k, spec.sigmoid)
+        probs, indices, partials = router_op(logits, spec.top_k, spec.sigmoid, spec.renormalize)
         plan_of = indices if labels is None else labels[indices]
         row_choice, choice_rows, counts = routing_plan_op(plan_of, spec.num_experts,
                                                           spec.capacity)
@@ -209,7 +226,8 @@ class _Route(torch.autograd.Function):
         tokens_c, weight_c, logits, choice_rows, counts, labels = ctx.saved_tensors
         spec = ctx.spec
         d_logits = router_backward_op(grad_probs, logits, counts, labels, spec.top_k,
-                                      spec.sigmoid, spec.balance_grad, spec.z_grad)
+                                      spec.sigmoid, spec.balance_grad, spec.z_grad,
+                                      spec.renormalize)
         d_permute = None if grad_rows is None else sum_choices_op(grad_rows, None, choice_rows)
         if d_permute is not None and d_permute.dtype == d_logits.dtype:
             d_tokens = torch.addmm(d_permute, d_logits, weight_c)

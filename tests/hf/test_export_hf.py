@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from megapipe.cli import main  # noqa: E402
 from megapipe.hf.load_hf import load_hf  # noqa: E402
-from megapipe.hf.qwen3_moe import check_exportable, gpt_config_from_hf  # noqa: E402
+from megapipe.hf.architectures import export_architecture, gpt_config_from_hf  # noqa: E402
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
 from megapipe.train.checkpoint.export_hf import export_hf  # noqa: E402
@@ -121,8 +121,8 @@ def test_config_json_maps_the_fields(exported):
     assert untied["num_key_value_heads"] == 2 and untied["head_dim"] == 12
     assert untied["mlp_only_layers"] == [0] and untied["norm_topk_prob"] is False
     assert untied["tie_word_embeddings"] is False and tied["tie_word_embeddings"] is True
-    assert untied["torch_dtype"] == "float32"
-    assert json.loads((out / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert untied["dtype"] == "float32"
+    assert json.loads((out / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     from safetensors import safe_open
 
     with safe_open(out / "tied" / "model.safetensors", "pt") as f:
@@ -201,11 +201,15 @@ def test_load_hf_gives_back_the_config_and_the_weights(exported):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (dict(norm_topk_prob=True), "norm_topk_prob=true has no equivalent"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "rope_type='yarn'"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(model_type="mixtral"), "model_type='mixtral': --load-hf reads 'qwen3_moe'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), 'rope_type="yarn"'),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling={"),
+    (dict(hidden_act="gelu"), 'hidden_act="gelu"'),
+    (dict(model_type="deepseek_v3"), 'model_type="deepseek_v3": --load-hf reads qwen3_moe'),
+    (dict(architectures=["Qwen3MoeModel"]), 'architectures=["Qwen3MoeModel"]'),
     (dict(num_hidden_layers=5, mlp_only_layers=[0, 3]), "MoE layers [1, 2, 4] are not"),
+    (dict(attention_bias=True), "attention_bias=true has no equivalent"),
+    (dict(num_experts=8), "num_local_experts=4 and num_experts=8 disagree"),
+    (dict(q_lora_rank=8), "q_lora_rank=8: megapipe does not mirror this qwen3_moe key"),
 ])
 def test_load_hf_refuses_what_megapipe_does_not_mirror(exported, edit, message):
     out, _ = exported
@@ -217,17 +221,21 @@ def test_load_hf_refuses_what_megapipe_does_not_mirror(exported, edit, message):
 
 @pytest.mark.parametrize("fields,field", [
     (dict(position_embedding_type="learned_absolute"),
-     "position_embedding_type='learned_absolute'"),
-    (dict(qk_layernorm=False), "qk_layernorm=False"),
-    (dict(moe_score_function="sigmoid"), "moe_score_function='sigmoid'"),
-    (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
-    (dict(moe_capacity_factor=1.5), "moe_capacity_factor=1.5"),
+     "Qwen3MoeForCausalLM: position_embedding_type='learned_absolute'"),
+    (dict(qk_layernorm=False), "MixtralForCausalLM: qk_layernorm=False"),  # a dense layer
+    (dict(qk_layernorm=False, first_k_dense_layers=0), "MixtralForCausalLM: "
+     "moe_router_pre_softmax=True"),
+    (dict(qk_layernorm_scope="all"), "OlmoeForCausalLM: first_k_dense_layers=1"),
+    (dict(qk_layernorm_scope="all", first_k_dense_layers=0), "OlmoeForCausalLM: kv_channels=12"),
+    (dict(moe_score_function="sigmoid"), "Qwen3MoeForCausalLM: moe_score_function='sigmoid'"),
+    (dict(moe_shared_expert_intermediate_size=16),
+     "Qwen3MoeForCausalLM: moe_shared_expert_intermediate_size=16"),
+    (dict(moe_capacity_factor=1.5), "Qwen3MoeForCausalLM: moe_capacity_factor=1.5"),
 ])
-def test_what_qwen3_moe_cannot_express_is_refused_in_one_line(fields, field):
+def test_what_a_family_cannot_express_is_refused_in_one_line(fields, field):
     config = dataclasses.replace(MODERN, **fields)
-    with pytest.raises(ValueError, match=f"cannot export to Qwen3MoeForCausalLM: {field} has no "
-                                          "equivalent") as caught:
-        check_exportable(config)
+    with pytest.raises(ValueError, match=f"cannot export to {field} has no equivalent") as caught:
+        export_architecture(config)
     assert "\n" not in str(caught.value)
 
 

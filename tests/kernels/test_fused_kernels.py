@@ -61,8 +61,9 @@ def test_swiglu_is_the_per_expert_activation_bitwise_with_autograd_gradients():
                                                  torch.autograd.grad(expected, (gate, up), grad)))
 
 
-def _definition(logits, top_k, sigmoid, coeffs):
-    """The router's losses as the unfused code wrote them: probs, lb, z (differentiable)."""
+def _definition(logits, top_k, sigmoid, coeffs, renormalize=False):
+    """The router's losses as the unfused code wrote them: probs, lb, z (differentiable);
+    ``renormalize``: softmax's top-k probabilities divided by their sum."""
     x = logits.float()
     if sigmoid:
         scores = torch.sigmoid(x)
@@ -72,20 +73,23 @@ def _definition(logits, top_k, sigmoid, coeffs):
     else:
         scores = torch.softmax(x, dim=-1)
         probs, indices = torch.topk(scores, top_k, dim=-1)
+        if renormalize:
+            probs = probs / probs.sum(-1, keepdim=True)
         balance = scores
     lb = load_balancing_loss(balance, indices, x.shape[1])
     return probs, indices, coeffs[0] * lb + coeffs[1] * z_loss(x)
 
 
-@pytest.mark.parametrize("sigmoid", [False, True])
+@pytest.mark.parametrize("sigmoid,renormalize", [(False, False), (True, False), (False, True)],
+                         ids=["softmax", "sigmoid", "softmax-renormalised"])
 @pytest.mark.parametrize("with_labels", [False, True])
-def test_router_reference_against_the_unfused_router(sigmoid, with_labels):
+def test_router_reference_against_the_unfused_router(sigmoid, renormalize, with_labels):
     gen = torch.Generator().manual_seed(2)
     t, num_experts, top_k, coeffs = 70, 6, 2, (0.3, 0.05)
     logits = torch.randn(t, num_experts, generator=gen, dtype=torch.float32).requires_grad_()
     grad_probs = torch.randn(t, top_k, generator=gen)
-    probs, indices, aux = _definition(logits, top_k, sigmoid, coeffs)
-    got_probs, got_indices, partials = R.router(logits.detach(), top_k, sigmoid)
+    probs, indices, aux = _definition(logits, top_k, sigmoid, coeffs, renormalize)
+    got_probs, got_indices, partials = R.router(logits.detach(), top_k, sigmoid, renormalize)
     assert torch.equal(got_probs, probs) and torch.equal(got_indices, indices)
     labels = torch.randperm(num_experts, generator=gen) if with_labels else None
     plan_of = got_indices if labels is None else labels[got_indices]
@@ -98,7 +102,7 @@ def test_router_reference_against_the_unfused_router(sigmoid, with_labels):
     # backward: d probs plus 0.5 x the losses' gradient
     (expected,) = torch.autograd.grad((probs * grad_probs).sum() + 0.5 * aux, logits)
     got = R.router_backward(grad_probs, logits.detach(), counts, labels, top_k, sigmoid,
-                            0.5 * coeffs[0], 0.5 * coeffs[1])
+                            0.5 * coeffs[0], 0.5 * coeffs[1], renormalize)
     _close(got, expected, 1e-6)
 
 
@@ -206,3 +210,20 @@ if __name__ == "__main__":
         print("\n".join(problems))
         sys.exit(1)
     print("interpreted: ok")
+
+
+def test_the_cuda_router_refuses_renormalisation_and_calls_triton_without_the_option():
+    """What the CUDA registration runs with Triton (``library.define``'s ``refuse``): the
+    Triton functions get only their own arguments, and a renormalising call is refused."""
+    from megapipe.kernels import RENORMALIZE_ON_TRITON, _renormalizing
+    from megapipe.kernels.library import _refusing
+
+    forward = _refusing(lambda *args: args, _renormalizing, 3)
+    backward = _refusing(lambda *args: args, _renormalizing, 8)
+    assert forward("logits", 2, False) == ("logits", 2, False)
+    assert forward("logits", 2, False, False) == ("logits", 2, False)
+    assert backward(*range(8), False) == tuple(range(8))
+    for call, args in ((forward, ("logits", 2, False, True)), (backward, (*range(8), True))):
+        with pytest.raises(NotImplementedError, match="--no-moe-router-pre-softmax") as caught:
+            call(*args)
+        assert str(caught.value) == RENORMALIZE_ON_TRITON and "\n" not in RENORMALIZE_ON_TRITON

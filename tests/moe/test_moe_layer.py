@@ -54,6 +54,7 @@ CASES = [
     dict(top_k=4),
     dict(score_function="sigmoid", shared_expert_intermediate_size=3),
     dict(capacity_factor=0.5),
+    dict(pre_softmax=False),  # the top-k weights renormalised (Megatron's default, Mixtral's)
 ]
 
 
@@ -81,6 +82,23 @@ def test_sigmoid_weights_are_normalised_and_softmax_weights_are_not():
     torch.testing.assert_close(sig.probs.sum(-1), torch.ones(7))
     soft = make(top_k=2).router(tokens)
     assert (soft.probs.sum(-1) < 1).all()
+    renormalised = make(top_k=2, pre_softmax=False).router(tokens)
+    torch.testing.assert_close(renormalised.probs.sum(-1), torch.ones(7))
+    assert torch.equal(renormalised.indices, soft.indices)
+    torch.testing.assert_close(renormalised.probs, soft.probs / soft.probs.sum(-1, keepdim=True))
+
+
+def test_renormalisation_on_the_triton_router_is_refused_in_one_line():
+    from megapipe.kernels import HAS_TRITON
+    from megapipe.moe.router import kernel_problem
+
+    assert kernel_problem("softmax", True, "cuda") is None
+    assert kernel_problem("softmax", False, "cpu") is None
+    assert kernel_problem("sigmoid", False, "cuda") is None  # sigmoid's kernel normalises
+    problem = kernel_problem("softmax", False, "cuda")
+    assert (problem is not None) == HAS_TRITON
+    if problem is not None:
+        assert "--no-moe-router-pre-softmax" in problem and "\n" not in problem
 
 
 def test_plan_permutation_orders_by_expert_and_drops_over_capacity():

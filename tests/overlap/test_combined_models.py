@@ -19,7 +19,10 @@ CONFIG = dict(num_layers=5, first_k_dense_layers=1, hidden_size=16, num_heads=2,
 # rope, grouped-query attention, QK norm, kv_channels, tied embeddings (issue 31)
 MODERN = dict(CONFIG, num_heads=4, num_query_groups=2, kv_channels=8, qk_layernorm=True,
               position_embedding_type="rope", untie_embeddings_and_output_weights=False)
-MODELS = pytest.mark.parametrize("fields", [CONFIG, MODERN], ids=["reference", "modern"])
+# issue 40: OLMoE's QK norm over all heads, the top-k weights renormalised (Mixtral, Qwen3-MoE)
+PUBLISHED = dict(MODERN, qk_layernorm_scope="all", moe_router_pre_softmax=False)
+MODELS = pytest.mark.parametrize("fields", [CONFIG, MODERN, PUBLISHED],
+                                 ids=["reference", "modern", "published"])
 
 
 def _inputs(cfg, part, gen):

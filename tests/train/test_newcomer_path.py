@@ -192,12 +192,16 @@ def _start_from_hf(argv: list[str], hf: str, checkpoint: str) -> dict:
 
 def test_a_run_starts_from_the_export_under_another_layout(rank_pools, walk, tmp_path):
     """``pretrain --load-hf``: the export of the pp 1 dp 4 checkpoint starts a pp 2 vpp 2 ep 2
-    run, whose stages hold exactly the checkpoint's weights, and which trains from there."""
+    run, whose stages hold exactly the checkpoint's weights, and which trains from there. The
+    command gives no model flag (the README's): config.json states the model."""
     root, _, _, argv, _, _ = walk
     hf, checkpoint = tmp_path / "HFDIR", root / "CKPT" / "iter_0000005"
     assert megapipe(["export-hf", "--load", str(checkpoint), "--out", str(hf)]) == 0
+    data = argv[len(MODEL):-len(MODERN) - 2]  # argv: MODEL, data, MODERN, --save CKPT
+    batches = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+               "--eval-interval", "0"]
     new = ["--save", str(tmp_path / "NEW"), "--train-iters", "1"]
-    ranks = rank_pools(4).run(_start_from_hf, argv + new, str(hf), str(checkpoint))
+    ranks = rank_pools(4).run(_start_from_hf, data + batches + new, str(hf), str(checkpoint))
     for rank in ranks:
         assert rank["compared"] > 0 and rank["differ"] == [], rank["differ"]
     result = ranks[0]["result"]

@@ -6,16 +6,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-ARCHITECTURE = "Qwen3MoeForCausalLM"  # hf.qwen3_moe.ARCHITECTURE, without importing torch
+FAMILIES = "Qwen3-MoE, Mixtral or OLMoE"  # hf.architectures' families, without importing torch
 DEFAULT_SHARD_MB = 5120
 
 
 def add_export_command(subparsers: Any) -> None:
     """Register ``megapipe export-hf`` (``cli.py`` calls this)."""
     p = subparsers.add_parser(
-        "export-hf", help=f"write a checkpoint as a Hugging Face model ({ARCHITECTURE})",
+        "export-hf", help=f"write a checkpoint as a Hugging Face model ({FAMILIES})",
         description=f"Write a megapipe checkpoint (any pp, vpp, ep, dp) as a Hugging Face "
-        f"{ARCHITECTURE} directory: config.json, safetensors, tokenizer files.",
+        f"{FAMILIES} directory (the family with the model's attention and router): "
+        "config.json, safetensors, tokenizer files.",
     )
     p.add_argument("--load", required=True, metavar="CKPT",
                    help="a --save folder (its newest complete checkpoint) or one iter_NNNNNNN")

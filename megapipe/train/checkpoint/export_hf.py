@@ -1,7 +1,8 @@
 """``megapipe export-hf --load CKPT --out DIR``: a checkpoint of any layout as a Hugging Face
-Qwen3-MoE model directory (``config.json``, safetensors, tokenizer files).
+model directory (``config.json``, safetensors, tokenizer files): Qwen3-MoE, Mixtral or OLMoE,
+whichever has the model's attention and router (``hf.architectures.export_architecture``).
 
-Order: find the checkpoint and its config, refuse what Qwen3-MoE cannot express (one line,
+Order: find the checkpoint and its config, refuse what that family cannot express (one line,
 before reading any tensor), check every tensor the model needs is in the checkpoint with its
 shape (and nothing else is), then write the weights shard by shard, each shard's checkpoint
 tensors read on their own (``reader.read_tensors``) so the memory held is about one
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-from megapipe.hf.qwen3_moe import ARCHITECTURE, HFTensor, check_exportable, hf_config, tensor_plan
+from megapipe.hf.architectures import export_architecture, hf_config
+from megapipe.hf.tensors import HFTensor, tensor_plan
 from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
 from megapipe.train.checkpoint.reader import (
     TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
@@ -77,19 +79,20 @@ def _tokenizer_spec(descriptor_model: dict[str, Any], tokenizer_model: str | Non
 
 def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write the checkpoint ``load`` as a Qwen3-MoE directory ``out``; returns the log lines."""
+    """Write the checkpoint ``load`` as a Hugging Face directory ``out``; returns the log
+    lines."""
     from safetensors.torch import save_file
 
     checkpoint = find_checkpoint(load)
     config = config_of(checkpoint)
-    check_exportable(config)
+    arch = export_architecture(config)
     tokenizer = check_tokenizer(_tokenizer_spec(checkpoint.descriptor["model"], tokenizer_model),
                                 config.vocab_size)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
     shapes = tensor_shapes(checkpoint.path)
-    plan = tensor_plan(config)
+    plan = tensor_plan(config, arch)
     _check_sources(plan, shapes, checkpoint.path)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, tokenizer)
@@ -113,7 +116,7 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
            else "dense")
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
-        f"  {ARCHITECTURE}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "
+        f"  {arch.name}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "
         f"{len(plan)} tensors "
         f"({total / 2**20:.2f} MiB, {str(dtype).removeprefix('torch.')}) in {len(shards)} file(s)",
         f"  tokenizer: {tokenizer.describe()}",

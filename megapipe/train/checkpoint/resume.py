@@ -41,7 +41,8 @@ RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
     "moe_layer_freq": "--moe-layer-freq",
     "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
     "num_query_groups": "--num-query-groups", "qk_layernorm": "--qk-layernorm",
-    "kv_channels": "--kv-channels",
+    "kv_channels": "--kv-channels", "qk_layernorm_scope": "--qk-layernorm-scope",
+    "moe_router_pre_softmax": "--moe-router-pre-softmax",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "vocab_size": "a padded vocabulary", "seed": "--seed",
 }
@@ -179,7 +180,7 @@ def _hf_note(hf_dir: str | None) -> str | None:
 HF_FIELDS = {  # GPTConfig field -> how the message names it, beside RESUMED_FIELDS
     "moe_top_k": "--moe-router-topk",
     "moe_capacity_factor": "--moe-expert-capacity-factor",
-    "norm_eps": "the RMSNorm epsilon",
+    "norm_eps": "--norm-epsilon",
 }
 """What a Hugging Face directory's model must share with the run it starts, besides the
 ``RESUMED_FIELDS`` (less the seed and the sequence length: rotary positions fix no length)."""
@@ -188,7 +189,7 @@ HF_FIELDS = {  # GPTConfig field -> how the message names it, beside RESUMED_FIE
 def check_hf_model(hf_dir: str, config: JobConfig) -> None:
     """Refuse a ``--load-hf`` directory megapipe cannot read or whose model the flags do not
     describe, naming the flag and both values."""
-    from megapipe.hf.load_hf import hf_model_config  # torch: the ranks have not started yet
+    from megapipe.hf.load_hf import check_hf_weights, hf_model_config  # torch: no rank yet
 
     mine = config.model
     try:
@@ -208,6 +209,10 @@ def check_hf_model(hf_dir: str, config: JobConfig) -> None:
             raise CheckpointError(
                 f"--load-hf {hf_dir}: its config.json has {shown}={its[name]!r} but this run "
                 f"has {shown}={ours[name]!r}; pass the model flags of its model")
+    try:
+        check_hf_weights(hf_dir, mine.seq_length)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def _architecture(model: "GPTConfig", fields: dict[str, str] = RESUMED_FIELDS

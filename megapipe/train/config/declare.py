@@ -5,9 +5,10 @@
 ``float``, ``str``, ``bool``, ``X | None``, ``tuple[X, ...]``), default, help, own checks, and
 where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``metavar``. A
 ``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
-argparse parser of a record class; ``parse_flags`` / ``record_of`` the record, after each
-flag's checks (a check: ``(flag, value) -> message or None``, never given None): the first
-refusal raises ``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
+argparse parser of a record class, whose namespace also notes the flags the command line gave
+(``given_flags``); ``parse_flags`` / ``record_of`` the record, after each flag's checks (a
+check: ``(flag, value) -> message or None``, never given None): the first refusal raises
+``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
 record's ``RENAMED`` ({old flag: new flag}) refuses an old name, naming the new one.
 """
 
@@ -92,6 +93,45 @@ def _specs(record: type) -> list[tuple[dataclasses.Field, FlagSpec, Any]]:
     return out
 
 
+GIVEN = "_given_flags"  # the namespace attribute ``given_flags`` reads
+
+
+def _note(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, GIVEN, getattr(namespace, GIVEN, frozenset()) | {dest})
+
+
+class _Store(argparse.Action):
+    """argparse's ``store``, noting the flag as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        setattr(namespace, self.dest, values)
+        _note(namespace, self.dest)
+
+
+class _Switch(argparse.Action):
+    """argparse's ``store_true``, noting the flag as given."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        setattr(namespace, self.dest, True)
+        _note(namespace, self.dest)
+
+
+class _Boolean(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x``, noting the flag as given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        super().__call__(parser, namespace, values, option_string)
+        _note(namespace, self.dest)
+
+
+def given_flags(ns: argparse.Namespace) -> frozenset[str]:
+    """The fields whose flags the command line gave (a ``build_parser`` parser's namespace)."""
+    return getattr(ns, GIVEN, frozenset())
+
+
 def build_parser(record: type, prog: str, description: str,
                  add_help: bool = True) -> argparse.ArgumentParser:
     """The argparse parser of every flag ``record`` declares, in ``--help`` groups."""
@@ -103,9 +143,9 @@ def build_parser(record: type, prog: str, description: str,
         base, many = _base_type(hint)
         kwargs: dict[str, Any] = {"default": f.default, "help": spec.help}
         if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            kwargs["action"] = _Boolean if f.default else _Switch
         else:
-            kwargs.update(type=base, nargs=(spec.nargs or "*") if many else None)
+            kwargs.update(action=_Store, type=base, nargs=(spec.nargs or "*") if many else None)
         kwargs.update({key: value for key, value in (("choices", spec.choices),
                                                      ("metavar", spec.metavar)) if value})
         groups[spec.group].add_argument(flag_name(f.name), **kwargs)
@@ -138,13 +178,19 @@ def record_of(record: type[R], ns: argparse.Namespace) -> R:
     return record(**values)
 
 
-def parse_flags(record: type[R], argv: Sequence[str] | None, prog: str,
-                description: str = "") -> R:
-    """Parse ``argv`` into a checked record; ArgsError (one line) for a bad flag."""
+def parse_namespace(record: type, argv: Sequence[str] | None, prog: str,
+                    description: str = "") -> argparse.Namespace:
+    """Parse ``argv`` with ``build_parser``'s parser; ArgsError (one line) for a bad flag."""
     parser = build_parser(record, prog, description)
 
     def fail(message: str) -> NoReturn:  # argparse's usage block becomes one line
         raise ArgsError(message)
 
     parser.error = fail  # type: ignore[method-assign]
-    return record_of(record, parser.parse_args(argv))
+    return parser.parse_args(argv)
+
+
+def parse_flags(record: type[R], argv: Sequence[str] | None, prog: str,
+                description: str = "") -> R:
+    """Parse ``argv`` into a checked record; ArgsError (one line) for a bad flag."""
+    return record_of(record, parse_namespace(record, argv, prog, description))

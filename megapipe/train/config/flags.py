@@ -30,6 +30,7 @@ MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (
 GRAPHS = "CUDA graphs"
 ARCHITECTURE, DATA = "model architecture", "data and tokenizer"
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")  # models.config's, without torch
+QK_LAYERNORM_SCOPES = ("head", "all")  # models.config's, without torch
 
 
 def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
@@ -140,6 +141,11 @@ class PretrainFlags:
         None, "fp32 or fp64: compute the router's logits in that precision (default: the "
         "activations' dtype; softmax, top-k and the auxiliary losses are always at least fp32)",
         one_of("fp32", "fp64"), group=MODEL)
+    moe_router_pre_softmax: bool = flag(
+        True, "the top-k softmax probabilities weigh the experts as they are (default on here; "
+        "Megatron's default is off: --no-moe-router-pre-softmax divides them by their sum, as "
+        "Mixtral and Qwen3-MoE's norm_topk_prob; on CUDA the Triton router refuses it)",
+        group=MODEL)
     moe_expert_capacity_factor: float | None = flag(
         None, "drop routing choices over capacity factor x tokens x top-k / experts per expert, "
         "padding every expert to that capacity (default: dropless)", above(0), group=MODEL)
@@ -168,8 +174,14 @@ class PretrainFlags:
     qk_layernorm: bool = flag(
         True, "RMSNorm of each head's query and key (default on here, as Qwen3; Megatron's "
         "default is off: --no-qk-layernorm)", group=ARCHITECTURE)
+    qk_layernorm_scope: str = flag(
+        "head", "with --qk-layernorm: head (an RMSNorm over each head, as Megatron and Qwen3) "
+        "or all (one over all the queries and one over all the keys, as OLMoE)",
+        one_of(*QK_LAYERNORM_SCOPES), group=ARCHITECTURE)
     kv_channels: int | None = flag(None, "the head dim (default: hidden / heads)", POSITIVE,
                                    group=ARCHITECTURE)
+    norm_epsilon: float = flag(1e-5, "the RMSNorms' epsilon", finite, above(0, "g"),
+                               group=ARCHITECTURE)
     untie_embeddings_and_output_weights: bool = flag(
         True, "the output layer has its own weight (default on here; Megatron ties without "
         "this flag: --no-untie-embeddings-and-output-weights ties them)", group=ARCHITECTURE)
@@ -319,9 +331,10 @@ class PretrainFlags:
     save: str | None = flag(None, "checkpoint directory", group=IO)
     load: str | None = flag(None, "resume directory", group=IO)
     load_hf: str | None = flag(
-        None, "start from the weights of a Hugging Face Qwen3-MoE directory (as export-hf "
-        "writes it): the model flags must describe its model; once --load holds a checkpoint, "
-        "that is resumed instead", group=IO, metavar="DIR")
+        None, "start from the weights of a Hugging Face Qwen3-MoE, Mixtral or OLMoE directory "
+        "(as transformers or export-hf writes it): the model flags not given are its "
+        "config.json's, those given must agree, the vocabulary is its; once --load holds a "
+        "checkpoint, that is resumed instead", group=IO, metavar="DIR")
     save_interval: int | None = flag(
         None, "iterations between saves (a final save always happens with --save)", POSITIVE,
         group=IO)

@@ -317,13 +317,14 @@ def model_config(f: PretrainFlags, vocab_size: int) -> "GPTConfig":
         moe_link=None if link is None else _link(link, f.moe_emulated_link_latency_us),
         moe_capacity_factor=f.moe_expert_capacity_factor,
         moe_expert_rank_capacity_factor=f.moe_expert_rank_capacity_factor,
-        moe_router_dtype=f.moe_router_dtype,
+        moe_router_dtype=f.moe_router_dtype, moe_router_pre_softmax=f.moe_router_pre_softmax,
         recompute_modules=selective_recompute_modules(f),
         recompute_method=f.recompute_method if full else None,
         recompute_num_layers=(f.recompute_num_layers or 1) if full else 1, seed=f.seed,
         position_embedding_type=f.position_embedding_type, rotary_base=f.rotary_base,
         num_query_groups=(f.num_query_groups or 1) if f.group_query_attention else None,
-        qk_layernorm=f.qk_layernorm, kv_channels=f.kv_channels,
+        qk_layernorm=f.qk_layernorm, qk_layernorm_scope=f.qk_layernorm_scope,
+        kv_channels=f.kv_channels, norm_eps=f.norm_epsilon,
         untie_embeddings_and_output_weights=f.untie_embeddings_and_output_weights,
     )
 

@@ -9,8 +9,8 @@ thread, and stack bytes per thread (spilled registers: every function is inlined
 line naming any launch that spills. A register-bound kernel runs fewer warps per SM and one that
 spills reads local memory, so a kernel should neither spill nor sit at 255 registers. The
 default shapes: 4096 tokens; hidden 1024, 4096 and 7168; 64, 128 and 256 experts; top-6 and
-top-8; softmax and sigmoid; bf16. A first run compiles about 60 kernels (minutes); Triton's
-cache makes a second quick.
+top-8; softmax and sigmoid; bf16. A first run compiles 52 kernels an architecture (minutes);
+Triton's cache makes a second quick.
 """
 
 from __future__ import annotations

@@ -96,6 +96,22 @@ class _Utils:
         pass
 
 
+class _Launcher:
+    """Triton keeps a kernel's launcher with the kernel (per device, so per arch) for the
+    process: it records into the stand-in active at the launch."""
+
+    def __init__(self, src: Any, metadata: Any) -> None:
+        self.fp_fusion = bool(metadata.enable_fp_fusion)
+
+    def __call__(self, gx: int, gy: int, gz: int, stream: Any, function: _Module,
+                 *args: Any) -> None:
+        active = driver.active
+        if not isinstance(active, StandInDriver):
+            raise RuntimeError("a stand-in kernel launched outside compiling_for")
+        active.launches.append(Launch(function.name, (gx, gy, gz), function.registers,
+                                      function.stack_bytes, self.fp_fusion))
+
+
 class StandInDriver(DriverBase):
     """Triton's view of a CUDA device of compute capability ``arch`` that records launches
     (``launches``) instead of running them."""
@@ -107,18 +123,8 @@ class StandInDriver(DriverBase):
         self.arch = arch
         self.utils = _Utils(arch)
         self.launches: list[Launch] = []
-        recorder = self.launches
 
-        class Launcher:
-            def __init__(self, src: Any, metadata: Any) -> None:
-                self.fp_fusion = bool(metadata.enable_fp_fusion)
-
-            def __call__(self, gx: int, gy: int, gz: int, stream: Any, function: _Module,
-                         *args: Any) -> None:
-                recorder.append(Launch(function.name, (gx, gy, gz), function.registers,
-                                       function.stack_bytes, self.fp_fusion))
-
-        self.launcher_cls = Launcher
+        self.launcher_cls = _Launcher
 
     @classmethod
     def is_active(cls) -> bool:

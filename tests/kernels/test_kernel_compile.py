@@ -57,6 +57,11 @@ def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100()
 def test_the_stand_in_driver_leaves_triton_as_it_found_it():
     from triton.runtime.driver import driver
 
+    # a kernel compiled before (Triton keeps it, with its launcher) is recorded again
+    for _ in range(2):
+        assert [row.launch.kernel for row in
+                KR.compile_all(90, [("plan", KR.plan_launches(64, 8, 2)[0])])] == ["_plan_kernel"]
+
     before = driver._active
     with pytest.raises(ZeroDivisionError):
         with compiling_for(90):

@@ -133,13 +133,13 @@ def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]]) -> list[str
         lines.append(
             f"{setting:<10}{rank:>5}{end['rss'] / 2**20:>9.1f}{per['rss']:>10.0f}"
             f"{end['heap_used'] / 2**20:>9.1f}{per['heap_used']:>10.0f}"
-            f"{end['heap_free'] / 2**20:>8.1f}{end['tensors'] / 2**20:>9.2f}"
+            f"{end['heap_free'] / 2**20:>9.1f}{end['tensors'] / 2**20:>9.2f}"
             f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}")
     return lines
 
 
 HEADER = (f"{'setting':<10}{'rank':>5}{'RSS MiB':>9}{'B/iter':>10}{'heap MiB':>9}{'B/iter':>10}"
-          f"{'free MiB':>8}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}")
+          f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ Per setting and rank it prints the values at the end and their slope (least squa
 iteration) over the last half of the run, after warm-up. Settings (``--settings``): ``overlap``
 (the default: combined steps with their node trace), ``plain`` (``--no-overlap-moe-expert-
 parallel-comm``, no node trace), ``wgrad`` (``--delay-wgrad-compute``), ``manual-gc``
-(``--manual-gc --manual-gc-interval 100``), ``trim`` (the same plus glibc's ``malloc_trim(0)``
-at each collection). Extra pretrain flags go after ``--``. The issue's target is 5,000
+(``--manual-gc --manual-gc-interval 100``: the collections, and glibc's ``malloc_trim(0)`` after
+each interval's, ``train/manual_gc.py``). Extra pretrain flags go after ``--``. The issue's target is 5,000
 iterations (``--iters 5000``); the default demo runs about 3 iterations per second on 2 cores:
 
     python benchmarks/long_run.py --iters 600 [--settings overlap,plain] [-- PRETRAIN FLAGS]
@@ -45,7 +45,6 @@ SETTINGS = {
     "plain": ["--no-overlap-moe-expert-parallel-comm"],
     "wgrad": ["--delay-wgrad-compute"],
     "manual-gc": ["--manual-gc", "--manual-gc-interval", str(GC_INTERVAL)],
-    "trim": ["--manual-gc", "--manual-gc-interval", str(GC_INTERVAL)],
 }
 FIELDS = ("rss", "heap_used", "heap_free", "tensors", "objects")
 
@@ -85,7 +84,6 @@ def sample(libc: ctypes.CDLL) -> tuple[int, ...]:
 class Settings:
     argv: tuple[str, ...]
     every: int
-    trim: bool
 
 
 def _worker(rank: int, s: Settings, out) -> None:
@@ -94,8 +92,6 @@ def _worker(rank: int, s: Settings, out) -> None:
     rows: list[tuple[int, ...]] = []
 
     def probe(iteration: int) -> None:
-        if s.trim and iteration % GC_INTERVAL == 0:
-            libc.malloc_trim(0)  # after the loop's collection at the same point
         if iteration % s.every == 0:
             rows.append((iteration, *sample(libc)))
 
@@ -164,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for name in names:
         pretrain = (*flags, *SETTINGS[name], "--train-iters", str(args.iters))
-        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every, name == "trim"))
+        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every))
         print("\n".join(format_rows(name, per_rank)), flush=True)
     return 0
 

@@ -3,10 +3,14 @@ Megatron's meaning, and a ``TrainResult`` that stays bounded however long the ru
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
+from megapipe.train.config.job_config import CollectorConfig
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import TrainResult
+from megapipe.train.manual_gc import ManualCollector, _malloc_trim
 from support.long_run_cases import collections_seen, pretrain_step_garbage
 from support.pretrain_flags import TINY
 
@@ -62,3 +66,19 @@ def test_a_train_result_keeps_a_fixed_window():
     for i in range(10):
         result.add_line(f"iter {i}")
     assert result.lines == ["model: ...", "iter 7", "iter 8", "iter 9"]
+
+
+def test_the_collector_collects_and_trims_at_its_interval():
+    with ManualCollector(CollectorConfig(manual=True, interval=2)) as collector:
+        assert not gc.isenabled()
+        for iteration in range(1, 6):
+            collector.after_iteration(iteration)
+        with collector.around_evaluation():
+            pass
+    assert gc.isenabled()
+    assert collector.collections == 1 + 2 + 2  # the start, iterations 2 and 4, the evaluation
+    assert collector.trims == (2 if _malloc_trim() is not None else 0)
+    with ManualCollector(CollectorConfig()) as automatic:  # off: nothing changes
+        assert gc.isenabled()
+        automatic.after_iteration(2)
+    assert automatic.collections == automatic.trims == 0

@@ -183,7 +183,7 @@ SCHEDULE_PARTS = [
 TRAIN_PARTS = [
     {"optim"}, {"config"}, {"checkpoint"}, {"observe"},
     {"job", "job_data", "step", "loop", "main", "supervise", "failures", "exits", "determinism",
-     ""},
+     "manual_gc", ""},
 ]
 
 

@@ -388,9 +388,7 @@ class BackwardHalf:
     ``grads`` None reads the ``.grad`` of the tape's outputs. ``wgrad`` collects the weight
     gradients its deferrable ops put aside (``delay_wgrad_compute``, or an I action); with
     ``run_wgrad`` they run on the compute stream in the gaps the pair order gives them, without
-    it they stay queued for the caller (an I half whose W comes later). ``done(grads)`` is told
-    on the host as soon as the backward's last node has been issued (the sends of the step,
-    ``pipeline.p2p.PairSends``, hand the gradient on from there).
+    it they stay queued for the caller (an I half whose W comes later).
     """
 
     tape: Tape
@@ -398,7 +396,6 @@ class BackwardHalf:
     microbatch: int | None = None
     wgrad: WeightGradQueue | None = None
     run_wgrad: bool = True
-    done: Callable[[Grads], None] | None = None
 
 
 class CombinedStep:
@@ -410,7 +407,11 @@ class CombinedStep:
     recorded on ``self.tape``. ``route_input_grads``: the forward tape's input gradients also
     flow on into its inputs (a model forward may transform its input before the first layer).
     ``a2a_waves`` k > 1 records every layer whose plan is a ``WavePlan`` in its k-wave form.
-    ``track``: the activation meter.
+    ``track``: the activation meter. ``backward_done(grads)``, the one hand-over to the caller,
+    is told on the host as soon as the backward's last node has been issued (the executor's
+    ``pipeline.p2p.PairSends`` hands the gradient on from there); the step drops it at
+    ``finish()``, and nothing the step is given points back at it, so no reference cycle
+    outlives the step.
     """
 
     def __init__(
@@ -418,6 +419,7 @@ class CombinedStep:
         streams: Streams,
         backward: BackwardHalf | None = None,
         *,
+        backward_done: Callable[[Grads], None] | None = None,
         trace: NodeTrace | None = None,
         fwd_microbatch: int | None = None,
         route_input_grads: bool = True,
@@ -427,6 +429,7 @@ class CombinedStep:
         self.streams = streams
         self.tape = Tape(route_input_grads, track)
         self.backward = backward
+        self._hand_over = backward_done
         self.trace = trace
         self.microbatch = {"F": fwd_microbatch, "B": backward.microbatch if backward else None}
         self.a2a_waves = a2a_waves
@@ -479,6 +482,7 @@ class CombinedStep:
         streams = self.streams
         streams.compute.wait_event(streams.comm.run(None))  # type: ignore[arg-type]
         streams.recycle()  # every wait on this step's events is issued
+        self._hand_over = None
         if self.backward is None:
             return None
         grads = self.backward.tape.input_grads
@@ -603,11 +607,11 @@ class CombinedStep:
 
     def _backward_done(self) -> None:
         """The backward's last node was issued: hand its input gradients to the caller."""
-        backward = self.backward
+        backward, done = self.backward, self._hand_over
         assert backward is not None
-        if backward.done is not None:
+        if done is not None:
             tape = backward.tape
-            backward.done(self._on_compute(self.order.side_end["B"], lambda: tape.input_grads))
+            done(self._on_compute(self.order.side_end["B"], lambda: tape.input_grads))
 
     def _on_compute(self, position: int | None, values: Callable[[], Any]) -> Any:
         """``values()``, made by the issue at ``position``, made safe for the caller's work on

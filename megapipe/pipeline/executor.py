@@ -372,17 +372,20 @@ class PipelineExecutor:
             (action, None) if action.kind is Kind.F else (None, action))
         tensors = state.tensors
         half = None
-        sends = PairSends(tensors, run, early)
+        end = None
         if b is not None:
             b_worker = self.workers[b.stage]
             wgrad = WeightGradQueue(b_worker.track) if self.delay_wgrad_compute else None
             half = b_worker.backward_half(b.microbatch, tensors.grad_output(b),
                                           keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
-            sends.backward, sends.end = b, partial(b_worker.end_backward, b.microbatch, half=half)
-            half.done = sends.backward_done
+            end = partial(b_worker.end_backward, b.microbatch, half=half)
+        # the hand-overs are given at construction and point one way (step -> sends -> half):
+        # no cycle, so all of it is freed when this call returns, not by the garbage collector
+        sends = PairSends(tensors, run, early, backward=b, end=end)
         f_worker = self.workers[f.stage] if f is not None else None
         step = CombinedStep(
-            self.streams, half, trace=state.trace,
+            self.streams, half, backward_done=sends.backward_done if b is not None else None,
+            trace=state.trace,
             fwd_microbatch=f.microbatch if f is not None else None,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
             a2a_waves=self.moe_a2a_waves,

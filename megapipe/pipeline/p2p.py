@@ -453,9 +453,10 @@ class PairSends:
 
     ``early``: the sends that go out one by one (``choose_early_sends``); empty: the whole run goes
     once every send in it is ready. The executor posts whatever is left after the pair.
-    ``backward_done`` is the backward half's hand-over (``BackwardHalf.done``): ``end(grads)``
-    (the stage worker's ``end_backward``) gives the stage's input gradient, which goes to the
-    stage before (none on a first stage), then the sends go.
+    ``backward_done`` is the combined step's hand-over (``CombinedStep(backward_done=...)``):
+    ``end(grads)`` (the stage worker's ``end_backward``, for ``backward``) gives the stage's
+    input gradient, which goes to the stage before (none on a first stage), then the sends go.
+    ``end`` is dropped once called, so nothing of the backward half stays reachable from here.
     """
 
     def __init__(
@@ -472,6 +473,7 @@ class PairSends:
     def backward_done(self, grads: Any) -> None:
         action, end = self.backward, self.end
         assert action is not None and end is not None
+        self.end = None  # told once; the half it holds is the step's, not ours to keep
         self.tensors.hand_backward(action, end(grads))
         self.post_ready()
 

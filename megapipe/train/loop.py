@@ -1,7 +1,9 @@
 """The training loop of one rank: build the job, resume, step, evaluate, save, log, exit.
 
 ``train(config)`` returns a ``TrainResult`` (the loss of every iteration it ran, evaluations,
-checkpoints written, why it stopped early) so tests can compare runs bitwise.
+checkpoints written, why it stopped early) so tests can compare runs bitwise. What it keeps per
+iteration is bounded (the last ``history`` iterations), so a run of 10^5 iterations holds no
+more than a short one; ``--manual-gc`` schedules Python's garbage collector (``manual_gc``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -21,14 +23,24 @@ from megapipe.train.config.job_config import JobConfig
 from megapipe.train.determinism import deterministic_kernels
 from megapipe.train.exits import ExitPolicy
 from megapipe.train.job import Job, build_job, describe
+from megapipe.train.manual_gc import ManualCollector
 from megapipe.train.observe.logging import TrainingLogger
 from megapipe.train.observe.profiling import RunProfiler
 from megapipe.train.step import evaluate, train_step
 
 
+HISTORY = 1000  # the most recent iterations (and lines, evaluations, saves) a result keeps
+
+
 @dataclass
 class TrainResult:
-    """What one rank saw: the global mean loss of every iteration run, and the evaluations."""
+    """What one rank saw: the global mean loss of the iterations run, and the evaluations.
+
+    Bounded: the per-iteration values, evaluations, saved checkpoints and log lines are kept for
+    the last ``history`` of each (the log's first ``head`` lines, the run's description, stay);
+    ``dropped`` iterations fell out, so ``losses[k]`` is iteration ``first_iteration + dropped +
+    k + 1``; ``first_loss`` is the run's first loss.
+    """
 
     first_iteration: int = 0
     losses: list[float] = field(default_factory=list)
@@ -37,34 +49,80 @@ class TrainResult:
     valid_losses: dict[int, float] = field(default_factory=dict)  # mean loss per token
     valid_bits_per_byte: dict[int, float | None] = field(default_factory=dict)
     saved: list[str] = field(default_factory=list)
-    ran_again: list[int] = field(default_factory=list)  # iterations a rank capacity ran again
+    ran_again: list[int] = field(default_factory=list)  # the last iterations run again (below)
+    reruns: int = 0  # iterations a rank capacity made run again, in all
     lines: list[str] = field(default_factory=list)
     exit_reason: str | None = None
+    history: int = HISTORY
+    dropped: int = 0
+    first_loss: float | None = None
+    head: int = 0
+
+    def add_iteration(self, loss: float, aux_loss: float, grad_norm: float) -> None:
+        """One iteration's global mean loss, auxiliary loss and gradient norm."""
+        if self.first_loss is None:
+            self.first_loss = loss
+        for values, value in ((self.losses, loss), (self.aux_losses, aux_loss),
+                              (self.grad_norms, grad_norm)):
+            values.append(value)
+        if len(self.losses) > self.history:
+            for values in (self.losses, self.aux_losses, self.grad_norms):
+                del values[0]
+            self.dropped += 1
+
+    def add_evaluation(self, iteration: int, loss: float, bits_per_byte: float | None) -> None:
+        for values, value in ((self.valid_losses, loss),
+                              (self.valid_bits_per_byte, bits_per_byte)):
+            values[iteration] = value
+            if len(values) > self.history:
+                del values[next(iter(values))]
+
+    def add_ran_again(self, iteration: int) -> None:
+        """An iteration whose rank capacity overflowed on some rank, so it ran again."""
+        self.reruns += 1
+        _keep_last(self.ran_again, iteration, self.history)
+
+    def add_saved(self, path: str) -> None:
+        _keep_last(self.saved, path, self.history)
+
+    def add_line(self, line: str) -> None:
+        _keep_last(self.lines, line, self.history, self.head)
+
+
+def _keep_last(values: list[Any], value: Any, limit: int, head: int = 0) -> None:
+    """Append ``value``; beyond ``head + limit`` items drop the oldest after the first ``head``."""
+    values.append(value)
+    if len(values) > head + limit:
+        del values[head]
 
 
 def train(
     config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    on_iteration: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Run one rank of the job (the default process group is started here if needed).
 
     ``choice`` is the resume decision made before the processes started (``choose_resume``); when
     it is None every rank makes it here, and the ranks check that they agree. ``clock`` times
-    the steps the overlap's auto mode compares (tests script it).
+    the steps the overlap's auto mode compares (tests script it). ``on_iteration(i)`` is called
+    at the end of each iteration i (1-based) that does not end the run early (a benchmark's
+    probe: ``benchmarks/long_run.py``).
     """
     with deterministic_kernels() if config.precision.deterministic else nullcontext():
-        return _train(config, write, choice, clock)
+        return _train(config, write, choice, clock, on_iteration)
 
 
-def _train(config: JobConfig, write: Callable[[str], None],
-           choice: ResumeChoice | None, clock: Callable[[], float]) -> TrainResult:
+def _train(config: JobConfig, write: Callable[[str], None], choice: ResumeChoice | None,
+           clock: Callable[[], float],
+           on_iteration: Callable[[int], None] | None) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=config.failures.timeout)
     result = TrainResult()
     is_rank_0 = dist.get_rank() == 0
 
     def say(line: str) -> None:
-        result.lines.append(line)
+        result.add_line(line)
         if is_rank_0:
             write(line)
 
@@ -74,16 +132,19 @@ def _train(config: JobConfig, write: Callable[[str], None],
     job = build_job(config, start_from=choice.hf_dir, clock=clock)
     for line in describe(job):
         say(line)
+    result.head = len(result.lines)
     try:
-        with ExitPolicy(config.failures, job.device) as exits:
+        with ExitPolicy(config.failures, job.device) as exits, \
+                ManualCollector(config.collector) as collector:
             result.first_iteration = resume(job, say, choice, decided_here)
-            _run(job, result, exits, say)
+            _run(job, result, exits, collector, say, on_iteration)
     finally:
         job.close()  # the communication streams' threads
     return result
 
 
-def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], None]) -> None:
+def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualCollector,
+         say: Callable[[str], None], on_iteration: Callable[[int], None] | None) -> None:
     """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
     config, checkpoint, data = job.config, job.config.checkpoint, job.config.data
     iters = config.train_iters
@@ -106,12 +167,10 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
             if decision is not None:
                 say(decision)
             if stats.ran_again:
-                result.ran_again.append(iteration)
+                result.add_ran_again(iteration)
                 say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
-                    f"again without it ({len(result.ran_again)} so far)")
-            result.losses.append(stats.loss)
-            result.aux_losses.append(stats.aux_loss)
-            result.grad_norms.append(stats.grad_norm)
+                    f"again without it ({result.reruns} so far)")
+            result.add_iteration(stats.loss, stats.aux_loss, stats.grad_norm)
             logger.record(iteration, loss=stats.loss,
                           aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
                           lr=stats.lr, grad_norm=stats.grad_norm,
@@ -120,30 +179,33 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, say: Callable[[str], 
                           act_mem=stats.act_mem)
             profiler.after(iteration)  # at M: gather the traced steps, write the trace
             if data.eval_interval and data.eval_iters and iteration % data.eval_interval == 0:
-                validation = evaluate(job)
-                result.valid_losses[iteration] = validation.loss
-                result.valid_bits_per_byte[iteration] = validation.bits_per_byte
+                with collector.around_evaluation():
+                    validation = evaluate(job)
+                result.add_evaluation(iteration, validation.loss, validation.bits_per_byte)
                 logger.evaluation(iteration, validation.loss, validation.bits_per_byte)
             result.exit_reason = exits.reason(iteration)
             due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
             final = iteration == iters or result.exit_reason is not None
             if checkpoint.save and (due or final):
-                result.saved.append(save(job, iteration))
+                result.add_saved(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
             if result.exit_reason is not None:
                 saved = (f"checkpoint {result.saved[-1]}" if checkpoint.save
                          else "nothing (no --save)")
                 say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
                 return
+            collector.after_iteration(iteration)  # every rank is here, after the same work
+            if on_iteration is not None:
+                on_iteration(iteration)
         if result.losses:
             overlap = logger.overlap_summary()
             graphs = job.executor.cuda_graphs
             say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
-                f"{time.perf_counter() - started:.0f} s; loss {result.losses[0]:.4f} -> "
+                f"{time.perf_counter() - started:.0f} s; loss {result.first_loss:.4f} -> "
                 f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}")
                 + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
                 + ("" if config.model.moe_expert_rank_capacity_factor is None else
-                   f"; steps run again without the rank capacity: {len(result.ran_again)}"))
+                   f"; steps run again without the rank capacity: {result.reruns}"))
     finally:
         profiler.close()
         logger.close()

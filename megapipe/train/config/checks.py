@@ -44,6 +44,11 @@ def validate(f: PretrainFlags, world_size: int) -> None:
     _check_options_and_paths(f, parallel)
     _check_profiling(f)
     _check_cuda_graphs(f, parallel, vocab)
+    if not f.manual_gc and (f.manual_gc_interval or not f.manual_gc_eval):
+        used = f"--manual-gc-interval={f.manual_gc_interval}" if f.manual_gc_interval \
+            else "--no-manual-gc-eval"
+        raise ArgsError(f"{used} needs --manual-gc (without it Python's automatic garbage "
+                        "collector runs and the flag would change nothing)")
 
 
 def check_output_path(flag: str, path: str | None) -> None:

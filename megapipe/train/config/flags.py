@@ -242,6 +242,16 @@ class PretrainFlags:
     weight_decay: float = flag(0.01, "AdamW weight decay", finite, group=TRAINING)
     clip_grad: float = flag(1.0, "0 disables clipping", finite, group=TRAINING)
     seed: int = flag(1234, "model initialisation and data sampling", group=TRAINING)
+    manual_gc: bool = flag(
+        False, "turn Python's automatic garbage collection off for the run and collect at the "
+        "same point of the loop on every rank instead (--manual-gc-interval, evaluations)",
+        group=TRAINING)
+    manual_gc_interval: int = flag(
+        0, "with --manual-gc: collect after every N-th iteration (0: never between iterations)",
+        COUNT, group=TRAINING, metavar="N")
+    manual_gc_eval: bool = flag(
+        True, "with --manual-gc: collect before and after each evaluation "
+        "(--no-manual-gc-eval: not there)", group=TRAINING)
 
     pipeline_model_parallel_size: int = flag(2, "pp", POSITIVE, group=PARALLEL)
     virtual_pipeline_model_parallel_size: int | None = flag(

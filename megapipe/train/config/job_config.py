@@ -192,6 +192,16 @@ class FailureConfig:
 
 
 @dataclass(frozen=True)
+class CollectorConfig:
+    """Megatron's ``--manual-gc``: the automatic garbage collector off, a collection every
+    ``interval`` iterations (0: none between iterations) and around evaluations (``at_eval``)."""
+
+    manual: bool = False
+    interval: int = 0
+    at_eval: bool = True
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Every part ``build_job`` and the loop read (module docstring)."""
 
@@ -210,6 +220,7 @@ class JobConfig:
     logging: LoggingConfig
     failures: FailureConfig
     graphs: GraphConfig = GraphConfig()
+    collector: CollectorConfig = CollectorConfig()
 
 
 def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
@@ -239,6 +250,7 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
         failures=FailureConfig(timedelta(minutes=f.distributed_timeout_minutes),
                                f.exit_signal_handler, f.exit_interval, f.exit_duration_in_mins),
         graphs=GraphConfig(f.cuda_graph_impl, f.cuda_graph_modules or f.cuda_graph_scope),
+        collector=CollectorConfig(f.manual_gc, f.manual_gc_interval, f.manual_gc_eval),
     )
 
 

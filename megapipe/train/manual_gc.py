@@ -1,0 +1,81 @@
+"""``--manual-gc``: Python's garbage collector run at chosen points, the same on every rank.
+
+Python's cyclic collector runs whenever allocations pass a threshold, so each rank pauses at its
+own moment of the step, and in a pipeline or a collective one rank's pause is every rank's wait.
+With ``--manual-gc`` (Megatron's flag and meaning) the automatic collector is off for the run:
+one full collection when the run starts, one after every ``--manual-gc-interval``-th iteration
+(after its evaluation and save, where every rank is at the same point), and, unless
+``--no-manual-gc-eval``, a full collection before each evaluation and one of the youngest
+generation after it. megapipe's steps leave no reference cycle (``tests/pipeline/
+test_reference_cycles.py``), so the collections only free what other code leaves.
+
+megapipe adds one thing at the interval's collections: glibc's ``malloc_trim(0)`` (where the C
+library has it), which hands the free pages the C heap keeps back to the system. Without it the
+resident memory of each rank kept growing by kilobytes per iteration while the heap's bytes in
+use stayed flat (docs/memory.md, Long runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from megapipe.train.config.job_config import CollectorConfig
+
+
+class ManualCollector:
+    """The collector's schedule for one run; a context manager around the run's iterations that
+    turns automatic collection off (when manual) and restores it at the end."""
+
+    def __init__(self, config: CollectorConfig) -> None:
+        self.config = config
+        self.collections = 0  # how many collections this object ran (tests, logs)
+        self.trims = 0  # how many times the C heap's free pages were handed back
+        self._was_enabled = False
+        self._trim = _malloc_trim() if config.manual and config.interval else None
+
+    def __enter__(self) -> "ManualCollector":
+        if self.config.manual:
+            self._was_enabled = gc.isenabled()
+            gc.disable()
+            self._collect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.config.manual and self._was_enabled:
+            gc.enable()
+
+    def after_iteration(self, iteration: int) -> None:
+        """At the end of iteration ``iteration`` (1-based): collect every ``interval``-th."""
+        interval = self.config.interval
+        if self.config.manual and interval and iteration % interval == 0:
+            self._collect()
+            if self._trim is not None:
+                self._trim(0)
+                self.trims += 1
+
+    @contextmanager
+    def around_evaluation(self) -> Iterator[None]:
+        """Before an evaluation everything; after it, what it made (the youngest generation)."""
+        at_eval = self.config.manual and self.config.at_eval
+        if at_eval:
+            self._collect()
+        yield
+        if at_eval:
+            self._collect(generation=0)
+
+    def _collect(self, generation: int = 2) -> None:
+        gc.collect(generation)
+        self.collections += 1
+
+
+def _malloc_trim() -> Callable[[int], Any] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

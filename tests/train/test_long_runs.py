@@ -1,0 +1,84 @@
+"""Long runs (issue 41): no reference cycles in a pretrain step, ``--manual-gc`` with
+Megatron's meaning, and a ``TrainResult`` that stays bounded however long the run."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from megapipe.train.config.job_config import CollectorConfig
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
+from megapipe.train.loop import TrainResult
+from megapipe.train.manual_gc import ManualCollector, _malloc_trim
+from support.long_run_cases import collections_seen, pretrain_step_garbage
+from support.pretrain_flags import TINY
+
+
+def test_a_pretrain_step_leaves_no_cyclic_garbage(rank_pools):
+    """The default shape (pp 2, vpp 2, ep 2, dp 2, overlap on with its node trace), deferred
+    weight gradients: two steps and an evaluation leave nothing to the cyclic collector."""
+    for rank, found in enumerate(rank_pools(4).run(
+            pretrain_step_garbage, TINY + ["--delay-wgrad-compute"])):
+        assert found == {}, f"rank {rank}: {found}"
+
+
+def test_manual_gc_collects_at_the_same_points_on_every_rank(rank_pools):
+    """Automatic collection off during the run and on again after it; (generation 0,
+    generation 2) collections per iteration from the second: with an evaluation at 2, a full
+    collection before it, a young one after it, and the interval's full one at the end."""
+    argv = TINY + ["--manual-gc", "--log-interval", "4"]
+    for seen in rank_pools(4).run(collections_seen, argv + [
+            "--train-iters", "3", "--eval-interval", "2", "--manual-gc-interval", "2"]):
+        assert seen["enabled"] == [False] * 3 and seen["enabled_after"], seen
+        assert seen["deltas"] == [(1, 2), (0, 0)], seen
+    for seen in rank_pools(4).run(collections_seen, argv + [
+            "--train-iters", "2", "--eval-interval", "1", "--manual-gc-interval", "1",
+            "--no-manual-gc-eval"]):
+        assert seen["deltas"] == [(0, 1)], seen
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--manual-gc-interval", "10"], "--manual-gc-interval=10 needs --manual-gc"),
+    (["--no-manual-gc-eval"], "--no-manual-gc-eval needs --manual-gc"),
+    (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval=-1 must be >= 0"),
+])
+def test_manual_gc_flags_are_checked(flags, message):
+    with pytest.raises(ArgsError, match=message):
+        parse_pretrain_args(flags, env={})
+    config = parse_pretrain_args(["--manual-gc", "--manual-gc-interval", "5"], env={})
+    assert (config.collector.manual, config.collector.interval, config.collector.at_eval) == \
+        (True, 5, True)
+
+
+def test_a_train_result_keeps_a_fixed_window():
+    result = TrainResult(history=3)
+    for i in range(10):
+        result.add_iteration(float(i), 0.1 * i, 1.0 + i)
+        result.add_evaluation(i + 1, float(i), None)
+        result.add_saved(f"iter_{i + 1}")
+    assert result.losses == [7.0, 8.0, 9.0] and result.grad_norms == [8.0, 9.0, 10.0]
+    assert len(result.aux_losses) == 3 and result.dropped == 7 and result.first_loss == 0.0
+    assert list(result.valid_losses) == [8, 9, 10] and list(result.valid_bits_per_byte) == [8, 9, 10]
+    assert result.saved == ["iter_8", "iter_9", "iter_10"]
+    result.add_line("model: ...")
+    result.head = 1  # the run's description stays
+    for i in range(10):
+        result.add_line(f"iter {i}")
+    assert result.lines == ["model: ...", "iter 7", "iter 8", "iter 9"]
+
+
+def test_the_collector_collects_and_trims_at_its_interval():
+    with ManualCollector(CollectorConfig(manual=True, interval=2)) as collector:
+        assert not gc.isenabled()
+        for iteration in range(1, 6):
+            collector.after_iteration(iteration)
+        with collector.around_evaluation():
+            pass
+    assert gc.isenabled()
+    assert collector.collections == 1 + 2 + 2  # the start, iterations 2 and 4, the evaluation
+    assert collector.trims == (2 if _malloc_trim() is not None else 0)
+    with ManualCollector(CollectorConfig()) as automatic:  # off: nothing changes
+        assert gc.isenabled()
+        automatic.after_iteration(2)
+    assert automatic.collections == automatic.trims == 0

@@ -62,8 +62,8 @@ from torch.autograd import Variable
 
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import (
-    LayerState, Node, Plan, Source, Track, WarnOnce, WavePlan, layer_graph, node_plan_of,
-    state_type_of,
+    LayerState, Node, Plan, Source, Track, UndeclaredState, WarnOnce, WavePlan, layer_graph,
+    node_plan_of,
 )
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -160,8 +160,10 @@ class Tape:
         if self.layers and self.layers[-1].forward_count < len(self.layers[-1].nodes):
             raise RuntimeError(f"layer {self.layers[-1].index} is still being recorded; "
                                "finish it before the next")
-        graph = plan.graph if isinstance(plan, Plan) else layer_graph(plan)
-        state = state_type_of(plan)()  # the layer kind's state (a list of nodes: undeclared)
+        if isinstance(plan, Plan):
+            graph, state = plan.graph, plan.state_type()  # the layer kind's state
+        else:  # a plain list of nodes: a state that takes any name (``state_type_of``)
+            graph, state = layer_graph(plan), UndeclaredState()
         records = list(map(NodeRecord, graph.nodes, graph.sources, graph.readers))
         inputs = checked(inputs, "layer inputs")
         layer = LayerRecord(len(self.layers), records, inputs, graph.kinds, state)

@@ -347,7 +347,10 @@ class DataParallelSync:
                                DP_WAIT_KIND if wait else DP_KIND)
 
     def close(self) -> None:
-        """Remove the hooks and stop the stream's thread (after ``finish_*``)."""
+        """Remove the hooks and stop the stream's thread. The compute stream first waits for
+        the parameter gathers issued after the last step: the flat buffers they write are freed
+        with the job, and on CUDA a block freed while a gather still writes it is reused."""
+        self.finish_param_gather()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -9,8 +9,8 @@ thread, and stack bytes per thread (spilled registers: every function is inlined
 line naming any launch that spills. A register-bound kernel runs fewer warps per SM and one that
 spills reads local memory, so a kernel should neither spill nor sit at 255 registers. The
 default shapes: 4096 tokens; hidden 1024, 4096 and 7168; 64, 128 and 256 experts; top-6 and
-top-8; softmax and sigmoid; bf16. A first run compiles 52 kernels an architecture (minutes);
-Triton's cache makes a second quick.
+top-8; softmax (its top-k renormalised or not) and sigmoid; bf16. A first run compiles 63
+kernels an architecture (minutes); Triton's cache makes a second quick.
 """
 
 from __future__ import annotations
@@ -41,16 +41,22 @@ def _empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)  # never read: only compiled for
 
 
+ROUTER_MODES = {"softmax": (False, False), "sigmoid": (True, False),
+                "softmax renormalised": (False, True)}  # name: (sigmoid, renormalize)
+
+
 def router_launches(tokens: int, experts: int, top_k: int, sigmoid: bool,
-                    dtype: torch.dtype = torch.bfloat16) -> list[Callable[[], object]]:
+                    renormalize: bool = False, dtype: torch.dtype = torch.bfloat16,
+                    ) -> list[Callable[[], object]]:
     """The router's forward and backward (with every loss term) at one shape."""
     from megapipe.kernels import triton_router as TR
 
     logits = _empty(tokens, experts, dtype=dtype)
     counts = _empty(experts, dtype=torch.int64)
     grad = _empty(tokens, top_k, dtype=dtype)
-    return [lambda: TR.router(logits, top_k, sigmoid),
-            lambda: TR.router_backward(grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001)]
+    return [lambda: TR.router(logits, top_k, sigmoid, renormalize),
+            lambda: TR.router_backward(grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001,
+                                       renormalize)]
 
 
 def plan_launches(tokens: int, experts: int, top_k: int) -> list[Callable[[], object]]:
@@ -98,9 +104,10 @@ def cases(tokens: int = TOKENS, hidden: tuple[int, ...] = HIDDEN,
                 for call in hidden_launches(tokens, h, max(top_k))]
     for e in experts:
         for k in top_k:
-            for sigmoid in (False, True):
-                label = f"t={tokens} E={e} k={k} {'sigmoid' if sigmoid else 'softmax'} bf16"
-                out += [(label, call) for call in router_launches(tokens, e, k, sigmoid)]
+            for mode, (sigmoid, renormalize) in ROUTER_MODES.items():
+                label = f"t={tokens} E={e} k={k} {mode} bf16"
+                out += [(label, call)
+                        for call in router_launches(tokens, e, k, sigmoid, renormalize)]
         out += [(f"t={tokens} E={e} k={max(top_k)}", call)
                 for call in plan_launches(tokens, e, max(top_k))]
     return out

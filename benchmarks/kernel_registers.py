@@ -41,8 +41,9 @@ def _empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)  # never read: only compiled for
 
 
+# name: (sigmoid, renormalize); "renormalised": softmax, its top-k divided by their sum
 ROUTER_MODES = {"softmax": (False, False), "sigmoid": (True, False),
-                "softmax renormalised": (False, True)}  # name: (sigmoid, renormalize)
+                "renormalised": (False, True)}
 
 
 def router_launches(tokens: int, experts: int, top_k: int, sigmoid: bool,
@@ -130,7 +131,7 @@ def table(arch: int, rows: list[Row]) -> str:
     lines = [f"sm_{arch}: kernel | shape | grid | registers | stack bytes (spills)"]
     for row in rows:
         launch = row.launch
-        lines.append(f"{launch.kernel:27s} {row.shape:34s} {str(launch.grid[:2]):12s} "
+        lines.append(f"{launch.kernel:27s} {row.shape:35s} {str(launch.grid[:2]):12s} "
                      f"{launch.registers:4d} {launch.stack_bytes:6d} ({launch.spills})")
     spilling = [f"{r.launch.kernel} {r.shape}" for r in rows if r.launch.stack_bytes]
     lines.append(f"spilling: {', '.join(spilling) if spilling else 'none'}; most registers "

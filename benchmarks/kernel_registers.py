@@ -9,8 +9,8 @@ thread, and stack bytes per thread (spilled registers: every function is inlined
 line naming any launch that spills. A register-bound kernel runs fewer warps per SM and one that
 spills reads local memory, so a kernel should neither spill nor sit at 255 registers. The
 default shapes: 4096 tokens; hidden 1024, 4096 and 7168; 64, 128 and 256 experts; top-6 and
-top-8; softmax and sigmoid; bf16. A first run compiles 52 kernels an architecture (minutes);
-Triton's cache makes a second quick.
+top-8; softmax (its top-k renormalised or not) and sigmoid; bf16. A first run compiles 63
+kernels an architecture (minutes); Triton's cache makes a second quick.
 """
 
 from __future__ import annotations
@@ -41,16 +41,23 @@ def _empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)  # never read: only compiled for
 
 
+# name: (sigmoid, renormalize); "renormalised": softmax, its top-k divided by their sum
+ROUTER_MODES = {"softmax": (False, False), "sigmoid": (True, False),
+                "renormalised": (False, True)}
+
+
 def router_launches(tokens: int, experts: int, top_k: int, sigmoid: bool,
-                    dtype: torch.dtype = torch.bfloat16) -> list[Callable[[], object]]:
+                    renormalize: bool = False, dtype: torch.dtype = torch.bfloat16,
+                    ) -> list[Callable[[], object]]:
     """The router's forward and backward (with every loss term) at one shape."""
     from megapipe.kernels import triton_router as TR
 
     logits = _empty(tokens, experts, dtype=dtype)
     counts = _empty(experts, dtype=torch.int64)
     grad = _empty(tokens, top_k, dtype=dtype)
-    return [lambda: TR.router(logits, top_k, sigmoid),
-            lambda: TR.router_backward(grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001)]
+    return [lambda: TR.router(logits, top_k, sigmoid, renormalize),
+            lambda: TR.router_backward(grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001,
+                                       renormalize)]
 
 
 def plan_launches(tokens: int, experts: int, top_k: int) -> list[Callable[[], object]]:
@@ -98,9 +105,10 @@ def cases(tokens: int = TOKENS, hidden: tuple[int, ...] = HIDDEN,
                 for call in hidden_launches(tokens, h, max(top_k))]
     for e in experts:
         for k in top_k:
-            for sigmoid in (False, True):
-                label = f"t={tokens} E={e} k={k} {'sigmoid' if sigmoid else 'softmax'} bf16"
-                out += [(label, call) for call in router_launches(tokens, e, k, sigmoid)]
+            for mode, (sigmoid, renormalize) in ROUTER_MODES.items():
+                label = f"t={tokens} E={e} k={k} {mode} bf16"
+                out += [(label, call)
+                        for call in router_launches(tokens, e, k, sigmoid, renormalize)]
         out += [(f"t={tokens} E={e} k={max(top_k)}", call)
                 for call in plan_launches(tokens, e, max(top_k))]
     return out
@@ -123,7 +131,7 @@ def table(arch: int, rows: list[Row]) -> str:
     lines = [f"sm_{arch}: kernel | shape | grid | registers | stack bytes (spills)"]
     for row in rows:
         launch = row.launch
-        lines.append(f"{launch.kernel:27s} {row.shape:34s} {str(launch.grid[:2]):12s} "
+        lines.append(f"{launch.kernel:27s} {row.shape:35s} {str(launch.grid[:2]):12s} "
                      f"{launch.registers:4d} {launch.stack_bytes:6d} ({launch.spills})")
     spilling = [f"{r.launch.kernel} {r.shape}" for r in rows if r.launch.stack_bytes]
     lines.append(f"spilling: {', '.join(spilling) if spilling else 'none'}; most registers "

@@ -38,25 +38,15 @@ swiglu_op = define("swiglu(Tensor gate, Tensor up, int[] counts) -> Tensor",
 swiglu_backward_op = define(
     "swiglu_backward(Tensor grad, Tensor gate, Tensor up, int[] counts) -> (Tensor, Tensor)",
     reference_fused.swiglu_backward, ("triton_norm", "swiglu_backward"))
-RENORMALIZE_ON_TRITON = ("the Triton router kernel does not renormalise the top-k softmax "
-                         "probabilities (--no-moe-router-pre-softmax): train on CPU, or with "
-                         "--moe-router-pre-softmax")
-
-
-def _renormalizing(*args: object) -> str | None:
-    return RENORMALIZE_ON_TRITON if args[-1] is True and len(args) in (4, 9) else None
-
-
 router_op = define(
     "router(Tensor logits, int top_k, bool sigmoid, bool renormalize=False) "
     "-> (Tensor, Tensor, Tensor)",
-    reference_fused.router, ("triton_router", "router"), refuse=(_renormalizing, 3))
+    reference_fused.router, ("triton_router", "router"))
 router_backward_op = define(
     "router_backward(Tensor? grad_probs, Tensor logits, Tensor counts, Tensor? labels, "
     "int top_k, bool sigmoid, float balance_grad, float z_grad, bool renormalize=False) "
     "-> Tensor",
-    reference_fused.router_backward, ("triton_router", "router_backward"),
-    refuse=(_renormalizing, 8))
+    reference_fused.router_backward, ("triton_router", "router_backward"))
 routing_plan_op = define(
     "routing_plan(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
     reference_fused.routing_plan, ("triton_router", "routing_plan"))

@@ -46,31 +46,12 @@ def _triton(module: str, name: str) -> Callable[..., Any]:
     return call
 
 
-def _refusing(call: Callable[..., Any], refuse: Callable[..., str | None], arity: int
-              ) -> Callable[..., Any]:
-    """``call`` with its first ``arity`` arguments, after ``refuse`` found nothing to refuse."""
-
-    def checked(*args: Any) -> Any:
-        problem = refuse(*args)
-        if problem is not None:
-            raise NotImplementedError(problem)
-        return call(*args[:arity])
-
-    return checked
-
-
-def define(schema: str, reference: Callable[..., Any], triton: tuple[str, str],
-           refuse: tuple[Callable[..., str | None], int] | None = None) -> Any:
+def define(schema: str, reference: Callable[..., Any], triton: tuple[str, str]) -> Any:
     """Register ``megapipe::<schema>`` with ``reference`` on CPU and the Triton function
-    ``triton = (module, name)`` on CUDA (the reference there when Triton is missing).
-    ``refuse = (why, arity)``: ``why(*args)`` is the reason the Triton function cannot take
-    these arguments (raised as NotImplementedError), None when it can; it is then called with
-    the first ``arity`` (the schema's later arguments are options it does not have)."""
+    ``triton = (module, name)`` on CUDA (the reference there when Triton is missing); both
+    take every argument of the schema."""
     name = schema.split("(", 1)[0]
     LIBRARY.define(schema)
     LIBRARY.impl(name, reference, "CPU")
-    cuda = _triton(*triton) if HAS_TRITON else reference
-    if HAS_TRITON and refuse is not None:
-        cuda = _refusing(cuda, *refuse)
-    LIBRARY.impl(name, cuda, "CUDA")
+    LIBRARY.impl(name, _triton(*triton) if HAS_TRITON else reference, "CUDA")
     return getattr(getattr(torch.ops, NAMESPACE), name).default

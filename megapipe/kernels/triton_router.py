@@ -6,8 +6,10 @@ holding every expert of a tile of those tokens at once (experts padded to a powe
 most ``TILE`` elements a tile, so nothing spills up to 256 experts and top-8): softmax or
 sigmoid in float32 (float64 for float64 logits is the reference's), top-k by k rounds of max
 with its index (the tie rule of ``reference_fused.stable_top_k``: among equal scores the lowest
-expert first), and each program's sums of the balance scores and of logsumexp^2 as one row of
-``partials``. The backward recomputes scores and top-k from the logits instead of saving them.
+expert first), the chosen weights divided by their sum (sigmoid always; softmax when
+``RENORMALIZE``, Megatron's ``--no-moe-router-pre-softmax``), and each program's sums of the
+balance scores and of logsumexp^2 as one row of ``partials``. The backward recomputes scores
+and top-k from the logits instead of saving them.
 
 The routing plan runs a grid of experts x parts of the choices (``plan_parts``: aiming at
 ``PLAN_PROGRAMS`` programs). Program (e, p) counts, in one pass over every choice, those of
@@ -57,8 +59,8 @@ def _scores(logits, first, t, num_experts, BT: tl.constexpr, EB: tl.constexpr,
 
 @triton.jit
 def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.constexpr,
-                   SIGMOID: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                   EB: tl.constexpr, KB: tl.constexpr):
+                   SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, BT: tl.constexpr,
+                   SUB: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr):
     """Program p: tokens p*BT .. p*BT+BT-1 in tiles of SUB rows; row p of ``partials``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, EB)
@@ -77,8 +79,9 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
             values = tl.where(ks[None, :] == j, best[:, None], values)
             chosen = tl.where(ks[None, :] == j, index[:, None], chosen)
             work = tl.where(cols[None, :] == index[:, None], -2.0, work)
-        if SIGMOID:
+        if SIGMOID or RENORMALIZE:
             values = values / tl.sum(tl.where(ks[None, :] < K, values, 0.0), axis=1)[:, None]
+        if SIGMOID:
             balance = scores / tl.sum(scores, axis=1)[:, None]
         else:
             balance = scores
@@ -97,8 +100,9 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
 @triton.jit
 def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num_experts,
                             balance_scale, z_scale, K: tl.constexpr, SIGMOID: tl.constexpr,
-                            HAS_GRAD: tl.constexpr, HAS_LABELS: tl.constexpr,
-                            HAS_Z: tl.constexpr, BT: tl.constexpr, EB: tl.constexpr):
+                            RENORMALIZE: tl.constexpr, HAS_GRAD: tl.constexpr,
+                            HAS_LABELS: tl.constexpr, HAS_Z: tl.constexpr, BT: tl.constexpr,
+                            EB: tl.constexpr):
     pid = tl.program_id(0)
     x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT, t, num_experts, BT, EB,
                                                        SIGMOID)
@@ -126,13 +130,15 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
         chosen_sum += best
         weighted += g * best
         work = tl.where(hit, -2.0, work)  # -2: chosen
+    if SIGMOID or RENORMALIZE:
+        # probs_j = top_j / S: d top_j = (g_j - sum_i g_i probs_i) / S
+        d_top = (spread - (weighted / chosen_sum)[:, None]) / chosen_sum[:, None]
+        spread = tl.where(work == -2.0, d_top, 0.0)
     if SIGMOID:
         total = tl.sum(scores, axis=1)
         balance = scores / total[:, None]
         d_scores = (a[None, :] - tl.sum(a[None, :] * balance, axis=1)[:, None]) / total[:, None]
-        # probs_j = top_j / S: d top_j = (g_j - sum_i g_i probs_i) / S
-        d_top = (spread - (weighted / chosen_sum)[:, None]) / chosen_sum[:, None]
-        d = (d_scores + tl.where(work == -2.0, d_top, 0.0)) * scores * (1.0 - scores)
+        d = (d_scores + spread) * scores * (1.0 - scores)
     else:
         upstream = a[None, :] + spread
         d = scores * (upstream - tl.sum(upstream * scores, axis=1)[:, None])
@@ -151,11 +157,11 @@ def _tile(num_experts: int) -> tuple[int, int]:
 
 
 def router(
-    logits: torch.Tensor, top_k: int, sigmoid: bool
+    logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reference_fused.router``: one launch."""
     if logits.dtype == torch.float64:
-        return reference_fused.router(logits, top_k, sigmoid)
+        return reference_fused.router(logits, top_k, sigmoid, renormalize)
     t, num_experts = logits.shape
     blocks = triton.cdiv(t, STAT_BLOCK)
     probs = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
@@ -164,7 +170,8 @@ def router(
     if blocks:
         experts, rows = _tile(num_experts)
         _router_kernel[(blocks,)](logits.contiguous(), probs, indices, partials, t, num_experts,
-                                  K=top_k, SIGMOID=sigmoid, BT=STAT_BLOCK, SUB=rows, EB=experts,
+                                  K=top_k, SIGMOID=sigmoid, RENORMALIZE=renormalize and not sigmoid,
+                                  BT=STAT_BLOCK, SUB=rows, EB=experts,
                                   KB=triton.next_power_of_2(top_k), num_warps=8,
                                   **KERNEL_OPTIONS)
     return probs, indices, partials
@@ -173,11 +180,12 @@ def router(
 def router_backward(
     grad_probs: torch.Tensor | None, logits: torch.Tensor, counts: torch.Tensor,
     labels: torch.Tensor | None, top_k: int, sigmoid: bool, balance_grad: float, z_grad: float,
+    renormalize: bool = False,
 ) -> torch.Tensor:
     """``reference_fused.router_backward``: one launch."""
     if logits.dtype == torch.float64:
         return reference_fused.router_backward(grad_probs, logits, counts, labels, top_k,
-                                               sigmoid, balance_grad, z_grad)
+                                               sigmoid, balance_grad, z_grad, renormalize)
     t, num_experts = logits.shape
     d_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     experts, rows = _tile(num_experts)
@@ -186,7 +194,8 @@ def router_backward(
             grad_probs.contiguous() if grad_probs is not None else logits, logits.contiguous(),
             counts, labels if labels is not None else counts, d_logits, t, num_experts,
             balance_grad * num_experts / (t * top_k * t), 2.0 * z_grad / t, K=top_k,
-            SIGMOID=sigmoid, HAS_GRAD=grad_probs is not None, HAS_LABELS=labels is not None,
+            SIGMOID=sigmoid, RENORMALIZE=renormalize and not sigmoid and grad_probs is not None,
+            HAS_GRAD=grad_probs is not None, HAS_LABELS=labels is not None,
             HAS_Z=z_grad != 0.0, BT=rows, EB=experts, num_warps=4, **KERNEL_OPTIONS,
         )
     return d_logits

@@ -42,8 +42,7 @@ import torch
 from torch import nn
 
 from megapipe.kernels import (
-    HAS_TRITON, RENORMALIZE_ON_TRITON, permute_op, router_backward_op, router_op,
-    routing_plan_op, sum_choices_op,
+    permute_op, router_backward_op, router_op, routing_plan_op, sum_choices_op,
 )
 from megapipe.kernels.reference_fused import stable_top_k
 from megapipe.moe.aux_loss import AuxStatistics
@@ -76,13 +75,6 @@ class Routed:
     choice_rows: torch.Tensor  # [t, k] row of each choice (-1: dropped)
     counts: torch.Tensor  # [E] routing choices per expert label, before any drop
     aux: AuxStatistics  # the auxiliary losses' value, summed when read
-
-
-def kernel_problem(score_function: str, pre_softmax: bool, device_type: str) -> str | None:
-    """Why the router kernels of ``device_type`` cannot route this way (None: they can): the
-    Triton kernel does not renormalise softmax's top-k probabilities."""
-    renormalises = score_function == "softmax" and not pre_softmax
-    return RENORMALIZE_ON_TRITON if renormalises and device_type == "cuda" and HAS_TRITON else None
 
 
 def load_balancing_loss(

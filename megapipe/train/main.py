@@ -70,7 +70,7 @@ def run(config: JobConfig) -> int:
         _error(str(err))
         return 2
     world_size = config.parallel.world_size
-    problem = missing_gpus(world_size) or _kernel_problem(config)
+    problem = missing_gpus(world_size)
     if problem is not None:
         _error(problem)
         return 2
@@ -118,16 +118,6 @@ def missing_gpus(world_size: int) -> str | None:
         f"{per_node} processes on this host ({asked}) but it has {count} GPU(s); each rank "
         "needs its own GPU"
     )
-
-
-def _kernel_problem(config: JobConfig) -> str | None:
-    """What the GPU kernels this run would use cannot compute (None: nothing)."""
-    from megapipe.moe.router import kernel_problem
-
-    model = config.model
-    if not torch.cuda.is_available() or model.num_experts == 0:
-        return None
-    return kernel_problem(model.moe_score_function, model.moe_router_pre_softmax, "cuda")
 
 
 def _local_rank(rank: int, config: JobConfig, choice: ResumeChoice, folder: str) -> None:

@@ -7,6 +7,7 @@ fresh process."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -166,13 +167,13 @@ def compare_triton_with_reference(device: str) -> list[str]:
         for name, a, b in zip(("d gate", "d up"), TN.swiglu_backward(dy, gate, up, [20]),
                               R.swiglu_backward(dy, gate, up, [20])):
             check(f"swiglu {name} {dtype}", a, b, tol)
-    for sigmoid in (False, True):
+    for sigmoid, renormalize in ((False, False), (True, False), (False, True)):
         # the second takes two tiles of 16 tokens per block of 32 (experts padded to 256)
         for t, num_experts, top_k in ((45, 8, 2), (40, 200, 8), (40, 6, 1)):
             logits = randn(t, num_experts)
-            label = f"router sigmoid={sigmoid} {(t, num_experts, top_k)}"
-            probs, indices, partials = R.router(logits, top_k, sigmoid)
-            got = TR.router(logits, top_k, sigmoid)
+            label = f"router sigmoid={sigmoid} renormalize={renormalize} {(t, num_experts, top_k)}"
+            probs, indices, partials = R.router(logits, top_k, sigmoid, renormalize)
+            got = TR.router(logits, top_k, sigmoid, renormalize)
             check(f"{label} indices", got[1], indices, 0, exact=True)
             check(f"{label} probs", got[0], probs, 1e-6)
             check(f"{label} partials", got[2], partials, 1e-5)
@@ -181,7 +182,7 @@ def compare_triton_with_reference(device: str) -> list[str]:
             grad_probs = randn(t, top_k)
             cases = ((grad_probs, None, 0.0), (grad_probs, labels, 0.3), (None, None, 0.2))
             for g, lab, z in cases:
-                args = (g, logits, counts, lab, top_k, sigmoid, 0.7, z)
+                args = (g, logits, counts, lab, top_k, sigmoid, 0.7, z, renormalize)
                 check(f"{label} backward grad={g is not None} labels={lab is not None} z={z}",
                       TR.router_backward(*args), R.router_backward(*args), 1e-5)
     for capacity in (-1, 3, 50):
@@ -212,18 +213,20 @@ if __name__ == "__main__":
     print("interpreted: ok")
 
 
-def test_the_cuda_router_refuses_renormalisation_and_calls_triton_without_the_option():
-    """What the CUDA registration runs with Triton (``library.define``'s ``refuse``): the
-    Triton functions get only their own arguments, and a renormalising call is refused."""
-    from megapipe.kernels import RENORMALIZE_ON_TRITON, _renormalizing
-    from megapipe.kernels.library import _refusing
+def test_the_triton_functions_take_every_argument_of_their_operators():
+    """The CUDA registration calls the Triton function with every argument of the operator's
+    schema (defaults filled in), so each takes them all, by the same names."""
+    pytest.importorskip("triton")
+    import megapipe.kernels as K
+    from megapipe.kernels import triton_norm as TN
+    from megapipe.kernels import triton_permute as TP
+    from megapipe.kernels import triton_router as TR
 
-    forward = _refusing(lambda *args: args, _renormalizing, 3)
-    backward = _refusing(lambda *args: args, _renormalizing, 8)
-    assert forward("logits", 2, False) == ("logits", 2, False)
-    assert forward("logits", 2, False, False) == ("logits", 2, False)
-    assert backward(*range(8), False) == tuple(range(8))
-    for call, args in ((forward, ("logits", 2, False, True)), (backward, (*range(8), True))):
-        with pytest.raises(NotImplementedError, match="--no-moe-router-pre-softmax") as caught:
-            call(*args)
-        assert str(caught.value) == RENORMALIZE_ON_TRITON and "\n" not in RENORMALIZE_ON_TRITON
+    ops = [(K.router_op, TR.router), (K.router_backward_op, TR.router_backward),
+           (K.routing_plan_op, TR.routing_plan), (K.rms_norm_op, TN.rms_norm),
+           (K.rms_norm_backward_op, TN.rms_norm_backward), (K.swiglu_op, TN.swiglu),
+           (K.swiglu_backward_op, TN.swiglu_backward), (K.permute_op, TP.permute),
+           (K.sum_choices_op, TP.sum_choices), (K.unpermute_backward_op, TP.unpermute_backward)]
+    for op, function in ops:
+        schema = [argument.name for argument in op._schema.arguments]
+        assert list(inspect.signature(function).parameters) == schema, op

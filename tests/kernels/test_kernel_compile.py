@@ -2,9 +2,9 @@
 (``megapipe.kernels.standin_driver``): they compile at the shapes users run, spill no register
 up to 256 experts and top-8, launch with FP fusion pinned off, and the routing plan and the
 RMSNorm weight gradient fill an H100's 132 SMs at 4096 tokens. The default run compiles the
-kernels this concerns at one shape each (the router at its worst: 256 experts, top-8, sigmoid,
-bf16); ``heavy_kernels`` (``MEGAPIPE_HEAVY_KERNELS=1``) compiles every kernel at every shape of
-``benchmarks/kernel_registers.py`` for both architectures."""
+kernels this concerns at one shape each (the router at its worst: 256 experts, top-8, bf16,
+sigmoid and softmax renormalised); ``heavy_kernels`` (``MEGAPIPE_HEAVY_KERNELS=1``) compiles
+every kernel at every shape of ``benchmarks/kernel_registers.py`` for both architectures."""
 
 from __future__ import annotations
 
@@ -40,14 +40,17 @@ def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100()
     tokens = 4096
     x, w = torch.empty(tokens, 1024, dtype=torch.bfloat16), torch.empty(1024, dtype=torch.bfloat16)
     rstd = torch.empty(tokens)
-    shapes = [(f"E=256 k=8 sigmoid {i}", call)
-              for i, call in enumerate(KR.router_launches(tokens, 256, 8, True))]
+    shapes = [(f"E=256 k=8 {mode} {i}", call)
+              for mode in ("sigmoid", "renormalised")
+              for i, call in enumerate(KR.router_launches(tokens, 256, 8,
+                                                          *KR.ROUTER_MODES[mode]))]
     shapes += [("E=8 k=2 plan", KR.plan_launches(tokens, 8, 2)[0]),
                ("h=1024 norm backward", lambda: TN.rms_norm_backward(x, x, w, rstd, None))]
     rows = KR.compile_all(90, shapes)
     _assert_lean(rows)
-    router, router_backward, plan, norm = (row.launch for row in rows)
-    assert (router.kernel, router_backward.kernel) == ("_router_kernel", "_router_backward_kernel")
+    *routers, plan, norm = (row.launch for row in rows)
+    kernels = ["_router_kernel", "_router_backward_kernel"] * 2
+    assert [launch.kernel for launch in routers] == kernels
     # the plan: experts x parts programs; the norm: dweight column programs, then one per row
     assert plan.kernel == "_plan_kernel" and plan.grid[0] * plan.grid[1] >= H100_SMS
     assert norm.grid[0] - tokens == 1024 // TN.dweight_columns(1024) >= H100_SMS
@@ -76,5 +79,5 @@ def test_the_stand_in_driver_leaves_triton_as_it_found_it():
 @pytest.mark.parametrize("arch", [90, 100])
 def test_every_kernel_compiles_at_every_real_shape_without_spills(arch):
     rows = KR.compile_all(arch, KR.cases())
-    assert len(rows) == len(KR.HIDDEN) * 7 + len(KR.EXPERTS) * (len(KR.TOP_K) * 4 + 2)
+    assert len(rows) == len(KR.HIDDEN) * 7 + len(KR.EXPERTS) * (len(KR.TOP_K) * 6 + 2)
     _assert_lean(rows)

@@ -1,10 +1,11 @@
 """The Triton kernels at the shapes users run, against their references, under Triton's
 interpreter on CPU (bf16 included): router logits in bf16 full of ties (the top-k tie rule:
 lowest expert index first, ``reference_fused.stable_top_k``), 64 to 256 experts, top-6 and
-top-8, routing plans longer than a block with experts that get no token, RMSNorm over
-thousands of rows, hidden sizes up to 7168. The default run takes a few small ones (the
-interpreter runs a program in Python: thousands of rows take minutes); the ``heavy_kernels``
-marker (``MEGAPIPE_HEAVY_KERNELS=1``, tests/kernels/conftest.py) takes them all. Triton reads
+top-8, softmax (its top-k renormalised or not) and sigmoid, routing plans longer than a block
+with experts that get no token, RMSNorm over thousands of rows, hidden sizes up to 7168. The
+default run takes a few small ones (the interpreter runs a program in Python: thousands of rows
+take minutes); the ``heavy_kernels`` marker (``MEGAPIPE_HEAVY_KERNELS=1``,
+tests/kernels/conftest.py) takes them all. Triton reads
 TRITON_INTERPRET when a kernel module is first imported, so the checks run this file as a
 script in a fresh process."""
 
@@ -63,25 +64,27 @@ def _check(failures: list[str], label: str, got: torch.Tensor, want: torch.Tenso
             failures.append(f"{label}: {err}")
 
 
-def router_checks(tokens: int, experts: int, top_k: int, sigmoid: bool) -> list[str]:
+def router_checks(tokens: int, experts: int, top_k: int, sigmoid: bool,
+                  renormalize: bool = False) -> list[str]:
     from megapipe.kernels import triton_router as TR
 
     failures: list[str] = []
     gen = torch.Generator().manual_seed(experts * 10 + top_k)
     logits = tied_logits(tokens, experts, gen)
-    label = f"router t={tokens} E={experts} k={top_k} sigmoid={sigmoid} bf16"
+    label = (f"router t={tokens} E={experts} k={top_k} sigmoid={sigmoid} "
+             f"renormalize={renormalize} bf16")
     scores = logits.float().sigmoid()
     kth = scores.sort(dim=-1, descending=True).values[:, top_k - 1: top_k + 1]
     if (kth[:, 0] == kth[:, 1]).float().mean() < 0.5:  # the case must be full of ties
         failures.append(f"{label}: few ties at the k-th place")
-    want = R.router(logits, top_k, sigmoid)
-    got = TR.router(logits, top_k, sigmoid)
+    want = R.router(logits, top_k, sigmoid, renormalize)
+    got = TR.router(logits, top_k, sigmoid, renormalize)
     _check(failures, f"{label} indices", got[1], want[1], None)
     _check(failures, f"{label} probs", got[0], want[0], 1e-2)
     _check(failures, f"{label} partials", got[2], want[2], 1e-4)
     counts = torch.bincount(want[1].reshape(-1), minlength=experts)
     grad = torch.randn(tokens, top_k, generator=gen).to(torch.bfloat16)
-    args = (grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001)
+    args = (grad, logits, counts, None, top_k, sigmoid, 0.01, 0.001, renormalize)
     _check(failures, f"{label} backward", TR.router_backward(*args), R.router_backward(*args),
            1e-2)
     return failures
@@ -157,15 +160,15 @@ def shape_checks(every_shape: bool) -> list[str]:
     """Every check at one shape each (``every_shape``: at every shape); failure messages."""
     failures: list[str] = []
     if not every_shape:
-        failures += router_checks(40, 64, 6, False)
+        failures += router_checks(40, 64, 6, False, renormalize=True)
         failures += router_checks(40, 128, 8, True)
         failures += plan_checks(180, 8, 6, idle=2)
         failures += norm_checks(300, 128, forward=False)  # dweight programs of two tiles
         return failures
     for experts in (64, 128, 256):
         for top_k in (6, 8):
-            for sigmoid in (False, True):
-                failures += router_checks(100, experts, top_k, sigmoid)
+            for sigmoid, renormalize in ((False, False), (True, False), (False, True)):
+                failures += router_checks(100, experts, top_k, sigmoid, renormalize)
     failures += plan_checks(300, 256, 8, idle=17)
     failures += plan_checks(1100, 8, 2, idle=1)
     for rows, hidden in ((2048, 1024), (512, 4096), (256, 7168)):

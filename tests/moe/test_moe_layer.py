@@ -88,19 +88,6 @@ def test_sigmoid_weights_are_normalised_and_softmax_weights_are_not():
     torch.testing.assert_close(renormalised.probs, soft.probs / soft.probs.sum(-1, keepdim=True))
 
 
-def test_renormalisation_on_the_triton_router_is_refused_in_one_line():
-    from megapipe.kernels import HAS_TRITON
-    from megapipe.moe.router import kernel_problem
-
-    assert kernel_problem("softmax", True, "cuda") is None
-    assert kernel_problem("softmax", False, "cpu") is None
-    assert kernel_problem("sigmoid", False, "cuda") is None  # sigmoid's kernel normalises
-    problem = kernel_problem("softmax", False, "cuda")
-    assert (problem is not None) == HAS_TRITON
-    if problem is not None:
-        assert "--no-moe-router-pre-softmax" in problem and "\n" not in problem
-
-
 def test_plan_permutation_orders_by_expert_and_drops_over_capacity():
     indices = torch.tensor([[2, 0], [2, 1], [2, 0], [3, 2]])
     row_choice, choice_rows, counts = sort_by_expert(indices, 4)

@@ -144,7 +144,7 @@ class PretrainFlags:
     moe_router_pre_softmax: bool = flag(
         True, "the top-k softmax probabilities weigh the experts as they are (default on here; "
         "Megatron's default is off: --no-moe-router-pre-softmax divides them by their sum, as "
-        "Mixtral and Qwen3-MoE's norm_topk_prob; on CUDA the Triton router refuses it)",
+        "Mixtral and Qwen3-MoE's norm_topk_prob)",
         group=MODEL)
     moe_expert_capacity_factor: float | None = flag(
         None, "drop routing choices over capacity factor x tokens x top-k / experts per expert, "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=600, help="iterations per setting")
     p.add_argument("--every", type=int, default=10, help="iterations between samples")
+    p.add_argument("--rows", metavar="FILE",
+                   help="also write every sample, per setting and rank, to FILE as JSON")
     p.add_argument("--settings", default="overlap,plain,wgrad,manual-gc",
                    help=f"comma-separated, of {', '.join(SETTINGS)}")
     args = p.parse_args(argv[:split])
@@ -158,10 +161,15 @@ def main(argv: list[str] | None = None) -> int:
           f"value at the end and its slope per iteration over iterations "
           f"{args.iters // 2}-{args.iters} (a sample every {args.every})")
     print(HEADER)
+    samples: dict[str, list] = {}
     for name in names:
         pretrain = (*flags, *SETTINGS[name], "--train-iters", str(args.iters))
         per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every))
         print("\n".join(format_rows(name, per_rank)), flush=True)
+        samples[name] = per_rank
+        if args.rows:
+            with open(args.rows, "w") as f:
+                json.dump({"fields": ["iteration", *FIELDS], "samples": samples}, f)
     return 0
 
 

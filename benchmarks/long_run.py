@@ -12,13 +12,16 @@ Runs ``megapipe pretrain`` (the default job: 4 gloo ranks on CPU, pp 2, vpp 2, e
 
 Per setting and rank it prints the values at the end and their slope (least squares, per
 iteration) over the last half of the run, after warm-up. Settings (``--settings``): ``overlap``
-(the default: combined steps with their node trace), ``plain`` (``--no-overlap-moe-expert-
-parallel-comm``, no node trace), ``wgrad`` (``--delay-wgrad-compute``), ``manual-gc``
-(``--manual-gc --manual-gc-interval 100``: the collections, and glibc's ``malloc_trim(0)`` after
-each interval's, ``train/manual_gc.py``). Extra pretrain flags go after ``--``. The issue's target is 5,000
-iterations (``--iters 5000``); the default demo runs about 3 iterations per second on 2 cores:
+(the default: combined steps with their node trace, the heap trimmed every 100 iterations),
+``plain`` (``--no-overlap-moe-expert-parallel-comm``, no node trace), ``wgrad``
+(``--delay-wgrad-compute``), ``manual-gc`` (``--manual-gc --manual-gc-interval 100``, the
+collections at the trim's iterations, ``train/manual_gc.py``), ``no-trim``
+(``--heap-trim-interval 0``: the C heap's free pages kept). Extra pretrain flags go after ``--``.
+The issue's target is 5,000 iterations (``--iters 5000``); the default demo runs about 3
+iterations per second on 2 cores:
 
-    python benchmarks/long_run.py --iters 600 [--settings overlap,plain] [-- PRETRAIN FLAGS]
+    python benchmarks/long_run.py --iters 600 [--settings overlap,plain] [--rows FILE]
+        [-- PRETRAIN FLAGS]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ SETTINGS = {
     "plain": ["--no-overlap-moe-expert-parallel-comm"],
     "wgrad": ["--delay-wgrad-compute"],
     "manual-gc": ["--manual-gc", "--manual-gc-interval", str(GC_INTERVAL)],
+    "no-trim": ["--heap-trim-interval", "0"],
 }
 FIELDS = ("rss", "heap_used", "heap_free", "tensors", "objects")
 

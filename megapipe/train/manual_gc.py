@@ -30,7 +30,7 @@ from megapipe.train.config.job_config import CollectorConfig
 
 class ManualCollector:
     """The collector's and the heap trim's schedule for one run; a context manager around the
-    run's iterations that turns automatic collection off (when manual) and restores it at the end."""
+    run's iterations that turns automatic collection off (when manual) and restores it after."""
 
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config

@@ -11,14 +11,19 @@ Runs ``megapipe pretrain`` (the default job: 4 gloo ranks on CPU, pp 2, vpp 2, e
   parameters, optimizer state, anything kept past the step) and the count of tracked objects.
 
 Per setting and rank it prints the values at the end and their slope (least squares, per
-iteration) over the last half of the run, after warm-up. Settings (``--settings``): ``overlap``
-(the default: combined steps with their node trace), ``plain`` (``--no-overlap-moe-expert-
-parallel-comm``, no node trace), ``wgrad`` (``--delay-wgrad-compute``), ``manual-gc``
-(``--manual-gc --manual-gc-interval 100``: the collections, and glibc's ``malloc_trim(0)`` after
-each interval's, ``train/manual_gc.py``). Extra pretrain flags go after ``--``. The issue's target is 5,000
-iterations (``--iters 5000``); the default demo runs about 3 iterations per second on 2 cores:
+iteration) over the last half of the run, after warm-up, and the slopes of resident memory at
+the end of each ``--window`` iterations (floor) and of its maximum in each (peak): the trim makes
+it a saw. ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
+``overlap`` (the default: combined steps with their node trace, the heap trimmed every 100
+iterations), ``plain`` (``--no-overlap-moe-expert-parallel-comm``, no node trace), ``wgrad``
+(``--delay-wgrad-compute``), ``manual-gc`` (``--manual-gc --manual-gc-interval 100``, the
+collections at the trim's iterations, ``train/manual_gc.py``), ``no-trim``
+(``--heap-trim-interval 0``: the C heap's free pages kept). Extra pretrain flags go after ``--``.
+The issue's target is 5,000 iterations (``--iters 5000``); the default demo runs about 3
+iterations per second on 2 cores:
 
-    python benchmarks/long_run.py --iters 600 [--settings overlap,plain] [-- PRETRAIN FLAGS]
+    python benchmarks/long_run.py --iters 600 [--settings overlap,plain] [--rows FILE]
+        [-- PRETRAIN FLAGS]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -45,6 +51,7 @@ SETTINGS = {
     "plain": ["--no-overlap-moe-expert-parallel-comm"],
     "wgrad": ["--delay-wgrad-compute"],
     "manual-gc": ["--manual-gc", "--manual-gc-interval", str(GC_INTERVAL)],
+    "no-trim": ["--heap-trim-interval", "0"],
 }
 FIELDS = ("rss", "heap_used", "heap_free", "tensors", "objects")
 
@@ -120,7 +127,22 @@ def summarize(rows: list[tuple[int, ...]]) -> dict[str, tuple[float, float]]:
             for k, name in enumerate(FIELDS)}
 
 
-def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]]) -> list[str]:
+def saw_slopes(rows: list[tuple[int, ...]], window: int) -> tuple[float, float]:
+    """Slopes per iteration, over the last half, of resident memory at the end of each ``window``
+    (the floor: right after a trim every ``window`` iterations) and of its maximum in each window
+    (the peak): with the trim resident memory is a saw, dropping at each trim while the next steps
+    take the pages back, so the plain least-squares slope mostly says where the last sample fell."""
+    half = rows[len(rows) // 2:]
+    floor = [(float(r[0]), float(r[1])) for r in half if r[0] % window == 0]
+    peaks: dict[int, int] = {}
+    for r in half:
+        w = (r[0] - 1) // window
+        peaks[w] = max(peaks.get(w, 0), r[1])
+    return (slope([x for x, _ in floor], [y for _, y in floor]),
+            slope([float(w * window) for w in peaks], [float(v) for v in peaks.values()]))
+
+
+def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]], window: int) -> list[str]:
     lines = []
     for rank, rows in enumerate(per_rank):
         got = summarize(rows)
@@ -128,13 +150,15 @@ def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]]) -> list[str
         per = {k: v[1] for k, v in got.items()}
         lines.append(
             f"{setting:<10}{rank:>5}{end['rss'] / 2**20:>9.1f}{per['rss']:>10.0f}"
+            + "{:>11.0f}{:>10.0f}".format(*saw_slopes(rows, window)) +
             f"{end['heap_used'] / 2**20:>9.1f}{per['heap_used']:>10.0f}"
             f"{end['heap_free'] / 2**20:>9.1f}{end['tensors'] / 2**20:>9.2f}"
             f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}")
     return lines
 
 
-HEADER = (f"{'setting':<10}{'rank':>5}{'RSS MiB':>9}{'B/iter':>10}{'heap MiB':>9}{'B/iter':>10}"
+HEADER = (f"{'setting':<10}{'rank':>5}{'RSS MiB':>9}{'B/iter':>10}{'floor B/it':>11}"
+          f"{'peak B/it':>10}{'heap MiB':>9}{'B/iter':>10}"
           f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}")
 
 
@@ -144,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=600, help="iterations per setting")
     p.add_argument("--every", type=int, default=10, help="iterations between samples")
+    p.add_argument("--rows", metavar="FILE",
+                   help="also write every sample, per setting and rank, to FILE as JSON")
+    p.add_argument("--window", type=int, default=100,
+                   help="iterations per window of the peak's slope (the default "
+                        "--heap-trim-interval)")
+    p.add_argument("--reprint", metavar="FILE",
+                   help="print the table of a --rows FILE instead of running")
     p.add_argument("--settings", default="overlap,plain,wgrad,manual-gc",
                    help=f"comma-separated, of {', '.join(SETTINGS)}")
     args = p.parse_args(argv[:split])
@@ -153,15 +184,27 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--settings must name some of {', '.join(SETTINGS)}, got {unknown or names}")
     if args.iters < 4 * args.every:
         p.error(f"--iters={args.iters} needs at least 4 samples (--every {args.every})")
+    if args.reprint:
+        with open(args.reprint) as f:
+            saved = json.load(f)["samples"]
+        print(HEADER)
+        for name, per_rank in saved.items():
+            print("\n".join(format_rows(name, per_rank, args.window)))
+        return 0
     flags = argv[split + 1:]
     print(f"megapipe pretrain {' '.join(flags)} --train-iters {args.iters}: per rank, the "
           f"value at the end and its slope per iteration over iterations "
           f"{args.iters // 2}-{args.iters} (a sample every {args.every})")
     print(HEADER)
+    samples: dict[str, list] = {}
     for name in names:
         pretrain = (*flags, *SETTINGS[name], "--train-iters", str(args.iters))
         per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every))
-        print("\n".join(format_rows(name, per_rank)), flush=True)
+        print("\n".join(format_rows(name, per_rank, args.window)), flush=True)
+        samples[name] = per_rank
+        if args.rows:
+            with open(args.rows, "w") as f:
+                json.dump({"fields": ["iteration", *FIELDS], "samples": samples}, f)
     return 0
 
 

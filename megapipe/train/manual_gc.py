@@ -1,4 +1,5 @@
-"""``--manual-gc``: Python's garbage collector run at chosen points, the same on every rank.
+"""``--manual-gc``, ``--heap-trim-interval``: Python's garbage collector run at chosen points,
+and the C heap's free pages handed back, the same on every rank.
 
 Python's cyclic collector runs whenever allocations pass a threshold, so each rank pauses at its
 own moment of the step, and in a pipeline or a collective one rank's pause is every rank's wait.
@@ -9,10 +10,11 @@ one full collection when the run starts, one after every ``--manual-gc-interval`
 generation after it. megapipe's steps leave no reference cycle (``tests/pipeline/
 test_reference_cycles.py``), so the collections only free what other code leaves.
 
-megapipe adds one thing at the interval's collections: glibc's ``malloc_trim(0)`` (where the C
-library has it), which hands the free pages the C heap keeps back to the system. Without it the
-resident memory of each rank kept growing by kilobytes per iteration while the heap's bytes in
-use stayed flat (docs/memory.md, Long runs).
+megapipe adds ``--heap-trim-interval N`` (default 100, 0: off), with or without ``--manual-gc``:
+after every N-th iteration, after that iteration's collection if any, glibc's ``malloc_trim(0)``
+(where the C library has it; elsewhere nothing) hands the free pages the C heap keeps back to the
+system. Without it the resident memory of each rank kept growing by kilobytes per iteration while
+the heap's bytes in use stayed flat (docs/memory.md, Long runs).
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ from megapipe.train.config.job_config import CollectorConfig
 
 
 class ManualCollector:
-    """The collector's schedule for one run; a context manager around the run's iterations that
-    turns automatic collection off (when manual) and restores it at the end."""
+    """The collector's and the heap trim's schedule for one run; a context manager around the
+    run's iterations that turns automatic collection off (when manual) and restores it after."""
 
     def __init__(self, config: CollectorConfig) -> None:
         self.config = config
         self.collections = 0  # how many collections this object ran (tests, logs)
         self.trims = 0  # how many times the C heap's free pages were handed back
         self._was_enabled = False
-        self._trim = _malloc_trim() if config.manual and config.interval else None
+        self._trim = _malloc_trim() if config.trim_interval else None
 
     def __enter__(self) -> "ManualCollector":
         if self.config.manual:
@@ -49,13 +51,14 @@ class ManualCollector:
             gc.enable()
 
     def after_iteration(self, iteration: int) -> None:
-        """At the end of iteration ``iteration`` (1-based): collect every ``interval``-th."""
-        interval = self.config.interval
+        """At the end of iteration ``iteration`` (1-based): collect every ``interval``-th, then
+        hand the heap's free pages back every ``trim_interval``-th."""
+        interval, trim_interval = self.config.interval, self.config.trim_interval
         if self.config.manual and interval and iteration % interval == 0:
             self._collect()
-            if self._trim is not None:
-                self._trim(0)
-                self.trims += 1
+        if self._trim is not None and iteration % trim_interval == 0:
+            self._trim(0)
+            self.trims += 1
 
     @contextmanager
     def around_evaluation(self) -> Iterator[None]:

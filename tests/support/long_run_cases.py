@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+from megapipe.train import manual_gc
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
 from megapipe.train.loop import train
@@ -41,3 +42,28 @@ def collections_seen(argv: list[str]) -> dict:
 
     train(parse_pretrain_args(argv, env={}), write=lambda line: None, on_iteration=probe)
     return {"enabled": enabled, "deltas": deltas, "enabled_after": gc.isenabled()}
+
+
+def trims_seen(argv: list[str]) -> list[int]:
+    """Train with ``argv``, glibc's ``malloc_trim`` replaced by a counter: the iterations at
+    whose end the C heap was trimmed (each call's argument must be 0: trim everything)."""
+    calls: list[int] = []
+    trimmed: list[int] = []
+
+    def counting_trim(pad: int) -> int:
+        assert pad == 0, pad
+        calls.append(pad)
+        return 1
+
+    def probe(iteration: int) -> None:
+        if len(calls) > len(trimmed):
+            trimmed.append(iteration)
+        assert len(calls) == len(trimmed), (calls, trimmed)  # at most one per iteration
+
+    real = manual_gc._malloc_trim
+    manual_gc._malloc_trim = lambda: counting_trim
+    try:
+        train(parse_pretrain_args(argv, env={}), write=lambda line: None, on_iteration=probe)
+    finally:
+        manual_gc._malloc_trim = real
+    return trimmed

@@ -11,7 +11,7 @@ from megapipe.train.config.job_config import CollectorConfig
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import TrainResult
 from megapipe.train.manual_gc import ManualCollector, _malloc_trim
-from support.long_run_cases import collections_seen, pretrain_step_garbage
+from support.long_run_cases import collections_seen, pretrain_step_garbage, trims_seen
 from support.pretrain_flags import TINY
 
 
@@ -38,10 +38,22 @@ def test_manual_gc_collects_at_the_same_points_on_every_rank(rank_pools):
         assert seen["deltas"] == [(0, 1)], seen
 
 
+def test_the_heap_is_trimmed_every_n_iterations_on_every_rank(rank_pools):
+    """By default (no --manual-gc) malloc_trim(0) at the end of every N-th iteration, on each
+    rank; --heap-trim-interval 0: never."""
+    pool = rank_pools(4)
+    argv = TINY + ["--log-interval", "4"]
+    assert pool.run(trims_seen, argv + ["--train-iters", "5", "--heap-trim-interval", "2"]) == \
+        [[2, 4]] * 4
+    assert pool.run(trims_seen, argv + ["--train-iters", "2", "--heap-trim-interval", "0"]) == \
+        [[]] * 4
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--manual-gc-interval", "10"], "--manual-gc-interval=10 needs --manual-gc"),
     (["--no-manual-gc-eval"], "--no-manual-gc-eval needs --manual-gc"),
     (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval=-1 must be >= 0"),
+    (["--heap-trim-interval", "-1"], "--heap-trim-interval=-1 must be >= 0"),
 ])
 def test_manual_gc_flags_are_checked(flags, message):
     with pytest.raises(ArgsError, match=message):
@@ -49,6 +61,7 @@ def test_manual_gc_flags_are_checked(flags, message):
     config = parse_pretrain_args(["--manual-gc", "--manual-gc-interval", "5"], env={})
     assert (config.collector.manual, config.collector.interval, config.collector.at_eval) == \
         (True, 5, True)
+    assert parse_pretrain_args([], env={}).collector.trim_interval == 100  # on by default
 
 
 def test_a_train_result_keeps_a_fixed_window():
@@ -68,8 +81,8 @@ def test_a_train_result_keeps_a_fixed_window():
     assert result.lines == ["model: ...", "iter 7", "iter 8", "iter 9"]
 
 
-def test_the_collector_collects_and_trims_at_its_interval():
-    with ManualCollector(CollectorConfig(manual=True, interval=2)) as collector:
+def test_the_collector_collects_and_trims_at_its_intervals():
+    with ManualCollector(CollectorConfig(manual=True, interval=2, trim_interval=3)) as collector:
         assert not gc.isenabled()
         for iteration in range(1, 6):
             collector.after_iteration(iteration)
@@ -77,8 +90,14 @@ def test_the_collector_collects_and_trims_at_its_interval():
             pass
     assert gc.isenabled()
     assert collector.collections == 1 + 2 + 2  # the start, iterations 2 and 4, the evaluation
-    assert collector.trims == (2 if _malloc_trim() is not None else 0)
-    with ManualCollector(CollectorConfig()) as automatic:  # off: nothing changes
+    assert collector.trims == (1 if _malloc_trim() is not None else 0)  # iteration 3
+    with ManualCollector(CollectorConfig(trim_interval=2)) as automatic:  # trims, no collection
         assert gc.isenabled()
-        automatic.after_iteration(2)
-    assert automatic.collections == automatic.trims == 0
+        for iteration in range(1, 6):
+            automatic.after_iteration(iteration)
+    assert automatic.collections == 0
+    assert automatic.trims == (2 if _malloc_trim() is not None else 0)
+    with ManualCollector(CollectorConfig()) as off:  # neither: nothing changes
+        assert gc.isenabled()
+        off.after_iteration(2)
+    assert off.collections == off.trims == 0

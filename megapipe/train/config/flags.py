@@ -252,6 +252,10 @@ class PretrainFlags:
     manual_gc_eval: bool = flag(
         True, "with --manual-gc: collect before and after each evaluation "
         "(--no-manual-gc-eval: not there)", group=TRAINING)
+    heap_trim_interval: int = flag(
+        100, "hand the C heap's free pages back to the system (glibc malloc_trim) after every "
+        "N-th iteration, on every rank (0: never; megapipe's, not Megatron's)",
+        COUNT, group=TRAINING, metavar="N")
 
     pipeline_model_parallel_size: int = flag(2, "pp", POSITIVE, group=PARALLEL)
     virtual_pipeline_model_parallel_size: int | None = flag(

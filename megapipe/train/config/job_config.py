@@ -194,11 +194,14 @@ class FailureConfig:
 @dataclass(frozen=True)
 class CollectorConfig:
     """Megatron's ``--manual-gc``: the automatic garbage collector off, a collection every
-    ``interval`` iterations (0: none between iterations) and around evaluations (``at_eval``)."""
+    ``interval`` iterations (0: none between iterations) and around evaluations (``at_eval``);
+    and megapipe's ``--heap-trim-interval``: the C heap's free pages handed back every
+    ``trim_interval`` iterations (0: never), with or without ``manual``."""
 
     manual: bool = False
     interval: int = 0
     at_eval: bool = True
+    trim_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,8 @@ def job_config(f: PretrainFlags, world_size: int) -> JobConfig:
         failures=FailureConfig(timedelta(minutes=f.distributed_timeout_minutes),
                                f.exit_signal_handler, f.exit_interval, f.exit_duration_in_mins),
         graphs=GraphConfig(f.cuda_graph_impl, f.cuda_graph_modules or f.cuda_graph_scope),
-        collector=CollectorConfig(f.manual_gc, f.manual_gc_interval, f.manual_gc_eval),
+        collector=CollectorConfig(f.manual_gc, f.manual_gc_interval, f.manual_gc_eval,
+                                  f.heap_trim_interval),
     )
 
 

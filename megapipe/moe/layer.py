@@ -155,14 +155,18 @@ class MoEState(LayerState):
     rank_splits: RankCapacitySplits | None = None  # and its device-side splits
 
     def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
-        """The dispatch's grouped-GEMM offsets (made on the comm stream), for the experts on
-        the compute stream: deferred weight-gradient closures keep them after the layer's
+        """The dispatch's grouped-GEMM offsets (made on the comm stream; with a rank capacity,
+        also its overflow flag), for the experts on the compute stream: deferred weight-gradient closures keep them after the layer's
         backward, past the comm stream's last wait for the compute stream. (Route's row counts,
         read by the dispatch on the comm stream, need nothing: the compute stream waits for
         the dispatch before the state can drop them; ``tests/support/stream_checker.py``
         checks both.)"""
+        if reader is not NodeKind.COMPUTE:
+            return ()
+        if self.rank_splits is not None:  # a rank capacity's: its offsets and overflow flag
+            return (self.rank_splits.offsets, self.rank_splits.overflow)
         splits = self.dispatch_splits
-        if reader is not NodeKind.COMPUTE or splits is None or splits.local_offsets is None:
+        if splits is None or splits.local_offsets is None:
             return ()
         return (splits.local_offsets,)
 
@@ -410,12 +414,9 @@ class MoELayer(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
         if state.rank_splits is not None:
-            # noted here, on the compute stream, which has waited for the dispatch
+            # noted here, on the compute stream, which has waited for the dispatch (the
+            # combined step keeps the two tensors for it: ``MoEState.crossing``)
             splits = state.rank_splits
-            if splits.offsets.is_cuda:  # made on the comm stream, read on this one
-                current = torch.cuda.current_stream()
-                splits.offsets.record_stream(current)
-                splits.overflow.record_stream(current)
             self.rank_overflow.bitwise_or_(splits.overflow.to(torch.int32))
             return (self.experts(expert_rows, None, state=state, offsets=splits.offsets),)
         return (

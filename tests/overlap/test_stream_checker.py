@@ -87,6 +87,7 @@ def test_graphs_bf16_waves_recompute_and_capacity_keep_the_stream_rules():
     assert executor_findings("1f1b", waves=2, delay=True) == []
     assert executor_findings("interleaved-1f1b", 2, recompute=True, delay=True) == []
     assert executor_findings("zbv", 2, capacity_factor=1.5, delay=True) == []
+    assert executor_findings("1f1b", rank_capacity_factor=2.0, delay=True) == []
 
 
 def test_layers_ending_in_a_comm_node_keep_their_incoming_gradients(monkeypatch):

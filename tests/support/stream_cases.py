@@ -54,13 +54,15 @@ def checked_streams(checker: StreamChecker) -> Iterator[None]:
 
 def executor_findings(schedule: str, vpp: int = 1, delay: bool = False, graphs: bool = False,
                       bf16: bool = False, waves: int = 1, microbatches: int = 4,
-                      recompute: bool = False, capacity_factor: float | None = None
-                      ) -> list[str]:
+                      recompute: bool = False, capacity_factor: float | None = None,
+                      rank_capacity_factor: float | None = None) -> list[str]:
     """One training step of the reference GPT at pp 1 (every stage on this process) with the
     schedule's OVERLAP pairs, under the checker (``recompute``: full recompute, node by node;
-    ``capacity_factor``: expert buffers padded to a capacity, no host read)."""
+    ``capacity_factor``: expert buffers padded to a capacity, no host read;
+    ``rank_capacity_factor``: dropless in fixed-size lanes, no host read)."""
     config = dataclasses.replace(CONFIG, recompute_method="uniform" if recompute else None,
-                                 moe_capacity_factor=capacity_factor)
+                                 moe_capacity_factor=capacity_factor,
+                                 moe_expert_rank_capacity_factor=rank_capacity_factor)
     ids = torch.randint(0, 64, (microbatches, 1, CONFIG.seq_length + 1),
                         generator=torch.Generator().manual_seed(0))
     built = build_schedule(schedule, 1, microbatches, vpp=vpp, overlap=True)

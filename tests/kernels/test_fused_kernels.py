@@ -1,9 +1,9 @@
 """The fused operators (``megapipe.kernels``): their plain-torch references against the unfused
 definitions (forwards bitwise, hand-written backwards against autograd), and the Triton kernels
-against the references under TRITON_INTERPRET=1 on CPU (float32 and float16: the interpreter has
-no bf16; tests/gpu runs the same comparison compiled, with bf16). Triton reads TRITON_INTERPRET
-when a kernel module is first imported, so the interpreter check runs this file as a script in a
-fresh process."""
+against the references under TRITON_INTERPRET=1 on CPU (float32 and float16 here; bf16 at the
+shapes users run in test_kernel_shapes.py; tests/gpu runs the same comparison compiled, with
+bf16). Triton reads TRITON_INTERPRET when a kernel module is first imported, so the interpreter
+check runs this file as a script in a fresh process."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Token permute/unpermute: the plain-torch reference against a naive loop (float32 and bf16, with
 padding rows) and gradcheck, and the Triton kernels against the reference under
-TRITON_INTERPRET=1 on CPU (float32, float16: the interpreter has no bf16; bf16 runs on CUDA in
-tests/gpu).
+TRITON_INTERPRET=1 on CPU (float32, float16; bf16 at the shapes users run in
+test_kernel_shapes.py, and on CUDA in tests/gpu).
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when
 ``megapipe.kernels.triton_permute`` is first imported; the interpreter check therefore runs in a
@@ -72,7 +72,7 @@ def compare_triton_with_reference(device: str) -> list[str]:
     # t, k, E, capacity, h; the last walks its rows in two column blocks (h > MAX_BLOCK)
     cases = [(5, 2, 3, 3, 8), (4, 1, 4, None, 130), (3, 4, 4, 2, 16), (3, 2, 4, None, 2100)]
     dtypes = [(torch.float32, 1e-6), (torch.float16, 1e-3)]
-    if device == "cuda":  # the CPU interpreter has no bf16
+    if device == "cuda":  # bf16 on CPU: test_kernel_shapes.py
         dtypes.append((torch.bfloat16, 1e-2))
     for dtype, tol in dtypes:
         for t, k, e, capacity, h in cases:

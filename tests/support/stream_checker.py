@@ -155,10 +155,11 @@ def _where() -> str:
     """The innermost megapipe frame (file:line function) of the current Python stack."""
     frame = sys._getframe(2)
     while frame is not None:
-        name = frame.f_code.co_filename
-        cut = name.rfind("/megapipe/")
-        if cut >= 0:
-            return f"{name[cut + 1:]}:{frame.f_lineno} {frame.f_code.co_name}"
+        module = frame.f_globals.get("__name__", "")
+        if module == "megapipe" or module.startswith("megapipe."):  # by module, not by path
+            init = frame.f_code.co_filename.endswith("__init__.py")
+            path = module.replace(".", "/") + ("/__init__.py" if init else ".py")
+            return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
 

@@ -562,9 +562,7 @@ class CombinedStep:
             index = layer.nodes.index(record)
             if index == len(layer.nodes) - 1:
                 tape = self.backward.tape  # type: ignore[union-attr]
-                given = self.backward.grads  # type: ignore[union-attr]
-                stream.record_use(tape.incoming_grads(
-                    layer, given if layer.index == len(tape.layers) - 1 else None))
+                stream.record_use(tape.incoming_grads(layer, self._given_grads(tape, layer)))
                 return
             for reader in layer.nodes:
                 if reader.stream is not stream:
@@ -577,11 +575,17 @@ class CombinedStep:
                 stream.record_use(_part(layer, source, part, record))
         stream.record_use(layer.state.crossing(record.node.kind))
 
+    def _given_grads(self, tape: Tape, layer: LayerRecord) -> Grads | None:
+        """The gradients the caller gave the backward half, for the tape's last layer only
+        (the others get theirs from the layer after them)."""
+        assert self.backward is not None
+        return self.backward.grads if layer.index == len(tape.layers) - 1 else None
+
     def _backward_node(self, tape: Tape, layer: LayerRecord, index: int) -> Grads:
         """``backward_node``; the layer's last node (its first backward) begins the layer."""
         assert self.backward is not None
         if index == len(layer.nodes) - 1:
-            grads = self.backward.grads if layer.index == len(tape.layers) - 1 else None
+            grads = self._given_grads(tape, layer)
             wgrad = self.backward.wgrad if self._layer_wgrad is None \
                 else self._layer_wgrad[layer.index]
             tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)

@@ -124,8 +124,12 @@ def test_combined_step_really_runs_comm_and_compute_at_once(rank_pools):
     case = Case("1f1b", 1, ep=2, dp=2, microbatches=4)
     results = [r for r in rank_pools(8).run(concurrency_run, case, 0.003) if r is not None]
     for result in results:
+        # the paired slots' nodes overlap in time: a slot lasts less than its two nodes summed
+        # (by at least a third of one emulated all-to-all in all; with no concurrency the wall
+        # would be at least the sum). Not the exposed fraction: that is a speed, and on a
+        # loaded machine the comm thread's wake-ups stretch it.
         assert result["paired_sum"] > 0, result
-        assert result["fraction"] < 0.9, result
+        assert result["paired_wall"] < result["paired_sum"] - 0.001, result
 
 
 def test_front_end_flags_pick_the_combined_schedule_with_the_same_bits(rank_pools):

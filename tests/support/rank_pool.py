@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -25,14 +27,18 @@ class RankError(RuntimeError):
     """A task failed on some rank; the message holds the first failing rank's traceback."""
 
 
-def _serve(rank: int, task_queues: list[Any], results: Any) -> None:
-    """A pool process: join the gloo world, then run this rank's tasks until told to stop."""
+def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> None:
+    """A pool process: join the gloo world, then run this rank's tasks until told to stop.
+
+    The ranks meet through a file, not a TCP port: a port picked free by the parent can be
+    taken by another process (another test run on the machine) before rank 0 binds it."""
     import torch.distributed as dist
 
     tasks = task_queues[rank]
     parent = os.getppid()
 
-    dist.init_process_group("gloo")  # env:// from start_local_ranks
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=len(task_queues))
     while True:
         try:
             item = tasks.get(timeout=5.0)
@@ -74,9 +80,11 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         saved = {name: os.environ.get(name) for name in self.env}
         os.environ.update(self.env)  # spawned processes start with the parent's environment
+        self._store_dir = tempfile.mkdtemp(prefix="rank_pool_")
+        store_file = os.path.join(self._store_dir, "store")
         try:
-            ranks = start_local_ranks(_serve, self.world_size, (self._tasks, self._results),
-                                      daemon=True)
+            ranks = start_local_ranks(_serve, self.world_size,
+                                      (self._tasks, self._results, store_file), daemon=True)
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -148,6 +156,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
         self._procs = []
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def __enter__(self) -> "RankPool":
         return self

@@ -1,10 +1,30 @@
-"""Shared fixtures: long-lived gloo process pools, one per world size, started on first use."""
+"""Shared fixtures: long-lived gloo process pools, one per world size, started on first use;
+and the ``heavy`` marker: sweeps that take minutes (every kernel at users' shapes and compiled
+for sm_90/sm_100, every section of the GPU check's dry run) are deselected unless
+``MEGAPIPE_HEAVY=1``:
+
+    MEGAPIPE_HEAVY=1 .venv/bin/python -m pytest -m heavy
+"""
 
 import os
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+HEAVY = os.environ.get("MEGAPIPE_HEAVY") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "heavy: a sweep of minutes, run with MEGAPIPE_HEAVY=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HEAVY:
+        return
+    drop = [item for item in items if item.get_closest_marker("heavy")]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if not item.get_closest_marker("heavy")]
 
 
 class RankPools:

@@ -182,27 +182,56 @@ def _without_pythonpath() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+# The default suite's dry run: the sections that come first by value (the executor's step, the
+# fused kernels, the bitwise evidence); the others run in the heavy sweep.
+_FIRST = ("executor", "kernels", "bitwise")
+
+
+def test_the_dry_run_from_a_python_with_torch_only_runs_the_first_sections(tmp_path,
+                                                                        torch_only_python):
+    """``PYTHON=<torch only> bash scripts/gpu_check.sh OUT --dry-run --sections ...``: the
+    set-up a lent machine gets, then the three sections the check is for."""
+    sections, passed = _dry_run(tmp_path, torch_only_python, (_FIRST,))
+    assert passed == len(_FIRST)
+    _check_first_sections({s["name"]: s for s in sections})
+
+
+@pytest.mark.heavy
 def test_the_dry_run_from_a_python_with_torch_only_runs_every_section(tmp_path,
                                                                       torch_only_python):
-    """``PYTHON=<torch only> bash scripts/gpu_check.sh OUT --dry-run``, the default set-up, in
-    two halves: no section fails, the GPU parts are reported as skipped with the reason, every
-    fused operator is named, and each section says what it would be allowed on the device."""
+    """The same, every section, in two halves side by side: no section fails, the GPU parts
+    are reported as skipped with the reason, and each section says what it would be allowed
+    on the device."""
     assert sorted(sum(_HALVES, ())) == sorted(s.name for s in SECTIONS)
-    outs = [tmp_path / f"out{i}" for i in range(len(_HALVES))]
-    env = dict(_without_pythonpath(), PYTHON=str(torch_only_python), OMP_NUM_THREADS="1",
-               BUDGET="500")
+    sections, passed = _dry_run(tmp_path, torch_only_python, _HALVES)
+    assert passed >= 10
+    by_name = {s["name"]: s for s in sections}
+    _check_first_sections(by_name)
+    for name in ("syncs", "streams", "overlap", "kernels"):
+        assert any("dry run" in part["reason"] or "CUDA" in part["reason"]
+                   for part in by_name[name]["skipped_parts"]), (name, by_name[name])
+    files = sorted(p.name for out in tmp_path.glob("out*") for p in out.iterdir())
+    assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md", "setup.log"] * 2
+                           + ["streams_trace.json.gz"])
+
+
+def _dry_run(tmp_path, python, groups) -> tuple[list[dict], int]:
+    """Each group of sections as one dry-run check of its own, side by side: the sections'
+    reports in order and how many passed, after checking each check's set-up and report."""
+    outs = [tmp_path / f"out{i}" for i in range(len(groups))]
+    env = dict(_without_pythonpath(), PYTHON=str(python), OMP_NUM_THREADS="1", BUDGET="500")
     running = [subprocess.Popen(
         ["bash", str(REPO / "scripts" / "gpu_check.sh"), str(out), "--dry-run", "--sections",
          ",".join(half)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=tmp_path, env=env) for out, half in zip(outs, _HALVES)]
+        cwd=tmp_path, env=env) for out, half in zip(outs, groups)]
     sections, passed = [], 0
-    for process, out, half in zip(running, outs, _HALVES):
+    for process, out, half in zip(running, outs, groups):
         stdout, stderr = process.communicate(timeout=560)
         log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
         assert process.returncode == 0, stdout + stderr + log[-3000:]
         setup = (out / "setup.log").read_text()
         assert f"megapipe from the checkout: PYTHONPATH={REPO}" in setup, setup
-        assert f"running with {torch_only_python}" in setup, setup
+        assert f"running with {python}" in setup, setup
         data = json.loads((out / "gpu_check.json").read_text())
         assert [s["name"] for s in data["sections"]] == [s.name for s in SECTIONS
                                                         if s.name in half]
@@ -213,17 +242,17 @@ def test_the_dry_run_from_a_python_with_torch_only_runs_every_section(tmp_path,
         assert markdown.strip().splitlines()[-1] == last and "## On the device" in markdown
         sections += data["sections"]
         passed += data["passed"]
-    assert passed >= 10
-    by_name = {s["name"]: s for s in sections}
-    assert by_name["executor"]["on_device"] == "110 s (its cap)"
     assert all(s["on_device"] for s in sections)
-    for name in ("syncs", "streams", "overlap", "kernels"):
-        assert any("dry run" in part["reason"] or "CUDA" in part["reason"]
-                   for part in by_name[name]["skipped_parts"]), (name, by_name[name])
+    assert all(c["ok"] for s in sections for c in s["checks"])
+    return sections, passed
+
+
+def _check_first_sections(by_name: dict) -> None:
+    """What the executor, kernels and bitwise sections report in a dry run."""
+    assert by_name["executor"]["on_device"] == "110 s (its cap)"
     kernels_skipped = [p["part"] for p in by_name["kernels"]["skipped_parts"]]
     assert kernels_skipped == [f"{op}: GPU ms, share of HBM bandwidth, host us per launch"
                                for op in OPERATORS]
-    assert all(c["ok"] for s in sections for c in s["checks"])
     bitwise, executor = by_name["bitwise"], by_name["executor"]
     # without CUDA the runs with graphs are left out (they would run eager), and one shape is timed
     assert not any("CUDA graphs" in c["name"] for c in bitwise["checks"])
@@ -231,9 +260,6 @@ def test_the_dry_run_from_a_python_with_torch_only_runs_every_section(tmp_path,
     assert "CUDA graphs need CUDA: the runs with graphs are left out here" in bitwise["notes"]
     assert {t["title"]: [tuple(r[:2]) for r in t["rows"]] for t in executor["tables"]} == {
         "1f1b step, hidden 32, bf16": [("no link", "off"), ("sleep link, comm ~ experts", "off")]}
-    files = sorted(p.name for out in outs for p in out.iterdir())
-    assert files == sorted(["gpu_check.json", "gpu_check.log", "gpu_check.md", "setup.log"] * 2
-                           + ["streams_trace.json.gz"])
 
 
 def test_a_check_killed_mid_section_leaves_the_finished_sections_and_the_running_ones_figures(

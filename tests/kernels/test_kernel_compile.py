@@ -3,7 +3,7 @@
 up to 256 experts and top-8, launch with FP fusion pinned off, and the routing plan and the
 RMSNorm weight gradient fill an H100's 132 SMs at 4096 tokens. The default run compiles the
 kernels this concerns at one shape each (the router at its worst: 256 experts, top-8, bf16,
-sigmoid and softmax renormalised); ``heavy_kernels`` (``MEGAPIPE_HEAVY_KERNELS=1``) compiles
+sigmoid and softmax renormalised); ``heavy`` (``MEGAPIPE_HEAVY=1``) compiles
 every kernel at every shape of ``benchmarks/kernel_registers.py`` for both architectures."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_the_stand_in_driver_leaves_triton_as_it_found_it():
             pass
 
 
-@pytest.mark.heavy_kernels
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", [90, 100])
 def test_every_kernel_compiles_at_every_real_shape_without_spills(arch):
     rows = KR.compile_all(arch, KR.cases())

@@ -4,8 +4,8 @@ lowest expert index first, ``reference_fused.stable_top_k``), 64 to 256 experts,
 top-8, softmax (its top-k renormalised or not) and sigmoid, routing plans longer than a block
 with experts that get no token, RMSNorm over thousands of rows, hidden sizes up to 7168. The
 default run takes a few small ones (the interpreter runs a program in Python: thousands of rows
-take minutes); the ``heavy_kernels`` marker (``MEGAPIPE_HEAVY_KERNELS=1``,
-tests/kernels/conftest.py) takes them all. Triton reads
+take minutes); the ``heavy`` marker (``MEGAPIPE_HEAVY=1``,
+tests/conftest.py) takes them all. Triton reads
 TRITON_INTERPRET when a kernel module is first imported, so the checks run this file as a
 script in a fresh process."""
 
@@ -190,7 +190,7 @@ def test_kernels_at_real_shapes_under_interpreter():
     _interpreted(every_shape=False)
 
 
-@pytest.mark.heavy_kernels
+@pytest.mark.heavy
 def test_kernels_at_every_real_shape_under_interpreter():
     _interpreted(every_shape=True)
 

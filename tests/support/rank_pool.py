@@ -39,6 +39,7 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=len(task_queues))
+    results.put((rank, None, "joined"))
     while True:
         try:
             item = tasks.get(timeout=5.0)
@@ -61,6 +62,7 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
 # busy doing nothing. A pool whose ranks pass this many threads starts afresh (about 4 s).
 THREAD_LIMIT = 300
 _POLL_S = 1.0  # how often a waiting ``run`` looks for ranks that died
+START_TIMEOUT = 600.0  # for the ranks to start and join (torch's import; slow on a busy machine)
 
 
 class RankPool:
@@ -92,6 +94,24 @@ class RankPool:
                 else:
                     os.environ[name] = value
         self._procs = ranks.processes
+        self._joined = False
+
+    def _await_joined(self) -> None:
+        """Wait for every rank to join the gloo world: a task's ``timeout`` counts from then,
+        so a slow start (eight imports of torch on two busy cores) is not a task's timeout."""
+        joined: set[int] = set()
+        deadline = time.monotonic() + START_TIMEOUT
+        while len(joined) < self.world_size:
+            try:
+                rank, _, _ = self._results.get(timeout=_POLL_S)
+                joined.add(rank)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    raise RankError(f"the pool's ranks {dead} died while starting" if dead else
+                                    f"the pool did not start within {START_TIMEOUT:.0f}s")
+        self._joined = True
 
     def _most_threads(self) -> int:
         """The most threads of any rank (0 where /proc cannot tell)."""
@@ -110,6 +130,8 @@ class RankPool:
         elif self._most_threads() > THREAD_LIMIT:
             self.close()
             self._start()
+        if not self._joined:
+            self._await_joined()
         for q in self._tasks:
             q.put((fn, args, kwargs))
         name = getattr(fn, "__name__", fn)

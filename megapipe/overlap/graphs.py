@@ -60,13 +60,16 @@ class Graphable:
     each log it records into (``owner.attribute.record(value)``; the MoE layer's
     ``aux_loss_log``): while it is captured it records into a fresh log of the same type, whose
     ``pop_all()`` gives the tensors each replay records again, copied; ``buffers``: the other
-    tensors it reads in place (rotary tables), which must stay where they are."""
+    tensors it reads in place (rotary tables), which must stay where they are; ``eager()``: why
+    the node must run eager now (its shapes are not static: a dropless MoE layer's experts),
+    None when it may be captured."""
 
     modules: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
     key: Callable[[], Hashable] | None = None
     logs: tuple[tuple[Any, str], ...] = ()
     buffers: tuple[torch.Tensor, ...] = ()
+    eager: Callable[[], str | None] | None = None
 
 
 class GraphApi:
@@ -194,8 +197,9 @@ class NodeGraphs:
         return self.stats.bytes
 
     def describe(self) -> str:
+        eager = "".join(f"; {node} eager: {why}" for node, why in sorted(self.stats.eager.items()))
         return (f"{self.captured} graph instances captured, {self.bytes / 2**20:.1f} MiB in "
-                "their pools and static buffers")
+                f"their pools and static buffers{eager}")
 
 
 class GraphRunner:

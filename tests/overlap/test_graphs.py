@@ -9,7 +9,7 @@ replays, the state writes, the gradients, the refusals.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -19,12 +19,12 @@ from megapipe.models.gpt import gpt_loss, graph_holders
 from megapipe.moe.layer import MoEState
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.graph_rules import (
-    GRAPH_IMPLS, GRAPH_MODULES, coverage_problem, settings_problem,
+    GRAPH_IMPLS, GRAPH_MODULES, MOE_NOT_STATIC, coverage_problem, settings_problem,
 )
 from megapipe.overlap.graphs import Graphable, NodeGraphs, node_graphs
 from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
@@ -199,19 +199,32 @@ class _ScaleState(LayerState):
     scale: torch.Tensor | None = None
 
 
-def test_a_node_that_reads_a_tensor_from_the_state_or_defers_wgrad_is_refused() -> None:
+def test_state_tensors_are_refilled_before_each_replay_and_weight_grads_run_in_the_graph(
+) -> None:
     x = torch.randn(4, 8, requires_grad=True)
-    plan, _, _ = _one_node(lambda s, t: (t[0] * s.scale,))
-    with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor made outside it"):
-        run_nodes(plan, (x,), _ScaleState(scale=torch.ones(8)))
+    plan, graphs, api = _one_node(lambda s, t: (t[0] * s.scale,))
+    for scale in (torch.full((8,), 2.0), torch.arange(8.0)):  # one instance, refilled
+        (y,) = run_nodes(plan, (x,), _ScaleState(scale=scale))
+        assert torch.equal(y, x * scale)
+        y.sum().backward()
+        del y  # its output buffer free again
+    assert graphs.captured == 1 and api.count("replay") == 4
+    (y,) = run_nodes(plan, (x,), _ScaleState(scale=torch.ones(4, 1, 8)))  # another shape
+    assert torch.equal(y, x * torch.ones(4, 1, 8)) and graphs.captured == 2
+    with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor that needs a grad"):
+        run_nodes(plan, (x,), _ScaleState(scale=torch.ones(8, requires_grad=True)))
     weight = torch.randn(2, 8, 8, requires_grad=True)
 
     def deferring(state: LayerState, tensors: tuple) -> tuple:
         return (grouped_matmul(tensors[0], (2, 2), weight, state=state),)
 
+    (want,) = torch.autograd.grad(run_nodes([Node("n", NodeKind.COMPUTE, deferring)], (x,))[0]
+                                  .sum(), weight)
     plan, _, _ = _one_node(deferring, [weight])
-    with pytest.raises(RuntimeError, match=r"defers weight gradients"):  # its queue comes later
-        run_nodes(plan, (x,))
+    (out,), tape = record_forward([plan], (x,))
+    queue = WeightGradQueue()
+    run_backward(tape, (torch.ones_like(out),), wgrad=queue)
+    assert len(queue) == 0 and torch.equal(weight.grad, want)  # computed in the graph
 
 
 def test_a_captured_node_writing_an_undeclared_state_field_is_refused() -> None:
@@ -314,13 +327,19 @@ def test_the_settings_rules_name_what_does_not_fit() -> None:
     assert "TransformerEngine" in settings_problem("transformer_engine", ("attn",))
     assert "needs --cuda-graph-impl local" in settings_problem("none", ("attn",))
     assert "captures whole layers" in settings_problem("local", ())
-    for refused in ("moe", "shared_experts", "mamba", "full_iteration", "mlp_fc1"):
+    assert settings_problem("local", ("attn", "moe")) is None
+    for refused in ("shared_experts", "mamba", "full_iteration", "mlp_fc1"):
         assert settings_problem("local", ("attn", refused)).startswith(
             f"--cuda-graph-modules {refused}: ")
     holders = graph_holders(CONFIG)
     assert coverage_problem(("attn", "moe_router", "mlp"), holders) is None
     assert "also holds moe_router moe_preprocess" in coverage_problem(("attn",), holders)
     assert "also holds mlp" in coverage_problem(("attn", "moe_preprocess"), holders)
+    # the whole MoE layer: static only with a rank capacity; it takes the router's node along
+    assert coverage_problem(("attn", "moe", "mlp"), holders) == MOE_NOT_STATIC
+    static = graph_holders(replace(CONFIG, moe_expert_rank_capacity_factor=2.0))
+    assert coverage_problem(("attn", "moe", "mlp"), static) is None
+    assert "also holds attn" in coverage_problem(("moe", "mlp"), static)
     moe_only = graph_holders(GPTConfig(first_k_dense_layers=0))
     assert "the model has no dense layer" in coverage_problem(("attn", "moe_router", "mlp"),
                                                               moe_only)

@@ -16,7 +16,7 @@ import torch
 
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss, graph_holders
-from megapipe.moe.layer import MoEState
+from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.graph_rules import (
     GRAPH_IMPLS, GRAPH_MODULES, MOE_NOT_STATIC, coverage_problem, settings_problem,
@@ -135,6 +135,59 @@ def test_a_combined_step_replays_its_graphs_on_the_compute_stream() -> None:
             assert threads == {threading.current_thread().name}
             assert graphs.captured == 6  # the pair holds two microbatches of every node
     assert torch.equal(results[0][0], results[1][0]) and _same(results[0][1], results[1][1])
+
+
+RANK_CAPACITY = replace(CONFIG, moe_expert_rank_capacity_factor=2.0)
+WHOLE = ("attn", "moe", "mlp")  # the MoE layers graphed whole
+
+
+def _pair(config: GPTConfig, graphs: NodeGraphs | None, batches):  # noqa: ANN001, ANN202
+    """A combined step (F of microbatch 1 beside B of microbatch 0, deferred W) on a stage."""
+    stage = _stage(config=config)
+    plans = stage.layer_plans() if graphs is None else [graphs.plan(p) for p in
+                                                        stage.layer_plans()]
+    (out_b,), tape_b = record_forward(plans, (batches[0][0],))
+    (grad,) = torch.autograd.grad(gpt_loss(out_b, batches[0][1]), out_b)
+    with make_streams("cpu") as streams:
+        (out_f,), _, _ = combined_step(plans, (batches[1][0],), tape_b, (grad,), streams,
+                                       delay_wgrad_compute=True)
+    return stage, out_f
+
+
+def test_moe_layers_graphed_whole_with_a_rank_capacity_keep_the_eager_bits() -> None:
+    batches = _batches(4)
+    eager, out_eager = _pair(RANK_CAPACITY, None, batches)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    stage, out = _pair(RANK_CAPACITY, graphs, batches)
+    assert torch.equal(out, out_eager) and _same(_grads(eager), _grads(stage))
+    # a dense node and each MoE layer's attention, experts and finish: replayed for both
+    # forwards and the one backward (microbatch 1's forward reuses the instances whose
+    # backward ran before it); the all-to-all nodes run eager (no NCCL here)
+    assert graphs.api.count("replay") == 3 * (1 + 2 * 3) and graphs.stats.eager == {}
+    assert 1 + 2 * 3 < graphs.captured < 2 * (1 + 2 * 3)
+    replayed = {stream for kind, _, stream in graphs.api.events if kind == "replay"}
+    assert replayed == {threading.current_thread().name}  # the compute stream only
+    eager, stage = _stage(config=RANK_CAPACITY), _stage(config=RANK_CAPACITY)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches, in_flight=2),
+                 _tape_run(stage, graphs, batches, in_flight=2))
+    assert _same(_grads(eager), _grads(stage)) and graphs.captured == 2 * 7
+
+
+def test_moe_nodes_whose_shapes_follow_the_routing_run_eager_and_say_why() -> None:
+    batches = _batches(2)
+    eager, stage = _stage(), _stage()  # dropless: no rank capacity
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert _same(_grads(eager), _grads(stage)) and graphs.captured == 3
+    assert "experts eager: dropless without --moe-expert-rank-capacity-factor" in \
+        graphs.describe()
+    eager, stage = _stage(config=RANK_CAPACITY), _stage(config=RANK_CAPACITY)
+    for module in (eager, stage):  # a step run again without the capacity (an overflow)
+        set_sync_free([module], False)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert graphs.stats.eager["finish"].startswith("a step run again dropless")
 
 
 def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:

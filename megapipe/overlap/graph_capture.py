@@ -9,6 +9,7 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
@@ -103,7 +104,9 @@ class _Instance:
 
     def __init__(self, api: Any) -> None:
         self.api = api
-        self.lease: _Lease | None = None  # busy while a forward awaits its backward
+        # busy while a forward awaits its backward: a weak reference, so that the lease dies
+        # (and frees the instance) with the forward's autograd record when no backward comes
+        self.lease: weakref.ref[_Lease] | None = None
         self.guards: dict[str, Any] = {}
         self.state_inputs: dict[str, torch.Tensor] = {}  # state tensors read: static buffers
         self.inputs: tuple[torch.Tensor, ...] = ()
@@ -122,7 +125,7 @@ class _Instance:
     def fits(self, state: LayerState) -> bool:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
         handed out: a deferred weight gradient may keep an output) and its guards hold."""
-        return self.lease is None and all(getattr(state, name) == value
+        return (self.lease is None or self.lease() is None) and all(getattr(state, name) == value
                                      for name, value in self.guards.items()) and all(
             _views(t) <= count for t, count in zip(self.handed, self.counts)) and all(
             _same_layout(getattr(state, name), static)
@@ -182,15 +185,15 @@ class _Lease:
     """Holds an instance busy from one forward replay until its backward replayed (or the
     autograd record of that forward is dropped without one)."""
 
-    __slots__ = ("instance", "backward_done")
+    __slots__ = ("instance", "backward_done", "__weakref__")
 
     def __init__(self, instance: _Instance) -> None:
-        instance.lease = self
+        instance.lease = weakref.ref(self)
         self.instance = instance
         self.backward_done = False
 
     def release(self) -> None:
-        if self.instance.lease is self:
+        if self.instance.lease is not None and self.instance.lease() is self:
             self.instance.lease = None
 
     def __del__(self) -> None:

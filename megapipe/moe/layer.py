@@ -33,10 +33,15 @@ Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have t
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
 read"). With a rank capacity (``MoEConfig.rank_capacity_factor``, ``moe.rank_capacity``) the
-layer stays dropless and reads nothing either: dispatch and combine use fixed-size lanes, the
-experts run from device offsets, and each dispatch's overflow is ORed into ``rank_overflow``
-(a device flag) for the step to read once (``take_overflow``); ``sync_free=False`` runs the
-layer as the plain dropless one (the step run again after an overflow, ``set_sync_free``).
+layer stays dropless and reads nothing either, in fixed-size lanes: route plans the sends
+(``rows`` become the lanes ``[ep * lane, h]``, their way back and the overflow, ORed into
+``rank_overflow``, a device flag the step reads once: ``take_overflow``), dispatch and combine
+hold only their all-to-alls, experts orders the received lanes by expert and back, finish takes
+its rows back from the returned lanes. Every shape is then static and the state holds plain
+values and device tensors only, so experts and finish declare Megatron's CUDA-graph module
+``moe`` (``overlap.graphs``). ``sync_free=False`` runs the layer as the plain dropless one (the
+step run again after an overflow, ``set_sync_free``); experts and finish then run eager.
+Config and state: ``moe.config``, ``moe.state``.
 
 ``node_plan().in_waves(k)`` (``wave_plan(k)``) is the same layer with its all-to-alls in k
 expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,

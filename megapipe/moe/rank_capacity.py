@@ -19,8 +19,11 @@ This module is the exchange of that mode (``RankCapacityDispatch``), for gloo an
 
 Without overflow the first rows of ``dispatch``'s output are bitwise the dropless dispatcher's
 (``TokenDispatcher.dispatch``) and ``combine`` returns bitwise its rows (tested). The MoE layer
-(``moe.layer``) runs its experts from ``offsets`` alone and ORs ``overflow`` into a device flag
-per layer; the training step reads the flags once, after the step (``train.step``).
+(``moe.layer``) runs the phases in its nodes: ``plan_send`` in route, ``exchange`` in dispatch,
+``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last gather in
+finish, so its all-to-all nodes hold nothing but all-to-alls and its compute nodes can be
+captured whole (static shapes, device tensors only); it ORs ``overflow`` into a device flag
+per layer, which the training step reads once, after the step (``train.step``).
 """
 
 from __future__ import annotations

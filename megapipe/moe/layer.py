@@ -33,7 +33,7 @@ Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have t
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
 read"). With a rank capacity (``MoEConfig.rank_capacity_factor``, ``moe.rank_capacity``) the
-layer stays dropless and reads nothing either, in fixed-size lanes: route plans the sends
+layer stays dropless and reads nothing either, in fixed-size lanes: route places the sends
 (``rows`` become the lanes ``[ep * lane, h]``, their way back and the overflow, ORed into
 ``rank_overflow``, a device flag the step reads once: ``take_overflow``), dispatch and combine
 hold only their all-to-alls, experts orders the received lanes by expert and back, finish takes
@@ -296,7 +296,7 @@ class MoELayer(nn.Module):
         if capacity is not None:
             state.rows_per_expert = torch.full_like(routed.counts, capacity)
         state.capacity = capacity
-        rows = self._plan_sends(state, routed.rows)
+        rows = self._place_sends(state, routed.rows)
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
 
@@ -309,7 +309,7 @@ class MoELayer(nn.Module):
             self._exchanges[lane] = exchange
         return exchange
 
-    def _plan_sends(self, state: MoEState, rows: torch.Tensor) -> torch.Tensor:
+    def _place_sends(self, state: MoEState, rows: torch.Tensor) -> torch.Tensor:
         """With a rank capacity: the sending side of the dispatch, in route (device work on
         the compute stream, so the dispatch node holds only its all-to-alls): the rows in their
         lanes, their way back and the overflow, ORed into ``rank_overflow``. Else ``rows``."""
@@ -319,11 +319,11 @@ class MoELayer(nn.Module):
         n = rows.shape[0]
         exchange = self._lanes(lane_rows(n, self.config.rank_capacity_factor,
                                          self.dispatcher.ep_size))
-        plan = exchange.plan_send(state.rows_per_expert, n)
-        self.rank_overflow.bitwise_or_(plan.overflow.to(torch.int32))
-        state.lane, state.send_counts, state.return_index = (exchange.lane, plan.counts,
-                                                             plan.return_index)
-        return gather_rows(rows, plan.send_index)
+        sends = exchange.place_sends(state.rows_per_expert, n)
+        self.rank_overflow.bitwise_or_(sends.overflow.to(torch.int32))
+        state.lane, state.send_counts, state.return_index = (exchange.lane, sends.counts,
+                                                             sends.return_index)
+        return gather_rows(rows, sends.send_index)
 
     def _dispatch(
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]

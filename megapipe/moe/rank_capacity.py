@@ -19,8 +19,8 @@ This module is the exchange of that mode (``RankCapacityDispatch``), for gloo an
 
 Without overflow the first rows of ``dispatch``'s output are bitwise the dropless dispatcher's
 (``TokenDispatcher.dispatch``) and ``combine`` returns bitwise its rows (tested). The MoE layer
-(``moe.layer``) runs the phases in its nodes: ``plan_send`` in route, ``exchange`` in dispatch,
-``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last gather in
+(``moe.layer``) runs the phases in its nodes: ``place_sends`` in route, ``exchange`` in
+dispatch, ``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last gather in
 finish, so its all-to-all nodes hold nothing but all-to-alls and its compute nodes can be
 captured whole (static shapes, device tensors only); it ORs ``overflow`` into a device flag
 per layer, which the training step reads once, after the step (``train.step``).
@@ -54,8 +54,8 @@ def buffer_bytes(lane: int, ep: int, hidden: int, element_size: int) -> int:
 
 
 @dataclass
-class SendPlan:
-    """The sending side of one dispatch (``RankCapacityDispatch.plan_send``); device tensors."""
+class LaneSends:
+    """The sending side of one dispatch (``RankCapacityDispatch.place_sends``); device tensors."""
 
     counts: torch.Tensor  # [ep, local] int64 rows this rank sends to each expert
     send_index: torch.Tensor  # [ep * lane] input row sent in each buffer row (n: zeros)
@@ -111,7 +111,7 @@ class RankCapacityDispatch:
         return buffer_bytes(self.lane, self.ep, hidden,
                             torch.empty((), dtype=dtype).element_size())
 
-    def plan_send(self, rows_per_expert: torch.Tensor, n: int) -> SendPlan:
+    def place_sends(self, rows_per_expert: torch.Tensor, n: int) -> LaneSends:
         """The sending side of a dispatch of ``n`` expert-ordered rows with ``rows_per_expert
         [E]`` (device): which row goes in each lane slot, each row's way back, the overflow.
         Device work only, no exchange: the MoE layer runs it in its route node (compute)."""
@@ -127,7 +127,7 @@ class RankCapacityDispatch:
         dest = torch.repeat_interleave(torch.arange(ep, device=device), per_dest, output_size=n)
         within = torch.arange(n, device=device) - first[dest]
         return_index = torch.where(within < lane, dest * lane + within, ep * lane)
-        return SendPlan(counts, send_index, return_index, overflow)
+        return LaneSends(counts, send_index, return_index, overflow)
 
     def exchange(self, send: torch.Tensor, counts: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,14 +153,15 @@ class RankCapacityDispatch:
         """``rows [n, h]`` in expert order with ``rows_per_expert [E]`` (device) -> the expert
         rows ``[ep * lane, h]`` of this rank's local experts (expert-major at the front, zeros
         after) and the splits. No host read, static shapes. The phases in one call
-        (``plan_send``, ``exchange``, ``expert_order``), as the MoE layer runs them in its nodes."""
-        plan = self.plan_send(rows_per_expert, rows.shape[0])
-        received, received_counts = self.exchange(gather_rows(rows, plan.send_index),
-                                                  plan.counts)
+        (``place_sends``, ``exchange``, ``expert_order``), as the MoE layer runs them in its
+        nodes."""
+        sends = self.place_sends(rows_per_expert, rows.shape[0])
+        received, received_counts = self.exchange(gather_rows(rows, sends.send_index),
+                                                  sends.counts)
         expert_index, received_index, offsets = self.expert_order(received_counts)
         return gather_rows(received, expert_index), RankCapacitySplits(
-            plan.send_index, plan.return_index, expert_index, received_index, offsets,
-            plan.overflow)
+            sends.send_index, sends.return_index, expert_index, received_index, offsets,
+            sends.overflow)
 
     def expert_order(self, received_counts: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from launch_count import (  # noqa: E402
-    GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, demo_layer, launches_outside_graphs, moe_layer_launches,
+    GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, demo_layer, launches_outside_graphs,
+    moe_layer_launches,
 )
 
 

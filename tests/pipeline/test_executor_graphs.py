@@ -88,8 +88,8 @@ def test_pretrain_flags_land_in_their_part_and_the_old_name_is_an_alias() -> Non
         (["--cuda-graph-impl", "local", "--cuda-graph-scope", "mamba"],
          "--cuda-graph-scope mamba: not captured"),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"],
-         "moe: a dropless MoE layer's expert shapes follow its routing; give "
-         "--moe-expert-rank-capacity-factor"),
+         ("moe: a dropless MoE layer's expert shapes follow its routing; give "
+          "--moe-expert-rank-capacity-factor")),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router", "mlp"],
          "the model has no dense layer"),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",

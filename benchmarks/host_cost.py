@@ -296,7 +296,7 @@ def _launches() -> int:
           f"{ms['combined'] / ms['naive']:.2f}, plain / naive {ms['plain'] / ms['naive']:.2f}; "
           f"the combined step's work by plain autograd (F of one microbatch, B of another) "
           f"{ms['interleaved']:.2f} ms: combined / it {ms['combined'] / ms['interleaved']:.2f}")
-    from launch_count import PARTIAL_LAYER, RANK_CAPACITY, WHOLE_LAYER, launches_outside_graphs
+    from outside_graphs import PARTIAL_LAYER, RANK_CAPACITY, WHOLE_LAYER, launches_outside_graphs
 
     outside, _ = launches_outside_graphs()
     partial, _ = launches_outside_graphs(modules=PARTIAL_LAYER)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from launch_count import (  # noqa: E402
-    GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, demo_layer, launches_outside_graphs,
-    moe_layer_launches,
+from launch_count import demo_layer, moe_layer_launches  # noqa: E402
+from outside_graphs import (  # noqa: E402
+    GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, launches_outside_graphs,
 )
 
 

@@ -222,13 +222,15 @@ class TransformerLayer(nn.Module):
         """What the MoE attention node holds for CUDA graphs (``overlap.graphs``): Megatron's
         attn, moe_router and moe_preprocess (route's permutation into expert order); every
         parameter of the layer but the experts' (their nodes come later); the auxiliary-loss
-        scale it reads and the log it records into; the rotary tables it reads in place, and
+        scale it reads and whether a rank capacity is on (route then places the sends), the
+        log it records into; the rotary tables it reads in place, and
         the rank capacity's overflow flag it ORs into."""
         moe = self.moe
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
         return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
-                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),),
+                         key=lambda: (moe.aux_loss_scale, moe.sync_free),
+                         logs=((moe, "aux_loss_log"),),
                          buffers=tuple(self.attention.buffers()) + (moe.rank_overflow,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -182,12 +182,19 @@ def test_moe_nodes_whose_shapes_follow_the_routing_run_eager_and_say_why() -> No
     assert _same(_grads(eager), _grads(stage)) and graphs.captured == 3
     assert "experts eager: dropless without --moe-expert-rank-capacity-factor" in \
         graphs.describe()
-    eager, stage = _stage(config=RANK_CAPACITY), _stage(config=RANK_CAPACITY)
+    tight = replace(CONFIG, moe_expert_rank_capacity_factor=0.5)  # its lanes overflow
+    eager, stage = _stage(config=tight), _stage(config=tight)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches[:1]), _tape_run(stage, graphs, batches[:1]))
+    assert int(stage.layers["1"].moe.rank_overflow) == 1
     for module in (eager, stage):  # a step run again without the capacity (an overflow)
         set_sync_free([module], False)
-    graphs = NodeGraphs(WHOLE, FakeGraphApi())
     assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert _same(_grads(eager), _grads(stage))
     assert graphs.stats.eager["finish"].startswith("a step run again dropless")
+    # the attention nodes' instances: one with the rank capacity, one without (its route
+    # places the sends only with it), beside the dense node's and the first run's MoE nodes'
+    assert graphs.captured == 1 + 2 * 3 + 2
 
 
 def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:

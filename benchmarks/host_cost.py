@@ -296,12 +296,14 @@ def _launches() -> int:
           f"{ms['combined'] / ms['naive']:.2f}, plain / naive {ms['plain'] / ms['naive']:.2f}; "
           f"the combined step's work by plain autograd (F of one microbatch, B of another) "
           f"{ms['interleaved']:.2f} ms: combined / it {ms['combined'] / ms['interleaved']:.2f}")
-    from launch_count import RANK_CAPACITY, launches_outside_graphs
+    from outside_graphs import PARTIAL_LAYER, RANK_CAPACITY, WHOLE_LAYER, launches_outside_graphs
 
-    outside, graphed = launches_outside_graphs()
+    outside, _ = launches_outside_graphs()
+    partial, _ = launches_outside_graphs(modules=PARTIAL_LAYER)
     print(f"launches per MoE layer outside CUDA graphs: {outside} (combined step, "
-          f"--moe-expert-rank-capacity-factor {RANK_CAPACITY:g}, ep 1; graphed today: the "
-          f"{', '.join(graphed)} node, one replay each way; the MoE layer's own nodes eager)")
+          f"--moe-expert-rank-capacity-factor {RANK_CAPACITY:g}, ep 1, --cuda-graph-modules "
+          f"{' '.join(WHOLE_LAYER)}: attention, experts and finish replayed, a replay one "
+          f"launch; {partial} with {' '.join(PARTIAL_LAYER)}, the attention node alone)")
     print(f"launches per MoE layer: plain {plain}, combined {combined}")
     return 0
 

@@ -18,7 +18,11 @@ op for op (the device-specific parts are custom ops, below):
   ``_unsafe_view``), metadata (an op that returns no tensor, ``promote_types``), and
   constructors that allocate without writing (``empty``, ``empty_strided``, ``new_empty``,
   ``new_empty_strided``, ``empty_like``): none runs a kernel;
-- a CUDA graph replay would count 1 and the ops captured in it 0 (megapipe has no graphs yet).
+- a CUDA graph replay counts 1 (``LaunchCounter.launch``) and the ops captured in it 0: the
+  count outside graphs replays them with the CPU graph stand-in
+  (``tests/support/fake_graphs.py``), whose replays run below every dispatch mode, and counts
+  everything else the host issues around them (the copies into static buffers included):
+  ``outside_graphs.py``.
 
 One op is one launch: a few torch ops launch more than one kernel on a GPU (``sort``, ``topk``
 for large rows), and the host's cost per op is what this approximates. Engine primitives
@@ -95,6 +99,10 @@ class LaunchCounter(TorchDispatchMode):
             self._node_labels[node] = name
             self._keep.append(node)
             stack.extend(fn for fn, _ in node.next_functions)
+
+    def launch(self, name: str) -> None:
+        """Count one launch that is not an operator (a CUDA graph replay) under the label now."""
+        self.launches.setdefault(self._current(), Counter())[name] += 1
 
     def total(self, labels: Sequence[str] | None = None) -> int:
         """Launches under ``labels`` (all labels when None)."""
@@ -197,15 +205,16 @@ def plain(counter: LaunchCounter, stage: Any) -> None:
         run_backward(tape, [grad])
 
 
-def combined(counter: LaunchCounter, stage: Any) -> None:
+def combined(counter: LaunchCounter, stage: Any, plans: Sequence[Any] | None = None) -> None:
     """The combined step: the layer's forward of one microbatch beside its backward of another
-    (recorded before, not counted), both streams on this thread (as a GPU host issues them)."""
+    (recorded before, not counted), both streams on this thread (as a GPU host issues them).
+    ``plans``: the stage's plans as run (default ``stage.layer_plans()``)."""
     from megapipe.overlap.combined import combined_step
     from megapipe.overlap.sequential import record_forward
     from megapipe.overlap.streams import InlineStream, Streams
 
     y, grad = _inputs(stage)
-    plans = labelled_plans(counter, stage.layer_plans())
+    plans = labelled_plans(counter, stage.layer_plans() if plans is None else plans)
     _, tape = record_forward(plans, (y,))
     x, _ = _inputs(stage)
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
@@ -226,26 +235,6 @@ def moe_layer_launches(stage: Any | None = None) -> dict[str, LaunchCounter]:
         run(counters[way], stage)
         stage.zero_grad(set_to_none=True)
     return counters
-
-
-RANK_CAPACITY = 2.0  # the rank capacity factor of the count outside graphs (never overflows)
-
-
-def launches_outside_graphs(stage: Any | None = None) -> tuple[int, tuple[str, ...]]:
-    """Launches one MoE layer's combined step (F of one microbatch beside B of another) issues
-    outside CUDA graphs with ``--moe-expert-rank-capacity-factor`` (the demo's layer, ep 1):
-    every launch of a node that is not graphable today, plus one replay each way per graphable
-    node (the static nodes ``overlap.graphs`` captures). Returns (the count, the graphable
-    nodes' names)."""
-    from megapipe.overlap.plan import layer_graph
-
-    stage = demo_layer(moe_expert_rank_capacity_factor=RANK_CAPACITY) if stage is None else stage
-    counter = moe_layer_launches(stage)["combined"]
-    graphed = tuple(node.name.split(".")[-1] for plan in stage.layer_plans()
-                    for node in layer_graph(plan).nodes if node.graphable is not None)
-    eager = sum(sum(ops.values()) for label, ops in counter.launches.items()
-                if label.split()[0] not in graphed)
-    return eager + 2 * len(graphed), graphed
 
 
 HOST_WAYS = ("naive", "interleaved", "plain", "combined")

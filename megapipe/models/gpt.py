@@ -43,15 +43,18 @@ from megapipe.overlap.plan import (
 Tensors = tuple[torch.Tensor, ...]
 MOE_ATTENTION_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
 DENSE_GRAPH_MODULES = ("attn", "mlp")
-"""What a MoE layer's attention node and a dense layer's node hold, in Megatron's CUDA-graph
-module names (``overlap.graphs``)."""
+MOE_GRAPH_MODULES = ("moe",)
+"""What a MoE layer's attention node, a dense layer's node and a MoE layer's experts and finish
+nodes hold, in Megatron's CUDA-graph module names (``overlap.graphs``)."""
 
 
 def graph_holders(config: GPTConfig) -> list[tuple[str, ...]]:
-    """The modules of each kind of capturable node the model has (``graph_rules``)."""
+    """The modules of each kind of capturable node the model has (``graph_rules``): a MoE
+    layer's experts and finish nodes only with a rank capacity (static shapes)."""
     kinds = {config.is_moe_layer(layer) for layer in range(config.num_layers)}
+    static_moe = True in kinds and config.moe_config().rank_capacity_factor is not None
     return [MOE_ATTENTION_GRAPH_MODULES] * (True in kinds) + [DENSE_GRAPH_MODULES] * (
-        False in kinds)
+        False in kinds) + [MOE_GRAPH_MODULES] * static_moe
 
 
 def _causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -211,20 +214,24 @@ class TransformerLayer(nn.Module):
             Node(f"{name}.attention", NodeKind.COMPUTE, attention,
                  graphable=self._attention_graphable()),
             *middle,
-            Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual),
+            Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual,
+                 graphable=finish.graphable),
         ]
 
     def _attention_graphable(self) -> Graphable:
         """What the MoE attention node holds for CUDA graphs (``overlap.graphs``): Megatron's
         attn, moe_router and moe_preprocess (route's permutation into expert order); every
         parameter of the layer but the experts' (their nodes come later); the auxiliary-loss
-        scale it reads and the log it records into; the rotary tables it reads in place."""
+        scale it reads and whether a rank capacity is on (route then places the sends), the
+        log it records into; the rotary tables it reads in place, and
+        the rank capacity's overflow flag it ORs into."""
         moe = self.moe
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
         return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
-                         key=lambda: moe.aux_loss_scale, logs=((moe, "aux_loss_log"),),
-                         buffers=tuple(self.attention.buffers()))
+                         key=lambda: (moe.aux_loss_scale, moe.sync_free),
+                         logs=((moe, "aux_loss_log"),),
+                         buffers=tuple(self.attention.buffers()) + (moe.rank_overflow,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]

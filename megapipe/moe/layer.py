@@ -33,10 +33,15 @@ Megatron's ``--moe-pad-expert-input-to-capacity``), so every EP rank must have t
 of tokens per microbatch; the all-to-all sizes are then static. No node reads anything back to
 the host except dispatch, once, in the dropless case (``moe/dispatcher.py``, "the one host
 read"). With a rank capacity (``MoEConfig.rank_capacity_factor``, ``moe.rank_capacity``) the
-layer stays dropless and reads nothing either: dispatch and combine use fixed-size lanes, the
-experts run from device offsets, and each dispatch's overflow is ORed into ``rank_overflow``
-(a device flag) for the step to read once (``take_overflow``); ``sync_free=False`` runs the
-layer as the plain dropless one (the step run again after an overflow, ``set_sync_free``).
+layer stays dropless and reads nothing either, in fixed-size lanes: route places the sends
+(``rows`` become the lanes ``[ep * lane, h]``, their way back and the overflow, ORed into
+``rank_overflow``, a device flag the step reads once: ``take_overflow``), dispatch and combine
+hold only their all-to-alls, experts orders the received lanes by expert and back, finish takes
+its rows back from the returned lanes. Every shape is then static and the state holds plain
+values and device tensors only, so experts and finish declare Megatron's CUDA-graph module
+``moe`` (``overlap.graphs``). ``sync_free=False`` runs the layer as the plain dropless one (the
+step run again after an overflow, ``set_sync_free``); experts and finish then run eager.
+Config and state: ``moe.config``, ``moe.state``.
 
 ``node_plan().in_waves(k)`` (``wave_plan(k)``) is the same layer with its all-to-alls in k
 expert groups, a ``Fork`` of (dispatch, experts, combine) per group between route and finish,
@@ -46,9 +51,7 @@ results.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -57,130 +60,18 @@ from torch import nn
 
 from megapipe.kernels import unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.waves import WaveDispatch, WaveSplits
-from megapipe.moe.dispatcher import DispatchSplits, TokenDispatcher
+from megapipe.moe.config import MoEConfig
+from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
-from megapipe.moe.link import EmulatedLink
-from megapipe.moe.rank_capacity import RankCapacityDispatch, RankCapacitySplits, lane_rows
-from megapipe.moe.router import ROUTER_DTYPES, SCORE_FUNCTIONS, Router
-from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeFn, NodeKind, WavePlan, run_nodes,
-)
+from megapipe.moe.rank_capacity import RankCapacityDispatch, gather_rows, lane_rows
+from megapipe.moe.router import Router
+from megapipe.moe.state import MoEState, pass_leading
+from megapipe.moe.waves import WaveDispatch
+from megapipe.overlap.graphs import Graphable
+from megapipe.overlap.plan import Fork, Node, NodeFn, NodeKind, WavePlan, run_nodes
 
-
-@dataclass
-class MoEConfig:
-    """Shape and behaviour of one MoE layer (see docs/architecture.md, "MoE layer")."""
-
-    hidden_size: int
-    num_experts: int
-    top_k: int
-    ffn_hidden_size: int  # per expert
-    score_function: str = "softmax"  # "softmax" | "sigmoid"
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None  # None: dropless; else padded to the capacity
-    # dropless in fixed-size buffers, no host read (moe.rank_capacity); None: off
-    rank_capacity_factor: float | None = None
-    shared_expert_intermediate_size: int | None = None
-    link: EmulatedLink | None = None
-    init_std: float = 0.02
-    router_dtype: str | None = None  # None: the input's dtype; "fp32" (Megatron's flag)
-    # softmax's top-k probabilities as they are (True) or divided by their sum (Megatron's
-    # --moe-router-pre-softmax, whose default is off)
-    pre_softmax: bool = True
-    recompute_activation: bool = False  # --recompute-modules moe_act
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_experts", "top_k", "ffn_hidden_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MoEConfig.{name}={getattr(self, name)} must be >= 1")
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"MoEConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}"
-            )
-        if self.score_function not in SCORE_FUNCTIONS:
-            raise ValueError(
-                f"MoEConfig.score_function={self.score_function!r} is not one of {SCORE_FUNCTIONS}"
-            )
-        if self.router_dtype not in ROUTER_DTYPES:
-            raise ValueError(
-                f"MoEConfig.router_dtype={self.router_dtype!r} is not one of {ROUTER_DTYPES}"
-            )
-        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
-            raise ValueError(
-                f"MoEConfig aux_loss_coeff={self.aux_loss_coeff} and z_loss_coeff="
-                f"{self.z_loss_coeff} must be >= 0"
-            )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(
-                f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 or None (dropless)"
-            )
-        if self.rank_capacity_factor is not None and (
-                self.capacity_factor is not None or not self.rank_capacity_factor > 0):
-            raise ValueError(
-                f"MoEConfig.rank_capacity_factor={self.rank_capacity_factor} must be > 0, and "
-                "it keeps the layer dropless: it excludes capacity_factor (token dropping)"
-            )
-        if (
-            self.shared_expert_intermediate_size is not None
-            and self.shared_expert_intermediate_size < 1
-        ):
-            raise ValueError(
-                f"MoEConfig.shared_expert_intermediate_size={self.shared_expert_intermediate_size} "
-                "must be >= 1 or None"
-            )
-
-    def capacity(self, num_tokens: int) -> int | None:
-        """Rows each expert keeps for ``num_tokens`` local tokens (None: dropless)."""
-        if self.capacity_factor is None:
-            return None
-        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
-
-
-@dataclass(eq=False, slots=True)
-class MoEState(LayerState):
-    """What one MoE layer's nodes leave for its later nodes, for one microbatch (route writes
-    all but the splits; dispatch, or wave 0's dispatch, writes the splits)."""
-
-    aux_loss_scale: float | None = None  # the scale of the aux-loss gradient, fixed at forward
-    input_shape: torch.Size | None = None  # x's shape, which finish gives its output
-    row_choice: torch.Tensor | None = None  # per permuted row, its flat choice (-1: padding)
-    choice_rows: torch.Tensor | None = None  # per token and choice, its row (-1: dropped)
-    rows_per_expert: torch.Tensor | None = None  # per expert label (a capacity: all of it)
-    capacity: int | None = None  # rows per expert (None: dropless)
-    dispatch_splits: DispatchSplits | None = None  # the all-to-all's sizes (one wave)
-    wave_splits: list[WaveSplits] | None = None  # per wave, its all-to-all's sizes
-    rank_dispatch: RankCapacityDispatch | None = None  # a rank capacity's exchange (sync-free)
-    rank_splits: RankCapacitySplits | None = None  # and its device-side splits
-
-    def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
-        """The dispatch's grouped-GEMM offsets (made on the comm stream; with a rank capacity,
-        also its overflow flag), for the experts on the compute stream: deferred weight-gradient closures keep them after the layer's
-        backward, past the comm stream's last wait for the compute stream. (Route's row counts,
-        read by the dispatch on the comm stream, need nothing: the compute stream waits for
-        the dispatch before the state can drop them; ``tests/support/stream_checker.py``
-        checks both.)"""
-        if reader is not NodeKind.COMPUTE:
-            return ()
-        if self.rank_splits is not None:  # a rank capacity's: its offsets and overflow flag
-            return (self.rank_splits.offsets, self.rank_splits.overflow)
-        splits = self.dispatch_splits
-        if splits is None or splits.local_offsets is None:
-            return ()
-        return (splits.local_offsets,)
-
-
-def pass_leading(fn: NodeFn, num_own: int) -> NodeFn:
-    """Wrap a node fn reading exactly ``num_own`` tensors so leading extras pass through."""
-
-    def wrapped(state: LayerState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        if len(tensors) < num_own:
-            raise ValueError(f"node needs {num_own} trailing tensors, got {len(tensors)}")
-        split = len(tensors) - num_own
-        return tuple(tensors[:split]) + tuple(fn(state, tuple(tensors[split:])))
-
-    return wrapped
+__all__ = ["MoEConfig", "MoELayer", "MoEState", "pass_leading", "set_sync_free",
+           "take_aux_loss_logs", "take_overflow"]
 
 
 def take_overflow(modules: Sequence[nn.Module]) -> torch.Tensor | None:
@@ -267,6 +158,7 @@ class MoELayer(nn.Module):
         self.sync_free = config.rank_capacity_factor is not None
         self.register_buffer("rank_overflow", torch.zeros((), dtype=torch.int32),
                              persistent=False)
+        self._exchanges: dict[int, RankCapacityDispatch] = {}  # per lane size (``_lanes``)
 
     def describe(self) -> str:
         """One line for logs and outputs: experts, EP size, and whether the emulated link is on."""
@@ -285,19 +177,35 @@ class MoELayer(nn.Module):
         """The five nodes (module docstring): route, a ``Fork`` of one branch (dispatch,
         experts, combine), finish, so that what route leaves for finish (the shared expert's
         input, the combine weights, and any leading tensor such as a residual) goes around the
-        all-to-all nodes instead of through them; ``.in_waves(k)`` gives ``wave_plan(k)``."""
+        all-to-all nodes instead of through them; ``.in_waves(k)`` gives ``wave_plan(k)``.
+        Experts and finish declare Megatron's CUDA-graph module ``moe`` (``graph_eager``)."""
         # dispatch reads its split sizes: dropless, unless a rank capacity keeps them on device
         dropless = self.config.capacity_factor is None and not self.sync_free
+        experts = Graphable(("moe",), tuple(self.experts.parameters()), eager=self.graph_eager)
+        shared = () if self.shared_expert is None else tuple(self.shared_expert.parameters())
+        finish = Graphable(("moe",), shared, eager=self.graph_eager)
         branch = (
             Node("dispatch", NodeKind.COMM, self._dispatch, reads_host=dropless),
-            Node("experts", NodeKind.COMPUTE, self._experts),
+            Node("experts", NodeKind.COMPUTE, self._experts, graphable=experts),
             Node("combine", NodeKind.COMM, self._combine),
         )
         return WavePlan([
             Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
             Fork((branch,)),
-            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2)),
+            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2),
+                 graphable=finish),
         ], self.wave_plan, MoEState)
+
+    def graph_eager(self) -> str | None:
+        """Why the experts and finish nodes run eager under ``--cuda-graph-modules moe`` now
+        (None: they are captured): their shapes are static only with a rank capacity (a step
+        run again without it after an overflow runs them eager)."""
+        if self.sync_free:
+            return None
+        if self.config.rank_capacity_factor is not None:
+            return "a step run again dropless after an overflow: shapes follow the routing"
+        return ("dropless without --moe-expert-rank-capacity-factor: the experts' shapes "
+                "follow the routing")
 
     def wave_plan(self, waves: int) -> list[Node | Fork]:
         """The layer with its all-to-alls in ``waves`` expert groups (``megapipe.moe.waves``):
@@ -388,22 +296,44 @@ class MoELayer(nn.Module):
         if capacity is not None:
             state.rows_per_expert = torch.full_like(routed.counts, capacity)
         state.capacity = capacity
-        rows = routed.rows
+        rows = self._place_sends(state, routed.rows)
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
+
+    def _lanes(self, lane: int) -> RankCapacityDispatch:
+        """The rank capacity's exchange for lanes of ``lane`` rows (one per lane size)."""
+        exchange = self._exchanges.get(lane)
+        if exchange is None:
+            d = self.dispatcher
+            exchange = RankCapacityDispatch(d.num_experts, lane, d.group, d.link)
+            self._exchanges[lane] = exchange
+        return exchange
+
+    def _place_sends(self, state: MoEState, rows: torch.Tensor) -> torch.Tensor:
+        """With a rank capacity: the sending side of the dispatch, in route (device work on
+        the compute stream, so the dispatch node holds only its all-to-alls): the rows in their
+        lanes, their way back and the overflow, ORed into ``rank_overflow``. Else ``rows``."""
+        if not self.sync_free:
+            state.lane = None
+            return rows
+        n = rows.shape[0]
+        exchange = self._lanes(lane_rows(n, self.config.rank_capacity_factor,
+                                         self.dispatcher.ep_size))
+        sends = exchange.place_sends(state.rows_per_expert, n)
+        self.rank_overflow.bitwise_or_(sends.overflow.to(torch.int32))
+        state.lane, state.send_counts, state.return_index = (exchange.lane, sends.counts,
+                                                             sends.return_index)
+        return gather_rows(rows, sends.send_index)
 
     def _dispatch(
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
-        if self.sync_free:  # fixed-size lanes, counts on the device (moe.rank_capacity)
-            d = self.dispatcher
-            lane = lane_rows(rows.shape[0], self.config.rank_capacity_factor, d.ep_size)
-            state.rank_dispatch = RankCapacityDispatch(d.num_experts, lane, d.group, d.link)
-            expert_rows, state.rank_splits = state.rank_dispatch.dispatch(
-                rows, state.rows_per_expert)
-            return (expert_rows,)
-        state.rank_dispatch = state.rank_splits = None
+        if state.lane is not None:  # fixed-size lanes, counts on the device (moe.rank_capacity)
+            received, state.received_counts = self._lanes(state.lane).exchange(
+                rows, state.send_counts)
+            return (received,)
+        state.received_counts = None
         expert_rows, state.dispatch_splits = self.dispatcher.dispatch(
             rows, state.rows_per_expert, state.capacity
         )
@@ -413,12 +343,12 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
-        if state.rank_splits is not None:
-            # noted here, on the compute stream, which has waited for the dispatch (the
-            # combined step keeps the two tensors for it: ``MoEState.crossing``)
-            splits = state.rank_splits
-            self.rank_overflow.bitwise_or_(splits.overflow.to(torch.int32))
-            return (self.experts(expert_rows, None, state=state, offsets=splits.offsets),)
+        if state.lane is not None:  # the received lanes into expert order and back
+            expert_index, received_index, offsets = self._lanes(state.lane).expert_order(
+                state.received_counts)
+            out = self.experts(gather_rows(expert_rows, expert_index), None, state=state,
+                               offsets=offsets)
+            return (gather_rows(out, received_index),)
         return (
             self.experts(
                 expert_rows, state.dispatch_splits.tokens_per_local_expert, state=state,
@@ -430,9 +360,8 @@ class MoELayer(nn.Module):
         self, state: MoEState, tensors: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, ...]:
         (expert_out,) = tensors
-        if state.rank_dispatch is not None:
-            assert state.rank_splits is not None
-            return (state.rank_dispatch.combine(expert_out, state.rank_splits),)
+        if state.lane is not None:
+            return (self._lanes(state.lane).return_exchange(expert_out),)
         return (self.dispatcher.combine(expert_out, state.dispatch_splits),)
 
     def _finish(
@@ -441,6 +370,8 @@ class MoELayer(nn.Module):
         shared, probs = tensors[: self.num_shared], tensors[self.num_shared]
         parts = tensors[self.num_shared + 1 :]  # one per wave of a plan in waves
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if state.lane is not None:  # the returned lanes back into this rank's row order
+            rows = gather_rows(rows, state.return_index)
         out = unpermute_tokens(rows, probs, state.row_choice, state.choice_rows)
         if self.shared_expert is not None:
             out = out + self.shared_expert(shared[0])

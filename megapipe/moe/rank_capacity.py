@@ -19,8 +19,11 @@ This module is the exchange of that mode (``RankCapacityDispatch``), for gloo an
 
 Without overflow the first rows of ``dispatch``'s output are bitwise the dropless dispatcher's
 (``TokenDispatcher.dispatch``) and ``combine`` returns bitwise its rows (tested). The MoE layer
-(``moe.layer``) runs its experts from ``offsets`` alone and ORs ``overflow`` into a device flag
-per layer; the training step reads the flags once, after the step (``train.step``).
+(``moe.layer``) runs the phases in its nodes: ``place_sends`` in route, ``exchange`` in
+dispatch, ``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last gather in
+finish, so its all-to-all nodes hold nothing but all-to-alls and its compute nodes can be
+captured whole (static shapes, device tensors only); it ORs ``overflow`` into a device flag
+per layer, which the training step reads once, after the step (``train.step``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ def buffer_bytes(lane: int, ep: int, hidden: int, element_size: int) -> int:
 
 
 @dataclass
+class LaneSends:
+    """The sending side of one dispatch (``RankCapacityDispatch.place_sends``); device tensors."""
+
+    counts: torch.Tensor  # [ep, local] int64 rows this rank sends to each expert
+    send_index: torch.Tensor  # [ep * lane] input row sent in each buffer row (n: zeros)
+    return_index: torch.Tensor  # [n] buffer row each input row comes back in (ep * lane: zeros)
+    overflow: torch.Tensor  # bool scalar: some lane of this rank's sends was too small
+
+
+@dataclass
 class RankCapacitySplits:
     """What ``combine`` and the backward need of one dispatch; device tensors only."""
 
@@ -62,7 +75,7 @@ class RankCapacitySplits:
     overflow: torch.Tensor  # bool scalar: some lane of this rank's sends was too small
 
 
-def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``rows[index]`` where ``index == len(rows)`` reads a row of zeros (one differentiable
     gather; its backward adds into ``rows`` by the same index)."""
     padded = torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
@@ -98,14 +111,11 @@ class RankCapacityDispatch:
         return buffer_bytes(self.lane, self.ep, hidden,
                             torch.empty((), dtype=dtype).element_size())
 
-    def dispatch(self, rows: torch.Tensor, rows_per_expert: torch.Tensor
-                 ) -> tuple[torch.Tensor, RankCapacitySplits]:
-        """``rows [n, h]`` in expert order with ``rows_per_expert [E]`` (device) -> the expert
-        rows ``[ep * lane, h]`` of this rank's local experts (expert-major at the front, zeros
-        after) and the splits. No host read, static shapes."""
-        started = time.perf_counter()
-        device, ep, local, lane = rows.device, self.ep, self.local, self.lane
-        n = rows.shape[0]
+    def place_sends(self, rows_per_expert: torch.Tensor, n: int) -> LaneSends:
+        """The sending side of a dispatch of ``n`` expert-ordered rows with ``rows_per_expert
+        [E]`` (device): which row goes in each lane slot, each row's way back, the overflow.
+        Device work only, no exchange: the MoE layer runs it in its route node (compute)."""
+        device, ep, local, lane = rows_per_expert.device, self.ep, self.local, self.lane
         counts = rows_per_expert.reshape(ep, local).to(torch.int64)
         per_dest = counts.sum(dim=1)  # [ep] rows this rank sends to each EP rank
         first = torch.cumsum(per_dest, 0) - per_dest  # each destination's first row
@@ -117,21 +127,43 @@ class RankCapacityDispatch:
         dest = torch.repeat_interleave(torch.arange(ep, device=device), per_dest, output_size=n)
         within = torch.arange(n, device=device) - first[dest]
         return_index = torch.where(within < lane, dest * lane + within, ep * lane)
-        send = _gather(rows, send_index)
-        if self.group is None:
-            received_counts, received = counts, send
-            if self.link is not None:
-                received = self.link.delay(received)
-        else:
-            received_counts = torch.empty_like(counts)
-            dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
-            splits = [lane] * ep
-            received = all_to_all(send, splits, splits, self.group, self.link, started)
-        expert_index, received_index, offsets = self._expert_order(received_counts)
-        return _gather(received, expert_index), RankCapacitySplits(
-            send_index, return_index, expert_index, received_index, offsets, overflow)
+        return LaneSends(counts, send_index, return_index, overflow)
 
-    def _expert_order(self, received_counts: torch.Tensor
+    def exchange(self, send: torch.Tensor, counts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-to-alls of a dispatch (the only part on the comm stream): the lanes ``send
+        [ep * lane, h]`` and the ``counts [ep, local]``; (received lanes, received counts)."""
+        started = time.perf_counter()
+        if self.group is None:
+            return (send if self.link is None else self.link.delay(send)), counts
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts.contiguous(), group=self.group)
+        splits = [self.lane] * self.ep
+        return all_to_all(send, splits, splits, self.group, self.link, started), received_counts
+
+    def return_exchange(self, back: torch.Tensor) -> torch.Tensor:
+        """The all-to-all of a combine: the lanes back to the ranks that sent them."""
+        if self.group is None:
+            return back if self.link is None else self.link.delay(back)
+        sizes = [self.lane] * self.ep
+        return all_to_all(back, sizes, sizes, self.group, self.link)
+
+    def dispatch(self, rows: torch.Tensor, rows_per_expert: torch.Tensor
+                 ) -> tuple[torch.Tensor, RankCapacitySplits]:
+        """``rows [n, h]`` in expert order with ``rows_per_expert [E]`` (device) -> the expert
+        rows ``[ep * lane, h]`` of this rank's local experts (expert-major at the front, zeros
+        after) and the splits. No host read, static shapes. The phases in one call
+        (``place_sends``, ``exchange``, ``expert_order``), as the MoE layer runs them in its
+        nodes."""
+        sends = self.place_sends(rows_per_expert, rows.shape[0])
+        received, received_counts = self.exchange(gather_rows(rows, sends.send_index),
+                                                  sends.counts)
+        expert_index, received_index, offsets = self.expert_order(received_counts)
+        return gather_rows(received, expert_index), RankCapacitySplits(
+            sends.send_index, sends.return_index, expert_index, received_index, offsets,
+            sends.overflow)
+
+    def expert_order(self, received_counts: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each received row goes in the expert-major order (local expert, then source
         rank), both ways, and the experts' end rows; past-the-buffer positions (an overflowed
@@ -158,10 +190,5 @@ class RankCapacityDispatch:
     def combine(self, expert_rows: torch.Tensor, splits: RankCapacitySplits) -> torch.Tensor:
         """Inverse of ``dispatch``: expert outputs ``[ep * lane, h]`` back to this rank's rows,
         in its expert order (rows past a lane, an overflowed step's, come back as zeros)."""
-        back = _gather(expert_rows, splits.received_index)
-        if self.group is None:
-            returned = back if self.link is None else self.link.delay(back)
-        else:
-            sizes = [self.lane] * self.ep
-            returned = all_to_all(back, sizes, sizes, self.group, self.link)
-        return _gather(returned, splits.return_index)
+        back = gather_rows(expert_rows, splits.received_index)
+        return gather_rows(self.return_exchange(back), splits.return_index)

@@ -9,7 +9,8 @@ replays the backward graph. The rules it follows are in ``overlap.graphs``'s doc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import weakref
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -27,6 +28,7 @@ class GraphStats:
     api: Any
     captured: int = 0
     bytes: int = 0
+    eager: dict[str, str] = field(default_factory=dict)  # node -> why it last ran eager
 
 
 def _signature(inputs: Sequence[Any]) -> tuple:
@@ -47,12 +49,13 @@ def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class _Recorder(LayerState):
-    """The layer state a node sees while it is captured: writes kept, reads recorded. A write
-    of a name the real state's type does not declare raises, as it would on that state (an
-    ``UndeclaredState`` takes any name); so does, at once (before any capture), a read of a
-    tensor it did not write or of the deferred weight-gradient queue."""
+    """The layer state a node sees while it is captured: writes kept, reads recorded (a plain
+    value: a guard of the instance; a tensor: a static buffer refilled before each replay). A
+    write of a name the real state's type does not declare raises, as it would on that state
+    (an ``UndeclaredState`` takes any name). Its deferred weight-gradient queue is None: a
+    captured node computes its weight gradients inside its backward graph."""
 
-    __slots__ = ("_base", "_writes", "_reads", "_fields", "_node")
+    __slots__ = ("_base", "_writes", "_reads", "_fields", "_node", "_state_inputs")
 
     def __init__(self, base: LayerState, node: str) -> None:
         object.__setattr__(self, "_base", base)
@@ -62,6 +65,7 @@ class _Recorder(LayerState):
                     else frozenset(f.name for f in fields(type(base))))
         object.__setattr__(self, "_fields", declared)
         object.__setattr__(self, "_node", node)
+        object.__setattr__(self, "_state_inputs", {})
 
     def __getattribute__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -70,14 +74,24 @@ class _Recorder(LayerState):
         if name in writes:
             return writes[name]
         value = getattr(object.__getattribute__(self, "_base"), name)
-        if name == "wgrad_queue" or isinstance(value, torch.Tensor):
-            what = ("defers weight gradients (reads state.wgrad_queue); deferred GEMMs run "
-                    "outside graphs" if name == "wgrad_queue" else
-                    f"reads state.{name}, a tensor made outside it; a captured node takes "
-                    "its tensors through its inputs")
-            raise RuntimeError(f"node {self._node!r} cannot be captured: it {what}")
+        if name == "wgrad_queue":  # the node's weight gradients run inside its backward graph
+            return None
+        if isinstance(value, torch.Tensor):
+            return object.__getattribute__(self, "_tensor")(name, value)
         object.__getattribute__(self, "_reads")[name] = value
         return value
+
+    def _tensor(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A state tensor the node reads: a static buffer of its instance, filled from the
+        state before each replay (as a node input is); one needing a gradient is refused."""
+        _no_grad_read(self._node, name, value)
+        static = self._state_inputs.get(name)
+        if static is None:
+            with torch.no_grad():
+                static = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                             device=value.device).copy_(value)
+            self._state_inputs[name] = static
+        return static
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._fields is not None and name not in self._fields:
@@ -90,8 +104,11 @@ class _Instance:
 
     def __init__(self, api: Any) -> None:
         self.api = api
-        self.lease: _Lease | None = None  # busy while a forward awaits its backward
+        # busy while a forward awaits its backward: a weak reference, so that the lease dies
+        # (and frees the instance) with the forward's autograd record when no backward comes
+        self.lease: weakref.ref[_Lease] | None = None
         self.guards: dict[str, Any] = {}
+        self.state_inputs: dict[str, torch.Tensor] = {}  # state tensors read: static buffers
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.outputs: tuple[torch.Tensor, ...] = ()
         self.writes: dict[str, Any] = {}
@@ -108,9 +125,11 @@ class _Instance:
     def fits(self, state: LayerState) -> bool:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
         handed out: a deferred weight gradient may keep an output) and its guards hold."""
-        return self.lease is None and all(getattr(state, name) == value
+        return (self.lease is None or self.lease() is None) and all(getattr(state, name) == value
                                      for name, value in self.guards.items()) and all(
-            _views(t) <= count for t, count in zip(self.handed, self.counts))
+            _views(t) <= count for t, count in zip(self.handed, self.counts)) and all(
+            _same_layout(getattr(state, name), static)
+            for name, static in self.state_inputs.items())
 
     def returned(self) -> tuple[torch.Tensor | None, ...]:
         return tuple(g.detach() if g is not None and moved else g
@@ -124,6 +143,18 @@ class _Instance:
             seen.setdefault(t.untyped_storage().data_ptr(), t)
         self.handed = tuple(seen.values())
         self.counts = tuple(_views(t) for t in self.handed)
+
+
+def _no_grad_read(node: str, name: str, value: torch.Tensor) -> None:
+    if value.requires_grad:
+        raise RuntimeError(f"node {node!r} cannot be captured: it reads state.{name}, a tensor "
+                           "that needs a gradient; a captured node takes those through its "
+                           "inputs")
+
+
+def _same_layout(value: Any, static: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == static.shape and \
+        value.stride() == static.stride() and value.dtype == static.dtype
 
 
 def _moves_grad(param: torch.Tensor) -> bool:
@@ -154,15 +185,15 @@ class _Lease:
     """Holds an instance busy from one forward replay until its backward replayed (or the
     autograd record of that forward is dropped without one)."""
 
-    __slots__ = ("instance", "backward_done")
+    __slots__ = ("instance", "backward_done", "__weakref__")
 
     def __init__(self, instance: _Instance) -> None:
-        instance.lease = self
+        instance.lease = weakref.ref(self)
         self.instance = instance
         self.backward_done = False
 
     def release(self) -> None:
-        if self.instance.lease is self:
+        if self.instance.lease is not None and self.instance.lease() is self:
             self.instance.lease = None
 
     def __del__(self) -> None:
@@ -179,6 +210,8 @@ class _Replay(torch.autograd.Function):
         instance = lease.instance
         for static, x in zip(instance.inputs, tensors[:num_inputs]):
             static.copy_(x)
+        for name, static in instance.state_inputs.items():
+            static.copy_(getattr(state, name))
         instance.api.replay(instance.fwd)
         for name, value in instance.writes.items():
             setattr(state, name, value)
@@ -235,6 +268,10 @@ class CapturedNode:
     def __call__(self, state: LayerState, inputs: tuple) -> tuple[torch.Tensor, ...]:
         inputs = _tensors(inputs, "inputs")
         spec = self.spec
+        reason = spec.eager() if spec.eager is not None else None
+        if reason is not None:  # shapes not static now: eager, the reason kept for the log
+            self.stats.eager[self.node.name.split(".")[-1]] = reason
+            return tuple(self.node.fn(state, inputs))
         if not torch.is_grad_enabled() or not any(
                 t.requires_grad for t in inputs + spec.params):  # nothing to save: eager
             return tuple(self.node.fn(state, inputs))
@@ -248,6 +285,8 @@ class CapturedNode:
         if instance is None:
             instance = self._capture(state, inputs)
             found.append(instance)
+        for name in instance.state_inputs:
+            _no_grad_read(self.node.name, name, getattr(state, name))
         for call in self.before_replay:
             call(spec.params)
         return _Replay.apply(_Lease(instance), state, spec.logs, len(inputs), *inputs,
@@ -309,7 +348,9 @@ class CapturedNode:
             # thread_local: other threads (NCCL's watchdog, autograd's device thread) may make
             # calls a global capture would forbid them; work they queue on the stream is captured
             # what the graphs read in place besides their pool (their static inputs)
-            static = instance.inputs + spec.params + spec.buffers
+            instance.state_inputs = dict(recorder._state_inputs)  # read by the warm-up
+            static = instance.inputs + spec.params + spec.buffers + tuple(
+                instance.state_inputs.values())
             before = api.reserved()
             instance.fwd, _ = api.capture(forward_region, None, "thread_local", static)
             pooled = api.reserved() - before
@@ -331,7 +372,8 @@ class CapturedNode:
                                      for t in instance.inputs + spec.params)
         instance.moved = (False,) * len(inputs) + tuple(_moves_grad(p) for p in spec.params)
         # the pool's segments (the reserved bytes its captures added) and the static buffers
-        instance.bytes = pooled + _bytes(instance.inputs) + _bytes(instance.grad_outputs)
+        instance.bytes = pooled + _bytes(instance.inputs) + _bytes(instance.grad_outputs) + \
+            _bytes(instance.state_inputs.values())
         self.stats.captured += 1
         self.stats.bytes += instance.bytes
         return instance

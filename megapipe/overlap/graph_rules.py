@@ -3,9 +3,10 @@ Python so the CLI checks them before anything starts; what they capture: ``overl
 
 megapipe captures whole compute nodes. A node declares the Megatron modules it holds
 (``Graphable.modules``): the reference GPT's MoE attention node holds ``attn``, ``moe_router``
-and ``moe_preprocess``, a dense layer's node ``attn`` and ``mlp``. A module is captured only
-where every module of its node is selected; ``moe_router`` and ``moe_preprocess`` go together
-(as in Megatron's local graphs).
+and ``moe_preprocess``, a dense layer's node ``attn`` and ``mlp``, a MoE layer's experts and
+finish nodes ``moe`` (static only with a rank capacity). A module is captured only where every
+module of its node is selected; ``moe_router`` and ``moe_preprocess`` go together (as in
+Megatron's local graphs), and ``moe`` (the whole layer) takes both.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine")
-GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess")
+GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")
 """Megatron's ``--cuda-graph-modules`` that megapipe captures (the others are refused)."""
+MOE_NOT_STATIC = ("--cuda-graph-modules moe: a dropless MoE layer's expert shapes follow its "
+                  "routing; give --moe-expert-rank-capacity-factor (static lanes, no host read)")
 REFUSED_MODULES = {
-    "moe": "the MoE layer holds the dispatch and combine all-to-alls, comm nodes the combined "
-           "step overlaps with the other microbatch and never captures",
     "shared_experts": "not a Megatron CUDA-graph module; megapipe's shared expert runs in the "
                       "MoE finish node, which reads the routing indices from the layer state",
     "mamba": "megapipe has no Mamba layers",
@@ -59,7 +60,7 @@ def settings_problem(impl: str, modules: Sequence[str]) -> str | None:
     if not modules:
         return ("--cuda-graph-impl local without --cuda-graph-modules captures whole layers, "
                 "whose all-to-alls megapipe overlaps instead; name the modules (attn "
-                "moe_router moe_preprocess, and mlp for dense layers)")
+                "moe_router moe_preprocess, or attn moe, and mlp for dense layers)")
     return modules_problem(modules)
 
 
@@ -75,7 +76,7 @@ def split_backward_problem(schedule: str, splits_backward: bool, tape: bool) -> 
 def selected(modules: Iterable[str]) -> frozenset[str]:
     """The modules captured for ``modules`` (``moe_router`` and ``moe_preprocess`` together)."""
     chosen = set(modules)
-    if chosen & set(TOGETHER):
+    if chosen & (set(TOGETHER) | {"moe"}):
         chosen |= set(TOGETHER)
     return frozenset(chosen)
 
@@ -90,6 +91,8 @@ def coverage_problem(modules: Iterable[str], holders: Iterable[Sequence[str]],
     for name in sorted(chosen):
         mine = [h for h in holders if name in h]
         if not mine and whole_model:
+            if name == "moe":
+                return MOE_NOT_STATIC
             why = "the model has no dense layer" if name == "mlp" else "no node of the model " \
                   "holds it"
             return f"--cuda-graph-modules {name}: nothing to capture: {why}"

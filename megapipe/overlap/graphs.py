@@ -10,8 +10,10 @@ the engine runs the wrapped plan unchanged (plain autograd, the tape, the combin
 Megatron's module names, its parameters, the hidden inputs its code reads, the logs it writes);
 a node is captured when every module it holds is in ``--cuda-graph-modules``. The reference
 GPT's MoE attention node holds ``attn``, ``moe_router`` and ``moe_preprocess`` (the
-permutation into expert order); a dense layer's node holds ``attn`` and ``mlp``. Comm nodes and
-nodes that read the host (``Node.reads_host``) are never captured.
+permutation into expert order); a dense layer's node holds ``attn`` and ``mlp``; a MoE layer's
+experts and finish nodes ``moe`` (``Graphable.eager()`` keeps them eager, naming why, unless a
+rank capacity makes their shapes static). Comm nodes and nodes that read the host
+(``Node.reads_host``) are never captured.
 
 **Capture and replay.** Per node and input signature (shapes, strides, dtypes, requires-grad,
 ``Graphable.key()``) an *instance* is captured on first use: static input buffers, one warm-up
@@ -29,8 +31,9 @@ same order, so bitwise the eager run under deterministic kernels.
 **Layer state.** While captured, a node sees a recording ``LayerState``: what it writes (routing
 indices, split sizes) is replayed onto the real state (tensors are the instance's static
 buffers, valid while it is busy); a plain value it reads becomes a guard of the instance; a
-tensor it reads from the state, or the deferred weight-gradient queue, is refused (a captured
-node takes tensors through its inputs; deferred GEMMs stay outside graphs). Tensors it records
+tensor it reads becomes a static buffer, filled from the state before each replay (one that
+needs a gradient is refused: those come through the inputs). Its weight-gradient queue reads
+None: a captured node computes its weight gradients inside its backward graph. Tensors it records
 in ``Graphable.logs`` (the MoE auxiliary-loss log) are recorded again, copied, at each replay.
 A replay runs no Python of the node (no module hook): what must happen per replay runs in the
 wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits).
@@ -60,13 +63,16 @@ class Graphable:
     each log it records into (``owner.attribute.record(value)``; the MoE layer's
     ``aux_loss_log``): while it is captured it records into a fresh log of the same type, whose
     ``pop_all()`` gives the tensors each replay records again, copied; ``buffers``: the other
-    tensors it reads in place (rotary tables), which must stay where they are."""
+    tensors it reads in place (rotary tables), which must stay where they are; ``eager()``: why
+    the node must run eager now (its shapes are not static: a dropless MoE layer's experts),
+    None when it may be captured."""
 
     modules: tuple[str, ...]
     params: tuple[torch.Tensor, ...]
     key: Callable[[], Hashable] | None = None
     logs: tuple[tuple[Any, str], ...] = ()
     buffers: tuple[torch.Tensor, ...] = ()
+    eager: Callable[[], str | None] | None = None
 
 
 class GraphApi:
@@ -194,8 +200,9 @@ class NodeGraphs:
         return self.stats.bytes
 
     def describe(self) -> str:
+        eager = "".join(f"; {node} eager: {why}" for node, why in sorted(self.stats.eager.items()))
         return (f"{self.captured} graph instances captured, {self.bytes / 2**20:.1f} MiB in "
-                "their pools and static buffers")
+                f"their pools and static buffers{eager}")
 
 
 class GraphRunner:

@@ -9,22 +9,22 @@ replays, the state writes, the gradients, the refusals.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss, graph_holders
-from megapipe.moe.layer import MoEState
+from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.graph_rules import (
-    GRAPH_IMPLS, GRAPH_MODULES, coverage_problem, settings_problem,
+    GRAPH_IMPLS, GRAPH_MODULES, MOE_NOT_STATIC, coverage_problem, settings_problem,
 )
 from megapipe.overlap.graphs import Graphable, NodeGraphs, node_graphs
 from megapipe.overlap.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
@@ -137,6 +137,66 @@ def test_a_combined_step_replays_its_graphs_on_the_compute_stream() -> None:
     assert torch.equal(results[0][0], results[1][0]) and _same(results[0][1], results[1][1])
 
 
+RANK_CAPACITY = replace(CONFIG, moe_expert_rank_capacity_factor=2.0)
+WHOLE = ("attn", "moe", "mlp")  # the MoE layers graphed whole
+
+
+def _pair(config: GPTConfig, graphs: NodeGraphs | None, batches):  # noqa: ANN001, ANN202
+    """A combined step (F of microbatch 1 beside B of microbatch 0, deferred W) on a stage."""
+    stage = _stage(config=config)
+    plans = stage.layer_plans() if graphs is None else [graphs.plan(p) for p in
+                                                        stage.layer_plans()]
+    (out_b,), tape_b = record_forward(plans, (batches[0][0],))
+    (grad,) = torch.autograd.grad(gpt_loss(out_b, batches[0][1]), out_b)
+    with make_streams("cpu") as streams:
+        (out_f,), _, _ = combined_step(plans, (batches[1][0],), tape_b, (grad,), streams,
+                                       delay_wgrad_compute=True)
+    return stage, out_f
+
+
+def test_moe_layers_graphed_whole_with_a_rank_capacity_keep_the_eager_bits() -> None:
+    batches = _batches(4)
+    eager, out_eager = _pair(RANK_CAPACITY, None, batches)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    stage, out = _pair(RANK_CAPACITY, graphs, batches)
+    assert torch.equal(out, out_eager) and _same(_grads(eager), _grads(stage))
+    # a dense node and each MoE layer's attention, experts and finish: replayed for both
+    # forwards and the one backward (microbatch 1's forward reuses the instances whose
+    # backward ran before it); the all-to-all nodes run eager (no NCCL here)
+    assert graphs.api.count("replay") == 3 * (1 + 2 * 3) and graphs.stats.eager == {}
+    assert 1 + 2 * 3 < graphs.captured < 2 * (1 + 2 * 3)
+    replayed = {stream for kind, _, stream in graphs.api.events if kind == "replay"}
+    assert replayed == {threading.current_thread().name}  # the compute stream only
+    eager, stage = _stage(config=RANK_CAPACITY), _stage(config=RANK_CAPACITY)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches, in_flight=2),
+                 _tape_run(stage, graphs, batches, in_flight=2))
+    assert _same(_grads(eager), _grads(stage)) and graphs.captured == 2 * 7
+
+
+def test_moe_nodes_whose_shapes_follow_the_routing_run_eager_and_say_why() -> None:
+    batches = _batches(2)
+    eager, stage = _stage(), _stage()  # dropless: no rank capacity
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert _same(_grads(eager), _grads(stage)) and graphs.captured == 3
+    assert "experts eager: dropless without --moe-expert-rank-capacity-factor" in \
+        graphs.describe()
+    tight = replace(CONFIG, moe_expert_rank_capacity_factor=0.5)  # its lanes overflow
+    eager, stage = _stage(config=tight), _stage(config=tight)
+    graphs = NodeGraphs(WHOLE, FakeGraphApi())
+    assert _same(_tape_run(eager, None, batches[:1]), _tape_run(stage, graphs, batches[:1]))
+    assert int(stage.layers["1"].moe.rank_overflow) == 1
+    for module in (eager, stage):  # a step run again without the capacity (an overflow)
+        set_sync_free([module], False)
+    assert _same(_tape_run(eager, None, batches), _tape_run(stage, graphs, batches))
+    assert _same(_grads(eager), _grads(stage))
+    assert graphs.stats.eager["finish"].startswith("a step run again dropless")
+    # the attention nodes' instances: one with the rank capacity, one without (its route
+    # places the sends only with it), beside the dense node's and the first run's MoE nodes'
+    assert graphs.captured == 1 + 2 * 3 + 2
+
+
 def test_state_writes_and_the_aux_loss_log_follow_each_replay() -> None:
     stage = _stage()
     graphs = NodeGraphs(MODULES, FakeGraphApi())
@@ -199,19 +259,32 @@ class _ScaleState(LayerState):
     scale: torch.Tensor | None = None
 
 
-def test_a_node_that_reads_a_tensor_from_the_state_or_defers_wgrad_is_refused() -> None:
+def test_state_tensors_are_refilled_before_each_replay_and_weight_grads_run_in_the_graph(
+) -> None:
     x = torch.randn(4, 8, requires_grad=True)
-    plan, _, _ = _one_node(lambda s, t: (t[0] * s.scale,))
-    with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor made outside it"):
-        run_nodes(plan, (x,), _ScaleState(scale=torch.ones(8)))
+    plan, graphs, api = _one_node(lambda s, t: (t[0] * s.scale,))
+    for scale in (torch.full((8,), 2.0), torch.arange(8.0)):  # one instance, refilled
+        (y,) = run_nodes(plan, (x,), _ScaleState(scale=scale))
+        assert torch.equal(y, x * scale)
+        y.sum().backward()
+        del y  # its output buffer free again
+    assert graphs.captured == 1 and api.count("replay") == 4
+    (y,) = run_nodes(plan, (x,), _ScaleState(scale=torch.ones(4, 1, 8)))  # another shape
+    assert torch.equal(y, x * torch.ones(4, 1, 8)) and graphs.captured == 2
+    with pytest.raises(RuntimeError, match=r"reads state\.scale, a tensor that needs a grad"):
+        run_nodes(plan, (x,), _ScaleState(scale=torch.ones(8, requires_grad=True)))
     weight = torch.randn(2, 8, 8, requires_grad=True)
 
     def deferring(state: LayerState, tensors: tuple) -> tuple:
         return (grouped_matmul(tensors[0], (2, 2), weight, state=state),)
 
+    (want,) = torch.autograd.grad(run_nodes([Node("n", NodeKind.COMPUTE, deferring)], (x,))[0]
+                                  .sum(), weight)
     plan, _, _ = _one_node(deferring, [weight])
-    with pytest.raises(RuntimeError, match=r"defers weight gradients"):  # its queue comes later
-        run_nodes(plan, (x,))
+    (out,), tape = record_forward([plan], (x,))
+    queue = WeightGradQueue()
+    run_backward(tape, (torch.ones_like(out),), wgrad=queue)
+    assert len(queue) == 0 and torch.equal(weight.grad, want)  # computed in the graph
 
 
 def test_a_captured_node_writing_an_undeclared_state_field_is_refused() -> None:
@@ -314,13 +387,19 @@ def test_the_settings_rules_name_what_does_not_fit() -> None:
     assert "TransformerEngine" in settings_problem("transformer_engine", ("attn",))
     assert "needs --cuda-graph-impl local" in settings_problem("none", ("attn",))
     assert "captures whole layers" in settings_problem("local", ())
-    for refused in ("moe", "shared_experts", "mamba", "full_iteration", "mlp_fc1"):
+    assert settings_problem("local", ("attn", "moe")) is None
+    for refused in ("shared_experts", "mamba", "full_iteration", "mlp_fc1"):
         assert settings_problem("local", ("attn", refused)).startswith(
             f"--cuda-graph-modules {refused}: ")
     holders = graph_holders(CONFIG)
     assert coverage_problem(("attn", "moe_router", "mlp"), holders) is None
     assert "also holds moe_router moe_preprocess" in coverage_problem(("attn",), holders)
     assert "also holds mlp" in coverage_problem(("attn", "moe_preprocess"), holders)
+    # the whole MoE layer: static only with a rank capacity; it takes the router's node along
+    assert coverage_problem(("attn", "moe", "mlp"), holders) == MOE_NOT_STATIC
+    static = graph_holders(replace(CONFIG, moe_expert_rank_capacity_factor=2.0))
+    assert coverage_problem(("attn", "moe", "mlp"), static) is None
+    assert "also holds attn" in coverage_problem(("moe", "mlp"), static)
     moe_only = graph_holders(GPTConfig(first_k_dense_layers=0))
     assert "the model has no dense layer" in coverage_problem(("attn", "moe_router", "mlp"),
                                                               moe_only)

@@ -64,8 +64,8 @@ def test_the_front_end_takes_megatrons_keywords_and_refuses_megatron_chunks() ->
     func = get_forward_backward_func(cuda_graph_impl="local",
                                      cuda_graph_modules=["attn", "moe_router"])
     assert func.options.cuda_graph_modules == ("attn", "moe_router")
-    with pytest.raises(ValueError, match="moe: not captured"):
-        get_forward_backward_func(cuda_graph_impl="local", cuda_graph_modules=["moe"])
+    with pytest.raises(ValueError, match="shared_experts: not captured"):
+        get_forward_backward_func(cuda_graph_impl="local", cuda_graph_modules=["shared_experts"])
     check_cuda_graphs("none")
     with pytest.raises(NotImplementedError, match="cuda_graph_impl='local' with Megatron-Core"):
         check_cuda_graphs("local")
@@ -85,8 +85,11 @@ def test_pretrain_flags_land_in_their_part_and_the_old_name_is_an_alias() -> Non
           "--cuda-graph-scope", "attn"], "give one of them"),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "shared_experts"],
          "--cuda-graph-modules shared_experts: not captured"),
-        (["--cuda-graph-impl", "local", "--cuda-graph-scope", "moe"],
-         "--cuda-graph-scope moe: not captured"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-scope", "mamba"],
+         "--cuda-graph-scope mamba: not captured"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"],
+         ("moe: a dropless MoE layer's expert shapes follow its routing; give "
+          "--moe-expert-rank-capacity-factor")),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router", "mlp"],
          "the model has no dense layer"),
         (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
@@ -95,6 +98,31 @@ def test_pretrain_flags_land_in_their_part_and_the_old_name_is_an_alias() -> Non
     ):
         with pytest.raises(ArgsError, match=message.replace("-", r"\-")):
             parse_pretrain_args(base + argv, env={})
+
+
+def test_moe_layers_graphed_whole_give_the_plain_and_eager_bits() -> None:
+    from megapipe.overlap.main_grad import accumulated_grad
+
+    ids = torch.randint(0, 256, (4, 1, 9), generator=torch.Generator().manual_seed(2))
+    config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_top_k": 2,
+                          "moe_expert_rank_capacity_factor": 2.0})
+    runs = []
+    for overlap, graphs in ((False, False), (True, False), (True, True), (False, True)):
+        stage = build_stage(config, 0, 1)
+        options = dict(cuda_graph_impl="local", graph_api=FakeGraphApi(),
+                       cuda_graph_modules=("attn", "moe", "mlp")) if graphs else {}
+        with PipelineExecutor(build_schedule("1f1b", 1, 4, overlap=overlap), {0: stage},
+                              loss_fn=gpt_loss, delay_wgrad_compute=overlap,
+                              **options) as executor:
+            result = executor.step([i[:, :-1] for i in ids], [i[:, 1:] for i in ids])
+            assert not graphs or (executor.cuda_graphs.captured > 0
+                                  and executor.cuda_graphs.stats.eager == {})
+        runs.append([result.losses[m] for m in sorted(result.losses)]
+                    + [accumulated_grad(p) for p in stage.parameters()])
+    assert all(all(torch.equal(a, b) for a, b in zip(runs[0], run)) for run in runs[1:])
+    # the last (plain) run: one instance each of the dense node and the MoE layer's attention,
+    # experts and finish (every backward runs before the next forward at pp 1)
+    assert result.graph_instances == 4
 
 
 def test_chunked_all_to_alls_capture_the_chunked_attention_node_with_the_same_bits() -> None:

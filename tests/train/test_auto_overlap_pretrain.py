@@ -26,7 +26,7 @@ def _decisions(result):
     return [line for line in result.lines if line.startswith("overlap auto:")]
 
 
-def test_auto_keeps_the_faster_mode_with_the_fixed_modes_losses(rank_pools):
+def test_auto_keeps_the_faster_mode_with_and_without_the_link(rank_pools):
     pool = rank_pools(4)
     # with the emulated link the overlap pays: combined steps are the faster on three ranks;
     # rank 3 alone would keep plain, but the slowest rank's times decide for every rank
@@ -45,6 +45,18 @@ def test_auto_keeps_the_faster_mode_with_the_fixed_modes_losses(rank_pools):
     traced = [" | a2a hidden " in next(line for line in auto[0].lines
                                        if line.startswith(f"iter {i}/7")) for i in range(1, 8)]
     assert traced == [False] * 3 + [True] * 4, traced
+    # no link: nothing to hide, the combined step's own cost makes it the slower on rank 2;
+    # the slowest rank's times decide for every rank: plain steps kept, the same losses
+    seconds = [{False: 1.0, True: 0.9}] * 2 + [{False: 1.0, True: 1.25}, {False: 1.0,
+                                                                         True: 0.9}]
+    auto = pool.run(_train_auto, BASE + ["--overlap-moe-expert-parallel-comm-auto"], seconds)
+    assert all(r.losses == fixed for r in auto)
+    assert [_decisions(r) for r in auto] == [[
+        "overlap auto: off (combined 1.25 s vs plain 1 s per step, slowest rank, steps 1-6; "
+        "next check at step 501)"]] * 4
+    traced = [" | a2a hidden " in next(line for line in auto[0].lines
+                                       if line.startswith(f"iter {i}/7")) for i in range(1, 8)]
+    assert traced == [False] * 3 + [True] * 3 + [False], traced
 
 
 AUTO = "--overlap-moe-expert-parallel-comm-auto"

@@ -46,7 +46,7 @@ def _known_schedule(name: str, value: str) -> str | None:
 
 # overlap.graph_rules' names (tested equal there), written here so parsing imports no torch
 GRAPH_IMPLS = ("none", "local", "transformer_engine")
-GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess")
+GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")
 
 
 def _graph_impl(name: str, impl: str) -> str | None:
@@ -382,7 +382,9 @@ class PretrainFlags:
     cuda_graph_modules: tuple[str, ...] = flag(
         (), f"with --cuda-graph-impl local: any of {', '.join(GRAPH_MODULES)} (Megatron's "
         "names; megapipe captures whole nodes: a MoE layer's attention node holds attn, "
-        "moe_router and moe_preprocess, a dense layer's node attn and mlp)", _graph_modules,
+        "moe_router and moe_preprocess, a dense layer's node attn and mlp; moe: also the MoE "
+        "layer's experts and finish nodes, with --moe-expert-rank-capacity-factor)",
+        _graph_modules,
         group=GRAPHS)
     cuda_graph_scope: tuple[str, ...] = flag(
         (), "Megatron 0.16-0.17's name of --cuda-graph-modules", _graph_modules, group=GRAPHS)

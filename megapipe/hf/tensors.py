@@ -10,8 +10,8 @@ transformers class has (Qwen3-MoE and OLMoE ``mlp.experts.{e}.gate_proj``, Mixtr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 

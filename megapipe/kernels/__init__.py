@@ -12,7 +12,7 @@ router (``megapipe.moe.router``); the others are here.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

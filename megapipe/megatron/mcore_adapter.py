@@ -30,14 +30,22 @@ from torch import nn
 
 from megapipe.megatron.mcore_config import check_config
 from megapipe.megatron.mcore_layers import (
-    ForwardCall, final_norm, is_moe_layer, layer_plan, mtp_plan,
+    ForwardCall,
+    final_norm,
+    is_moe_layer,
+    layer_plan,
+    mtp_plan,
 )
 from megapipe.megatron.mcore_recompute import (
-    recompute_layer, recompute_mtp, recomputed_layers,
+    recompute_layer,
+    recompute_mtp,
+    recomputed_layers,
 )
 from megapipe.megatron.mcore_release import release
 from megapipe.megatron.mcore_support import (
-    chain_of, check_groups, find_megatron_model,
+    chain_of,
+    check_groups,
+    find_megatron_model,
 )
 from megapipe.megatron.mcore_wgrad import check_driven, delayed_modules
 from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes

@@ -20,9 +20,10 @@ sequence parallelism the compute nodes run inside Megatron's model-parallel RNG 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,15 +41,15 @@ class ForwardCall:
     flows through them), and what ``_preprocess`` derived from them."""
 
     release: McoreRelease
-    input_ids: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    attention_mask: Optional[torch.Tensor]
-    decoder_input: Optional[torch.Tensor] = None
-    labels: Optional[torch.Tensor] = None
+    input_ids: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    decoder_input: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
     packed_seq_params: Any = None
-    runtime_gather_output: Optional[bool] = None
-    loss_mask: Optional[torch.Tensor] = None
-    padding_mask: Optional[torch.Tensor] = None
+    runtime_gather_output: bool | None = None
+    loss_mask: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
     output_processor: Any = None
     output_processor_context: Any = None
     rotary_pos_emb: Any = None
@@ -94,7 +95,7 @@ class McoreLayerState(LayerState):
     buffers_at_first_forward: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
-def rng_fork(config: Any) -> ContextManager:
+def rng_fork(config: Any) -> AbstractContextManager:
     """Megatron's model-parallel RNG fork under sequence parallelism (what its block and MTP
     layers run inside), where dropout draws from it; else nothing. (Without dropout nothing
     draws, and leaving the fork out keeps the comm stream's thread, on CPU, from switching
@@ -108,8 +109,8 @@ def rng_fork(config: Any) -> ContextManager:
 
 # -------------------------------------------------------------------------------- dense
 def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
-               before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
-               after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
+               before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+               after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
                ) -> list[Node]:
     """A dense ``TransformerLayer`` as one compute node (``before``/``after``: an MTP layer's
     own preprocessing and final norm around it)."""
@@ -139,8 +140,8 @@ def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCa
 
 # -------------------------------------------------------------------------------- MoE
 def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
-             before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
-             after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
+             before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+             after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
              ) -> list[Node]:
     """Megatron's four-node split of a MoE ``TransformerLayer`` (module docstring): the
     operations of ``TransformerLayer._forward_attention``, ``_forward_mlp`` and

@@ -23,12 +23,12 @@ happens in a backward, possibly beside another microbatch's forward of the same 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import contextvars
 import copy
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+
 def chain_of(chunk: nn.Module) -> list[nn.Module]:
     """``chunk`` and the modules it wraps through ``.module`` (DDP, Float16Module, ...)."""
     chain = [chunk]

@@ -24,7 +24,7 @@ ever left out.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

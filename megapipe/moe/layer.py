@@ -156,7 +156,8 @@ class MoEState(LayerState):
 
     def crossing(self, reader: NodeKind) -> tuple[torch.Tensor, ...]:
         """The dispatch's grouped-GEMM offsets (made on the comm stream; with a rank capacity,
-        also its overflow flag), for the experts on the compute stream: deferred weight-gradient closures keep them after the layer's
+        also its overflow flag), for the experts on the compute stream: deferred weight-gradient
+        closures keep them after the layer's
         backward, past the comm stream's last wait for the compute stream. (Route's row counts,
         read by the dispatch on the comm stream, need nothing: the compute stream waits for
         the dispatch before the state can drop them; ``tests/support/stream_checker.py``

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from megapipe.overlap.wgrad import Track, WeightGradQueue
+from megapipe.overlap.wgrad import Track, WeightGradQueue  # noqa: F401  # Track: re-exported
 from megapipe.pairing.order import COMM_READS_HOST
 from megapipe.pairing.timing import NodeTimes
 

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import csv
 import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import FrozenInstanceError, dataclass
-from typing import Callable, Generic, Iterable, Sequence, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
 from .actions import (  # noqa: F401 - the IR's public names
-    BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, Kind, parse_action,
+    BACKWARD_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    Kind,
+    parse_action,
 )
 from .errors import ScheduleError
 from .table import ActionTable
@@ -59,14 +65,14 @@ class Derived(Generic[T]):
     def __init__(self, default: Callable[[], T]) -> None:
         self._default = default
 
-    def of(self, schedule: "Schedule") -> T:
+    def of(self, schedule: Schedule) -> T:
         """What ``schedule`` keeps (the default until ``keep``)."""
         kept = schedule._derived
         if self not in kept:
             kept[self] = self._default()
         return cast(T, kept[self])
 
-    def keep(self, schedule: "Schedule", value: T) -> None:
+    def keep(self, schedule: Schedule, value: T) -> None:
         schedule._derived[self] = value
 
 
@@ -221,7 +227,7 @@ class Schedule:
 
     def replace_actions(
         self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
-    ) -> "Schedule":
+    ) -> Schedule:
         """A copy with other action lists (and optionally other fields)."""
         fields = dict(num_stages=self.num_stages, num_microbatches=self.num_microbatches,
                       stage_to_rank=self.stage_to_rank, name=self.name,

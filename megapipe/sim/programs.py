@@ -27,20 +27,26 @@ node-level timing model) times the program. Two cost models:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from math import ceil
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
-from ..schedule.p2p.early_sends import EACH, WHOLE
-from ..schedule.ir import Action, Kind
-from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
 from ..pairing.order import (
-    FILL, HEAD, REST, TAIL, Issue, IssueOrder, queuing_positions,
+    FILL,
+    HEAD,
+    REST,
+    TAIL,
+    Issue,
+    IssueOrder,
+    queuing_positions,
 )
+from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
+from ..schedule.ir import Action, Kind
+from ..schedule.p2p.early_sends import EACH
 from .costs import AT_END, NodeCosts
 
 if TYPE_CHECKING:
-    from ..schedule.ir import Schedule
     from .costs import Costs
 
 LAYER_MODEL = ("attention", "dispatch", "experts", "combine")  # a MoE layer of the layer model
@@ -84,7 +90,7 @@ def _halves(action: Action) -> tuple[Action | None, Action | None]:
     return (action, None) if action.kind is Kind.F else (None, action)
 
 
-def action_ops(action: Action, costs: "Costs") -> list[NodeOp]:
+def action_ops(action: Action, costs: Costs) -> list[NodeOp]:
     """The program of a compute action under ``costs`` (module docstring)."""
     if costs.nodes is not None:
         return node_ops(action, costs.nodes)
@@ -194,7 +200,7 @@ def _duration(op: NodeOp) -> float:
     return op.duration
 
 
-def time_action(action: Action, start: float, costs: "Costs") -> tuple[Segment, ...]:
+def time_action(action: Action, start: float, costs: Costs) -> tuple[Segment, ...]:
     """The timed nodes of a compute action started at ``start`` on an otherwise idle rank."""
     ops = action_ops(action, costs)
     return tuple(Segment(op.stream, op.part, op.action, op.layer, begin, end)

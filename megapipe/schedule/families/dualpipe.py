@@ -11,9 +11,9 @@ bubble). With ``overlap=False`` each pair becomes its forward followed by its ba
 
 from __future__ import annotations
 
-from .builder import RowBuilder
 from ..ir import Schedule, ScheduleOptions, v_placement
-from ..table import B, F, I, W, ActionTable
+from ..table import ActionTable, B, F, I, W
+from .builder import RowBuilder
 
 
 def _backward(row: RowBuilder, stage: int, zero_bubble: bool = False) -> None:

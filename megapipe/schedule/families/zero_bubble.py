@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir import Schedule, loop_placement, v_placement
+from ..table import ActionTable, F, I, W
 from .builder import RowBuilder
 from .interleaved import chunk_sequence
-from ..ir import Schedule, loop_placement, v_placement
-from ..table import F, I, W, ActionTable
 
 
 def zb1p(

@@ -78,7 +78,12 @@ from ..table import B, I
 from ..timing.deps import DEFAULT_DURATIONS, missing_needs
 from ..timing.retime import SWEEP_SEQUENCE
 from ..timing.timeline import (
-    STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_sequence,
+    STRUCTURES,
+    TIMELINES,
+    Timeline,
+    timeline,
+    timeline_after_change,
+    timeline_in_sequence,
 )
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
 from .partners import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401

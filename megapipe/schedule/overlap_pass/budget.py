@@ -29,12 +29,18 @@ from __future__ import annotations
 import math
 
 from ..errors import ScheduleError
-from .in_flight import peak_in_flight
 from ..ir import Schedule
-from .apply import (
-    Pairing, _finish, _new_attempt, _longest_pair, _opposite_flows, _settle, apply_overlap,
-)
 from ..timing.timeline import timeline
+from .apply import (
+    Pairing,
+    _finish,
+    _longest_pair,
+    _new_attempt,
+    _opposite_flows,
+    _settle,
+    apply_overlap,
+)
+from .in_flight import peak_in_flight
 
 
 def check_budget(max_extra_in_flight: object) -> None:

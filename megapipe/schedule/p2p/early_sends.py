@@ -33,11 +33,11 @@ halves are done); DualPipe and DualPipeV (every pair sends twice) their whole ba
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from .comm_check import Posting, check_batches
 from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Action, Kind, Schedule
+from .comm_check import Posting, check_batches
 from .lower import lower
 
 EarlySends = dict[tuple[int, int], tuple[Action, ...]]

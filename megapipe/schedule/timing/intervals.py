@@ -9,7 +9,7 @@ order), so the simulator's figures are reproducible to the last bit.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

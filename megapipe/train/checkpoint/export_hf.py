@@ -23,7 +23,11 @@ from megapipe.hf.architectures import export_architecture, hf_config
 from megapipe.hf.tensors import HFTensor, tensor_plan
 from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
 from megapipe.train.checkpoint.reader import (
-    TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
+    TOKENIZER_KEY,
+    config_of,
+    find_checkpoint,
+    read_tensors,
+    tensor_shapes,
 )
 
 DEFAULT_SHARD_BYTES = 5 * 2**30

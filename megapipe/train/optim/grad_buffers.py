@@ -22,8 +22,8 @@ shards (what the optimizer steps and a checkpoint stores).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist

@@ -16,8 +16,8 @@ kernels an architecture (minutes); Triton's cache makes a second quick.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -73,8 +73,7 @@ def plan_launches(tokens: int, experts: int, top_k: int) -> list[Callable[[], ob
 def hidden_launches(tokens: int, hidden: int, top_k: int) -> list[Callable[[], object]]:
     """RMSNorm forward and backward, SwiGLU forward and backward (4 x hidden wide), the
     permute and its two sums, at one hidden size."""
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_permute as TP
+    from megapipe.kernels import triton_norm as TN, triton_permute as TP
 
     x, w = _empty(tokens, hidden), _empty(hidden)
     rstd = _empty(tokens, dtype=torch.float32)

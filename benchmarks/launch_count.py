@@ -33,8 +33,9 @@ runs (the plain tape or the combined step).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -16,19 +16,18 @@ gloo all-to-alls and p2p) is the real engine.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ctypes
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from megapipe.models.gpt import GPTStage
 from megapipe.overlap.plan import Fork, LayerState, Node, Plan, WavePlan
 from megapipe.sim.profile import NodeProfile, role_of
-
 
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 TIMER_SLACK_NS = 1  # the smallest slack (0 would restore the default, 50 us)

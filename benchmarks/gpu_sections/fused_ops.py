@@ -10,8 +10,9 @@ bandwidth is the share of HBM bandwidth the kernel reaches. ``OPERATORS`` lists 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -21,11 +21,10 @@ import time
 
 import torch
 
-from megapipe.kernels import HAS_TRITON
-
 from gpu_sections.fused_ops import DRY, OPERATORS, REAL, cases
 from gpu_sections.gpu_timing import median_ms, synchronize, time_ms
 from gpu_sections.measure import copy_gbs
+from megapipe.kernels import HAS_TRITON
 
 LAUNCHES = 200  # calls per host-time measurement
 PERMUTATION = ("permute", "sum_choices", "unpermute_backward")

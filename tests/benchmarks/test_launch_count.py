@@ -13,7 +13,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from launch_count import LaunchCounter, count_launches, moe_layer_launches  # noqa: E402
-
 from megapipe.kernels import sum_choices_op  # noqa: E402
 
 

@@ -9,7 +9,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from launch_count import (  # noqa: E402
-    RANK_CAPACITY, demo_layer, launches_outside_graphs, moe_layer_launches,
+    RANK_CAPACITY,
+    demo_layer,
+    launches_outside_graphs,
+    moe_layer_launches,
 )
 
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapipe.kernels import reference_fused as R
-from megapipe.kernels import rms_norm, rms_norm_residual, swiglu
+from megapipe.kernels import reference_fused as R, rms_norm, rms_norm_residual, swiglu
 from megapipe.moe.permutation import sort_by_expert
 from megapipe.moe.router import load_balancing_loss, z_loss
 
@@ -123,8 +122,7 @@ def test_routing_plan_reference_is_order_by_expert():
 
 def compare_triton_with_reference(device: str) -> list[str]:
     """Every fused Triton kernel against its reference; failure messages."""
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_router as TR
+    from megapipe.kernels import triton_norm as TN, triton_router as TR
 
     failures: list[str] = []
 
@@ -218,9 +216,7 @@ def test_the_triton_functions_take_every_argument_of_their_operators():
     schema (defaults filled in), so each takes them all, by the same names."""
     pytest.importorskip("triton")
     import megapipe.kernels as K
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_permute as TP
-    from megapipe.kernels import triton_router as TR
+    from megapipe.kernels import triton_norm as TN, triton_permute as TP, triton_router as TR
 
     ops = [(K.router_op, TR.router), (K.router_backward_op, TR.router_backward),
            (K.routing_plan_op, TR.routing_plan), (K.rms_norm_op, TN.rms_norm),

@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import kernel_registers as KR  # noqa: E402
-
 from megapipe.kernels.standin_driver import compiling_for  # noqa: E402
 
 H100_SMS = 132
@@ -34,8 +33,7 @@ def _assert_lean(rows: list[KR.Row]) -> None:
 
 
 def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100():
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_router as TR
+    from megapipe.kernels import triton_norm as TN, triton_router as TR
 
     tokens = 4096
     x, w = torch.empty(tokens, 1024, dtype=torch.bfloat16), torch.empty(1024, dtype=torch.bfloat16)

@@ -135,8 +135,7 @@ def norm_checks(rows: int, hidden: int, forward: bool = True) -> list[str]:
 
 
 def permute_checks(tokens: int, hidden: int, experts: int, top_k: int) -> list[str]:
-    from megapipe.kernels import reference
-    from megapipe.kernels import triton_permute as TP
+    from megapipe.kernels import reference, triton_permute as TP
 
     failures: list[str] = []
     gen = torch.Generator().manual_seed(hidden)

@@ -4,13 +4,10 @@ bound, independent pairs, memory bound."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, validate
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
-from megapipe.schedule.timing.timeline import timeline
-from megapipe.schedule.p2p.lower import lower
 from megapipe.schedule.overlap_pass.apply import (
     critical_path,
     makespan,
@@ -18,7 +15,8 @@ from megapipe.schedule.overlap_pass.apply import (
     pairing_candidates,
     peak_in_flight,
 )
-
+from megapipe.schedule.p2p.lower import lower
+from megapipe.schedule.timing.timeline import timeline
 from schedule_rows import leading_forwards
 
 

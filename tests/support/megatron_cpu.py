@@ -43,7 +43,7 @@ class _HostStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_DoneEvent":
+    def record_event(self, event: Any = None) -> _DoneEvent:
         return _DoneEvent()
 
     def synchronize(self) -> None:

@@ -8,7 +8,14 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from megapipe.train.config.declare import ArgsError, at_least, build_parser, flag, one_of, parse_flags
+from megapipe.train.config.declare import (
+    ArgsError,
+    at_least,
+    build_parser,
+    flag,
+    one_of,
+    parse_flags,
+)
 from megapipe.train.config.flags import PretrainFlags
 from megapipe.train.config.parse import parse_pretrain_args
 

@@ -9,7 +9,6 @@ import torch
 from megapipe.train.checkpoint.pieces import PieceTensor, flat_boxes
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.optim.grad_buffers import ALIGN, FlatBuffer, plan_buckets
-
 from support.pretrain_flags import TINY
 
 

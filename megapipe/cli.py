@@ -28,7 +28,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing the usage block, so errors stay one line."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise _UsageError(message)
 
 

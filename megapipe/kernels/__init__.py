@@ -54,24 +54,24 @@ routing_plan_op = define(
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, row_choice, choice_rows):  # type: ignore[override]
+    def forward(ctx, tokens, row_choice, choice_rows):
         ctx.save_for_backward(choice_rows)
         return permute_op(tokens, row_choice, choice_rows.shape[1])
 
     @staticmethod
-    def backward(ctx, grad_rows):  # type: ignore[override]
+    def backward(ctx, grad_rows):
         (choice_rows,) = ctx.saved_tensors
         return sum_choices_op(grad_rows, None, choice_rows), None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, probs, row_choice, choice_rows):  # type: ignore[override]
+    def forward(ctx, rows, probs, row_choice, choice_rows):
         ctx.save_for_backward(rows, probs, row_choice, choice_rows)
         return sum_choices_op(rows, probs, choice_rows)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         grad_rows, grad_probs = unpermute_backward_op(grad_out, *ctx.saved_tensors)
         return grad_rows, grad_probs, None, None
 
@@ -94,13 +94,13 @@ def unpermute_tokens(
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, pass_input):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, pass_input):
         y, rstd = rms_norm_op(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return (y, x.view_as(x)) if pass_input else y
 
     @staticmethod
-    def backward(ctx, grad, *residual_grad):  # type: ignore[override]
+    def backward(ctx, grad, *residual_grad):
         x, weight, rstd = ctx.saved_tensors
         residual = residual_grad[0] if residual_grad else None
         if grad is None:  # only the passed-through input is used
@@ -125,13 +125,13 @@ def rms_norm_residual(
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, counts):  # type: ignore[override]
+    def forward(ctx, gate, up, counts):
         ctx.save_for_backward(gate, up)
         ctx.counts = counts
         return swiglu_op(gate, up, counts)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         d_gate, d_up = swiglu_backward_op(grad, gate, up, ctx.counts)
         return d_gate, d_up, None

@@ -193,7 +193,7 @@ class _Route(torch.autograd.Function):
     """logits GEMM, router, routing plan, permute: 4 operators forward, 4 backward."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, labels, spec):  # type: ignore[override]
+    def forward(ctx, tokens, weight, labels, spec):
         device = tokens.device.type
         dtype = spec.dtype
         if dtype is None:
@@ -214,7 +214,7 @@ class _Route(torch.autograd.Function):
         return probs, rows, indices, row_choice, choice_rows, counts, partials
 
     @staticmethod
-    def backward(ctx, grad_probs, grad_rows, *_):  # type: ignore[override]
+    def backward(ctx, grad_probs, grad_rows, *_):
         tokens_c, weight_c, logits, choice_rows, counts, labels = ctx.saved_tensors
         spec = ctx.spec
         d_logits = router_backward_op(grad_probs, logits, counts, labels, spec.top_k,

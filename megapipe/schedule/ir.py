@@ -89,7 +89,14 @@ class Schedule:
     kept with it and computed once (``Derived``).
     """
 
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    name: str
+    bidirectional: bool
     options: ScheduleOptions
+    _table: ActionTable | None  # None until ``table`` makes it from the rows
+    _rows: tuple[tuple[Action, ...], ...] | None  # None until ``actions`` makes them
     _derived: dict[Derived, object]  # what ``Derived.of`` finds
     _made_rows: dict[int, tuple[Action, ...]]  # what ``row`` made
 

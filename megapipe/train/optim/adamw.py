@@ -136,7 +136,7 @@ class LRSchedule:
                 "style": self.style}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.iteration = int(state["iteration"])  # type: ignore[arg-type]
+        self.iteration = int(state["iteration"])
 
 
 def sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

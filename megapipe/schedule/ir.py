@@ -110,9 +110,9 @@ class Schedule:
         bidirectional: bool = False,
         options: ScheduleOptions | None = None,
     ) -> None:
-        table = actions if isinstance(actions, ActionTable) else None
-        rows = None if table is not None else tuple(tuple(r) for r in actions)
-        fields = dict(
+        table, rows = (actions, None) if isinstance(actions, ActionTable) else (
+            None, tuple(tuple(r) for r in actions))
+        fields: dict[str, object] = dict(
             _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
             options=ScheduleOptions() if options is None else options, _derived={}, _made_rows={},
@@ -157,18 +157,21 @@ class Schedule:
     @property
     def table(self) -> ActionTable:
         """The action lists as integer columns."""
-        if self._table is None:
-            object.__setattr__(self, "_table", ActionTable.from_rows(self._rows))
-        return self._table
+        table = self._table
+        if table is None:
+            assert self._rows is not None  # a schedule is made from one or the other
+            table = ActionTable.from_rows(self._rows)
+            object.__setattr__(self, "_table", table)
+        return table
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:
         """Every rank's action list (made on first use; ``row`` makes just one)."""
-        if self._rows is None:
-            object.__setattr__(
-                self, "_rows", tuple(self.row(rank) for rank in range(self.table.pp))
-            )
-        return self._rows
+        rows = self._rows
+        if rows is None:
+            rows = tuple(self.row(rank) for rank in range(self.table.pp))
+            object.__setattr__(self, "_rows", rows)
+        return rows
 
     def row(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s action list (made on first use, without the other ranks')."""

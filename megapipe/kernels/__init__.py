@@ -4,7 +4,7 @@ autograd functions the model uses them through.
 The operators (``torch.ops.megapipe.<name>``, ``library.py``): ``permute``, ``sum_choices``,
 ``unpermute_backward`` (token permute/unpermute, ``reference.py``), ``rms_norm`` and
 ``rms_norm_backward``, ``swiglu`` and ``swiglu_backward``, ``router`` and ``router_backward``,
-``routing_plan`` (``reference_fused.py``). On CUDA with Triton each is exactly one kernel launch;
+``routing_rows`` (``reference_fused.py``). On CUDA with Triton each is exactly one kernel launch;
 on CPU each runs its plain-torch reference, so a CPU run issues the same operators as a GPU run
 (what ``benchmarks/launch_count.py`` counts). The router's autograd function lives with the
 router (``megapipe.moe.router``); the others are here.
@@ -47,9 +47,9 @@ router_backward_op = define(
     "int top_k, bool sigmoid, float balance_grad, float z_grad, bool renormalize=False) "
     "-> Tensor",
     reference_fused.router_backward, ("triton_router", "router_backward"))
-routing_plan_op = define(
-    "routing_plan(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
-    reference_fused.routing_plan, ("triton_router", "routing_plan"))
+routing_rows_op = define(
+    "routing_rows(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
+    reference_fused.routing_rows, ("triton_router", "routing_rows"))
 
 
 class _Permute(torch.autograd.Function):

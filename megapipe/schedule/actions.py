@@ -1,4 +1,4 @@
-"""Actions: what one rank does in one step, and their text form.
+"""Actions: the entries of a rank's schedule, and their text form.
 
 The text form of an action is torch.distributed.pipelining's, so schedules move between
 megapipe, torch and torchtitan unchanged: ``2F0``, ``1B3``, ``0I1``, ``0W1``,
@@ -38,7 +38,7 @@ _SIMPLE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank.
+    """One action of one rank.
 
     A plain action has a stage, a kind and a microbatch. An OVERLAP action has neither stage nor
     microbatch: it holds two sub-actions, a forward first and a backward (B or I) second.

@@ -96,7 +96,7 @@ class NodeProfile:
         return value / waves if role in WAVE_ROLES else value
 
     def node_times(self, role: str, waves: int = 1) -> NodeTimes:
-        """A node's times for the pair planner's time rule: attention's W inside its backward
+        """A node's times for the pair order's time rule: attention's W inside its backward
         (the engine never defers it), the experts' W as ``WGRAD_ITEMS`` deferrable items."""
         forward, backward = self.time(role, "F", waves), self.time(role, "B", waves)
         weight = self.time(role, "W", waves)

@@ -153,14 +153,14 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
 def _program(issues: Sequence[Issue], node: Callable[[Issue], tuple[str, Action, float]],
              host_runs_compute: bool = False, order: Sequence[int] | None = None) -> list[NodeOp]:
     """``issues`` as ``NodeOp``s, listed in ``order`` (positions in ``issues``; default as
-    planned), each issue's needs renumbered to it; on a CPU host a comm node also needs the
+    ordered), each issue's needs renumbered to it; on a CPU host a comm node also needs the
     compute node before it."""
     order = range(len(issues)) if order is None else order
-    listed_at = {planned: listed for listed, planned in enumerate(order)}
+    listed_at = {ordered: listed for listed, ordered in enumerate(order)}
     ops: list[NodeOp] = []
     last_compute: int | None = None
-    for planned in order:
-        issue = issues[planned]
+    for ordered in order:
+        issue = issues[ordered]
         part, half, duration = node(issue)
         needs = tuple(sorted(listed_at[n] for n in issue.needs))
         if host_runs_compute and issue.stream == COMM and last_compute is not None:

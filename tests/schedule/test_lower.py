@@ -78,7 +78,7 @@ def test_sends_follow_producers_and_recvs_precede_consumers():
                 if sent is not None:
                     send = Action(comp.stage, Kind.SEND_F if sent[0] == "F" else Kind.SEND_B,
                                   comp.microbatch)
-                    # In the comm run right after the action (an OVERLAP sends both results).
+                    # In the gap's batch right after the action (an OVERLAP sends both results).
                     assert i < index[str(send)] and all(
                         not a.is_compute for a in row[i + 1:index[str(send)]]
                     )

@@ -242,7 +242,7 @@ def test_most_backwards_are_paired_with_enough_microbatches(name, vpp, pp, m):
 
 
 def test_megatron_plus_one_beats_the_chain_only_where_the_chunks_give_slack():
-    # Plain 1F1B with Megatron's +1 alternates adjacent ranks (two pairs per step: bubble 21 ->
+    # Plain 1F1B with Megatron's +1 alternates adjacent ranks (two pairs per turn: bubble 21 ->
     # 63 at pp=8, M=16); the chain needs pp - r extras. Interleaved 1F1B keeps the +1.
     candidates = [p.name for p in pairing_candidates(build_schedule("1f1b", 8, 16))]
     assert candidates == ["megatron", "chain"]

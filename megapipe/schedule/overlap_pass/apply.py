@@ -1,7 +1,7 @@
 """The overlap pass: turn an F/B (or F/I/W) schedule into a combined one of OVERLAP pairs.
 
 An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backward of microbatch j
-so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
+so that each one's all-to-all hides behind the other's compute (docs/combined-step.md).
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
 ``e_r`` extra warmup forwards and fuses backwards with later forwards (``partners`` says which
@@ -12,9 +12,9 @@ Why one extra forward is not always enough. A pair hands both outputs on only wh
 hop between two ranks now costs a whole pair. In plain 1F1B with ``e_r = 1`` rank r's pairs are
 ``(F_{j+w_r+1}; B_j)`` (``w_r = pp-r-1``): the pair holding B_i on rank r waits for rank r+1's
 pair holding B_i, which waits for rank r's F output that lies in rank r's *previous* pair, so
-adjacent ranks take turns and every step costs two pairs (at pp=8, M=16, F=1, B=2 the bubble
+adjacent ranks take turns and every turn costs two pairs (at pp=8, M=16, F=1, B=2 the bubble
 grows from 21 to 63). With ``e_r`` extras, rank r+1's pair holding B_i needs rank r's pair
-holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per step only if
+holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per turn only if
 ``e_r >= e_{r+1} + 1``. The smallest such choice is the *chain* ``e_r = pp - r`` (warmup
 ``2(pp-r-1) + 1``: Megatron's interleaved warmup formula plus one). Interleaved 1F1B already
 has that factor 2 in its warmup, and the chunks give slack, so Megatron's ``e_r = 1`` suffices
@@ -133,7 +133,7 @@ def makespan(timed: Timeline) -> float:
 def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
     """(rank, index) of the actions on a longest chain of waits ending at the last action.
 
-    Walking back from the action that ends last, each step goes to whatever made the action
+    Walking back from the action that ends last, each hop goes to whatever made the action
     start when it did: a product from another rank (the last such need, in need order), or else
     the previous action of its rank. A product made twice counts at its last maker in rank order.
     """
@@ -144,7 +144,7 @@ def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
             if hi > lo]
     if not last:
         return []
-    before = _waited_for(timed)  # walked step by step: a path is short next to the table
+    before = _waited_for(timed)  # walked hop by hop: a path is short next to the table
     rank_of = table.rank
     k = offsets[max(last)[1] + 1] - 1
     path = []

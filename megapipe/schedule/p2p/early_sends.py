@@ -15,15 +15,15 @@ its gaps posted as they will be (``early_posting``):
 - *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the gap after it, kept
   in their lowered order, so per-peer matching is unchanged) each go in a batch of their own as soon
   as ready, the gap's receives with the first; the rest of the gap after the pair. In the model
-  these batches are posted one after the other right after the OVERLAP. While the step runs, a send
-  goes once it and every send before it are ready, so the real batches are these or coarser, which
-  in the model are active, and complete, no later. Tried for every OVERLAP first, then (``SINGLE``)
-  for OVERLAPs with one own send only;
+  these batches are posted one after the other right after the OVERLAP. While the OVERLAP runs,
+  a send goes once it and every send before it are ready, so the real batches are these or
+  coarser, which in the model are active, and complete, no later. Tried for every OVERLAP first,
+  then (``SINGLE``) for OVERLAPs with one own send only;
 - *the whole batch* for every other OVERLAP: the gap after it is posted as it stands, as soon as
-  both halves are done, i.e. before the held weight gradients and the end of the step. The model
+  both halves are done, i.e. before the held weight gradients and the end of the OVERLAP. The model
   cannot tell this from "after the OVERLAP", so it is always safe.
 
-For two neighbours that both send early in the same step, splitting the batch forms a cycle
+For two neighbours that both send early in the same OVERLAP, splitting the batch forms a cycle
 (each early send waits for a receive the peer posts only after its own early send completes).
 So 1F1B, ZB1P and interleaved 1F1B at vpp = 1 and ZBV send each half early; interleaved 1F1B and
 ZB1P at vpp > 1 only the pairs with one remote send (the others post their whole batch once both

@@ -15,7 +15,7 @@ consecutive parameters is one contiguous range that one collective reduces in pl
   parameters are all-gathered, so the parameters themselves are views into a flat buffer of
   the model's dtype too. Unsharded, a rank's shard of a bucket is the whole bucket.
 
-``plan_buckets`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
+``assign_buckets`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
 buffers and repoints the parameters; a ``Piece`` is where one parameter meets one of this rank's
 shards (what the optimizer steps and a checkpoint stores).
 """
@@ -52,7 +52,7 @@ class Bucket:
         return self.start + rank * size, self.start + (rank + 1) * size
 
 
-def plan_buckets(
+def assign_buckets(
     numels: Sequence[int], bucket_size: int | None, shards: int = 1
 ) -> tuple[list[int], list[Bucket]]:
     """Start of every parameter (``numels`` in buffer order) and the buckets (module docstring).
@@ -121,7 +121,7 @@ class FlatBuffer:
         self.sharded = sharded
         self.shards = self.group_size if sharded else 1
         self.params = list(reversed(params))  # buffer order: roughly the backward's
-        starts, self.buckets = plan_buckets([p.numel() for p in self.params], bucket_size,
+        starts, self.buckets = assign_buckets([p.numel() for p in self.params], bucket_size,
                                            self.shards)
         self.starts = starts
         self.numel = self.buckets[-1].end

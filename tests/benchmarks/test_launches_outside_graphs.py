@@ -23,7 +23,7 @@ def test_graphable_nodes_count_one_replay_each_way_and_the_rest_every_launch():
     counter = moe_layer_launches(stage)["combined"]
     captured = counter.total(["attention F", "attention B"])
     assert captured > 2 and outside == counter.total() - captured + 2
-    assert outside == 89 and counter.total(["dispatch F"]) == 55  # docs/combined-step.md
+    assert outside == 89 and counter.total(["dispatch F"]) == 55  # docs/performance.md
     # the sync-free dispatch builds its gathers on the device: more launches than dropless's
     # host read, none of them a host sync
     assert counter.total(["dispatch F"]) > moe_layer_launches(demo_layer())["combined"].total(

@@ -58,7 +58,7 @@ def _nbytes(item: HFTensor, shapes: dict) -> int:
 
 
 def _shards(sources: list[HFTensor], shapes: dict, limit: int) -> list[list[HFTensor]]:
-    """The sources cut, in order, into shards of at most ``limit`` bytes (a larger tensor alone)."""
+    """The listed tensors cut, in order, into shards of at most ``limit`` bytes (a larger tensor alone)."""
     shards: list[list[HFTensor]] = [[]]
     size = 0
     for item in sources:
@@ -96,11 +96,11 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
     shapes = tensor_shapes(checkpoint.path)
-    sources = tensor_sources(config, arch)
-    _check_sources(sources, shapes, checkpoint.path)
+    listed = tensor_sources(config, arch)
+    _check_sources(listed, shapes, checkpoint.path)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, tokenizer)
-    shards = _shards(sources, shapes, max_shard_bytes)
+    shards = _shards(listed, shapes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total = {}, 0
@@ -121,7 +121,7 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
         f"  {arch.name}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "
-        f"{len(sources)} tensors "
+        f"{len(listed)} tensors "
         f"({total / 2**20:.2f} MiB, {str(dtype).removeprefix('torch.')}) in {len(shards)} file(s)",
         f"  tokenizer: {tokenizer.describe()}",
     ]

@@ -60,7 +60,7 @@ class ForwardCall:
     mtp_ids: tuple[Any, Any, Any] | None = None
     delay_wgrad: bool = False
 
-    def preprocess(self, gpt: nn.Module) -> torch.Tensor | None:
+    def preprocess(self, gpt: Any) -> torch.Tensor | None:
         """Run ``GPTModel._preprocess``; keep what it derives, return the decoder input."""
         (decoder_input, self.rotary_pos_emb, self.rotary_pos_cos, self.rotary_pos_sin,
          self.sequence_len_offset, self.padding_mask) = gpt._preprocess(
@@ -108,7 +108,7 @@ def rng_fork(config: Any) -> AbstractContextManager:
 
 
 # -------------------------------------------------------------------------------- dense
-def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
+def dense_plan(layer: Any, call: ForwardCall, name: str,
                before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
                after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
                ) -> list[Node]:
@@ -139,7 +139,7 @@ def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCa
 
 
 # -------------------------------------------------------------------------------- MoE
-def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
+def moe_plan(layer: Any, call: ForwardCall, name: str,
              before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
              after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
              ) -> list[Node]:
@@ -212,13 +212,13 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
     ]
 
 
-def is_moe_layer(layer: nn.Module) -> bool:
+def is_moe_layer(layer: Any) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     return isinstance(getattr(layer, "mlp", None), MoELayer)
 
 
-def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) -> Plan:
+def layer_plan(layer: Any, call: ForwardCall, name: str, **around: Any) -> Plan:
     """The plan of a decoder layer: four nodes for a MoE layer, one for a dense layer; its
     state is a ``McoreLayerState``."""
     nodes = (moe_plan if is_moe_layer(layer) else dense_plan)(layer, call, name, **around)
@@ -226,7 +226,7 @@ def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) ->
 
 
 # -------------------------------------------------------------------------------- MTP
-def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> Plan:
+def mtp_plan(gpt: Any, index: int, call: ForwardCall) -> Plan:
     """MTP layer ``index`` of the chunk (``MultiTokenPredictionBlock.forward`` and the layer's
     own forward): its input tuple is (decoder output, earlier MTP outputs...), its output the
     same with its own appended; the head concatenates them as the block does. The first MTP
@@ -242,6 +242,7 @@ def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> Plan:
             inputs = (hidden,)
         if not state.recomputing:
             state.mtp_ids = call.mtp_ids
+        assert state.mtp_ids is not None  # the chunk's preprocess set them before any MTP layer
         ids, positions, padding = state.mtp_ids
         ids, positions, padding, decoder_input, hidden = call.release.mtp_embeddings(
             mtp_layer, ids, positions, gpt.embedding, inputs[-1], call.packed_seq_params,
@@ -272,7 +273,7 @@ def _with_work(node: Node, work: tuple[str, Callable[[], None]]) -> Node:
     return replace(node, fn=fn)
 
 
-def final_norm(gpt: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def final_norm(gpt: Any, hidden: torch.Tensor) -> torch.Tensor:
     """``TransformerBlock``'s final layer norm, as it applies it (none: unchanged)."""
     from megatron.core.utils import make_viewless_tensor
 

@@ -69,7 +69,7 @@ class DispatcherSwitch:
             self._current.reset(token)
 
 
-def dispatcher_switch(moe: nn.Module) -> DispatcherSwitch:
+def dispatcher_switch(moe: Any) -> DispatcherSwitch:
     """The layer's ``DispatcherSwitch``, installed on first use."""
     if not isinstance(moe.token_dispatcher, DispatcherSwitch):
         moe.token_dispatcher = DispatcherSwitch(moe.token_dispatcher)
@@ -90,7 +90,7 @@ def recompute_mtp(config: Any) -> bool:
     return config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
 
-def recompute_layer(plan: Plan, layer: nn.Module, release: McoreRelease,
+def recompute_layer(plan: Plan, layer: Any, release: McoreRelease,
                     params: Sequence[torch.Tensor]) -> Plan:
     """``plan`` (one layer's nodes, ``mcore_layers.layer_plan``) recomputed node by node, its
     re-runs guarded (module docstring; what they keep is in the layer's ``McoreLayerState``).

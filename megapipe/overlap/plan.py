@@ -74,7 +74,8 @@ class UndeclaredState(LayerState):
     with the same numbers. A declared state type is still the way to have typos refused."""
 
 
-NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+# the state is the plan's own LayerState subclass (a node function names that type): Any
+NodeFn = Callable[[Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
 
 

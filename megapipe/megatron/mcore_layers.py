@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from megapipe.megatron.mcore_release import McoreRelease
 from megapipe.megatron.mcore_wgrad import after_backward

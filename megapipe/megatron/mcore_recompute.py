@@ -31,7 +31,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.megatron.mcore_release import McoreRelease

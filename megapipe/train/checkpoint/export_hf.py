@@ -58,7 +58,8 @@ def _nbytes(item: HFTensor, shapes: dict) -> int:
 
 
 def _shards(sources: list[HFTensor], shapes: dict, limit: int) -> list[list[HFTensor]]:
-    """The listed tensors cut, in order, into shards of at most ``limit`` bytes (a larger tensor alone)."""
+    """The listed tensors cut, in order, into shards of at most ``limit`` bytes (a larger tensor
+    alone)."""
     shards: list[list[HFTensor]] = [[]]
     size = 0
     for item in sources:

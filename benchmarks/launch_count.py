@@ -108,6 +108,7 @@ class LaunchCounter(TorchDispatchMode):
             return self._node_labels.get(node, f"{ENGINE} B")
         return self._label
 
+    # TorchDispatchMode's documented signature
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         bucket = self.launches if runs_kernel(func) else self.free
         bucket.setdefault(self._current(), Counter())[func.overloadpacket.__name__] += 1

@@ -89,12 +89,13 @@ class _OutputMark(torch.autograd.Function):
     """Identity; its backward (the first of the node's) starts the node's backward clock."""
 
     @staticmethod
+    # autograd.Function's own arguments
     def forward(ctx, clock: _Clock, has_inputs: bool, *tensors):  # type: ignore[override]
         ctx.clock, ctx.has_inputs = clock, has_inputs
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):  # type: ignore[override]  # autograd.Function's own arguments
         ctx.clock.begin()
         if not ctx.has_inputs:  # nothing flows on to the inputs: wait here
             ctx.clock.wait()
@@ -105,12 +106,13 @@ class _InputMark(torch.autograd.Function):
     """Identity; its backward (the node's last) waits out the node's backward time."""
 
     @staticmethod
+    # autograd.Function's own arguments
     def forward(ctx, clock: _Clock, *tensors):  # type: ignore[override]
         ctx.clock = clock
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):  # type: ignore[override]  # autograd.Function's own arguments
         ctx.clock.wait()
         return (None, *grads)
 

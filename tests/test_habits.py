@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LINTED = ["megapipe", "tests", "benchmarks", "scripts"]
-# an ignore names its code(s) and, after a second ``#``, why the checker is wrong there
+# an ignore names its code(s) and, after a second ``#`` or in a comment line just above it, why
+# the checker is wrong there
 IGNORE = re.compile(r"#\s*type:\s*ignore(?P<codes>\[[a-z0-9_,\s-]+\])?(?P<rest>.*)$")
 
 
@@ -46,9 +47,15 @@ def test_mypy_finds_nothing_in_the_library():
 
 def _ignores_without_reason(text: str) -> list[str]:
     found = []
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         match = IGNORE.search(line)
-        if match and not (match["codes"] and re.match(r"\s*#\s*\S", match["rest"])):
+        if not match:
+            continue
+        above = lines[number - 2].strip() if number > 1 else ""
+        reason = re.match(r"\s*#\s*\S", match["rest"]) or (above.startswith("#")
+                                                            and "type: ignore" not in above)
+        if not (match["codes"] and reason):
             found.append(f"{number}: {line.strip()}")
     return found
 
@@ -65,3 +72,7 @@ def test_an_ignore_without_reason_or_code_is_found():
         "1: x = f()  # type: ignore[arg-type]"]
     assert _ignores_without_reason("x = f()  # type: ignore  # torch's stub is wrong\n") != []
     assert _ignores_without_reason("x = f()  # type: ignore[arg-type]  # torch's stub\n") == []
+    above = "# torch's stub is wrong\nx = f()  # type: ignore[arg-type]\n"
+    assert _ignores_without_reason(above) == []
+    assert _ignores_without_reason("y = 1\nx = f()  # type: ignore[arg-type]\n") == [
+        "2: x = f()  # type: ignore[arg-type]"]

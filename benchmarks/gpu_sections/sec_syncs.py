@@ -106,10 +106,12 @@ def _timed_reads() -> Iterator[list[float]]:
         finally:
             waits.append((time.perf_counter() - start) * 1e3)
 
+    # replaced for the run to count host reads
     HostCounts.wait = wait  # type: ignore[method-assign]
     try:
         yield waits
     finally:
+        # replaced for the run to count host reads
         HostCounts.wait = original  # type: ignore[method-assign]
 
 

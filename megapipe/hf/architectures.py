@@ -80,6 +80,7 @@ def _value(hf: Mapping[str, Any], key: str) -> str:
 def architecture_of(hf: Mapping[str, Any]) -> Architecture:
     """The ``Architecture`` of a ``config.json``; a ValueError for one megapipe does not read."""
     known = ", ".join(f"{a.model_type} ({a.name})" for a in ARCHITECTURES.values())
+    # None (no model_type) finds nothing: refused below
     arch = ARCHITECTURES.get(hf.get("model_type"))  # type: ignore[arg-type]
     if arch is None:
         shown = json.dumps(hf.get("model_type"))

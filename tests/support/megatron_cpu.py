@@ -255,6 +255,7 @@ def apply_optimizer_patches() -> None:
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
 
+    # Megatron's CPU stand-in patches it
     torch.Tensor.type = _megatron_type  # type: ignore[method-assign]
     clip_grads.torch = _CpuTensorTorch()
     clip_grads.l2_norm_impl = _cpu_l2_norm

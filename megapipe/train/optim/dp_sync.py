@@ -172,6 +172,7 @@ class DataParallelSync:
         """Post-accumulate hook: move autograd's gradient into ``main_grad``; count it."""
         if param.grad is None:
             return  # a deferred weight gradient arrives later, outside autograd
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
         key = id(param)

@@ -136,6 +136,7 @@ class FlatBuffer:
                 self.bucket_of[id(self.params[index])] = bucket.index
         with torch.no_grad():
             for param, start in zip(self.params, starts):
+                # main_grad: Megatron's fp32 gradient attribute on a Parameter
                 param.main_grad = self.view(self.grad, param, start)  # type: ignore[attr-defined]
                 if self.data is not None:
                     view = self.view(self.data, param, start)

@@ -188,10 +188,15 @@ class _Attempt:
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     source: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
+    def built(self) -> tuple[Schedule, Timeline]:
+        """The combined schedule and its timeline, as the latest ``_rebuild`` built them."""
+        assert self.combined is not None and self.timed is not None, "not built yet"
+        return self.combined, self.timed
+
     def original_sequence(self) -> np.ndarray | None:
         """The rows of the original in the sequence the latest timing took them (each pair's
         backward, then its forward), if that timing kept its sequence (``retime.time_actions``)."""
-        found = SWEEP_SEQUENCE.of(self.combined)
+        found = SWEEP_SEQUENCE.of(self.built()[0])
         if found is None:
             return None
         taken = found.sequence
@@ -214,7 +219,7 @@ def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
     if attempt.timed is None or not len(split):
         timed = timeline(combined)
     else:
-        before = attempt.combined.table
+        before = attempt.built()[0].table
         first = np.full(before.pp, np.iinfo(np.int64).max)
         at = np.flatnonzero(np.isin(attempt.rows, split))
         np.minimum.at(first, before.rank[at], before.local_index[at])
@@ -231,7 +236,8 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     none could, every stuck pair. A late one loses, on each rank, the latest pair on the
     critical path.
     """
-    timed, table = attempt.timed, attempt.combined.table
+    combined, timed = attempt.built()
+    table = combined.table
     if timed.stuck:
         stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in timed.stuck.items()}
         stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
@@ -241,7 +247,7 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     if timed.makespan <= target:
         return None
     latest: dict[int, int] = {}
-    for r, i in critical_path(attempt.combined, timed):
+    for r, i in critical_path(combined, timed):
         pair = int(attempt.rows[table.offsets[r] + i])
         if pair >= 0:
             latest[r] = pair
@@ -254,7 +260,7 @@ def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
     if attempt.timed is None:
         _rebuild(schedule, attempt, np.zeros(0, np.int64))
     while True:
-        if attempt.timed.stuck and max(attempt.pairing.extra) > 1:
+        if attempt.built()[1].stuck and max(attempt.pairing.extra) > 1:
             return False  # splits would not lead back to the original order
         split = _splits(schedule, attempt, target)
         if split is None:
@@ -295,16 +301,17 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         attempt = first if pairing is pairings[0] else _new_attempt(table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if attempt.timed.makespan <= target:
-            return _finish(schedule, attempt.combined)
+        combined, timed = attempt.built()
+        if timed.makespan <= target:
+            return _finish(schedule, combined)
         settled.append(attempt)
     # None ends in time as paired: refine the fastest first (most pairs on a tie). Splitting
     # every pair of an ``e_r = 1`` pairing gives back the original order, so the refinement
     # always ends in time, in the worst case with no pair left (pairing cannot help then).
-    settled.sort(key=lambda a: (a.timed.makespan, -a.paired))
+    settled.sort(key=lambda a: (a.built()[1].makespan, -a.paired))
     for attempt in settled:
         if _settle(schedule, attempt, target) and attempt.paired:
-            return _finish(schedule, attempt.combined)
+            return _finish(schedule, attempt.built()[0])
     return _finish(schedule, schedule)
 
 

@@ -89,7 +89,7 @@ class NodeCosts:
         k = self.a2a_waves
         moe = MOE_ROLES if k == 1 else ("attn",) + WAVE_ROLES * k + ("finish",)
         kind = self.stage_class(stage)
-        layers = [("embedding",)] if kind & 1 else []
+        layers: list[tuple[str, ...]] = [("embedding",)] if kind & 1 else []
         layers += [moe] * self.moe_layers
         return layers + ([("head",)] if kind & 2 else [])
 

@@ -100,7 +100,7 @@ def build_job(config: JobConfig, start_from: str | None = None,
     groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
                            timeout=timeout)
     schedule = config.schedule.build()
-    stages = {
+    stages: dict[int, nn.Module] = {
         s: build_stage(model, schedule.model_part(s), schedule.stages_per_pipeline,
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)

@@ -184,7 +184,8 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
                 result.add_evaluation(iteration, validation.loss, validation.bits_per_byte)
                 logger.evaluation(iteration, validation.loss, validation.bits_per_byte)
             result.exit_reason = exits.reason(iteration)
-            due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
+            interval = checkpoint.save_interval
+            due = interval is not None and interval != 0 and iteration % interval == 0
             final = iteration == iters or result.exit_reason is not None
             if checkpoint.save and (due or final):
                 result.add_saved(save(job, iteration))

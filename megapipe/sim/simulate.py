@@ -180,7 +180,7 @@ def _timeline(work: Schedule, timed: ActionTimes, costs: Costs) -> tuple[TimedAc
         action = work.row(rank)[row - int(table.offsets[rank])]
         start, end = float(timed.start[row]), float(timed.end[row])
         segments = time_action(action, start, costs)
-        halves = ()
+        halves: tuple[TimedAction, ...] = ()
         if action.kind is action.kind.OVERLAP:
             halves = tuple(_half(rank, h, segments) for h in action.computations())
         out.append(TimedAction(rank, action, start, end, halves, segments))

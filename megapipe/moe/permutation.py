@@ -14,9 +14,9 @@ indices (deterministic too).
   back, so the all-to-all split sizes need no host read either. A padding row has
   ``row_choice = -1``: permute writes zeros there and unpermute ignores it.
 
-The routing rows are one operator, ``megapipe::routing_rows`` (``megapipe.kernels``): on CUDA one Triton
-kernel (a stable counting sort, one program per expert); on CPU the sort and scatters of its
-reference (``kernels/reference_fused.py``).
+The routing rows are one operator, ``megapipe::routing_rows`` (``megapipe.kernels``): on CUDA one
+Triton kernel (a stable counting sort, one program per expert); on CPU the sort and scatters of
+its reference (``kernels/reference_fused.py``).
 """
 
 from __future__ import annotations

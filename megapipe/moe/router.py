@@ -163,8 +163,8 @@ class Router(nn.Module):
         """Route ``tokens [t, h]``: the probs and choices of ``reference``, given rows by
         ``sort_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
         ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
-        expert's label for the routing rows (an expert-group order, ``megapipe.moe.waves``; None: the
-        expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
+        expert's label for the routing rows (an expert-group order, ``megapipe.moe.waves``; None:
+        the expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
         gradients times ``loss_scale``."""
         balance_grad, z_grad = (c * loss_scale for c in coefficients)
         dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]

@@ -49,8 +49,10 @@ def test_the_reworked_kernels_compile_for_sm90_without_spills_and_fill_an_h100()
     *routers, rows_launch, norm = (row.launch for row in rows)
     kernels = ["_router_kernel", "_router_backward_kernel"] * 2
     assert [launch.kernel for launch in routers] == kernels
-    # the routing rows: experts x parts programs; the norm: dweight column programs, then one per row
-    assert rows_launch.kernel == "_rows_kernel" and rows_launch.grid[0] * rows_launch.grid[1] >= H100_SMS
+    # the routing rows: experts x parts programs; the norm: dweight column programs, then one
+    # per row
+    grid = rows_launch.grid
+    assert rows_launch.kernel == "_rows_kernel" and grid[0] * grid[1] >= H100_SMS
     assert norm.grid[0] - tokens == 1024 // TN.dweight_columns(1024) >= H100_SMS
     assert TR.rows_parts(tokens * 2, 8) == (32, 256)
 

@@ -117,7 +117,7 @@ def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     found = candidates(lowered)
     if found and _holds(lowered, found):
         return found, EACH
-    single = {key: sends for key, sends in found.items() if len(sends) == 1}
+    single: EarlySends = {key: sends for key, sends in found.items() if len(sends) == 1}
     if single and _holds(lowered, single):
         return single, SINGLE
     return {}, WHOLE

@@ -41,14 +41,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import run_ranks
-
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.train.checkpoint.state import ensure_optimizer_state
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
 from megapipe.train.optim.adamw import optimizer_state_bytes
 from megapipe.train.step import train_step
+from spawn_ranks import run_ranks
 
 WORLD = 4
 MODEL = ["--hidden-size", "192", "--ffn-hidden-size", "384", "--moe-ffn-hidden-size", "192",

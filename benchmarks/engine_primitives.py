@@ -94,11 +94,6 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     stage = build_stage(config, 1, 3)  # a middle stage: two MoE layers, no embedding or head
     plans = stage.layer_plans()
     nodes = 0
-    kept = {}  # an engine that keeps its steps' orders gets them kept, as its executor does
-    if "orders" in inspect.signature(combined.CombinedStep).parameters:
-        from megapipe.schedule.kept_orders import PairOrders
-
-        kept = {"orders": PairOrders()}
     with patches:
         for r in range(rounds + 1):
             x_b = torch.randn(2, 8, 16, requires_grad=True)
@@ -107,7 +102,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
             if r == 1:  # the first round plans and makes the pools: not counted
                 counts.clear()
             step = combined.CombinedStep(streams, combined.BackwardHalf(
-                tape, (torch.ones_like(out),), wgrad=WeightGradQueue()), **kept)
+                tape, (torch.ones_like(out),), wgrad=WeightGradQueue()))
             values = (x_f,)
             for plan in plans:
                 values = step.run_layer(plan, values)

@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     lines, worst = run_ranks(_worker, PP, settings)
     print(
         f"gloo, CPU, {PP} processes, {settings.microbatches} microbatches of {settings.micro_batch}"
-        f"x{settings.seq} tokens, hidden {settings.hidden}, {settings.layers} layers (MoE, 4 experts)"
+        f"x{settings.seq} tokens, hidden {settings.hidden}, {settings.layers} layers"
+        " (MoE, 4 experts)"
     )
     for line in lines:
         print(line)

@@ -199,10 +199,6 @@ def _engine(rounds: int) -> int:
     from megapipe.overlap.plan import Node, NodeKind, run_nodes
     from megapipe.overlap.streams import InlineStream, Streams
 
-    try:  # an engine that kept its steps' orders (before pairing/): its executor kept them
-        from megapipe.schedule.kept_orders import PairOrders
-    except ImportError:
-        PairOrders = None
     try:  # plans built once with their graphs, as the reference GPT's are
         from megapipe.overlap.plan import Plan
     except ImportError:
@@ -215,7 +211,6 @@ def _engine(rounds: int) -> int:
                    for i, k in enumerate(kinds)]) for _ in range(4)]
     nodes = 2 * 4 * len(kinds)
     streams = Streams(InlineStream("compute"), InlineStream("comm"))
-    reuse = {"orders": PairOrders()} if PairOrders is not None else {}
 
     def leaf() -> torch.Tensor:
         return torch.randn(4, 8, requires_grad=True)
@@ -244,7 +239,7 @@ def _engine(rounds: int) -> int:
         _, tape = record_forward(plans, (leaf(),))
         x, grads = leaf(), [torch.ones(4, 8)]
         start = time.thread_time()
-        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True, **reuse)
+        combined_step(plans, (x,), tape, grads, streams, delay_wgrad_compute=True)
         return time.thread_time() - start
 
     runs = {"autograd": autograd, "plain": plain, "combined": combined}

@@ -16,8 +16,8 @@ kernels an architecture (minutes); Triton's cache makes a second quick.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -60,21 +60,20 @@ def router_launches(tokens: int, experts: int, top_k: int, sigmoid: bool,
                                        renormalize)]
 
 
-def plan_launches(tokens: int, experts: int, top_k: int) -> list[Callable[[], object]]:
-    """The routing plan, dropless and with a capacity."""
+def rows_launches(tokens: int, experts: int, top_k: int) -> list[Callable[[], object]]:
+    """The routing rows, dropless and with a capacity."""
     from megapipe.kernels import triton_router as TR
 
     indices = _empty(tokens, top_k, dtype=torch.int64)
     capacity = tokens * top_k // experts
-    return [lambda: TR.routing_plan(indices, experts, -1),
-            lambda: TR.routing_plan(indices, experts, capacity)]
+    return [lambda: TR.routing_rows(indices, experts, -1),
+            lambda: TR.routing_rows(indices, experts, capacity)]
 
 
 def hidden_launches(tokens: int, hidden: int, top_k: int) -> list[Callable[[], object]]:
     """RMSNorm forward and backward, SwiGLU forward and backward (4 x hidden wide), the
     permute and its two sums, at one hidden size."""
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_permute as TP
+    from megapipe.kernels import triton_norm as TN, triton_permute as TP
 
     x, w = _empty(tokens, hidden), _empty(hidden)
     rstd = _empty(tokens, dtype=torch.float32)
@@ -110,7 +109,7 @@ def cases(tokens: int = TOKENS, hidden: tuple[int, ...] = HIDDEN,
                 out += [(label, call)
                         for call in router_launches(tokens, e, k, sigmoid, renormalize)]
         out += [(f"t={tokens} E={e} k={max(top_k)}", call)
-                for call in plan_launches(tokens, e, max(top_k))]
+                for call in rows_launches(tokens, e, max(top_k))]
     return out
 
 

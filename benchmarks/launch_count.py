@@ -37,8 +37,9 @@ runs (the plain tape or the combined step).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,6 +116,7 @@ class LaunchCounter(TorchDispatchMode):
             return self._node_labels.get(node, f"{ENGINE} B")
         return self._label
 
+    # TorchDispatchMode's documented signature
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         bucket = self.launches if runs_kernel(func) else self.free
         bucket.setdefault(self._current(), Counter())[func.overloadpacket.__name__] += 1

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import run_ranks
-
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
+from spawn_ranks import run_ranks
 
 WORLD = 4
 GC_INTERVAL = 100

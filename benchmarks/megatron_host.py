@@ -144,11 +144,10 @@ def _one_thread_streams(device: Any = "cpu") -> Any:
 
 
 def _rank(rank: int, rounds: int, out: str) -> None:
+    import importlib
     import warnings
 
     import torch.distributed as dist
-
-    import importlib
 
     from megapipe import get_forward_backward_func
     from megapipe.parallel import ParallelConfig, create_groups, init_distributed
@@ -196,10 +195,9 @@ def _rank(rank: int, rounds: int, out: str) -> None:
 def run(rounds: int) -> int:
     """Start the two ranks, print the table and the ratio (module docstring)."""
     import tempfile
+    import warnings
 
     from megapipe.parallel.launch import start_local_ranks
-
-    import warnings
 
     try:
         with warnings.catch_warnings():  # Megatron's notes on Apex and TransformerEngine

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import run_ranks
-
 from megapipe.schedule.overlap_pass.in_flight import peak_in_flight
 from megapipe.schedule.registry import SCHEDULES
 from megapipe.sim.budget_sweep import budget_sweep
@@ -39,6 +37,7 @@ from megapipe.sim.costs import Costs
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.job import build_job
 from megapipe.train.step import to_device
+from spawn_ranks import run_ranks
 
 WORLD = 4
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b")

@@ -20,7 +20,8 @@ of all its all-to-alls one after another. Were a plain step nothing but compute 
 4 ranks on 2 cores could not gain more than 1.5 whatever the link: a rank computing for a share
 c of the plain step keeps 4c / 2 cores busy, and overlap still needs max(4c / 2, 1 - c) of the
 plain step, at least 1 / 1.5 of it (at c = 1/3); the measured ceiling also credits overlap with
-removing every idle wait of the plain run, so it can come out a little higher. ``--pp 1`` runs the same model without pipelining on 2 ranks (a core
+removing every idle wait of the plain run, so it can come out a little higher. ``--pp 1`` runs the
+same model without pipelining on 2 ranks (a core
 each, no DualPipeV). The last line is ``speedup: X.XX`` for interleaved-1f1b (``1f1b`` with
 ``--pp 1``).
 

@@ -121,7 +121,6 @@ class _ReplayRuns:
     def __init__(self, s: ReplaySettings, groups, name: str, waves: int) -> None:
         from megapipe import PipelineExecutor, TensorSpec
         from megapipe.models.gpt import gpt_loss
-
         from replay_stage import ReplayStage
 
         self.s, self.groups = s, groups
@@ -228,7 +227,6 @@ def _pair(s: ReplaySettings, groups) -> dict:
     from megapipe.overlap import make_streams
     from megapipe.overlap.combined import combined_step
     from megapipe.overlap.sequential import record_forward, run_backward
-
     from replay_stage import ReplayStage
 
     config = _config(s, 3)

@@ -18,14 +18,14 @@ the figures with ``h = 0`` are printed beside.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import overlap_replay as replay
 
 CALIBRATION_MS = 3.0  # every node's time in the calibration profile, before --time-scale
 
 
-def uniform_profile(s: "replay.ReplaySettings"):
+def uniform_profile(s: replay.ReplaySettings):
     """Every F, B and W time ``CALIBRATION_MS`` (times the time scale)."""
     from megapipe.sim.profile import COMM_KEYS, COMPUTE_KEYS, NodeProfile
 
@@ -49,7 +49,7 @@ def solve_host_cost(simulated: Callable[[float], float], measured: float,
     return (low + high) / 2
 
 
-def calibrate(s: "replay.ReplaySettings", groups, name: str, chunks: int) -> dict:
+def calibrate(s: replay.ReplaySettings, groups, name: str, chunks: int) -> dict:
     """Replay ``name`` on the uniform profile (one round, every rank); return this rank's
     ``{"plain": h, "combined": h, "measured": the calibration steps}``, h in ms per node."""
     profile = uniform_profile(s)

@@ -16,19 +16,18 @@ gloo all-to-alls and p2p) is the real engine.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import ctypes
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from megapipe.models.gpt import GPTStage
 from megapipe.overlap.plan import Fork, LayerState, Node, Plan, WavePlan
 from megapipe.sim.profile import NodeProfile, role_of
-
 
 PR_SET_TIMERSLACK = 29  # linux/prctl.h
 TIMER_SLACK_NS = 1  # the smallest slack (0 would restore the default, 50 us)
@@ -90,12 +89,13 @@ class _OutputMark(torch.autograd.Function):
     """Identity; its backward (the first of the node's) starts the node's backward clock."""
 
     @staticmethod
+    # autograd.Function's own arguments
     def forward(ctx, clock: _Clock, has_inputs: bool, *tensors):  # type: ignore[override]
         ctx.clock, ctx.has_inputs = clock, has_inputs
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):  # type: ignore[override]  # autograd.Function's own arguments
         ctx.clock.begin()
         if not ctx.has_inputs:  # nothing flows on to the inputs: wait here
             ctx.clock.wait()
@@ -106,12 +106,13 @@ class _InputMark(torch.autograd.Function):
     """Identity; its backward (the node's last) waits out the node's backward time."""
 
     @staticmethod
+    # autograd.Function's own arguments
     def forward(ctx, clock: _Clock, *tensors):  # type: ignore[override]
         ctx.clock = clock
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):  # type: ignore[override]  # autograd.Function's own arguments
         ctx.clock.wait()
         return (None, *grads)
 

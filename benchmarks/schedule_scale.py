@@ -34,7 +34,8 @@ import argparse
 import gc
 import time
 
-from megapipe.schedule import build_schedule, loops, lower, validate
+from megapipe.schedule import build_schedule, lower, validate
+from megapipe.schedule.timing import loops
 from megapipe.sim import Costs, simulate
 
 # (pp, vpp, microbatches): interleaved-1f1b holds 2 pp vpp M actions.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import queue
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -28,6 +29,6 @@ def run_ranks(worker: Callable[..., None], world: int, settings: Any) -> Any:
             failed = ranks.failure()
             if failed is not None:
                 ranks.terminate()
-                raise SystemExit(f"{failed} before rank 0 reported")
+                raise SystemExit(f"{failed} before rank 0 reported") from None
     ranks.join()
     return report

@@ -6,7 +6,8 @@ peak in flight plain and combined and the makespan at each in-flight budget; wit
 ``--dp-reduce T`` the data-parallel reduction after the step and overlapped), and optionally
 writes it as CSV (torch's format), a PNG timeline and a Chrome trace. ``megapipe schedule --pick
 --pp P -m M --activation-bytes B --memory-budget BYTES`` instead prints the fastest schedule,
-vpp, in-flight budget and recompute choice whose activations fit (``sim/pick.py``). Bad arguments end with a one-line error and exit code 2.
+vpp, in-flight budget and recompute choice whose activations fit (``sim/pick.py``). Bad arguments
+end with a one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing the usage block, so errors stay one line."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise _UsageError(message)
 
 
@@ -210,7 +211,8 @@ def _add_trace_command(subparsers) -> None:
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
-    """``megapipe trace summarize FILE``: print the trace's figures (``train.observe.trace_summary``)."""
+    """``megapipe trace summarize FILE``: print the trace's figures
+    (``train.observe.trace_summary``)."""
     from .train.observe.trace_summary import summarize_file
 
     print(summarize_file(args.file))

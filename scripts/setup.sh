@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install megapipe with its test extras (and the pinned megatron-core).
+# Create .venv and install megapipe with its test extras (pytest; ruff and mypy, pinned: the
+# tests run them) and the pinned megatron-core.
 # TORCH_SPEC pins torch (default: the CPU build torch==2.13.0). For a CUDA build, e.g.:
 #   TORCH_SPEC="torch==2.13.0" PIP_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh
 # or TORCH_SPEC=skip to keep a torch that is already in the environment.

@@ -16,9 +16,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -154,12 +154,12 @@ def _hf_weights(model, path: Path) -> None:
     from safetensors.torch import save_file
 
     from megapipe.hf.architectures import export_architecture
-    from megapipe.hf.tensors import tensor_plan
+    from megapipe.hf.tensors import tensor_sources
     from megapipe.models.split import build_stage
 
     state = build_stage(model, 0, 1).state_dict()
     tensors = {}
-    for item in tensor_plan(model, export_architecture(model)):
+    for item in tensor_sources(model, export_architecture(model)):
         name, _, expert = item.source.removeprefix("model/").partition("/expert")
         tensors[item.name] = item.make(state[name][int(expert)] if expert else state[name])
     save_file(tensors, str(path))

@@ -1,10 +1,9 @@
-"""One word, one meaning: the uses retired by issue 32 stay out of the code and the docs.
+"""One word, one meaning: the retired uses stay out of the code, tests, scripts and docs.
 
 docs/architecture.md's glossary ("Words, one meaning each") says what each word means; each
 entry here is a retired use (a pattern), where the word now lives, and an example the pattern
-must catch. ``megapipe/``, ``docs/`` (not the lead's ``status.md``) and the README are scanned;
-a line holding one of an entry's ``allowed`` markers (the refusal of an old flag name, say)
-may keep it.
+must catch. ``_scanned`` says what is read; a line holding one of an entry's ``allowed``
+markers (the refusal of an old flag name, say) may keep it.
 """
 
 import re
@@ -39,7 +38,7 @@ RETIRED = [
      "all-to-alls in waves", "with chunked all-to-alls", ()),
     # layout: the parallel layout only
     (r"\b(DispatchLayout|GroupLayout|RankLayout|rank_layout|_Layout|early_layout|plan_layout)\b",
-     "DispatchSplits, WaveSplits, RankGrid, rank_grid, early_posting, plan_buckets",
+     "DispatchSplits, WaveSplits, RankGrid, rank_grid, early_posting, assign_buckets",
      "a DispatchLayout", ()),
     (r"\blayout=\"(bsh|sbh)\"", "axes=", 'layout="sbh"', ()),
     # order: unqualified, the pair order
@@ -53,12 +52,36 @@ RETIRED = [
     # combine: the MoE combine all-to-all; the pass that makes OVERLAP actions is the overlap pass
     (r"schedule[./]combine\b|\bcombine_pass\b|\bcombine pass\b", "schedule/overlap_pass/",
      "the combine pass", ()),
+    # step: never a turn of a schedule's steady state, nor an action
+    (r"\bpairs? per step\b|\bsteps ago\b|\bevery step of a schedule\b|\bin one step, and\b",
+     "a turn (pairs per turn), an action", "two pairs per step", ()),
+    # plan: a layer's node plan; the kernels' row indices, the export's list, the gradient buckets
+    (r"\b(routing_plan\w*|tensor_plan|plan_buckets|PLAN_(BLOCK|GRAIN|PROGRAMS)|pair planner)\b|"
+     r"\b[Rr]outing plans?\b", "routing_rows, tensor_sources, assign_buckets, the pair order",
+     "routing_plan_op(indices)", ()),
+    # the design notes live in the repository: docs/architecture.md, docs/combined-step.md
+    (r"\bDESIGN\.md\b", "docs/architecture.md (the glossary), docs/combined-step.md",
+     "(DESIGN.md, \"Combined step\")", ()),
 ]
 
 
 def _scanned() -> list[Path]:
-    files = sorted((REPO / "megapipe").rglob("*.py")) + [REPO / "README.md"]
-    return files + [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "status.md"]
+    """The code, the tests, the benchmarks, the scripts, the examples, the project file, the
+    README and the docs (not the lead's ``status.md``); never this file, which names the
+    retired uses to keep them out."""
+    code = [p for folder in ("megapipe", "tests", "benchmarks", "scripts", "examples")
+            for suffix in ("*.py", "*.sh", "*.md") for p in sorted((REPO / folder).rglob(suffix))]
+    docs = [p for p in sorted((REPO / "docs").glob("*.md")) if p.name != "status.md"]
+    files = code + [REPO / "pyproject.toml", REPO / "README.md"] + docs
+    return [p for p in files if p != Path(__file__).resolve()]
+
+
+def test_the_scan_covers_every_kind_of_file():
+    scanned = set(_scanned())
+    for path in ("megapipe/cli.py", "tests/conftest.py", "benchmarks/overlap.py",
+                 "scripts/setup.sh", "pyproject.toml", "README.md", "docs/architecture.md"):
+        assert REPO / path in scanned, path
+    assert Path(__file__).resolve() not in scanned
 
 
 @pytest.mark.parametrize("pattern,now,example,allowed", RETIRED, ids=lambda v: str(v)[:24])

@@ -12,8 +12,8 @@ them do. ``device_plan`` states each section's time on the device (what a dry ru
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)

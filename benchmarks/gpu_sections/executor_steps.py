@@ -15,6 +15,9 @@ import statistics
 
 import torch
 
+from gpu_sections import timeline
+from gpu_sections.gpu_timing import Timed, node_spans, time_ms
+from gpu_sections.link_model import make_link, set_link
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
@@ -22,10 +25,6 @@ from megapipe.overlap.main_grad import zero_grads
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.schedule import build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
-
-from gpu_sections import timeline
-from gpu_sections.gpu_timing import Timed, node_spans, time_ms
-from gpu_sections.link_model import make_link, set_link
 
 MICROBATCHES = 8
 GRAPHS = {"cuda_graph_impl": "local",

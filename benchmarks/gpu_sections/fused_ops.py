@@ -10,15 +10,16 @@ bandwidth is the share of HBM bandwidth the kernel reaches. ``OPERATORS`` lists 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from megapipe import kernels
 
 OPERATORS = ("permute", "sum_choices", "unpermute_backward", "rms_norm", "rms_norm_backward",
-             "swiglu", "swiglu_backward", "router", "router_backward", "routing_plan")
+             "swiglu", "swiglu_backward", "router", "router_backward", "routing_rows")
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def cases(shape: Shape, device: torch.device) -> list[Case]:
     t, h, e, k, f = shape.tokens, shape.hidden, shape.experts, shape.top_k, shape.ffn
     logits = randn(t, e, dtype=torch.float32)
     probs, indices, _ = kernels.router_op(logits, k, False)
-    row_choice, choice_rows, counts = kernels.routing_plan_op(indices, e, -1)
+    row_choice, choice_rows, counts = kernels.routing_rows_op(indices, e, -1)
     tokens = randn(t, h)
     rows = kernels.permute_op(tokens, row_choice, k)
     weight = torch.ones(h, device=device, dtype=bf16)
@@ -92,6 +93,6 @@ def cases(shape: Shape, device: torch.device) -> list[Case]:
         _case(kernels.router_op, "router", logits, k, False),
         _case(kernels.router_backward_op, "router_backward", grad_probs, logits, counts, None, k,
               False, 1e-2, 1e-3),
-        _case(kernels.routing_plan_op, "routing_plan", indices, e, -1),
+        _case(kernels.routing_rows_op, "routing_rows", indices, e, -1),
     ]
 

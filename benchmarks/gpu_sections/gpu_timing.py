@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from megapipe.overlap.node_trace import NodeTrace
-
 from gpu_sections.timeline import Span
+from megapipe.overlap.node_trace import NodeTrace
 
 
 def synchronize(device: torch.device) -> None:

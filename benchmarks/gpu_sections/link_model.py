@@ -22,15 +22,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
+from gpu_sections.gpu_timing import median_ms
 from megapipe.moe.layer import MoELayer
 from megapipe.moe.link import EmulatedLink
-
-from gpu_sections.gpu_timing import median_ms
 
 LINK_KINDS = ("sleep", "copy")
 

@@ -28,6 +28,9 @@ from typing import Any
 
 import torch
 
+from gpu_sections.gpu_timing import Timed, node_spans, synchronize, time_ms
+from gpu_sections.link_model import set_link
+from gpu_sections.timeline import Span
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import TransformerLayer
 from megapipe.moe.link import EmulatedLink
@@ -38,10 +41,6 @@ from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.optim.mixed_precision import cast_to_bf16
-
-from gpu_sections.gpu_timing import Timed, node_spans, synchronize, time_ms
-from gpu_sections.link_model import set_link
-from gpu_sections.timeline import Span
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class Traced:
     comm_ms: float
 
     @classmethod
-    def of(cls, timed: Timed, trace: NodeTrace) -> "Traced":
+    def of(cls, timed: Timed, trace: NodeTrace) -> Traced:
         return cls(timed.device_ms, timed.host_ms, node_spans(trace),
                    trace.exposed_comm_fraction(), trace.total("compute") * 1e3,
                    trace.total("comm") * 1e3)

@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from gpu_sections.budget import Budget, device_plan
 from gpu_sections.registry import SectionSpec

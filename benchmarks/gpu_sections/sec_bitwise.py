@@ -21,13 +21,12 @@ import warnings
 
 import torch
 
-from megapipe.models.config import GPTConfig
-from megapipe.overlap.main_grad import accumulated_grad
-from megapipe.train.determinism import deterministic_kernels
-
 from gpu_sections.executor_steps import GRAPHS, MICROBATCHES, batch, describe, executor
 from gpu_sections.link_model import make_link, set_link
 from gpu_sections.sec_executor import DRY, REAL
+from megapipe.models.config import GPTConfig
+from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.train.determinism import deterministic_kernels
 
 WAYS = {"plain": {"overlap": False}, "combined": {"overlap": True},
         "combined, wgrad delayed": {"overlap": True, "delay_wgrad_compute": True},

@@ -18,9 +18,8 @@ The bitwise comparisons of the same executor runs are the ``bitwise`` section's.
 
 from __future__ import annotations
 
-from megapipe.models.config import GPTConfig
-
 from gpu_sections.executor_steps import describe, step_times
+from megapipe.models.config import GPTConfig
 
 REAL = (GPTConfig(hidden_size=1024, num_heads=16, num_layers=4, seq_length=1024,
                   ffn_hidden_size=4096, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=2048,

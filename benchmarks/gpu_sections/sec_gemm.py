@@ -11,16 +11,18 @@ result is checked against the loop's (bf16 rounding apart).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from megapipe.overlap.grouped_gemm import (
-    grouped_forward, grouped_input_grad, grouped_weight_grad, use_grouped_mm,
-)
-
 from gpu_sections.gpu_timing import median_ms
+from megapipe.overlap.grouped_gemm import (
+    grouped_forward,
+    grouped_input_grad,
+    grouped_weight_grad,
+    use_grouped_mm,
+)
 
 CALLS = 10  # calls per timed run: host time per call = the run's host time / CALLS
 GEMMS = ("forward", "input grad", "weight grad")
@@ -35,7 +37,8 @@ class GemmShape:
     top_k: int
 
     def describe(self) -> str:
-        return f"{self.tokens} tokens top-{self.top_k} -> {self.experts} experts, {self.hidden} x {self.ffn}"
+        return (f"{self.tokens} tokens top-{self.top_k} -> {self.experts} experts, "
+                f"{self.hidden} x {self.ffn}")
 
 
 REAL = (GemmShape(4096, 14336, 8, 4096, 2), GemmShape(7168, 2048, 32, 4096, 8),

@@ -1,6 +1,6 @@
 """kernels: every fused operator of ``megapipe.kernels`` (``fused_ops.py``: permute,
 sum_choices, unpermute_backward, rms_norm and its backward, swiglu and its backward, router and
-its backward, routing_plan) at one real shape, each with:
+its backward, routing_rows) at one real shape, each with:
 
 - **GPU ms** per call (median of CUDA-event timings) and **GB/s**, the bytes it must move at
   least (every tensor read and written once) over that time;
@@ -21,11 +21,10 @@ import time
 
 import torch
 
-from megapipe.kernels import HAS_TRITON
-
 from gpu_sections.fused_ops import DRY, OPERATORS, REAL, cases
 from gpu_sections.gpu_timing import median_ms, synchronize, time_ms
 from gpu_sections.measure import copy_gbs
+from megapipe.kernels import HAS_TRITON
 
 LAUNCHES = 200  # calls per host-time measurement
 PERMUTATION = ("permute", "sum_choices", "unpermute_backward")

@@ -22,18 +22,17 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
-
-from megapipe.moe.dispatcher import HostCounts
-from megapipe.overlap.streams import make_streams
-from megapipe.overlap.sequential import record_forward, run_backward
 
 from gpu_sections.gpu_timing import synchronize
 from gpu_sections.moe_bench import PairBench, Shape, build_layers
 from gpu_sections.sync_sites import capture_syncs
+from megapipe.moe.dispatcher import HostCounts
+from megapipe.overlap.sequential import record_forward, run_backward
+from megapipe.overlap.streams import make_streams
 
 REAL = Shape(hidden=2048, heads=16, experts=8, top_k=2, ffn=1408, tokens=4096)
 DRY = Shape(hidden=64, heads=4, experts=4, top_k=2, ffn=32, tokens=64, batch=2)
@@ -107,10 +106,12 @@ def _timed_reads() -> Iterator[list[float]]:
         finally:
             waits.append((time.perf_counter() - start) * 1e3)
 
+    # replaced for the run to count host reads
     HostCounts.wait = wait  # type: ignore[method-assign]
     try:
         yield waits
     finally:
+        # replaced for the run to count host reads
         HostCounts.wait = original  # type: ignore[method-assign]
 
 

@@ -15,9 +15,9 @@ import os
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
 

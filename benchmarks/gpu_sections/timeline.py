@@ -14,8 +14,8 @@ plain arithmetic on such intervals, so the figures the GPU check reports are uni
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 Interval = tuple[float, float]
 

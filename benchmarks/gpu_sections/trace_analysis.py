@@ -17,16 +17,16 @@ import bisect
 import gzip
 import json
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from megapipe.overlap.node_trace import NodeSpan, NodeTrace
-
 from gpu_sections.timeline import intersection_length, length
+from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 
 PREFIX = "megapipe:"
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -176,5 +176,6 @@ def separate_streams(runs: Sequence[KernelRun]) -> tuple[bool, str]:
         if run.node is not None and run.node.label.startswith("F"):
             used.setdefault(run.node.kind, set()).add(run.gpu_stream)
     shared = used["compute"] & used["comm"]
-    detail = f"forward compute nodes on streams {sorted(used['compute'])}, forward comm nodes on {sorted(used['comm'])}"
+    detail = (f"forward compute nodes on streams {sorted(used['compute'])}, "
+              f"forward comm nodes on {sorted(used['comm'])}")
     return bool(used["compute"]) and bool(used["comm"]) and not shared, detail

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 

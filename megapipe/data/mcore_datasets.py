@@ -27,7 +27,9 @@ def mcore_datasets(needed_by: str) -> SimpleNamespace:
             )
             from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
             from megatron.core.datasets.indexed_dataset import (
-                DType, IndexedDataset, IndexedDatasetBuilder,
+                DType,
+                IndexedDataset,
+                IndexedDatasetBuilder,
             )
     except ImportError as err:
         raise DataError(

@@ -18,10 +18,10 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 from megapipe.data.errors import DataError
 from megapipe.data.mcore_datasets import mcore_datasets

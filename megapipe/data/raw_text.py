@@ -14,9 +14,9 @@ rank) therefore reads the same microbatches, and the position is one integer (co
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from megapipe.data.errors import DataError
 

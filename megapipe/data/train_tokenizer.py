@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from megapipe.data.errors import DataError
 from megapipe.data.files import files_under

@@ -22,8 +22,9 @@ installed release (5.25), plus the older name where an older release reads anoth
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from megapipe.models.config import GPTConfig
 
@@ -79,6 +80,7 @@ def _value(hf: Mapping[str, Any], key: str) -> str:
 def architecture_of(hf: Mapping[str, Any]) -> Architecture:
     """The ``Architecture`` of a ``config.json``; a ValueError for one megapipe does not read."""
     known = ", ".join(f"{a.model_type} ({a.name})" for a in ARCHITECTURES.values())
+    # None (no model_type) finds nothing: refused below
     arch = ARCHITECTURES.get(hf.get("model_type"))  # type: ignore[arg-type]
     if arch is None:
         shown = json.dumps(hf.get("model_type"))
@@ -136,12 +138,12 @@ def _moe_pattern(hf: Mapping[str, Any], arch: Architecture, experts: int,
     """(first_k_dense_layers, moe_layer_freq) giving the config's MoE layers."""
     dense = set(hf.get("mlp_only_layers") or []) if arch.dense_layers else set()
     step = hf.get("decoder_sparse_step", 1) if arch.dense_layers else 1
-    moe = [l for l in range(num_layers) if experts > 0 and l not in dense and (l + 1) % step == 0]
+    moe = [i for i in range(num_layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
     if not moe:
         return num_layers, 1
     first, gaps = moe[0], {b - a for a, b in zip(moe, moe[1:])}
     freq = gaps.pop() if len(gaps) == 1 else (num_layers - first if not gaps else 0)
-    expected = [l for l in range(first, num_layers) if freq and (l - first) % freq == 0]
+    expected = [i for i in range(first, num_layers) if freq and (i - first) % freq == 0]
     if moe != expected:
         raise ValueError(f"config.json's MoE layers {moe} are not 'the first k dense, then every "
                          "n-th' (megapipe's first_k_dense_layers and moe_layer_freq)")
@@ -246,7 +248,7 @@ def hf_config(config: GPTConfig, dtype: Any, eos_token_id: int | None = None) ->
             num_experts=experts, head_dim=config.head_dim, attention_bias=False,
             intermediate_size=config.ffn_hidden_size,
             moe_intermediate_size=config.moe_ffn_hidden_size, decoder_sparse_step=1,
-            mlp_only_layers=[l for l in range(config.num_layers) if not config.is_moe_layer(l)],
+            mlp_only_layers=[i for i in range(config.num_layers) if not config.is_moe_layer(i)],
             norm_topk_prob=not config.moe_router_pre_softmax, use_sliding_window=False,
             sliding_window=None,
         )

@@ -11,8 +11,8 @@ file when it is needed, so a rank never holds the whole model)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -75,7 +75,7 @@ def _read(directory: Path, seq_length: int | None
 
 
 def _tensors(directory: Path, config: GPTConfig, arch: Architecture, files: list[Path]
-             ) -> "_LazyTensors":
+             ) -> _LazyTensors:
     """The files' tensors (headers read), checked to be the model's (``tensors.check_names``)."""
     try:
         tensors = _LazyTensors(files)

@@ -4,14 +4,14 @@ back.
 Every family stores one tensor per expert and projection, ``[out, in]``, under the names its
 transformers class has (Qwen3-MoE and OLMoE ``mlp.experts.{e}.gate_proj``, Mixtral
 ``block_sparse_moe.experts.{e}.w1``; today's transformers fuses them in memory but writes these).
-``tensor_plan`` lists each tensor with the checkpoint key it comes from and how (a row block of
+``tensor_sources`` lists each tensor with the checkpoint key it comes from and how (a row block of
 ``w_qkv``; megapipe's ``x @ w`` MLP weights transposed); ``state_from_hf`` reads them back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import torch
 
@@ -40,7 +40,7 @@ def _attention(config: GPTConfig, arch: Architecture, layer: int) -> list[HFTens
     heads, groups, d = config.num_heads, config.query_groups, config.head_dim
     ours, theirs = f"model/layers.{layer}", f"model.layers.{layer}.self_attn"
     qkv = f"{ours}.attention.w_qkv"
-    plan = [
+    sources = [
         HFTensor(f"{theirs}.q_proj.weight", qkv, rows=(0, heads * d)),
         HFTensor(f"{theirs}.k_proj.weight", qkv, rows=(heads * d, (heads + groups) * d)),
         HFTensor(f"{theirs}.v_proj.weight", qkv,
@@ -48,47 +48,48 @@ def _attention(config: GPTConfig, arch: Architecture, layer: int) -> list[HFTens
         HFTensor(f"{theirs}.o_proj.weight", f"{ours}.attention.w_out"),
     ]
     if arch.qk_norm is not None:
-        plan += [HFTensor(f"{theirs}.{n}_norm.weight", f"{ours}.attention.{n}_norm.weight")
+        sources += [HFTensor(f"{theirs}.{n}_norm.weight", f"{ours}.attention.{n}_norm.weight")
                  for n in ("q", "k")]
-    return plan
+    return sources
 
 
-def tensor_plan(config: GPTConfig, arch: Architecture) -> list[HFTensor]:
+def tensor_sources(config: GPTConfig, arch: Architecture) -> list[HFTensor]:
     """Every Hugging Face tensor of ``config``'s model as ``arch`` names it, in order."""
-    plan = [HFTensor("model.embed_tokens.weight", "model/embedding.tokens")]
+    sources = [HFTensor("model.embed_tokens.weight", "model/embedding.tokens")]
     gate, up, down = arch.expert_projections
     for layer in range(config.num_layers):
         ours, theirs = f"model/layers.{layer}", f"model.layers.{layer}"
-        plan.append(HFTensor(f"{theirs}.input_layernorm.weight", f"{ours}.attention_norm.weight"))
-        plan += _attention(config, arch, layer)
-        plan.append(HFTensor(f"{theirs}.post_attention_layernorm.weight",
+        sources.append(HFTensor(f"{theirs}.input_layernorm.weight",
+                                f"{ours}.attention_norm.weight"))
+        sources += _attention(config, arch, layer)
+        sources.append(HFTensor(f"{theirs}.post_attention_layernorm.weight",
                              f"{ours}.ffn_norm.weight"))
         if not config.is_moe_layer(layer):
-            plan += [HFTensor(f"{theirs}.mlp.{proj}_proj.weight", f"{ours}.mlp.w_{proj}",
+            sources += [HFTensor(f"{theirs}.mlp.{proj}_proj.weight", f"{ours}.mlp.w_{proj}",
                               transpose=True) for proj in ("gate", "up", "down")]
             continue
         block = f"{theirs}.{arch.moe_block}"
-        plan.append(HFTensor(f"{block}.gate.weight", f"{ours}.moe.router.weight"))
-        plan += [
+        sources.append(HFTensor(f"{block}.gate.weight", f"{ours}.moe.router.weight"))
+        sources += [
             HFTensor(f"{block}.experts.{e}.{name}.weight", f"{ours}.moe.experts.w_{proj}/expert{e}",
                      transpose=True)
             for e in range(config.num_experts)
             for name, proj in ((gate, "gate"), (up, "up"), (down, "down"))
         ]
-    plan.append(HFTensor("model.norm.weight", "model/head.norm.weight"))
+    sources.append(HFTensor("model.norm.weight", "model/head.norm.weight"))
     if config.untie_embeddings_and_output_weights:
-        plan.append(HFTensor("lm_head.weight", "model/head.weight"))
-    return plan
+        sources.append(HFTensor("lm_head.weight", "model/head.weight"))
+    return sources
 
 
 def check_names(config: GPTConfig, arch: Architecture, names: set[str]) -> None:
     """A ValueError naming the first tensor the model needs and ``names`` lacks, or the first
     it holds that the model does not have (e.g. a bias megapipe does not mirror)."""
-    plan = {item.name for item in tensor_plan(config, arch)}
-    missing = sorted(plan - names)
+    sources = {item.name for item in tensor_sources(config, arch)}
+    missing = sorted(sources - names)
     if missing:
         raise ValueError(f"the Hugging Face weights lack {missing[0]} ({len(missing)} missing)")
-    extra = sorted(n for n in names - plan if not n.endswith(IGNORED_SUFFIXES))
+    extra = sorted(n for n in names - sources if not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise ValueError(f"the Hugging Face weights hold {extra[0]}, which megapipe's "
                          f"{arch.name} model does not have ({len(extra)} such tensor(s))")
@@ -99,7 +100,7 @@ def state_from_hf(config: GPTConfig, arch: Architecture, tensors: Mapping[str, t
     """The single-process model's state dict (experts stacked) from Hugging Face tensors; with
     ``keep``, only the parameters whose names it keeps (their tensors alone are read)."""
     sources: dict[str, list[tuple[HFTensor, torch.Tensor]]] = {}
-    for item in tensor_plan(config, arch):
+    for item in tensor_sources(config, arch):
         if keep is not None and not keep(item.source.removeprefix("model/").split("/")[0]):
             continue
         t = tensors[item.name]

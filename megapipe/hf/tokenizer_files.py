@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 BYTE_LEVEL = "ByteTokenizer"  # megapipe's byte level tokenizer (--tokenizer-type ByteTokenizer)
 HUGGING_FACE = "HuggingFaceTokenizer"

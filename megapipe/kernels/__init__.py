@@ -4,7 +4,7 @@ autograd functions the model uses them through.
 The operators (``torch.ops.megapipe.<name>``, ``library.py``): ``permute``, ``sum_choices``,
 ``unpermute_backward`` (token permute/unpermute, ``reference.py``), ``rms_norm`` and
 ``rms_norm_backward``, ``swiglu`` and ``swiglu_backward``, ``router`` and ``router_backward``,
-``routing_plan`` (``reference_fused.py``). On CUDA with Triton each is exactly one kernel launch;
+``routing_rows`` (``reference_fused.py``). On CUDA with Triton each is exactly one kernel launch;
 on CPU each runs its plain-torch reference, so a CPU run issues the same operators as a GPU run
 (what ``benchmarks/launch_count.py`` counts). The router's autograd function lives with the
 router (``megapipe.moe.router``); the others are here.
@@ -12,7 +12,7 @@ router (``megapipe.moe.router``); the others are here.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,31 +47,31 @@ router_backward_op = define(
     "int top_k, bool sigmoid, float balance_grad, float z_grad, bool renormalize=False) "
     "-> Tensor",
     reference_fused.router_backward, ("triton_router", "router_backward"))
-routing_plan_op = define(
-    "routing_plan(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
-    reference_fused.routing_plan, ("triton_router", "routing_plan"))
+routing_rows_op = define(
+    "routing_rows(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
+    reference_fused.routing_rows, ("triton_router", "routing_rows"))
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, row_choice, choice_rows):  # type: ignore[override]
+    def forward(ctx, tokens, row_choice, choice_rows):
         ctx.save_for_backward(choice_rows)
         return permute_op(tokens, row_choice, choice_rows.shape[1])
 
     @staticmethod
-    def backward(ctx, grad_rows):  # type: ignore[override]
+    def backward(ctx, grad_rows):
         (choice_rows,) = ctx.saved_tensors
         return sum_choices_op(grad_rows, None, choice_rows), None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, probs, row_choice, choice_rows):  # type: ignore[override]
+    def forward(ctx, rows, probs, row_choice, choice_rows):
         ctx.save_for_backward(rows, probs, row_choice, choice_rows)
         return sum_choices_op(rows, probs, choice_rows)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         grad_rows, grad_probs = unpermute_backward_op(grad_out, *ctx.saved_tensors)
         return grad_rows, grad_probs, None, None
 
@@ -94,13 +94,13 @@ def unpermute_tokens(
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, pass_input):  # type: ignore[override]
+    def forward(ctx, x, weight, eps, pass_input):
         y, rstd = rms_norm_op(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return (y, x.view_as(x)) if pass_input else y
 
     @staticmethod
-    def backward(ctx, grad, *residual_grad):  # type: ignore[override]
+    def backward(ctx, grad, *residual_grad):
         x, weight, rstd = ctx.saved_tensors
         residual = residual_grad[0] if residual_grad else None
         if grad is None:  # only the passed-through input is used
@@ -125,13 +125,13 @@ def rms_norm_residual(
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, counts):  # type: ignore[override]
+    def forward(ctx, gate, up, counts):
         ctx.save_for_backward(gate, up)
         ctx.counts = counts
         return swiglu_op(gate, up, counts)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         d_gate, d_up = swiglu_backward_op(grad, gate, up, ctx.counts)
         return d_gate, d_up, None

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

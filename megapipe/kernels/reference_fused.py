@@ -1,5 +1,5 @@
 """Plain-torch definitions of the fused operators (``megapipe.kernels``): RMSNorm, the SwiGLU
-activation, the router's scores and top-k, and the routing plan.
+activation, the router's scores and top-k, and the routing rows.
 
 These are the CPU implementations of ``megapipe::<name>`` and the references the Triton kernels
 (``triton_norm``, ``triton_router``) are tested against. Forwards perform exactly the ops the
@@ -160,7 +160,7 @@ def router_backward(
     return d.to(logits.dtype)
 
 
-# --- routing plan ----------------------------------------------------------------------------
+# --- routing rows ----------------------------------------------------------------------------
 
 def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Choices per expert ``[E]`` (int64) from the expert ids sorted in increasing order."""
@@ -169,7 +169,7 @@ def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tenso
     return edges[1:] - edges[:-1]
 
 
-def routing_plan(
+def routing_rows(
     indices: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``row_choice [n]``, ``choice_rows [t, k]`` and ``counts [E]`` (choices per expert before

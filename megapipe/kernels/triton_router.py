@@ -1,5 +1,5 @@
 """Triton kernels for the router (scores, top-k and the auxiliary losses' statistics, forward and
-backward) and for the routing plan: one launch each, the definitions of ``reference_fused``.
+backward) and for the routing rows: one launch each, the definitions of ``reference_fused``.
 
 The router kernels run one program per ``STAT_BLOCK`` tokens (forward; the backward per tile),
 holding every expert of a tile of those tokens at once (experts padded to a power of two, at
@@ -11,8 +11,8 @@ expert first), the chosen weights divided by their sum (sigmoid always; softmax 
 balance scores and of logsumexp^2 as one row of ``partials``. The backward recomputes scores
 and top-k from the logits instead of saving them.
 
-The routing plan runs a grid of experts x parts of the choices (``plan_parts``: aiming at
-``PLAN_PROGRAMS`` programs). Program (e, p) counts, in one pass over every choice, those of
+The routing rows runs a grid of experts x parts of the choices (``rows_parts``: aiming at
+``ROWS_PROGRAMS`` programs). Program (e, p) counts, in one pass over every choice, those of
 lower experts and those of e before its part (its first row), then walks its part with a
 running count (a stable counting sort), so each choice and each row is written by exactly one
 program: deterministic, no atomics.
@@ -28,9 +28,9 @@ from . import reference_fused
 from .library import KERNEL_OPTIONS
 from .reference_fused import STAT_BLOCK
 
-PLAN_BLOCK = 1024  # choices a plan program reads at once
-PLAN_GRAIN = 256  # a part of the plan holds a multiple of this many choices
-PLAN_PROGRAMS = 264  # at least, when the choices allow: 2 per SM of an H100 (132 SMs)
+ROWS_BLOCK = 1024  # choices a rows program reads at once
+ROWS_GRAIN = 256  # a part of the choices holds a multiple of this many choices
+ROWS_PROGRAMS = 264  # at least, when the choices allow: 2 per SM of an H100 (132 SMs)
 TILE = 1024  # elements of a router tile: 8 a thread per [rows, experts] array at 4 warps
 
 
@@ -202,7 +202,7 @@ def router_backward(
 
 
 @triton.jit
-def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
+def _rows_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
                  BLOCK: tl.constexpr):
     """Program (e, p): the choices of expert e in part p (choices p*part .. p*part+part-1).
     One pass over every choice counts those of lower experts and those of e before the part
@@ -247,25 +247,25 @@ def _plan_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
                      mask=padding)
 
 
-def plan_parts(n: int, num_experts: int) -> tuple[int, int]:
-    """(parts, choices a part) of the routing plan's grid of experts x parts of the choices:
-    parts of ``PLAN_GRAIN`` choices or a multiple, enough of them for ``PLAN_PROGRAMS``
+def rows_parts(n: int, num_experts: int) -> tuple[int, int]:
+    """(parts, choices a part) of the routing rows's grid of experts x parts of the choices:
+    parts of ``ROWS_GRAIN`` choices or a multiple, enough of them for ``ROWS_PROGRAMS``
     programs in all when the choices allow."""
-    parts = max(1, min(triton.cdiv(PLAN_PROGRAMS, num_experts), triton.cdiv(n, PLAN_GRAIN)))
-    part = triton.cdiv(triton.cdiv(max(n, 1), parts), PLAN_GRAIN) * PLAN_GRAIN
+    parts = max(1, min(triton.cdiv(ROWS_PROGRAMS, num_experts), triton.cdiv(n, ROWS_GRAIN)))
+    part = triton.cdiv(triton.cdiv(max(n, 1), parts), ROWS_GRAIN) * ROWS_GRAIN
     return triton.cdiv(max(n, 1), part), part
 
 
-def routing_plan(
+def routing_rows(
     indices: torch.Tensor, num_experts: int, capacity: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reference_fused.routing_plan``: one launch."""
+    """``reference_fused.routing_rows``: one launch."""
     n = indices.numel()
     rows = n if capacity < 0 else num_experts * capacity
     row_choice = torch.empty(rows, dtype=torch.int64, device=indices.device)
     choice_rows = torch.empty(indices.shape, dtype=torch.int64, device=indices.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=indices.device)
-    parts, part = plan_parts(n, num_experts)
-    _plan_kernel[(num_experts, parts)](indices.contiguous(), row_choice, choice_rows, counts,
-                                       n, capacity, part, BLOCK=PLAN_BLOCK, **KERNEL_OPTIONS)
+    parts, part = rows_parts(n, num_experts)
+    _rows_kernel[(num_experts, parts)](indices.contiguous(), row_choice, choice_rows, counts,
+                                       n, capacity, part, BLOCK=ROWS_BLOCK, **KERNEL_OPTIONS)
     return row_choice, choice_rows, counts

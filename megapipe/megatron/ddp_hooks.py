@@ -38,7 +38,8 @@ hooks, which a replay does not run).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 

@@ -23,6 +23,7 @@ Full recompute wraps the layers Megatron would recompute (``mcore_recompute``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,14 +31,22 @@ from torch import nn
 
 from megapipe.megatron.mcore_config import check_config
 from megapipe.megatron.mcore_layers import (
-    ForwardCall, final_norm, is_moe_layer, layer_plan, mtp_plan,
+    ForwardCall,
+    final_norm,
+    is_moe_layer,
+    layer_plan,
+    mtp_plan,
 )
 from megapipe.megatron.mcore_recompute import (
-    recompute_layer, recompute_mtp, recomputed_layers,
+    recompute_layer,
+    recompute_mtp,
+    recomputed_layers,
 )
-from megapipe.megatron.mcore_release import release
+from megapipe.megatron.mcore_release import McoreRelease, release
 from megapipe.megatron.mcore_support import (
-    chain_of, check_groups, find_megatron_model,
+    chain_of,
+    check_groups,
+    find_megatron_model,
 )
 from megapipe.megatron.mcore_wgrad import check_driven, delayed_modules
 from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
@@ -57,7 +66,7 @@ class _PlainRunner:
     """Runs each layer plan with ordinary autograd (``run_nodes``): the chunk's forward outside
     megapipe's tape, for chunks whose weight gradients must be driven by the plans."""
 
-    def run_layer(self, nodes: list[Node], inputs: Tensors) -> Tensors:
+    def run_layer(self, nodes: Sequence[Node], inputs: Tensors) -> Tensors:
         return run_nodes(nodes, inputs)
 
 
@@ -69,6 +78,14 @@ class McoreGPTStage(nn.Module):
     ``set_aux_loss_scale(s)`` sets the scale of ``MoEAuxLossAutoScaler`` (and of
     ``MTPLossAutoScaler`` with MTP) to ``s``, as Megatron's schedules do (1 / num_microbatches).
     """
+
+    # set through __dict__ (not registered as submodules a second time); Megatron's modules are
+    # untyped, so the GPT model and its Float16Module wrapper are Any
+    release: McoreRelease
+    gpt: Any
+    _half: Any
+    needs_tape: bool
+    defers_weight_grads: bool
 
     def __init__(self, chunk: nn.Module) -> None:
         super().__init__()
@@ -101,7 +118,7 @@ class McoreGPTStage(nn.Module):
         )
         self.node_runner: NodeRunner | None = None
 
-    def _check_delayed_wgrad(self, gpt: nn.Module) -> None:
+    def _check_delayed_wgrad(self, gpt: Any) -> None:
         """Every deferred weight gradient sits in a module the plans drive; with any, the
         chunk always runs as node plans (Megatron's own forward would leave them undriven)."""
         self.__dict__["defers_weight_grads"] = bool(delayed_modules(gpt))
@@ -283,7 +300,7 @@ class McoreGPTStage(nn.Module):
         return [Node("head", NodeKind.COMPUTE, head)]
 
 
-def _float16_end(half: nn.Module, end: str) -> bool:
+def _float16_end(half: Any, end: str) -> bool:  # Megatron's Float16Module (untyped)
     """Whether ``Float16Module`` casts at this end ("first": its inputs, "last": its output):
     Megatron decides by its own pipeline and virtual-stage ranks."""
     from megatron.core import parallel_state

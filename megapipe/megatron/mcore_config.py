@@ -20,7 +20,8 @@ check that every field of every supported release is either classified or at its
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 MIRRORED = frozenset({
     # model shape and initialisation
@@ -152,7 +153,7 @@ OPTIONS_OF = {
         "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type")},
 }
 
-Rule = Callable[[Any], Optional[str]]
+Rule = Callable[[Any], str | None]
 
 
 def _recompute(c: Any) -> str | None:

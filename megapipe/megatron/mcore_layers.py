@@ -20,12 +20,12 @@ sequence parallelism the compute nodes run inside Megatron's model-parallel RNG 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 from megapipe.megatron.mcore_release import McoreRelease
 from megapipe.megatron.mcore_wgrad import after_backward
@@ -40,15 +40,15 @@ class ForwardCall:
     flows through them), and what ``_preprocess`` derived from them."""
 
     release: McoreRelease
-    input_ids: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    attention_mask: Optional[torch.Tensor]
-    decoder_input: Optional[torch.Tensor] = None
-    labels: Optional[torch.Tensor] = None
+    input_ids: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    decoder_input: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
     packed_seq_params: Any = None
-    runtime_gather_output: Optional[bool] = None
-    loss_mask: Optional[torch.Tensor] = None
-    padding_mask: Optional[torch.Tensor] = None
+    runtime_gather_output: bool | None = None
+    loss_mask: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
     output_processor: Any = None
     output_processor_context: Any = None
     rotary_pos_emb: Any = None
@@ -59,7 +59,7 @@ class ForwardCall:
     mtp_ids: tuple[Any, Any, Any] | None = None
     delay_wgrad: bool = False
 
-    def preprocess(self, gpt: nn.Module) -> torch.Tensor | None:
+    def preprocess(self, gpt: Any) -> torch.Tensor | None:
         """Run ``GPTModel._preprocess``; keep what it derives, return the decoder input."""
         (decoder_input, self.rotary_pos_emb, self.rotary_pos_cos, self.rotary_pos_sin,
          self.sequence_len_offset, self.padding_mask) = gpt._preprocess(
@@ -94,7 +94,7 @@ class McoreLayerState(LayerState):
     buffers_at_first_forward: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
-def rng_fork(config: Any) -> ContextManager:
+def rng_fork(config: Any) -> AbstractContextManager:
     """Megatron's model-parallel RNG fork under sequence parallelism (what its block and MTP
     layers run inside), where dropout draws from it; else nothing. (Without dropout nothing
     draws, and leaving the fork out keeps the comm stream's thread, on CPU, from switching
@@ -107,9 +107,9 @@ def rng_fork(config: Any) -> ContextManager:
 
 
 # -------------------------------------------------------------------------------- dense
-def dense_plan(layer: nn.Module, call: ForwardCall, name: str,
-               before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
-               after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
+def dense_plan(layer: Any, call: ForwardCall, name: str,
+               before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+               after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
                ) -> list[Node]:
     """A dense ``TransformerLayer`` as one compute node (``before``/``after``: an MTP layer's
     own preprocessing and final norm around it)."""
@@ -138,9 +138,9 @@ def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCa
 
 
 # -------------------------------------------------------------------------------- MoE
-def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
-             before: Optional[Callable[[McoreLayerState, Tensors], Tensors]] = None,
-             after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]] = None
+def moe_plan(layer: Any, call: ForwardCall, name: str,
+             before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+             after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
              ) -> list[Node]:
     """Megatron's four-node split of a MoE ``TransformerLayer`` (module docstring): the
     operations of ``TransformerLayer._forward_attention``, ``_forward_mlp`` and
@@ -211,13 +211,13 @@ def moe_plan(layer: nn.Module, call: ForwardCall, name: str,
     ]
 
 
-def is_moe_layer(layer: nn.Module) -> bool:
+def is_moe_layer(layer: Any) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     return isinstance(getattr(layer, "mlp", None), MoELayer)
 
 
-def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) -> Plan:
+def layer_plan(layer: Any, call: ForwardCall, name: str, **around: Any) -> Plan:
     """The plan of a decoder layer: four nodes for a MoE layer, one for a dense layer; its
     state is a ``McoreLayerState``."""
     nodes = (moe_plan if is_moe_layer(layer) else dense_plan)(layer, call, name, **around)
@@ -225,7 +225,7 @@ def layer_plan(layer: nn.Module, call: ForwardCall, name: str, **around: Any) ->
 
 
 # -------------------------------------------------------------------------------- MTP
-def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> Plan:
+def mtp_plan(gpt: Any, index: int, call: ForwardCall) -> Plan:
     """MTP layer ``index`` of the chunk (``MultiTokenPredictionBlock.forward`` and the layer's
     own forward): its input tuple is (decoder output, earlier MTP outputs...), its output the
     same with its own appended; the head concatenates them as the block does. The first MTP
@@ -241,6 +241,7 @@ def mtp_plan(gpt: nn.Module, index: int, call: ForwardCall) -> Plan:
             inputs = (hidden,)
         if not state.recomputing:
             state.mtp_ids = call.mtp_ids
+        assert state.mtp_ids is not None  # the chunk's preprocess set them before any MTP layer
         ids, positions, padding = state.mtp_ids
         ids, positions, padding, decoder_input, hidden = call.release.mtp_embeddings(
             mtp_layer, ids, positions, gpt.embedding, inputs[-1], call.packed_seq_params,
@@ -271,7 +272,7 @@ def _with_work(node: Node, work: tuple[str, Callable[[], None]]) -> Node:
     return replace(node, fn=fn)
 
 
-def final_norm(gpt: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def final_norm(gpt: Any, hidden: torch.Tensor) -> torch.Tensor:
     """``TransformerBlock``'s final layer norm, as it applies it (none: unchanged)."""
     from megatron.core.utils import make_viewless_tensor
 

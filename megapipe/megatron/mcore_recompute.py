@@ -23,15 +23,14 @@ happens in a backward, possibly beside another microbatch's forward of the same 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import contextvars
 import copy
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
 
 import torch
-from torch import nn
 
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.megatron.mcore_release import McoreRelease
@@ -69,7 +68,7 @@ class DispatcherSwitch:
             self._current.reset(token)
 
 
-def dispatcher_switch(moe: nn.Module) -> DispatcherSwitch:
+def dispatcher_switch(moe: Any) -> DispatcherSwitch:
     """The layer's ``DispatcherSwitch``, installed on first use."""
     if not isinstance(moe.token_dispatcher, DispatcherSwitch):
         moe.token_dispatcher = DispatcherSwitch(moe.token_dispatcher)
@@ -90,7 +89,7 @@ def recompute_mtp(config: Any) -> bool:
     return config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
 
-def recompute_layer(plan: Plan, layer: nn.Module, release: McoreRelease,
+def recompute_layer(plan: Plan, layer: Any, release: McoreRelease,
                     params: Sequence[torch.Tensor]) -> Plan:
     """``plan`` (one layer's nodes, ``mcore_layers.layer_plan``) recomputed node by node, its
     re-runs guarded (module docstring; what they keep is in the layer's ``McoreLayerState``).

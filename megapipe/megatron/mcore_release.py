@@ -56,7 +56,7 @@ def check_version(version: str) -> tuple[int, int, int]:
     return parsed
 
 
-def release() -> "McoreRelease":
+def release() -> McoreRelease:
     """The installed megatron-core as an ``McoreRelease`` (refused when unsupported)."""
     import megatron.core
 

@@ -14,11 +14,12 @@ from typing import Any
 
 from torch import nn
 
+
 def chain_of(chunk: nn.Module) -> list[nn.Module]:
     """``chunk`` and the modules it wraps through ``.module`` (DDP, Float16Module, ...)."""
     chain = [chunk]
-    while isinstance(getattr(chain[-1], "module", None), nn.Module) and len(chain) < 8:
-        chain.append(chain[-1].module)
+    while isinstance(inner := getattr(chain[-1], "module", None), nn.Module) and len(chain) < 8:
+        chain.append(inner)
     return chain
 
 
@@ -27,7 +28,7 @@ def from_megatron(module: nn.Module) -> bool:
     return any(cls.__module__.startswith("megatron.") for cls in type(module).__mro__)
 
 
-def find_gpt_model(chunk: nn.Module) -> nn.Module | None:
+def find_gpt_model(chunk: nn.Module) -> Any:
     """The Megatron-Core ``GPTModel`` in ``chunk`` (itself or wrapped), else None. Imports
     Megatron only when the chunk comes from it."""
     chain = chain_of(chunk)
@@ -48,7 +49,7 @@ _MIRRORED_METHODS = {
 }
 
 
-def find_megatron_model(chunk: nn.Module) -> nn.Module | None:
+def find_megatron_model(chunk: nn.Module) -> Any:  # a GPTModel (untyped) or None
     """``find_gpt_model``, refusing in one line a Megatron language model that is not a
     ``GPTModel`` (``HybridModel``, ``MambaModel``, ...) and a GPT model whose mirrored methods
     a subclass overrides; None for a chunk that is not Megatron's."""
@@ -71,7 +72,7 @@ def find_megatron_model(chunk: nn.Module) -> nn.Module | None:
     return gpt
 
 
-def check_mirrored_classes(gpt: nn.Module) -> None:
+def check_mirrored_classes(gpt: Any) -> None:
     """Refuse a module whose class overrides a method the adapter re-creates."""
     import megatron.core.models.gpt.gpt_model as gpt_model
     import megatron.core.transformer.multi_token_prediction as mtp
@@ -99,7 +100,7 @@ def check_mirrored_classes(gpt: nn.Module) -> None:
                     )
 
 
-def megatron_ddp(chunk: nn.Module) -> nn.Module | None:
+def megatron_ddp(chunk: nn.Module) -> Any:
     """Megatron's DistributedDataParallel around ``chunk``, if any (its gradients live in
     ``main_grad`` buffers that its ``finalize_model_grads`` reduces)."""
     return next(
@@ -133,7 +134,7 @@ def check_ddp(chunk: nn.Module, reduce_grads: bool) -> None:
         )
 
 
-def check_groups(gpt: nn.Module) -> None:
+def check_groups(gpt: Any) -> None:
     """The attn node's count all-gather (over ``tp_ep``) runs on the compute stream beside
     another microbatch's all-to-all (over ``ep``) on the comm stream: two groups, or the two
     streams would issue collectives on one group in an order that can differ between ranks."""
@@ -151,7 +152,7 @@ def check_groups(gpt: nn.Module) -> None:
             )
 
 
-def finish_router_step(chunks: list[nn.Module]) -> None:
+def finish_router_step(chunks: list[Any]) -> None:
     """After megapipe's own reduction (``reduce_grads=True``): what Megatron's
     ``finalize_model_grads`` does for the routers of the chunks' MoE layers (the expert-bias
     update of aux-loss-free balancing, the reset of the per-step token counts)."""

@@ -24,7 +24,7 @@ ever left out.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -38,13 +38,13 @@ class _AfterBackward(torch.autograd.Function):
     """Identity on a node's inputs; its backward queues (or runs) the node's weight work."""
 
     @staticmethod
-    def forward(ctx, state: LayerState, work: Work,  # type: ignore[override]
+    def forward(ctx, state: LayerState, work: Work,
                 *tensors: torch.Tensor):
         ctx.state, ctx.work = state, work
         return tensors if len(tensors) > 1 else tensors[0]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):
         queue = ctx.state.wgrad_queue
         for name, fn in ctx.work:
             if queue is None:

@@ -173,7 +173,7 @@ class GPTConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> "GPTConfig":
+    def from_dict(cls, data: Any) -> GPTConfig:
         """The config ``to_dict`` wrote; a ValueError names a wrong version or unknown field (a
         field the dict lacks takes its default, so configs saved before a field existed load
         as they trained)."""

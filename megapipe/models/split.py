@@ -13,7 +13,8 @@ state dict (a checkpoint read in one process, or a Hugging Face directory's weig
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -21,14 +21,14 @@ import torch
 
 class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, activation, aux_loss, scale):  # type: ignore[override]
+    def forward(ctx, activation, aux_loss, scale):
         ctx.scale = scale
         ctx.aux_shape = aux_loss.shape
         ctx.aux_dtype = aux_loss.dtype
         return activation.view_as(activation)
 
     @staticmethod
-    def backward(ctx, grad_activation):  # type: ignore[override]
+    def backward(ctx, grad_activation):
         grad_aux = torch.full(
             ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_activation.device
         )

@@ -122,13 +122,13 @@ class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, rows, output_splits, input_splits, group, link, started):  # type: ignore[override]
+    def forward(ctx, rows, output_splits, input_splits, group, link, started):
         ctx.output_splits, ctx.input_splits = output_splits, input_splits
         ctx.group, ctx.link = group, link
         return _exchange(rows, output_splits, input_splits, group, link, started)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         grad_rows = _exchange(grad, ctx.input_splits, ctx.output_splits, ctx.group, ctx.link)
         return grad_rows, None, None, None, None, None
 

@@ -103,13 +103,13 @@ class _LinkDelay(torch.autograd.Function):
     """Identity whose forward and backward each take the link's time for the tensor's bytes."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, link: EmulatedLink) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, rows: torch.Tensor, link: EmulatedLink) -> torch.Tensor:
         ctx.link = link
         _wait_whole(link, rows)
         return rows.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         _wait_whole(ctx.link, grad)
         return grad.clone(), None
 

@@ -14,16 +14,16 @@ indices (deterministic too).
   back, so the all-to-all split sizes need no host read either. A padding row has
   ``row_choice = -1``: permute writes zeros there and unpermute ignores it.
 
-The plan is one operator, ``megapipe::routing_plan`` (``megapipe.kernels``): on CUDA one Triton
-kernel (a stable counting sort, one program per expert); on CPU the sort and scatters of its
-reference (``kernels/reference_fused.py``).
+The routing rows are one operator, ``megapipe::routing_rows`` (``megapipe.kernels``): on CUDA one
+Triton kernel (a stable counting sort, one program per expert); on CPU the sort and scatters of
+its reference (``kernels/reference_fused.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megapipe.kernels import routing_plan_op
+from megapipe.kernels import routing_rows_op
 from megapipe.kernels.reference_fused import expert_counts
 
 __all__ = ["expert_counts", "sort_by_expert"]
@@ -38,7 +38,7 @@ def sort_by_expert(
     expert; -1 for a padding row), ``choice_rows [t, k]`` (row of each choice, -1 if dropped)
     and ``rows_per_expert [E]`` (int64; all equal to ``capacity`` when one is given).
     """
-    row_choice, choice_rows, counts = routing_plan_op(
+    row_choice, choice_rows, counts = routing_rows_op(
         indices, num_experts, -1 if capacity is None else capacity)
     if capacity is not None:
         counts = torch.full_like(counts, capacity)

@@ -26,7 +26,7 @@ and ``searchsorted`` (no atomics, no host read).
 
 ``Router.reference`` is the definition, in plain torch ops. The MoE layer routes through
 ``Router.forward``: the logits GEMM, the fused router operator (scores, top-k and the losses'
-statistics), the routing plan and the permute, as one autograd function of four operators
+statistics), the routing rows and the permute, as one autograd function of four operators
 forward and four backward (``megapipe.kernels``: one kernel each on CUDA). Its backward is written
 by hand: the router operator's backward adds the auxiliary losses' gradients itself (their
 coefficients times the layer's ``aux_loss_scale``, known at forward time), so no loss tensor
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from megapipe.kernels import (
-    permute_op, router_backward_op, router_op, routing_plan_op, sum_choices_op,
+    permute_op, router_backward_op, router_op, routing_rows_op, sum_choices_op,
 )
 from megapipe.kernels.reference_fused import stable_top_k
 from megapipe.moe.aux_loss import AuxStatistics
@@ -160,11 +160,11 @@ class Router(nn.Module):
         labels: torch.Tensor | None = None, coefficients: tuple[float, float] = (0.0, 0.0),
         loss_scale: float = 1.0,
     ) -> Routed:
-        """Route ``tokens [t, h]``: the probs and choices of ``reference``, planned by
+        """Route ``tokens [t, h]``: the probs and choices of ``reference``, given rows by
         ``sort_by_expert`` and permuted by ``permute_tokens`` (module docstring), with
         ``capacity`` rows per expert (None: dropless). ``labels [E]``: each
-        expert's label for the plan (an expert-group order, ``megapipe.moe.waves``; None: the
-        expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
+        expert's label for the routing rows (an expert-group order, ``megapipe.moe.waves``; None:
+        the expert ids). ``coefficients``: of the load-balancing and z losses; backward adds their
         gradients times ``loss_scale``."""
         balance_grad, z_grad = (c * loss_scale for c in coefficients)
         dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]
@@ -190,10 +190,10 @@ class _RouteSpec:
 
 
 class _Route(torch.autograd.Function):
-    """logits GEMM, router, routing plan, permute: 4 operators forward, 4 backward."""
+    """logits GEMM, router, routing rows, permute: 4 operators forward, 4 backward."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, labels, spec):  # type: ignore[override]
+    def forward(ctx, tokens, weight, labels, spec):
         device = tokens.device.type
         dtype = spec.dtype
         if dtype is None:
@@ -204,7 +204,7 @@ class _Route(torch.autograd.Function):
             logits = torch.mm(tokens_c, weight_c.t())
         probs, indices, partials = router_op(logits, spec.top_k, spec.sigmoid, spec.renormalize)
         plan_of = indices if labels is None else labels[indices]
-        row_choice, choice_rows, counts = routing_plan_op(plan_of, spec.num_experts,
+        row_choice, choice_rows, counts = routing_rows_op(plan_of, spec.num_experts,
                                                           spec.capacity)
         rows = permute_op(tokens, row_choice, spec.top_k)
         ctx.set_materialize_grads(False)
@@ -214,7 +214,7 @@ class _Route(torch.autograd.Function):
         return probs, rows, indices, row_choice, choice_rows, counts, partials
 
     @staticmethod
-    def backward(ctx, grad_probs, grad_rows, *_):  # type: ignore[override]
+    def backward(ctx, grad_probs, grad_rows, *_):
         tokens_c, weight_c, logits, choice_rows, counts, labels = ctx.saved_tensors
         spec = ctx.spec
         d_logits = router_backward_op(grad_probs, logits, counts, labels, spec.top_k,

@@ -101,8 +101,8 @@ class WaveDispatch:
         splits, start = [], 0
         for first, size in self.groups:
             members = range(first, first + size)
-            sent = [sum(send_counts[r][l] for l in members) for r in range(ep)]
-            received = [[recv_counts[r][l] for l in members] for r in range(ep)]
+            sent = [sum(send_counts[r][e] for e in members) for r in range(ep)]
+            received = [[recv_counts[r][e] for e in members] for r in range(ep)]
             splits.append(WaveSplits(
                 rows=(start, start + sum(sent)),
                 input_splits=sent,

@@ -49,7 +49,7 @@ class _NodeRecompute(torch.autograd.Function):
     """Saves the node's inputs only; the backward runs the node again and differentiates it."""
 
     @staticmethod
-    def forward(ctx, fn: NodeFn, state: LayerState, num_inputs: int,  # type: ignore[override]
+    def forward(ctx, fn: NodeFn, state: LayerState, num_inputs: int,
                 *tensors: torch.Tensor) -> Tensors:
         inputs, params = tensors[:num_inputs], tensors[num_inputs:]
         ctx.fn, ctx.state, ctx.params = fn, state, params
@@ -61,7 +61,7 @@ class _NodeRecompute(torch.autograd.Function):
         return tuple(o.detach() for o in outputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor | None):
         inputs = detached_leaves(ctx.saved_tensors)
         state: LayerState = ctx.state
         state.recomputing = True

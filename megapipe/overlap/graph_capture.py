@@ -205,7 +205,7 @@ class _Replay(torch.autograd.Function):
     gradients in, replay, hand out the static input and parameter gradients."""
 
     @staticmethod
-    def forward(ctx, lease: _Lease, state: LayerState, logs: tuple,  # type: ignore[override]
+    def forward(ctx, lease: _Lease, state: LayerState, logs: tuple,
                 num_inputs: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         instance = lease.instance
         for static, x in zip(instance.inputs, tensors[:num_inputs]):
@@ -228,7 +228,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor | None):
         lease: _Lease = ctx.lease
         instance = lease.instance
         if lease.backward_done:

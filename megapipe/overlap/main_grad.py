@@ -28,6 +28,7 @@ def grad_buffer(param: torch.Tensor) -> torch.Tensor:
     """The tensor ``param``'s gradient accumulates in: ``main_grad`` when it has one, else
     ``.grad`` (set to zeros first when no gradient has arrived yet)."""
     if has_main_grad(param):
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         return param.main_grad  # type: ignore[attr-defined]
     if param.grad is None:
         param.grad = torch.zeros_like(param)
@@ -36,6 +37,7 @@ def grad_buffer(param: torch.Tensor) -> torch.Tensor:
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
     """``main_grad`` when ``param`` has one, else ``.grad`` (None when nothing arrived)."""
+    # main_grad: Megatron's fp32 gradient attribute on a Parameter
     return param.main_grad if has_main_grad(param) else param.grad  # type: ignore[attr-defined]
 
 
@@ -43,6 +45,7 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``param``'s gradient as autograd's accumulation does (same bits):
     into ``main_grad`` when it has one, else into ``.grad``."""
     if has_main_grad(param):
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         param.main_grad.add_(grad)  # type: ignore[attr-defined]
     elif param.grad is None:
         param.grad = grad
@@ -63,6 +66,7 @@ def _move_into_main_grad(param: torch.Tensor) -> None:
     # autograd calls this hook even when the backward gave the parameter no gradient (a
     # deferred weight gradient goes to main_grad later, through accumulate_grad)
     if param.grad is not None:
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
 
@@ -74,6 +78,7 @@ def attach_main_grads(params: Iterable[torch.Tensor]) -> list[RemovableHandle]:
     for param in params:
         if not param.requires_grad or has_main_grad(param):
             continue
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         param.main_grad = torch.zeros_like(param, dtype=torch.float32)  # type: ignore[attr-defined]
         handles.append(param.register_post_accumulate_grad_hook(_move_into_main_grad))
     return handles
@@ -83,5 +88,6 @@ def zero_grads(params: Iterable[torch.Tensor]) -> None:
     """Start a step: ``main_grad`` to zeros (in place: the buffers are reused), ``.grad`` None."""
     for param in params:
         if has_main_grad(param):
+            # main_grad: Megatron's fp32 gradient attribute on a Parameter
             param.main_grad.zero_()  # type: ignore[attr-defined]
         param.grad = None

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from megapipe.overlap.wgrad import Track, WeightGradQueue
+from megapipe.overlap.wgrad import Track, WeightGradQueue  # noqa: F401  # Track: re-exported
 from megapipe.pairing.order import COMM_READS_HOST
 from megapipe.pairing.timing import NodeTimes
 
@@ -74,7 +74,8 @@ class UndeclaredState(LayerState):
     with the same numbers. A declared state type is still the way to have typos refused."""
 
 
-NodeFn = Callable[[LayerState, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
+# the state is the plan's own LayerState subclass (a node function names that type): Any
+NodeFn = Callable[[Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
 
 

@@ -34,7 +34,7 @@ class _Recompute(torch.autograd.Function):
     """Saves the inputs only; the backward runs ``fn`` again and differentiates it."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, fn: Callable, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.fn = fn
         ctx.save_for_backward(*inputs)
         with torch.enable_grad():  # the grad mode of a run without recompute: same kernels
@@ -42,7 +42,7 @@ class _Recompute(torch.autograd.Function):
         return output.detach()
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad_output: torch.Tensor):
         inputs = detached_leaves(ctx.saved_tensors)
         with torch.enable_grad():
             output = ctx.fn(*inputs)

@@ -88,7 +88,7 @@ def queue_of(state: Any) -> WeightGradQueue | None:
 
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, weight, state, offsets, first):  # type: ignore[override]
+    def forward(ctx, x, counts, weight, state, offsets, first):
         dtype = _compute_dtype(x, weight)
         used = weight if first == 0 and len(counts) == weight.shape[0] else (
             weight[first : first + len(counts)]
@@ -105,7 +105,7 @@ class _GroupedMatmul(torch.autograd.Function):
             return grouped_forward(x_c, w_c, counts, offsets)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         x, w, offsets = ctx.saved_tensors
         weight = ctx.weight
         counts = ctx.counts

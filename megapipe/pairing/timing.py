@@ -8,9 +8,9 @@ it have ended (``host_runs_compute``). That is the whole model; it serves three 
 
 - the pair order's *time rule* (``pair_order``), which times the issues it plans to find the
   gaps where deferred weight gradients fit (``IssueClock``);
-- the simulator (``megapipe.sim``), which times every step of a schedule as a program of issues
+- the simulator (``megapipe.sim``), which times every action of a schedule as a program of issues
   (``time_issues``; with ``maximum=np.maximum`` the same float operations run on an array of
-  starts, one per step of the same program);
+  starts, one per action of the same program);
 - tests and benchmarks that model one combined step.
 
 ``schedule.timing.timeline`` (the unit-cost run of whole actions) is the only other timing model.
@@ -79,7 +79,7 @@ def time_issues(
 
 
 class IssueClock:
-    """The time rule's clock while a combined step is planned: when each planned issue ends,
+    """The time rule's clock while a combined step is ordered: when each ordered issue ends,
     and the deferred W items queued so far that no gap has taken (per backward layer, oldest
     first). ``add`` times one issue as ``time_issues`` does."""
 
@@ -107,7 +107,7 @@ class IssueClock:
         self.free[stream] = begin + duration
 
     def queue(self, layer: int, node: int) -> None:
-        """Backward node ``node`` of ``layer`` was planned on the compute stream: its deferred
+        """Backward node ``node`` of ``layer`` was ordered on the compute stream: its deferred
         items are queued from here on."""
         items = self.backward[layer][node].wgrad
         if not items:

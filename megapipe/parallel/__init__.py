@@ -2,10 +2,19 @@
 
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import (
-    ProcessGroups, RankCoordinates, RankGrid, create_groups, rank_grid,
+    ProcessGroups,
+    RankCoordinates,
+    RankGrid,
+    create_groups,
+    rank_grid,
 )
 from megapipe.parallel.launch import (
-    LaunchInfo, detect_launcher, free_port, init_distributed, resolve_launch, start_local_ranks,
+    LaunchInfo,
+    detect_launcher,
+    free_port,
+    init_distributed,
+    resolve_launch,
+    start_local_ranks,
 )
 from megapipe.parallel.slurm_hostlist import expand_hostlist
 

@@ -55,7 +55,7 @@ class ParallelConfig:
 
     @classmethod
     def from_world_size(cls, world_size: int, pp: int = 1, ep: int = 1, tp: int = 1
-                        ) -> "ParallelConfig":
+                        ) -> ParallelConfig:
         """The config with ``dp = world_size // (pp * tp)``; rejects a world that pp x tp does
         not divide."""
         _check_size("world_size", world_size)

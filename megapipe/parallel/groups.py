@@ -30,9 +30,10 @@ sizes to ``initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)`` an
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 

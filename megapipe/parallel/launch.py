@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,8 @@ def resolve_launch(
     """Work out rank, world size, local rank and rendezvous from arguments and ``env``."""
     env = os.environ if env is None else env
     launcher = detect_launcher(env)
+    env_rank: int | None
+    env_world: int | None
     if launcher == TORCHRUN:
         source = TORCHRUN
         env_rank, env_world = _int_var(env, "RANK"), _int_var(env, "WORLD_SIZE")

@@ -154,10 +154,12 @@ class StageWorker:
             values: tuple[Any, ...] = (stage_input,)
             for plan in self.module.layer_plans():
                 values = runner.run_layer(plan, values)
+            # a recording runner (TapeRunner, CombinedStep) has a tape
             output, tape = values[0], runner.tape  # type: ignore[attr-defined]
         else:
             with running_layers_with(self.module, runner):
                 output = self.forward_fn(self.module, stage_input)
+            # a recording runner (TapeRunner, CombinedStep) has a tape
             tape = runner.tape  # type: ignore[attr-defined]
         self._tracked([output])
         self._stash[microbatch] = _Entry(inputs=leaves, outputs=[output], tape=tape)

@@ -7,10 +7,10 @@ engine; ``p2p/``: lowering and its proof; ``checks/``: validation.
 """
 
 from .checks.validate import validate
-from .overlap_pass.budget import apply_overlap_within
-from .overlap_pass.apply import apply_overlap
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, ScheduleOptions, parse_action, read_csv, write_csv
+from .overlap_pass.apply import apply_overlap
+from .overlap_pass.budget import apply_overlap_within
 from .p2p.comm_check import check_batches
 from .p2p.lower import lower
 from .registry import SCHEDULES, build_schedule

@@ -1,4 +1,4 @@
-"""Actions: what one rank does in one step, and their text form.
+"""Actions: the entries of a rank's schedule, and their text form.
 
 The text form of an action is torch.distributed.pipelining's, so schedules move between
 megapipe, torch and torchtitan unchanged: ``2F0``, ``1B3``, ``0I1``, ``0W1``,
@@ -38,7 +38,7 @@ _SIMPLE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank.
+    """One action of one rank.
 
     A plain action has a stage, a kind and a microbatch. An OVERLAP action has neither stage nor
     microbatch: it holds two sub-actions, a forward first and a backward (B or I) second.
@@ -47,7 +47,7 @@ class Action:
     stage: int | None
     kind: Kind
     microbatch: int | None = None
-    sub_actions: tuple["Action", ...] = ()
+    sub_actions: tuple[Action, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind is Kind.OVERLAP:
@@ -62,16 +62,16 @@ class Action:
             raise ValueError(f"a {self.kind.value} action needs a stage and a microbatch")
 
     @staticmethod
-    def overlap(forward: "Action", backward: "Action") -> "Action":
+    def overlap(forward: Action, backward: Action) -> Action:
         return Action(None, Kind.OVERLAP, None, (forward, backward))
 
     @property
-    def forward(self) -> "Action":
+    def forward(self) -> Action:
         """The forward half of an OVERLAP action."""
         return self.sub_actions[0]
 
     @property
-    def backward(self) -> "Action":
+    def backward(self) -> Action:
         """The backward half of an OVERLAP action."""
         return self.sub_actions[1]
 
@@ -79,7 +79,7 @@ class Action:
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
 
-    def computations(self) -> tuple["Action", ...]:
+    def computations(self) -> tuple[Action, ...]:
         """The plain compute actions this action performs (the two halves of an OVERLAP)."""
         if self.kind is Kind.OVERLAP:
             return self.sub_actions
@@ -88,7 +88,7 @@ class Action:
     @classmethod
     def trusted(
         cls, stage: int | None, kind: Kind, microbatch: int | None, sub_actions: tuple = ()
-    ) -> "Action":
+    ) -> Action:
         """An action whose fields are known to be consistent (decoded from a schedule's table):
         made without ``__post_init__``'s checks, which would cost more than the rest."""
         action = object.__new__(cls)

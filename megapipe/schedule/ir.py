@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import csv
 import functools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import FrozenInstanceError, dataclass
-from typing import Callable, Generic, Iterable, Sequence, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 
 from .actions import (  # noqa: F401 - the IR's public names
-    BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, Action, Kind, parse_action,
+    BACKWARD_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    Kind,
+    parse_action,
 )
 from .errors import ScheduleError
 from .table import ActionTable
@@ -59,14 +65,14 @@ class Derived(Generic[T]):
     def __init__(self, default: Callable[[], T]) -> None:
         self._default = default
 
-    def of(self, schedule: "Schedule") -> T:
+    def of(self, schedule: Schedule) -> T:
         """What ``schedule`` keeps (the default until ``keep``)."""
         kept = schedule._derived
         if self not in kept:
             kept[self] = self._default()
         return cast(T, kept[self])
 
-    def keep(self, schedule: "Schedule", value: T) -> None:
+    def keep(self, schedule: Schedule, value: T) -> None:
         schedule._derived[self] = value
 
 
@@ -83,7 +89,14 @@ class Schedule:
     kept with it and computed once (``Derived``).
     """
 
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    name: str
+    bidirectional: bool
     options: ScheduleOptions
+    _table: ActionTable | None  # None until ``table`` makes it from the rows
+    _rows: tuple[tuple[Action, ...], ...] | None  # None until ``actions`` makes them
     _derived: dict[Derived, object]  # what ``Derived.of`` finds
     _made_rows: dict[int, tuple[Action, ...]]  # what ``row`` made
 
@@ -97,9 +110,9 @@ class Schedule:
         bidirectional: bool = False,
         options: ScheduleOptions | None = None,
     ) -> None:
-        table = actions if isinstance(actions, ActionTable) else None
-        rows = None if table is not None else tuple(tuple(r) for r in actions)
-        fields = dict(
+        table, rows = (actions, None) if isinstance(actions, ActionTable) else (
+            None, tuple(tuple(r) for r in actions))
+        fields: dict[str, object] = dict(
             _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
             stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
             options=ScheduleOptions() if options is None else options, _derived={}, _made_rows={},
@@ -144,18 +157,21 @@ class Schedule:
     @property
     def table(self) -> ActionTable:
         """The action lists as integer columns."""
-        if self._table is None:
-            object.__setattr__(self, "_table", ActionTable.from_rows(self._rows))
-        return self._table
+        table = self._table
+        if table is None:
+            assert self._rows is not None  # a schedule is made from one or the other
+            table = ActionTable.from_rows(self._rows)
+            object.__setattr__(self, "_table", table)
+        return table
 
     @property
     def actions(self) -> tuple[tuple[Action, ...], ...]:
         """Every rank's action list (made on first use; ``row`` makes just one)."""
-        if self._rows is None:
-            object.__setattr__(
-                self, "_rows", tuple(self.row(rank) for rank in range(self.table.pp))
-            )
-        return self._rows
+        rows = self._rows
+        if rows is None:
+            rows = tuple(self.row(rank) for rank in range(self.table.pp))
+            object.__setattr__(self, "_rows", rows)
+        return rows
 
     def row(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s action list (made on first use, without the other ranks')."""
@@ -221,7 +237,7 @@ class Schedule:
 
     def replace_actions(
         self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
-    ) -> "Schedule":
+    ) -> Schedule:
         """A copy with other action lists (and optionally other fields)."""
         fields = dict(num_stages=self.num_stages, num_microbatches=self.num_microbatches,
                       stage_to_rank=self.stage_to_rank, name=self.name,

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from .checks.validate import validate
-from .overlap_pass.in_flight import STASH_RELEASE, peak_in_flight
 from .ir import Schedule
+from .overlap_pass.in_flight import STASH_RELEASE, peak_in_flight
 from .p2p.comm_check import check_batches
 from .p2p.lower import lower
-from .table import F, OVERLAP, RECV_F, SEND_F, ActionTable
+from .table import OVERLAP, RECV_F, SEND_F, ActionTable, F
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:

@@ -22,16 +22,16 @@ OVERLAP pairs: DualPipe and DualPipeV emit them natively; every other schedule g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
-from .overlap_pass.budget import apply_overlap_within, check_budget, check_native_budget
-from .families.dualpipe import dualpipe, dualpipev
 from .errors import ScheduleError
+from .families.dualpipe import dualpipe, dualpipev
 from .families.interleaved import interleaved_1f1b, looped_bfs
-from .ir import Schedule, ScheduleOptions
 from .families.simple import gpipe, one_f_one_b
 from .families.zero_bubble import zb1p, zbv
+from .ir import Schedule, ScheduleOptions
+from .overlap_pass.budget import apply_overlap_within, check_budget, check_native_budget
 
 GROUP_OPTION = "microbatch_group_size_per_vp_stage"
 

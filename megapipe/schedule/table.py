@@ -13,8 +13,9 @@ schedule they belong to.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class ActionTable:
     @classmethod
     def from_columns(
         cls, offsets, kind, stage, mb, back_kind=None, back_stage=None, back_mb=None
-    ) -> "ActionTable":
+    ) -> ActionTable:
         kind = _frozen(kind, np.int8)
         back = None
         if back_kind is not None and (kind == OVERLAP).any():
@@ -109,7 +110,7 @@ class ActionTable:
         return self._back_column(2)
 
     @classmethod
-    def from_rows(cls, rows: Rows) -> "ActionTable":
+    def from_rows(cls, rows: Rows) -> ActionTable:
         """Encode per-rank lists of ``Action`` objects."""
         columns: list[list[int]] = [[], [], [], [], [], []]
         offsets = [0]
@@ -128,7 +129,7 @@ class ActionTable:
         return cls.from_columns(offsets, *columns)
 
     @classmethod
-    def from_blocks(cls, blocks: Sequence[Sequence[np.ndarray]]) -> "ActionTable":
+    def from_blocks(cls, blocks: Sequence[Sequence[np.ndarray]]) -> ActionTable:
         """One block of columns (kind, stage, mb[, back_kind, back_stage, back_mb]) per rank."""
         offsets = np.concatenate([[0], np.cumsum([len(b[0]) for b in blocks])])
         width = max((len(b) for b in blocks), default=3)
@@ -190,7 +191,7 @@ class ActionTable:
         mb = np.where(back, self.back_mb[action], self.mb[action])
         return Comps(action, half, kind, stage, mb, self.rank[action])
 
-    def select(self, keep: np.ndarray) -> "ActionTable":
+    def select(self, keep: np.ndarray) -> ActionTable:
         """The rows where ``keep`` is true, ranks kept apart."""
         counts = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
         back = [] if self._back is None else [column[keep] for column in self._back]
@@ -224,7 +225,7 @@ class ActionTable:
             for code, stage, mb, back, back_stage, back_mb in zip(*columns)
         ]
 
-    def same_as(self, other: "ActionTable") -> bool:
+    def same_as(self, other: ActionTable) -> bool:
         columns = ("offsets", "kind", "stage", "mb", "back_kind", "back_stage", "back_mb")
         if (self._back is None) != (other._back is None):
             return False

@@ -2,8 +2,8 @@
 
 from .costs import Costs
 from .draw import draw_timeline
-from .simulate import SimResult, TimedAction, simulate
 from .programs import Segment
+from .simulate import SimResult, TimedAction, simulate
 from .trace import write_trace
 
 __all__ = [

@@ -18,11 +18,11 @@ from fractions import Fraction
 
 import numpy as np
 
+from ..pairing.timing import COMM, COMPUTE
 from ..schedule.ir import Action, Kind
 from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
-from ..pairing.timing import COMM, COMPUTE
-from .programs import half_ends, op_times, action_ops
+from .programs import action_ops, half_ends, op_times
 
 _EXACT_LIMIT = 2 ** 53
 
@@ -81,13 +81,14 @@ class ActionCosts:
         return self.totals[self.template]
 
     def end_of(self, action: int, start: float) -> float:
-        """When action ``action`` (a row) ends if it starts at ``start`` (the program run for this start)."""
+        """When action ``action`` (a row) ends if it starts at ``start`` (the program run for this
+        start)."""
         ends = [end for _, end in op_times(self.ops[self.template[action]], start)]
         return max([start] + ends)
 
     def made_at(self, action: int, start: float, end: float) -> tuple[float, float]:
-        """When action ``action``'s (a row's) two products are handed on (an OVERLAP timed node by node:
-        its halves' early sends, ``programs.half_ends``; anything else: at its end)."""
+        """When action ``action``'s (a row's) two products are handed on (an OVERLAP timed node by
+        node: its halves' early sends, ``programs.half_ends``; anything else: at its end)."""
         ops = self.ops[self.template[action]]
         nodes = self.costs.nodes
         if nodes is None or not ops or ops[0].action.kind is Kind.W:
@@ -97,8 +98,8 @@ class ActionCosts:
         return half_ends(ops, op_times(ops, start), nodes.early_sends)
 
     def pieces(self, start: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, action), in action order and,
-        within a action, in the order its program issues them. Each template's program is run
+        """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, action), in action order
+        and, within a action, in the order its program issues them. Each template's program is run
         once on all its actions' starts, for both streams."""
         streams = (COMPUTE, COMM)
         rows = [np.flatnonzero(self.template == t) for t in range(len(self.ops))]

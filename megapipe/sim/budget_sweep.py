@@ -9,6 +9,7 @@ number of pairs, beside the plain schedule's. ``megapipe schedule --overlap`` pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..schedule.ir import Kind, Schedule
 from ..schedule.registry import build_schedule
@@ -32,7 +33,7 @@ def count_pairs(schedule: Schedule) -> int:
 
 
 def budget_sweep(
-    name: str, pp: int, num_microbatches: int, costs: Costs, **options: int
+    name: str, pp: int, num_microbatches: int, costs: Costs, **options: Any
 ) -> tuple[BudgetPoint, list[BudgetPoint]]:
     """(the plain schedule's point, the combined schedule's point at K = 0..pp and unbounded).
     ``options`` go to ``build_schedule`` (vpp, microbatch group size)."""

@@ -12,12 +12,12 @@ closed-form bubble formulas.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..pairing.timing import COMM, COMPUTE, NodeTimes
-from ..schedule.p2p.early_sends import EACH, SINGLE, WHOLE
 from ..schedule.ir import Kind
+from ..schedule.p2p.early_sends import EACH, SINGLE, WHOLE
 from .profile import MOE_ROLES, WAVE_ROLES, NodeProfile
 
 _KIND = {"attn": COMPUTE, "dispatch": COMM, "mlp": COMPUTE, "combine": COMM, "finish": COMPUTE}
@@ -89,7 +89,7 @@ class NodeCosts:
         k = self.a2a_waves
         moe = MOE_ROLES if k == 1 else ("attn",) + WAVE_ROLES * k + ("finish",)
         kind = self.stage_class(stage)
-        layers = [("embedding",)] if kind & 1 else []
+        layers: list[tuple[str, ...]] = [("embedding",)] if kind & 1 else []
         layers += [moe] * self.moe_layers
         return layers + ([("head",)] if kind & 2 else [])
 
@@ -215,7 +215,7 @@ class Costs:
         return base * self.multiplier(stage)
 
     @classmethod
-    def from_text(cls, text: str, **fields) -> "Costs":
+    def from_text(cls, text: str, **fields) -> Costs:
         """Parse ``"F,B,W"`` or ``"F,B,W,A2A"`` (A2A: every dispatch and combine duration)."""
         parts = [p.strip() for p in text.split(",")]
         if len(parts) not in (3, 4):

@@ -104,7 +104,7 @@ def dp_reduction(schedule: Schedule, result: SimResult, costs: DPCosts) -> DPRed
         last = max((t.end for t in actions), default=0.0)
         spans = _grad_spans(schedule, actions)
         ready = []
-        for stage, (start, end) in spans.items():
+        for start, end in spans.values():
             for k in range(costs.buckets):
                 share = (k + 1) / costs.buckets
                 ready.append(last if schedule.bidirectional else start + share * (end - start))

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pairing.timing import COMM, COMPUTE
 from ..schedule.ir import Action, Kind
 from ..schedule.timing.intervals import subtract
 from .simulate import SimResult
-from ..pairing.timing import COMM, COMPUTE
 
 _COLOURS = {
     Kind.F: "#1f5fbf",  # blue

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from ..schedule.errors import ScheduleError
-from ..schedule.overlap_pass.in_flight import peak_in_flight
 from ..schedule.ir import Schedule
+from ..schedule.overlap_pass.in_flight import peak_in_flight
 from ..schedule.registry import SCHEDULES, build_schedule
 from .costs import Costs, NodeCosts
 from .simulate import simulate
-
 
 RECOMPUTE_PREFERENCE = ("none", "selective", "full")  # on a tie, the one re-running less wins
 
@@ -72,7 +71,9 @@ class Choice:
                 f"makespan {self.makespan:g}, peak {self.peak_bytes:g} bytes")
 
 
-def candidate_schedules(pp: int, num_microbatches: int) -> Iterator[tuple[str, int, int | None, Schedule]]:
+def candidate_schedules(
+    pp: int, num_microbatches: int
+) -> Iterator[tuple[str, int, int | None, Schedule]]:
     """(name, vpp, budget, schedule) for every buildable choice; impossible requests are skipped."""
     for name in SCHEDULES:
         seen_vpp = set()

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..pairing.timing import NodeTimes
 
@@ -61,7 +62,7 @@ class NodeProfile:
     times: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "NodeProfile":
+    def from_dict(cls, data: Mapping[str, Any]) -> NodeProfile:
         """Read the JSON object of the module docstring (one clear line per bad value)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a profile is a JSON object, got {type(data).__name__}")
@@ -77,14 +78,14 @@ class NodeProfile:
         return cls(times)
 
     @classmethod
-    def load(cls, path: str | Path) -> "NodeProfile":
+    def load(cls, path: str | Path) -> NodeProfile:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"profile {path}: not JSON ({error})") from None
         return cls.from_dict(data)
 
-    def scaled(self, factor: float) -> "NodeProfile":
+    def scaled(self, factor: float) -> NodeProfile:
         """Every time multiplied by ``factor``."""
         _number("time scale", factor)
         return NodeProfile({key: value * factor for key, value in self.times.items()})
@@ -95,7 +96,7 @@ class NodeProfile:
         return value / waves if role in WAVE_ROLES else value
 
     def node_times(self, role: str, waves: int = 1) -> NodeTimes:
-        """A node's times for the pair planner's time rule: attention's W inside its backward
+        """A node's times for the pair order's time rule: attention's W inside its backward
         (the engine never defers it), the experts' W as ``WGRAD_ITEMS`` deferrable items."""
         forward, backward = self.time(role, "F", waves), self.time(role, "B", waves)
         weight = self.time(role, "W", waves)

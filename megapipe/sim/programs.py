@@ -27,20 +27,26 @@ node-level timing model) times the program. Two cost models:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from math import ceil
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
-from ..schedule.p2p.early_sends import EACH, WHOLE
-from ..schedule.ir import Action, Kind
-from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
 from ..pairing.order import (
-    FILL, HEAD, REST, TAIL, Issue, IssueOrder, queuing_positions,
+    FILL,
+    HEAD,
+    REST,
+    TAIL,
+    Issue,
+    IssueOrder,
+    queuing_positions,
 )
+from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
+from ..schedule.ir import Action, Kind
+from ..schedule.p2p.early_sends import EACH
 from .costs import AT_END, NodeCosts
 
 if TYPE_CHECKING:
-    from ..schedule.ir import Schedule
     from .costs import Costs
 
 LAYER_MODEL = ("attention", "dispatch", "experts", "combine")  # a MoE layer of the layer model
@@ -84,7 +90,7 @@ def _halves(action: Action) -> tuple[Action | None, Action | None]:
     return (action, None) if action.kind is Kind.F else (None, action)
 
 
-def action_ops(action: Action, costs: "Costs") -> list[NodeOp]:
+def action_ops(action: Action, costs: Costs) -> list[NodeOp]:
     """The program of a compute action under ``costs`` (module docstring)."""
     if costs.nodes is not None:
         return node_ops(action, costs.nodes)
@@ -147,14 +153,14 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
 def _program(issues: Sequence[Issue], node: Callable[[Issue], tuple[str, Action, float]],
              host_runs_compute: bool = False, order: Sequence[int] | None = None) -> list[NodeOp]:
     """``issues`` as ``NodeOp``s, listed in ``order`` (positions in ``issues``; default as
-    planned), each issue's needs renumbered to it; on a CPU host a comm node also needs the
+    ordered), each issue's needs renumbered to it; on a CPU host a comm node also needs the
     compute node before it."""
     order = range(len(issues)) if order is None else order
-    listed_at = {planned: listed for listed, planned in enumerate(order)}
+    listed_at = {ordered: listed for listed, ordered in enumerate(order)}
     ops: list[NodeOp] = []
     last_compute: int | None = None
-    for planned in order:
-        issue = issues[planned]
+    for ordered in order:
+        issue = issues[ordered]
         part, half, duration = node(issue)
         needs = tuple(sorted(listed_at[n] for n in issue.needs))
         if host_runs_compute and issue.stream == COMM and last_compute is not None:
@@ -194,7 +200,7 @@ def _duration(op: NodeOp) -> float:
     return op.duration
 
 
-def time_action(action: Action, start: float, costs: "Costs") -> tuple[Segment, ...]:
+def time_action(action: Action, start: float, costs: Costs) -> tuple[Segment, ...]:
     """The timed nodes of a compute action started at ``start`` on an otherwise idle rank."""
     ops = action_ops(action, costs)
     return tuple(Segment(op.stream, op.part, op.action, op.layer, begin, end)

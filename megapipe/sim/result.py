@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..schedule.ir import Action
 from .costs import Costs
@@ -20,7 +20,7 @@ class TimedAction:
     action: Action
     start: float
     end: float
-    halves: tuple["TimedAction", ...] = ()
+    halves: tuple[TimedAction, ...] = ()
     segments: tuple[Segment, ...] = ()
 
 

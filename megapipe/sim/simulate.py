@@ -11,7 +11,8 @@ of its rank has ended and every input it needs has arrived:
 An input produced on another rank arrives ``costs.p2p_latency`` after its producer ends. Both
 halves of an OVERLAP hand their outputs on when the OVERLAP ends, except when actions are timed
 node by node (``Costs.nodes``): then each half hands its output on as the executor's early
-sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow ``Schedule.stages_for``/``next_stage``.
+sends do (``programs.half_ends``). Bidirectional schedules (DualPipe) follow
+``Schedule.stages_for``/``next_stage``.
 SEND/RECV actions of a lowered schedule are skipped: their cost is the P2P latency.
 
 The actions are timed by the in-order engine (``megapipe.schedule.timing.engine``: the round robin
@@ -25,21 +26,21 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..schedule.timing.deps import Product, missing_needs
-from ..schedule.p2p.early_sends import executor_rule
-from ..schedule.timing.engine import ActionTimes
-from ..schedule.timing.retime import time_actions
-from ..schedule.errors import ScheduleError
-from ..schedule.overlap_pass.in_flight import peak_of_events
-from ..schedule.ir import Action, Schedule
-from ..schedule.table import B, F, I, OVERLAP, is_comm
 from ..schedule.checks.table_checks import faults
-from ..schedule.timing.timeline import MadeTimes, ActionGraph
-from .costs import Costs
+from ..schedule.errors import ScheduleError
+from ..schedule.ir import Action, Schedule
+from ..schedule.overlap_pass.in_flight import peak_of_events
+from ..schedule.p2p.early_sends import executor_rule
+from ..schedule.table import OVERLAP, B, F, I, is_comm
+from ..schedule.timing.deps import Product, missing_needs
+from ..schedule.timing.engine import ActionTimes
 from ..schedule.timing.intervals import uncovered_length
-from .result import SimResult, TimedAction
-from .programs import Segment, time_action
+from ..schedule.timing.retime import time_actions
+from ..schedule.timing.timeline import ActionGraph, MadeTimes
 from .action_costs import COMM, COMPUTE, ActionCosts
+from .costs import Costs
+from .programs import Segment, time_action
+from .result import SimResult, TimedAction
 
 __all__ = ["SimResult", "TimedAction", "simulate"]
 
@@ -179,7 +180,7 @@ def _timeline(work: Schedule, timed: ActionTimes, costs: Costs) -> tuple[TimedAc
         action = work.row(rank)[row - int(table.offsets[rank])]
         start, end = float(timed.start[row]), float(timed.end[row])
         segments = time_action(action, start, costs)
-        halves = ()
+        halves: tuple[TimedAction, ...] = ()
         if action.kind is action.kind.OVERLAP:
             halves = tuple(_half(rank, h, segments) for h in action.computations())
         out.append(TimedAction(rank, action, start, end, halves, segments))

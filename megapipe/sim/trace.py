@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
-from .simulate import SimResult
 from ..pairing.timing import COMM, COMPUTE
 from .programs import Segment
+from .simulate import SimResult
 
 _US_PER_UNIT = 1000.0
 _TID = {COMPUTE: 0, COMM: 1}

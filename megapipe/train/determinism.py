@@ -26,8 +26,8 @@ megapipe runs is non-deterministic, so the mode changes no bit there (tested).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
 
 import torch
 

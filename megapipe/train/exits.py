@@ -34,7 +34,7 @@ class ExitPolicy:
         self.signalled: str | None = None
         self._previous: Any = None
 
-    def __enter__(self) -> "ExitPolicy":
+    def __enter__(self) -> ExitPolicy:
         if self.config.exit_signal_handler:
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
         return self

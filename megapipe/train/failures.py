@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import traceback
-from typing import Iterator
+from collections.abc import Iterator
 
 DEBUG_VARIABLE = "MEGAPIPE_DEBUG"
 

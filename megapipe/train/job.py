@@ -13,8 +13,8 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,10 @@ from megapipe.schedule import Schedule
 from megapipe.train.config.job_config import JobConfig
 from megapipe.train.job_data import build_data
 from megapipe.train.optim.adamw import (
-    LRSchedule, build_optimizer, optimizer_state_bytes, unique_params,
+    LRSchedule,
+    build_optimizer,
+    optimizer_state_bytes,
+    unique_params,
 )
 from megapipe.train.optim.dp_sync import DataParallelSync
 from megapipe.train.optim.flat_adamw import FlatAdamW
@@ -97,7 +100,7 @@ def build_job(config: JobConfig, start_from: str | None = None,
     groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
                            timeout=timeout)
     schedule = config.schedule.build()
-    stages = {
+    stages: dict[int, nn.Module] = {
         s: build_stage(model, schedule.model_part(s), schedule.stages_per_pipeline,
                        ep_group=groups.ep).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
@@ -220,7 +223,7 @@ def describe(job: Job) -> list[str]:
     return lines
 
 
-def model_text(model: "GPTConfig") -> str:
+def model_text(model: GPTConfig) -> str:
     """The log's model line: shape and architecture, every choice named."""
     moe = (f"{model.num_experts} experts top-{model.moe_top_k}" if model.num_experts
            else "dense")

@@ -18,10 +18,18 @@ import torch
 from megapipe.data.bits_per_byte import token_byte_counts
 from megapipe.data.blend import parse_data_path
 from megapipe.data.gpt_samples import (
-    IndexedTrainBatches, build_gpt_datasets, indexed_validation_batches, megatron_sample_counts,
+    IndexedTrainBatches,
+    build_gpt_datasets,
+    indexed_validation_batches,
+    megatron_sample_counts,
 )
 from megapipe.data.raw_text import (
-    Microbatch, TrainBatches, load_tokens, resolve_data_files, split_corpus, validation_batches,
+    Microbatch,
+    TrainBatches,
+    load_tokens,
+    resolve_data_files,
+    split_corpus,
+    validation_batches,
 )
 from megapipe.train.config.job_config import JobConfig
 

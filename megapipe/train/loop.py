@@ -9,15 +9,16 @@ more than a short one; ``--manual-gc`` schedules Python's garbage collector (``m
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from megapipe.parallel.launch import init_distributed
 from megapipe.train.checkpoint.files import CheckpointError
-from megapipe.train.checkpoint.resume import ResumeChoice, descriptor_parts, choose_resume
+from megapipe.train.checkpoint.resume import ResumeChoice, choose_resume, descriptor_parts
 from megapipe.train.checkpoint.state import load_checkpoint, save_checkpoint
 from megapipe.train.config.job_config import JobConfig
 from megapipe.train.determinism import deterministic_kernels
@@ -27,7 +28,6 @@ from megapipe.train.manual_gc import ManualCollector
 from megapipe.train.observe.logging import TrainingLogger
 from megapipe.train.observe.profiling import RunProfiler
 from megapipe.train.step import evaluate, train_step
-
 
 HISTORY = 1000  # the most recent iterations (and lines, evaluations, saves) a result keeps
 
@@ -184,7 +184,8 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
                 result.add_evaluation(iteration, validation.loss, validation.bits_per_byte)
                 logger.evaluation(iteration, validation.loss, validation.bits_per_byte)
             result.exit_reason = exits.reason(iteration)
-            due = bool(checkpoint.save_interval) and iteration % checkpoint.save_interval == 0
+            interval = checkpoint.save_interval
+            due = interval is not None and interval != 0 and iteration % interval == 0
             final = iteration == iters or result.exit_reason is not None
             if checkpoint.save and (due or final):
                 result.add_saved(save(job, iteration))

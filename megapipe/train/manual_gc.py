@@ -22,8 +22,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from megapipe.train.config.job_config import CollectorConfig
 
@@ -39,7 +40,7 @@ class ManualCollector:
         self._was_enabled = False
         self._trim = _malloc_trim() if config.trim_interval else None
 
-    def __enter__(self) -> "ManualCollector":
+    def __enter__(self) -> ManualCollector:
         if self.config.manual:
             self._was_enabled = gc.isenabled()
             gc.disable()

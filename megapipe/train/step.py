@@ -8,8 +8,8 @@ logs the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ def peak_activation_bytes(step: StepResult, device: torch.device) -> float | Non
 def pop_aux_losses(job: Job) -> list[torch.Tensor]:
     """The mean auxiliary loss each MoE layer recorded since the last call."""
     logs = take_aux_loss_logs(list(job.stages.values()))
+    # torch's stub types Tensor.mean's result loosely
     return [log.mean() for log in logs]  # type: ignore[misc]
 
 

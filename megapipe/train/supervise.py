@@ -25,9 +25,10 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from megapipe.train.failures import debug_enabled
 
@@ -144,7 +145,7 @@ class _ParentSignals:
         self.terminated = False
         self._previous: Any = None
 
-    def __enter__(self) -> "_ParentSignals":
+    def __enter__(self) -> _ParentSignals:
         self._previous = signal.signal(signal.SIGTERM, self._on_term)
         return self
 

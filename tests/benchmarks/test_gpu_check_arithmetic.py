@@ -12,18 +12,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
-
 from gpu_sections import fused_ops, report, timeline, trace_analysis  # noqa: E402
 from gpu_sections.budget import Budget, allowance, device_plan  # noqa: E402
 from gpu_sections.fused_ops import OPERATORS, Case, cases  # noqa: E402
 from gpu_sections.gpu_timing import node_spans  # noqa: E402
-from gpu_sections.result import FAILED, PASSED, SKIPPED, SectionResult, clean, status_of  # noqa: E402
 from gpu_sections.registry import CHECK_S, GUARANTEED, SECTIONS, SETUP_S  # noqa: E402
+from gpu_sections.result import FAILED, PASSED, SKIPPED, SectionResult, clean, status_of  # noqa: E402
 from gpu_sections.sec_pretrain import tokens_per_second  # noqa: E402
 from gpu_sections.sec_tests import parse_outcomes, skip_reason, tally  # noqa: E402
 from gpu_sections.sync_sites import SYNC_MESSAGE, SyncLog, capture_syncs, site_of  # noqa: E402
 from gpu_sections.timeline import Span  # noqa: E402
+from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 
 
 # ---- timelines ------------------------------------------------------------------------------

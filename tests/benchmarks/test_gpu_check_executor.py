@@ -13,7 +13,6 @@ from gpu_sections import executor_steps  # noqa: E402
 from gpu_sections.child import Context  # noqa: E402
 from gpu_sections.result import SectionResult  # noqa: E402
 from gpu_sections.sec_executor import DRY  # noqa: E402
-
 from support.fake_graphs import FakeGraphApi  # noqa: E402
 
 

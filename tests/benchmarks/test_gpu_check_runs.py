@@ -17,13 +17,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from gpu_sections.fused_ops import OPERATORS  # noqa: E402
 from gpu_sections.link_model import make_link  # noqa: E402
 from gpu_sections.moe_bench import PairBench, Shape, Variant, build_layers  # noqa: E402
-from gpu_sections.fused_ops import OPERATORS  # noqa: E402
 from gpu_sections.registry import SECTIONS  # noqa: E402
 from gpu_sections.result import empty  # noqa: E402
 from gpu_sections.runner import finish_result, run_child  # noqa: E402
-
 from megapipe.moe.link import EmulatedLink  # noqa: E402
 from megapipe.overlap import make_streams  # noqa: E402
 from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402

@@ -13,9 +13,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 from host_cost import _Pair, _uniform, main  # noqa: E402
-from overlap_replay import ReplaySettings  # noqa: E402
-
 from megapipe.overlap import make_streams  # noqa: E402
+from overlap_replay import ReplaySettings  # noqa: E402
 
 
 def _grads(pair: _Pair, label: str) -> dict:

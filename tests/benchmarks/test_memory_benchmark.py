@@ -10,13 +10,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from memory import format_table, pretrain_flags  # noqa: E402
-from support.memory_case import memory_run  # noqa: E402
-from support.pretrain_flags import TINY  # noqa: E402
-
 from megapipe.sim.budget_sweep import budget_sweep  # noqa: E402
 from megapipe.sim.costs import Costs  # noqa: E402
 from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
+from memory import format_table, pretrain_flags  # noqa: E402
+from support.memory_case import memory_run  # noqa: E402
+from support.pretrain_flags import TINY  # noqa: E402
 
 FLAGS = [*TINY, "--global-batch-size", "16"]  # 4 microbatches: 1f1b's pairs hold one more
 

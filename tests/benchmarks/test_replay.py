@@ -3,7 +3,7 @@ its profile time, run plain and combined on 4 gloo processes beside the simulato
 for the same profile and issue order. The test checks that the replay runs and reports what the
 benchmark prints (times, the exposed share, the early-send rule) and what the simulator
 predicts; how the measured times compare with the prediction is the benchmark's to print
-(docs/combined-step.md), never a test's to assert."""
+(docs/performance.md), never a test's to assert."""
 
 from __future__ import annotations
 

@@ -4,7 +4,12 @@ refused in one line before any process group."""
 import pytest
 
 from megapipe.data.blend import (
-    INDEX_MAGIC, Blend, check_data_path, is_indexed_prefix, parse_data_path, parse_split,
+    INDEX_MAGIC,
+    Blend,
+    check_data_path,
+    is_indexed_prefix,
+    parse_data_path,
+    parse_split,
 )
 from megapipe.data.errors import DataError
 

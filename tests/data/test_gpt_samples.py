@@ -15,7 +15,10 @@ from megapipe.data.tokenizer import ByteTokenizer
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 from megapipe.data.gpt_samples import (  # noqa: E402
-    IndexedTrainBatches, build_gpt_datasets, check_gpt_data, indexed_validation_batches,
+    IndexedTrainBatches,
+    build_gpt_datasets,
+    check_gpt_data,
+    indexed_validation_batches,
     megatron_sample_counts,
 )
 from megapipe.data.mcore_datasets import mcore_datasets  # noqa: E402

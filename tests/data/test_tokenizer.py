@@ -9,7 +9,11 @@ import torch
 from megapipe.data.bits_per_byte import bits_per_byte, target_bytes, token_byte_counts
 from megapipe.data.errors import DataError
 from megapipe.data.tokenizer import (
-    ByteTokenizer, HuggingFaceTokenizer, build_tokenizer, byte_level_alphabet, check_vocab,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    build_tokenizer,
+    byte_level_alphabet,
+    check_vocab,
     padded_vocab_size,
 )
 from megapipe.data.train_tokenizer import train_tokenizer

@@ -111,7 +111,7 @@ class SlurmCluster:
                     time.sleep(0.5)
             except (subprocess.TimeoutExpired, OSError):
                 pass
-        for name, proc in reversed(list(self.processes.items())):
+        for proc in reversed(list(self.processes.values())):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -274,7 +274,8 @@ def test_slurm_cluster_runs_a_two_node_job(slurm_cluster, tmp_path):
     script = tmp_path / "hello.sbatch"
     script.write_text(
         "#!/bin/bash\n"
-        'srun --ntasks-per-node=1 bash -c \'echo "hello from $SLURMD_NODENAME task $SLURM_PROCID"\'\n'
+        "srun --ntasks-per-node=1 bash -c "
+        '\'echo "hello from $SLURMD_NODENAME task $SLURM_PROCID"\'\n'
     )
     state, log = submit_and_wait(slurm_cluster, script, slurm_cluster.env, 60)
     assert state == "COMPLETED", f"{state}\n{log}\n{slurm_cluster.logs()}"

@@ -85,8 +85,7 @@ def test_graphs_on_give_the_bits_of_graphs_off(capacity) -> None:  # noqa: ANN00
 def test_a_graph_captured_on_the_side_stream_replays_on_the_current_one() -> None:
     """The replay follows the stream current at the call: a side stream's work and the graph's
     reads and writes are ordered by the usual stream waits."""
-    from megapipe.overlap.graphs import NodeGraphs
-    from megapipe.overlap.graphs import Graphable
+    from megapipe.overlap.graphs import Graphable, NodeGraphs
     from megapipe.overlap.plan import Node, NodeKind, Plan, run_nodes
 
     weight = torch.randn(64, 64, device="cuda", requires_grad=True)

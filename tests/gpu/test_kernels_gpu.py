@@ -93,7 +93,7 @@ def test_every_megapipe_operator_is_one_kernel_on_cuda():
     y, rstd = K.rms_norm_op(x, w, 1e-5)
     logits = torch.randn(64, 8, device=dev, dtype=bf16)
     probs, indices, _ = K.router_op(logits, 2, False)
-    row_choice, choice_rows, counts = K.routing_plan_op(indices, 8, -1)
+    row_choice, choice_rows, counts = K.routing_rows_op(indices, 8, -1)
     rows = K.permute_op(x, row_choice, 2)
     calls = {
         "rms_norm": lambda: K.rms_norm_op(x, w, 1e-5),
@@ -103,7 +103,7 @@ def test_every_megapipe_operator_is_one_kernel_on_cuda():
         "router": lambda: K.router_op(logits, 2, False),
         "router_backward": lambda: K.router_backward_op(probs, logits, counts, None, 2, False,
                                                         0.01, 0.001),
-        "routing_plan": lambda: K.routing_plan_op(indices, 8, -1),
+        "routing_rows": lambda: K.routing_rows_op(indices, 8, -1),
         "permute": lambda: K.permute_op(x, row_choice, 2),
         "sum_choices": lambda: K.sum_choices_op(rows, probs, choice_rows),
         "unpermute_backward": lambda: K.unpermute_backward_op(x, rows, probs, row_choice,

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megapipe.overlap.combined import combined_step  # noqa: E402
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 from megapipe.overlap.plan import Node, NodeKind  # noqa: E402
-from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
 from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
+from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 
@@ -49,7 +49,10 @@ def _moe(device, hidden: int, link=None):  # noqa: ANN001, ANN202
 
     cfg = MoEConfig(hidden_size=hidden, num_experts=4, top_k=2, ffn_hidden_size=2 * hidden,
                     aux_loss_coeff=0.01, link=link)
-    build = lambda seed: torch.nn.ModuleList([MoELayer(cfg, layer_index=i, seed=seed) for i in range(2)])
+
+    def build(seed):
+        return torch.nn.ModuleList([MoELayer(cfg, layer_index=i, seed=seed) for i in range(2)])
+
     return build(1).to(device), build(2).to(device)
 
 

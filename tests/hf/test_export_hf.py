@@ -18,14 +18,16 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
                                    "(the hf extra)")
 
 from megapipe.cli import main  # noqa: E402
-from megapipe.hf.load_hf import load_hf  # noqa: E402
 from megapipe.hf.architectures import export_architecture, gpt_config_from_hf  # noqa: E402
+from megapipe.hf.load_hf import load_hf  # noqa: E402
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
 from megapipe.train.checkpoint.export_hf import export_hf  # noqa: E402
 from megapipe.train.checkpoint.files import DESCRIPTOR_FILE  # noqa: E402
 from megapipe.train.checkpoint.reader import (  # noqa: E402
-    config_of, find_checkpoint, read_model_state,
+    config_of,
+    find_checkpoint,
+    read_model_state,
 )
 from support.hf_cases import LAYOUTS, MODERN, TIED, reference_model, write_checkpoints  # noqa: E402
 

@@ -25,7 +25,13 @@ from megapipe.train import main as pretrain  # noqa: E402
 from megapipe.train.checkpoint.export_hf import export_hf  # noqa: E402
 from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
 from support.hf_published import (  # noqa: E402
-    CASES, LAYOUT, MICROBATCHES, batch, layout_run, save_published, transformers_loss,
+    CASES,
+    LAYOUT,
+    MICROBATCHES,
+    batch,
+    layout_run,
+    save_published,
+    transformers_loss,
     transformers_model,
 )
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapipe.kernels import reference_fused as R
-from megapipe.kernels import rms_norm, rms_norm_residual, swiglu
+from megapipe.kernels import reference_fused as R, rms_norm, rms_norm_residual, swiglu
 from megapipe.moe.permutation import sort_by_expert
 from megapipe.moe.router import load_balancing_loss, z_loss
 
@@ -94,7 +93,7 @@ def test_router_reference_against_the_unfused_router(sigmoid, renormalize, with_
     assert torch.equal(got_probs, probs) and torch.equal(got_indices, indices)
     labels = torch.randperm(num_experts, generator=gen) if with_labels else None
     plan_of = got_indices if labels is None else labels[got_indices]
-    counts = R.routing_plan(plan_of, num_experts, -1)[2]
+    counts = R.routing_rows(plan_of, num_experts, -1)[2]
     # the loss value from the statistics (summed in another order: within rounding)
     from megapipe.moe.aux_loss import AuxStatistics
 
@@ -111,7 +110,7 @@ def test_routing_plan_reference_is_order_by_expert():
     gen = torch.Generator().manual_seed(3)
     indices = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(23)])
     for capacity in (None, 4):
-        row_choice, choice_rows, counts = R.routing_plan(indices, 5, -1 if capacity is None
+        row_choice, choice_rows, counts = R.routing_rows(indices, 5, -1 if capacity is None
                                                          else capacity)
         flat = indices.reshape(-1)
         assert counts.tolist() == [int((flat == e).sum()) for e in range(5)]
@@ -123,8 +122,7 @@ def test_routing_plan_reference_is_order_by_expert():
 
 def compare_triton_with_reference(device: str) -> list[str]:
     """Every fused Triton kernel against its reference; failure messages."""
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_router as TR
+    from megapipe.kernels import triton_norm as TN, triton_router as TR
 
     failures: list[str] = []
 
@@ -188,9 +186,9 @@ def compare_triton_with_reference(device: str) -> list[str]:
     for capacity in (-1, 3, 50):
         indices = torch.stack([torch.randperm(7, generator=gen)[:2] for _ in range(40)]).to(device)
         for name, a, b in zip(("row_choice", "choice_rows", "counts"),
-                              TR.routing_plan(indices, 7, capacity),
-                              R.routing_plan(indices, 7, capacity)):
-            check(f"routing_plan capacity={capacity} {name}", a, b, 0, exact=True)
+                              TR.routing_rows(indices, 7, capacity),
+                              R.routing_rows(indices, 7, capacity)):
+            check(f"routing_rows capacity={capacity} {name}", a, b, 0, exact=True)
     return failures
 
 
@@ -218,12 +216,10 @@ def test_the_triton_functions_take_every_argument_of_their_operators():
     schema (defaults filled in), so each takes them all, by the same names."""
     pytest.importorskip("triton")
     import megapipe.kernels as K
-    from megapipe.kernels import triton_norm as TN
-    from megapipe.kernels import triton_permute as TP
-    from megapipe.kernels import triton_router as TR
+    from megapipe.kernels import triton_norm as TN, triton_permute as TP, triton_router as TR
 
     ops = [(K.router_op, TR.router), (K.router_backward_op, TR.router_backward),
-           (K.routing_plan_op, TR.routing_plan), (K.rms_norm_op, TN.rms_norm),
+           (K.routing_rows_op, TR.routing_rows), (K.rms_norm_op, TN.rms_norm),
            (K.rms_norm_backward_op, TN.rms_norm_backward), (K.swiglu_op, TN.swiglu),
            (K.swiglu_backward_op, TN.swiglu_backward), (K.permute_op, TP.permute),
            (K.sum_choices_op, TP.sum_choices), (K.unpermute_backward_op, TP.unpermute_backward)]

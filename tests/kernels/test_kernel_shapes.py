@@ -1,7 +1,7 @@
 """The Triton kernels at the shapes users run, against their references, under Triton's
 interpreter on CPU (bf16 included): router logits in bf16 full of ties (the top-k tie rule:
 lowest expert index first, ``reference_fused.stable_top_k``), 64 to 256 experts, top-6 and
-top-8, softmax (its top-k renormalised or not) and sigmoid, routing plans longer than a block
+top-8, softmax (its top-k renormalised or not) and sigmoid, routing rows longer than a block
 with experts that get no token, RMSNorm over thousands of rows, hidden sizes up to 7168. The
 default run takes a few small ones (the interpreter runs a program in Python: thousands of rows
 take minutes); the ``heavy`` marker (``MEGAPIPE_HEAVY=1``,
@@ -90,19 +90,19 @@ def router_checks(tokens: int, experts: int, top_k: int, sigmoid: bool,
     return failures
 
 
-def plan_checks(tokens: int, experts: int, top_k: int, idle: int) -> list[str]:
+def rows_checks(tokens: int, experts: int, top_k: int, idle: int) -> list[str]:
     from megapipe.kernels import triton_router as TR
 
     failures: list[str] = []
     gen = torch.Generator().manual_seed(tokens + experts)
     indices = idle_routing(tokens, top_k, experts, idle, gen)
     n = indices.numel()
-    assert n > TR.PLAN_BLOCK, "a plan longer than one block"
+    assert n > TR.ROWS_BLOCK, "routing rows longer than one block"
     average = n // experts
     for capacity in (-1, average // 2, 2 * average):  # dropless, drops, padding
-        label = f"routing_plan t={tokens} E={experts} k={top_k} capacity={capacity}"
-        got = TR.routing_plan(indices, experts, capacity)
-        want = R.routing_plan(indices, experts, capacity)
+        label = f"routing_rows t={tokens} E={experts} k={top_k} capacity={capacity}"
+        got = TR.routing_rows(indices, experts, capacity)
+        want = R.routing_rows(indices, experts, capacity)
         if (want[2] == 0).sum() != idle:
             failures.append(f"{label}: {(want[2] == 0).sum()} idle experts, not {idle}")
         for name, a, b in zip(("row_choice", "choice_rows", "counts"), got, want):
@@ -135,13 +135,12 @@ def norm_checks(rows: int, hidden: int, forward: bool = True) -> list[str]:
 
 
 def permute_checks(tokens: int, hidden: int, experts: int, top_k: int) -> list[str]:
-    from megapipe.kernels import reference
-    from megapipe.kernels import triton_permute as TP
+    from megapipe.kernels import reference, triton_permute as TP
 
     failures: list[str] = []
     gen = torch.Generator().manual_seed(hidden)
     indices = idle_routing(tokens, top_k, experts, 3, gen)
-    row_choice, choice_rows, _ = R.routing_plan(indices, experts, -1)
+    row_choice, choice_rows, _ = R.routing_rows(indices, experts, -1)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     probs = torch.rand(tokens, top_k, generator=gen).to(torch.bfloat16)
     label = f"permute t={tokens} h={hidden} E={experts} k={top_k} bf16"
@@ -162,15 +161,15 @@ def shape_checks(every_shape: bool) -> list[str]:
     if not every_shape:
         failures += router_checks(40, 64, 6, False, renormalize=True)
         failures += router_checks(40, 128, 8, True)
-        failures += plan_checks(180, 8, 6, idle=2)
+        failures += rows_checks(180, 8, 6, idle=2)
         failures += norm_checks(300, 128, forward=False)  # dweight programs of two tiles
         return failures
     for experts in (64, 128, 256):
         for top_k in (6, 8):
             for sigmoid, renormalize in ((False, False), (True, False), (False, True)):
                 failures += router_checks(100, experts, top_k, sigmoid, renormalize)
-    failures += plan_checks(300, 256, 8, idle=17)
-    failures += plan_checks(1100, 8, 2, idle=1)
+    failures += rows_checks(300, 256, 8, idle=17)
+    failures += rows_checks(1100, 8, 2, idle=1)
     for rows, hidden in ((2048, 1024), (512, 4096), (256, 7168)):
         failures += norm_checks(rows, hidden)
         failures += permute_checks(64, hidden, 64, 8)

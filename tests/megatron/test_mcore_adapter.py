@@ -163,7 +163,7 @@ def _assert_grads(got: dict, want: dict, exact: bool, what: str) -> None:
         else:
             scale = ref.abs().max().item()
             torch.testing.assert_close(got[name], ref, rtol=1e-6, atol=1e-6 * scale,
-                                       msg=lambda m: f"{what} {name}: {m}")
+                                       msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 def _tensors(arrays: dict) -> dict[str, torch.Tensor]:

@@ -14,7 +14,10 @@ import torch
 
 from megapipe.megatron import mcore_config
 from megapipe.megatron.mcore_release import (
-    SUPPORTED_RELEASES, McoreRelease, check_version, parse_version,
+    SUPPORTED_RELEASES,
+    McoreRelease,
+    check_version,
+    parse_version,
 )
 from megapipe.megatron.mcore_wgrad import after_backward, check_driven, delayed_modules
 from megapipe.overlap.plan import LayerState

@@ -74,7 +74,7 @@ def test_three_steps_give_megatrons_parameters(ddp_pools, world, case):
         for name, want in ref.items():
             scale = want.abs().max().item()
             torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-6 * scale,
-                                       msg=lambda m: f"{run} {name}: {m}")
+                                       msg=lambda m, run=run, name=name: f"{run} {name}: {m}")
         flat = [loss for step in losses for loss in step]
         assert flat == pytest.approx([loss for step in ref_losses for loss in step], rel=1e-6)
         assert outs[0][run]["norms"] == pytest.approx(outs[0]["reference"]["norms"], rel=1e-6)

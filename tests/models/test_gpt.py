@@ -37,7 +37,7 @@ def _pipeline_loss_and_grads(stages, tokens, labels):
         x = outputs[-1][1]
     loss = gpt_loss(x, labels)
     loss.backward()
-    for (x_in, out), (next_in, _) in zip(reversed(outputs[:-1]), reversed(outputs[1:])):
+    for (_, out), (next_in, _) in zip(reversed(outputs[:-1]), reversed(outputs[1:])):
         out.backward(next_in.grad)
     named = {}
     for stage in stages:

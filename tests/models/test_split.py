@@ -1,8 +1,7 @@
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from megapipe.models.split import split_layers, stage_ids_of_rank
 from megapipe.schedule.ir import loop_placement, v_placement

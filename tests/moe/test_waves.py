@@ -50,7 +50,10 @@ def check_chunked_on_two_ranks() -> int:
     checks = 0
     for extra in VARIANTS:
         x = torch.randn(3, 6, 16, generator=torch.Generator().manual_seed(10 + rank))
-        build = lambda: MoELayer(MoEConfig(**BASE, **extra), ep_group=dist.group.WORLD, seed=3)
+
+        def build(extra=extra):
+            return MoELayer(MoEConfig(**BASE, **extra), ep_group=dist.group.WORLD, seed=3)
+
         reference = _forward_backward(build(), 1, x)
         got = _forward_backward(build(), 2, x)
         assert all(torch.equal(a, b) for a, b in zip(reference, got)), extra

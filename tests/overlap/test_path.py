@@ -50,7 +50,7 @@ def _measured(rank_pools):
 
 
 def test_the_overlap_path_is_short_and_never_calls_back_into_the_executor(rank_pools):
-    for roots, depth, files, functions, edges in _measured(rank_pools):
+    for roots, depth, files, _functions, edges in _measured(rank_pools):
         assert roots > 0
         assert depth <= MAX_CALLS, depth
         assert len(files) <= MAX_FILES, files

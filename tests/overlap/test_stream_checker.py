@@ -31,7 +31,7 @@ def _made_on_compute_read_on_comm(wait: bool, keep: bool, owner_waits: bool) -> 
         x = torch.ones(4) * 2  # made on the compute stream
 
         def read():
-            return (x + 1).sum()
+            return (x + 1).sum()  # noqa: F821  # x is deleted below after read() is queued
 
         if wait:
             streams.comm.wait_event(streams.compute.record_event())
@@ -59,10 +59,10 @@ def test_the_findings_name_the_op_the_origin_and_both_streams():
         streams = checker.streams()
         made = streams.comm.submit(lambda: torch.arange(6.0).cumsum(0)).value_on(
             streams.compute)  # value_on waits and keeps: safe
-        streams.compute.submit(lambda: made * 3)
+        streams.compute.submit(lambda: made * 3)  # noqa: F821  # deleted after submit
         del made
         raw = streams.comm.submit(lambda: torch.arange(6.0).cumsum(0)).value
-        streams.compute.submit(lambda: raw * 3)  # no wait, no record_stream
+        streams.compute.submit(lambda: raw * 3)  # noqa: F821  # no wait, no record_stream
         del raw
     (unordered, freed) = checker.findings
     assert (unordered.kind, unordered.op, unordered.origin, unordered.maker,

@@ -225,8 +225,11 @@ def test_gradients_meeting_at_a_residual_used_five_times_sum_in_autograds_order(
 def _forked_plan(w: torch.Tensor) -> list:
     """head -> (x, a, b); two branches (comm: roll, compute: tanh @ w); join: x + a' * b'."""
     head = Node("head", NodeKind.COMPUTE, lambda s, t: (t[0], t[0] @ w, torch.sin(t[0])))
-    branch = lambda c: (Node(f"roll{c}", NodeKind.COMM, lambda s, t: (torch.roll(t[0], 1, 0),)),
-                        Node(f"mix{c}", NodeKind.COMPUTE, lambda s, t: (torch.tanh(t[0] @ w),)))
+
+    def branch(c):
+        return (Node(f"roll{c}", NodeKind.COMM, lambda s, t: (torch.roll(t[0], 1, 0),)),
+                Node(f"mix{c}", NodeKind.COMPUTE, lambda s, t: (torch.tanh(t[0] @ w),)))
+
     from megapipe.overlap.plan import Fork
 
     join = Node("join", NodeKind.COMPUTE, lambda s, t: (t[0] + t[1] * t[2],))

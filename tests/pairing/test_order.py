@@ -121,7 +121,7 @@ def test_a_queuing_host_issues_a_host_reading_comm_node_after_its_slots_compute(
 
 def test_a_pair_of_layer_shapes_is_planned_once():
     """The pair order places a planned pair (``_pair_plan``, cached by the layers' walks) into
-    every step: two steps of the same shape plan nothing again and give equal issues."""
+    every combined step: two of the same shape plan nothing again and give equal issues."""
     from megapipe.pairing import order as pair_order
 
     first = issue_order([MOE, DENSE], [DENSE, MOE], defer_wgrad=True)

@@ -4,9 +4,8 @@ import sys
 import pytest
 import torch
 
-from megapipe.parallel.launch import default_backend, resolve_launch
+from megapipe.parallel.launch import default_backend, free_port, resolve_launch
 from megapipe.parallel.slurm_hostlist import expand_hostlist
-from megapipe.parallel.launch import free_port
 
 
 @pytest.mark.parametrize(

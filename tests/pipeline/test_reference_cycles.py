@@ -55,6 +55,7 @@ def test_a_step_leaves_no_cyclic_garbage(name: str) -> None:
 def test_the_probe_finds_a_cycle_that_holds_a_tensor() -> None:
     def work() -> None:
         held = {"tensor": torch.zeros(3)}
+        # a dict that holds itself: the cycle under test
         held["itself"] = held  # type: ignore[assignment]
 
     assert cyclic_garbage(work) == {"torch.Tensor": 1}

@@ -60,7 +60,8 @@ def test_split_equals_full_backward(name, input_needs_grad):
 @pytest.mark.parametrize("use_tape", [False, True])
 @pytest.mark.parametrize("part", [0, 1])
 def test_stage_worker_i_then_w_equals_b(use_tape, part):
-    """A GPT stage, plain autograd or tape: I then W leaves the gradients of B (two microbatches)."""
+    """A GPT stage, plain autograd or tape: I then W leaves the gradients of B (two
+    microbatches)."""
     config = GPTConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, seq_length=8)
     inputs = [
         torch.randint(0, 32, (2, 8)) if part == 0 else torch.randn(2, 8, 16) for _ in range(2)

@@ -19,14 +19,20 @@ import hashlib
 import random
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
-from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, check_batches, lower
-from megapipe.schedule import validate
-from megapipe.schedule.timing.timeline import timeline
+from megapipe.schedule import (
+    ScheduleError,
+    apply_overlap,
+    build_schedule,
+    check_batches,
+    lower,
+    validate,
+)
 from megapipe.schedule.ir import COMM_KINDS, Action, Kind, Schedule
+from megapipe.schedule.timing.timeline import timeline
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from megapipe.schedule import SCHEDULES, ScheduleError, build_schedule, validate
+from megapipe.schedule.ir import Kind
 from megapipe.schedule.overlap_pass.budget import extra_in_flight
 from megapipe.schedule.overlap_pass.in_flight import peak_in_flight
-from megapipe.schedule.ir import Kind
 from megapipe.schedule.timing.timeline import timeline
 
 # (name, pp, microbatches, vpp): every registered schedule at sizes it accepts.

@@ -10,7 +10,6 @@ import pytest
 from megapipe.schedule import ScheduleError, build_schedule, lower
 from megapipe.schedule.p2p.comm_certificate import certified
 from megapipe.schedule.p2p.comm_check import _computations, _simulate_batches
-
 from sweep_outputs import _perturbed
 
 SPREAD = [("gpipe", 3, 1, 4), ("1f1b", 4, 1, 8), ("interleaved-1f1b", 4, 2, 8),

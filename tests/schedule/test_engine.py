@@ -10,13 +10,12 @@ import numpy as np
 import pytest
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, parse_action
-from megapipe.schedule.timing.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.ir import Schedule
+from megapipe.schedule.timing.deps import DEFAULT_DURATIONS, needs_of, product_of
 from megapipe.schedule.timing.engine import time_in_order
 from megapipe.schedule.timing.retime import SWEEP_SEQUENCE, SweepSequence, retime
 from megapipe.schedule.timing.timeline import ActionGraph, action_durations, timeline
 from megapipe.sim import Costs, simulate
-
 from sweep_outputs import _perturbed
 
 

@@ -7,12 +7,13 @@ import pytest
 from megapipe.schedule import Kind, build_schedule, validate
 from megapipe.schedule.families.dualpipe import dualpipe, dualpipev
 from megapipe.schedule.families.interleaved import (
-    interleaved_1f1b, megatron_chunk_sequence, megatron_warmup,
+    interleaved_1f1b,
+    megatron_chunk_sequence,
+    megatron_warmup,
 )
-from megapipe.schedule.ir import loop_placement, v_placement
 from megapipe.schedule.families.simple import gpipe, one_f_one_b
 from megapipe.schedule.families.zero_bubble import zb1p, zbv
-
+from megapipe.schedule.ir import loop_placement, v_placement
 from schedule_rows import leading_forwards
 
 

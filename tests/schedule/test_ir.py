@@ -6,7 +6,15 @@ import csv
 
 import pytest
 
-from megapipe.schedule import Action, Kind, Schedule, build_schedule, parse_action, read_csv, write_csv
+from megapipe.schedule import (
+    Action,
+    Kind,
+    Schedule,
+    build_schedule,
+    parse_action,
+    read_csv,
+    write_csv,
+)
 from megapipe.schedule.ir import infer_stage_to_rank, loop_placement, read_rows, v_placement
 
 TEXTS = [

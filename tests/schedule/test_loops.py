@@ -12,7 +12,6 @@ from megapipe.schedule.timing.deps import DEFAULT_DURATIONS
 from megapipe.schedule.timing.engine import ActionTimes, time_in_order
 from megapipe.schedule.timing.retime import SweepSequence, retime
 from megapipe.schedule.timing.timeline import ActionGraph, action_durations
-
 from sweep_outputs import MICROBATCHES, group_digests, group_key, groups, read_golden
 from test_engine import schedules
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megapipe.schedule import ScheduleError, build_schedule, check_batches, lower
-from megapipe.schedule.timing.deps import message_of_comm, received_message, sent_message
-from megapipe.schedule.timing.timeline import timeline
 from megapipe.schedule.ir import (
-    COMM_KINDS, Action, Kind, Schedule, parse_action, read_csv, write_csv,
+    COMM_KINDS,
+    Action,
+    Kind,
+    Schedule,
+    parse_action,
+    read_csv,
+    write_csv,
 )
 from megapipe.schedule.p2p.comm_check import check_channel_matching
+from megapipe.schedule.timing.deps import message_of_comm, received_message, sent_message
+from megapipe.schedule.timing.timeline import timeline
 
 # (name, pp, vpp, microbatches): a spread over every registered schedule, including odd pp,
 # M not a multiple of pp where allowed, and the smallest M each schedule takes.
@@ -73,7 +78,7 @@ def test_sends_follow_producers_and_recvs_precede_consumers():
                 if sent is not None:
                     send = Action(comp.stage, Kind.SEND_F if sent[0] == "F" else Kind.SEND_B,
                                   comp.microbatch)
-                    # In the comm run right after the action (an OVERLAP sends both results).
+                    # In the gap's batch right after the action (an OVERLAP sends both results).
                     assert i < index[str(send)] and all(
                         not a.is_compute for a in row[i + 1:index[str(send)]]
                     )

@@ -4,13 +4,10 @@ bound, independent pairs, memory bound."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megapipe.schedule import ScheduleError, apply_overlap, build_schedule, validate
 from megapipe.schedule.ir import Action, Kind, Schedule, parse_action
-from megapipe.schedule.timing.timeline import timeline
-from megapipe.schedule.p2p.lower import lower
 from megapipe.schedule.overlap_pass.apply import (
     critical_path,
     makespan,
@@ -18,7 +15,8 @@ from megapipe.schedule.overlap_pass.apply import (
     pairing_candidates,
     peak_in_flight,
 )
-
+from megapipe.schedule.p2p.lower import lower
+from megapipe.schedule.timing.timeline import timeline
 from schedule_rows import leading_forwards
 
 
@@ -244,7 +242,7 @@ def test_most_backwards_are_paired_with_enough_microbatches(name, vpp, pp, m):
 
 
 def test_megatron_plus_one_beats_the_chain_only_where_the_chunks_give_slack():
-    # Plain 1F1B with Megatron's +1 alternates adjacent ranks (two pairs per step: bubble 21 ->
+    # Plain 1F1B with Megatron's +1 alternates adjacent ranks (two pairs per turn: bubble 21 ->
     # 63 at pp=8, M=16); the chain needs pp - r extras. Interleaved 1F1B keeps the +1.
     candidates = [p.name for p in pairing_candidates(build_schedule("1f1b", 8, 16))]
     assert candidates == ["megatron", "chain"]

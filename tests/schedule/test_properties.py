@@ -1,4 +1,5 @@
-"""Property tests over (schedule, pp, vpp, microbatches, overlap): valid, deadlock-free, counts right.
+"""Property tests over (schedule, pp, vpp, microbatches, overlap): valid, deadlock-free, counts
+right.
 
 ``validate`` covers placement, counts, per-rank order, pair independence and a simulated run of
 the lowered schedule under the batched-p2p model, so "valid" here includes "deadlock-free".
@@ -8,8 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megapipe.schedule import SCHEDULES, Kind, ScheduleError, build_schedule, validate
 
@@ -61,7 +61,7 @@ def test_accepted_requests_build_valid_schedules_with_the_right_counts(request):
     assert all(per_rank_stages[r] == stages_per_rank for r in range(pp))
 
     mbs_per_stage = m // 2 if schedule.bidirectional else m
-    for rank, row in enumerate(schedule.actions):
+    for row in schedule.actions:
         kinds = Counter(c.kind for a in row for c in a.computations())
         assert kinds[Kind.F] == stages_per_rank * mbs_per_stage
         assert kinds[Kind.B] + kinds[Kind.I] == stages_per_rank * mbs_per_stage

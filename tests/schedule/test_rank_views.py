@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from megapipe.schedule import SCHEDULES, Kind, build_schedule
+from megapipe.schedule.checks.validate import VALID
+from megapipe.schedule.p2p.comm_check import BATCHES_FINISH, check_batches
 from megapipe.schedule.rank_views import (
     checked_lowering,
     forward_only_schedule,
     in_flight_limit,
     lower_schedule,
 )
-from megapipe.schedule import SCHEDULES, Kind, build_schedule
-from megapipe.schedule.checks.validate import VALID
-from megapipe.schedule.p2p.comm_check import BATCHES_FINISH, check_batches
 
 VPP = {"zbv": 2, "dualpipev": 2, "dualpipe": 2, "interleaved-1f1b": 2, "looped-bfs": 2, "zb1p": 2}
 

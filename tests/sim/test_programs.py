@@ -10,12 +10,12 @@ import pytest
 
 from megapipe.schedule import build_schedule
 from megapipe.schedule.ir import Action, Kind
-from megapipe.sim import Costs, simulate
 from megapipe.schedule.p2p.early_sends import EACH, WHOLE
+from megapipe.sim import Costs, simulate
 from megapipe.sim.costs import AT_END, NodeCosts
 from megapipe.sim.pick import choose_a2a_waves
-from megapipe.sim.programs import half_ends, node_ops, op_times
 from megapipe.sim.profile import NodeProfile, role_of
+from megapipe.sim.programs import half_ends, node_ops, op_times
 
 PROFILE_FILE = Path(__file__).resolve().parents[2] / "benchmarks/profiles/deepseek_v3_h800.json"
 DEEPSEEK = NodeProfile.load(PROFILE_FILE)

@@ -1,15 +1,14 @@
 """The event simulation on hand-made schedules, and against an independent longest-path model."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from megapipe.pairing.timing import COMM, COMPUTE
 from megapipe.schedule.errors import ScheduleError
 from megapipe.schedule.ir import Kind, Schedule, loop_placement, parse_action
 from megapipe.schedule.registry import build_schedule
 from megapipe.sim.costs import Costs
 from megapipe.sim.simulate import simulate
-from megapipe.pairing.timing import COMM, COMPUTE
 
 
 def rows_schedule(text_rows, num_stages, num_microbatches, placement=None, **kw) -> Schedule:

@@ -13,7 +13,8 @@ waits only on the compute stream needs them all on it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -13,7 +13,12 @@ from megapipe.models.split import build_stage
 from megapipe.parallel.config import ParallelConfig
 from support.megatron_cases import _forward_step, func_stage_ids
 from support.pipeline_cases import (
-    CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,
+    CONFIG,
+    MICRO_BATCH,
+    Case,
+    microbatch,
+    prepare_groups,
+    subworld_groups,
 )
 from support.scripted_clock import ScriptedClock
 

@@ -37,7 +37,7 @@ class OverlapPath:
     def files(self) -> set[str]:
         return {file for file, _ in self.functions}
 
-    def __enter__(self) -> "OverlapPath":
+    def __enter__(self) -> OverlapPath:
         sys.setprofile(self._profile)
         return self
 

@@ -28,9 +28,13 @@ from megapipe.schedule import Kind, build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
 from support.pipeline_cases import (
-    CONFIG, MICRO_BATCH, Case, microbatch, prepare_groups, subworld_groups,
+    CONFIG,
+    MICRO_BATCH,
+    Case,
+    microbatch,
+    prepare_groups,
+    subworld_groups,
 )
-
 
 GRAPH_MODULES = ("attn", "moe_router", "mlp")
 

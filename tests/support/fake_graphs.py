@@ -27,9 +27,10 @@ Warm-ups and captures run on the graphs' side stream (``side``), replays on the 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,7 +107,7 @@ def _megapipe_frame() -> str:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, syncs: "HostSyncs") -> None:
+    def __init__(self, syncs: HostSyncs) -> None:
         super().__init__()
         self.syncs = syncs
 
@@ -182,7 +183,7 @@ class HostSyncs:
 
         setattr(nodes, name, run)
 
-    def __enter__(self) -> "HostSyncs":
+    def __enter__(self) -> HostSyncs:
         for name in WRAPPED_METHODS:
             self._wrap_method(name)
         self._wrap_node("forward_node", "F")

@@ -16,7 +16,12 @@ import torch.distributed as dist
 
 from support import megatron_cpu
 from support.mcore_models import (
-    MICRO_BATCH, SEQ, VOCAB, McoreCase, TEContractLinear, build_chunks,
+    MICRO_BATCH,
+    SEQ,
+    VOCAB,
+    McoreCase,
+    TEContractLinear,
+    build_chunks,
 )
 from support.mcore_releases import use_release
 

@@ -10,8 +10,9 @@ again; every rank runs the same forwards, so their all-to-alls match.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,15 +9,21 @@ so parameters compare by global name across placements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from support import megatron_cpu
 from support.mcore_cases import (
-    MICRO_BATCH, SEQ, McoreCase, _setup, build_chunks, forward_step, microbatches,
+    MICRO_BATCH,
+    SEQ,
+    McoreCase,
+    _setup,
+    build_chunks,
+    forward_step,
+    microbatches,
 )
 
 BUCKET = 4000  # elements: several buckets per chunk of the test model
@@ -28,7 +34,9 @@ def _ddp_chunks(case: McoreCase):
     """Chunks wrapped as a Megatron script wraps them (bucketing on the first chunk only),
     with the config hooks training.py sets."""
     from megatron.core.distributed import (
-        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
     )
 
     config, chunks, names = build_chunks(case)

@@ -267,13 +267,14 @@ class _ContractLinear(torch.autograd.Function):
     gradient is deferred to ``backward_dw()`` when the module's store delays it."""
 
     @staticmethod
+    # autograd.Function's own arguments
     def forward(ctx, input, weight, store):  # type: ignore[override]
         ctx.save_for_backward(input, weight)
         ctx.store = store
         return torch.matmul(input, weight.t())
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):  # type: ignore[override]  # autograd.Function's own arguments
         input, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         g2 = grad_output.reshape(-1, grad_output.shape[-1])

@@ -43,7 +43,7 @@ class _HostStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_DoneEvent":
+    def record_event(self, event: Any = None) -> _DoneEvent:
         return _DoneEvent()
 
     def synchronize(self) -> None:
@@ -255,6 +255,7 @@ def apply_optimizer_patches() -> None:
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
 
+    # Megatron's CPU stand-in patches it
     torch.Tensor.type = _megatron_type  # type: ignore[method-assign]
     clip_grads.torch = _CpuTensorTorch()
     clip_grads.l2_norm_impl = _cpu_l2_norm

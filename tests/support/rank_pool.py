@@ -16,7 +16,8 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -149,11 +150,11 @@ class RankPool:
                     self.close(kill=True)
                     raise RankError(f"{name}: ranks {sorted(dead)} died (exit codes "
                                     f"{list(dead.values())}; a negative code is a signal)"
-                                    + _format_failures(failures))
+                                    + _format_failures(failures)) from None
                 if time.monotonic() > deadline:
                     self.close(kill=True)
                     raise RankError(f"{name} did not finish within {self.timeout:.0f}s "
-                                    f"on ranks {missing}" + _format_failures(failures))
+                                    f"on ranks {missing}" + _format_failures(failures)) from None
                 continue
             (results if ok else failures)[rank] = value
         if failures:
@@ -180,7 +181,7 @@ class RankPool:
         self._procs = []
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:

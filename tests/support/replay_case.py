@@ -13,10 +13,9 @@ def replay_run(fields: dict, name: str, chunks: int) -> dict:
     ``ReplaySettings`` of ``fields`` (a dict: the pool's processes import the benchmark here)."""
     if BENCHMARKS not in sys.path:
         sys.path.insert(0, BENCHMARKS)
-    from overlap_replay import ReplaySettings, measure_schedule
-
     from megapipe.parallel.config import ParallelConfig
     from megapipe.parallel.groups import create_groups
+    from overlap_replay import ReplaySettings, measure_schedule
 
     settings = ReplaySettings(**fields)
     groups = create_groups(ParallelConfig(pp=settings.pp, dp=settings.dp, ep=settings.ep))

@@ -45,8 +45,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -167,7 +168,7 @@ def _where() -> str:
 class CheckedCudaApi(CudaApi):
     """``CudaApi`` for the checker: streams are ``CheckedStream``, events ``CheckedEvent``."""
 
-    def __init__(self, checker: "StreamChecker") -> None:
+    def __init__(self, checker: StreamChecker) -> None:
         self.checker = checker
 
     def new_event(self) -> CheckedEvent:
@@ -278,7 +279,7 @@ class StreamChecker(TorchDispatchMode):
             self._find(Finding("freed", op, block.origin, block.owner, name, where))
 
     # ---- the mode ------------------------------------------------------------------------
-    def __enter__(self) -> "StreamChecker":
+    def __enter__(self) -> StreamChecker:
         self._on = True
         return super().__enter__()
 

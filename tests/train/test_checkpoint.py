@@ -8,8 +8,17 @@ from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
 from megapipe.train.checkpoint.files import (
-    DESCRIPTOR_FILE, FORMAT, LATEST_FILE, CheckpointError, file_digest, iteration_dir,
-    prepare_temporary, prune, publish, select_checkpoint, temporary_dir,
+    DESCRIPTOR_FILE,
+    FORMAT,
+    LATEST_FILE,
+    CheckpointError,
+    file_digest,
+    iteration_dir,
+    prepare_temporary,
+    prune,
+    publish,
+    select_checkpoint,
+    temporary_dir,
 )
 from megapipe.train.checkpoint.state import checkpoint_entries, ensure_optimizer_state
 from megapipe.train.optim.adamw import build_optimizer

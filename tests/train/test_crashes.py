@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from megapipe.train.checkpoint.files import LATEST_FILE, select_checkpoint
-
 from support.pretrain_flags import TINY
 
 ENTRY = str(Path(__file__).resolve().parents[1] / "support" / "fault_entry.py")

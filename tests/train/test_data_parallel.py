@@ -15,7 +15,6 @@ from megapipe.train.checkpoint.files import LATEST_FILE
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
 from megapipe.train.observe.trace_summary import summarize_file
-
 from support.dp_cases import optimizer_state_bytes
 from support.pretrain_flags import TINY
 

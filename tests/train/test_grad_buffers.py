@@ -8,14 +8,13 @@ import torch
 
 from megapipe.train.checkpoint.pieces import PieceTensor, flat_boxes
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
-from megapipe.train.optim.grad_buffers import ALIGN, FlatBuffer, plan_buckets
-
+from megapipe.train.optim.grad_buffers import ALIGN, FlatBuffer, assign_buckets
 from support.pretrain_flags import TINY
 
 
 def test_buckets_close_at_the_size_and_pad_each_shard():
     numels = [100, 300, 50, 700, 10]
-    starts, buckets = plan_buckets(numels, bucket_size=400, shards=2)
+    starts, buckets = assign_buckets(numels, bucket_size=400, shards=2)
     assert all(s % ALIGN == 0 for s in starts)
     assert [b.params for b in buckets] == [(0, 1), (2, 3), (4,)]
     for bucket in buckets:
@@ -26,7 +25,7 @@ def test_buckets_close_at_the_size_and_pad_each_shard():
     lo0, hi0 = buckets[0].shard(0, 2)
     lo1, hi1 = buckets[0].shard(1, 2)
     assert (lo0, hi1) == (buckets[0].start, buckets[0].end) and hi0 == lo1 and lo1 % ALIGN == 0
-    _, one = plan_buckets(numels, bucket_size=None)
+    _, one = assign_buckets(numels, bucket_size=None)
     assert len(one) == 1 and one[0].params == (0, 1, 2, 3, 4)
 
 

@@ -30,13 +30,17 @@ import megapipe.train.main as pretrain  # noqa: E402
 from megapipe.cli import main as megapipe  # noqa: E402
 from megapipe.data.bits_per_byte import target_bytes, token_byte_counts  # noqa: E402
 from megapipe.data.gpt_samples import (  # noqa: E402
-    build_gpt_datasets, indexed_validation_batches, megatron_sample_counts,
+    build_gpt_datasets,
+    indexed_validation_batches,
+    megatron_sample_counts,
 )
 from megapipe.data.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
 from megapipe.moe.experts import GroupedExperts  # noqa: E402
 from megapipe.train.checkpoint.reader import (  # noqa: E402
-    config_of, find_checkpoint, read_model_state,
+    config_of,
+    find_checkpoint,
+    read_model_state,
 )
 from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
 from megapipe.train.job import build_job  # noqa: E402

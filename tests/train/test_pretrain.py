@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from megapipe.data.raw_text import (
-    END_OF_DOCUMENT, load_tokens, resolve_data_files, split_corpus, validation_batches,
+    END_OF_DOCUMENT,
+    load_tokens,
+    resolve_data_files,
+    split_corpus,
+    validation_batches,
 )
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import train
 from support.pretrain_flags import TINY
-
 
 
 def _train(argv):
@@ -98,7 +101,9 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "0"], "--recompute-num-layers=0 must be >= 1"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
-      "--recompute-num-layers", "9"], "--recompute-num-layers=9 exceeds the largest pipeline chunk's layers (2: --num-layers=6 over 4 chunks)"),
+      "--recompute-num-layers", "9"],
+     "--recompute-num-layers=9 exceeds the largest pipeline chunk's layers"
+     " (2: --num-layers=6 over 4 chunks)"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-modules", "core_attn"],
      "--recompute-modules needs --recompute-granularity selective"),

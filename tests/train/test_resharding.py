@@ -7,7 +7,6 @@ import pytest
 from megapipe.train.checkpoint.files import LATEST_FILE
 from megapipe.train.config.parse import parse_pretrain_args
 from megapipe.train.loop import train
-
 from support.pretrain_flags import TINY
 
 LAYOUTS = {

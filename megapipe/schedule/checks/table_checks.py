@@ -13,9 +13,9 @@ import numpy as np
 
 from ..actions import Action
 from ..errors import ScheduleError
-from ..timing.flows import stage_rank
 from ..ir import Schedule
-from ..table import B, F, I, KINDS, OVERLAP, W, Comps, is_comm
+from ..table import KINDS, OVERLAP, B, Comps, F, I, W, is_comm
+from ..timing.flows import stage_rank
 
 
 def _first(mask: np.ndarray) -> int | None:

@@ -29,7 +29,7 @@ from ..p2p.lower import lower
 from ..table import is_comm
 from ..timing.deps import missing_needs
 from ..timing.timeline import timeline
-from .table_checks import check_counts, check_pairs, check_placement, check_list_order
+from .table_checks import check_counts, check_list_order, check_pairs, check_placement
 
 VALID: Derived[bool] = Derived(bool)  # ``validate`` passed
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..table import F, NONE, OVERLAP
+from ..table import NONE, OVERLAP, F
 
 # A pattern item: (stage, kind code) for a plain action, or (forward stage, backward stage,
 # backward kind code) for a pair (an OVERLAP, or its forward then its backward).

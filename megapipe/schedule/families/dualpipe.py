@@ -11,9 +11,9 @@ bubble). With ``overlap=False`` each pair becomes its forward followed by its ba
 
 from __future__ import annotations
 
-from .builder import RowBuilder
 from ..ir import Schedule, ScheduleOptions, v_placement
-from ..table import B, F, I, W, ActionTable
+from ..table import ActionTable, B, F, I, W
+from .builder import RowBuilder
 
 
 def _backward(row: RowBuilder, stage: int, zero_bubble: bool = False) -> None:
@@ -49,7 +49,7 @@ def _dualpipe_rank(
         _backward(row, far, zero_bubble=True)
         _weight(row)
         row.run(far, F)
-    main = chunks - 2 * ranks + position + 1  # 4: the main phase, two pairs per step
+    main = chunks - 2 * ranks + position + 1  # 4: the main phase, two pairs per turn
     if main > 0 and behind == 0:
         # At the turning point DualPipe runs this first pair apart to shorten the bubble.
         row.run(near, F)

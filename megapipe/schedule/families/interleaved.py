@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .builder import warmup_then_alternate
 from ..ir import Schedule, loop_placement
+from ..table import ActionTable, B, F
+from .builder import warmup_then_alternate
 from .simple import one_f_one_b
-from ..table import B, F, ActionTable
 
 
 def chunk_sequence(num_microbatches: int, vpp: int,

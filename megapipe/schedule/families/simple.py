@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .builder import warmup_then_alternate
 from ..ir import Schedule, loop_placement
-from ..table import B, F, ActionTable
+from ..table import ActionTable, B, F
+from .builder import warmup_then_alternate
 
 
 def gpipe(pp: int, num_microbatches: int) -> Schedule:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir import Schedule, loop_placement, v_placement
+from ..table import ActionTable, F, I, W
 from .builder import RowBuilder
 from .interleaved import chunk_sequence
-from ..ir import Schedule, loop_placement, v_placement
-from ..table import F, I, W, ActionTable
 
 
 def zb1p(
@@ -33,19 +33,19 @@ def zb1p(
     group = microbatch_group_size_per_vp_stage or pp
     mbs, chunks = chunk_sequence(num_microbatches, vpp, group)
     total = len(mbs)
-    steps = np.arange(total)
+    turns = np.arange(total)
     blocks = []
     for rank in range(pp):
         f_stage, b_stage = chunks * pp + rank, (vpp - 1 - chunks) * pp + rank
         warmup = min(pp - rank - 1 + (vpp - 1) * group, total)
-        # Step k of the main loop: the next forward (while any is left), I of backward k, and
-        # the W deferred ``rank`` steps ago (FIFO); the W's still deferred come last.
-        later = np.minimum(steps + warmup, total - 1)
-        held = np.maximum(steps - rank, 0)
+        # Turn k of the main loop: the next forward (while any is left), I of backward k, and
+        # the W deferred ``rank`` turns ago (FIFO); the W's still deferred come last.
+        later = np.minimum(turns + warmup, total - 1)
+        held = np.maximum(turns - rank, 0)
         kind = np.stack([np.full(total, F), np.full(total, I), np.full(total, W)], axis=1)
         stage = np.stack([f_stage[later], b_stage, b_stage[held]], axis=1)
         mb = np.stack([mbs[later], mbs, mbs[held]], axis=1)
-        keep = np.stack([steps + warmup < total, steps >= 0, steps >= rank], axis=1).reshape(-1)
+        keep = np.stack([turns + warmup < total, turns >= 0, turns >= rank], axis=1).reshape(-1)
         rest = np.arange(max(total - rank, 0), total)
         blocks.append((
             np.concatenate([np.full(warmup, F), kind.reshape(-1)[keep], np.full(len(rest), W)]),

@@ -1,7 +1,7 @@
 """The overlap pass: turn an F/B (or F/I/W) schedule into a combined one of OVERLAP pairs.
 
 An OVERLAP ``(sF i; s'B j)`` runs the forward of microbatch i beside the backward of microbatch j
-so that each one's all-to-all hides behind the other's compute (DESIGN.md, "Combined step").
+so that each one's all-to-all hides behind the other's compute (docs/combined-step.md).
 
 The pass is one mechanism applied to each rank's list, whatever schedule made it: rank r runs
 ``e_r`` extra warmup forwards and fuses backwards with later forwards (``partners`` says which
@@ -12,9 +12,9 @@ Why one extra forward is not always enough. A pair hands both outputs on only wh
 hop between two ranks now costs a whole pair. In plain 1F1B with ``e_r = 1`` rank r's pairs are
 ``(F_{j+w_r+1}; B_j)`` (``w_r = pp-r-1``): the pair holding B_i on rank r waits for rank r+1's
 pair holding B_i, which waits for rank r's F output that lies in rank r's *previous* pair, so
-adjacent ranks take turns and every step costs two pairs (at pp=8, M=16, F=1, B=2 the bubble
+adjacent ranks take turns and every turn costs two pairs (at pp=8, M=16, F=1, B=2 the bubble
 grows from 21 to 63). With ``e_r`` extras, rank r+1's pair holding B_i needs rank r's pair
-holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per step only if
+holding ``B_{i-1+e_{r+1}-e_r}``; the steady state runs one pair per turn only if
 ``e_r >= e_{r+1} + 1``. The smallest such choice is the *chain* ``e_r = pp - r`` (warmup
 ``2(pp-r-1) + 1``: Megatron's interleaved warmup formula plus one). Interleaved 1F1B already
 has that factor 2 in its warmup, and the chunks give slack, so Megatron's ``e_r = 1`` suffices
@@ -78,7 +78,12 @@ from ..table import B, I
 from ..timing.deps import DEFAULT_DURATIONS, missing_needs
 from ..timing.retime import SWEEP_SEQUENCE
 from ..timing.timeline import (
-    STRUCTURES, TIMELINES, Timeline, timeline, timeline_after_change, timeline_in_sequence,
+    STRUCTURES,
+    TIMELINES,
+    Timeline,
+    timeline,
+    timeline_after_change,
+    timeline_in_sequence,
 )
 from .in_flight import peak_in_flight  # noqa: F401 - the memory bound of the docstring
 from .partners import Candidates, assemble, find_pairs, pair_is_independent  # noqa: F401
@@ -128,7 +133,7 @@ def makespan(timed: Timeline) -> float:
 def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
     """(rank, index) of the actions on a longest chain of waits ending at the last action.
 
-    Walking back from the action that ends last, each step goes to whatever made the action
+    Walking back from the action that ends last, each hop goes to whatever made the action
     start when it did: a product from another rank (the last such need, in need order), or else
     the previous action of its rank. A product made twice counts at its last maker in rank order.
     """
@@ -139,7 +144,7 @@ def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
             if hi > lo]
     if not last:
         return []
-    before = _waited_for(timed)  # walked step by step: a path is short next to the table
+    before = _waited_for(timed)  # walked hop by hop: a path is short next to the table
     rank_of = table.rank
     k = offsets[max(last)[1] + 1] - 1
     path = []
@@ -183,10 +188,15 @@ class _Attempt:
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     source: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
+    def built(self) -> tuple[Schedule, Timeline]:
+        """The combined schedule and its timeline, as the latest ``_rebuild`` built them."""
+        assert self.combined is not None and self.timed is not None, "not built yet"
+        return self.combined, self.timed
+
     def original_sequence(self) -> np.ndarray | None:
         """The rows of the original in the sequence the latest timing took them (each pair's
         backward, then its forward), if that timing kept its sequence (``retime.time_actions``)."""
-        found = SWEEP_SEQUENCE.of(self.combined)
+        found = SWEEP_SEQUENCE.of(self.built()[0])
         if found is None:
             return None
         taken = found.sequence
@@ -209,7 +219,7 @@ def _rebuild(schedule: Schedule, attempt: _Attempt, split: np.ndarray) -> None:
     if attempt.timed is None or not len(split):
         timed = timeline(combined)
     else:
-        before = attempt.combined.table
+        before = attempt.built()[0].table
         first = np.full(before.pp, np.iinfo(np.int64).max)
         at = np.flatnonzero(np.isin(attempt.rows, split))
         np.minimum.at(first, before.rank[at], before.local_index[at])
@@ -226,7 +236,8 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     none could, every stuck pair. A late one loses, on each rank, the latest pair on the
     critical path.
     """
-    timed, table = attempt.timed, attempt.combined.table
+    combined, timed = attempt.built()
+    table = combined.table
     if timed.stuck:
         stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in timed.stuck.items()}
         stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
@@ -236,7 +247,7 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     if timed.makespan <= target:
         return None
     latest: dict[int, int] = {}
-    for r, i in critical_path(attempt.combined, timed):
+    for r, i in critical_path(combined, timed):
         pair = int(attempt.rows[table.offsets[r] + i])
         if pair >= 0:
             latest[r] = pair
@@ -249,7 +260,7 @@ def _settle(schedule: Schedule, attempt: _Attempt, target: float) -> bool:
     if attempt.timed is None:
         _rebuild(schedule, attempt, np.zeros(0, np.int64))
     while True:
-        if attempt.timed.stuck and max(attempt.pairing.extra) > 1:
+        if attempt.built()[1].stuck and max(attempt.pairing.extra) > 1:
             return False  # splits would not lead back to the original order
         split = _splits(schedule, attempt, target)
         if split is None:
@@ -290,16 +301,17 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         attempt = first if pairing is pairings[0] else _new_attempt(table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if attempt.timed.makespan <= target:
-            return _finish(schedule, attempt.combined)
+        combined, timed = attempt.built()
+        if timed.makespan <= target:
+            return _finish(schedule, combined)
         settled.append(attempt)
     # None ends in time as paired: refine the fastest first (most pairs on a tie). Splitting
     # every pair of an ``e_r = 1`` pairing gives back the original order, so the refinement
     # always ends in time, in the worst case with no pair left (pairing cannot help then).
-    settled.sort(key=lambda a: (a.timed.makespan, -a.paired))
+    settled.sort(key=lambda a: (a.built()[1].makespan, -a.paired))
     for attempt in settled:
         if _settle(schedule, attempt, target) and attempt.paired:
-            return _finish(schedule, attempt.combined)
+            return _finish(schedule, attempt.built()[0])
     return _finish(schedule, schedule)
 
 

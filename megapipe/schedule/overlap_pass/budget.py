@@ -29,12 +29,18 @@ from __future__ import annotations
 import math
 
 from ..errors import ScheduleError
-from .in_flight import peak_in_flight
 from ..ir import Schedule
-from .apply import (
-    Pairing, _finish, _new_attempt, _longest_pair, _opposite_flows, _settle, apply_overlap,
-)
 from ..timing.timeline import timeline
+from .apply import (
+    Pairing,
+    _finish,
+    _longest_pair,
+    _new_attempt,
+    _opposite_flows,
+    _settle,
+    apply_overlap,
+)
+from .in_flight import peak_in_flight
 
 
 def check_budget(max_extra_in_flight: object) -> None:
@@ -93,16 +99,17 @@ def apply_overlap_budgeted(schedule: Schedule, budget: int) -> Schedule | None:
         attempt = _new_attempt(schedule.table, pairing)
         if not _settle(schedule, attempt, math.inf) or not attempt.paired:
             continue
-        if attempt.timed.makespan > target:
+        if attempt.built()[1].makespan > target:
             _settle(schedule, attempt, target)  # refine; keeps the latest runnable split
-        if attempt.timed.stuck or not attempt.paired:
+        combined, timed = attempt.built()
+        if timed.stuck or not attempt.paired:
             continue
-        extra = max(extra_in_flight(schedule, attempt.combined))
+        extra = max(extra_in_flight(schedule, combined))
         if extra > budget:
             continue
-        key = (attempt.timed.makespan, -attempt.paired, extra)
+        key = (timed.makespan, -attempt.paired, extra)
         if key < best_key:
-            best, best_key = attempt.combined, key
+            best, best_key = combined, key
     return best
 
 

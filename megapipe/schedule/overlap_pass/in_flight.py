@@ -11,7 +11,7 @@ anything, the worst case inside the pair.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..actions import Action, Kind
-from ..table import F, OVERLAP, W, ActionTable, is_backward
+from ..table import OVERLAP, ActionTable, F, W, is_backward
 
 
 def pair_is_independent(forward: Action, backward: Action) -> bool:

@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..ir import Schedule
+from ..table import SEND_B, SEND_F, is_comm
 from ..timing.flows import (
     CARRY_LETTER,
     CARRY_PEER,
@@ -35,8 +37,6 @@ from ..timing.flows import (
     received_messages,
     stage_rank,
 )
-from ..ir import Schedule
-from ..table import SEND_B, SEND_F, is_comm
 from ..timing.timeline import Timeline
 
 

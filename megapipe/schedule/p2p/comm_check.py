@@ -28,7 +28,13 @@ from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Derived, Kind, Schedule
 from ..table import is_comm
 from ..timing.deps import (
-    Product, describe_product, message_of_comm, needs_of, peer_rank, product_of, rank_of_product,
+    Product,
+    describe_product,
+    message_of_comm,
+    needs_of,
+    peer_rank,
+    product_of,
+    rank_of_product,
     received_message,
 )
 from ..timing.timeline import Timeline, timeline
@@ -232,7 +238,7 @@ def _simulate_batches(lowered: Schedule, posting: Posting | None = None) -> None
         progressed = False
         for rank, state in enumerate(states):
             progressed |= _advance(lowered, rank, state)
-        for rank, state in enumerate(states):
+        for rank in range(len(states)):
             progressed |= _complete(lowered, rank, states, matching, done)
     stuck = [rank for rank, state in enumerate(states) if not state.finished]
     if stuck:

@@ -15,15 +15,15 @@ its gaps posted as they will be (``early_posting``):
 - *each half alone* (``EACH``): an OVERLAP's own sends (the leading SENDs of the gap after it, kept
   in their lowered order, so per-peer matching is unchanged) each go in a batch of their own as soon
   as ready, the gap's receives with the first; the rest of the gap after the pair. In the model
-  these batches are posted one after the other right after the OVERLAP. While the step runs, a send
-  goes once it and every send before it are ready, so the real batches are these or coarser, which
-  in the model are active, and complete, no later. Tried for every OVERLAP first, then (``SINGLE``)
-  for OVERLAPs with one own send only;
+  these batches are posted one after the other right after the OVERLAP. While the OVERLAP runs,
+  a send goes once it and every send before it are ready, so the real batches are these or
+  coarser, which in the model are active, and complete, no later. Tried for every OVERLAP first,
+  then (``SINGLE``) for OVERLAPs with one own send only;
 - *the whole batch* for every other OVERLAP: the gap after it is posted as it stands, as soon as
-  both halves are done, i.e. before the held weight gradients and the end of the step. The model
+  both halves are done, i.e. before the held weight gradients and the end of the OVERLAP. The model
   cannot tell this from "after the OVERLAP", so it is always safe.
 
-For two neighbours that both send early in the same step, splitting the batch forms a cycle
+For two neighbours that both send early in the same OVERLAP, splitting the batch forms a cycle
 (each early send waits for a receive the peer posts only after its own early send completes).
 So 1F1B, ZB1P and interleaved 1F1B at vpp = 1 and ZBV send each half early; interleaved 1F1B and
 ZB1P at vpp > 1 only the pairs with one remote send (the others post their whole batch once both
@@ -33,11 +33,11 @@ halves are done); DualPipe and DualPipeV (every pair sends twice) their whole ba
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from .comm_check import Posting, check_batches
 from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Action, Kind, Schedule
+from .comm_check import Posting, check_batches
 from .lower import lower
 
 EarlySends = dict[tuple[int, int], tuple[Action, ...]]
@@ -117,7 +117,7 @@ def choose_early_sends(lowered: Schedule) -> tuple[EarlySends, str]:
     found = candidates(lowered)
     if found and _holds(lowered, found):
         return found, EACH
-    single = {key: sends for key, sends in found.items() if len(sends) == 1}
+    single: EarlySends = {key: sends for key, sends in found.items() if len(sends) == 1}
     if single and _holds(lowered, single):
         return single, SINGLE
     return {}, WHOLE

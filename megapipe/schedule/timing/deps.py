@@ -46,7 +46,8 @@ CARRIES: dict[Kind, tuple[str, int, int]] = {
 
 
 def neighbour(schedule: Schedule, stage: int, offset: int) -> int | None:
-    """The stage ``offset`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``, ``AFTER``)."""
+    """The stage ``offset`` away from ``stage`` in its pipeline (``SELF``, ``BEFORE``,
+    ``AFTER``)."""
     if offset == SELF:
         return stage
     return schedule.prev_stage(stage) if offset == BEFORE else schedule.next_stage(stage)

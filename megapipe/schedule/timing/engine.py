@@ -16,8 +16,8 @@ themselves are in ``loops`` (Python, or compiled where numba is installed).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -107,7 +107,7 @@ class LoopColumns:
             return np.array(values, dtype=dtype)
         return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
-    def of_actions(self, actions: "ActionInputs") -> tuple:
+    def of_actions(self, actions: ActionInputs) -> tuple:
         """offsets, need0, need1, need2, make0, make1 and duration of ``actions``."""
         if self.compiled:
             return (*actions.columns.arrays, actions.duration)
@@ -140,8 +140,10 @@ def time_in_order(
         watched[p] = True
     sweep = new.fill(total, -1, np.int64)
     remade = (compiled[0] if compiled else loops.sweep)(
-        *new.of_actions(actions), space, new.fill(space if actions.delay else 0, actions.delay, np.float64),
-        watched, new.fill(len(watched), -1, np.int64), actions.end_of, actions.made_at, cursor, free,
+        *new.of_actions(actions), space,
+        new.fill(space if actions.delay else 0, actions.delay, np.float64),
+        watched, new.fill(len(watched), -1, np.int64), actions.end_of, actions.made_at, cursor,
+        free,
         start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
         new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
     stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
 from ..ir import Schedule
 from ..table import KINDS, Comps
+from .deps import AFTER, BEFORE, CARRIES, MAKES, NEEDS, SELF, SENDS
 
 assert (BEFORE, SELF, AFTER) == (-1, 0, 1), "neighbours() adds the offset to the stage"
 
@@ -95,7 +95,7 @@ class ProductSpace:
     mbs: int
 
     @classmethod
-    def covering(cls, stage: np.ndarray, mb: np.ndarray) -> "ProductSpace":
+    def covering(cls, stage: np.ndarray, mb: np.ndarray) -> ProductSpace:
         if len(stage) == 0:
             return cls(0, 1, 0, 1)
         lo_s, lo_m = int(stage.min()), int(mb.min())

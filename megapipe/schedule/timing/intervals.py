@@ -9,7 +9,7 @@ order), so the simulator's figures are reproducible to the last bit.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -51,8 +51,9 @@ def covered_lengths(
 
 def covered_length(span: Interval, cover: Sequence[Interval]) -> float:
     """How much of ``span`` lies inside ``cover``."""
-    cover = np.asarray(cover, dtype=np.float64).reshape(-1, 2)
-    return float(covered_lengths([span[0]], [span[1]], cover[:, 0], cover[:, 1])[0])
+    bounds = np.asarray(cover, dtype=np.float64).reshape(-1, 2)
+    return float(covered_lengths(np.array([span[0]]), np.array([span[1]]), bounds[:, 0],
+                                 bounds[:, 1])[0])
 
 
 def covered_total(spans: Sequence[Interval], cover: Sequence[Interval]) -> float:

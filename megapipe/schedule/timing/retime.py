@@ -24,8 +24,8 @@ import functools
 
 import numpy as np
 
-from . import loops
 from ..ir import Derived, Schedule
+from . import loops
 from .engine import ActionTimes, LoopColumns, time_in_order
 
 
@@ -38,7 +38,7 @@ class SweepSequence:
         self.sweep = sweep
 
     @classmethod
-    def of(cls, times: ActionTimes) -> "SweepSequence":
+    def of(cls, times: ActionTimes) -> SweepSequence:
         return cls(times.sweep)
 
     @functools.cached_property

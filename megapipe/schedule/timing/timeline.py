@@ -6,7 +6,8 @@ The overlap pass uses it to find pairs that wait on each other; lowering uses it
 decide where a receive is posted; validation uses it to find ranks that wait on each other.
 A schedule's timeline is computed once and kept with it (``TIMELINES``).
 
-``ActionGraph`` turns a table into the engine's actions; the simulator builds its own actions with it.
+``ActionGraph`` turns a table into the engine's actions; the simulator builds its own actions with
+it.
 A need made by a single action earlier on the same rank is left out of the actions: it is made
 before the rank gets there and ends before the rank is free, so it can neither hold the action
 back nor move it (unless a latency applies to it, in which case it stays).
@@ -21,12 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..actions import Kind
-from .deps import DEFAULT_DURATIONS
-from .engine import Prefix, ActionTimes, ActionColumns, ActionInputs, time_in_order
-from .retime import retime, time_actions
-from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
 from ..ir import Derived, Schedule
 from ..table import CODE, OVERLAP, ActionTable, Comps, is_comm
+from .deps import DEFAULT_DURATIONS
+from .engine import ActionColumns, ActionInputs, ActionTimes, Prefix, time_in_order
+from .flows import MAKE_LETTER, ProductSpace, comp_needs, stage_rank
+from .retime import retime, time_actions
 
 DurationKey = tuple[tuple[str, float], ...] | None  # durations, hashable (None: the defaults)
 TIMELINES: Derived[dict[DurationKey, Timeline]] = Derived(dict)  # durations -> timeline
@@ -87,7 +88,7 @@ class ActionGraph:
     _makers: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> "ActionGraph":
+    def build(cls, schedule: Schedule, duration: np.ndarray, latency: float = 0.0) -> ActionGraph:
         """The actions of ``schedule`` (compute-only) with these durations and p2p latency; what
         they need and make is worked out once per schedule (``STRUCTURES``)."""
         structures = STRUCTURES.of(schedule)

@@ -20,18 +20,22 @@ from typing import Any
 import torch
 
 from megapipe.hf.architectures import export_architecture, hf_config
-from megapipe.hf.tensors import HFTensor, tensor_plan
+from megapipe.hf.tensors import HFTensor, tensor_sources
 from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
 from megapipe.train.checkpoint.reader import (
-    TOKENIZER_KEY, config_of, find_checkpoint, read_tensors, tensor_shapes,
+    TOKENIZER_KEY,
+    config_of,
+    find_checkpoint,
+    read_tensors,
+    tensor_shapes,
 )
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
-def _check_sources(plan: list[HFTensor], shapes: dict, path: Path) -> None:
+def _check_sources(sources: list[HFTensor], shapes: dict, path: Path) -> None:
     """Every source key present (and the row blocks inside it); no model key left over."""
-    for item in plan:
+    for item in sources:
         if item.source not in shapes:
             raise ValueError(f"{path} lacks {item.source}, which its model config needs "
                              f"(for {item.name})")
@@ -39,7 +43,7 @@ def _check_sources(plan: list[HFTensor], shapes: dict, path: Path) -> None:
         if item.rows is not None and item.rows[1] > rows:
             raise ValueError(f"{path}: {item.source} has {rows} rows, its config needs "
                              f"{item.rows[1]}")
-    unused = sorted(set(shapes) - {item.source for item in plan})
+    unused = sorted(set(shapes) - {item.source for item in sources})
     if unused:
         raise ValueError(f"{path} holds {unused[0]}, which its model config does not have "
                          f"({len(unused)} such tensor(s))")
@@ -53,11 +57,12 @@ def _nbytes(item: HFTensor, shapes: dict) -> int:
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
-def _shards(plan: list[HFTensor], shapes: dict, limit: int) -> list[list[HFTensor]]:
-    """The plan cut, in order, into shards of at most ``limit`` bytes (a larger tensor alone)."""
+def _shards(sources: list[HFTensor], shapes: dict, limit: int) -> list[list[HFTensor]]:
+    """The listed tensors cut, in order, into shards of at most ``limit`` bytes (a larger tensor
+    alone)."""
     shards: list[list[HFTensor]] = [[]]
     size = 0
-    for item in plan:
+    for item in sources:
         n = _nbytes(item, shapes)
         if shards[-1] and size + n > limit:
             shards.append([])
@@ -92,11 +97,11 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
     shapes = tensor_shapes(checkpoint.path)
-    plan = tensor_plan(config, arch)
-    _check_sources(plan, shapes, checkpoint.path)
+    listed = tensor_sources(config, arch)
+    _check_sources(listed, shapes, checkpoint.path)
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, tokenizer)
-    shards = _shards(plan, shapes, max_shard_bytes)
+    shards = _shards(listed, shapes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map, total = {}, 0
@@ -117,7 +122,7 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
         f"  {arch.name}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "
-        f"{len(plan)} tensors "
+        f"{len(listed)} tensors "
         f"({total / 2**20:.2f} MiB, {str(dtype).removeprefix('torch.')}) in {len(shards)} file(s)",
         f"  tokenizer: {tokenizer.describe()}",
     ]

@@ -16,7 +16,8 @@ checkpoint complete. Loading verifies a checkpoint against its manifest (every f
 with its size and checksum) and falls back to the newest complete one, naming the damaged ones.
 Nothing here deletes a checkpoint except ``prune`` (``--keep-last``), and it deletes only
 complete checkpoints older than the ones it keeps; a damaged folder is kept, and one in the way
-of a new save is renamed aside, never removed. This module is plain Python (no torch) so checks run before any process.
+of a new save is renamed aside, never removed. This module is plain Python (no torch) so checks run
+before any process.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import os
 import re
 import shutil
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 DESCRIPTOR_FILE = "megapipe_layout.json"
@@ -102,7 +104,8 @@ def check_complete(directory: Path, checksums: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"{path} is missing")
         size = path.stat().st_size
         if size != expected.get("bytes"):
-            raise CheckpointError(f"{path} has {size} bytes, the manifest says {expected.get('bytes')}")
+            raise CheckpointError(
+                f"{path} has {size} bytes, the manifest says {expected.get('bytes')}")
         if checksums and file_digest(path)["crc32"] != expected.get("crc32"):
             raise CheckpointError(f"{path} does not match its checksum (the bytes changed)")
     return descriptor
@@ -119,7 +122,8 @@ class Checkpoint:
 
 @dataclass
 class Selection:
-    """What ``select_checkpoint`` found: the checkpoint to resume (None: none) and why not others."""
+    """What ``select_checkpoint`` found: the checkpoint to resume (None: none) and why not
+    others."""
 
     chosen: Checkpoint | None
     damaged: list[tuple[Path, str]] = field(default_factory=list)

@@ -19,11 +19,14 @@ evenly, not arbitrary ranges.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata, MetadataIndex, TensorProperties,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -67,7 +70,7 @@ class PieceTensor(torch.Tensor):
     _boxes: list[tuple[torch.Size, torch.Tensor]]
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], lo: int, hi: int, values: torch.Tensor) -> "PieceTensor":
+    def __new__(cls, shape: Sequence[int], lo: int, hi: int, values: torch.Tensor) -> PieceTensor:
         if values.dim() != 1 or values.numel() != hi - lo:
             raise ValueError(f"values must be 1-D with {hi - lo} elements, got "
                              f"{tuple(values.shape)}")
@@ -105,7 +108,7 @@ class PieceTensor(torch.Tensor):
                 return view
         raise ValueError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
 
-    def copy_pieces_from(self, other: "PieceTensor") -> None:
+    def copy_pieces_from(self, other: PieceTensor) -> None:
         """Copy ``other``'s boxes (the same ranges) into this one's memory."""
         for (offsets, view), (their_offsets, theirs) in zip(self._boxes, other._boxes):
             if offsets != their_offsets:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,7 +26,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.models.config import GPTConfig
 from megapipe.train.checkpoint.files import (
-    Checkpoint, CheckpointError, check_complete, select_checkpoint,
+    Checkpoint,
+    CheckpointError,
+    check_complete,
+    select_checkpoint,
 )
 
 CONFIG_KEY = "gpt_config"

@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megapipe.train.checkpoint.files import (
-    LATEST_FILE, Checkpoint, CheckpointError, Selection, checkpoint_dirs, iteration_dir,
+    LATEST_FILE,
+    Checkpoint,
+    CheckpointError,
+    Selection,
+    checkpoint_dirs,
+    iteration_dir,
     select_checkpoint,
 )
 from megapipe.train.config.job_config import JobConfig, TokenizerConfig
@@ -215,7 +220,7 @@ def check_hf_model(hf_dir: str, config: JobConfig) -> None:
         raise CheckpointError(str(err)) from None
 
 
-def _architecture(model: "GPTConfig", fields: dict[str, str] = RESUMED_FIELDS
+def _architecture(model: GPTConfig, fields: dict[str, str] = RESUMED_FIELDS
                   ) -> dict[str, Any]:
     """The ``fields`` of ``model``, the query groups and head dim as they are (the defaults
     None and the heads, or hidden / heads, are the same model)."""

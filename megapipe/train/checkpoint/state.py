@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,13 @@ from torch import nn
 
 from megapipe.moe.experts import GroupedExperts
 from megapipe.train.checkpoint.files import (
-    FORMAT, describe_files, file_digest, iteration_dir, prepare_temporary, prune, publish,
+    FORMAT,
+    describe_files,
+    file_digest,
+    iteration_dir,
+    prepare_temporary,
+    prune,
+    publish,
     temporary_dir,
 )
 from megapipe.train.checkpoint.pieces import PieceTensor
@@ -56,7 +63,9 @@ def _expert_offsets(module: nn.Module) -> dict[int, int]:
     return offsets
 
 
-def _pieces(key: str, tensor: torch.Tensor, first_expert: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _pieces(
+    key: str, tensor: torch.Tensor, first_expert: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensor`` whole, or one view per expert (dim 0) keyed by its global expert index."""
     if first_expert is None or tensor.dim() == 0:
         yield key, tensor

@@ -25,7 +25,7 @@ def model_flags(model: "GPTConfig") -> dict[str, Any]:
     if model.first_k_dense_layers == 0 or model.num_experts == 0:
         layer_freq = str(model.moe_layer_freq)
     else:
-        pattern = ",".join("1" if model.is_moe_layer(l) else "0" for l in range(model.num_layers))
+        pattern = ",".join("1" if model.is_moe_layer(i) else "0" for i in range(model.num_layers))
         layer_freq = f"[{pattern}]"
     values: dict[str, Any] = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,

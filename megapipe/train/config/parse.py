@@ -3,7 +3,8 @@
 ``parse_pretrain_args(argv)`` parses the declared flags (``flags``: each flag's own checks),
 takes the model flags not given from ``--load-hf``'s ``config.json`` (``from_hf``), checks the
 rules between them (``checks``) and returns the ``JobConfig`` the app reads (``job_config``).
-Anything that cannot run raises ``ArgsError`` with one line naming the value and the rule; ``main`` prints it and exits with status 2 before any process group exists.
+Anything that cannot run raises ``ArgsError`` with one line naming the value and the rule; ``main``
+prints it and exits with status 2 before any process group exists.
 """
 
 from __future__ import annotations

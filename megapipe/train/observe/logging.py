@@ -16,8 +16,9 @@ naming the iteration, on every rank that sees it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 VALUE_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "step_time", "tokens", "a2a_hidden",
               "a2a_exposed", "act_mem")

@@ -19,8 +19,8 @@ traced rank and step, each node already given its stage. From them:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from statistics import mean
-from typing import Iterable, Sequence
 
 from megapipe.sim.costs import Costs
 

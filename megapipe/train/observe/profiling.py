@@ -15,7 +15,8 @@ import json
 import os
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,8 +93,8 @@ class RunProfiler:
             self._torch.export_chrome_trace(torch_trace_path(self.path, rank))
             self._torch = None
         dist.barrier()
-        mine = RankRecord(rank, self.coordinates.pp_rank, self.coordinates.dp_rank, socket.gethostname(),
-                          time.perf_counter(), self.rows)
+        mine = RankRecord(rank, self.coordinates.pp_rank, self.coordinates.dp_rank,
+                          socket.gethostname(), time.perf_counter(), self.rows)
         everyone: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
         self.rows = []

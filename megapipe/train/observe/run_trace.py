@@ -26,8 +26,9 @@ the difference of the clocks read just after one barrier (good to the barrier's 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from megapipe.schedule.actions import parse_action
 from megapipe.schedule.ir import Kind, Schedule

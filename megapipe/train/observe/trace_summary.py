@@ -26,6 +26,7 @@ from statistics import mean
 
 from megapipe.schedule.timing.intervals import covered_length, subtract, union
 from megapipe.train.observe.run_trace import FORMAT
+
 BUBBLES_SHOWN = 3
 
 

@@ -16,8 +16,8 @@ clipping decision and the log need once per step, after the backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ def optimizer_state_bytes(optimizer: object) -> int:
     if callable(own):
         return int(own())
     return sum(t.numel() * t.element_size()
-               for state in getattr(optimizer, "state").values()
+               for state in optimizer.state.values()
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
@@ -54,8 +54,8 @@ def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
 
 
 def build_optimizer(
-    modules: Sequence[nn.Module], lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8, mixed_precision: bool = False,
+    modules: Sequence[nn.Module], lr: float, weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, mixed_precision: bool = False,
 ) -> torch.optim.AdamW | MixedPrecisionAdamW:
     """AdamW over ``modules``; no weight decay on biases and norm weights (1-D tensors).
 
@@ -136,7 +136,7 @@ class LRSchedule:
                 "style": self.style}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        self.iteration = int(state["iteration"])  # type: ignore[arg-type]
+        self.iteration = int(state["iteration"])
 
 
 def sum_of_squares(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -44,8 +44,9 @@ the stream's thread sleeps on CPU, the stream itself on CUDA).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,12 @@ from torch import nn
 from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import (
-    CudaEvent, CudaStream, Event, InlineStream, Streams, WorkerStream,
+    CudaEvent,
+    CudaStream,
+    Event,
+    InlineStream,
+    Streams,
+    WorkerStream,
 )
 from megapipe.train.optim.grad_buffers import Bucket, FlatBuffer
 
@@ -166,6 +172,7 @@ class DataParallelSync:
         """Post-accumulate hook: move autograd's gradient into ``main_grad``; count it."""
         if param.grad is None:
             return  # a deferred weight gradient arrives later, outside autograd
+        # main_grad: Megatron's fp32 gradient attribute on a Parameter
         param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
         param.grad = None
         key = id(param)

@@ -25,8 +25,9 @@ so a checkpoint loads into a fresh optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

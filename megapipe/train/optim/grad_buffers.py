@@ -15,15 +15,15 @@ consecutive parameters is one contiguous range that one collective reduces in pl
   parameters are all-gathered, so the parameters themselves are views into a flat buffer of
   the model's dtype too. Unsharded, a rank's shard of a bucket is the whole bucket.
 
-``plan_buckets`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
+``assign_buckets`` is the pure part (tested without processes); ``FlatBuffer`` allocates the
 buffers and repoints the parameters; a ``Piece`` is where one parameter meets one of this rank's
 shards (what the optimizer steps and a checkpoint stores).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ class Bucket:
         return self.start + rank * size, self.start + (rank + 1) * size
 
 
-def plan_buckets(
+def assign_buckets(
     numels: Sequence[int], bucket_size: int | None, shards: int = 1
 ) -> tuple[list[int], list[Bucket]]:
     """Start of every parameter (``numels`` in buffer order) and the buckets (module docstring).
@@ -121,7 +121,7 @@ class FlatBuffer:
         self.sharded = sharded
         self.shards = self.group_size if sharded else 1
         self.params = list(reversed(params))  # buffer order: roughly the backward's
-        starts, self.buckets = plan_buckets([p.numel() for p in self.params], bucket_size,
+        starts, self.buckets = assign_buckets([p.numel() for p in self.params], bucket_size,
                                            self.shards)
         self.starts = starts
         self.numel = self.buckets[-1].end
@@ -136,6 +136,7 @@ class FlatBuffer:
                 self.bucket_of[id(self.params[index])] = bucket.index
         with torch.no_grad():
             for param, start in zip(self.params, starts):
+                # main_grad: Megatron's fp32 gradient attribute on a Parameter
                 param.main_grad = self.view(self.grad, param, start)  # type: ignore[attr-defined]
                 if self.data is not None:
                     view = self.view(self.data, param, start)

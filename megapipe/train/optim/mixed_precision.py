@@ -19,12 +19,18 @@ always ``main_param`` rounded to bf16; after loading main weights, ``copy_main_t
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from megapipe.overlap.main_grad import accumulated_grad, attach_main_grads, has_main_grad, zero_grads
+from megapipe.overlap.main_grad import (
+    accumulated_grad,
+    attach_main_grads,
+    has_main_grad,
+    zero_grads,
+)
 
 
 def cast_to_bf16(modules: Iterable[nn.Module], params: Sequence[nn.Parameter]) -> None:

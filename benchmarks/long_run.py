@@ -54,6 +54,7 @@ SETTINGS = {
     "no-trim": ["--heap-trim-interval", "0"],
 }
 FIELDS = ("rss", "heap_used", "heap_free", "tensors", "objects")
+PARTIAL_EVERY = 25  # samples between the partial files' updates (a run of 5,000 takes an hour)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -91,6 +92,8 @@ def sample(libc: ctypes.CDLL) -> tuple[int, ...]:
 class Settings:
     argv: tuple[str, ...]
     every: int
+    partial: str | None = None  # where rank 0 writes the samples so far, every PARTIAL_EVERY
+    name: str = ""
 
 
 def _worker(rank: int, s: Settings, out) -> None:
@@ -101,6 +104,8 @@ def _worker(rank: int, s: Settings, out) -> None:
     def probe(iteration: int) -> None:
         if iteration % s.every == 0:
             rows.append((iteration, *sample(libc)))
+            if s.partial and len(rows) % PARTIAL_EVERY == 0:  # same iteration on every rank
+                _write_partial(s, rows)
 
     train(parse_pretrain_args(list(s.argv), env={}), write=lambda line: None,
           on_iteration=probe)
@@ -111,9 +116,22 @@ def _worker(rank: int, s: Settings, out) -> None:
     dist.destroy_process_group()
 
 
+def _write_partial(s: Settings, rows: list[tuple[int, ...]]) -> None:
+    """The samples so far of every rank, as a ``--rows`` file of this setting (``--reprint``
+    reads it): a long run that is stopped early still says what it measured."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        with open(s.partial, "w") as f:
+            json.dump({"fields": ["iteration", *FIELDS], "samples": {s.name: everyone}}, f)
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs."""
+    """Least-squares slope of ys over xs (nan below two points: a run shorter than two
+    windows has no floor or peak slope)."""
     n = len(xs)
+    if n < 2:
+        return float("nan")
     mx, my = sum(xs) / n, sum(ys) / n
     den = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
@@ -169,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=600, help="iterations per setting")
     p.add_argument("--every", type=int, default=10, help="iterations between samples")
     p.add_argument("--rows", metavar="FILE",
-                   help="also write every sample, per setting and rank, to FILE as JSON")
+                   help="also write every sample, per setting and rank, to FILE as JSON (and "
+                        "the samples so far to FILE.partial while a setting runs)")
     p.add_argument("--window", type=int, default=100,
                    help="iterations per window of the peak's slope (the default "
                         "--heap-trim-interval)")
@@ -199,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list] = {}
     for name in names:
         pretrain = (*flags, *SETTINGS[name], "--train-iters", str(args.iters))
-        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every))
+        partial = f"{args.rows}.partial" if args.rows else None
+        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every, partial, name))
         print("\n".join(format_rows(name, per_rank, args.window)), flush=True)
         samples[name] = per_rank
         if args.rows:

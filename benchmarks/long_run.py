@@ -13,7 +13,8 @@ Runs ``megapipe pretrain`` (the default job: 4 gloo ranks on CPU, pp 2, vpp 2, e
 Per setting and rank it prints the values at the end and their slope (least squares, per
 iteration) over the last half of the run, after warm-up, and the slopes of resident memory at
 the end of each ``--window`` iterations (floor) and of its maximum in each (peak): the trim makes
-it a saw. ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
+it a saw. The last column is the slope of the heap's free bytes: resident memory that grows while
+the bytes in use stay flat is free heap the allocator spreads over more pages (fragmentation). ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
 ``overlap`` (the default: combined steps with their node trace, the heap trimmed every 100
 iterations), ``plain`` (``--no-overlap-moe-expert-parallel-comm``, no node trace), ``wgrad``
 (``--delay-wgrad-compute``), ``manual-gc`` (``--manual-gc --manual-gc-interval 100``, the
@@ -171,13 +172,15 @@ def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]], window: int
             + "{:>11.0f}{:>10.0f}".format(*saw_slopes(rows, window)) +
             f"{end['heap_used'] / 2**20:>9.1f}{per['heap_used']:>10.0f}"
             f"{end['heap_free'] / 2**20:>9.1f}{end['tensors'] / 2**20:>9.2f}"
-            f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}")
+            f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}"
+            f"{per['heap_free']:>10.0f}")
     return lines
 
 
 HEADER = (f"{'setting':<10}{'rank':>5}{'RSS MiB':>9}{'B/iter':>10}{'floor B/it':>11}"
           f"{'peak B/it':>10}{'heap MiB':>9}{'B/iter':>10}"
-          f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}")
+          f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}"
+          f"{'free B/it':>10}")
 
 
 def main(argv: list[str] | None = None) -> int:

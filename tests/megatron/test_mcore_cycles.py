@@ -12,8 +12,8 @@ pytest.importorskip(
     reason="megatron-core is not installed (pip install 'megapipe[megatron]')",
 )
 
-from support import mcore_cases  # noqa: E402
-from support.mcore_models import McoreCase  # noqa: E402
+from support import mcore_cases
+from support.mcore_models import McoreCase
 
 
 def test_a_step_on_megatron_chunks_leaves_no_cyclic_garbage(rank_pools):

@@ -13,7 +13,8 @@ Runs ``megapipe pretrain`` (the default job: 4 gloo ranks on CPU, pp 2, vpp 2, e
 Per setting and rank it prints the values at the end and their slope (least squares, per
 iteration) over the last half of the run, after warm-up, and the slopes of resident memory at
 the end of each ``--window`` iterations (floor) and of its maximum in each (peak): the trim makes
-it a saw. ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
+it a saw. The last column is the slope of the heap's free bytes: resident memory that grows while
+the bytes in use stay flat is free heap the allocator spreads over more pages (fragmentation). ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
 ``overlap`` (the default: combined steps with their node trace, the heap trimmed every 100
 iterations), ``plain`` (``--no-overlap-moe-expert-parallel-comm``, no node trace), ``wgrad``
 (``--delay-wgrad-compute``), ``manual-gc`` (``--manual-gc --manual-gc-interval 100``, the
@@ -53,6 +54,7 @@ SETTINGS = {
     "no-trim": ["--heap-trim-interval", "0"],
 }
 FIELDS = ("rss", "heap_used", "heap_free", "tensors", "objects")
+PARTIAL_EVERY = 25  # samples between the partial files' updates (a run of 5,000 takes an hour)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -90,6 +92,8 @@ def sample(libc: ctypes.CDLL) -> tuple[int, ...]:
 class Settings:
     argv: tuple[str, ...]
     every: int
+    partial: str | None = None  # where rank 0 writes the samples so far, every PARTIAL_EVERY
+    name: str = ""
 
 
 def _worker(rank: int, s: Settings, out) -> None:
@@ -100,6 +104,8 @@ def _worker(rank: int, s: Settings, out) -> None:
     def probe(iteration: int) -> None:
         if iteration % s.every == 0:
             rows.append((iteration, *sample(libc)))
+            if s.partial and len(rows) % PARTIAL_EVERY == 0:  # same iteration on every rank
+                _write_partial(s, rows)
 
     train(parse_pretrain_args(list(s.argv), env={}), write=lambda line: None,
           on_iteration=probe)
@@ -110,9 +116,22 @@ def _worker(rank: int, s: Settings, out) -> None:
     dist.destroy_process_group()
 
 
+def _write_partial(s: Settings, rows: list[tuple[int, ...]]) -> None:
+    """The samples so far of every rank, as a ``--rows`` file of this setting (``--reprint``
+    reads it): a long run that is stopped early still says what it measured."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
+    if dist.get_rank() == 0:
+        with open(s.partial, "w") as f:
+            json.dump({"fields": ["iteration", *FIELDS], "samples": {s.name: everyone}}, f)
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs."""
+    """Least-squares slope of ys over xs (nan below two points: a run shorter than two
+    windows has no floor or peak slope)."""
     n = len(xs)
+    if n < 2:
+        return float("nan")
     mx, my = sum(xs) / n, sum(ys) / n
     den = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
@@ -152,13 +171,15 @@ def format_rows(setting: str, per_rank: list[list[tuple[int, ...]]], window: int
             + "{:>11.0f}{:>10.0f}".format(*saw_slopes(rows, window)) +
             f"{end['heap_used'] / 2**20:>9.1f}{per['heap_used']:>10.0f}"
             f"{end['heap_free'] / 2**20:>9.1f}{end['tensors'] / 2**20:>9.2f}"
-            f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}")
+            f"{per['tensors']:>9.0f}{end['objects']:>10.0f}{per['objects']:>8.2f}"
+            f"{per['heap_free']:>10.0f}")
     return lines
 
 
 HEADER = (f"{'setting':<10}{'rank':>5}{'RSS MiB':>9}{'B/iter':>10}{'floor B/it':>11}"
           f"{'peak B/it':>10}{'heap MiB':>9}{'B/iter':>10}"
-          f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}")
+          f"{'free MiB':>9}{'tens MiB':>9}{'B/iter':>9}{'objects':>10}{'/iter':>8}"
+          f"{'free B/it':>10}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=600, help="iterations per setting")
     p.add_argument("--every", type=int, default=10, help="iterations between samples")
     p.add_argument("--rows", metavar="FILE",
-                   help="also write every sample, per setting and rank, to FILE as JSON")
+                   help="also write every sample, per setting and rank, to FILE as JSON (and "
+                        "the samples so far to FILE.partial while a setting runs)")
     p.add_argument("--window", type=int, default=100,
                    help="iterations per window of the peak's slope (the default "
                         "--heap-trim-interval)")
@@ -198,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list] = {}
     for name in names:
         pretrain = (*flags, *SETTINGS[name], "--train-iters", str(args.iters))
-        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every))
+        partial = f"{args.rows}.partial" if args.rows else None
+        per_rank = run_ranks(_worker, WORLD, Settings(pretrain, args.every, partial, name))
         print("\n".join(format_rows(name, per_rank, args.window)), flush=True)
         samples[name] = per_rank
         if args.rows:

@@ -334,3 +334,29 @@ def bf16_combined_case(release: Release, case: McoreCase) -> dict:
         func.close()
     dist.barrier()
     return portable(out)
+
+
+def cyclic_garbage_case(case: McoreCase, trace: bool) -> dict[str, int]:
+    """On one rank: megapipe's front end, overlap on, on Megatron's chunks for ``case``; what
+    the cyclic collector frees after a step (``support.cyclic_garbage``: megapipe objects and
+    tensors by type name; empty when the step leaves no reference cycle). A first step runs
+    outside the probe (Megatron builds some state on its first call)."""
+    from megapipe import get_forward_backward_func
+    from support.cyclic_garbage import cyclic_garbage
+
+    _setup(case)
+    config, chunks, names = build_chunks(case)
+    if case.delay_wgrad:
+        config.delay_wgrad_compute = True
+    func = get_forward_backward_func(
+        pp=case.pp, vpp=case.vpp, schedule=case.schedule, groups=megapipe_groups(case),
+        timeout=60.0, overlap_moe_expert_parallel_comm=True, record_trace=trace,
+        delay_wgrad_compute=case.delay_wgrad,
+    )
+    try:
+        _run(case, func, chunks, names)
+        found = cyclic_garbage(lambda: _run(case, func, chunks, names))
+    finally:
+        func.close()
+    dist.barrier()
+    return found

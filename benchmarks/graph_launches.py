@@ -60,7 +60,7 @@ class _CountingGraphs:
 def count(hidden: int) -> dict[str, tuple[int, int]]:
     """Per captured node: (eager launches, launches with graphs) for one forward + backward."""
     from megapipe.models import GPTConfig, build_stage
-    from megapipe.overlap.combined import _run_backward
+    from megapipe.overlap.tape import _run_backward
     from megapipe.overlap.graphs import NodeGraphs
     from megapipe.train.optim.mixed_precision import cast_to_bf16
 

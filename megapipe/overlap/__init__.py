@@ -1,6 +1,6 @@
 """megapipe.overlap: node plans, streams, the combined step and its tape."""
 
-from megapipe.overlap.combined import BackwardHalf, CombinedStep, Tape, combined_step
+from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, NodeRunner, WavePlan, layer_graph, run_nodes,
@@ -9,6 +9,7 @@ from megapipe.overlap.streams import (
     CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams,
 )
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 
 __all__ = [

@@ -25,7 +25,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from megapipe.overlap.combined import BackwardHalf, Tape
+from megapipe.overlap.combined import BackwardHalf
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.graphs import NodeGraphs
 from megapipe.overlap.sequential import TapeRunner, run_backward
 from megapipe.overlap.plan import NodeRunner, Track

@@ -75,7 +75,7 @@ class CombinedStep:
     ``a2a_waves`` k > 1 records every layer whose plan is a ``WavePlan`` in its k-wave form.
     ``track``: the activation meter. ``backward_done(grads)``, the one hand-over to the caller,
     is told on the host as soon as the backward's last node has been issued (the executor's
-    ``pipeline.p2p.PairSends`` hands the gradient on from there); the step drops it at
+    ``pipeline.transit.PairSends`` hands the gradient on from there); the step drops it at
     ``finish()``, and nothing the step is given points back at it, so no reference cycle
     outlives the step.
     """

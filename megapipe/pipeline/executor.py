@@ -2,7 +2,7 @@
 
 The executor walks this rank's action list once per step. The comm actions of each gap (between
 two computations) are posted as one batch when reached; a compute action first waits for the
-batch that holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
+batch that holds the tensor it consumes (``transit.StepTensors``: the data in transit), then runs the
 stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
 combined schedule every training step of a ``StageModule`` runs on the streams as one
 ``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with
@@ -48,7 +48,7 @@ from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
 from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
-from megapipe.pipeline.p2p import PairSends, StepTensors, stage_links
+from megapipe.pipeline.transit import PairSends, StepTensors, stage_links
 from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
@@ -362,7 +362,7 @@ class PipelineExecutor:
                 return False
         return True
 
-    def _run_combined(self, action: Action, state: _Step, run: list[Action],
+    def _run_combined(self, action: Action, state: _Step, gap: list[Action],
                       early: Sequence[Action]) -> None:
         """One combined step: an OVERLAP's forward beside its backward, or a lone F, B or I
         (every all-to-all is then issued from the one comm stream). Each half's result is handed
@@ -381,7 +381,7 @@ class PipelineExecutor:
             end = partial(b_worker.end_backward, b.microbatch, half=half)
         # the hand-overs are given at construction and point one way (step -> sends -> half):
         # no cycle, so all of it is freed when this call returns, not by the garbage collector
-        sends = PairSends(tensors, run, early, backward=b, end=end)
+        sends = PairSends(tensors, gap, early, backward=b, end=end)
         f_worker = self.workers[f.stage] if f is not None else None
         step = CombinedStep(
             self.streams, half, backward_done=sends.backward_done if b is not None else None,

@@ -317,7 +317,7 @@ def early_send_order(case: Case) -> dict | None:
     """A combined step with delayed weight gradients, logging in order when each p2p batch is
     posted and when each OVERLAP's combined step returns."""
     from megapipe.pipeline.executor import PipelineExecutor
-    from megapipe.pipeline.p2p import StepTensors
+    from megapipe.pipeline.transit import StepTensors
     from megapipe.schedule.ir import Kind
 
     prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])

@@ -71,7 +71,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
         yield
 
     def record_use(self: Any, values: Any) -> None:
-        counts["record_stream"] += len(streams_module._tensors(values))
+        counts["record_stream"] += len(streams_module.tensors_in(values))
 
     real_backward = tape_module._run_backward
 

@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.plan import Node, NodeKind
-from megapipe.overlap.streams import (
-    CudaApi, CudaStream, InlineStream, Streams, WorkerStream, make_streams,
-)
+from megapipe.overlap.cuda_api import CudaApi
+from megapipe.overlap.streams import CudaStream, InlineStream, Streams, WorkerStream, make_streams
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue

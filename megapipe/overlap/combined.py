@@ -41,7 +41,9 @@ from megapipe.overlap.plan import Node, Plan, WarnOnce, WavePlan, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, NodeRecord, Tape, Values, source_values
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.pairing.order import COMM, FILL, HEAD, REST, Issue, IssueOrder, queuing_positions
+from megapipe.pairing.order import (
+    COMM, FILL, HEAD, REST, Issue, IssueName, IssueOrder, queuing_positions,
+)
 
 
 
@@ -113,7 +115,7 @@ class CombinedStep:
         self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
             if defer and backward is not None and backward.wgrad is not None else None
         self._forward: list[LayerRecord] = []
-        self._events: list[Event | None] = []  # per issue: its event (None: none recorded)
+        self._events: dict[IssueName, Event] = {}  # the events recorded, by issue
         self._trace_slots: dict[int, int] = {}
         self._finished = False
 
@@ -162,8 +164,6 @@ class CombinedStep:
         on the compute stream; the backward's last node hands its gradients on."""
         streams = self.streams
         events = self._events
-        start = len(events)
-        events += [None] * len(issues)
         positions = range(len(issues)) if streams.compute.runs_on_host else \
             queuing_positions(issues)
         try:
@@ -195,21 +195,23 @@ class CombinedStep:
                 args = (layer, issue.node)
                 if self.trace is not None:
                     run = self._traced(run, stream, issue, record.node)
-                events[start + n] = stream.run(run, args, comm or issue.signals)
+                event = stream.run(run, args, comm or issue.signals)
+                if event is not None:
+                    events[issue.name] = event
                 if not forward and issue.layer == 0 and issue.node == 0:
                     self._backward_done()
         except BaseException:
             _quietly_wait(streams.comm.run(None))  # never abandon a tape in use
             raise
 
-    def _event(self, position: int) -> Event:
-        """The event of the issue at ``position`` (recorded now, on its stream, if it had none:
-        later than needed, never too early)."""
-        event = self._events[position]
+    def _event(self, name: IssueName) -> Event:
+        """The event of the issue ``name`` (recorded now, on its stream, if it had none: later
+        than needed, never too early)."""
+        event = self._events.get(name)
         if event is None:
-            issue = self.order.issues[position]
-            stream = self.streams.comm if issue.stream == COMM else self.streams.compute
-            event = self._events[position] = stream.run(None)
+            comm = self.order.stream_of[name] == COMM
+            event = (self.streams.comm if comm else self.streams.compute).run(None)
+            self._events[name] = event  # type: ignore[assignment]
         return event  # type: ignore[return-value]
 
     def _keep_crossing(self, stream: Stream, layer: LayerRecord, record: NodeRecord,
@@ -259,17 +261,17 @@ class CombinedStep:
     def _issue_wgrad(self, issue: Issue) -> None:
         assert self.backward is not None
         layers = self._layer_wgrad or []
-        if issue.node == REST:
+        if issue.share == REST:
             queues = [q for q in layers + [self.backward.wgrad] if q is not None and len(q)]
         else:
             queues = [layers[issue.layer]] if len(layers[issue.layer]) else []
         if not queues:
             return
-        count = issue.count if issue.node == FILL else None
+        count = issue.count if issue.share == FILL else None
 
         def run() -> None:
             for queue in queues:
-                queue.run(ceil(len(queue) / 2) if issue.node == HEAD else count)
+                queue.run(ceil(len(queue) / 2) if issue.share == HEAD else count)
 
         compute = self.streams.compute
         if self.trace is not None:
@@ -284,15 +286,15 @@ class CombinedStep:
             tape = backward.tape
             done(self._on_compute(self.order.side_end["B"], lambda: tape.input_grads))
 
-    def _on_compute(self, position: int | None, values: Callable[[], Any]) -> Any:
-        """``values()``, made by the issue at ``position``, made safe for the caller's work on
-        the compute stream: when that issue ran on the comm stream, the compute stream waits for
-        it first (on CPU: for the comm thread; its error is raised here)."""
-        if position is None or self.order.issues[position].stream != COMM:
+    def _on_compute(self, name: IssueName | None, values: Callable[[], Any]) -> Any:
+        """``values()``, made by the issue ``name``, made safe for the caller's work on the
+        compute stream: when that issue ran on the comm stream, the compute stream waits for it
+        first (on CPU: for the comm thread; its error is raised here)."""
+        if name is None or self.order.stream_of[name] != COMM:
             return values()
         compute = self.streams.compute
         try:
-            compute.wait_event(self._event(position))
+            compute.wait_event(self._event(name))
         except BaseException:
             _quietly_wait(self.streams.comm.run(None))
             raise

@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from megapipe.overlap.wgrad import Track, WeightGradQueue
-from megapipe.pairing.order import COMM_READS_HOST
+from megapipe.pairing.slots import COMM_READS_HOST
 from megapipe.pairing.timing import NodeTimes
 
 

@@ -4,7 +4,8 @@
 (``overlap.tape``); ``run_backward(tape, grads)`` walks them back, last node first, with the
 tape's ``forward_node`` and ``backward_node`` that the combined step runs too, so both
 paths perform the same operations: bitwise those of plain autograd over the same plans.
-``TapeRunner`` is the node runner of this path (a model's forward drives it through its ``node_runner``).
+``TapeRunner`` is the node runner of this path (a model's forward drives it through its
+``node_runner``).
 """
 
 from __future__ import annotations

@@ -476,7 +476,7 @@ def test_weight_gradients_placed_by_time_keep_the_bits(kinds):
                 for plan in _timed_plans(stack_f, timed):
                     values = runner.run_layer(plan, values)
                 (gx_j,) = runner.finish()
-            parts.append({i.node for i in runner.order.issues if i.side == "W"})
+            parts.append({i.share for i in runner.order.issues if i.side == "W"})
         else:
             values, _ = record_forward(_timed_plans(stack_f, timed), (x_i.requires_grad_(),))
             (gx_j,) = run_backward(tape_j, (g_j,), wgrad=queue)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.plan import Node, Plan, WarnOnce, WavePlan, node_plan_of
+from megapipe.overlap.plan import Node, Plan, Track, WarnOnce, WavePlan, node_plan_of
 from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, NodeRecord, Tape, Values, source_values
 from megapipe.overlap.wgrad import WeightGradQueue

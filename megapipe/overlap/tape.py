@@ -34,6 +34,8 @@ from torch.autograd import Variable
 from megapipe.overlap.plan import (
     LayerState, Node, Plan, Source, Track, UndeclaredState, layer_graph,
 )
+from megapipe.overlap.streams import Stream
+from megapipe.overlap.wgrad import WeightGradQueue
 
 Values = tuple[Any, ...]
 Grads = tuple[torch.Tensor | None, ...]

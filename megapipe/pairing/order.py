@@ -11,7 +11,7 @@ comm node: the backward layers without one run alone before the forward layer; a
 without one, or with no backward layer left, runs alone; the backward layers left when the
 forward has run out run alone at the end (``finish``).
 
-**2. What runs beside what** (``slots.pair_slots``). Walk the forward layer's node groups in forward
+**2. What runs beside what** (``pair_slots``, ``slots``). Walk the forward layer's node groups in forward
 order and the backward layer's in backward order (a group: one node, or the same node of every
 branch of a fork); a comm group of one side and a compute group of the other go side by side,
 one *slot*; otherwise the backward's group goes alone (the forward's once the backward is
@@ -61,7 +61,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Iterable, NamedTuple, Sequence
 
-from .slots import LayerKinds, LayerWalk, NodeRef, Side, slots_of, walk_of
+from .slots import LayerKinds, LayerWalk, NodeRef, Side, Slot, layer_walk, slots_of
 from .timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
 
 IssueName = tuple[Side, int, int]  # an F or B issue's name in its step: (side, layer, node)
@@ -106,6 +106,22 @@ class Issue(NamedTuple):
             return f"W{self.layer}.{self.share}{self.count if self.share == FILL else ''}"
         return f"{self.side}{self.layer}.{self.node}"
 
+
+
+def walk_of(kinds: LayerKinds) -> LayerWalk:
+    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
+    try:
+        return layer_walk(kinds)  # type: ignore[arg-type]
+    except TypeError:  # a list somewhere: not hashable
+        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
+                                for k in kinds))
+
+
+def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
+    """The slots of one forward layer beside one backward layer (either may be None: the other's
+    nodes then go alone). See the module docstring."""
+    return list(slots_of(walk_of(forward) if forward else None,
+                       walk_of(backward) if backward else None))
 
 
 class _Entry(NamedTuple):

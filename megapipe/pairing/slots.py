@@ -2,7 +2,7 @@
 
 Part 2 of the pair order (``order``'s docstring). ``layer_walk`` numbers a layer's nodes (its
 ``LayerKinds``: per plan item a node kind, or for a fork the kinds of each branch) and finds
-what each reads; ``pair_slots`` walks the forward layer's node groups in forward order and the
+what each reads; ``slots_of`` walks the forward layer's node groups in forward order and the
 backward layer's in backward order (a group: one node, or the same node of every branch of a
 fork): a comm group of one side and a compute group of the other go side by side, one *slot*;
 otherwise the backward's group goes alone (the forward's once the backward is done). A layer
@@ -109,15 +109,6 @@ def layer_walk(kinds: tuple) -> LayerWalk:
                      readers, tuple(groups), tuple(lone))
 
 
-def walk_of(kinds: LayerKinds) -> LayerWalk:
-    """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
-    try:
-        return layer_walk(kinds)  # type: ignore[arg-type]
-    except TypeError:  # a list somewhere: not hashable
-        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
-                                for k in kinds))
-
-
 def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
     """Slots for parallel chains with no other microbatch beside them: in each slot the ready
     comm node and the ready compute node that come earliest in their chains (then the lowest
@@ -170,10 +161,3 @@ def slots_of(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slo
             refs = tuple(("F", n) for n in f[1])
             slots.append((refs, ()) if f[0] == COMM else ((), refs))
     return tuple(slots)
-
-
-def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
-    """The slots of one forward layer beside one backward layer (either may be None: the other's
-    nodes then go alone). See the module docstring."""
-    return list(slots_of(walk_of(forward) if forward else None,
-                       walk_of(backward) if backward else None))

@@ -11,10 +11,11 @@ from megapipe.schedule.ir import Kind, Schedule
 
 
 def check_executor_options(
-    spec: Any, grad_reduction: str, known_reductions: Sequence[str], timeout: float
+    spec: Any, grad_reduction: str, known_reductions: Sequence[str], timeout: float,
+    tp: int = 1,
 ) -> None:
-    """``spec`` a TensorSpec or a function of (stage, microbatch); a known gradient reduction;
-    a positive timeout."""
+    """``spec`` a TensorSpec or a function of (stage, microbatch); a known gradient reduction
+    (not megapipe's own with tensor parallelism ``tp`` > 1); a positive timeout."""
     if spec is not None and not isinstance(spec, TensorSpec) and not callable(spec):
         raise TypeError(
             f"spec={spec!r} must be a TensorSpec(shape, dtype) or a function "
@@ -27,6 +28,12 @@ def check_executor_options(
         )
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+    if grad_reduction == "dp" and tp > 1:
+        raise NotImplementedError(
+            f"grad_reduction='dp' with tp={tp}: megapipe's reduction does not all-reduce "
+            "sequence-parallel gradients over the tensor-parallel group; leave the reduction "
+            "to the caller (grad_reduction='none', e.g. Megatron's DDP)"
+        )
 
 
 def check_overlap_options(

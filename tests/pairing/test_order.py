@@ -5,9 +5,9 @@ import pytest
 from megapipe.pairing.timing import NodeTimes, time_issues
 from megapipe.pairing.order import (
     COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, format_pair_table, issue_order,
-    queuing_positions,
+    pair_slots, queuing_positions,
 )
-from megapipe.pairing.slots import COMM_READS_HOST, pair_slots
+from megapipe.pairing.slots import COMM_READS_HOST
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]

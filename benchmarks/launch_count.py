@@ -235,7 +235,7 @@ def launches_outside_graphs(stage: Any | None = None) -> tuple[int, tuple[str, .
     """Launches one MoE layer's combined step (F of one microbatch beside B of another) issues
     outside CUDA graphs with ``--moe-expert-rank-capacity-factor`` (the demo's layer, ep 1):
     every launch of a node that is not graphable today, plus one replay each way per graphable
-    node (the static nodes ``overlap.graphs`` captures). Returns (the count, the graphable
+    node (the static nodes ``graphs.nodes`` captures). Returns (the count, the graphable
     nodes' names)."""
     from megapipe.overlap.plan import layer_graph
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from megapipe.models.config import GPTConfig
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.train.determinism import deterministic_kernels
 
 from gpu_sections.executor_steps import GRAPHS, MICROBATCHES, batch, describe, executor

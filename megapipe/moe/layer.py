@@ -371,7 +371,7 @@ class MoELayer(nn.Module):
                 f"(input shape {tuple(x.shape)})"
             )
         c = self.config
-        if not state.recomputing:  # once per forward: a recompute (full_recompute) re-runs this
+        if not state.recomputing:  # once per forward: a recompute (recompute.full) re-runs this
             state.aux_loss_scale = self.aux_loss_scale
         labels = None
         if relabel is not None:  # the label of each expert, for an expert-group order

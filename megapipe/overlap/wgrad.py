@@ -9,14 +9,14 @@ The queue is an object handed down explicitly: an op finds it at backward time t
 layer's ``LayerState`` it was given at forward time, whose ``wgrad_queue`` field the tape sets
 for the duration of that layer's backward (None: compute now).
 The deferred closure performs exactly the operations the immediate path performs and adds the
-result into ``.grad`` (or the fp32 ``main_grad``, ``overlap.main_grad``) the way autograd's
+result into ``.grad`` (or the fp32 ``main_grad``, ``precision.main_grad``) the way autograd's
 accumulation does, so gradients are bitwise equal with and without deferral (as long as each
 weight is used by one such op per backward, so that no two contributions are summed before
 reaching ``.grad``).
 
 ``grouped_matmul`` computes in the operands' dtype (bf16 in a bf16 model) and, under
 ``torch.autocast``, in the autocast dtype, returning each gradient in its input's dtype; its
-GEMMs are one grouped kernel when the caller gives device offsets (``overlap.grouped_gemm``).
+GEMMs are one grouped kernel when the caller gives device offsets (``moe.grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from megapipe.overlap.grouped_gemm import (
+from megapipe.moe.grouped_gemm import (
     grouped_forward, grouped_input_grad, grouped_weight_grad,
 )
-from megapipe.overlap.main_grad import accumulate_grad_rows
+from megapipe.precision.main_grad import accumulate_grad_rows
 
 Track = Callable[[Sequence[Any]], None]
 """``track(values)``: the engine keeps these tensors until their backward or later use (the

@@ -116,12 +116,12 @@ def check_inputs(
 
 def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: Schedule,
                         tape: bool) -> None:
-    """With CUDA graphs (``overlap.graphs``): a node holding a selected module is captured whole
-    (``graph_rules.coverage_problem``), and no plain-autograd step splits a backward into I and
+    """With CUDA graphs (``graphs.nodes``): a node holding a selected module is captured whole
+    (``graphs.rules.coverage_problem``), and no plain-autograd step splits a backward into I and
     W (the generic split would run a captured node's backward twice)."""
     if graphs is None:
         return
-    from megapipe.overlap.graph_rules import coverage_problem, split_backward_problem
+    from megapipe.graphs.rules import coverage_problem, split_backward_problem
     from megapipe.overlap.plan import layer_graph
     from megapipe.pipeline.stage_module import is_stage_module
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.overlap.combined import CombinedStep
-from megapipe.overlap.graphs import node_graphs
+from megapipe.graphs.nodes import node_graphs
 from megapipe.overlap.plan import WarnOnce
 from megapipe.overlap.streams import Streams, make_streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -82,7 +82,7 @@ class PipelineExecutor:
     backward all-to-alls' time; ``moe_a2a_waves`` k > 1 records MoE layers with their
     all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
     timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
-    replays the static nodes as CUDA graphs (``overlap.graphs``; without CUDA they run eager and
+    replays the static nodes as CUDA graphs (``graphs.nodes``; without CUDA they run eager and
     ``cuda_graph_note`` says so; ``graph_api``: a stand-in, tests). A pair's sends go out from
     inside it as each half's result is made (``early_sends``, ``early_send_rule``).
     """
@@ -110,7 +110,7 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.spec = spec  # a TensorSpec is a SpecFn too
         self.timeout = timeout
-        # CUDA graphs of static nodes (overlap.graphs); off, with a line to log, without CUDA
+        # CUDA graphs of static nodes (graphs.nodes); off, with a line to log, without CUDA
         self.cuda_graphs, self.cuda_graph_note = node_graphs(
             cuda_graph_impl, cuda_graph_modules, self._device(), graph_api)
         self.workers = {
@@ -186,7 +186,7 @@ class PipelineExecutor:
 
         ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
-        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
+        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``precision.main_grad``; zero them between
         steps); after a training step they are synchronised. ``profile`` records every compute
         action and pipeline wait in ``StepResult.trace`` too (``step_profile``). A training
         step tells ``grad_hooks`` when each stage's gradients become final (``grad_points``).

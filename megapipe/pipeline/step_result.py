@@ -30,7 +30,7 @@ class StepResult:
     - with ``measure_activations=True``: ``activation_bytes`` (peak bytes saved for backward or
       held by the pipeline) and on CUDA ``cuda_activation_bytes`` (``activation_meter``).
     - with CUDA graphs (``cuda_graph_impl="local"``): ``graph_instances`` captured so far and
-      ``graph_bytes``, their private memory pools and static buffers (``overlap.graphs``).
+      ``graph_bytes``, their private memory pools and static buffers (``graphs.nodes``).
     """
 
     losses: dict[int, torch.Tensor] = field(default_factory=dict)

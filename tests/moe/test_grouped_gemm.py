@@ -4,11 +4,11 @@ same bits on CPU; bf16, autocast, and deferred weight gradients into an fp32 mai
 import pytest
 import torch
 
-from megapipe.overlap.grouped_gemm import (
+from megapipe.moe.grouped_gemm import (
     cuda_kernel_reads_no_offsets, grouped_forward, grouped_input_grad, grouped_weight_grad,
     use_grouped_mm,
 )
-from megapipe.overlap.main_grad import attach_main_grads
+from megapipe.precision.main_grad import attach_main_grads
 from megapipe.overlap.plan import LayerState
 from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
 

@@ -23,7 +23,7 @@ from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
 from megapipe.recompute.function import recompute
 from megapipe.moe.grouped_gemm import use_grouped_mm
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
 
 
 def swiglu(

@@ -10,11 +10,11 @@ from megapipe.overlap.streams import (
 )
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.tape import Tape
-from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue
 
 __all__ = [
     "BackwardHalf", "WavePlan", "CombinedStep", "CudaStream", "Event", "Fork", "InlineStream",
     "LayerState", "Node", "NodeKind", "NodeRunner", "NodeSpan", "NodeTrace", "Stream", "Streams",
-    "Tape", "TapeRunner", "WeightGradQueue", "WorkerStream", "combined_step", "grouped_matmul",
+    "Tape", "TapeRunner", "WeightGradQueue", "WorkerStream", "combined_step",
     "layer_graph", "make_streams", "record_forward", "run_backward", "run_nodes",
 ]

@@ -24,7 +24,7 @@ from megapipe.graphs.rules import (
 from megapipe.graphs.nodes import Graphable, NodeGraphs, node_graphs
 from megapipe.precision.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi

@@ -10,7 +10,8 @@ from megapipe.moe.grouped_gemm import (
 )
 from megapipe.precision.main_grad import attach_main_grads
 from megapipe.overlap.plan import LayerState
-from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue
 
 HAS_KERNEL = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
 COUNTS = [[40, 0, 60, 28], [0, 0, 128, 0], [32, 32, 32, 32]]

@@ -42,10 +42,7 @@ class LayerWalk:
     readers: tuple[tuple[int, ...], ...]  # the nodes that read each node
     groups: tuple[tuple[str, tuple[int, ...]], ...]  # (kind, nodes issued together), in order
     lone: tuple[Any, ...]  # per plan item: (node,) or, for a fork, its chains
-
-    @property
-    def has_comm(self) -> bool:
-        return COMM in self.kinds
+    has_comm: bool  # a comm node among them (read per layer: a field, not a computation)
 
     def lone_slots(self, side: Side) -> list[Slot]:
         """The walk of a layer without a partner: its nodes alone, a fork's chains pipelined
@@ -105,8 +102,9 @@ def layer_walk(kinds: tuple) -> LayerWalk:
         lone.append(tuple(chains))
         last = before + tuple(ends)
     readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(flat)))
-    return LayerWalk(tuple(k for k, _ in flat), tuple(h for _, h in flat), tuple(reads),
-                     readers, tuple(groups), tuple(lone))
+    kinds_flat = tuple(k for k, _ in flat)
+    return LayerWalk(kinds_flat, tuple(h for _, h in flat), tuple(reads), readers,
+                     tuple(groups), tuple(lone), COMM in kinds_flat)
 
 
 def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:

@@ -11,11 +11,10 @@ DualPipe's mirrored gradients summed and, unless ``grad_reduction="none"``, data
 gradients averaged and tied embeddings summed (``grad_sync``); a reduction that overlaps the
 backward is told through ``grad_hooks`` when each stage's last backward is done (``grad_points``).
 
-Everything is checked before the first action runs: the schedule is validated (a lowered one
-must run to the end under the batched p2p model), the stages must be exactly those the
-placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
-that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward actions
-(under ``torch.no_grad``) lowered on their own, so it stores no activation.
+Everything is checked before the first action runs: the schedule is validated and lowered (a
+lowered one must run to the end under the batched p2p model), the stages must be those the
+placement gives this rank, the inputs must cover the microbatches. Forward-only evaluation runs
+the forward actions (under ``torch.no_grad``) lowered on their own: it stores no activation.
 """
 
 from __future__ import annotations
@@ -173,7 +172,6 @@ class PipelineExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ step
     def step(
         self,
         microbatches: Sequence[Any] | None = None,
@@ -272,7 +270,6 @@ class PipelineExecutor:
             )
         return self._p2p
 
-    # ------------------------------------------------------------------ compute
     def _run_compute(self, actions: Sequence[Action], index: int, state: StepState) -> None:
         action = actions[index]
         if action.kind is Kind.W:

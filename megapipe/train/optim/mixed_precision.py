@@ -24,7 +24,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from megapipe.precision.main_grad import accumulated_grad, attach_main_grads, has_main_grad, zero_grads
+from megapipe.precision.main_grad import (
+    accumulated_grad, attach_main_grads, has_main_grad, zero_grads,
+)
 
 
 def cast_to_bf16(modules: Iterable[nn.Module], params: Sequence[nn.Parameter]) -> None:

@@ -15,8 +15,8 @@ forward has run out run alone at the end (``finish``).
 in forward order and the backward layer's in backward order (a group: one node, or the same
 node of every branch of a fork); a comm group of one side and a compute group of the other go
 side by side, one *slot*; otherwise the backward's group goes alone (the forward's once the
-backward is done). For two MoE layers (attention, dispatch, experts, combine, finish) that is Megatron's
-pair, with the deferred weight gradients (W) of the count rule:
+backward is done). For two MoE layers (attention, dispatch, experts, combine, finish) that is
+Megatron's pair, with the deferred weight gradients (W) of the count rule:
 
 | slot | comm stream | compute stream                                   |
 |------|-------------|--------------------------------------------------|

@@ -55,6 +55,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     import torch
 
     import megapipe.overlap.combined as combined
+    import megapipe.overlap.tape as tape_module
     import megapipe.overlap.streams as streams_module
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap import record_forward
@@ -70,9 +71,9 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
         yield
 
     def record_use(self: Any, values: Any) -> None:
-        counts["record_stream"] += len(streams_module._tensors(values))
+        counts["record_stream"] += len(streams_module.tensors_in(values))
 
-    real_backward = combined._run_backward
+    real_backward = tape_module._run_backward
 
     def run_backward(*args: Any) -> Any:
         counts["autograd calls"] += 1
@@ -82,7 +83,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     patches.enter_context(_patched(torch.cuda, "stream", switch))
     patches.enter_context(_patched(torch.cuda, "current_stream", lambda *a: fake_compute))
     patches.enter_context(_patched(CudaStream, "record_use", record_use))
-    patches.enter_context(_patched(combined, "_run_backward", run_backward))
+    patches.enter_context(_patched(tape_module, "_run_backward", run_backward))
     fake_compute = _FakeStream(counts, "compute")
     device = torch.device("cpu")
     extra = {"current": True} if "current" in inspect.signature(CudaStream).parameters else {}

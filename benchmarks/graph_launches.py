@@ -35,7 +35,7 @@ class _Count(TorchDispatchMode):
 
 
 class _CountingGraphs:
-    """The graph calls of ``megapipe.overlap.graphs.GraphApi``: a capture runs the function
+    """The graph calls of ``megapipe.graphs.nodes.GraphApi``: a capture runs the function
     once (its results stand for the static buffers), a replay counts one launch."""
 
     def __init__(self) -> None:
@@ -61,8 +61,8 @@ class _CountingGraphs:
 def count(hidden: int) -> dict[str, tuple[int, int]]:
     """Per captured node: (eager launches, launches with graphs) for one forward + backward."""
     from megapipe.models import GPTConfig, build_stage
-    from megapipe.overlap.combined import _run_backward
-    from megapipe.overlap.graphs import NodeGraphs
+    from megapipe.overlap.tape import _run_backward
+    from megapipe.graphs.nodes import NodeGraphs
     from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     config = GPTConfig(hidden_size=hidden, num_heads=4, num_layers=2, seq_length=64,

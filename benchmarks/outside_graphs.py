@@ -53,7 +53,7 @@ def launches_outside_graphs(stage: Any | None = None,
     graphs captured in a first round, the second counted, where each replay counts one and
     every operator the host issues besides counts one (copies into static buffers, the
     all-to-all nodes, the gradients' accumulation). Returns (the count, its counter)."""
-    from megapipe.overlap.graphs import NodeGraphs
+    from megapipe.graphs.nodes import NodeGraphs
 
     stage = demo_layer(moe_expert_rank_capacity_factor=RANK_CAPACITY) if stage is None else stage
     api = _replay_counting_api()

@@ -37,7 +37,7 @@ _RUNTIME_EXPORTS = {
     "P2PTimeoutError": "megapipe.pipeline.p2p",
     "P2PPeerError": "megapipe.pipeline.p2p",
     # bf16 with fp32 main weights and gradients (Megatron's --bf16)
-    "attach_main_grads": "megapipe.overlap.main_grad",
+    "attach_main_grads": "megapipe.precision.main_grad",
     "cast_to_bf16": "megapipe.train.optim.mixed_precision",
     "MixedPrecisionAdamW": "megapipe.train.optim.mixed_precision",
 }

@@ -4,7 +4,7 @@
 A copy of the files they need (the package, ``tests/support``, ``benchmarks/gpu_sections``) in
 ``<tmp>/megapipe`` runs them in a fresh process: ``HostSyncs`` charges a host read to the
 megapipe function that made it (not to itself, whose path holds ``/megapipe/`` there), the
-GPU check's ``site_of`` names the megapipe line, and ``OverlapPath``'s root is the copy."""
+GPU check's ``site_of`` names the megapipe line, and ``ActionPath``'s root is the copy."""
 
 import shutil
 import subprocess

@@ -25,7 +25,7 @@ from gpu_sections.executor_steps import GRAPHS, MICROBATCHES, batch, describe, e
 from gpu_sections.link_model import make_link, set_link
 from gpu_sections.sec_executor import DRY, REAL
 from megapipe.models.config import GPTConfig
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.train.determinism import deterministic_kernels
 
 WAYS = {"plain": {"overlap": False}, "combined": {"overlap": True},

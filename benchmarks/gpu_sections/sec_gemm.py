@@ -1,6 +1,6 @@
 """gemm: the experts' three GEMMs two ways -- the per-expert loop against one grouped GEMM
 (``torch.nn.functional.grouped_mm`` or ``torch._grouped_mm``) -- through megapipe's own
-``overlap/grouped_gemm.py``, in TFLOP/s and host microseconds per call.
+``moe/grouped_gemm.py``, in TFLOP/s and host microseconds per call.
 
 The loop is what ``grouped_forward`` and friends run without device offsets (host ``counts``);
 the grouped kernel is what they run with them, where ``use_grouped_mm`` says this torch and
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_sections.gpu_timing import median_ms
-from megapipe.overlap.grouped_gemm import (
+from megapipe.moe.grouped_gemm import (
     grouped_forward,
     grouped_input_grad,
     grouped_weight_grad,
@@ -92,7 +92,7 @@ def _compare(ctx, result, shape: GemmShape, headline: bool) -> list[list]:  # no
     if not grouped:
         result.skip(f"grouped GEMM for {shape.describe()}",
                     f"torch {torch.__version__} has no grouped_mm for these operands here "
-                    "(megapipe.overlap.grouped_gemm.use_grouped_mm)")
+                    "(megapipe.moe.grouped_gemm.use_grouped_mm)")
     flops = 2 * shape.tokens * shape.top_k * shape.hidden * shape.ffn
     rows, speedups = [], []
     for name, gemm in gemms.items():

@@ -71,7 +71,7 @@ from megapipe.megatron.mcore_support import (
 )
 from megapipe.moe.aux_loss import AuxLossLog
 from megapipe.moe.layer import take_aux_loss_logs, take_overflow
-from megapipe.overlap.graph_rules import settings_problem
+from megapipe.graphs.rules import settings_problem
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.overlap_auto import OverlapAuto
@@ -456,7 +456,7 @@ def get_forward_backward_func(
     auxiliary losses (module docstring). ``microbatch_group_size_per_vp_stage`` and
     ``max_extra_in_flight`` go to ``build_schedule``. ``cuda_graph_impl="local"`` with
     ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
-    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.overlap.graphs``; on CPU the
+    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.graphs.nodes``; on CPU the
     executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
     ``overlap_moe_expert_parallel_comm="auto"`` times plain and combined training calls on this
     machine and keeps the faster (``megapipe.pipeline.overlap_auto``: every rank agrees, the

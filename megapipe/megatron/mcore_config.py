@@ -233,7 +233,7 @@ RULES: dict[str, Rule] = {
 }
 
 _GRAPHS = ("Megatron's graphs capture its layers' own code, which the adapter re-creates node "
-           "by node, and megapipe's node graphs (overlap.graphs) capture megapipe's GPT only: "
+           "by node, and megapipe's node graphs (graphs.nodes) capture megapipe's GPT only: "
            "Megatron-Core chunks run eager")
 # fields whose non-default value is refused with a reason (instead of the generic line)
 REASONS = {

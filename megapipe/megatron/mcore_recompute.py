@@ -2,7 +2,7 @@
 
 Megatron's ``recompute_granularity='full'`` checkpoints whole layers, all-to-alls included,
 and Megatron's own overlap refuses it. megapipe recomputes each compute node of a layer inside
-that node's backward and never re-runs the dispatch or combine (``overlap.full_recompute``).
+that node's backward and never re-runs the dispatch or combine (``recompute.full``).
 Which layers: Megatron's choice (``recompute_method='uniform'``: every layer, and the MTP
 layers; ``'block'``: the first ``recompute_num_layers`` layers of each chunk). The numbers are
 Megatron's: recompute re-runs the same operations on the same inputs.
@@ -34,7 +34,7 @@ import torch
 
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.megatron.mcore_release import McoreRelease
-from megapipe.overlap.full_recompute import recompute_plan
+from megapipe.recompute.full import recompute_plan
 from megapipe.overlap.plan import Node, NodeKind, Plan
 
 

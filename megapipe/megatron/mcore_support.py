@@ -175,7 +175,7 @@ def activation_shape(config: Any, seq_length: int, micro_batch_size: int) -> tup
 
 def check_cuda_graphs(impl: str) -> None:
     """megapipe's CUDA graphs (``cuda_graph_impl="local"``) capture nodes that declare what they
-    hold (``overlap.graphs.Graphable``); the adapter's Megatron-Core nodes do not, and Megatron's
+    hold (``graphs.nodes.Graphable``); the adapter's Megatron-Core nodes do not, and Megatron's
     own graph settings are refused with the config (``mcore_config``)."""
     if impl != "none":
         raise NotImplementedError(

@@ -12,8 +12,8 @@ from typing import Any
 
 from megapipe.moe.layer import MoEConfig
 from megapipe.moe.link import EmulatedLink
-from megapipe.overlap.full_recompute import check_full_recompute
-from megapipe.overlap.recompute import check_recompute_modules
+from megapipe.recompute.full import check_full_recompute
+from megapipe.recompute.function import check_recompute_modules
 
 CONFIG_VERSION = 1
 """The version of ``GPTConfig.to_dict``'s form; ``from_dict`` reads this version only."""
@@ -65,7 +65,7 @@ class GPTConfig:
     # Megatron's --recompute-modules (selective recompute): "core_attn", "moe_act"
     recompute_modules: tuple[str, ...] = ()
     # Megatron's --recompute-granularity full: None (off), "uniform" (every layer of a chunk)
-    # or "block" (the first recompute_num_layers of each chunk), node by node (full_recompute)
+    # or "block" (the first recompute_num_layers of each chunk), node by node (recompute.full)
     recompute_method: str | None = None
     recompute_num_layers: int = 1
     position_embedding_type: str = "learned_absolute"

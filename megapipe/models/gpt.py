@@ -32,10 +32,10 @@ from megapipe.models.norm import RMSNorm
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer, MoEState
 from megapipe.moe.seeding import seeded_normal
-from megapipe.overlap.full_recompute import recompute_plan
-from megapipe.overlap.graphs import Graphable
-from megapipe.overlap.layer_groups import group_plans
-from megapipe.overlap.recompute import recompute
+from megapipe.recompute.full import recompute_plan
+from megapipe.graphs.nodes import Graphable
+from megapipe.recompute.layer_groups import group_plans
+from megapipe.recompute.function import recompute
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
 )
@@ -45,11 +45,11 @@ MOE_ATTENTION_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
 DENSE_GRAPH_MODULES = ("attn", "mlp")
 MOE_GRAPH_MODULES = ("moe",)
 """What a MoE layer's attention node, a dense layer's node and a MoE layer's experts and finish
-nodes hold, in Megatron's CUDA-graph module names (``overlap.graphs``)."""
+nodes hold, in Megatron's CUDA-graph module names (``graphs.nodes``)."""
 
 
 def graph_holders(config: GPTConfig) -> list[tuple[str, ...]]:
-    """The modules of each kind of capturable node the model has (``graph_rules``): a MoE
+    """The modules of each kind of capturable node the model has (``graphs.rules``): a MoE
     layer's experts and finish nodes only with a rank capacity (static shapes)."""
     kinds = {config.is_moe_layer(layer) for layer in range(config.num_layers)}
     static_moe = True in kinds and config.moe_config().rank_capacity_factor is not None
@@ -219,7 +219,7 @@ class TransformerLayer(nn.Module):
         ]
 
     def _attention_graphable(self) -> Graphable:
-        """What the MoE attention node holds for CUDA graphs (``overlap.graphs``): Megatron's
+        """What the MoE attention node holds for CUDA graphs (``graphs.nodes``): Megatron's
         attn, moe_router and moe_preprocess (route's permutation into expert order); every
         parameter of the layer but the experts' (their nodes come later); the auxiliary-loss
         scale it reads and whether a rank capacity is on (route then places the sends), the
@@ -353,8 +353,8 @@ class GPTStage(nn.Module):
     def layer_plans(self) -> list[Plan]:
         """Node plans in execution order: embedding, each layer, final norm + head. A layer the
         config recomputes whole (``recompute_method``) has its compute nodes wrapped by
-        ``overlap.full_recompute.recompute_plan``: they keep only their inputs; with the uniform
-        method and N > 1 layers, each group of N is one plan (``overlap.layer_groups``). Made
+        ``recompute.full.recompute_plan``: they keep only their inputs; with the uniform
+        method and N > 1 layers, each group of N is one plan (``recompute.layer_groups``). Made
         once (the engine records them every step; a copy of the stage makes its own)."""
         if self._layer_plans is None:
             plans = [_single_node("embedding", self.embedding)] if self.is_first else []

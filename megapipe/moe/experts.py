@@ -5,7 +5,7 @@ each expert drawn from its own generator keyed by (seed, layer index, global exp
 any EP size builds the same experts. Forward runs one SwiGLU per local expert on its contiguous
 slice of expert-major tokens: each of its three matmuls is one grouped GEMM over all local
 experts where torch has one (given the device offsets the dispatcher makes), else a
-deterministic loop (``overlap.grouped_gemm``), and the activation ``silu(gate) * up`` is one fused
+deterministic loop (``moe.grouped_gemm``), and the activation ``silu(gate) * up`` is one fused
 operator each way (``megapipe.kernels.swiglu``). Every expert runs, even on zero tokens, so every
 expert weight always gets a gradient, zeros when idle. A layer in waves (``moe.waves``) runs
 one group of the local experts at a time (``group_first``), with bitwise the same results.
@@ -21,9 +21,9 @@ from torch import nn
 from megapipe.kernels import swiglu as fused_swiglu
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
-from megapipe.overlap.recompute import recompute
-from megapipe.overlap.grouped_gemm import use_grouped_mm
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.recompute.function import recompute
+from megapipe.moe.grouped_gemm import use_grouped_mm
+from megapipe.moe.grouped_gemm import grouped_matmul
 
 
 def swiglu(

@@ -39,7 +39,7 @@ layer stays dropless and reads nothing either, in fixed-size lanes: route places
 hold only their all-to-alls, experts orders the received lanes by expert and back, finish takes
 its rows back from the returned lanes. Every shape is then static and the state holds plain
 values and device tensors only, so experts and finish declare Megatron's CUDA-graph module
-``moe`` (``overlap.graphs``). ``sync_free=False`` runs the layer as the plain dropless one (the
+``moe`` (``graphs.nodes``). ``sync_free=False`` runs the layer as the plain dropless one (the
 step run again after an overflow, ``set_sync_free``); experts and finish then run eager.
 Config and state: ``moe.config``, ``moe.state``.
 
@@ -67,7 +67,7 @@ from megapipe.moe.rank_capacity import RankCapacityDispatch, gather_rows, lane_r
 from megapipe.moe.router import Router
 from megapipe.moe.state import MoEState, pass_leading
 from megapipe.moe.waves import WaveDispatch
-from megapipe.overlap.graphs import Graphable
+from megapipe.graphs.nodes import Graphable
 from megapipe.overlap.plan import Fork, Node, NodeFn, NodeKind, WavePlan, run_nodes
 
 __all__ = ["MoEConfig", "MoELayer", "MoEState", "pass_leading", "set_sync_free",
@@ -279,7 +279,7 @@ class MoELayer(nn.Module):
                 f"(input shape {tuple(x.shape)})"
             )
         c = self.config
-        if not state.recomputing:  # once per forward: a recompute (full_recompute) re-runs this
+        if not state.recomputing:  # once per forward: a recompute (recompute.full) re-runs this
             state.aux_loss_scale = self.aux_loss_scale
         labels = None
         if relabel is not None:  # the label of each expert, for an expert-group order

@@ -17,7 +17,7 @@ class MoEState(LayerState):
     """One MoE layer's scratch for one microbatch: route writes all but the splits; dispatch
     (or wave 0's dispatch) writes the splits. With a rank capacity every field a later node
     reads is a plain value or a device tensor (no host list, no object), so the nodes that
-    read them can be captured into CUDA graphs (``overlap.graphs``)."""
+    read them can be captured into CUDA graphs (``graphs.nodes``)."""
 
     aux_loss_scale: float | None = None  # the scale of the aux-loss gradient, fixed at forward
     input_shape: torch.Size | None = None  # x's shape, which finish gives its output

@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 import torch
 
 from megapipe.overlap.wgrad import Track, WeightGradQueue  # noqa: F401  # Track: re-exported
-from megapipe.pairing.order import COMM_READS_HOST
+from megapipe.pairing.slots import COMM_READS_HOST
 from megapipe.pairing.timing import NodeTimes
 
 
@@ -48,7 +48,7 @@ class LayerState:
     ops (``overlap.wgrad.grouped_matmul``, given this state at forward time) put their weight
     gradient into it instead of computing it at once; None computes it at once. ``recomputing``
     is True while a recomputed node runs its forward again inside its backward
-    (``overlap.full_recompute``): a node then skips what must happen once per forward (logging).
+    (``recompute.full``): a node then skips what must happen once per forward (logging).
     A subclass's fields are the layer's own metadata, written by one node and read by a later
     one; a layer that leaves none uses ``LayerState`` itself.
     """
@@ -88,7 +88,7 @@ class Node:
     comm node that reads values back to the host (a dropless dispatch's split sizes); a host
     that only queues work issues it after the compute beside it (``pairing.order``), and it is
     never captured. ``graphable``: what a static compute node holds, so that it may be captured
-    into a CUDA graph (``overlap.graphs.Graphable``; None: never captured)."""
+    into a CUDA graph (``graphs.nodes.Graphable``; None: never captured)."""
 
     name: str
     kind: NodeKind

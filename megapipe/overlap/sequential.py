@@ -1,10 +1,11 @@
 """The tape path: a stage's nodes run one after the other, forward, then backward.
 
 ``record_forward(layer_plans, inputs)`` runs each layer's nodes in order on a new tape
-(``combined.Tape``); ``run_backward(tape, grads)`` walks them back, last node first, with the
-combined step's own ``forward_node`` and ``backward_node``, so both paths perform the same
-operations: bitwise those of plain autograd over the same plans. ``TapeRunner`` is the node
-runner of this path (a model's forward drives it through its ``node_runner``).
+(``overlap.tape``); ``run_backward(tape, grads)`` walks them back, last node first, with the
+tape's ``forward_node`` and ``backward_node`` that the combined step runs too, so both
+paths perform the same operations: bitwise those of plain autograd over the same plans.
+``TapeRunner`` is the node runner of this path (a model's forward drives it through its
+``node_runner``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megapipe.overlap.combined import Grads, Tape, Values, backward_node, checked, forward_node
+from megapipe.overlap.tape import Grads, Tape, Values, checked
 from megapipe.overlap.plan import Track
 from megapipe.overlap.wgrad import WeightGradQueue
 
@@ -44,7 +45,7 @@ def run_backward(tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None 
     while tape.remaining_backward_layers():
         layer = tape.begin_layer_backward(grads, wgrad)
         for index in reversed(range(len(layer.nodes))):
-            backward_node(tape, layer, index)
+            tape.backward_node(layer, index)
         grads = None
     if tape.input_grads is None:
         raise RuntimeError("the tape's first layer never ran backward")
@@ -63,6 +64,6 @@ class TapeRunner:
     def run_layer(self, plan: Sequence[Any], inputs: Sequence[Any]) -> Values:
         layer = self.tape.begin_layer(plan, inputs)
         for index in range(len(layer.nodes)):
-            forward_node(self.tape, layer, index)
+            self.tape.forward_node(layer, index)
         assert layer.outputs is not None
         return layer.outputs

@@ -1,38 +1,33 @@
 """Streams and events: one interface, a CUDA and a CPU implementation with the same semantics.
 
-A ``Stream`` runs submitted work in submission order; ``submit(fn)`` returns an ``Event`` that
-completes when ``fn``'s work has completed and carries ``fn``'s return value. ``wait_event(e)``
-makes later work on a stream start only after ``e``. ``e.value_on(stream)`` hands the value to
-work on ``stream`` (making it wait first), which is how a tensor crosses from one stream to
-another.
+A ``Stream`` runs submitted work in order; ``submit(fn)`` returns an ``Event`` that completes
+with ``fn``'s work and carries its value; ``wait_event(e)`` makes later work wait for ``e``;
+``e.value_on(stream)`` hands the value to work on ``stream`` (a tensor crossing streams).
 
-- CUDA (``CudaStream``): ``fn`` runs on the host at once with that stream current (the
-  compute stream is the device's current stream: no switch), so its kernels queue on it; events
-  are ``torch.cuda.Event``, made once and reused where the combined step records them
-  (``run``, ``recycle``); a tensor handed to another stream gets ``record_stream`` so the
-  caching allocator does not reuse its memory early. The communication stream may be created
-  with high priority. Every ``torch.cuda`` call goes through ``CudaApi``.
-- CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once and its
-  event is already complete. A communication stream (``WorkerStream``) is one worker thread
-  running submitted work in order; its events are locks the worker releases. gloo collectives
-  and torch ops release the GIL, so work on the two really runs at the same time.
+- CUDA (``CudaStream``): ``fn`` runs on the host at once with that stream current (the compute
+  stream is the device's current stream: no switch), so its kernels queue on it; the combined
+  step's events are made once and reused (``run``, ``recycle``); a tensor handed to another
+  stream gets ``record_stream``; the comm stream may have high priority. Every ``torch.cuda``
+  call goes through ``cuda_api.CudaApi``.
+- CPU: the compute stream (``InlineStream``) is the calling thread: ``fn`` runs at once. The
+  comm stream (``WorkerStream``) is one worker thread; its events are locks the worker
+  releases. gloo collectives and torch ops release the GIL, so the two really run together.
 
-Rule: a process group is driven from exactly one stream. The combined step runs every comm node
-on the communication stream and ``Streams.claim`` refuses a group already claimed by another
-stream; since every rank issues its comm nodes in the same order on that one stream, the
-collectives match across ranks.
+Rule: a process group is driven from exactly one stream (``Streams.claim`` refuses a second);
+every rank issues its comm nodes in the same order on that one stream, so collectives match.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from megapipe.overlap.cuda_api import CudaApi, CudaMark, tensors_in
 
 
 class Event(ABC):
@@ -60,11 +55,8 @@ class Stream(ABC):
     """An ordered queue of work (see the module docstring)."""
 
     name: str
-    # True: ``submit`` returns only when the work is done (the CPU compute stream is the host
-    # thread itself); False: ``submit`` queues it (a worker thread, a CUDA stream)
-    runs_on_host: bool = False
-    # True: ``record_use`` keeps memory (a CUDA caching allocator); False: it does nothing
-    keeps_memory: bool = False
+    runs_on_host: bool = False  # ``submit`` returns once the work is done (the CPU host thread)
+    keeps_memory: bool = False  # ``record_use`` keeps memory (a CUDA caching allocator)
 
     @abstractmethod
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
@@ -84,12 +76,10 @@ class Stream(ABC):
 
     def run(self, fn: Callable[..., Any] | None, args: tuple = (),
             record: bool = True) -> Event | None:
-        """The combined step's ``submit``: ``fn(*args)`` (None: nothing, only the event), and
-        an event only when ``record`` (a CPU stream always gives one). The event carries no
-        value: what ``fn`` returns is dropped, as the combined step keeps its events to the
-        step's end and its work leaves its results on the tape (a value kept would keep, say,
-        a gradient alive after the node that reads it ran). Events recorded this way may be
-        recorded again after ``recycle``."""
+        """The combined step's ``submit``: ``fn(*args)`` (None: only the event), an event only
+        when ``record`` (a CPU stream always gives one). The event carries no value (the step
+        keeps its events to its end; a value kept would keep, say, a gradient alive after its
+        reader ran). Events given this way may be recorded again after ``recycle``."""
         return self.submit(_dropped, fn, args) if fn is not None else self.record_event()
 
     def recycle(self) -> None:
@@ -115,8 +105,7 @@ class Stream(ABC):
 
 
 class DoneEvent(Event):
-    """A CPU event complete from the start, with its value: the work already ran on the
-    calling thread (the CPU compute stream)."""
+    """A CPU event complete from the start: the work already ran on the calling thread."""
 
     __slots__ = ("value",)
 
@@ -217,10 +206,8 @@ class WorkerStream(Stream):
                 return
             event, fn, args, kwargs, grad_enabled = item
             if self._failed is not None:
-                event.complete(error=StreamFailed(
-                    f"stream {self.name!r} skipped work after an earlier failure: "
-                    f"{self._failed!r}"
-                ))
+                event.complete(error=StreamFailed(f"stream {self.name!r} skipped work after "
+                                                  f"an earlier failure: {self._failed!r}"))
                 continue
             try:
                 if grad_enabled == torch.is_grad_enabled():
@@ -257,57 +244,6 @@ class WorkerStream(Stream):
 # ---- CUDA ---------------------------------------------------------------------------------
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-class CudaMark:
-    """A timing event recorded on a CUDA stream, with the host time at which it was recorded."""
-
-    def __init__(self, stream: "torch.cuda.Stream") -> None:
-        self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record(stream)
-        self.host = time.perf_counter()
-
-    def host_time_of(self, other: "CudaMark") -> float:
-        """When ``other`` was reached on the GPU, on the host clock's scale with this mark as
-        the origin (waits until ``other`` is reached)."""
-        other.event.synchronize()
-        return self.host + self.event.elapsed_time(other.event) / 1e3
-
-
-class CudaApi:
-    """The ``torch.cuda`` calls a ``CudaStream`` makes, in one place: a stand-in that counts
-    them runs the CUDA path's logic on CPU (the engine-cost count of ``benchmarks/host_cost.py``
-    and its tests)."""
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event()
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def switch(self, stream: Any) -> Any:
-        """A context in which ``stream`` is the current stream."""
-        return torch.cuda.stream(stream)
-
-    def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
-
-    def keep(self, tensor: torch.Tensor, stream: Any) -> None:
-        """``record_stream``: the allocator keeps ``tensor``'s memory until ``stream``'s work
-        queued so far is done."""
-        if tensor.is_cuda:
-            tensor.record_stream(stream)
-
-
 class CudaEvent(Event):
     def __init__(self, event: Any, value: Any, producer: "CudaStream") -> None:
         self.event = event
@@ -339,15 +275,9 @@ class CudaStream(Stream):
 
     keeps_memory = True
 
-    def __init__(
-        self,
-        name: str,
-        device: torch.device,
-        priority: int = 0,
-        stream: "torch.cuda.Stream | None" = None,
-        current: bool = False,
-        api: CudaApi | None = None,
-    ) -> None:
+    def __init__(self, name: str, device: torch.device, priority: int = 0,
+                 stream: "torch.cuda.Stream | None" = None, current: bool = False,
+                 api: CudaApi | None = None) -> None:
         self.name = name
         self.device = device
         self.api = api if api is not None else CudaApi()
@@ -392,9 +322,8 @@ class CudaStream(Stream):
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
-            raise TypeError(
-                f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}"
-            )
+            raise TypeError(f"a CudaStream can wait only on a CudaEvent, not "
+                            f"{type(event).__name__}")
         self.api.wait(self.stream, event.event)
 
     def record_event(self) -> Event:
@@ -406,7 +335,7 @@ class CudaStream(Stream):
         return CudaMark(self.stream)
 
     def record_use(self, values: Any) -> None:
-        for t in _tensors(values):
+        for t in tensors_in(values):
             self.api.keep(t, self.stream)
 
 
@@ -426,14 +355,12 @@ class Streams:
         if group is None:
             return
         owner = self._owners.get(id(group))
-        if owner is None:
-            # the group itself is kept so that its id stays unique
+        if owner is None:  # the group itself is kept so that its id stays unique
             self._owners[id(group)] = (group, stream.name)
         elif owner[1] != stream.name:
             raise RuntimeError(
                 f"process group {group!r} is driven from stream {owner[1]!r}; it cannot also be "
-                f"driven from {stream.name!r} (collectives would be issued in different orders)"
-            )
+                f"driven from {stream.name!r} (collectives would be issued in different orders)")
 
     def synchronize(self) -> None:
         self.comm.synchronize()
@@ -456,20 +383,17 @@ class Streams:
 
 
 def make_streams(device: torch.device | str = "cpu", high_priority_comm: bool = True) -> Streams:
-    """Compute + communication streams for ``device``.
-
-    CUDA: the compute stream is the device's current stream, the comm stream a new one (high
-    priority unless ``high_priority_comm`` is False). CPU: the calling thread and a worker thread.
-    """
+    """Compute + communication streams for ``device``. CUDA: the device's current stream and a
+    new one (high priority unless ``high_priority_comm`` is False). CPU: the calling thread and
+    a worker thread."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"make_streams({device}) needs CUDA, which is not available")
         # out-of-range priorities map to the nearest valid one: -1000 means the highest
         priority = -1000 if high_priority_comm else 0
-        compute = CudaStream("compute", device, stream=torch.cuda.current_stream(device),
-                             current=True)
-        return Streams(compute, CudaStream("comm", device, priority=priority))
+        return Streams(CudaStream("compute", device, stream=torch.cuda.current_stream(device),
+                                  current=True), CudaStream("comm", device, priority=priority))
     if device.type == "cpu":
         return Streams(InlineStream("compute"), WorkerStream("comm"))
     raise ValueError(f"make_streams: device type {device.type!r} is not supported (cpu or cuda)")

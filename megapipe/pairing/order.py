@@ -11,12 +11,12 @@ comm node: the backward layers without one run alone before the forward layer; a
 without one, or with no backward layer left, runs alone; the backward layers left when the
 forward has run out run alone at the end (``finish``).
 
-**2. What runs beside what** (``pair_slots``). Walk the forward layer's node groups in forward
-order and the backward layer's in backward order (a group: one node, or the same node of every
-branch of a fork); a comm group of one side and a compute group of the other go side by side,
-one *slot*; otherwise the backward's group goes alone (the forward's once the backward is
-done). For two MoE layers (attention, dispatch, experts, combine, finish) that is Megatron's
-pair, with the deferred weight gradients (W) of the count rule:
+**2. What runs beside what** (``pair_slots``, ``slots``). Walk the forward layer's node groups
+in forward order and the backward layer's in backward order (a group: one node, or the same
+node of every branch of a fork); a comm group of one side and a compute group of the other go
+side by side, one *slot*; otherwise the backward's group goes alone (the forward's once the
+backward is done). For two MoE layers (attention, dispatch, experts, combine, finish) that is
+Megatron's pair, with the deferred weight gradients (W) of the count rule:
 
 | slot | comm stream | compute stream                                   |
 |------|-------------|--------------------------------------------------|
@@ -58,26 +58,16 @@ far, places its fills as it goes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
+from .slots import LayerKinds, LayerWalk, NodeRef, Side, Slot, layer_walk, slots_of
 from .timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
 
-COMM_READS_HOST = "comm_reads_host"
-"""The kind of a comm node that reads values back to the host (a dropless dispatch's split
-sizes): a comm node for the order, issued after its slot's compute on a queuing host."""
+IssueName = tuple[Side, int, int]  # an F or B issue's name in its step: (side, layer, node)
 
-Side = str  # "F" forward node, "B" backward node, "W" deferred weight gradients
-LayerKinds = Sequence[Any]
-"""A layer for the pair order: per plan item a node kind, or for a fork the kinds of each
-branch (``megapipe.overlap.plan.LayerGraph.kinds``). Nodes are numbered in that order, branch by
-branch."""
-NodeRef = tuple[Side, int]  # (side, node index in its layer, forward order)
-Slot = tuple[tuple[NodeRef, ...], tuple[NodeRef, ...]]  # (comm nodes, compute nodes)
-
-# the ``node`` of a W issue: which share of a backward layer's deferred W items it runs
-HEAD, TAIL, REST, FILL = 0, 1, 2, 3
+# the ``share`` of a W issue: which part of a backward layer's deferred W items it runs
+HEAD, TAIL, REST, FILL = "head", "tail", "rest", "fill"
 _new_issue = tuple.__new__  # an ``Issue`` from all its fields, without the keyword handling
 
 
@@ -86,8 +76,9 @@ class Issue(NamedTuple):
 
     ``layer``: F: the forward layer (0 = the step's first); B and W: the backward tape's layer
     index (W ``REST``: -1). ``node``: F and B: the node's index in its layer (forward order); W:
-    ``HEAD``, ``TAIL``, ``REST`` or ``FILL`` (``count`` items). Issues with the same ``slot`` run
-    side by side. ``needs``: positions of issues on the other stream this one waits for.
+    -1. ``share``: W only, ``HEAD``, ``TAIL``, ``REST`` or ``FILL`` (``count`` items). Issues
+    with the same ``slot`` run side by side. ``needs``: the names (``IssueName``) of the issues
+    on the other stream this one waits for.
     ``reads_host``: the forward of a comm node that reads the host (``COMM_READS_HOST``; its
     backward reads nothing back). ``reads_caller``: the
     node reads what the caller made (a forward layer's input, the backward's given gradients).
@@ -99,93 +90,22 @@ class Issue(NamedTuple):
     layer: int
     node: int
     slot: int
-    needs: tuple[int, ...] = ()
+    needs: tuple[IssueName, ...] = ()
     count: int = 0
     reads_host: bool = False
     reads_caller: bool = False
     signals: bool = False
+    share: str = ""
+
+    @property
+    def name(self) -> IssueName:
+        return (self.side, self.layer, self.node)
 
     def label(self) -> str:
         if self.side == "W":
-            return f"W{self.layer}.{('head', 'tail', 'rest', f'fill{self.count}')[self.node]}"
+            return f"W{self.layer}.{self.share}{self.count if self.share == FILL else ''}"
         return f"{self.side}{self.layer}.{self.node}"
 
-
-@dataclass(frozen=True, eq=False)  # one walk per shape (``layer_walk``): compared by identity
-class LayerWalk:
-    """A layer's nodes as the pair order sees them: kinds, what each reads, and its walks."""
-
-    kinds: tuple[str, ...]  # COMPUTE or COMM per node
-    reads_host: tuple[bool, ...]
-    reads: tuple[tuple[int, ...], ...]  # the nodes of the layer each node reads (forward)
-    readers: tuple[tuple[int, ...], ...]  # the nodes that read each node
-    groups: tuple[tuple[str, tuple[int, ...]], ...]  # (kind, nodes issued together), in order
-    lone: tuple[Any, ...]  # per plan item: (node,) or, for a fork, its chains
-
-    @property
-    def has_comm(self) -> bool:
-        return COMM in self.kinds
-
-    def lone_slots(self, side: Side) -> list[Slot]:
-        """The walk of a layer without a partner: its nodes alone, a fork's chains pipelined
-        (``wave_slots``: one chain's comm node beside another's compute node)."""
-        per_item: list[list[Slot]] = []
-        for item in self.lone:
-            if item and isinstance(item[0], tuple):  # a fork's chains
-                chains = [list(c) if side == "F" else list(c)[::-1] for c in item]
-                per_item.append(wave_slots(chains, self.kinds, side))
-            else:
-                ref = ((side, item[0]),)
-                per_item.append([(ref, ()) if self.kinds[item[0]] == COMM else ((), ref)])
-        if side == "B":
-            per_item.reverse()
-        return [slot for slots in per_item for slot in slots]
-
-
-def _kind(kind: str) -> tuple[str, bool]:
-    if kind == COMM_READS_HOST:
-        return COMM, True
-    if kind not in (COMPUTE, COMM):
-        raise ValueError(f"node kind {kind!r} is not {COMPUTE!r}, {COMM!r} or "
-                         f"{COMM_READS_HOST!r}")
-    return kind, False
-
-
-@lru_cache(maxsize=None)
-def layer_walk(kinds: tuple) -> LayerWalk:
-    """Number the nodes of a layer's kinds (``LayerKinds`` as tuples; ``walk_of`` takes lists)
-    and find what each reads. Cached: a run has a few shapes of layer, each walked once."""
-    flat: list[tuple[str, bool]] = []
-    reads: list[tuple[int, ...]] = []
-    groups: list[tuple[str, tuple[int, ...]]] = []
-    lone: list[Any] = []
-    last: tuple[int, ...] = ()
-    for item in kinds:
-        if isinstance(item, str):
-            flat.append(_kind(item))
-            reads.append(last)
-            last = (len(flat) - 1,)
-            groups.append((flat[-1][0], last))
-            lone.append(last)
-            continue
-        before, ends, chains = last, [], []
-        for branch in item:
-            chain, previous = [], before
-            for kind in branch:
-                flat.append(_kind(kind))
-                reads.append(previous)
-                previous = (len(flat) - 1,)
-                chain.append(len(flat) - 1)
-            ends += previous
-            chains.append(tuple(chain))
-        for i in range(len(chains[0])):  # the branches' i-th nodes back to back
-            group = tuple(chain[i] for chain in chains)
-            groups.append((flat[group[0]][0], group))
-        lone.append(tuple(chains))
-        last = before + tuple(ends)
-    readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(flat)))
-    return LayerWalk(tuple(k for k, _ in flat), tuple(h for _, h in flat), tuple(reads),
-                     readers, tuple(groups), tuple(lone))
 
 
 def walk_of(kinds: LayerKinds) -> LayerWalk:
@@ -197,64 +117,10 @@ def walk_of(kinds: LayerKinds) -> LayerWalk:
                                 for k in kinds))
 
 
-def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:
-    """Slots for parallel chains with no other microbatch beside them: in each slot the ready
-    comm node and the ready compute node that come earliest in their chains (then the lowest
-    chain), a node being ready once its chain predecessor ran in an earlier slot. For k chains
-    of (dispatch, experts, combine): dispatch 0 | -, dispatch 1 | experts 0, ..., combine 0 |
-    experts k-1, ..., combine k-1: the comm stream never waits for a whole wave."""
-    position = [0] * len(chains)
-    slots: list[Slot] = []
-    while any(p < len(chain) for p, chain in zip(position, chains)):
-        chosen: dict[str, tuple[int, int]] = {}
-        for c, chain in enumerate(chains):
-            if position[c] < len(chain):
-                kind = kinds[chain[position[c]]]
-                if kind not in chosen or (position[c], c) < chosen[kind]:
-                    chosen[kind] = (position[c], c)
-        slot: list[tuple[NodeRef, ...]] = [(), ()]
-        for kind, (_, c) in chosen.items():
-            slot[0 if kind == COMM else 1] = ((side, chains[c][position[c]]),)
-            position[c] += 1
-        slots.append((slot[0], slot[1]))
-    return slots
-
-
-@lru_cache(maxsize=None)
-def _slots(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slot, ...]:
-    """Part 2 of the module docstring: one forward layer beside one backward layer."""
-    if forward is None or backward is None:  # a layer without a partner runs alone
-        if backward is not None:
-            return tuple(backward.lone_slots("B"))
-        return tuple(forward.lone_slots("F")) if forward is not None else ()
-    f_groups = list(forward.groups)  # forward order
-    b_groups = list(reversed(backward.groups))  # backward order
-    slots: list[Slot] = []
-    while f_groups or b_groups:
-        f = f_groups[0] if f_groups else None
-        b = b_groups[0] if b_groups else None
-        if f is not None and b is not None and f[0] != b[0]:  # comm beside compute
-            f_groups.pop(0)
-            b_groups.pop(0)
-            f_refs = tuple(("F", n) for n in f[1])
-            b_refs = tuple(("B", n) for n in b[1])
-            slots.append((f_refs, b_refs) if f[0] == COMM else (b_refs, f_refs))
-        elif b is not None:  # same kind (or no forward left): the backward's group alone
-            b_groups.pop(0)
-            refs = tuple(("B", n) for n in b[1])
-            slots.append((refs, ()) if b[0] == COMM else ((), refs))
-        else:  # the forward's group alone
-            assert f is not None
-            f_groups.pop(0)
-            refs = tuple(("F", n) for n in f[1])
-            slots.append((refs, ()) if f[0] == COMM else ((), refs))
-    return tuple(slots)
-
-
 def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
     """The slots of one forward layer beside one backward layer (either may be None: the other's
     nodes then go alone). See the module docstring."""
-    return list(_slots(walk_of(forward) if forward else None,
+    return list(slots_of(walk_of(forward) if forward else None,
                        walk_of(backward) if backward else None))
 
 
@@ -284,7 +150,7 @@ def _pair_plan(forward: LayerWalk | None, backward: LayerWalk | None) -> _PairPl
     entries: list[_Entry] = []  # in issue order: per slot its comm, then its compute entries
     entry_of: dict[NodeRef, int] = {}
     shape = []  # per slot: (comm entries, compute entries)
-    for comm_refs, compute_refs in _slots(forward, backward):
+    for comm_refs, compute_refs in slots_of(forward, backward):
         for stream, refs in ((COMM, comm_refs), (COMPUTE, compute_refs)):
             for side, node in refs:
                 walk = forward if side == "F" else backward
@@ -315,9 +181,9 @@ class IssueOrder:
     ``backward_layers``: the kinds of every layer of the backward tape, forward order (empty: a
     forward alone). ``forward_layer(kinds)`` returns the issues that come with the next forward
     layer (lone backward layers first, then the pair); ``finish()`` those of the backward layers
-    left and of the W items still waiting. ``issues`` holds them all; ``side_end[side]`` is the
-    position of the issue that ends a side so far (F: the last forward layer's last node; B: the
-    last backward layer's first node).
+    left and of the W items still waiting. ``issues`` holds them all, ``stream_of`` the stream of
+    each F and B issue by name; ``side_end[side]`` names the issue that ends a side so far (F:
+    the last forward layer's last node; B: the last backward layer's first node).
 
     ``backward_times`` (``LayerTimes`` per backward layer) switches the W placement from the
     count rule to the time rule; ``forward_layer`` then takes each forward layer's times too
@@ -334,8 +200,9 @@ class IssueOrder:
             _check_times(backward_times, self.backward_layers, "backward_times")
             self.clock = IssueClock(backward_times, host_runs_compute)
         self.issues: list[Issue] = []
+        self.stream_of: dict[IssueName, str] = {}
         self.forward_layers: list[LayerWalk] = []
-        self.side_end: dict[Side, int | None] = {"F": None, "B": None}
+        self.side_end: dict[Side, IssueName | None] = {"F": None, "B": None}
         self._next_backward = len(self.backward_layers) - 1
         self._slot = 0
         self._w_due: list[tuple[int, int, int]] = []  # (layer, HEAD/TAIL, slot) to issue next
@@ -372,7 +239,7 @@ class IssueOrder:
             self._w_due += [(layer, TAIL, self._slot) for layer in self._w_waiting]
             self._w_waiting = []
             self._issue_due_w()
-            self.issues.append(Issue(COMPUTE, "W", -1, REST, self._slot))
+            self.issues.append(Issue(COMPUTE, "W", -1, -1, self._slot, share=REST))
         else:
             self._issue_due_w()
         return self.issues[start:]
@@ -390,7 +257,7 @@ class IssueOrder:
             self.forward_layers.append(forward)
         plan = _pair_plan(forward, self.backward_layers[backward] if backward is not None
                           else None)
-        placed: list[int] = []  # each entry's position in ``issues``
+        placed: list[IssueName] = []  # each entry's issue
         layers = {"F": f_layer, "B": backward}
         count_rule = self.defer_wgrad and self.clock is None
         for n, (comm, compute) in enumerate(plan.slots):
@@ -412,34 +279,37 @@ class IssueOrder:
         if backward is not None:
             self.side_end["B"] = placed[plan.b_end]
 
-    def _place(self, entry: _Entry, layer: int, placed: list[int]) -> int:
+    def _place(self, entry: _Entry, layer: int, placed: list[IssueName]) -> IssueName:
         """Issue one node after the entries it waits for (and its side's previous layer's end,
-        when that ran on the other stream); returns its position."""
+        when that ran on the other stream); returns its name."""
         waits = entry.waits
         needs = (placed[waits[0]],) if len(waits) == 1 else tuple([placed[w] for w in waits])
         caller = False
         if entry.after_previous:
             end = self.side_end[entry.side]
-            if end is not None and self.issues[end].stream != entry.stream:
-                needs = tuple(sorted(needs + (end,)))
+            if end is not None and self.stream_of[end] != entry.stream:
+                needs = (end,) + needs  # issued before every entry of this pair
             caller = entry.side == "F" or layer == len(self.backward_layers) - 1
         clock = self.clock
         if clock is not None and entry.stream == COMPUTE:  # the time rule: W into the gap
             for w_layer, count, duration in clock.fill(needs):
-                self.issues.append(Issue(COMPUTE, "W", w_layer, FILL, self._slot, count=count))
+                self.issues.append(Issue(COMPUTE, "W", w_layer, -1, self._slot, count=count,
+                                         share=FILL))
                 clock.add(COMPUTE, (), duration)
         self.issues.append(_new_issue(Issue, (entry.stream, entry.side, layer, entry.node,
                                               self._slot, needs, 0, entry.reads_host, caller,
-                                              entry.signals)))
+                                              entry.signals, "")))
+        name = (entry.side, layer, entry.node)
+        self.stream_of[name] = entry.stream
         if clock is not None:
-            clock.add(entry.stream, needs, clock.node_time(entry.side, layer, entry.node))
+            clock.add(entry.stream, needs, clock.node_time(entry.side, layer, entry.node), name)
             if entry.side == "B" and entry.stream == COMPUTE:
                 clock.queue(layer, entry.node)
-        return len(self.issues) - 1
+        return name
 
     def _issue_due_w(self) -> None:
         for layer, part, slot in self._w_due:
-            self.issues.append(Issue(COMPUTE, "W", layer, part, slot))
+            self.issues.append(Issue(COMPUTE, "W", layer, -1, slot, share=part))
         self._w_due = []
 
 
@@ -493,7 +363,7 @@ def format_pair_table(forward: LayerKinds, backward: LayerKinds,
 
     def text(issue: Issue) -> str:
         if issue.side == "W":
-            return "W head of this B layer" if issue.node == HEAD else \
+            return "W head of this B layer" if issue.share == HEAD else \
                 "W tail of the previous B layer"
         return f"{issue.side} {names[issue.node] if names else issue.node}"
 

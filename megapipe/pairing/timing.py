@@ -59,21 +59,27 @@ def time_issues(
     issues: Sequence[Any], duration: Callable[[Any], Any], host_runs_compute: bool = False,
     start: Any = 0.0, maximum: Callable[[Any, Any], Any] = max,
 ) -> list[tuple[Any, Any]]:
-    """(start, end) of every issue (anything with ``stream`` and ``needs``) when each takes
-    ``duration(issue)``, the first starting at ``start`` (module docstring).
+    """(start, end) of every issue (anything with ``stream`` and ``needs``: positions of earlier
+    items, or an ``Issue``'s names of earlier issues) when each takes ``duration(issue)``, the
+    first starting at ``start`` (module docstring).
 
     ``start`` may be an array of starts with ``maximum=np.maximum``: the same operations,
     element by element."""
     free = {COMPUTE: start, COMM: start}
     spans: list[tuple[Any, Any]] = []
+    ends: dict[Any, Any] = {}  # by position, and by name for an ``Issue``
     for issue in issues:
         begin = free[issue.stream]
         if host_runs_compute and issue.stream == COMM:
             begin = maximum(begin, free[COMPUTE])
         for need in issue.needs:
-            begin = maximum(begin, spans[need][1])
+            begin = maximum(begin, ends[need])
         end = begin + duration(issue)
         free[issue.stream] = end
+        ends[len(spans)] = end
+        name = getattr(issue, "name", None)
+        if name is not None:
+            ends[name] = end
         spans.append((begin, end))
     return spans
 
@@ -87,7 +93,7 @@ class IssueClock:
         self.backward = [tuple(layer) for layer in backward]
         self.host_runs_compute = host_runs_compute
         self.forward: list[tuple[NodeTimes, ...]] = []
-        self.ends: list[float] = []
+        self.ends: dict[Any, float] = {}  # per planned issue's name
         self.free = {COMPUTE: 0.0, COMM: 0.0}
         self.queued: deque[tuple[int, deque[float]]] = deque()
 
@@ -97,13 +103,15 @@ class IssueClock:
             return self.forward[layer][node].forward
         return self.backward[layer][node].backward_time(True)
 
-    def add(self, stream: str, needs: Sequence[int], duration: float) -> None:
-        """Plan one issue on ``stream`` after ``needs`` (positions of earlier issues)."""
+    def add(self, stream: str, needs: Sequence[Any], duration: float, name: Any = None) -> None:
+        """Plan one issue (``name``: None for one nothing waits for) on ``stream`` after
+        ``needs`` (names of earlier issues)."""
         begin = self.free[stream]
         if self.host_runs_compute and stream == COMM:
             begin = max(begin, self.free[COMPUTE])
         begin = max([begin] + [self.ends[n] for n in needs])
-        self.ends.append(begin + duration)
+        if name is not None:
+            self.ends[name] = begin + duration
         self.free[stream] = begin + duration
 
     def queue(self, layer: int, node: int) -> None:
@@ -117,7 +125,7 @@ class IssueClock:
         else:
             self.queued.append((layer, deque(items)))
 
-    def fill(self, needs: Sequence[int]) -> list[tuple[int, int, float]]:
+    def fill(self, needs: Sequence[Any]) -> list[tuple[int, int, float]]:
         """The W items to run on the compute stream before an issue that waits for ``needs``:
         oldest first, one at a time while at least ``MIN_FILL`` of the next item would run in
         still idle time. As ``(layer, item count, their time)`` per layer in queue order."""

@@ -11,10 +11,11 @@ from megapipe.schedule.ir import Kind, Schedule
 
 
 def check_executor_options(
-    spec: Any, grad_reduction: str, known_reductions: Sequence[str], timeout: float
+    spec: Any, grad_reduction: str, known_reductions: Sequence[str], timeout: float,
+    tp: int = 1,
 ) -> None:
-    """``spec`` a TensorSpec or a function of (stage, microbatch); a known gradient reduction;
-    a positive timeout."""
+    """``spec`` a TensorSpec or a function of (stage, microbatch); a known gradient reduction
+    (not megapipe's own with tensor parallelism ``tp`` > 1); a positive timeout."""
     if spec is not None and not isinstance(spec, TensorSpec) and not callable(spec):
         raise TypeError(
             f"spec={spec!r} must be a TensorSpec(shape, dtype) or a function "
@@ -27,6 +28,12 @@ def check_executor_options(
         )
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+    if grad_reduction == "dp" and tp > 1:
+        raise NotImplementedError(
+            f"grad_reduction='dp' with tp={tp}: megapipe's reduction does not all-reduce "
+            "sequence-parallel gradients over the tensor-parallel group; leave the reduction "
+            "to the caller (grad_reduction='none', e.g. Megatron's DDP)"
+        )
 
 
 def check_overlap_options(
@@ -109,12 +116,12 @@ def check_inputs(
 
 def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: Schedule,
                         tape: bool) -> None:
-    """With CUDA graphs (``overlap.graphs``): a node holding a selected module is captured whole
-    (``graph_rules.coverage_problem``), and no plain-autograd step splits a backward into I and
+    """With CUDA graphs (``graphs.nodes``): a node holding a selected module is captured whole
+    (``graphs.rules.coverage_problem``), and no plain-autograd step splits a backward into I and
     W (the generic split would run a captured node's backward twice)."""
     if graphs is None:
         return
-    from megapipe.overlap.graph_rules import coverage_problem, split_backward_problem
+    from megapipe.graphs.rules import coverage_problem, split_backward_problem
     from megapipe.overlap.plan import layer_graph
     from megapipe.pipeline.stage_module import is_stage_module
 

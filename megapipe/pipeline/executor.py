@@ -1,28 +1,25 @@
 """PipelineExecutor: runs one rank's part of a lowered schedule on its real stages.
 
-The executor walks this rank's action list once per step. The comm actions of each gap (between
-two computations) are posted as one batch when reached; a compute action first waits for the
-batch that holds the tensor it consumes (``p2p.StepTensors``: the data in transit), then runs the
-stage's ``StageWorker``. Tensors between two stages of the same rank are handed over locally. In a
-combined schedule every training step of a ``StageModule`` runs on the streams as one
-``CombinedStep`` (``_run_combined``: an OVERLAP action with both halves, a lone F, B or I with
-one). After the last action the
-outstanding sends are completed, DualPipe's mirrored gradients summed and, unless
-``grad_reduction="none"``, data-parallel gradients averaged and tied embeddings summed
-(``grad_sync``). A reduction that overlaps the backward instead is told, through
-``grad_hooks``, when each stage's last backward of the step is done (``grad_points``).
+The executor walks this rank's action list once per step (``_run_actions``, the action loop).
+The comm actions of each gap (between two computations) are posted as one batch when reached; a
+compute action first waits for the batch that holds the tensor it consumes (``transit``: the
+data in transit), then runs the stage's ``StageWorker``. Tensors between two stages of the same
+rank are handed over locally. In a combined schedule every training step of a ``StageModule``
+runs on the streams as one ``CombinedStep`` (``_run_combined``: an OVERLAP action with both
+halves, a lone F, B or I with one). After the last action the outstanding sends are completed,
+DualPipe's mirrored gradients summed and, unless ``grad_reduction="none"``, data-parallel
+gradients averaged and tied embeddings summed (``grad_sync``); a reduction that overlaps the
+backward is told through ``grad_hooks`` when each stage's last backward is done (``grad_points``).
 
-Everything is checked before the first action runs: the schedule is validated (a lowered one
-must run to the end under the batched p2p model), the stages must be exactly those the
-placement gives this rank, the inputs must cover the schedule's microbatches, and a schedule
-that is not lowered is lowered here. Forward-only evaluation runs the schedule's forward actions
-(under ``torch.no_grad``) lowered on their own, so it stores no activation.
+Everything is checked before the first action runs: the schedule is validated and lowered (a
+lowered one must run to the end under the batched p2p model), the stages must be those the
+placement gives this rank, the inputs must cover the microbatches. Forward-only evaluation runs
+the forward actions (under ``torch.no_grad``) lowered on their own: it stores no activation.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,8 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.overlap.combined import CombinedStep
-from megapipe.overlap.graphs import node_graphs
-from megapipe.overlap.node_trace import NodeTrace
+from megapipe.graphs.nodes import node_graphs
 from megapipe.overlap.plan import WarnOnce
 from megapipe.overlap.streams import Streams, make_streams
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -47,8 +43,9 @@ from megapipe.pipeline.grad_sync import sync_step_grads
 from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
 from megapipe.pipeline.stage_module import is_stage_module
 from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
-from megapipe.pipeline.step_profile import ProfileOptions, StepProfile, open_step, take_trace
-from megapipe.pipeline.p2p import PairSends, StepTensors, stage_links
+from megapipe.pipeline.step_profile import ProfileOptions, open_step, take_trace
+from megapipe.pipeline.step_result import StepResult, StepState
+from megapipe.pipeline.transit import PairSends, StepTensors, stage_links
 from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
@@ -57,52 +54,6 @@ LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
 """``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
 
 GRAD_REDUCTIONS = ("dp", "none")
-
-
-@dataclass
-class StepResult:
-    """What one step produced on this rank.
-
-    - ``losses``: per-microbatch unscaled losses of this rank's last stages (detached);
-    - ``outputs``: last-stage outputs when there is no ``loss_fn``;
-    - ``peak_live_activations``: the most microbatches whose activations were held at once;
-    - with ``record_trace=True`` and a combined schedule (OVERLAP actions): ``trace``, the
-      ``NodeTrace`` of every node this rank ran on the streams (in a profiled step also its
-      actions and pipeline waits, ``step_profile``); ``a2a_time``, the summed
-      seconds of its comm nodes (the expert-parallel all-to-alls, including an emulated link's
-      wait); ``compute_time``, the summed seconds of its compute nodes; and
-      ``exposed_comm_fraction``, the share of ``a2a_time`` during which no compute node ran
-      (0: all hidden, 1: none). They are None otherwise (no trace, or nothing ran on streams).
-    - with ``measure_activations=True``: ``activation_bytes`` (peak bytes saved for backward or
-      held by the pipeline) and on CUDA ``cuda_activation_bytes`` (``activation_meter``).
-    - with CUDA graphs (``cuda_graph_impl="local"``): ``graph_instances`` captured so far and
-      ``graph_bytes``, their private memory pools and static buffers (``overlap.graphs``).
-    """
-
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, Any] = field(default_factory=dict)  # what loss_fn returned beyond the loss
-    peak_live_activations: int = 0
-    trace: NodeTrace | None = None
-    a2a_time: float | None = None
-    compute_time: float | None = None
-    exposed_comm_fraction: float | None = None
-    activation_bytes: int | None = None  # measure_activations: peak bytes saved or held
-    cuda_activation_bytes: int | None = None  # and on CUDA: the allocator's peak in the step
-    graph_instances: int | None = None  # CUDA graphs on: instances captured so far
-    graph_bytes: int | None = None  # and the bytes of their private pools and static buffers
-
-
-@dataclass
-class _Step:
-    """One step in progress: its data in transit, the last stages' targets, the result."""
-
-    tensors: StepTensors
-    targets: Sequence[Any] | None
-    forward_only: bool
-    grads: StepGradEvents
-    trace: NodeTrace | None = None  # the nodes' spans (``record_trace`` or a profiled step)
-    result: StepResult = field(default_factory=StepResult)
-    profile: StepProfile = field(default_factory=StepProfile)  # records nothing unless profiled
 
 
 class PipelineExecutor:
@@ -122,50 +73,32 @@ class PipelineExecutor:
     ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
     ``module(input)`` (the Megatron front end runs the user's forward_step_func through it).
 
-    In combined schedules (any OVERLAP action) every training F/B/I of ``StageModule`` stages
-    (``stage_module.py``) runs as a ``CombinedStep`` (``_run_combined``), its comm nodes on one
-    communication stream (made once, closed by ``close()``); a module with ``layer_plans()``
-    that is not a whole ``StageModule`` is refused. Each step sets the stages' auxiliary-loss
-    scale to 1/num_microbatches. ``use_tape=True`` runs them on the tape in plain schedules too
-    (same bits). ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients
-    into the backward all-to-alls' time; ``moe_a2a_waves`` k > 1 records MoE layers with their
+    In combined schedules every training F/B/I of ``StageModule`` stages runs as a
+    ``CombinedStep``, its comm nodes on one communication stream (made once, closed by
+    ``close()``); a module with ``layer_plans()`` that is not a whole ``StageModule`` is refused.
+    ``use_tape=True`` runs them on the tape in plain schedules too (same bits).
+    ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients into the
+    backward all-to-alls' time; ``moe_a2a_waves`` k > 1 records MoE layers with their
     all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
     timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
-    (Megatron's names) replays the static nodes of the stages' plans as CUDA graphs
-    (``overlap.graphs``; without CUDA they run eager and ``cuda_graph_note`` says so;
-    ``graph_api``: a stand-in for the graph calls, tests). Pipeline p2p stays on the calling
-    thread; a pair's sends go out from inside it as each half's result is made (``early_sends``,
-    ``early_send_rule``).
+    replays the static nodes as CUDA graphs (``graphs.nodes``; without CUDA they run eager and
+    ``cuda_graph_note`` says so; ``graph_api``: a stand-in, tests). A pair's sends go out from
+    inside it as each half's result is made (``early_sends``, ``early_send_rule``).
     """
 
     def __init__(
-        self,
-        schedule: Schedule,
-        stages: Mapping[int, nn.Module],
-        *,
-        spec: TensorSpec | SpecFn | None = None,
-        loss_fn: LossFn | None = None,
-        groups: ProcessGroups | None = None,
-        pp_group: dist.ProcessGroup | None = None,
-        grad_reduction: str = "dp",
-        forward_fn: ForwardFn = module_forward,
-        timeout: float = 300.0,
-        use_tape: bool = False,
-        delay_wgrad_compute: bool = False,
-        moe_a2a_waves: int = 1,
-        record_trace: bool = False,
-        measure_activations: bool = False,
-        cuda_graph_impl: str = "none",
-        cuda_graph_modules: Sequence[str] = (),
-        graph_api: Any = None,
+        self, schedule: Schedule, stages: Mapping[int, nn.Module], *,
+        spec: TensorSpec | SpecFn | None = None, loss_fn: LossFn | None = None,
+        groups: ProcessGroups | None = None, pp_group: dist.ProcessGroup | None = None,
+        grad_reduction: str = "dp", forward_fn: ForwardFn = module_forward,
+        timeout: float = 300.0, use_tape: bool = False,
+        # the overlap's and the measurements' options (class docstring)
+        delay_wgrad_compute: bool = False, moe_a2a_waves: int = 1, record_trace: bool = False,
+        measure_activations: bool = False, cuda_graph_impl: str = "none",
+        cuda_graph_modules: Sequence[str] = (), graph_api: Any = None,
     ) -> None:
-        check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout)
-        if grad_reduction == "dp" and groups is not None and groups.config.tp > 1:
-            raise NotImplementedError(
-                f"grad_reduction='dp' with tp={groups.config.tp}: megapipe's reduction does not "
-                "all-reduce sequence-parallel gradients over the tensor-parallel group; leave "
-                "the reduction to the caller (grad_reduction='none', e.g. Megatron's DDP)"
-            )
+        check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout,
+                               groups.config.tp if groups is not None else 1)
         self.schedule = schedule
         self.groups = groups
         self.grad_reduction = grad_reduction
@@ -176,24 +109,14 @@ class PipelineExecutor:
         self.loss_fn = loss_fn
         self.spec = spec  # a TensorSpec is a SpecFn too
         self.timeout = timeout
-        # CUDA graphs of static nodes (overlap.graphs); off, with a line to log, without CUDA
+        # CUDA graphs of static nodes (graphs.nodes); off, with a line to log, without CUDA
         self.cuda_graphs, self.cuda_graph_note = node_graphs(
             cuda_graph_impl, cuda_graph_modules, self._device(), graph_api)
         self.workers = {
             s: StageWorker(s, m, forward_fn, use_tape=use_tape, graphs=self.cuda_graphs)
             for s, m in self.stages.items()
         }
-        # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
-        self.lowered = checked_lowering(schedule)
-        self.actions = self.lowered.actions[self.pp_rank]
-        self.forward_only_actions = forward_only_schedule(self.lowered).actions[self.pp_rank]
-        if spec is None and any(not a.is_compute for a in self.actions):
-            raise ValueError(
-                "spec is required when stages talk across ranks: pass TensorSpec(shape, dtype) "
-                "of the activation each stage sends forward, or spec(stage, microbatch)"
-            )
-        self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
-        self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
+        self._lower(schedule)
         check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_waves)
         check_graph_options(self.cuda_graphs, self.stages, self.lowered,
                             tape=self.has_overlap or use_tape)
@@ -204,9 +127,27 @@ class PipelineExecutor:
         self._streams: Streams | None = None  # made on first use, in a combined schedule
         self._warn_once = WarnOnce()
         self._links = stage_links(schedule)  # each stage's neighbours in its pipeline
-        # which OVERLAP sends go out from inside the pair (proven deadlock-free here)
-        self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
         self._p2p: PipelineP2P | None = None
+
+    def _lower(self, schedule: Schedule) -> None:
+        """This rank's actions, checked and lowered; the gap after each compute action and the
+        sends of an OVERLAP that go out from inside the pair (proven deadlock-free here)."""
+        # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
+        self.lowered = checked_lowering(schedule)
+        self.actions = self.lowered.actions[self.pp_rank]
+        self.forward_only_actions = forward_only_schedule(self.lowered).actions[self.pp_rank]
+        if self.spec is None and any(not a.is_compute for a in self.actions):
+            raise ValueError(
+                "spec is required when stages talk across ranks: pass TensorSpec(shape, dtype) "
+                "of the activation each stage sends forward, or spec(stage, microbatch)"
+            )
+        self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
+        self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
+        self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
+        self._gaps = {  # per training compute action: (the gap after it, its early sends)
+            i: (comm_batch(self.actions, i), self.early_sends.get((self.pp_rank, i), ()))
+            for i, action in enumerate(self.actions) if action.is_compute
+        }
 
     def _device(self) -> torch.device | None:
         first = next((p for m in self.stages.values() for p in m.parameters()), None)
@@ -231,7 +172,6 @@ class PipelineExecutor:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ step
     def step(
         self,
         microbatches: Sequence[Any] | None = None,
@@ -244,7 +184,7 @@ class PipelineExecutor:
 
         ``microbatches[i]`` is the first stage's input of microbatch i and ``targets[i]`` the
         last stage's (needed only on ranks holding those stages). Gradients accumulate into
-        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``overlap.main_grad``; zero them between
+        ``.grad`` (or a bf16 model's fp32 ``main_grad``, ``precision.main_grad``; zero them between
         steps); after a training step they are synchronised. ``profile`` records every compute
         action and pipeline wait in ``StepResult.trace`` too (``step_profile``). A training
         step tells ``grad_hooks`` when each stage's gradients become final (``grad_points``).
@@ -262,16 +202,7 @@ class PipelineExecutor:
             if is_stage_module(module):
                 module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
         actions = self.forward_only_actions if forward_only else self.actions
-        trace, recorder = open_step(self.record_trace, profile, forward_only,
-                                    self.streams if self.has_overlap else None, self._device())
-        state = _Step(
-            StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(), self.spec,
-                        wait_span=recorder.wait_span, prev=self._links[0],
-                        next=self._links[1]),
-            targets, forward_only, StepGradEvents(
-                self.grad_points, None if forward_only else grad_hooks
-            ), trace, profile=recorder,
-        )
+        state = self._begin_step(microbatches, targets, forward_only, profile, grad_hooks)
         meter = ActivationMeter(  # told of what the workers and the data in transit hold
             self._device(), [p for m in self.stages.values() for p in m.parameters()],
             holders=[state.tensors, *self.workers.values()],
@@ -283,21 +214,37 @@ class PipelineExecutor:
         finally:
             for worker in self.workers.values():
                 worker.clear()
-        if trace is not None:
-            take_trace(state.result, trace)
+        self._end_step(state, meter)
+        return state.result
+
+    def _begin_step(self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None,
+                    forward_only: bool, profile: ProfileOptions | None,
+                    grad_hooks: GradSyncHooks | None) -> StepState:
+        """The step's state: its data in transit, gradient points, trace and profile."""
+        trace, recorder = open_step(self.record_trace, profile, forward_only,
+                                    self.streams if self.has_overlap else None, self._device())
+        tensors = StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(),
+                              self.spec, wait_span=recorder.wait_span, prev=self._links[0],
+                              next=self._links[1])
+        grads = StepGradEvents(self.grad_points, None if forward_only else grad_hooks)
+        return StepState(tensors, targets, forward_only, grads, trace, profile=recorder)
+
+    def _end_step(self, state: StepState, meter: ActivationMeter | None) -> None:
+        """Fill the result's measurements; after a training step synchronise the gradients."""
+        if state.trace is not None:
+            take_trace(state.result, state.trace)
         if meter is not None:
             state.result.activation_bytes = meter.peak_bytes
             state.result.cuda_activation_bytes = meter.cuda_peak_bytes
-        if not forward_only:
+        if not state.forward_only:
             sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
                             self.groups, self.grad_reduction)
             state.grads.finish()
         if self.cuda_graphs is not None:
             state.result.graph_instances = self.cuda_graphs.captured
             state.result.graph_bytes = self.cuda_graphs.bytes
-        return state.result
 
-    def _run_actions(self, actions: Sequence[Action], state: _Step) -> None:
+    def _run_actions(self, actions: Sequence[Action], state: StepState) -> None:
         index = 0
         while index < len(actions):
             if actions[index].is_compute:
@@ -323,15 +270,12 @@ class PipelineExecutor:
             )
         return self._p2p
 
-    # ------------------------------------------------------------------ compute
-    def _run_compute(self, actions: Sequence[Action], index: int, state: _Step) -> None:
+    def _run_compute(self, actions: Sequence[Action], index: int, state: StepState) -> None:
         action = actions[index]
         if action.kind is Kind.W:
             self.workers[action.stage].backward_weight(action.microbatch)
-        elif self._combined(action, state):
-            early = self.early_sends.get((self.pp_rank, index), ()) \
-                if actions is self.actions else ()
-            self._run_combined(action, state, comm_batch(actions, index), early)
+        elif self._combined(action, state):  # a training action: one of ``self.actions``
+            self._run_combined(action, state, *self._gaps[index])
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
             self._forward(action.forward, state)
             self._backward(action.backward, state)
@@ -342,7 +286,7 @@ class PipelineExecutor:
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
-    def _combined(self, action: Action, state: _Step) -> bool:
+    def _combined(self, action: Action, state: StepState) -> bool:
         """Whether a training action of a combined schedule runs as a combined step: its stages
         are ``StageModule``s (an OVERLAP of other modules runs F then B, warned once per type)
         and a lone backward's forward ran on the tape."""
@@ -362,7 +306,7 @@ class PipelineExecutor:
                 return False
         return True
 
-    def _run_combined(self, action: Action, state: _Step, run: list[Action],
+    def _run_combined(self, action: Action, state: StepState, gap: list[Action],
                       early: Sequence[Action]) -> None:
         """One combined step: an OVERLAP's forward beside its backward, or a lone F, B or I
         (every all-to-all is then issued from the one comm stream). Each half's result is handed
@@ -381,7 +325,7 @@ class PipelineExecutor:
             end = partial(b_worker.end_backward, b.microbatch, half=half)
         # the hand-overs are given at construction and point one way (step -> sends -> half):
         # no cycle, so all of it is freed when this call returns, not by the garbage collector
-        sends = PairSends(tensors, run, early, backward=b, end=end)
+        sends = PairSends(tensors, gap, early, backward=b, end=end)
         f_worker = self.workers[f.stage] if f is not None else None
         step = CombinedStep(
             self.streams, half, backward_done=sends.backward_done if b is not None else None,
@@ -404,7 +348,7 @@ class PipelineExecutor:
         if f is not None:
             self._count_live(state)
 
-    def _forward(self, action: Action, state: _Step) -> None:
+    def _forward(self, action: Action, state: StepState) -> None:
         stage_input = state.tensors.forward_input(action)
         output = self.workers[action.stage].forward(
             action.microbatch, stage_input, keep_graph=not state.forward_only
@@ -412,19 +356,18 @@ class PipelineExecutor:
         self._hand_forward(action, output, state)
         self._count_live(state)
 
-    def _hand_forward(self, action: Action, output: torch.Tensor, state: _Step) -> None:
+    def _hand_forward(self, action: Action, output: torch.Tensor, state: StepState) -> None:
         if self._links[1][action.stage] is None:  # a last stage
             self._finish_last_stage(self.workers[action.stage], action.microbatch, output, state)
         else:
             state.tensors.hand_forward(action, output)
 
-    def _count_live(self, state: _Step) -> None:
+    def _count_live(self, state: StepState) -> None:
         live = sum(w.live_activations for w in self.workers.values())
         state.result.peak_live_activations = max(state.result.peak_live_activations, live)
 
-    def _finish_last_stage(
-        self, worker: StageWorker, microbatch: int, output: torch.Tensor, state: _Step
-    ) -> None:
+    def _finish_last_stage(self, worker: StageWorker, microbatch: int, output: torch.Tensor,
+                           state: StepState) -> None:
         if self.loss_fn is None:
             state.result.outputs[microbatch] = output.detach()
             if not state.forward_only:
@@ -439,7 +382,7 @@ class PipelineExecutor:
             worker.attach_loss(microbatch, loss / self.schedule.num_microbatches)
         state.result.losses[microbatch] = loss.detach()
 
-    def _backward(self, action: Action, state: _Step) -> None:
+    def _backward(self, action: Action, state: StepState) -> None:
         worker = self.workers[action.stage]
         grad_output = state.tensors.grad_output(action)
         if action.kind is Kind.B:

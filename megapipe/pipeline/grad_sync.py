@@ -17,7 +17,7 @@
   gradients (after the DP average, the order Megatron's ``finalize_model_grads`` uses).
 
 Every sum and reduction acts on the tensor each gradient accumulates in
-(``overlap.main_grad.grad_buffer``): the float32 ``main_grad`` of a bf16 model, so they run in
+(``precision.main_grad.grad_buffer``): the float32 ``main_grad`` of a bf16 model, so they run in
 float32, else ``.grad``.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.overlap.main_grad import grad_buffer
+from megapipe.precision.main_grad import grad_buffer
 from megapipe.parallel.groups import ProcessGroups
 from megapipe.schedule.ir import Schedule
 

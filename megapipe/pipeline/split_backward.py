@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from megapipe.overlap.main_grad import accumulate_grad
+from megapipe.precision.main_grad import accumulate_grad
 
 
 def _node_of(tensor: torch.Tensor) -> Node | None:

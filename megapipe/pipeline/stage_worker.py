@@ -25,8 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from megapipe.overlap.combined import BackwardHalf, Tape
-from megapipe.overlap.graphs import NodeGraphs
+from megapipe.overlap.combined import BackwardHalf
+from megapipe.overlap.tape import Tape
+from megapipe.graphs.nodes import NodeGraphs
 from megapipe.overlap.sequential import TapeRunner, run_backward
 from megapipe.overlap.plan import NodeRunner, Track
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -77,7 +78,7 @@ class StageWorker:
         self.forward_fn = forward_fn
         check_stage_module(module, stage)
         self.can_tape = is_stage_module(module)
-        # CUDA graphs of the static nodes (``overlap.graphs``): a StageModule's training
+        # CUDA graphs of the static nodes (``graphs.nodes``): a StageModule's training
         # forwards run the captured form of its plans, whatever runs them
         self.graphs = graphs if self.can_tape else None
         if use_tape and not self.can_tape:
@@ -124,7 +125,7 @@ class StageWorker:
         of ``layer_plans()`` through ``runner.run_layer``, or by the module's own forward
         through its ``node_runner`` for a custom ``forward_fn``. Without a runner the forward
         runs on a tape of its own when ``use_tape`` is set, else with plain autograd. With
-        ``graphs`` the captured form of each plan runs (``overlap.graphs.GraphRunner``).
+        ``graphs`` the captured form of each plan runs (``graphs.nodes.GraphRunner``).
         """
         if microbatch in self._stash:
             raise RuntimeError(

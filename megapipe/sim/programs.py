@@ -156,13 +156,14 @@ def _program(issues: Sequence[Issue], node: Callable[[Issue], tuple[str, Action,
     ordered), each issue's needs renumbered to it; on a CPU host a comm node also needs the
     compute node before it."""
     order = range(len(issues)) if order is None else order
-    listed_at = {ordered: listed for listed, ordered in enumerate(order)}
+    listed_as = {issues[ordered].name: listed for listed, ordered in enumerate(order)
+                 if issues[ordered].side != "W"}
     ops: list[NodeOp] = []
     last_compute: int | None = None
     for ordered in order:
         issue = issues[ordered]
         part, half, duration = node(issue)
-        needs = tuple(sorted(listed_at[n] for n in issue.needs))
+        needs = tuple(sorted(listed_as[n] for n in issue.needs))
         if host_runs_compute and issue.stream == COMM and last_compute is not None:
             needs = tuple(sorted(set(needs) | {last_compute}))
         ops.append(NodeOp(issue.stream, part, half, max(issue.layer, 0), duration, needs))
@@ -181,12 +182,12 @@ class _WeightShares:
                      for layer in b_times]
 
     def take(self, issue: Issue) -> float:
-        if issue.node == REST:
+        if issue.share == REST:
             total = sum(sum(items) for items in self.left)
             self.left = [deque() for _ in self.left]
             return total
         items = self.left[issue.layer]
-        count = {HEAD: ceil(len(items) / 2), TAIL: len(items), FILL: issue.count}[issue.node]
+        count = {HEAD: ceil(len(items) / 2), TAIL: len(items), FILL: issue.count}[issue.share]
         return sum(items.popleft() for _ in range(min(count, len(items))))
 
 

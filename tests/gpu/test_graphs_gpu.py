@@ -1,4 +1,4 @@
-"""CUDA graphs of static nodes on a GPU (``megapipe.overlap.graphs``; skipped without CUDA).
+"""CUDA graphs of static nodes on a GPU (``megapipe.graphs.nodes``; skipped without CUDA).
 
 Under deterministic kernels, bf16 with fp32 main gradients, pp 1 and 1f1b with 4 microbatches:
 graphs on give the losses and every main gradient of graphs off, in the plain and the combined
@@ -7,7 +7,7 @@ schedule (also with deferred expert weight gradients and a capacity), each again
 nothing); the combined step replays its graphs on its compute stream; the graphs' private pools
 are reported. Every capture runs with torch's input-liveness check (``check_input_liveness``:
 a replay whose graph reads a tensor freed since its capture raises). The same logic runs on CPU
-with a stand-in (``tests/overlap/test_graphs.py``).
+with a stand-in (``tests/graphs/test_graphs.py``).
 """
 
 import dataclasses
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.gpt import gpt_loss  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
-from megapipe.overlap.main_grad import accumulated_grad  # noqa: E402
+from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.pipeline.executor import PipelineExecutor  # noqa: E402
 from megapipe.schedule import build_schedule  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
@@ -39,7 +39,7 @@ MICROBATCHES = 4
 
 def _api():  # noqa: ANN202
     """The real graph calls with torch's input-liveness check on every capture."""
-    from megapipe.overlap.graphs import GraphApi
+    from megapipe.graphs.nodes import GraphApi
 
     if "check_input_liveness" not in inspect.signature(
             torch.cuda.CUDAGraph.capture_begin).parameters:
@@ -85,7 +85,7 @@ def test_graphs_on_give_the_bits_of_graphs_off(capacity) -> None:  # noqa: ANN00
 def test_a_graph_captured_on_the_side_stream_replays_on_the_current_one() -> None:
     """The replay follows the stream current at the call: a side stream's work and the graph's
     reads and writes are ordered by the usual stream waits."""
-    from megapipe.overlap.graphs import Graphable, NodeGraphs
+    from megapipe.graphs.nodes import Graphable, NodeGraphs
     from megapipe.overlap.plan import Node, NodeKind, Plan, run_nodes
 
     weight = torch.randn(64, 64, device="cuda", requires_grad=True)

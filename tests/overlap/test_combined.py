@@ -13,9 +13,8 @@ import torch.distributed as dist
 
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.plan import Node, NodeKind
-from megapipe.overlap.streams import (
-    CudaApi, CudaStream, InlineStream, Streams, WorkerStream, make_streams,
-)
+from megapipe.overlap.cuda_api import CudaApi
+from megapipe.overlap.streams import CudaStream, InlineStream, Streams, WorkerStream, make_streams
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -240,17 +239,17 @@ def test_a_gradient_handed_between_nodes_dies_once_read_not_at_the_steps_end(kin
     import gc
     import weakref
 
-    import megapipe.overlap.combined as combined_module
+    from megapipe.overlap.tape import Tape
 
     handed = []
-    real = combined_module.backward_node
+    real = Tape.backward_node
 
     def backward_node(tape, layer, index):
         grads = real(tape, layer, index)
         handed.extend(weakref.ref(g) for g in grads if isinstance(g, torch.Tensor))
         return grads
 
-    monkeypatch.setattr(combined_module, "backward_node", backward_node)
+    monkeypatch.setattr(Tape, "backward_node", backward_node)
     stack_b, stack_f = toy_stack("mdm", seed=1), toy_stack("mdm", seed=2)
     _, tape = record_forward(_plans(stack_b), (torch.randn(4, 8, requires_grad=True),))
     with _streams(kind) as streams:
@@ -367,9 +366,9 @@ class _LoggedComm(WorkerStream):
 
 
 def _issued(args):
-    if len(args) < 3:
+    if len(args) < 2:
         return "W or event"
-    tape, layer, index = args[:3]
+    layer, index = args
     return f"{layer.nodes[index].node.name} L{layer.index}"
 
 
@@ -477,7 +476,7 @@ def test_weight_gradients_placed_by_time_keep_the_bits(kinds):
                 for plan in _timed_plans(stack_f, timed):
                     values = runner.run_layer(plan, values)
                 (gx_j,) = runner.finish()
-            parts.append({i.node for i in runner.order.issues if i.side == "W"})
+            parts.append({i.share for i in runner.order.issues if i.side == "W"})
         else:
             values, _ = record_forward(_timed_plans(stack_f, timed), (x_i.requires_grad_(),))
             (gx_j,) = run_backward(tape_j, (g_j,), wgrad=queue)

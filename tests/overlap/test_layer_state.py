@@ -8,7 +8,7 @@ import torch
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.models import GPTConfig, build_stage
 from megapipe.moe.layer import MoEState
-from megapipe.overlap.layer_groups import GroupState
+from megapipe.recompute.layer_groups import GroupState
 from megapipe.overlap.combined import combined_step
 from megapipe.overlap.plan import (
     LayerState, Node, NodeKind, UndeclaredState, WarnOnce, WavePlan, node_plan_of,

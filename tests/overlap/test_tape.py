@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, UndeclaredState, run_nodes
-from megapipe.overlap.combined import backward_node
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
-from megapipe.overlap.combined import Tape
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 
 from support.overlap_asserts import assert_same_tensors
@@ -61,7 +60,7 @@ def test_tape_frees_each_node_as_its_backward_runs():
     tape.begin_layer_backward((torch.ones(4, 8),))
     layer = tape.layers[-1]
     for index in reversed(range(len(layer.nodes))):
-        backward_node(tape, layer, index)
+        tape.backward_node(layer, index)
         live.append(tape.live_tensors())
     assert all(a > b for a, b in zip(live, live[1:]))  # strictly decreasing
     assert tape.live_nodes() == 5
@@ -258,18 +257,18 @@ def test_a_node_whose_output_gradients_are_incomplete_cannot_run_backward():
     w = torch.randn(8, 8, requires_grad=True)
     _, tape = record_forward([_forked_plan(w)], (torch.randn(5, 8, requires_grad=True),))
     layer = tape.begin_layer_backward((torch.ones(5, 8),))
-    backward_node(tape, layer, 5)  # the join
-    backward_node(tape, layer, 2)  # branch 0 (roll, mix): its last node
-    backward_node(tape, layer, 1)
+    tape.backward_node(layer, 5)  # the join
+    tape.backward_node(layer, 2)  # branch 0 (roll, mix): its last node
+    tape.backward_node(layer, 1)
     with pytest.raises(RuntimeError, match="'head': the gradients of its outputs are not all known"):
-        backward_node(tape, layer, 0)  # branch 1 has not run backward yet
+        tape.backward_node(layer, 0)  # branch 1 has not run backward yet
 
 
 def test_a_node_that_hands_its_inputs_on_hands_the_gradients_on_without_autograd(monkeypatch):
     """A comm node with nothing to exchange (expert parallelism 1) returns its input leaves: its
     backward gives its outputs' gradients as its inputs' (the same tensors, no copy into the
     leaf's ``.grad``) and calls autograd's engine once less; the bits are plain autograd's."""
-    import megapipe.overlap.combined as combined
+    import megapipe.overlap.tape as tape_module
 
     w = torch.nn.Parameter(torch.randn(8, 8))
     plan = Plan([Node("split", NodeKind.COMPUTE, lambda state, t: (t[0] @ w, t[0] + 1.0)),
@@ -283,14 +282,14 @@ def test_a_node_that_hands_its_inputs_on_hands_the_gradients_on_without_autograd
     w.grad = None
 
     calls, given = [], {}
-    engine, deliver = combined._run_backward, combined._deliver
-    monkeypatch.setattr(combined, "_run_backward", lambda *a: calls.append(1) or engine(*a))
+    engine, deliver = tape_module._run_backward, tape_module._deliver
+    monkeypatch.setattr(tape_module, "_run_backward", lambda *a: calls.append(1) or engine(*a))
 
     def delivered(record, part, grads):  # the gradients each node's readers give it
         given[record.node.name] = list(grads)
         deliver(record, part, grads)
 
-    monkeypatch.setattr(combined, "_deliver", delivered)
+    monkeypatch.setattr(tape_module, "_deliver", delivered)
     _, tape = record_forward([plan], (x.clone().requires_grad_(True),))
     (gx,) = run_backward(tape, (g0, g1))
     assert torch.equal(gx, want_x) and torch.equal(w.grad, want_w)

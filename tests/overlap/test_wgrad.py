@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megapipe.overlap.plan import LayerState
-from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 4], [0, 0, 7], [2, 2, 3]])

@@ -4,9 +4,10 @@ import pytest
 
 from megapipe.pairing.timing import NodeTimes, time_issues
 from megapipe.pairing.order import (
-    COMM, COMM_READS_HOST, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, format_pair_table,
-    issue_order, pair_slots, queuing_positions,
+    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, format_pair_table, issue_order,
+    pair_slots, queuing_positions,
 )
+from megapipe.pairing.slots import COMM_READS_HOST
 
 MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
@@ -15,7 +16,7 @@ DENSE = ["compute"]
 
 def _label(issue):
     if issue.side == "W":
-        return f"W{issue.layer}.{('head', 'tail', 'rest')[issue.node]}"
+        return f"W{issue.layer}.{issue.share}"
     return f"{issue.side}{issue.layer}.{NAMES[issue.node] if issue.node < 5 else issue.node}"
 
 
@@ -56,9 +57,9 @@ def test_step_plan_order_waits_and_weight_gradients():
             assert issue.needs == ()
             continue
         previous = last.get(issue.side)
-        expected = () if previous is None or issues[previous].stream == issue.stream else (previous,)
+        expected = () if previous is None or previous.stream == issue.stream else (previous.name,)
         assert issue.needs == expected, _label(issue)
-        last[issue.side] = position
+        last[issue.side] = issue
     # the W head shares the slot of its layer's B dispatch, the tail that of the next B combine
     slot_of = {_label(i): i.slot for i in issues}
     assert slot_of["W1.head"] == slot_of["B1.dispatch"]
@@ -85,8 +86,10 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
     for issue in issues:
         if issue.side != "W":
             assert issue.stream == kinds[(issue.side, issue.layer, issue.node)]
-        assert all(n < issues.index(issue) for n in issue.needs)
-    w = [(i.layer, i.node) for i in issues if i.side == "W"]
+    position = {i.name: n for n, i in enumerate(issues) if i.side != "W"}
+    for n, issue in enumerate(issues):
+        assert all(position[need] < n for need in issue.needs)
+    w = [(i.layer, i.share) for i in issues if i.side == "W"]
     moe_backward = [b for b, kinds in enumerate(backward) if COMM in kinds]
     if defer and backward:
         assert sorted(w) == sorted([(b, HEAD) for b in moe_backward] + [(b, TAIL) for b in moe_backward] + [(-1, REST)])
@@ -107,9 +110,9 @@ def test_a_queuing_host_issues_a_host_reading_comm_node_after_its_slots_compute(
     for stream in (COMPUTE, COMM):
         assert [i for i in reordered if i.stream == stream] == \
             [i for i in issues if i.stream == stream]
-    at = {n: k for k, n in enumerate(order)}
-    for n, issue in enumerate(issues):  # what an issue waits for was issued before it
-        assert all(at[need] < at[n] for need in issue.needs)
+    at = {issues[n].name: k for k, n in enumerate(order) if issues[n].side != "W"}
+    for issue in issues:  # what an issue waits for was issued before it
+        assert all(at[need] < at[issue.name] for need in issue.needs)
     labels = [_label(issues[n]) for n in order]
     assert labels.index("B1.combine") < labels.index("F1.attention")  # a ready combine first
     assert labels.index("B1.experts") < labels.index("F1.dispatch")  # the read after compute
@@ -140,7 +143,7 @@ DEEPSEEK = {("F", 0): 4.1, ("F", 1): 6.7, ("F", 2): 4.6, ("F", 3): 8.7, ("F", 4)
 
 def _duration(issue):
     if issue.side == "W":
-        return {HEAD: 2 * 6.4 / 3, TAIL: 6.4 / 3, REST: 0.0}[issue.node]
+        return {HEAD: 2 * 6.4 / 3, TAIL: 6.4 / 3, REST: 0.0}[issue.share]
     return DEEPSEEK[(issue.side, issue.node)]
 
 
@@ -168,11 +171,11 @@ def _timed_plan(layers):
 
 
 def _timed_duration(issues):
-    placed = sum(i.count for i in issues if i.node == FILL)
+    placed = sum(i.count for i in issues if i.share == FILL)
 
     def duration(issue):
         if issue.side == "W":  # REST: the items no FILL took
-            return (issue.count if issue.node == FILL else 12 - placed) * 6.4 / 3
+            return (issue.count if issue.share == FILL else 12 - placed) * 6.4 / 3
         return DEEPSEEK[(issue.side, issue.node)]
 
     return duration
@@ -190,8 +193,8 @@ def test_time_rule_fills_the_three_compute_gaps_of_each_layer_pair():
         assert labels[experts + 2: f_experts] == [f"W{b}.fill1"]  # after B dispatch, this W
         assert labels[f_experts + 2] == f"W{b}.fill1"  # after the F combine is queued
         assert labels[labels.index(f"F{f + 1}.attention") + 2] == f"W{b}.fill1"
-    assert all(i.node in (FILL, REST) for i in issues if i.side == "W")
-    assert sum(i.count for i in issues if i.node == FILL) <= 12
+    assert all(i.share in (FILL, REST) for i in issues if i.side == "W")
+    assert sum(i.count for i in issues if i.share == FILL) <= 12
     span = max(end for _, end in time_issues(issues, _timed_duration(issues)))
     assert span == pytest.approx(130.93, abs=0.01)
     assert 244.0 / span > 1.86
@@ -234,9 +237,8 @@ def test_a_lone_chunked_layer_pipelines_its_chunks():
     ]
     issues = issue_order([MOE2], [])
     by_node = {i.node: i for i in issues}
-    position = {i.node: n for n, i in enumerate(issues)}
-    assert by_node[2].needs == (position[1],)  # experts 0 waits for dispatch 0 only
-    assert by_node[7].needs == (position[3], position[6])  # finish waits for both combines
+    assert by_node[2].needs == (("F", 0, 1),)  # experts 0 waits for dispatch 0 only
+    assert by_node[7].needs == (("F", 0, 3), ("F", 0, 6))  # finish waits for both combines
 
 
 def test_a_chunked_layer_beside_a_partner_keeps_the_four_pairs_grouped():
@@ -255,8 +257,8 @@ def test_a_chunked_layer_beside_a_partner_keeps_the_four_pairs_grouped():
 def test_every_node_of_chunked_layers_is_issued_once_after_its_inputs(forward, backward):
     issues = issue_order(forward, backward, defer_wgrad=True)
     done = set()
-    for position, issue in enumerate(issues):
-        assert all(n < position for n in issue.needs)
+    for issue in issues:
+        assert all(need in done for need in issue.needs)
         if issue.side != "W":
             key = (issue.side, issue.layer, issue.node)
             assert key not in done

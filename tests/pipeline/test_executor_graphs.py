@@ -1,7 +1,7 @@
 """The executor's CUDA-graph settings: what it refuses, what it reports, what it says on CPU.
 
 The bitwise runs of graphs in pipelined schedules are in ``test_combined_step.py``
-(``graph_cases``); the capture rules in ``tests/overlap/test_graphs.py``.
+(``graph_cases``); the capture rules in ``tests/graphs/test_graphs.py``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_pretrain_flags_land_in_their_part_and_the_old_name_is_an_alias() -> Non
 
 
 def test_moe_layers_graphed_whole_give_the_plain_and_eager_bits() -> None:
-    from megapipe.overlap.main_grad import accumulated_grad
+    from megapipe.precision.main_grad import accumulated_grad
 
     ids = torch.randint(0, 256, (4, 1, 9), generator=torch.Generator().manual_seed(2))
     config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_top_k": 2,
@@ -126,7 +126,7 @@ def test_moe_layers_graphed_whole_give_the_plain_and_eager_bits() -> None:
 
 
 def test_chunked_all_to_alls_capture_the_chunked_attention_node_with_the_same_bits() -> None:
-    from megapipe.overlap.main_grad import accumulated_grad
+    from megapipe.precision.main_grad import accumulated_grad
 
     ids = torch.randint(0, 256, (4, 1, 9), generator=torch.Generator().manual_seed(1))
     config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4})

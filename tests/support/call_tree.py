@@ -1,12 +1,13 @@
-"""The real call tree of one combined step, recorded with a profile hook (``sys.setprofile``).
+"""The real call tree of a step's actions, recorded with a profile hook (``sys.setprofile``).
 
-``OverlapPath`` records, on the host thread, every call into megapipe's engine under the
-executor's ``_run_combined`` for an OVERLAP action: the functions a reader follows from the
-OVERLAP branch to the streams and the model's nodes. It does not descend into the model (its
-node functions, ``megapipe/models``, ``megapipe/moe``), into autograd's engine (what a node's
-backward runs) or into other libraries (torch): those are where the path ends. The comm stream's
-worker thread runs the same node functions (``forward_node``, ``backward_node``) the host runs
-for compute nodes, so the host thread sees every function of the path.
+``ActionPath`` records, on the host thread, every call into megapipe under the executor's
+action loop (``PipelineExecutor._run_actions``, itself the first call): the functions a reader
+follows from an action to the streams and the model's nodes. It does not descend into the model
+(its node functions, ``megapipe/models``, ``megapipe/moe``), into autograd's engine (what a
+node's backward runs) or into other libraries (torch): those are where the path ends. The comm
+stream's worker thread runs the same node functions (``Tape.forward_node``,
+``Tape.backward_node``) the host runs for compute nodes, so the host thread sees every function
+of the path. ``chain`` is the deepest call chain, root first.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ import megapipe
 
 ROOT = os.path.dirname(megapipe.__file__)
 MODEL = tuple(os.path.join(ROOT, d) + os.sep for d in ("models", "moe"))
+LOOP = ("megapipe.pipeline.executor", "_run_actions")
 
 
 @dataclass
-class OverlapPath:
-    """What one or more OVERLAP actions' combined steps entered (module docstring)."""
+class ActionPath:
+    """What one or more action loops entered (module docstring)."""
 
     functions: set[tuple[str, str]] = field(default_factory=set)  # (file, qualified name)
     edges: set[tuple[tuple[str, str], tuple[str, str]]] = field(default_factory=set)
-    depth: int = 0  # the longest chain of calls from _run_combined (itself the first)
-    roots: int = 0  # OVERLAP actions recorded
+    depth: int = 0  # the longest chain of calls from the action loop (itself the first)
+    chain: tuple[tuple[str, str], ...] = ()  # that chain
+    roots: int = 0  # action loops recorded
     _stack: list = field(default_factory=list)  # per frame: (function or None, depth)
     _skip: int = 0  # nested frames under a frame not followed
     _in_autograd: int = 0
@@ -37,7 +40,7 @@ class OverlapPath:
     def files(self) -> set[str]:
         return {file for file, _ in self.functions}
 
-    def __enter__(self) -> OverlapPath:
+    def __enter__(self) -> ActionPath:
         sys.setprofile(self._profile)
         return self
 
@@ -61,9 +64,7 @@ class OverlapPath:
     def _enter(self, frame) -> None:
         code = frame.f_code
         if not self._stack:
-            action = frame.f_locals.get("action") if code.co_name == "_run_combined" else None
-            if action is not None and getattr(action.kind, "name", None) == "OVERLAP" \
-                    and frame.f_globals.get("__name__") == "megapipe.pipeline.executor":
+            if (frame.f_globals.get("__name__"), code.co_name) == LOOP:
                 self.roots += 1
                 self._push(code, 1, None)
             return
@@ -85,8 +86,10 @@ class OverlapPath:
         self.functions.add(function)
         if parent is not None:
             self.edges.add((parent, function))
-        self.depth = max(self.depth, depth)
         self._stack.append((function, depth))
+        if depth > self.depth:
+            self.depth = depth
+            self.chain = tuple(f for f, _ in self._stack if f)
 
     def _leave(self) -> None:
         if self._skip:

@@ -20,7 +20,7 @@ from megapipe import get_forward_backward_func
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.moe.link import EmulatedLink
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
@@ -321,7 +321,7 @@ def early_send_order(case: Case) -> dict | None:
     """A combined step with delayed weight gradients, logging in order when each p2p batch is
     posted and when each OVERLAP's combined step returns."""
     from megapipe.pipeline.executor import PipelineExecutor
-    from megapipe.pipeline.p2p import StepTensors
+    from megapipe.pipeline.transit import StepTensors
     from megapipe.schedule.ir import Kind
 
     prepare_groups([ParallelConfig(case.pp, case.dp, case.ep)])

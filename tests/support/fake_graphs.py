@@ -1,4 +1,4 @@
-"""A stand-in for ``torch.cuda`` graphs on CPU that replays like CUDA: ``megapipe.overlap.graphs``
+"""A stand-in for ``torch.cuda`` graphs on CPU that replays like CUDA: ``megapipe.graphs.nodes``
 in the CPU suite.
 
 ``FakeGraphApi`` has ``GraphApi``'s methods. A capture runs the function once under a dispatch

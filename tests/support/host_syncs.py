@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import megapipe.overlap.combined as nodes
+from megapipe.overlap.tape import Tape as nodes  # its forward_node, backward_node wrapped
 
 SYNC_OPS = {
     "_local_scalar_dense": "item", "equal": "equal", "is_nonzero": "item", "nonzero": "nonzero",

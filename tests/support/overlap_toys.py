@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.overlap.plan import LayerState, Node, NodeKind
-from megapipe.overlap.wgrad import grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
 
 
 class AllToAll(torch.autograd.Function):

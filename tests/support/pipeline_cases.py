@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.overlap.main_grad import accumulated_grad, zero_grads
+from megapipe.precision.main_grad import accumulated_grad, zero_grads
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_grid
 from megapipe.pipeline.executor import PipelineExecutor

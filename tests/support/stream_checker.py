@@ -53,7 +53,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megapipe.overlap.streams import CudaApi, CudaStream, Streams
+from megapipe.overlap.cuda_api import CudaApi
+from megapipe.overlap.streams import CudaStream, Streams
 
 HOST = "host"
 DEFAULT = "compute"  # the device's default stream

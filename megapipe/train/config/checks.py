@@ -239,7 +239,7 @@ def _check_recompute(f: PretrainFlags) -> None:
             raise ArgsError(f"{flag}={value} needs --recompute-granularity full")
     if f.recompute_modules is not None and f.recompute_granularity != "selective":
         raise ArgsError("--recompute-modules needs --recompute-granularity selective")
-    from megapipe.overlap.recompute import check_recompute_modules  # torch: when flags run
+    from megapipe.recompute.function import check_recompute_modules  # torch: when flags run
 
     try:
         check_recompute_modules(selective_recompute_modules(f))
@@ -388,8 +388,8 @@ def _check_options_and_paths(f: PretrainFlags, parallel: ParallelConfig) -> None
 
 def _check_cuda_graphs(f: PretrainFlags, parallel: ParallelConfig, vocab: int) -> None:
     """``--cuda-graph-impl`` / ``--cuda-graph-modules`` (or ``--cuda-graph-scope``) against the
-    model's nodes and the schedule (``overlap.graph_rules``)."""
-    from megapipe.overlap.graph_rules import (  # torch: only when flags are run
+    model's nodes and the schedule (``graphs.rules``)."""
+    from megapipe.graphs.rules import (  # torch: only when flags are run
         coverage_problem, settings_problem, split_backward_problem,
     )
 

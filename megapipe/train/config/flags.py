@@ -44,7 +44,7 @@ def _known_schedule(name: str, value: str) -> str | None:
     return None if value in SCHEDULES else f"{name}={value!r} is unknown; known: {known}"
 
 
-# overlap.graph_rules' names (tested equal there), written here so parsing imports no torch
+# graphs.rules' names (tested equal there), written here so parsing imports no torch
 GRAPH_IMPLS = ("none", "local", "transformer_engine")
 GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")
 
@@ -52,7 +52,7 @@ GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")
 def _graph_impl(name: str, impl: str) -> str | None:
     if impl in ("none", "local"):
         return None
-    from megapipe.overlap.graph_rules import impl_problem
+    from megapipe.graphs.rules import impl_problem
 
     return impl_problem(impl)
 
@@ -60,7 +60,7 @@ def _graph_impl(name: str, impl: str) -> str | None:
 def _graph_modules(name: str, modules: tuple[str, ...]) -> str | None:
     if all(m in GRAPH_MODULES for m in modules):
         return None
-    from megapipe.overlap.graph_rules import modules_problem
+    from megapipe.graphs.rules import modules_problem
 
     return (modules_problem(modules) or "").replace("--cuda-graph-modules", name) or None
 

@@ -68,7 +68,7 @@ class OverlapConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """CUDA graphs of static nodes (``overlap.graphs``): Megatron's ``--cuda-graph-impl`` and
+    """CUDA graphs of static nodes (``graphs.nodes``): Megatron's ``--cuda-graph-impl`` and
     ``--cuda-graph-modules`` (or its older name ``--cuda-graph-scope``)."""
 
     impl: str = "none"

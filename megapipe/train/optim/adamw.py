@@ -7,7 +7,7 @@ its dense gradients and of its expert gradients; the expert sum is all-reduced o
 shards), then the total over PP (the stages). Every rank ends with the same norm and clips the
 same way, with no reduction over DP at all.
 
-Gradients are read where they accumulate (``overlap.main_grad``): the float32 ``main_grad`` of a
+Gradients are read where they accumulate (``precision.main_grad``): the float32 ``main_grad`` of a
 bf16 model, else ``.grad``. The sums run on the gradients' device, in float64, parameter after
 parameter (no host sync per parameter); the one host read is the final norm, which the
 clipping decision and the log need once per step, after the backward.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW
 

@@ -306,7 +306,7 @@ class DataParallelSync:
         return handles
 
     def wait_before_replays(self, graphs: Any) -> None:
-        """With CUDA graphs (``overlap.graphs.NodeGraphs``): a replay runs no module hook, so
+        """With CUDA graphs (``graphs.nodes.NodeGraphs``): a replay runs no module hook, so
         before each forward replay of a captured node the engine waits for the gathers of its
         parameters' buckets (outside the graph, on the stream it replays on)."""
         if self.sharded and self.overlap_param_gather:

@@ -1,7 +1,7 @@
 """Flat gradient (and parameter) buffers of one stage, cut into buckets for data parallelism.
 
 With ``--overlap-grad-reduce`` or ``--use-distributed-optimizer`` every trainable parameter's
-float32 ``main_grad`` (``overlap.main_grad``) is a view into one flat buffer per stage and kind
+float32 ``main_grad`` (``precision.main_grad``) is a view into one flat buffer per stage and kind
 (dense parameters reduce over the DP group, experts over the expert-DP group), so a bucket of
 consecutive parameters is one contiguous range that one collective reduces in place:
 

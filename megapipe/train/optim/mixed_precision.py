@@ -1,7 +1,7 @@
 """bf16 training with float32 main weights, moments and gradients (Megatron's ``--bf16``).
 
 The model's parameters and activations are bf16. ``cast_to_bf16`` casts the model and gives every
-parameter a float32 ``main_grad`` (``overlap.main_grad``): gradients accumulate over the
+parameter a float32 ``main_grad`` (``precision.main_grad``): gradients accumulate over the
 microbatches in float32, the executor reduces them over DP and expert-DP in float32, and the
 norm and clipping read them. ``MixedPrecisionAdamW`` keeps a float32 *main* copy of every
 parameter and runs AdamW (fused on CUDA, foreach on CPU) on the main copies with the float32
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megapipe.overlap.main_grad import (
+from megapipe.precision.main_grad import (
     accumulated_grad,
     attach_main_grads,
     has_main_grad,

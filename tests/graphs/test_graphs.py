@@ -1,4 +1,4 @@
-"""CUDA graphs of static nodes (``megapipe.overlap.graphs``), on CPU with the graph stand-in.
+"""CUDA graphs of static nodes (``megapipe.graphs.nodes``), on CPU with the graph stand-in.
 
 ``tests.support.fake_graphs.FakeGraphApi`` records each captured function and replays it on
 the static buffers (a capture's results are garbage until replayed, host syncs are refused), so
@@ -18,13 +18,14 @@ from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss, graph_holders
 from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
-from megapipe.overlap.graph_rules import (
+from megapipe.graphs.rules import (
     GRAPH_IMPLS, GRAPH_MODULES, MOE_NOT_STATIC, coverage_problem, settings_problem,
 )
-from megapipe.overlap.graphs import Graphable, NodeGraphs, node_graphs
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.graphs.nodes import Graphable, NodeGraphs, node_graphs
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
-from megapipe.overlap.wgrad import WeightGradQueue, grouped_matmul
+from megapipe.moe.grouped_gemm import grouped_matmul
+from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi

@@ -3,7 +3,7 @@
 ``group_plans(plans)`` chains the plans of N consecutive layers into one plan. Where a layer
 ends with a compute node and the next begins with one (a MoE layer's finish, then the next
 layer's attention; two dense layers), the two become one compute node, so the tensor between
-them (the layer output) is no longer a node boundary: recomputed (``overlap.full_recompute``),
+them (the layer output) is no longer a node boundary: recomputed (``recompute.full``),
 that node keeps only its inputs and makes the layer output again inside its backward. A group of
 dense layers thus becomes a single node that keeps only the group's input, as Megatron's
 uniform method does; in a group of MoE layers the all-to-alls still separate nodes (they are

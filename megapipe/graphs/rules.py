@@ -1,5 +1,5 @@
 """The rules of ``--cuda-graph-impl`` and ``--cuda-graph-modules`` (Megatron's names), pure
-Python so the CLI checks them before anything starts; what they capture: ``overlap.graphs``.
+Python so the CLI checks them before anything starts; what they capture: ``graphs.nodes``.
 
 megapipe captures whole compute nodes. A node declares the Megatron modules it holds
 (``Graphable.modules``): the reference GPT's MoE attention node holds ``attn``, ``moe_router``

@@ -1,10 +1,10 @@
 """One static node's CUDA graphs: capture on first use, replay, the recording layer state.
 
-``CapturedNode`` is the function ``overlap.graphs.NodeGraphs`` puts in place of a captured
+``CapturedNode`` is the function ``graphs.nodes.NodeGraphs`` puts in place of a captured
 node's own: per input signature it keeps *instances* (static buffers, a forward and a backward
 graph in one private pool, the state the node writes, the guards on what it reads), captures one
 when none is free, and replays it through ``_Replay``, an autograd function whose backward
-replays the backward graph. The rules it follows are in ``overlap.graphs``'s docstring.
+replays the backward graph. The rules it follows are in ``graphs.nodes``'s docstring.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ WARMUP_RUNS = 1  # eager forward + backward runs before a capture (lazy kernel i
 
 @dataclass
 class GraphStats:
-    """What the captures of one executor hold: the graph calls (``overlap.graphs.GraphApi`` or
+    """What the captures of one executor hold: the graph calls (``graphs.nodes.GraphApi`` or
     a stand-in), the instances captured and their bytes (private pools, static buffers)."""
 
     api: Any
@@ -257,7 +257,7 @@ class CapturedNode:
 
     def __init__(self, node: Node, spec: Any, stats: GraphStats,
                  before_replay: Sequence[Callable[[tuple[torch.Tensor, ...]], None]] = ()) -> None:
-        """``spec``: the node's ``overlap.graphs.Graphable``; ``stats``: where captures count;
+        """``spec``: the node's ``graphs.nodes.Graphable``; ``stats``: where captures count;
         ``before_replay``: called with its parameters before each forward replay."""
         self.node, self.spec, self.stats = node, spec, stats
         self.before_replay = before_replay

@@ -1,4 +1,4 @@
-"""Full recompute node by node (``overlap.full_recompute``): a compute node keeps its inputs
+"""Full recompute node by node (``recompute.full``): a compute node keeps its inputs
 only and runs again inside its own backward, comm nodes never run again, the results are
 bitwise those without recompute (on the tape, with all-to-alls in waves, in bf16 with deferred
 expert weight gradients), and the re-run is marked on the layer state so once-per-forward side
@@ -15,9 +15,9 @@ from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.moe.layer import MoEState
-from megapipe.overlap.full_recompute import recompute_plan
-from megapipe.overlap.layer_groups import GroupState
-from megapipe.overlap.main_grad import accumulated_grad
+from megapipe.recompute.full import recompute_plan
+from megapipe.recompute.layer_groups import GroupState
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.overlap.plan import (
     Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
 )

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import torch
 
 from megapipe.overlap.plan import Fork, LayerState, Node, NodeFn, NodeKind, Plan
-from megapipe.overlap.recompute import detached_leaves
+from megapipe.recompute.function import detached_leaves
 
 Tensors = tuple[torch.Tensor, ...]
 

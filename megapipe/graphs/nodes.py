@@ -37,8 +37,8 @@ None: a captured node computes its weight gradients inside its backward graph. T
 in ``Graphable.logs`` (the MoE auxiliary-loss log) are recorded again, copied, at each replay.
 A replay runs no Python of the node (no module hook): what must happen per replay runs in the
 wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits).
-The mechanics of one node's instances: ``overlap.graph_capture``; the flags' rules:
-``overlap.graph_rules``.
+The mechanics of one node's instances: ``graphs.capture``; the flags' rules:
+``graphs.rules``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from megapipe.overlap.graph_capture import CapturedNode, GraphStats
-from megapipe.overlap.graph_rules import selected, settings_problem
+from megapipe.graphs.capture import CapturedNode, GraphStats
+from megapipe.graphs.rules import selected, settings_problem
 from megapipe.overlap.plan import (
     Fork, Node, NodeKind, Plan, run_nodes,
 )

@@ -17,7 +17,7 @@ from pathlib import Path
 import megapipe
 
 LAYERS = [
-    "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models", "hf",
+    "subcommand", "kernels", "schedule", "pairing", "sim", "parallel", "data", "overlap", "moe", "models", "hf",
     "pipeline", "megatron", "train", "cli",
 ]
 # hf/ (Hugging Face's format of the GPT) sits on models/, below the app that starts from it

@@ -9,9 +9,9 @@ makes that part, once.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
+from megapipe.subcommand import writable_file
 from megapipe.train.config.declare import ArgsError
 from megapipe.train.config.flags import PretrainFlags
 
@@ -48,15 +48,9 @@ def check_flags(f: PretrainFlags, parallel: "ParallelConfig") -> None:
 
 def check_output_path(flag: str, path: str | None) -> None:
     """Fail before any work if ``path`` cannot be created as a file (None: nothing asked)."""
-    if path is None:
-        return
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        raise ArgsError(f"--{flag} {path}: folder {folder!r} does not exist")
-    if os.path.isdir(path):
-        raise ArgsError(f"--{flag} {path} is a directory; name a file to write")
-    if not os.access(folder, os.W_OK):
-        raise ArgsError(f"--{flag} {path}: folder {folder!r} is not writable")
+    message = None if path is None else writable_file(f"--{flag}", path)
+    if message:
+        raise ArgsError(message)
 
 
 def _check_profiling(f: PretrainFlags) -> None:

@@ -24,6 +24,7 @@ from .data.commands import PREPROCESS_DATA, TRAIN_TOKENIZER
 from .schedule.errors import ScheduleError
 from .subcommand import ArgsError, Subcommand, at_least, check_values, writable_file
 from .train.checkpoint.export_command import EXPORT_HF
+from .train.config.flags import DESCRIPTION as PRETRAIN_DESCRIPTION
 
 
 class _Parser(argparse.ArgumentParser):
@@ -174,7 +175,7 @@ def _print_budgets(args: argparse.Namespace, costs, extra: dict) -> None:
 
 def _pretrain_arguments(p: argparse.ArgumentParser) -> None:
     from .train.config.declare import add_flags
-    from .train.config.flags import PretrainFlags
+    from .train.config.flags import PretrainFlags  # imports no torch
 
     add_flags(p, PretrainFlags)
 
@@ -235,9 +236,7 @@ SCHEDULE = Subcommand(
     _schedule_arguments, _check_schedule, run_schedule_command)
 PRETRAIN = Subcommand(
     "pretrain", "pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
-    "Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a small model "
-    "on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
-    _pretrain_arguments, _check_pretrain, run_pretrain_command)
+    PRETRAIN_DESCRIPTION, _pretrain_arguments, _check_pretrain, run_pretrain_command)
 TRACE = Subcommand(
     "trace", "read a profile trace of a run (megapipe pretrain --profile-trace)",
     "Read a profile trace written by megapipe pretrain --profile-trace.",

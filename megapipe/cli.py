@@ -1,13 +1,16 @@
-"""The ``megapipe`` command. One subcommand per job, one function per subcommand.
+"""The ``megapipe`` command: every subcommand declared one way (``subcommand.Subcommand``).
 
-``megapipe schedule NAME --pp P [--vpp V] -m M [--overlap [--max-extra-in-flight K]]`` builds a
-schedule, prints it as a rank-by-step grid with its simulated metrics (with overlap also the
-peak in flight plain and combined and the makespan at each in-flight budget; with
-``--dp-reduce T`` the data-parallel reduction after the step and overlapped), and optionally
-writes it as CSV (torch's format), a PNG timeline and a Chrome trace. ``megapipe schedule --pick
---pp P -m M --activation-bytes B --memory-budget BYTES`` instead prints the fastest schedule,
-vpp, in-flight budget and recompute choice whose activations fit (``sim/pick.py``). Bad arguments
-end with a one-line error and exit code 2.
+``SUBCOMMANDS`` lists them; each adds its arguments, checks them (``check``: one ``ArgsError``
+line naming the value, exit code 2, before anything runs) and runs. ``megapipe schedule NAME
+--pp P [--vpp V] -m M [--overlap [--max-extra-in-flight K]]`` builds a schedule, prints it as a
+rank-by-step grid with its simulated metrics (with overlap also the peak in flight plain and
+combined and the makespan at each in-flight budget; with ``--dp-reduce T`` the data-parallel
+reduction after the step and overlapped), and optionally writes it as CSV (torch's format), a
+PNG timeline and a Chrome trace. ``megapipe schedule --pick --pp P -m M --activation-bytes B
+--memory-budget BYTES`` instead prints the fastest schedule, vpp, in-flight budget and recompute
+choice whose activations fit (``sim/pick.py``). ``pretrain``, ``trace summarize``, and the
+subcommands of the data and checkpoint rooms (``data.commands``, ``train.checkpoint.
+export_command``) are declared the same way.
 """
 
 from __future__ import annotations
@@ -15,59 +18,34 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Sequence
 
-from .data.commands import add_data_commands
+from .data.commands import PREPROCESS_DATA, TRAIN_TOKENIZER
 from .schedule.errors import ScheduleError
-
-
-class _UsageError(Exception):
-    """A bad argument: reported as one line, exit code 2."""
+from .subcommand import ArgsError, Subcommand, at_least, check_values, writable_file
+from .train.checkpoint.export_command import EXPORT_HF
+from .train.config.flags import DESCRIPTION as PRETRAIN_DESCRIPTION
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of printing the usage block, so errors stay one line."""
 
     def error(self, message: str):
-        raise _UsageError(message)
+        raise ArgsError(message)
 
 
-def _int_at_least(low: int, wanted: str) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``low``, else an error naming ``wanted``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
-
-
-def _add_schedule_command(subparsers) -> None:
+def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     from .schedule.registry import SCHEDULES
 
-    p = subparsers.add_parser(
-        "schedule",
-        help="print a pipeline schedule and its simulated bubble",
-        description="Build a pipeline schedule, print it as a rank-by-step grid and simulate it.",
-    )
     p.add_argument("name", nargs="?", help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)")
-    p.add_argument("--pp", type=_positive_int, required=True, help="pipeline ranks")
-    p.add_argument("--vpp", type=_positive_int, default=None,
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--vpp", type=int, default=None,
                    help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)")
-    p.add_argument("-m", "--num-microbatches", type=_positive_int, required=True,
+    p.add_argument("-m", "--num-microbatches", type=int, required=True,
                    dest="num_microbatches", help="microbatches per step")
     p.add_argument("--overlap", action="store_true",
                    help="pair forwards with backwards (OVERLAP) to hide the all-to-all")
-    p.add_argument("--max-extra-in-flight", type=_non_negative_int, default=None, metavar="K",
+    p.add_argument("--max-extra-in-flight", type=int, default=None, metavar="K",
                    help="with --overlap (implied): at most K more microbatch-stages in flight on "
                         "any rank than the plain schedule (default: no budget)")
     p.add_argument("--costs", default="1,2,1", metavar="F,B,W[,A2A]",
@@ -79,7 +57,7 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--dp-reduce", type=float, default=None, metavar="T",
                    help="time of one stage's data-parallel gradient reduction: also print how "
                         "much of it is exposed after the step and overlapped with the backward")
-    p.add_argument("--dp-buckets", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--dp-buckets", type=int, default=1, metavar="N",
                    help="with --dp-reduce: buckets per stage (default 1)")
     p.add_argument("--pick", action="store_true",
                    help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
@@ -104,25 +82,44 @@ def _add_schedule_command(subparsers) -> None:
     p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
     p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
-    p.set_defaults(handler=run_schedule_command)
 
+
+_POSITIVE, _COUNT = (at_least(1),), (at_least(0),)
+
+
+def _check_schedule(args: argparse.Namespace) -> argparse.Namespace:
+    """Each value in its range, the files writable, ``--pick``'s needs; returns the arguments
+    with ``costs`` parsed into ``sim.costs.Costs``."""
+    from .sim.costs import Costs
+
+    check_values(args, {"--pp": _POSITIVE, "--vpp": _POSITIVE, "--num-microbatches": _POSITIVE,
+                        "--max-extra-in-flight": _COUNT, "--moe-layers": _COUNT,
+                        "--dp-buckets": _POSITIVE, "--csv": (writable_file,),
+                        "--png": (writable_file,), "--trace": (writable_file,)})
+    if args.pick and args.name is not None:
+        raise ArgsError(f"--pick chooses the schedule itself; drop the name {args.name!r}")
+    for flag in ("memory_budget", "activation_bytes") if args.pick else ():
+        if getattr(args, flag) is None:
+            raise ArgsError(f"--pick needs --{flag.replace('_', '-')} BYTES")
+    if not args.pick and args.name is None:
+        raise ArgsError("the following arguments are required: name (or --pick)")
+    try:
+        costs = Costs.from_text(args.costs, moe_layers=args.moe_layers,
+                                p2p_latency=args.p2p_latency)
+    except ValueError as err:
+        raise ArgsError(f"--costs {args.costs}: {err}".splitlines()[0]) from None
+    return argparse.Namespace(**{**vars(args), "costs": costs})
 
 
 def run_schedule_command(args: argparse.Namespace) -> int:
     """``megapipe schedule``: build, print, simulate, and write the requested files."""
     from .schedule.ir import write_csv
     from .schedule.registry import build_schedule
-    from .sim.costs import Costs
     from .sim.simulate import simulate
-    from .train.config.checks import check_output_path
 
-    for flag in ("csv", "png", "trace"):
-        check_output_path(flag, getattr(args, flag))
-    costs = Costs.from_text(args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency)
+    costs = args.costs
     if args.pick:
         return _run_pick(args, costs)
-    if args.name is None:
-        raise _UsageError("the following arguments are required: name (or --pick)")
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     overlap = args.overlap or args.max_extra_in_flight is not None
     schedule = build_schedule(
@@ -176,38 +173,40 @@ def _print_budgets(args: argparse.Namespace, costs, extra: dict) -> None:
     print(format_sweep(plain, points))
 
 
-def _add_pretrain_command(subparsers) -> None:
-    from .train.config.flags import build_parser as pretrain_flags
+def _pretrain_arguments(p: argparse.ArgumentParser) -> None:
+    from .train.config.declare import add_flags
+    from .train.config.flags import PretrainFlags  # imports no torch
 
-    p = subparsers.add_parser(
-        "pretrain",
-        parents=[pretrain_flags(add_help=False)],
-        help="pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
-        description="Pretrain an MoE GPT with pipeline x expert x data parallelism. With no "
-        "flags: a small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.",
-    )
-    p.set_defaults(handler=run_pretrain_command)
+    add_flags(p, PretrainFlags)
 
 
-def run_pretrain_command(args: argparse.Namespace) -> int:
+def _check_pretrain(args: argparse.Namespace):  # -> JobConfig (its module imports no torch)
+    """Every flag's checks, then the config checked and built in one pass (``train.config``)."""
+    from .train.config.parse import args_from_namespace
+
+    return args_from_namespace(args)
+
+
+def run_pretrain_command(config) -> int:  # config: JobConfig
     """``megapipe pretrain``: the training app, ``megapipe.train``."""
-    from .train.main import main_from_namespace
+    from .train.main import run
 
-    return main_from_namespace(args)
+    return run(config)
 
 
-def _add_trace_command(subparsers) -> None:
-    p = subparsers.add_parser(
-        "trace", help="read a profile trace of a run (megapipe pretrain --profile-trace)",
-        description="Read a profile trace written by megapipe pretrain --profile-trace.",
-    )
-    actions = p.add_subparsers(dest="trace_command", metavar="ACTION", parser_class=_Parser)
-    actions.required = True
-    summarize = actions.add_parser(
-        "summarize", help="per rank: exposed all-to-all, largest bubbles; measured vs simulated",
-    )
-    summarize.add_argument("file", help="the trace (JSON) --profile-trace wrote")
-    summarize.set_defaults(handler=run_trace_summarize)
+def _trace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=("summarize",),
+                   help="summarize: per rank, exposed all-to-all, largest bubbles; measured vs "
+                        "simulated")
+    p.add_argument("file", help="the trace (JSON) --profile-trace wrote")
+
+
+def _check_trace(args: argparse.Namespace) -> argparse.Namespace:
+    import os
+
+    if not os.path.isfile(args.file):
+        raise ArgsError(f"trace {args.action} {args.file}: no such file")
+    return args
 
 
 def run_trace_summarize(args: argparse.Namespace) -> int:
@@ -223,11 +222,6 @@ def _run_pick(args: argparse.Namespace, costs) -> int:
     """``megapipe schedule --pick``: the fastest choice whose activations fit the budget."""
     from .sim.pick import Recompute, all_choices, format_pick
 
-    if args.name is not None:
-        raise _UsageError(f"--pick chooses the schedule itself; drop the name {args.name!r}")
-    for flag in ("memory_budget", "activation_bytes"):
-        if getattr(args, flag) is None:
-            raise _UsageError(f"--pick needs --{flag.replace('_', '-')} BYTES")
     recompute = Recompute(saves=args.recompute_saves, cost=args.recompute_cost)
     full = Recompute(saves=args.full_recompute_saves, cost=args.full_recompute_cost)
     choices = all_choices(args.pp, args.num_microbatches, costs, args.activation_bytes,
@@ -237,17 +231,32 @@ def _run_pick(args: argparse.Namespace, costs) -> int:
     return 0 if not text.startswith("no choice fits") else 1
 
 
+SCHEDULE = Subcommand(
+    "schedule", "print a pipeline schedule and its simulated bubble",
+    "Build a pipeline schedule, print it as a rank-by-step grid and simulate it.",
+    _schedule_arguments, _check_schedule, run_schedule_command)
+PRETRAIN = Subcommand(
+    "pretrain", "pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
+    PRETRAIN_DESCRIPTION, _pretrain_arguments, _check_pretrain, run_pretrain_command)
+TRACE = Subcommand(
+    "trace", "read a profile trace of a run (megapipe pretrain --profile-trace)",
+    "Read a profile trace written by megapipe pretrain --profile-trace.",
+    _trace_arguments, _check_trace, run_trace_summarize)
+SUBCOMMANDS: tuple[Subcommand, ...] = (SCHEDULE, PRETRAIN, TRACE, TRAIN_TOKENIZER,
+                                        PREPROCESS_DATA, EXPORT_HF)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser; each subcommand registers itself with ``set_defaults(handler=...)``."""
+    """The top-level parser: one subparser per ``SUBCOMMANDS`` entry, which it carries as
+    ``args.subcommand``."""
     parser = _Parser(prog="megapipe", description="Pipeline schedules for MoE training.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
-    _add_schedule_command(subparsers)
-    _add_pretrain_command(subparsers)
-    _add_trace_command(subparsers)
-    add_data_commands(subparsers)
-    from .train.checkpoint.export_command import add_export_command
-    add_export_command(subparsers)
+    for command in SUBCOMMANDS:
+        p = subparsers.add_parser(command.name, help=command.help,
+                                  description=command.description)
+        command.arguments(p)
+        p.set_defaults(subcommand=command)
     return parser
 
 
@@ -257,8 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        return args.handler(args)
-    except (_UsageError, ScheduleError, ValueError, OSError) as error:
+        command: Subcommand = args.subcommand
+        return command.run(command.check(args))
+    except (ScheduleError, ValueError, OSError) as error:  # ArgsError is a ValueError
         if debug_enabled():
             traceback.print_exc()
         message = str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -1,11 +1,14 @@
 """The ``megapipe`` command: grid and metrics printed, files written, one-line errors."""
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
+from megapipe import cli
 from megapipe.cli import main
+from megapipe.subcommand import Subcommand
 from megapipe.schedule.ir import read_csv
 from megapipe.schedule.registry import build_schedule
 
@@ -44,12 +47,12 @@ def test_csv_and_trace_are_written(tmp_path, capsys):
         (["schedule", "nope", "--pp", "2", "-m", "4"], "unknown schedule 'nope'"),
         (["schedule", "dualpipe", "--pp", "3", "-m", "8"], "needs an even pp"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--max-extra-in-flight", "-1"],
-         "expected an integer >= 0, got -1"),
-        (["schedule", "1f1b", "--pp", "0", "-m", "4"], "expected a positive integer, got 0"),
+         "--max-extra-in-flight=-1 must be >= 0"),
+        (["schedule", "1f1b", "--pp", "0", "-m", "4"], "--pp=0 must be >= 1"),
         (["schedule", "1f1b", "--pp", "2"], "required: -m/--num-microbatches"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "1,2,3"], "must not exceed"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "a"], "F,B,W or F,B,W,A2A"),
-        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--moe-layers", "-1"], "moe_layers"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--moe-layers", "-1"], "--moe-layers=-1 must be >= 0"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--png", "/nonexistent/x.png"],
          "folder '/nonexistent' does not exist"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -71,7 +74,7 @@ def test_entry_point_runs_as_a_process():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "megapipe: error: argument -m/--num-microbatches: expected a positive integer, got 'x'"
+        "megapipe: error: argument -m/--num-microbatches: invalid int value: 'x'"
     ]
 
 
@@ -87,3 +90,40 @@ def test_budget_prints_peaks_and_the_makespan_of_every_budget(capsys):
     assert labels == ["plain", "0", "1", "2", "3", "4", "unbounded"]
     unbounded = table[-1].split()
     assert unbounded[3:7] == ["8", "6", "4", "2"]  # the chain doubles rank 0's peak
+
+
+def _refused_before_running(command):
+    def run(checked):
+        raise AssertionError(f"{command.name} ran with a bad argument")
+    return dataclasses.replace(command, run=run)
+
+
+# one bad argument per subcommand, and the value its one-line refusal must name
+BAD_ARGUMENT = {
+    "schedule": (["1f1b", "--pp", "2", "-m", "-3"], "--num-microbatches=-3"),
+    "pretrain": (["--global-batch-size", "30"], "--global-batch-size=30"),
+    "trace": (["summarize", "{d}/none.json"], "{d}/none.json"),
+    "train-tokenizer": (["--input", "{d}", "--output", "{d}/t", "--vocab-size", "100"],
+                        "--vocab-size=100"),
+    "preprocess-data": (["--input", "{d}/x.jsonl", "--tokenizer-type", "ByteTokenizer",
+                         "--output-prefix", "{d}/o", "--log-interval", "0"], "--log-interval=0"),
+    "export-hf": (["--load", "{d}", "--out", "{d}/o", "--max-shard-size-mb", "0"],
+                  "--max-shard-size-mb=0"),
+}
+
+
+def test_every_subcommand_is_declared_one_way_and_has_a_bad_argument_case():
+    assert all(isinstance(c, Subcommand) for c in cli.SUBCOMMANDS)
+    assert sorted(c.name for c in cli.SUBCOMMANDS) == sorted(BAD_ARGUMENT)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ARGUMENT))
+def test_a_bad_argument_is_one_line_naming_the_value_before_anything_runs(
+        name, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "SUBCOMMANDS",
+                        tuple(_refused_before_running(c) for c in cli.SUBCOMMANDS))
+    argv, value = BAD_ARGUMENT[name]
+    assert main([name, *(a.format(d=tmp_path) for a in argv)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megapipe: error: "), lines
+    assert value.format(d=tmp_path) in lines[0]

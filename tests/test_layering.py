@@ -17,8 +17,9 @@ from pathlib import Path
 import megapipe
 
 LAYERS = [
-    "kernels", "schedule", "pairing", "sim", "parallel", "data", "precision", "overlap",
-    "recompute", "graphs", "moe", "models", "hf", "pipeline", "megatron", "train", "cli",
+    "subcommand", "kernels", "schedule", "pairing", "sim", "parallel", "data", "precision",
+    "overlap", "recompute", "graphs", "moe", "models", "hf", "pipeline", "megatron", "train",
+    "cli",
 ]
 # hf/ (Hugging Face's format of the GPT) sits on models/, below the app that starts from it
 FORBIDDEN = {"pipeline": {"moe", "models", "train", "megatron", "hf"}}

@@ -445,7 +445,7 @@ def test_resume_after_fallback_trains_from_the_older_checkpoint(rank_pools, worl
     (["schedule", "1f1b", "--pp", "2", "-m", "4", "--trace", "{root}/no/t.json"],
      ["does not exist"]),
     (["schedule", "nope", "--pp", "2", "-m", "4"], ["unknown schedule 'nope'"]),
-    (["schedule", "1f1b", "--pp", "2", "-m", "0"], ["expected a positive integer, got 0"]),
+    (["schedule", "1f1b", "--pp", "2", "-m", "0"], ["--num-microbatches=0 must be >= 1"]),
 ], ids=["csv-is-directory", "trace-folder-missing", "unknown-schedule", "zero-microbatches"])
 def test_bad_schedule_command_is_one_line_before_any_output(tmp_path, capsys, argv, words):
     code = cli_main([a.replace("{root}", str(tmp_path)) for a in argv])

@@ -1,7 +1,8 @@
-"""``megapipe train-tokenizer`` and ``megapipe preprocess-data``: their flags and their runs.
+"""``megapipe train-tokenizer`` and ``megapipe preprocess-data``, declared as ``Subcommand`` values.
 
-``add_data_commands(subparsers)`` registers both on the ``megapipe`` command. Bad input raises
-``DataError`` (a ``ValueError``), which the command prints as one line with exit status 2.
+``TRAIN_TOKENIZER`` and ``PREPROCESS_DATA`` are registered by ``cli.py``. A bad value is refused
+by their ``check`` (``ArgsError``); bad input found while running raises ``DataError`` (a
+``ValueError``); the command prints either as one line with exit status 2.
 """
 
 from __future__ import annotations
@@ -9,44 +10,29 @@ from __future__ import annotations
 import argparse
 
 from megapipe.data.tokenizer import TOKENIZER_TYPES
+from megapipe.data.train_tokenizer import MIN_VOCAB_SIZE
+from megapipe.subcommand import Subcommand, at_least, check_values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_data_commands(subparsers) -> None:
-    """Register ``train-tokenizer`` and ``preprocess-data`` on the top-level subparsers."""
-    p = subparsers.add_parser(
-        "train-tokenizer", help="train a byte-level BPE tokenizer on local text files",
-        description="Train a byte-level BPE (Hugging Face tokenizers) on local files; write "
-        "OUTPUT/tokenizer.json and OUTPUT/tokenizer_config.json, with <|endoftext|> (id 0) as "
-        "the end-of-document token. The same inputs give the same files.",
-    )
+def _train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="DIR_OR_FILE",
                    help="text files, .jsonl files (their --json-keys fields) and directories "
                         "(walked recursively, sorted; files that are not UTF-8 text skipped)")
-    p.add_argument("--vocab-size", type=_positive_int, default=2048,
+    p.add_argument("--vocab-size", type=int, default=2048,
                    help="the vocabulary size to reach, special token included (default 2048; "
                         "at least 257: 256 bytes and the end of document)")
     p.add_argument("--output", required=True, metavar="TOKDIR",
                    help="directory to write tokenizer.json and tokenizer_config.json to")
     p.add_argument("--json-keys", nargs="+", default=["text"],
                    help="the fields of each .jsonl line to train on (default: text)")
-    p.set_defaults(handler=run_train_tokenizer)
 
-    p = subparsers.add_parser(
-        "preprocess-data", help="tokenize jsonl documents into Megatron's indexed dataset",
-        description="Megatron's tools/preprocess_data.py: tokenize each line's --json-keys "
-        "fields and write OUTPUT_PREFIX_{key}_document.bin and .idx with megatron-core's "
-        "IndexedDatasetBuilder (needs megatron-core).",
-    )
+
+def _check_train_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
+    check_values(args, {"--vocab-size": (at_least(MIN_VOCAB_SIZE),)})
+    return args
+
+
+def _preprocess_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="a jsonl file: one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"],
                    help="fields to tokenize, one dataset each (default: text)")
@@ -59,11 +45,15 @@ def add_data_commands(subparsers) -> None:
                    help="path prefix of the output files (its folder is made if missing)")
     p.add_argument("--append-eod", action="store_true",
                    help="end every non-empty document with the end-of-document token")
-    p.add_argument("--workers", type=_positive_int, default=1,
+    p.add_argument("--workers", type=int, default=1,
                    help="tokenizing processes (default 1: this process)")
-    p.add_argument("--log-interval", type=_positive_int, default=1000,
+    p.add_argument("--log-interval", type=int, default=1000,
                    help="report progress every this many documents (default 1000)")
-    p.set_defaults(handler=run_preprocess_data)
+
+
+def _check_preprocess_data(args: argparse.Namespace) -> argparse.Namespace:
+    check_values(args, {"--workers": (at_least(1),), "--log-interval": (at_least(1),)})
+    return args
 
 
 def run_train_tokenizer(args: argparse.Namespace) -> int:
@@ -92,3 +82,17 @@ def run_preprocess_data(args: argparse.Namespace) -> int:
         print(f"wrote {prefix}.bin and {prefix}.idx")
     print(f"{result.documents:,} documents, {result.tokens:,} tokens, tokenized {where}")
     return 0
+
+
+TRAIN_TOKENIZER = Subcommand(
+    "train-tokenizer", "train a byte-level BPE tokenizer on local text files",
+    "Train a byte-level BPE (Hugging Face tokenizers) on local files; write "
+    "OUTPUT/tokenizer.json and OUTPUT/tokenizer_config.json, with <|endoftext|> (id 0) as "
+    "the end-of-document token. The same inputs give the same files.",
+    _train_tokenizer_arguments, _check_train_tokenizer, run_train_tokenizer)
+PREPROCESS_DATA = Subcommand(
+    "preprocess-data", "tokenize jsonl documents into Megatron's indexed dataset",
+    "Megatron's tools/preprocess_data.py: tokenize each line's --json-keys "
+    "fields and write OUTPUT_PREFIX_{key}_document.bin and .idx with megatron-core's "
+    "IndexedDatasetBuilder (needs megatron-core).",
+    _preprocess_data_arguments, _check_preprocess_data, run_preprocess_data)

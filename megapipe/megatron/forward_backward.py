@@ -10,8 +10,11 @@ A Megatron pretrain script swaps one import::
         forward_step_func=forward_step, data_iterator=data_iterator, model=model,
         num_microbatches=8, seq_length=1024, micro_batch_size=1)
 
-and keeps its ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``.
-Megatron's conventions hold:
+and keeps its ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)``, which
+drives the forward: the engine sets the combined step as the chunk's ``node_runner`` around that
+call (and restores it after), so a chunk that implements
+``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the Megatron-Core adapter
+do) overlaps; any other chunk runs F then B (warned once). Megatron's conventions hold:
 
 - ``model`` is one chunk, or a list of chunks under virtual pipelining: chunk j of a rank is the
   j-th stage (in increasing stage order) the schedule places on it (stage ``r + j * pp`` for
@@ -57,7 +60,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -65,19 +67,16 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
-from megapipe.megatron.mcore_adapter import McoreGPTStage, as_stage_module
-from megapipe.megatron.mcore_support import (
-    activation_shape, check_cuda_graphs, check_ddp, finish_router_step,
-)
+from megapipe.megatron.front_end_executor import build_executor
+from megapipe.megatron.front_end_options import FrontEndOptions
+from megapipe.megatron.mcore_adapter import McoreGPTStage
+from megapipe.megatron.mcore_support import check_ddp, finish_router_step
 from megapipe.moe.aux_loss import AuxLossLog
-from megapipe.moe.layer import take_aux_loss_logs, take_overflow
-from megapipe.graphs.rules import settings_problem
-from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.moe.layer import take_aux_loss_logs
+from megapipe.parallel.groups import ProcessGroups
 from megapipe.pipeline.executor import PipelineExecutor, StepResult
 from megapipe.pipeline.overlap_auto import OverlapAuto
-from megapipe.pipeline.p2p import TensorSpec
-from megapipe.schedule import Kind, Schedule, build_schedule
-from megapipe.schedule.registry import default_schedule_name
+from megapipe.schedule import Schedule
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
 
@@ -104,66 +103,6 @@ class _LossTarget:
 
     stage: int
     microbatch: int
-
-
-@dataclass(frozen=True)
-class FrontEndOptions:
-    """What ``get_forward_backward_func`` was asked for (see its docstring), checked once."""
-
-    pp: int = 1
-    vpp: int = 1
-    schedule: str | None = None
-    groups: ProcessGroups | None = None
-    hidden_size: int | None = None
-    axes: str | None = None  # None: "sbh" for Megatron-Core chunks, else "bsh"
-    dtype: torch.dtype | None = None  # None: a Megatron-Core chunk's pipeline dtype, else fp32
-    timeout: float = 300.0
-    overlap: bool = False
-    calculate_per_token_loss: bool = False
-    reduce_grads: bool = True
-    delay_wgrad_compute: bool = False
-    record_trace: bool = False
-    microbatch_group_size_per_vp_stage: int | None = None  # build_schedule's options
-    max_extra_in_flight: int | None = None
-    cuda_graph_impl: str = "none"
-    cuda_graph_modules: tuple[str, ...] = ()
-    overlap_auto: bool = False  # time plain and combined calls, keep the faster
-    overlap_auto_interval: int = 500
-    overlap_auto_clock: Callable[[], float] = time.perf_counter
-
-    def __post_init__(self) -> None:
-        for name, value in (("pp", self.pp), ("vpp", self.vpp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if self.axes not in (None, "bsh", "sbh"):
-            raise ValueError(
-                f"axes={self.axes!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
-            )
-        if self.groups is not None and self.groups.config.pp != self.pp:
-            raise ValueError(
-                f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
-            )
-        problem = settings_problem(self.cuda_graph_impl, self.cuda_graph_modules)
-        if problem is not None:
-            raise ValueError(problem)
-        if self.delay_wgrad_compute and not self.overlap:
-            raise ValueError(
-                "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
-                "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
-            )
-        combined_only = [name for name, on in (
-            ("delay_wgrad_compute=True", self.delay_wgrad_compute),
-            (f"max_extra_in_flight={self.max_extra_in_flight}",
-             self.max_extra_in_flight is not None)) if on]
-        if self.overlap_auto and combined_only:
-            raise ValueError(
-                f"overlap_moe_expert_parallel_comm='auto' with {combined_only[0]}: auto chooses "
-                "between the plain and the combined step, which must differ in nothing else"
-            )
-
-    @property
-    def schedule_name(self) -> str:
-        return self.schedule or default_schedule_name(self.pp, self.vpp)
 
 
 class MegatronForwardBackward:
@@ -200,37 +139,22 @@ class MegatronForwardBackward:
             for chunk in chunks:
                 check_ddp(chunk, self.options.reduce_grads)
                 check_data_parallel(chunk, executor.schedule, executor.cuda_graphs is not None)
-        if isinstance(data_iterator, (list, tuple)):
-            if len(data_iterator) != len(chunks):
-                raise ValueError(
-                    f"data_iterator is a list of {len(data_iterator)} but model has "
-                    f"{len(chunks)} chunks; give one iterator per chunk (or a single one)"
-                )
-            iterators = {s: data_iterator[j] for j, s in enumerate(sorted(stages))}
-        else:
-            iterators = {s: data_iterator for s in stages}
         self._call = _CallState(
-            forward_step_func, iterators, num_microbatches, forward_only,
+            forward_step_func, _iterators(data_iterator, chunks, stages), num_microbatches,
+            forward_only,
             collect_non_loss_data, self.options.calculate_per_token_loss,
             stage_of={id(module): stage for stage, module in stages.items()},
         )
         try:
-            schedule = executor.schedule
-            targets = [None] * num_microbatches
-            for stage in stages:
-                if schedule.is_last_stage(stage):
-                    for i in range(num_microbatches):
-                        if stage in schedule.stages_for(i):
-                            targets[i] = _LossTarget(stage, i)
-            placeholders = [None] * num_microbatches
+            targets = _loss_targets(executor.schedule, stages, num_microbatches)
             hooks = None if forward_only else self._megatron_hooks(chunks, stages)
             auto = None if forward_only else self._autos.get(self._key(chunks, num_microbatches,
                                                                       seq_length, micro_batch_size))
             if auto is not None:  # this call's mode: the trial's, or the faster one's
                 executor = auto.executor
                 auto.start()
-            self.last_result = executor.step(placeholders, targets, forward_only=forward_only,
-                                             grad_hooks=hooks)
+            self.last_result = executor.step([None] * num_microbatches, targets,
+                                             forward_only=forward_only, grad_hooks=hooks)
             decision = auto.finish() if auto is not None else None
             if decision is not None:
                 self.overlap_auto_lines.append(decision)
@@ -252,95 +176,21 @@ class MegatronForwardBackward:
     def _executor(
         self, chunks: list[nn.Module], num_microbatches: int, seq_length: int, micro_batch_size: int
     ) -> tuple[PipelineExecutor, dict[int, nn.Module]]:
+        """This call shape's executor and stages (``front_end_executor``), built once."""
         key = self._key(chunks, num_microbatches, seq_length, micro_batch_size)
-        if key in self._executors:
-            return self._executors[key]
-        o = self.options
-        schedule = self._schedule(num_microbatches, o.overlap)
-        self._check_microbatch_sequence(schedule)
-        pp_rank = pipeline_position(o.pp, o.groups).rank
-        stage_ids = schedule.stages_of_rank(pp_rank)
-        if len(chunks) != len(stage_ids):
-            raise ValueError(
-                f"the {self.schedule_name!r} schedule with pp={o.pp}, vpp={o.vpp} places "
-                f"{len(stage_ids)} chunk(s) on pipeline rank {pp_rank} (stages {stage_ids}); "
-                f"model has {len(chunks)}"
-            )
-        chunks = [as_stage_module(chunk) for chunk in chunks]
-        if take_overflow(chunks) is not None:
-            raise ValueError(
-                "MoE layers with a rank capacity (moe_expert_rank_capacity_factor) are not "
-                "supported by the Megatron front end: a step that overflows must run again "
-                "from the gradients the call started with (megapipe pretrain does it)")
-        for chunk in chunks:
-            if not callable(getattr(chunk, "set_input_tensor", None)):
-                raise TypeError(
-                    f"model chunk {type(chunk).__name__} has no set_input_tensor(tensor); "
-                    "Megatron's convention needs it to hand a received activation to the chunk"
-                )
-        stages = dict(zip(stage_ids, chunks))
-        for stage, chunk in stages.items():
-            if isinstance(chunk, McoreGPTStage):
-                first, last = schedule.is_first_stage(stage), schedule.is_last_stage(stage)
-                chunk.check_stage(stage, first, last)
-                check_cuda_graphs(o.cuda_graph_impl)
-        hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
-        if hidden is None and o.pp > 1:
-            raise ValueError(
-                "hidden_size is needed for the activation shape: pass it to "
-                "get_forward_backward_func or give the chunks a .config.hidden_size"
-            )
-        megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
-        axes = o.axes or ("sbh" if megatron else "bsh")
-        shape = (
-            (micro_batch_size, seq_length, hidden)
-            if axes == "bsh"
-            else (seq_length, micro_batch_size, hidden)
-        )
-        if megatron and axes == "sbh" and o.hidden_size is None:  # Megatron's own shape
-            shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
-        dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
-        build = partial(
-            PipelineExecutor,
-            stages=stages,
-            spec=TensorSpec(shape, dtype) if hidden is not None else None,
-            loss_fn=self._loss,
-            groups=o.groups,
-            grad_reduction="dp" if o.reduce_grads else "none",
-            forward_fn=self._forward,
-            timeout=o.timeout,
-            delay_wgrad_compute=o.delay_wgrad_compute,
-            record_trace=o.record_trace,
-            # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
-            # the tape in every schedule (McoreGPTStage.needs_tape)
-            use_tape=any(getattr(c, "needs_tape", False) for c in chunks),
-            cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
-        )
-        executor = build(schedule)
-        if o.overlap_auto:  # the plain schedule's executor beside it (pipeline.overlap_auto)
-            plain_schedule = self._schedule(num_microbatches, overlap=False)
-            self._check_microbatch_sequence(plain_schedule)
-            device = next((p.device for c in chunks for p in c.parameters()), "cpu")
-            g = o.groups  # the MAX over pp, then dp (and tp) reaches every rank of the grid
-            agree = (None,) if g is None else tuple(x for x in (g.pp, g.dp, g.tp) if x is not None)
-            self._autos[key] = OverlapAuto(build(plain_schedule), executor,
-                                           o.overlap_auto_interval, o.overlap_auto_clock,
-                                           groups=agree, device=device)
-        self._executors[key] = (executor, stages)
-        return executor, stages
+        if key not in self._executors:
+            executor, stages, auto = build_executor(
+                self.options, chunks, num_microbatches, seq_length, micro_batch_size,
+                loss_fn=self._loss, forward_fn=self._forward)
+            self._executors[key] = (executor, stages)
+            if auto is not None:
+                self._autos[key] = auto
+        return self._executors[key]
 
     @staticmethod
     def _key(chunks: list[nn.Module], num_microbatches: int, seq_length: int,
              micro_batch_size: int) -> tuple:
         return (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
-
-    def _schedule(self, num_microbatches: int, overlap: bool) -> Schedule:
-        o = self.options
-        return build_schedule(
-            self.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=overlap,
-            max_extra_in_flight=o.max_extra_in_flight,
-            microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
-        )
 
     def _megatron_hooks(
         self, chunks: list[nn.Module], stages: dict[int, nn.Module]
@@ -352,23 +202,6 @@ class MegatronForwardBackward:
             return None
         chunk_of = {stage: j for j, stage in enumerate(stages)}  # the order of ``chunks``
         return MegatronGradSync(megatron[0].config, chunks, chunk_of)
-
-    def _check_microbatch_sequence(self, schedule: Schedule) -> None:
-        """forward_step_func reads the next batch from a chunk's iterator: every stage must run
-        its forwards in microbatch order for the batches to line up."""
-        order: dict[int, list[int]] = {}
-        for row in schedule.actions:
-            for action in row:
-                for comp in action.computations():
-                    if comp.kind is Kind.F:
-                        order.setdefault(comp.stage, []).append(comp.microbatch)
-        for stage, mbs in order.items():
-            if mbs != sorted(mbs):
-                raise ValueError(
-                    f"schedule {self.schedule_name!r} runs stage {stage}'s forwards in the order "
-                    f"{mbs}; the Megatron front end needs microbatch order (the data iterator "
-                    "is read once per forward)"
-                )
 
     def close(self) -> None:
         """Stop the executors' communication streams (combined schedules)."""
@@ -413,10 +246,29 @@ class MegatronForwardBackward:
         return loss
 
 
-def _pipeline_dtype(chunk: McoreGPTStage) -> torch.dtype:
-    """What a Megatron-Core chunk sends between stages: its config's pipeline dtype."""
-    config = chunk.config
-    return config.pipeline_dtype or config.params_dtype or torch.float32
+def _iterators(data_iterator: Any, chunks: list[nn.Module],
+               stages: dict[int, nn.Module]) -> dict[int, Any]:
+    """Each stage's data iterator: one for all, or one per chunk in stage order."""
+    if not isinstance(data_iterator, (list, tuple)):
+        return {s: data_iterator for s in stages}
+    if len(data_iterator) != len(chunks):
+        raise ValueError(
+            f"data_iterator is a list of {len(data_iterator)} but model has "
+            f"{len(chunks)} chunks; give one iterator per chunk (or a single one)"
+        )
+    return {s: data_iterator[j] for j, s in enumerate(sorted(stages))}
+
+
+def _loss_targets(schedule: Schedule, stages: dict[int, nn.Module],
+                  num_microbatches: int) -> list[_LossTarget | None]:
+    """The executor's target of each microbatch: the last stage on this rank that holds it."""
+    targets: list[_LossTarget | None] = [None] * num_microbatches
+    for stage in stages:
+        if schedule.is_last_stage(stage):
+            for i in range(num_microbatches):
+                if stage in schedule.stages_for(i):
+                    targets[i] = _LossTarget(stage, i)
+    return targets
 
 
 def get_forward_backward_func(
@@ -463,14 +315,6 @@ def get_forward_backward_func(
     numbers are those of either mode), timing again every ``overlap_auto_interval`` calls (0:
     once); each decision is printed on rank 0 as ``overlap auto: ...`` and kept in
     ``.overlap_auto_lines``; ``overlap_auto_clock`` reads the time (tests script it).
-
-    The user's ``forward_step_func`` drives the forward: the engine sets the combined step as
-    the chunk's ``node_runner`` around that call (and restores it after), so a chunk that
-    implements ``megapipe.pipeline.stage_module.StageModule`` (as ``GPTStage`` and the
-    Megatron-Core adapter do; Megatron ``GPTModel`` chunks are wrapped automatically)
-    overlaps; any other chunk runs F then B (warned once). ``axes`` and ``dtype`` default to
-    Megatron's (``"sbh"``, the config's ``pipeline_dtype``) for Megatron-Core chunks, else to
-    ``"bsh"`` and fp32.
     """
     auto = overlap_moe_expert_parallel_comm == "auto"
     if not isinstance(overlap_moe_expert_parallel_comm, bool) and not auto:

@@ -146,24 +146,43 @@ def moe_plan(layer: Any, call: ForwardCall, name: str,
     operations of ``TransformerLayer._forward_attention``, ``_forward_mlp`` and
     ``MoELayer.forward``. Tuples carry (passed-on tensors, residual, [shared experts' output],
     tokens, probabilities)."""
-    moe, release, config = layer.mlp, call.release, layer.config
-    shared = moe.use_shared_expert and not moe.shared_expert_overlap
-    attn_work = [
-        ("attention.backward_dw", layer.self_attention.backward_dw),
-        ("shared_experts.backward_dw",
-         lambda: moe.backward_dw(routed_experts=False, shared_experts=True)),
-    ] if call.delay_wgrad else []
-    mlp_work = [
-        ("experts.backward_dw", lambda: moe.backward_dw(routed_experts=True, shared_experts=False)),
-    ] if call.delay_wgrad else []
-    carried = 0  # how many passed-on tensors lead the tuples (set by the attn node)
+    nodes = _MoENodes(layer, call, before, after)
+    group = layer.mlp.token_dispatcher.ep_group
+    return [
+        Node(f"{name}.attn", NodeKind.COMPUTE, nodes.attn),
+        Node(f"{name}.dispatch", NodeKind.COMM, nodes.dispatch, group=group),
+        Node(f"{name}.mlp", NodeKind.COMPUTE, nodes.mlp),
+        Node(f"{name}.combine", NodeKind.COMM, nodes.combine, group=group),
+    ]
 
-    def attn(state: McoreLayerState, inputs: Tensors) -> Tensors:
-        nonlocal carried
-        lead, hidden, kwargs = _enter(state, inputs, before, call)
-        carried = len(lead)
-        (hidden,) = after_backward(state, attn_work, (hidden,))
-        with rng_fork(config):
+
+class _MoENodes:
+    """The four node functions of one Megatron MoE layer (``moe_plan``), sharing the layer,
+    the call's settings and how many passed-on tensors lead the tuples."""
+
+    def __init__(self, layer: nn.Module, call: ForwardCall,
+                 before: Optional[Callable[[McoreLayerState, Tensors], Tensors]],
+                 after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]]) -> None:
+        moe = layer.mlp
+        self.layer, self.moe, self.call, self.before, self.after = layer, moe, call, before, after
+        self.shared = moe.use_shared_expert and not moe.shared_expert_overlap
+        self.attn_work = [
+            ("attention.backward_dw", layer.self_attention.backward_dw),
+            ("shared_experts.backward_dw",
+             lambda: moe.backward_dw(routed_experts=False, shared_experts=True)),
+        ] if call.delay_wgrad else []
+        self.mlp_work = [
+            ("experts.backward_dw",
+             lambda: moe.backward_dw(routed_experts=True, shared_experts=False)),
+        ] if call.delay_wgrad else []
+        self.carried = 0  # how many passed-on tensors lead the tuples (set by the attn node)
+
+    def attn(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
+        layer, moe, call, release = self.layer, self.moe, self.call, self.call.release
+        lead, hidden, kwargs = _enter(state, inputs, self.before, call)
+        self.carried = len(lead)
+        (hidden,) = after_backward(state, self.attn_work, (hidden,))
+        with rng_fork(layer.config):
             hidden, _ = layer._forward_attention(hidden_states=hidden, **kwargs)
             normed, residual = release.pre_mlp(layer, hidden)
             normed, padding, state.moe_mbs = release.unflatten_for_moe(
@@ -174,41 +193,34 @@ def moe_plan(layer: Any, call: ForwardCall, name: str,
             shared_out = moe.shared_experts_compute(normed)
             probs, routing_map = moe.route(normed, padding)
             tokens, probs = moe.preprocess(normed, probs, routing_map)
-        mid = (residual, shared_out) if shared else (residual,)
+        mid = (residual, shared_out) if self.shared else (residual,)
         return (*lead, *mid, tokens, probs)
 
-    def dispatch(state: McoreLayerState, inputs: Tensors) -> Tensors:
-        tokens, probs = moe.dispatch(*inputs[-2:])
+    def dispatch(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
+        tokens, probs = self.moe.dispatch(*inputs[-2:])
         return (*inputs[:-2], tokens, probs)
 
-    def mlp(state: McoreLayerState, inputs: Tensors) -> Tensors:
-        tokens, probs = after_backward(state, mlp_work, inputs[-2:])
-        with rng_fork(config):
-            output, bias = moe.routed_experts_compute(tokens, probs)
+    def mlp(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
+        tokens, probs = after_backward(state, self.mlp_work, inputs[-2:])
+        with rng_fork(self.layer.config):
+            output, bias = self.moe.routed_experts_compute(tokens, probs)
         if bias is not None:
             raise NotImplementedError("the MoE layer's experts returned a bias; Megatron's "
                                       "alltoall dispatcher does not support one either")
         return (*inputs[:-2], output)
 
-    def combine(state: McoreLayerState, inputs: Tensors) -> Tensors:
+    def combine(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
+        layer, carried = self.layer, self.carried
         lead = inputs[:carried]
         residual = inputs[carried]
-        shared_out = inputs[carried + 1] if shared else None
-        with rng_fork(config):
-            output = moe.postprocess(moe.combine(inputs[-1]), shared_out)
-            output = release.reflatten_from_moe(
-                layer, output, call.packed_seq_params, state.moe_mbs
+        shared_out = inputs[carried + 1] if self.shared else None
+        with rng_fork(layer.config):
+            output = self.moe.postprocess(self.moe.combine(inputs[-1]), shared_out)
+            output = self.call.release.reflatten_from_moe(
+                layer, output, self.call.packed_seq_params, state.moe_mbs
             )
             hidden = layer._forward_post_mlp((output, None), residual)
-        return (*lead, *(after(state, hidden) if after else (hidden,)))
-
-    group = moe.token_dispatcher.ep_group
-    return [
-        Node(f"{name}.attn", NodeKind.COMPUTE, attn),
-        Node(f"{name}.dispatch", NodeKind.COMM, dispatch, group=group),
-        Node(f"{name}.mlp", NodeKind.COMPUTE, mlp),
-        Node(f"{name}.combine", NodeKind.COMM, combine, group=group),
-    ]
+        return (*lead, *(self.after(state, hidden) if self.after else (hidden,)))
 
 
 def is_moe_layer(layer: Any) -> bool:

@@ -156,28 +156,8 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
     profiler = RunProfiler(config, job.schedule, job.device, job.groups.coordinates, say)
     try:
         while iteration < iters:
-            start = time.perf_counter()
-            auto = job.overlap_auto
-            if auto is not None:  # plain or combined: its trial's, or its choice
-                job.executor = auto.executor
-                auto.start()
-            stats = train_step(job, job.batches.next_batch(), iteration + 1, profiler)
-            decision = auto.finish() if auto is not None else None
             iteration += 1
-            if decision is not None:
-                say(decision)
-            if stats.ran_again:
-                result.add_ran_again(iteration)
-                say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
-                    f"again without it ({result.reruns} so far)")
-            result.add_iteration(stats.loss, stats.aux_loss, stats.grad_norm)
-            logger.record(iteration, loss=stats.loss,
-                          aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
-                          lr=stats.lr, grad_norm=stats.grad_norm,
-                          step_time=time.perf_counter() - start, tokens=tokens_per_iter,
-                          a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
-                          act_mem=stats.act_mem)
-            profiler.after(iteration)  # at M: gather the traced steps, write the trace
+            _train_iteration(job, result, iteration, profiler, logger, say, tokens_per_iter)
             if data.eval_interval and data.eval_iters and iteration % data.eval_interval == 0:
                 with collector.around_evaluation():
                     validation = evaluate(job)
@@ -199,17 +179,50 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
             if on_iteration is not None:
                 on_iteration(iteration)
         if result.losses:
-            overlap = logger.overlap_summary()
-            graphs = job.executor.cuda_graphs
-            say(f"done: iterations {result.first_iteration + 1}-{iteration} in "
-                f"{time.perf_counter() - started:.0f} s; loss {result.first_loss:.4f} -> "
-                f"{result.losses[-1]:.4f}" + ("" if overlap is None else f"; {overlap}")
-                + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
-                + ("" if config.model.moe_expert_rank_capacity_factor is None else
-                   f"; steps run again without the rank capacity: {result.reruns}"))
+            say(_done_line(job, result, iteration, logger, time.perf_counter() - started))
     finally:
         profiler.close()
         logger.close()
+
+
+def _train_iteration(job: Job, result: TrainResult, iteration: int, profiler: RunProfiler,
+                     logger: TrainingLogger, say: Callable[[str], None], tokens: int) -> None:
+    """Training step ``iteration`` (auto mode: on its trial's or its choice's executor), its
+    log line and the trace's part of it."""
+    start = time.perf_counter()
+    auto = job.overlap_auto
+    if auto is not None:  # plain or combined: its trial's, or its choice
+        job.executor = auto.executor
+        auto.start()
+    stats = train_step(job, job.batches.next_batch(), iteration, profiler)
+    decision = auto.finish() if auto is not None else None
+    if decision is not None:
+        say(decision)
+    if stats.ran_again:
+        result.add_ran_again(iteration)
+        say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
+            f"again without it ({result.reruns} so far)")
+    result.add_iteration(stats.loss, stats.aux_loss, stats.grad_norm)
+    logger.record(iteration, loss=stats.loss,
+                  aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
+                  lr=stats.lr, grad_norm=stats.grad_norm,
+                  step_time=time.perf_counter() - start, tokens=tokens,
+                  a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
+                  act_mem=stats.act_mem)
+    profiler.after(iteration)  # at M: gather the traced steps, write the trace
+
+
+def _done_line(job: Job, result: TrainResult, iteration: int, logger: TrainingLogger,
+               seconds: float) -> str:
+    """The run's last line: iterations, time, first and last loss, overlap, graphs, reruns."""
+    overlap = logger.overlap_summary()
+    graphs = job.executor.cuda_graphs
+    return (f"done: iterations {result.first_iteration + 1}-{iteration} in {seconds:.0f} s; "
+            f"loss {result.first_loss:.4f} -> {result.losses[-1]:.4f}"
+            + ("" if overlap is None else f"; {overlap}")
+            + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
+            + ("" if job.config.model.moe_expert_rank_capacity_factor is None else
+               f"; steps run again without the rank capacity: {result.reruns}"))
 
 
 def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice,

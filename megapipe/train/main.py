@@ -11,7 +11,6 @@ traceback only with ``MEGAPIPE_DEBUG=1``. Exit codes: 0 done (or saved and exite
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -28,7 +27,7 @@ from megapipe.parallel.launch import launched_world_size, start_local_ranks
 from megapipe.train.checkpoint.files import CheckpointError
 from megapipe.train.checkpoint.resume import ResumeChoice, choose_resume
 from megapipe.train.config.job_config import JobConfig
-from megapipe.train.config.parse import ArgsError, args_from_namespace, parse_pretrain_args
+from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.failures import debug_enabled, describe_failure, is_secondary
 from megapipe.train.loop import train
 from megapipe.train.observe.logging import NonFiniteLossError
@@ -42,11 +41,6 @@ Report = Callable[[str, bool], None]
 def main(argv: Sequence[str] | None = None) -> int:
     """``examples/pretrain_moe_gpt.py``: parse, validate, launch, train; returns the exit code."""
     return _validate_then_run(parse_pretrain_args, argv)
-
-
-def main_from_namespace(ns: argparse.Namespace) -> int:
-    """``megapipe pretrain`` (the CLI parsed the flags with ``build_parser(add_help=False)``)."""
-    return _validate_then_run(args_from_namespace, ns)
 
 
 def _error(message: str) -> None:

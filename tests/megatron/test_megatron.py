@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megapipe import get_forward_backward_func
-from megapipe.megatron.forward_backward import default_schedule_name
+from megapipe.schedule.registry import default_schedule_name
 from megapipe.schedule import ScheduleError
 from support.megatron_cases import megatron_run
 from support.pipeline_cases import Case

@@ -7,8 +7,9 @@ where needed argparse's ``choices``, ``nargs`` (a tuple's; default ``*``) and ``
 ``bool`` is a switch (with ``--no-...`` when it defaults to on). ``build_parser`` makes the
 argparse parser of a record class, whose namespace also notes the flags the command line gave
 (``given_flags``); ``parse_flags`` / ``record_of`` the record, after each flag's checks (a
-check: ``(flag, value) -> message or None``, never given None): the first refusal raises
-``ArgsError``, one line. Rules between flags live elsewhere (``checks``). A
+check: ``(flag, value) -> message or None``, never given None; the vocabulary is
+``megapipe.subcommand``'s, shared by every subcommand): the first refusal raises ``ArgsError``,
+one line. Rules between flags live elsewhere (``checks``). A
 record's ``RENAMED`` ({old flag: new flag}) refuses an old name, naming the new one.
 """
 
@@ -16,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import types
 import typing
-from typing import Any, Callable, NoReturn, Sequence, TypeVar
+from typing import Any, NoReturn, Sequence, TypeVar
 
-Check = Callable[[str, Any], "str | None"]
+from megapipe.subcommand import ArgsError, Check, above, at_least, finite, one_of
+
+__all__ = ["ArgsError", "Check", "above", "add_flags", "at_least", "build_parser", "finite",
+           "flag", "given_flags", "one_of", "parse_flags", "record_of"]
+
 R = TypeVar("R")
-
-
-class ArgsError(ValueError):
-    """A flag (or combination of flags) that cannot run; the message is one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,27 +51,6 @@ def flag(default: Any, help: str, *checks: Check, group: str | None = None,
 
 def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
-
-
-def at_least(low: float, fmt: str = "") -> Check:
-    """``--x=V must be >= low`` (``fmt``: how V is written, e.g. ``g``)."""
-    return lambda name, value: None if value >= low else f"{name}={value:{fmt}} must be >= {low}"
-
-
-def above(low: float, fmt: str = "") -> Check:
-    """``--x=V must be > low``."""
-    return lambda name, value: None if value > low else f"{name}={value:{fmt}} must be > {low}"
-
-
-def finite(name: str, value: float) -> str | None:
-    """``--x=nan must be a finite number`` (NaN and infinities)."""
-    return None if math.isfinite(value) else f"{name}={value} must be a finite number"
-
-
-def one_of(*choices: str) -> Check:
-    """``--x='v' must be one of a, b, c`` (two choices: ``must be a or b``)."""
-    words = " or ".join(choices) if len(choices) == 2 else "one of " + ", ".join(choices)
-    return lambda name, value: None if value in choices else f"{name}={value!r} must be {words}"
 
 
 def _base_type(hint: Any) -> tuple[type, bool]:
@@ -136,6 +115,12 @@ def build_parser(record: type, prog: str, description: str,
                  add_help: bool = True) -> argparse.ArgumentParser:
     """The argparse parser of every flag ``record`` declares, in ``--help`` groups."""
     parser = argparse.ArgumentParser(prog=prog, add_help=add_help, description=description)
+    add_flags(parser, record)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, record: type) -> None:
+    """Add every flag ``record`` declares to ``parser``, in ``--help`` groups."""
     groups: dict[str | None, Any] = {None: parser}
     for f, spec, hint in _specs(record):
         if spec.group not in groups:
@@ -151,7 +136,6 @@ def build_parser(record: type, prog: str, description: str,
         groups[spec.group].add_argument(flag_name(f.name), **kwargs)
     for old, new in getattr(record, "RENAMED", {}).items():
         parser.add_argument(old, action=_Renamed, nargs="*", help=argparse.SUPPRESS, new=new)
-    return parser
 
 
 class _Renamed(argparse.Action):

@@ -1,28 +1,28 @@
 """Every pretrain flag, declared once (``declare.flag``): Megatron's names, the demo's defaults.
 
 ``PretrainFlags`` is both the declaration and the parsed record; its flags' own checks live in
-their declarations, the rules between flags in ``checks``, and ``job_config.job_config`` turns
-the record into the typed parts the app reads. Adding a flag: docs/pretraining.md.
+their declarations (those longer than a range: ``flag_checks``), the rules between flags in
+``checks``, and ``build.job_config`` turns the record into the typed parts the app reads, checking
+each as it builds it. Adding a flag: docs/pretraining.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import ClassVar
 
-from megapipe.data.blend import check_data_path, is_indexed_prefix
-from megapipe.data.errors import DataError
 from megapipe.data.tokenizer import TOKENIZER_TYPES
 from megapipe.schedule import SCHEDULES
 from megapipe.train.config.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
+from megapipe.train.config.flag_checks import (
+    GRAPH_IMPLS, GRAPH_MODULES, HIGH_PRIORITY_GROUPS, graph_impl, graph_modules, indexed_or_text,
+    known_groups, known_schedule, megapipe_model, no_fp16,
+)
 
 DESCRIPTION = ("Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "
                "small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.")
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
-# Megatron's names for the groups a user may put on high-priority NCCL streams -> megapipe's
-HIGH_PRIORITY_GROUPS = {"ep": "ep", "ep_dp": "expert_dp", "dp": "dp", "pp": "pp"}
 POSITIVE, COUNT = at_least(1), at_least(0)
 MODEL, PRECISION, TRAINING, PARALLEL, DP, RECOMPUTE, IO, FAILURES, PROFILING = (  # --help groups
     "model", "precision", "training", "parallelism", "data parallelism", "activation recompute",
@@ -31,90 +31,6 @@ GRAPHS = "CUDA graphs"
 ARCHITECTURE, DATA = "model architecture", "data and tokenizer"
 POSITION_EMBEDDING_TYPES = ("rope", "learned_absolute")  # models.config's, without torch
 QK_LAYERNORM_SCOPES = ("head", "all")  # models.config's, without torch
-
-
-def _known_groups(name: str, groups: tuple[str, ...]) -> str | None:
-    unknown = " ".join(g for g in groups if g not in HIGH_PRIORITY_GROUPS)
-    choose = ", ".join(HIGH_PRIORITY_GROUPS)
-    return f"{name} {unknown}: not a group; choose from {choose}" if unknown else None
-
-
-def _known_schedule(name: str, value: str) -> str | None:
-    known = ", ".join(SCHEDULES)
-    return None if value in SCHEDULES else f"{name}={value!r} is unknown; known: {known}"
-
-
-# graphs.rules' names (tested equal there), written here so parsing imports no torch
-GRAPH_IMPLS = ("none", "local", "transformer_engine")
-GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")
-
-
-def _graph_impl(name: str, impl: str) -> str | None:
-    if impl in ("none", "local"):
-        return None
-    from megapipe.graphs.rules import impl_problem
-
-    return impl_problem(impl)
-
-
-def _graph_modules(name: str, modules: tuple[str, ...]) -> str | None:
-    if all(m in GRAPH_MODULES for m in modules):
-        return None
-    from megapipe.graphs.rules import modules_problem
-
-    return (modules_problem(modules) or "").replace("--cuda-graph-modules", name) or None
-
-
-def _no_fp16(name: str, on: bool) -> str | None:
-    return ("--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
-            "dynamic loss scaling, which megapipe does not implement)") if on else None
-
-
-def _indexed_or_text(name: str, values: tuple[str, ...]) -> str | None:
-    """Megatron's prefixes (and weights) are checked here, raw text files in ``checks``;
-    the two kinds do not mix."""
-    if not values_are_indexed(values):
-        return None
-    text = [v for v in values if os.path.exists(v) and not _names_prefix(v)]
-    if text:
-        return (f"{name} mixes raw text ({text[0]}) with indexed datasets: give raw text files "
-                "or Megatron prefixes (megapipe preprocess-data makes them)")
-    try:
-        check_data_path(values)
-    except DataError as err:
-        return str(err)
-    return None
-
-
-def _names_prefix(value: str) -> bool:
-    """``value`` is an indexed dataset's prefix, or its ``.bin`` / ``.idx`` file."""
-    stem = value[:-4] if value.endswith((".bin", ".idx")) else None
-    return is_indexed_prefix(value) or (stem is not None and is_indexed_prefix(stem))
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def values_are_indexed(values: tuple[str, ...]) -> bool:
-    """Whether ``--data-path`` names Megatron's indexed datasets (a weight, or a prefix whose
-    ``.idx`` or ``.bin`` exists, among the values) rather than raw text files."""
-    return any(_is_number(v) or _names_prefix(v) for v in values)
-
-
-def _megapipe_model(what: str, megatron: str) -> Callable[[str, Any], str | None]:
-    """A check refusing the setting of a Megatron model switch that megapipe's model lacks
-    (``what``: megapipe's model; ``megatron``: the refused setting)."""
-    def check(name: str, value: Any) -> str | None:
-        if value is True or value == "RMSNorm":
-            return None
-        shown = f"{name}={value}" if isinstance(value, str) else "--no-" + name[2:]
-        return f"{shown}: megapipe's model {what}; {megatron} is not implemented"
-    return check
 
 
 @dataclass(frozen=True)
@@ -187,17 +103,17 @@ class PretrainFlags:
         "this flag: --no-untie-embeddings-and-output-weights ties them)", group=ARCHITECTURE)
     normalization: str = flag(
         "RMSNorm", "RMSNorm (megapipe's only normalization; Megatron's default LayerNorm is "
-        "refused)", _megapipe_model("normalizes with RMSNorm", "LayerNorm (Megatron's default)"),
+        "refused)", megapipe_model("normalizes with RMSNorm", "LayerNorm (Megatron's default)"),
         group=ARCHITECTURE)
     swiglu: bool = flag(
         True, "SwiGLU MLPs and experts (always on here: --no-swiglu, Megatron's GeLU without "
-        "--swiglu, is refused)", _megapipe_model("has SwiGLU MLPs and experts",
+        "--swiglu, is refused)", megapipe_model("has SwiGLU MLPs and experts",
                          "GeLU (Megatron's default without --swiglu)"),
         group=ARCHITECTURE)
     disable_bias_linear: bool = flag(
         True, "no biases in the linear layers (always on here: --no-disable-bias-linear, "
         "Megatron's default with biases, is refused)",
-        _megapipe_model("has no linear biases",
+        megapipe_model("has no linear biases",
                         "adding biases (Megatron's default without --disable-bias-linear)"),
         group=ARCHITECTURE)
     make_vocab_size_divisible_by: int = flag(
@@ -220,7 +136,7 @@ class PretrainFlags:
 
     bf16: bool = flag(False, "bf16 parameters and activations; fp32 main weights, AdamW moments "
                       "and gradient accumulation/reduction", group=PRECISION)
-    fp16: bool = flag(False, "not supported (one clear error): use --bf16", _no_fp16,
+    fp16: bool = flag(False, "not supported (one clear error): use --bf16", no_fp16,
                       group=PRECISION)
     deterministic_mode: bool = flag(
         False, "deterministic kernels only (torch's deterministic algorithms, deterministic "
@@ -287,13 +203,13 @@ class PretrainFlags:
         "the experts per EP rank; default 1: off)", POSITIVE, group=PARALLEL)
     pipeline_schedule: str | None = flag(
         None, f"one of {', '.join(SCHEDULES)} (default: interleaved-1f1b when vpp > 1, else "
-        "1f1b)", _known_schedule, group=PARALLEL)
+        "1f1b)", known_schedule, group=PARALLEL)
     nproc: int | None = flag(None, "processes to start when not launched by torchrun or srun "
                              "(default: pp x ep)", POSITIVE, group=PARALLEL)
     high_priority_stream_groups: tuple[str, ...] = flag(
         (), "process groups whose NCCL communicator runs on a high-priority CUDA stream, any of "
         f"{', '.join(HIGH_PRIORITY_GROUPS)} (e.g. ep for the token all-to-all; ignored on gloo)",
-        _known_groups, group=PARALLEL)
+        known_groups, group=PARALLEL)
     moe_emulated_link_gbps: float | None = flag(
         None, "emulate an all-to-all link of this many GB/s (CPU overlap studies; off by "
         "default, the log says when it is on)", finite, above(0, "g"), group=PARALLEL)
@@ -341,7 +257,7 @@ class PretrainFlags:
     data_path: tuple[str, ...] = flag(
         (), "text files or directories (read byte level; default: the Python standard "
         "library's sources), or Megatron's indexed dataset prefixes, optionally weighted "
-        "(0.7 A 0.3 B)", _indexed_or_text, group=IO, nargs="+")
+        "(0.7 A 0.3 B)", indexed_or_text, group=IO, nargs="+")
     save: str | None = flag(None, "checkpoint directory", group=IO)
     load: str | None = flag(None, "resume directory", group=IO)
     load_hf: str | None = flag(
@@ -377,17 +293,17 @@ class PretrainFlags:
         "none", "local: replay the static nodes that --cuda-graph-modules names as CUDA graphs "
         "(Megatron's local implementation, in megapipe's node split; without CUDA the run says "
         "so and runs eager); none: eager; transformer_engine: refused (TransformerEngine is "
-        "not used)", _graph_impl, group=GRAPHS,
+        "not used)", graph_impl, group=GRAPHS,
         choices=GRAPH_IMPLS)
     cuda_graph_modules: tuple[str, ...] = flag(
         (), f"with --cuda-graph-impl local: any of {', '.join(GRAPH_MODULES)} (Megatron's "
         "names; megapipe captures whole nodes: a MoE layer's attention node holds attn, "
         "moe_router and moe_preprocess, a dense layer's node attn and mlp; moe: also the MoE "
         "layer's experts and finish nodes, with --moe-expert-rank-capacity-factor)",
-        _graph_modules,
+        graph_modules,
         group=GRAPHS)
     cuda_graph_scope: tuple[str, ...] = flag(
-        (), "Megatron 0.16-0.17's name of --cuda-graph-modules", _graph_modules, group=GRAPHS)
+        (), "Megatron 0.16-0.17's name of --cuda-graph-modules", graph_modules, group=GRAPHS)
 
     profile_trace: str | None = flag(
         None, "write one Perfetto/Chrome trace of every rank's steps --profile-step-start.."

@@ -17,7 +17,6 @@ from megapipe.train.config.flags import PretrainFlags
 
 if TYPE_CHECKING:
     from megapipe.models.config import GPTConfig
-    from megapipe.train.config.job_config import JobConfig
 
 
 def model_flags(model: "GPTConfig") -> dict[str, Any]:
@@ -61,10 +60,3 @@ def flags_from_hf(flags: PretrainFlags, given: frozenset[str] | None
     taken = {name: value for name, value in model_flags(model).items() if name not in given}
     return dataclasses.replace(flags, **taken), model
 
-
-def with_hf_vocabulary(config: "JobConfig", model: "GPTConfig") -> "JobConfig":
-    """``config`` whose model has the ``--load-hf`` model's vocabulary."""
-    tokenizer = dataclasses.replace(config.tokenizer, padded_vocab_size=model.vocab_size)
-    return dataclasses.replace(config, tokenizer=tokenizer,
-                               model=dataclasses.replace(config.model,
-                                                         vocab_size=model.vocab_size))

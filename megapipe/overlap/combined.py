@@ -241,7 +241,9 @@ class CombinedStep:
                 stream.record_use(source_values(layer, source, part, record))
         stream.record_use(layer.state.crossing(record.node.kind))
 
-    def _given_grads(self, tape: Tape, layer: LayerRecord) -> Grads | None:
+    def _given_grads(
+        self, tape: Tape, layer: LayerRecord
+    ) -> Sequence[torch.Tensor | None] | None:
         """The gradients the caller gave the backward half, for the tape's last layer only
         (the others get theirs from the layer after them)."""
         assert self.backward is not None

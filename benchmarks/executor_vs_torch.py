@@ -66,7 +66,9 @@ def _model_config(s: Settings):
 
 def _batches(s: Settings, config, step: int):
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, config.vocab_size, (s.microbatches * s.micro_batch, s.seq + 1), generator=g)
+    ids = torch.randint(
+        0, config.vocab_size, (s.microbatches * s.micro_batch, s.seq + 1), generator=g
+    )
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "mode": "dry run (CPU, tiny sizes)" if args.dry_run else "GPU",
         "host": f"{platform.node()}, {platform.machine()}, Python {platform.python_version()}",
-        "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/gpu_check.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "budget": f"{args.budget:.0f} s",
     }
     settings = RunSettings(out=out, scratch=scratch, dry_run=args.dry_run, repo=REPO)

@@ -14,7 +14,8 @@ Per setting and rank it prints the values at the end and their slope (least squa
 iteration) over the last half of the run, after warm-up, and the slopes of resident memory at
 the end of each ``--window`` iterations (floor) and of its maximum in each (peak): the trim makes
 it a saw. The last column is the slope of the heap's free bytes: resident memory that grows while
-the bytes in use stay flat is free heap the allocator spreads over more pages (fragmentation). ``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
+the bytes in use stay flat is free heap the allocator spreads over more pages (fragmentation).
+``--reprint FILE`` prints a ``--rows`` file's table again. Settings (``--settings``):
 ``overlap`` (the default: combined steps with their node trace, the heap trimmed every 100
 iterations), ``plain`` (``--no-overlap-moe-expert-parallel-comm``, no node trace), ``wgrad``
 (``--delay-wgrad-compute``), ``manual-gc`` (``--manual-gc --manual-gc-interval 100``, the

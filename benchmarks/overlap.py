@@ -200,7 +200,9 @@ def _pick_link(s: Settings, groups):
     assert result is not None and result.trace is not None
     spans = result.trace.spans
     experts = [x.duration for x in spans if x.node.endswith("experts") and x.direction in "FB"]
-    a2a = [x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))]
+    a2a = [
+        x.duration for x in spans if x.kind == "comm" and x.node.endswith(("dispatch", "combine"))
+    ]
     measured = torch.tensor([statistics.median(experts), statistics.median(a2a)])
     dist.all_reduce(measured)
     expert_s, a2a_s = (measured / dist.get_world_size()).tolist()
@@ -269,7 +271,9 @@ def _worker(rank: int, s: Settings, out) -> None:
         )
         if "torch" in med:
             torch_ratio = statistics.median(t / o for t, o in zip(times["torch"], times["overlap"]))
-            line += f"   torch DualPipeV {med['torch']:7.1f} ms (x{torch_ratio:.2f} megapipe overlap)"
+            line += (
+                f"   torch DualPipeV {med['torch']:7.1f} ms (x{torch_ratio:.2f} megapipe overlap)"
+            )
         lines.append(line)
     dist.barrier()
     if rank == 0:

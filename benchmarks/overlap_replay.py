@@ -77,7 +77,9 @@ def _config(s: ReplaySettings, num_stages: int):
 def _schedule(s: ReplaySettings, name: str, overlap: bool):
     from megapipe.schedule import build_schedule
 
-    return build_schedule(name, s.pp, s.microbatches, vpp=FIXED_VPP.get(name, s.vpp), overlap=overlap)
+    return build_schedule(
+        name, s.pp, s.microbatches, vpp=FIXED_VPP.get(name, s.vpp), overlap=overlap
+    )
 
 
 def node_costs(s: ReplaySettings, schedule, overlap: bool, waves: int = 1,

@@ -62,8 +62,10 @@ def _ignores_without_reason(text: str) -> list[str]:
 
 
 def test_every_type_ignore_names_its_code_and_its_reason():
+    # not this file, whose examples below are ignores without a reason on purpose
     found = [f"{path.relative_to(REPO)}:{hit}"
              for folder in LINTED for path in sorted((REPO / folder).rglob("*.py"))
+             if path != Path(__file__).resolve()
              for hit in _ignores_without_reason(path.read_text())]
     assert found == [], "\n".join(found)
 

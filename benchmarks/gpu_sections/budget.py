@@ -30,7 +30,8 @@ def allowance(left: float, cap: float, minimum: float) -> Allowance:
         raise ValueError(f"a section's cap {cap} s is below its minimum {minimum} s")
     if left < minimum:
         return Allowance(
-            None, f"budget spent: {max(left, 0):.0f} s left, the section needs at least {minimum:.0f} s"
+            None,
+            f"budget spent: {max(left, 0):.0f} s left, the section needs at least {minimum:.0f} s",
         )
     return Allowance(min(cap, left))
 

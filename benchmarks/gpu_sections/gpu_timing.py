@@ -55,7 +55,9 @@ def median_ms(fn: Callable[[], Any], device: torch.device, reps: int, warmup: in
     for _ in range(warmup):
         time_ms(fn, device)
     runs = [time_ms(fn, device) for _ in range(reps)]
-    return Timed(statistics.median(r.device_ms for r in runs), statistics.median(r.host_ms for r in runs))
+    return Timed(
+        statistics.median(r.device_ms for r in runs), statistics.median(r.host_ms for r in runs)
+    )
 
 
 def node_spans(trace: NodeTrace) -> list[Span]:

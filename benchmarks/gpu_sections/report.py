@@ -102,8 +102,10 @@ def section_markdown(result: dict[str, Any]) -> list[str]:
         rows = [["ok" if c["ok"] else "FAILED", c["name"], c["detail"]] for c in result["checks"]]
         lines += _md_table(["check", "what", "detail"], rows) + [""]
     if result["targets"]:
-        rows = [[t["name"], t["value"], t["goal"], {True: "met", False: "not met"}.get(t["met"], "n/a")]
-                for t in result["targets"]]
+        rows = [
+            [t["name"], t["value"], t["goal"], {True: "met", False: "not met"}.get(t["met"], "n/a")]
+            for t in result["targets"]
+        ]
         lines += _md_table(["target", "value", "goal", ""], rows) + [""]
     for table in result["tables"]:
         lines += [f"**{table['title']}**", ""] + _md_table(table["columns"], table["rows"]) + [""]
@@ -132,7 +134,10 @@ def markdown(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> str:
 def write(out: Path, meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
     """Rewrite ``gpu_check.json`` and ``gpu_check.md`` in ``out`` (atomically each)."""
     summary = {"summary": summary_line(results), **counts(results)}
-    _write(out / "gpu_check.json", json.dumps({"meta": meta, **summary, "sections": list(results)}, indent=1))
+    _write(
+        out / "gpu_check.json",
+        json.dumps({"meta": meta, **summary, "sections": list(results)}, indent=1),
+    )
     _write(out / "gpu_check.md", markdown(meta, results))
 
 

@@ -58,7 +58,9 @@ class SectionResult:
         self.path = Path(path) if path is not None else None
         self.save()
 
-    def figure(self, key: str, value: Any, unit: str = "", label: str = "", headline: bool = False) -> None:
+    def figure(
+        self, key: str, value: Any, unit: str = "", label: str = "", headline: bool = False
+    ) -> None:
         """A measured value; ``headline`` ones go into the summary table."""
         self.data["figures"][key] = {"value": clean(value), "unit": unit, "label": label or key,
                                      "headline": headline}

@@ -50,9 +50,12 @@ def run(ctx, result) -> None:  # noqa: ANN001
     out_dir = ctx.scratch / "ep_gloo"
     out_dir.mkdir(exist_ok=True)
     settings = Settings(config, micro_batch, 4, ctx.cuda, str(out_dir))
-    result.figure("setup", f"{WORLD} processes, gloo, {'one GPU' if ctx.cuda else 'CPU'}; "
-                  f"{config.num_layers} layers, {config.num_experts} experts top-{config.moe_top_k}, "
-                  f"hidden {config.hidden_size}; fp32 and bf16")
+    result.figure(
+        "setup",
+        f"{WORLD} processes, gloo, {'one GPU' if ctx.cuda else 'CPU'}; "
+        f"{config.num_layers} layers, {config.num_experts} experts top-{config.moe_top_k}, "
+        f"hidden {config.hidden_size}; fp32 and bf16",
+    )
     try:
         start_local_ranks(_worker, WORLD, (settings,)).join()
     except RankExited as err:
@@ -108,8 +111,12 @@ def _compare_runs(rank: int, s: Settings, device: torch.device) -> None:
 
 def _batch(s: Settings, rank: int, device: torch.device):  # noqa: ANN202
     generator = torch.Generator().manual_seed(100 + rank)
-    ids = torch.randint(0, s.config.vocab_size, (s.microbatches * s.micro_batch, s.config.seq_length + 1),
-                        generator=generator).to(device)
+    ids = torch.randint(
+        0,
+        s.config.vocab_size,
+        (s.microbatches * s.micro_batch, s.config.seq_length + 1),
+        generator=generator,
+    ).to(device)
     return list(ids[:, :-1].chunk(s.microbatches)), list(ids[:, 1:].chunk(s.microbatches))
 
 

@@ -167,8 +167,11 @@ def _chunk(s: Settings, megatron_overlap: bool):  # noqa: ANN202
                         + (1.0 if key.endswith("layernorm.weight") else 0.0))
     if s.cuda:
         model.cuda(torch.cuda.current_device())
-    wrapped = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                      Float16Module(config, model))
+    wrapped = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        Float16Module(config, model),
+    )
     return wrapped
 
 
@@ -241,7 +244,11 @@ def _compare(reference, ours) -> tuple[bool, str]:  # noqa: ANN001
     (ref_losses, ref_grads), (losses, grads) = reference, ours
     losses_same = len(losses) == len(ref_losses) == MICROBATCHES and all(
         torch.equal(a, b) for a, b in zip(ref_losses, losses))
-    differ = sorted(n for n in ref_grads if n not in grads or not torch.equal(ref_grads[n], grads[n]))
-    detail = (f"{len(losses)} losses ({'equal' if losses_same else 'differ'}), "
-              f"{len(ref_grads)} gradients" + (f"; differ: {', '.join(differ[:5])}" if differ else ""))
+    differ = sorted(
+        n for n in ref_grads if n not in grads or not torch.equal(ref_grads[n], grads[n])
+    )
+    detail = (
+        f"{len(losses)} losses ({'equal' if losses_same else 'differ'}), "
+        f"{len(ref_grads)} gradients" + (f"; differ: {', '.join(differ[:5])}" if differ else "")
+    )
     return losses_same and not differ and len(grads) == len(ref_grads) > 0, detail

@@ -175,7 +175,9 @@ def _targets(ctx, result, shape: Shape, link: str, m: dict, headline: bool) -> N
     if not ctx.cuda:
         return
     result.target(f"layer pair speedup, {name}", m["speedup"], ">= 1.8", m["speedup"] >= 1.8)
-    result.target(f"exposed all-to-all, {name}", m["exposed"] * 100, "<= 10 %", m["exposed"] <= 0.10)
+    result.target(
+        f"exposed all-to-all, {name}", m["exposed"] * 100, "<= 10 %", m["exposed"] <= 0.10
+    )
     if shape.hidden == 4096:
         result.target(f"host issue / GPU time, {name}", m["host_share"], "< 0.5",
                       m["host_share"] < 0.5)

@@ -59,7 +59,9 @@ def run(ctx, result) -> None:  # noqa: ANN001
                  ["node", "issued to", "kernels ran on", "kernels", "kernel ms"],
                  trace_analysis.node_streams(runs, roles))
     ok, detail = trace_analysis.separate_streams(runs)
-    result.check("forward compute and comm nodes ran their kernels on different streams", ok, detail)
+    result.check(
+        "forward compute and comm nodes ran their kernels on different streams", ok, detail
+    )
 
 
 def _check_annotations(ctx, result, spans: list[timeline.Span], nodes) -> None:  # noqa: ANN001

@@ -87,7 +87,9 @@ def window(spans: Sequence[Span]) -> Interval:
     return (min(s.start for s in spans), max(s.end for s in spans))
 
 
-def idle_share(spans: Sequence[Span], start: float | None = None, end: float | None = None) -> float:
+def idle_share(
+    spans: Sequence[Span], start: float | None = None, end: float | None = None
+) -> float:
     """Share of ``[start, end]`` (default: the spans' window) during which no span ran."""
     first, last = window(spans)
     start = first if start is None else start

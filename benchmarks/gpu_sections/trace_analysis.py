@@ -88,7 +88,9 @@ def annotations(events: Sequence[dict[str, Any]]) -> list[NodeAnnotation]:
     return sorted(found, key=lambda a: a.start)
 
 
-def innermost(spans: Sequence[NodeAnnotation], starts: Sequence[float], at: float) -> NodeAnnotation | None:
+def innermost(
+    spans: Sequence[NodeAnnotation], starts: Sequence[float], at: float
+) -> NodeAnnotation | None:
     """The latest-starting annotation containing time ``at`` (annotations nest on one thread)."""
     index = bisect.bisect_right(starts, at) - 1
     while index >= 0:

@@ -73,6 +73,7 @@ def encode_record(line: str, where: str, tokenizer: Tokenizer, json_keys: Sequen
                 ids.extend(sequence)
                 lengths.append(len(sequence))
         if ids and append_eod:
+            assert tokenizer.eod is not None  # preprocess refuses --append-eod without one
             ids.append(tokenizer.eod)
             lengths[-1] += 1
         encoded[key] = (ids, lengths)
@@ -162,13 +163,14 @@ class _TaskResults:
     spawned processes (spawned: the parent's threads, torch's or tokenizers', are not forked)."""
 
     def __init__(self, tasks: Iterator[tuple], workers: int, tokenizer: Tokenizer):
-        self.tasks, self.workers, self.tokenizer, self.pool = tasks, workers, tokenizer, None
+        self.tasks, self.workers, self.tokenizer = tasks, workers, tokenizer
+        self.pool: multiprocessing.pool.Pool | None = None
 
     def __enter__(self) -> Iterator[tuple[int, list[Encoded | None]]]:
         if self.workers == 1:
             return (_encode_task(task, self.tokenizer) for task in self.tasks)
-        self.pool = multiprocessing.get_context("spawn").Pool(self.workers)
-        return self.pool.imap(_encode_task, self.tasks)
+        pool = self.pool = multiprocessing.get_context("spawn").Pool(self.workers)
+        return pool.imap(_encode_task, self.tasks)
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:

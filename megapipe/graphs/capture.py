@@ -172,8 +172,13 @@ def _accumulators(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     node was made; held here, the warm-up and captures on the graphs' side stream reuse them
     instead of making them there (pytorch/pytorch#137483)."""
     with torch.enable_grad():
-        return tuple(p.view_as(p).grad_fn.next_functions[0][0] for p in params
-                     if p.requires_grad)
+        return tuple(_accumulator(p) for p in params if p.requires_grad)
+
+
+def _accumulator(param: torch.Tensor) -> Any:
+    grad_fn = param.view_as(param).grad_fn
+    assert grad_fn is not None  # a view, made with grad on, of a tensor that requires grad
+    return grad_fn.next_functions[0][0]
 
 
 def _views(tensor: torch.Tensor) -> int:

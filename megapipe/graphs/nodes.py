@@ -237,5 +237,8 @@ def node_graphs(impl: str, modules: Sequence[str], device: torch.device | None,
         where = "cpu" if device is None else device.type
         return None, (f"--cuda-graph-impl local ({names}): CUDA graphs need CUDA; this run is "
                       f"on {where}, so every node runs eager")
-    graphs = NodeGraphs(modules, api if api is not None else GraphApi(device))  # type: ignore
+    if api is None:
+        assert device is not None  # a CUDA device (without one, returned above)
+        api = GraphApi(device)
+    graphs = NodeGraphs(modules, api)
     return graphs, f"CUDA graphs: local, modules {' '.join(sorted(graphs.modules))}"

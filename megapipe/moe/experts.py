@@ -87,7 +87,8 @@ class GroupedExperts(nn.Module):
                 for e in experts
             ]
             param = nn.Parameter(torch.stack(weights))
-            param.expert_parallel = True  # reduced over the expert-data-parallel group
+            # reduced over the expert-data-parallel group; a tag torch's stubs do not declare
+            param.expert_parallel = True  # type: ignore[attr-defined]
             return param
 
         self.w_gate = stacked((hidden_size, ffn_hidden_size), "gate")

@@ -108,6 +108,8 @@ def take_aux_loss_logs(modules: Sequence[nn.Module]) -> list[AuxLossLog]:
 class MoELayer(nn.Module):
     """Router, token dispatcher, grouped SwiGLU experts and optional shared expert."""
 
+    rank_overflow: torch.Tensor  # a buffer (``__init__``)
+
     def __init__(
         self,
         config: MoEConfig,
@@ -228,12 +230,15 @@ class MoELayer(nn.Module):
                 started = None
                 if g == 0:  # the count exchange (and the layer's one host read) of all groups
                     started = time.perf_counter()
+                    assert state.rows_per_expert is not None  # route wrote it
                     state.wave_splits = by_wave.splits(state.rows_per_expert, state.capacity)
+                assert state.wave_splits is not None  # wave 0's dispatch wrote it
                 return (by_wave.dispatch(g, tensors[0], state.wave_splits, started),)
             return fn
 
         def experts(g: int) -> NodeFn:
             def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                assert state.wave_splits is not None  # wave 0's dispatch wrote it
                 counts = state.wave_splits[g].tokens_per_local_expert
                 first = by_wave.groups[g][0]
                 return (self.experts(tensors[0], counts, state=state, group_first=first),)
@@ -241,6 +246,7 @@ class MoELayer(nn.Module):
 
         def combine(g: int) -> NodeFn:
             def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                assert state.wave_splits is not None  # wave 0's dispatch wrote it
                 return (by_wave.combine(g, tensors[0], state.wave_splits),)
             return fn
 
@@ -316,9 +322,10 @@ class MoELayer(nn.Module):
         if not self.sync_free:
             state.lane = None
             return rows
+        factor = self.config.rank_capacity_factor
+        assert factor is not None and state.rows_per_expert is not None  # sync_free; route
         n = rows.shape[0]
-        exchange = self._lanes(lane_rows(n, self.config.rank_capacity_factor,
-                                         self.dispatcher.ep_size))
+        exchange = self._lanes(lane_rows(n, factor, self.dispatcher.ep_size))
         sends = exchange.place_sends(state.rows_per_expert, n)
         self.rank_overflow.bitwise_or_(sends.overflow.to(torch.int32))
         state.lane, state.send_counts, state.return_index = (exchange.lane, sends.counts,
@@ -330,10 +337,12 @@ class MoELayer(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         (rows,) = tensors
         if state.lane is not None:  # fixed-size lanes, counts on the device (moe.rank_capacity)
+            assert state.send_counts is not None  # route wrote it with the lane
             received, state.received_counts = self._lanes(state.lane).exchange(
                 rows, state.send_counts)
             return (received,)
         state.received_counts = None
+        assert state.rows_per_expert is not None  # route wrote it
         expert_rows, state.dispatch_splits = self.dispatcher.dispatch(
             rows, state.rows_per_expert, state.capacity
         )
@@ -344,15 +353,18 @@ class MoELayer(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         (expert_rows,) = tensors
         if state.lane is not None:  # the received lanes into expert order and back
+            assert state.received_counts is not None  # dispatch wrote it with the lane
             expert_index, received_index, offsets = self._lanes(state.lane).expert_order(
                 state.received_counts)
             out = self.experts(gather_rows(expert_rows, expert_index), None, state=state,
                                offsets=offsets)
             return (gather_rows(out, received_index),)
+        splits = state.dispatch_splits
+        assert splits is not None  # dispatch wrote it
         return (
             self.experts(
-                expert_rows, state.dispatch_splits.tokens_per_local_expert, state=state,
-                offsets=state.dispatch_splits.local_offsets,
+                expert_rows, splits.tokens_per_local_expert, state=state,
+                offsets=splits.local_offsets,
             ),
         )
 
@@ -362,6 +374,7 @@ class MoELayer(nn.Module):
         (expert_out,) = tensors
         if state.lane is not None:
             return (self._lanes(state.lane).return_exchange(expert_out),)
+        assert state.dispatch_splits is not None  # dispatch wrote it
         return (self.dispatcher.combine(expert_out, state.dispatch_splits),)
 
     def _finish(
@@ -371,7 +384,11 @@ class MoELayer(nn.Module):
         parts = tensors[self.num_shared + 1 :]  # one per wave of a plan in waves
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         if state.lane is not None:  # the returned lanes back into this rank's row order
+            assert state.return_index is not None  # route wrote it with the lane
             rows = gather_rows(rows, state.return_index)
+        # route wrote them
+        assert state.row_choice is not None and state.choice_rows is not None
+        assert state.input_shape is not None
         out = unpermute_tokens(rows, probs, state.row_choice, state.choice_rows)
         if self.shared_expert is not None:
             out = out + self.shared_expert(shared[0])

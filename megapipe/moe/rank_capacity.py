@@ -20,8 +20,8 @@ This module is the exchange of that mode (``RankCapacityDispatch``), for gloo an
 Without overflow the first rows of ``dispatch``'s output are bitwise the dropless dispatcher's
 (``TokenDispatcher.dispatch``) and ``combine`` returns bitwise its rows (tested). The MoE layer
 (``moe.layer``) runs the phases in its nodes: ``place_sends`` in route, ``exchange`` in
-dispatch, ``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last gather in
-finish, so its all-to-all nodes hold nothing but all-to-alls and its compute nodes can be
+dispatch, ``expert_order`` and the gathers in experts, ``return_exchange`` in combine, the last
+gather in finish, so its all-to-all nodes hold nothing but all-to-alls and its compute nodes can be
 captured whole (static shapes, device tensors only); it ORs ``overflow`` into a device flag
 per layer, which the training step reads once, after the step (``train.step``).
 """

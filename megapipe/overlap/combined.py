@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 
@@ -44,6 +44,7 @@ from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pairing.order import (
     COMM, FILL, HEAD, REST, Issue, IssueName, IssueOrder, queuing_positions,
 )
+from megapipe.pairing.timing import LayerTimes
 
 
 
@@ -109,7 +110,8 @@ class CombinedStep:
         defer = backward is not None and backward.run_wgrad and backward.wgrad is not None
         time_rule = bool(b_layers) and all(t is not None for t in times)
         self.order = IssueOrder([layer.kinds for layer in b_layers], defer,
-                                times if time_rule else None,  # type: ignore[arg-type]
+                                # time_rule: every layer has its times
+                                cast("list[LayerTimes]", times) if time_rule else None,
                                 streams.compute.runs_on_host)
         # deferring: one W queue per backward layer, so the order can run a layer's in parts
         self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
@@ -148,7 +150,7 @@ class CombinedStep:
         self._finished = True
         self._issue(self.order.finish())
         streams = self.streams
-        streams.compute.wait_event(streams.comm.run(None))  # type: ignore[arg-type]
+        streams.compute.wait_event(_event_now(streams.comm))
         streams.recycle()  # every wait on this step's events is issued
         self._hand_over = None
         if self.backward is None:
@@ -180,12 +182,13 @@ class CombinedStep:
                 if forward:
                     tape, layer = self.tape, self._forward[issue.layer]
                 else:
-                    tape = self.backward.tape  # type: ignore[union-attr]
+                    assert self.backward is not None  # a backward issue: a step with a backward
+                    tape = self.backward.tape
                     layer = tape.layers[issue.layer]
                 record = layer.nodes[issue.node]
                 if comm:
                     if issue.reads_caller:  # what the caller made on the compute stream
-                        stream.wait_event(streams.compute.run(None))  # type: ignore[arg-type]
+                        stream.wait_event(_event_now(streams.compute))
                     if record.node.group is not None:
                         streams.claim(record.node.group, stream)
                 if stream.keeps_memory and (issue.needs or issue.reads_caller):  # CUDA
@@ -210,9 +213,9 @@ class CombinedStep:
         event = self._events.get(name)
         if event is None:
             comm = self.order.stream_of[name] == COMM
-            event = (self.streams.comm if comm else self.streams.compute).run(None)
-            self._events[name] = event  # type: ignore[assignment]
-        return event  # type: ignore[return-value]
+            event = _event_now(self.streams.comm if comm else self.streams.compute)
+            self._events[name] = event
+        return event
 
     def _keep_crossing(self, stream: Stream, layer: LayerRecord, record: NodeRecord,
                        forward: bool) -> None:
@@ -227,21 +230,25 @@ class CombinedStep:
             grads = record.grads
             index = layer.nodes.index(record)
             if index == len(layer.nodes) - 1:
-                tape = self.backward.tape  # type: ignore[union-attr]
+                assert self.backward is not None  # a backward node: a step with a backward
+                tape = self.backward.tape
                 stream.record_use(tape.incoming_grads(layer, self._given_grads(tape, layer)))
                 return
             for reader in layer.nodes:
                 if reader.stream is not stream:
                     for source, part in reader.sources:
                         if source == index:
-                            stream.record_use(grads[part])  # type: ignore[index]
+                            assert grads is not None  # that reader's backward gave them
+                            stream.record_use(grads[part])
             return
         for source, part in record.sources:
             if source < 0 or layer.nodes[source].stream is not stream:
                 stream.record_use(source_values(layer, source, part, record))
         stream.record_use(layer.state.crossing(record.node.kind))
 
-    def _given_grads(self, tape: Tape, layer: LayerRecord) -> Grads | None:
+    def _given_grads(
+        self, tape: Tape, layer: LayerRecord
+    ) -> Sequence[torch.Tensor | None] | None:
         """The gradients the caller gave the backward half, for the tape's last layer only
         (the others get theirs from the layer after them)."""
         assert self.backward is not None
@@ -324,6 +331,13 @@ def _times(nodes: Sequence[NodeRecord]) -> tuple | None:
     """The nodes' expected times (``Node.times``), or None unless every node has them."""
     times = tuple(record.node.times for record in nodes)
     return None if any(t is None for t in times) else times
+
+
+def _event_now(stream: Stream) -> Event:
+    """An event recorded on ``stream`` now: what ``run(None)`` gives."""
+    event = stream.run(None)
+    assert event is not None  # run(None) always records one
+    return event
 
 
 def _quietly_wait(event: Event | None) -> None:

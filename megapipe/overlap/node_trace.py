@@ -68,7 +68,9 @@ class NodeTrace:
         self.clock = clock
         self.annotate = annotate
         self._spans: list[NodeSpan] = []
-        self._unresolved: list[tuple[tuple, Any, Any]] = []  # (fields, start mark, end mark)
+        # (microbatch, layer, node, direction, stream, kind), slot, start mark, end mark
+        self._unresolved: list[tuple[tuple[int | None, int, str, str, str, str], int, Any,
+                                     Any]] = []
         self._origin: Any = None  # the first device mark: where device times meet the host clock
         self._lock = threading.Lock()
         self._slots = 0
@@ -103,7 +105,7 @@ class NodeTrace:
                 else:
                     if self._origin is None:
                         self._origin = start
-                    self._unresolved.append((fields + (slot,), start, end))
+                    self._unresolved.append((fields, slot, start, end))
 
     def _mark(self, stream: Any) -> Any:
         mark = None if isinstance(stream, str) else stream.mark()
@@ -113,7 +115,7 @@ class NodeTrace:
     def spans(self) -> list[NodeSpan]:
         """Every recorded span (device spans are resolved first, which waits for their work)."""
         with self._lock:
-            for (*fields, slot), start, end in self._unresolved:
+            for fields, slot, start, end in self._unresolved:
                 origin = self._origin
                 self._spans.append(
                     NodeSpan(*fields, origin.host_time_of(start), origin.host_time_of(end), slot)

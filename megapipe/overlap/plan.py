@@ -211,10 +211,10 @@ def run_nodes(
     if state is None:
         state = state_type_of(nodes)()
     if all(isinstance(node, Node) for node in nodes):  # a chain: each node reads the last
-        values = inputs
+        chained: tuple[torch.Tensor, ...] = inputs
         for node in nodes:
-            values = node.fn(state, values)
-        return values
+            chained = node.fn(state, chained)
+        return chained
     graph = layer_graph(nodes)
     outputs: list[tuple[torch.Tensor, ...]] = []
     for node, sources in zip(graph.nodes, graph.sources):

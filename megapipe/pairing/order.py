@@ -91,7 +91,8 @@ class Issue(NamedTuple):
     node: int
     slot: int
     needs: tuple[IssueName, ...] = ()
-    count: int = 0
+    # a field named as tuple.count, which it shadows (Issue is a record, never counted in)
+    count: int = 0  # type: ignore[assignment]
     reads_host: bool = False
     reads_caller: bool = False
     signals: bool = False
@@ -111,7 +112,7 @@ class Issue(NamedTuple):
 def walk_of(kinds: LayerKinds) -> LayerWalk:
     """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
     try:
-        return layer_walk(kinds)  # type: ignore[arg-type]
+        return layer_walk(kinds)
     except TypeError:  # a list somewhere: not hashable
         return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
                                 for k in kinds))
@@ -205,7 +206,7 @@ class IssueOrder:
         self.side_end: dict[Side, IssueName | None] = {"F": None, "B": None}
         self._next_backward = len(self.backward_layers) - 1
         self._slot = 0
-        self._w_due: list[tuple[int, int, int]] = []  # (layer, HEAD/TAIL, slot) to issue next
+        self._w_due: list[tuple[int, str, int]] = []  # (layer, HEAD/TAIL, slot) to issue next
         self._w_waiting: list[int] = []  # layers whose tail waits for a backward comm slot
         self._finished = False
 
@@ -263,25 +264,27 @@ class IssueOrder:
         for n, (comm, compute) in enumerate(plan.slots):
             self._slot += 1
             for entry in comm:
-                placed.append(self._place(entry, layers[entry.side], placed))  # type: ignore
+                placed.append(self._place(entry, layers[entry.side], placed))
             if self._w_due:
                 self._issue_due_w()
             for entry in compute:
-                placed.append(self._place(entry, layers[entry.side], placed))  # type: ignore
+                placed.append(self._place(entry, layers[entry.side], placed))
             if count_rule and n in plan.b_comm:  # the count rule
                 self._w_due += [(waiting, TAIL, self._slot) for waiting in self._w_waiting]
                 self._w_waiting = []
                 if n == plan.b_comm[-1]:
-                    self._w_due.append((backward, HEAD, self._slot))  # type: ignore[arg-type]
-                    self._w_waiting.append(backward)  # type: ignore[arg-type]
+                    assert backward is not None  # b_comm holds a backward layer's comm slots
+                    self._w_due.append((backward, HEAD, self._slot))
+                    self._w_waiting.append(backward)
         if forward is not None:
             self.side_end["F"] = placed[plan.f_end]
         if backward is not None:
             self.side_end["B"] = placed[plan.b_end]
 
-    def _place(self, entry: _Entry, layer: int, placed: list[IssueName]) -> IssueName:
+    def _place(self, entry: _Entry, layer: int | None, placed: list[IssueName]) -> IssueName:
         """Issue one node after the entries it waits for (and its side's previous layer's end,
         when that ran on the other stream); returns its name."""
+        assert layer is not None  # a plan holds a side's entries only when that side has a layer
         waits = entry.waits
         needs = (placed[waits[0]],) if len(waits) == 1 else tuple([placed[w] for w in waits])
         caller = False

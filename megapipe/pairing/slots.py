@@ -86,7 +86,9 @@ def layer_walk(kinds: tuple) -> LayerWalk:
             groups.append((flat[-1][0], last))
             lone.append(last)
             continue
-        before, ends, chains = last, [], []
+        before = last
+        ends: list[int] = []
+        chains: list[tuple[int, ...]] = []
         for branch in item:
             chain, previous = [], before
             for kind in branch:

@@ -47,6 +47,7 @@ from megapipe.pipeline.step_profile import ProfileOptions, open_step, take_trace
 from megapipe.pipeline.step_result import StepResult, StepState
 from megapipe.pipeline.transit import PairSends, StepTensors, stage_links
 from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
+from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
@@ -273,7 +274,8 @@ class PipelineExecutor:
     def _run_compute(self, actions: Sequence[Action], index: int, state: StepState) -> None:
         action = actions[index]
         if action.kind is Kind.W:
-            self.workers[action.stage].backward_weight(action.microbatch)
+            s, i = plain_key(action)
+            self.workers[s].backward_weight(i)
         elif self._combined(action, state):  # a training action: one of ``self.actions``
             self._run_combined(action, state, *self._gaps[index])
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
@@ -293,7 +295,8 @@ class PipelineExecutor:
         if not self.has_overlap or state.forward_only:
             return False
         for half in (action.sub_actions if action.kind is Kind.OVERLAP else (action,)):
-            worker = self.workers[half.stage]
+            stage, microbatch = plain_key(half)
+            worker = self.workers[stage]
             if not worker.can_tape:
                 if action.kind is Kind.OVERLAP:
                     kind = type(worker.module)
@@ -302,7 +305,7 @@ class PipelineExecutor:
                                     "actions run forward then backward, without overlap")
                 return False
             if half.kind is not Kind.F and action.kind is not Kind.OVERLAP \
-                    and not worker.has_tape(half.microbatch):
+                    and not worker.has_tape(microbatch):
                 return False
         return True
 
@@ -318,27 +321,29 @@ class PipelineExecutor:
         half = None
         end = None
         if b is not None:
-            b_worker = self.workers[b.stage]
+            b_stage, b_microbatch = plain_key(b)
+            b_worker = self.workers[b_stage]
             wgrad = WeightGradQueue(b_worker.track) if self.delay_wgrad_compute else None
-            half = b_worker.backward_half(b.microbatch, tensors.grad_output(b),
+            half = b_worker.backward_half(b_microbatch, tensors.grad_output(b),
                                           keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
-            end = partial(b_worker.end_backward, b.microbatch, half=half)
+            end = partial(b_worker.end_backward, b_microbatch, half=half)
         # the hand-overs are given at construction and point one way (step -> sends -> half):
         # no cycle, so all of it is freed when this call returns, not by the garbage collector
         sends = PairSends(tensors, gap, early, backward=b, end=end)
-        f_worker = self.workers[f.stage] if f is not None else None
+        f_stage, f_microbatch = plain_key(f) if f is not None else (None, None)
+        f_worker = self.workers[f_stage] if f_stage is not None else None
         step = CombinedStep(
             self.streams, half, backward_done=sends.backward_done if b is not None else None,
             trace=state.trace,
-            fwd_microbatch=f.microbatch if f is not None else None,
+            fwd_microbatch=f_microbatch,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
             a2a_waves=self.moe_a2a_waves,
             track=f_worker.track if f_worker is not None else None,
         )
-        if f is not None and f_worker is not None:
+        if f is not None and f_worker is not None and f_microbatch is not None:
             stage_input = tensors.forward_input(f)
             try:
-                output = f_worker.forward(f.microbatch, stage_input, runner=step)
+                output = f_worker.forward(f_microbatch, stage_input, runner=step)
             except BaseException:
                 _drain(self.streams)
                 raise
@@ -349,16 +354,16 @@ class PipelineExecutor:
             self._count_live(state)
 
     def _forward(self, action: Action, state: StepState) -> None:
+        s, i = plain_key(action)
         stage_input = state.tensors.forward_input(action)
-        output = self.workers[action.stage].forward(
-            action.microbatch, stage_input, keep_graph=not state.forward_only
-        )
+        output = self.workers[s].forward(i, stage_input, keep_graph=not state.forward_only)
         self._hand_forward(action, output, state)
         self._count_live(state)
 
     def _hand_forward(self, action: Action, output: torch.Tensor, state: StepState) -> None:
-        if self._links[1][action.stage] is None:  # a last stage
-            self._finish_last_stage(self.workers[action.stage], action.microbatch, output, state)
+        s, i = plain_key(action)
+        if self._links[1][s] is None:  # a last stage
+            self._finish_last_stage(self.workers[s], i, output, state)
         else:
             state.tensors.hand_forward(action, output)
 
@@ -383,12 +388,13 @@ class PipelineExecutor:
         state.result.losses[microbatch] = loss.detach()
 
     def _backward(self, action: Action, state: StepState) -> None:
-        worker = self.workers[action.stage]
+        s, i = plain_key(action)
+        worker = self.workers[s]
         grad_output = state.tensors.grad_output(action)
         if action.kind is Kind.B:
-            grad_input = worker.backward(action.microbatch, grad_output)
+            grad_input = worker.backward(i, grad_output)
         else:
-            grad_input = worker.backward_input(action.microbatch, grad_output)
+            grad_input = worker.backward_input(i, grad_output)
         state.tensors.hand_backward(action, grad_input)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind
 
 _GRAD_KINDS = (Kind.B, Kind.I, Kind.W)
@@ -74,12 +75,13 @@ class GradPoints:
         last_grad: dict[int, int] = {}
         for index, action in enumerate(actions):
             for comp in action.computations() if action.is_compute else ():
+                stage, _ = plain_key(comp)
                 if comp.kind is Kind.F:
-                    first_forward.setdefault(comp.stage, index)
+                    first_forward.setdefault(stage, index)
                 if comp.kind in _BACKWARD_KINDS:
-                    last_backward[comp.stage] = index
+                    last_backward[stage] = index
                 if comp.kind in _GRAD_KINDS:
-                    last_grad[comp.stage] = index
+                    last_grad[stage] = index
         order = tuple(sorted(first_forward, key=first_forward.__getitem__))
         if bidirectional:
             return cls(order, _by_index(first_forward), at_end=tuple(sorted(last_grad)))

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind
 
 
@@ -251,7 +252,8 @@ class PipelineP2P:
 
     def receive_buffer(self, action: Action, sender_stage: int) -> torch.Tensor:
         """An empty tensor for what ``action`` receives (the sender stage's forward spec)."""
-        return self.spec(sender_stage, action.microbatch).empty(self.device)
+        _, microbatch = plain_key(action)
+        return self.spec(sender_stage, microbatch).empty(self.device)
 
     def post(self, ops: Sequence[CommOp]) -> PostedBatch:
         """Post ``ops`` as one batch (sends and receives go out together)."""

@@ -137,7 +137,7 @@ def _group_parameters(
     params: Sequence[torch.Tensor],
     parents: dict[Node, list[Node]],
     closure: set[Node],
-    root_index: dict[Node, int],
+    root_index: dict[Node | None, int],
 ) -> list[_Group]:
     """Each parameter's anchors (step 2 of the module docstring), grouped by shared anchors."""
     found: list[tuple[torch.Tensor, set[Node], set[int]]] = []

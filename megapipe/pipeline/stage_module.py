@@ -26,7 +26,7 @@ it would silently lose the 1/num_microbatches scale of its auxiliary-loss gradie
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, TypeGuard, runtime_checkable
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class StageModule(Protocol):
 MEMBERS = ("layer_plans", "node_runner", "set_input_tensor", "set_aux_loss_scale")
 
 
-def is_stage_module(module: nn.Module) -> bool:
+def is_stage_module(module: nn.Module) -> TypeGuard[StageModule]:
     """Whether ``module`` implements the ``StageModule`` protocol."""
     return isinstance(module, StageModule)
 

@@ -20,7 +20,7 @@ Two ways to run a stage, performing the same operations (so results are bitwise 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from megapipe.overlap.plan import NodeRunner, Track
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.split_backward import DeferredWeightGrad, input_backward
 from megapipe.pipeline.stage_module import (
-    check_stage_module, is_stage_module, running_layers_with,
+    StageModule, check_stage_module, is_stage_module, running_layers_with,
 )
 
 ForwardFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -100,6 +100,12 @@ class StageWorker:
         entry = self._stash.get(microbatch)
         return entry is not None and entry.tape is not None
 
+    def _stage_module(self) -> StageModule:
+        """The module, which runs node by node: only a StageModule does (``forward`` refuses a
+        runner for any other module)."""
+        assert self.can_tape
+        return cast(StageModule, self.module)
+
     def params(self) -> list[torch.Tensor]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
@@ -153,12 +159,12 @@ class StageWorker:
             output = self.forward_fn(self.module, stage_input)
         elif self.forward_fn is module_forward:
             values: tuple[Any, ...] = (stage_input,)
-            for plan in self.module.layer_plans():
+            for plan in self._stage_module().layer_plans():
                 values = runner.run_layer(plan, values)
             # a recording runner (TapeRunner, CombinedStep) has a tape
             output, tape = values[0], runner.tape  # type: ignore[attr-defined]
         else:
-            with running_layers_with(self.module, runner):
+            with running_layers_with(self._stage_module(), runner):
                 output = self.forward_fn(self.module, stage_input)
             # a recording runner (TapeRunner, CombinedStep) has a tape
             tape = runner.tape  # type: ignore[attr-defined]
@@ -207,7 +213,8 @@ class StageWorker:
         entry = self._entry(microbatch, "I")
         if entry.tape is not None:
             half = self.backward_half(microbatch, grad_output, keep_weight_grads=True)
-            grad_inputs = run_backward(half.tape, half.grads, wgrad=half.wgrad)
+            grad_inputs: Sequence[torch.Tensor | None] = run_backward(
+                half.tape, half.grads, wgrad=half.wgrad)
             return self.end_backward(microbatch, grad_inputs, half)
         if entry.deferred is not None:
             raise RuntimeError(f"stage {self.stage}: I of microbatch {microbatch} ran twice")

@@ -23,6 +23,7 @@ import torch
 
 from megapipe.overlap.plan import Track
 from megapipe.pipeline.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn
+from megapipe.schedule.actions import COMM_KINDS, plain_key
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.p2p.early_sends import RECEIVES
 
@@ -73,7 +74,7 @@ class StepTensors:
     # ------------------------------------------------------------------ hand-over
     def hand_forward(self, action: Action, output: torch.Tensor) -> None:
         """The output of F(s, i) (not a last stage) goes to stage s+1, here or via SEND_F."""
-        s, i = action.stage, action.microbatch
+        s, i = plain_key(action)
         nxt = self.next[s]
         assert nxt is not None
         if self.schedule.stage_to_rank[nxt] == self.pp_rank:
@@ -84,7 +85,7 @@ class StepTensors:
     def hand_backward(self, action: Action, grad_input: torch.Tensor | None) -> None:
         """The input gradient of B/I(s, i) goes to stage s-1, here or via SEND_B (a first stage
         has none to hand on)."""
-        s, i = action.stage, action.microbatch
+        s, i = plain_key(action)
         prev = self.prev[s]
         if prev is None:
             return
@@ -100,7 +101,7 @@ class StepTensors:
 
     def forward_input(self, action: Action) -> Any:
         """What F(s, i) computes on: microbatch i on a first stage, else stage s-1's output."""
-        s, i = action.stage, action.microbatch
+        s, i = plain_key(action)
         if self.prev[s] is None:
             assert self.microbatches is not None
             return self.microbatches[i]
@@ -115,7 +116,7 @@ class StepTensors:
 
     def grad_output(self, action: Action) -> torch.Tensor | None:
         """The gradient of stage s's output for B/I(s, i); None on a last stage (the loss)."""
-        s, i = action.stage, action.microbatch
+        s, i = plain_key(action)
         if self.next[s] is None:
             return None
         self._wait_for(Kind.RECV_B, s, i)
@@ -147,28 +148,35 @@ class StepTensors:
         ops: list[CommOp] = []
         receives: list[tuple[Kind, int, int, torch.Tensor]] = []
         for action in actions:
-            s, i, kind = action.stage, action.microbatch, action.kind
+            kind = action.kind
+            if kind not in COMM_KINDS:
+                raise ValueError(f"rank {self.pp_rank}: {action} is not a comm action")
+            s, i = plain_key(action)
             where = partial(f"rank {self.pp_rank}, {{}}".format, action)  # read on an error
             if kind is Kind.SEND_F:
                 tensor = self._take(self.outbox_forward, action, f"F({s},{i}) produced it")
+                nxt = self.next[s]
+                assert nxt is not None  # a SEND_F's stage has a next stage
                 self.spec(s, i).check(tensor, where)
-                ops.append(CommOp(action, p2p.peer_of(action, self.next[s]), tensor))
+                ops.append(CommOp(action, p2p.peer_of(action, nxt), tensor))
             elif kind is Kind.SEND_B:
                 tensor = self._take(self.outbox_backward, action, f"the backward of ({s},{i})")
                 prev = self.prev[s]
+                assert prev is not None  # a SEND_B's stage has a stage before it
                 self.spec(prev, i).check(tensor, where)
                 ops.append(CommOp(action, p2p.peer_of(action, prev), tensor))
             elif kind is Kind.RECV_F:
                 prev = self.prev[s]
+                assert prev is not None  # a RECV_F's stage has a stage before it
                 buffer = self._tracked(p2p.receive_buffer(action, prev))
                 ops.append(CommOp(action, p2p.peer_of(action, prev), buffer))
                 receives.append((Kind.RECV_F, s, i, buffer))
-            elif kind is Kind.RECV_B:
+            else:  # RECV_B
+                nxt = self.next[s]
+                assert nxt is not None  # a RECV_B's stage has a next stage
                 buffer = self._tracked(p2p.receive_buffer(action, s))
-                ops.append(CommOp(action, p2p.peer_of(action, self.next[s]), buffer))
+                ops.append(CommOp(action, p2p.peer_of(action, nxt), buffer))
                 receives.append((Kind.RECV_B, s, i, buffer))
-            else:
-                raise ValueError(f"rank {self.pp_rank}: {action} is not a comm action")
         batch = p2p.post(ops)
         for kind, s, i, buffer in receives:
             self.pending[(kind, s, i)] = batch
@@ -184,7 +192,7 @@ class StepTensors:
             batch.wait()
 
     def _take(self, outbox: dict[Key, torch.Tensor], action: Action, made_by: str) -> torch.Tensor:
-        tensor = outbox.pop((action.stage, action.microbatch), None)
+        tensor = outbox.pop(plain_key(action), None)
         if tensor is None:
             raise RuntimeError(f"rank {self.pp_rank}: {action} before {made_by}")
         return tensor

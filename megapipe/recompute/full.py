@@ -41,7 +41,9 @@ Tensors = tuple[torch.Tensor, ...]
 def _tensors(values: Sequence[Any], where: str) -> Tensors:
     for value in values:
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"a recomputed node's {where} must be tensors, got {type(value).__name__}")
+            raise TypeError(
+                f"a recomputed node's {where} must be tensors, got {type(value).__name__}"
+            )
     return tuple(values)
 
 

@@ -34,7 +34,8 @@ class GroupState(LayerState):
     """The state of a group of layers: per layer (its index in the group) its own state, made
     on first use; what the engine sets here (``LayerState``'s fields) is set on each part."""
 
-    parts: dict[int, LayerState]
+    # no default after LayerState's fields with one: no generated __init__ (init=False) needs it
+    parts: dict[int, LayerState]  # type: ignore[misc]
 
     def __init__(self) -> None:
         object.__setattr__(self, "parts", {})

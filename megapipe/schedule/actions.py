@@ -105,6 +105,12 @@ class Action:
     __repr__ = __str__
 
 
+def plain_key(action: Action) -> tuple[int, int]:
+    """(stage, microbatch) of a plain action (only an OVERLAP has neither)."""
+    assert action.stage is not None and action.microbatch is not None, action
+    return action.stage, action.microbatch
+
+
 def parse_action(text: str) -> Action:
     """Parse the text form of one action; the inverse of ``str(action)``."""
     text = text.strip()

@@ -24,6 +24,7 @@ from .actions import (  # noqa: F401 - the IR's public names
     Action,
     Kind,
     parse_action,
+    plain_key,
 )
 from .errors import ScheduleError
 from .table import ActionTable
@@ -285,9 +286,10 @@ def infer_stage_to_rank(rows: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     for rank, row in enumerate(rows):
         for action in row:
             for comp in action.computations():
-                if owner.setdefault(comp.stage, rank) != rank:
+                stage, _ = plain_key(comp)
+                if owner.setdefault(stage, rank) != rank:
                     raise ValueError(
-                        f"stage {comp.stage} appears on rank {owner[comp.stage]} and on rank "
+                        f"stage {stage} appears on rank {owner[stage]} and on rank "
                         f"{rank} (action {action})"
                     )
     if not owner:
@@ -305,7 +307,7 @@ def read_csv(path: str, name: str = "", bidirectional: bool = False) -> Schedule
         raise ScheduleError(f"{path} holds no actions: a schedule needs at least one rank with "
                             "one action (is the CSV empty?)")
     placement = infer_stage_to_rank(rows)
-    mbs = {c.microbatch for row in rows for a in row for c in a.computations()}
+    mbs = {plain_key(c)[1] for row in rows for a in row for c in a.computations()}
     return Schedule(
         tuple(tuple(r) for r in rows),
         num_stages=len(placement),

@@ -13,13 +13,13 @@ schedule they belong to.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
-from .actions import Action, Kind
+from .actions import Action, Kind, plain_key
 
 F, B, I, W, OVERLAP, SEND_F, RECV_F, SEND_B, RECV_B = range(9)  # noqa: E741
 KINDS = (
@@ -119,10 +119,10 @@ class ActionTable:
                 code = CODE[action.kind]
                 if code == OVERLAP:
                     forward, backward = action.sub_actions
-                    values = (code, forward.stage, forward.microbatch,
-                              CODE[backward.kind], backward.stage, backward.microbatch)
+                    values = (code, *plain_key(forward), CODE[backward.kind],
+                              *plain_key(backward))
                 else:
-                    values = (code, action.stage, action.microbatch, NONE, NONE, NONE)
+                    values = (code, *plain_key(action), NONE, NONE, NONE)
                 for column, value in zip(columns, values):
                     column.append(value)
             offsets.append(len(columns[0]))
@@ -146,7 +146,7 @@ class ActionTable:
     def __len__(self) -> int:
         return len(self.kind)
 
-    def _cached(self, key: str, make):
+    def _cached(self, key: Hashable, make):
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]

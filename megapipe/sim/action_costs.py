@@ -95,7 +95,9 @@ class ActionCosts:
             return end, end
         if not any(op.action != ops[0].action for op in ops):  # one half: not an OVERLAP
             return end, end
-        return half_ends(ops, op_times(ops, start), nodes.early_sends)
+        rule = nodes.early_sends
+        assert rule is not None  # simulate sets the executor's rule for a schedule with OVERLAPs
+        return half_ends(ops, op_times(ops, start), rule)
 
     def pieces(self, start: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every piece, per stream (``COMPUTE``, ``COMM``): (begin, end, action), in action order

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..schedule.ir import Kind, Schedule
+from ..schedule.ir import Kind, Schedule, plain_key
 from .result import SimResult, TimedAction
 
 _GRAD_KINDS = (Kind.B, Kind.I, Kind.W)
@@ -90,7 +90,7 @@ def _grad_spans(schedule: Schedule, actions: list[TimedAction]) -> dict[int, tup
         parts = timed.halves if timed.action.kind is Kind.OVERLAP else (timed,)
         for part in parts:
             if part.action.kind in _GRAD_KINDS:
-                spans[part.action.stage] = (part.start, part.end)
+                spans[plain_key(part.action)[0]] = (part.start, part.end)
     return spans
 
 

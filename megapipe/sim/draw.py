@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..pairing.timing import COMM, COMPUTE
-from ..schedule.ir import Action, Kind
+from ..schedule.ir import Action, Kind, plain_key
 from ..schedule.timing.intervals import subtract
 from .simulate import SimResult
 
@@ -33,8 +33,8 @@ _HIDDEN = "#b0b0b0"
 
 
 def _lighten(colour: str, amount: float) -> tuple[float, float, float]:
-    rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
-    return tuple(c + (1 - c) * amount for c in rgb)
+    r, g, b = (int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount
 
 
 def _title(result: SimResult, title: str | None) -> str:
@@ -56,7 +56,7 @@ class _Box:
     y: float
     width: float
     height: float
-    face: object  # a colour, or "none"
+    face: tuple[float, float, float] | str  # a colour (RGB, or "#rrggbb"), or "none"
     edge: str = "white"
     line: float = 0.5
 
@@ -77,13 +77,16 @@ class _Geometry:
         return -self.box_h / 2
 
     def shade(self, action: Action) -> tuple[float, float, float]:
-        amount = 0.45 * self.local_chunk.get(action.stage, 0) / max(self.chunks - 1, 1)
+        stage, _ = plain_key(action)
+        amount = 0.45 * self.local_chunk.get(stage, 0) / max(self.chunks - 1, 1)
         return _lighten(_COLOURS[action.kind], amount)
 
     def label(self, ax, box: _Box, text: str) -> None:
         box_in = box.width / self.span * self.axes_width_in
         size = min(9.0, box_in * 72 / (0.62 * len(text) + 0.4), box.height * 0.75 * 72 * 0.75)
-        luminance = 0.3 * box.face[0] + 0.59 * box.face[1] + 0.11 * box.face[2]
+        face = box.face
+        assert not isinstance(face, str)  # a labelled box is an action's, in its shade
+        luminance = 0.3 * face[0] + 0.59 * face[1] + 0.11 * face[2]
         if size >= 4.5:
             ax.text(box.x + box.width / 2, box.y + box.height / 2, text, ha="center",
                     va="center", fontsize=size, fontweight="bold",
@@ -147,7 +150,7 @@ def _action_boxes(result: SimResult, geometry: _Geometry, ax) -> tuple[list[_Box
         y, length = timed.rank + geometry.top, timed.end - timed.start
         halves = timed.action.computations()
         for i, half in enumerate(halves):
-            seen.add((half.kind, geometry.local_chunk.get(half.stage, 0)))
+            seen.add((half.kind, geometry.local_chunk.get(plain_key(half)[0], 0)))
             h = geometry.box_h / len(halves)
             box = _Box(timed.start, y + i * h, length, h, geometry.shade(half))
             boxes.append(box)
@@ -191,7 +194,7 @@ def _local_chunks(result: SimResult, stage_to_rank: tuple[int, ...]) -> dict[int
     else:
         for timed in result.timeline:
             for comp in timed.action.computations():
-                stages_by_rank.setdefault(timed.rank, set()).add(comp.stage)
+                stages_by_rank.setdefault(timed.rank, set()).add(plain_key(comp)[0])
     return {s: i for stages in stages_by_rank.values() for i, s in enumerate(sorted(stages))}
 
 

@@ -83,6 +83,7 @@ def candidate_schedules(
             except ScheduleError:
                 continue
             actual = plain.options.vpp
+            assert actual is not None  # build_schedule keeps the vpp it is given
             if actual in seen_vpp:
                 continue
             seen_vpp.add(actual)

@@ -42,7 +42,7 @@ from ..pairing.order import (
     queuing_positions,
 )
 from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
-from ..schedule.ir import Action, Kind
+from ..schedule.ir import Action, Kind, plain_key
 from ..schedule.p2p.early_sends import EACH
 from .costs import AT_END, NodeCosts
 
@@ -96,7 +96,8 @@ def action_ops(action: Action, costs: Costs) -> list[NodeOp]:
         return node_ops(action, costs.nodes)
     layers = costs.moe_layers
     if action.kind is Kind.W or layers == 0:
-        return [NodeOp(COMPUTE, "compute", half, None, costs.compute(half.kind, half.stage), ())
+        return [NodeOp(COMPUTE, "compute", half, None,
+                       costs.compute(half.kind, plain_key(half)[0]), ())
                 for half in action.computations()]
     forward, backward = _halves(action)
     order = IssueOrder([_LAYER_KINDS] * (layers if backward is not None else 0))
@@ -110,7 +111,7 @@ def action_ops(action: Action, costs: Costs) -> list[NodeOp]:
         part = LAYER_MODEL[issue.node]
         if issue.stream == COMM:
             return part, half, costs.dispatch if part == "dispatch" else costs.combine
-        per_layer = costs.compute(half.kind, half.stage) / layers
+        per_layer = costs.compute(half.kind, plain_key(half)[0]) / layers
         attention = per_layer * costs.attention_share
         return part, half, attention if part == "attention" else per_layer - attention
 
@@ -123,13 +124,13 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
     if action.kind is Kind.W:
         return [NodeOp(COMPUTE, "wgrad", action, None, nodes.weight_time(), ())]
     forward, backward = _halves(action)
-    b_layers = nodes.layers(backward.stage) if backward is not None else []
+    b_layers = nodes.layers(plain_key(backward)[0]) if backward is not None else []
     defer = nodes.defer_wgrad and backward is not None and backward.kind is Kind.B
     b_times = [nodes.node_times(roles) for roles in b_layers]
     order = IssueOrder([nodes.kinds(r) for r in b_layers], defer_wgrad=defer,
                        backward_times=b_times if nodes.wgrad_by_time else None,
                        host_runs_compute=nodes.host_runs_compute)
-    f_layers = nodes.layers(forward.stage) if forward is not None else []
+    f_layers = nodes.layers(plain_key(forward)[0]) if forward is not None else []
     for roles in f_layers:
         order.forward_layer(nodes.kinds(roles), nodes.node_times(roles))
     order.finish()

@@ -98,6 +98,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
 
 
 def _raise_remade(work: Schedule, graph: ActionGraph, timed: ActionTimes) -> None:
+    assert timed.remade is not None  # the caller's test
     row, first, product = timed.remade
     table = work.table
     rank, first_rank = int(table.rank[row]), int(table.rank[first])

@@ -54,7 +54,8 @@ def build_data(config: JobConfig, dp: int, dp_rank: int) -> JobData:
     if not data.indexed:
         files = resolve_data_files(data.paths)
         splits = split_corpus(load_tokens(files), seq)
-        batches = TrainBatches(splits, gbs, mbs, dp, dp_rank, config.seed)
+        batches: TrainBatches | IndexedTrainBatches = TrainBatches(splits, gbs, mbs, dp,
+                                                                   dp_rank, config.seed)
         valid = validation_batches(splits, data.eval_iters, gbs, mbs, dp, dp_rank)
         line = (f"data: {len(files)} files, {splits.tokens.numel():,} byte tokens, "
                 f"{splits.num_train:,} train / {splits.num_valid:,} validation windows")

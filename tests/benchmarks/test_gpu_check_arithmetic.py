@@ -67,7 +67,12 @@ def test_exposed_comm_is_the_comm_time_no_compute_covers():
 
 
 def test_overlapping_spans_of_one_kind_count_once():
-    spans = [Span("compute", 0, 10), Span("compute", 5, 15), Span("comm", 8, 20), Span("comm", 9, 12)]
+    spans = [
+        Span("compute", 0, 10),
+        Span("compute", 5, 15),
+        Span("comm", 8, 20),
+        Span("comm", 9, 12),
+    ]
     assert timeline.busy_ms(spans, "compute") == 15
     assert timeline.busy_ms(spans, "comm") == 12
     assert timeline.concurrent_ms(spans) == 7  # 8..15
@@ -221,7 +226,9 @@ def test_nodes_sharing_a_stream_are_reported(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    ok, detail = trace_analysis.separate_streams(trace_analysis.kernel_runs(trace_analysis.load_events(path)))
+    ok, detail = trace_analysis.separate_streams(
+        trace_analysis.kernel_runs(trace_analysis.load_events(path))
+    )
     assert not ok and "[7, 13]" in detail
 
 
@@ -246,7 +253,11 @@ def test_pytest_summary_lines_are_counted():
 
 
 def test_tokens_per_second_comes_from_the_last_log_line_with_one():
-    lines = ["iter 10/20 | loss 5.1 | 1,024 tok/s | step 1 s", "iter 20/20 | 32,768 tok/s |", "done"]
+    lines = [
+        "iter 10/20 | loss 5.1 | 1,024 tok/s | step 1 s",
+        "iter 20/20 | 32,768 tok/s |",
+        "done",
+    ]
     assert tokens_per_second(lines) == 32768.0
     assert tokens_per_second(["no rate"]) is None
 
@@ -290,7 +301,10 @@ def test_a_table_with_the_same_title_is_replaced(tmp_path):
     result.table("pairs", ["a"], [[1]])
     result.table("other", ["b"], [[2]])
     result.table("pairs", ["a"], [[1], [3]])
-    assert [(t["title"], t["rows"]) for t in result.data["tables"]] == [("other", [[2]]), ("pairs", [[1], [3]])]
+    assert [(t["title"], t["rows"]) for t in result.data["tables"]] == [
+        ("other", [[2]]),
+        ("pairs", [[1], [3]]),
+    ]
 
 
 def test_report_ends_with_the_summary_table_and_the_counts_line(tmp_path):

@@ -43,7 +43,9 @@ def test_a_timed_out_child_is_stopped_with_everything_it_started(tmp_path):
     )
     log = tmp_path / "log"
     start = time.monotonic()
-    code, timed_out = run_child([sys.executable, "-c", script], dict(os.environ), tmp_path, log, 3.0)
+    code, timed_out = run_child(
+        [sys.executable, "-c", script], dict(os.environ), tmp_path, log, 3.0
+    )
     assert timed_out and time.monotonic() - start < 20
     assert "started" in log.read_text()
     grandchild = int(pid_file.read_text())

@@ -53,7 +53,9 @@ def _ensure_installed() -> None:
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            pytest.fail(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+            pytest.fail(
+                f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+            )
     missing = [b for b in BINARIES if not _find(b)]
     if missing:
         pytest.fail(f"installed {PACKAGES} but these are still missing: {missing}")
@@ -226,7 +228,9 @@ def _wait(ready, timeout: float, what: str, cluster: SlurmCluster) -> None:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{cluster.logs()}")
 
 
-def submit(cluster: SlurmCluster, script: Path, env: dict[str, str], *options: str) -> tuple[str, Path]:
+def submit(
+    cluster: SlurmCluster, script: Path, env: dict[str, str], *options: str
+) -> tuple[str, Path]:
     """sbatch ``script`` on both nodes; returns (job id, its output file)."""
     cluster = SlurmCluster(cluster.root, env, cluster.processes)
     done = cluster.run(

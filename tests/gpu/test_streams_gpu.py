@@ -40,7 +40,10 @@ from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 def _toy_stacks(device):
     from support.overlap_toys import toy_stack
 
-    stacks = toy_stack("dmm", hidden=64, seed=1).to(device), toy_stack("mdm", hidden=64, seed=2).to(device)
+    stacks = (
+        toy_stack("dmm", hidden=64, seed=1).to(device),
+        toy_stack("mdm", hidden=64, seed=2).to(device),
+    )
     return stacks, (64, 64)
 
 
@@ -95,9 +98,13 @@ def _run(make_stacks, mode: str, defer: bool):
     else:
         with make_streams("cpu" if mode == "cpu-streams" else device) as streams:
             tape_j = _record(plans_b, (x_j,), streams)
-            outs, _, gx = combined_step(plans_f, (x_i,), tape_j, (g_j,), streams, delay_wgrad_compute=defer)
+            outs, _, gx = combined_step(
+                plans_f, (x_i,), tape_j, (g_j,), streams, delay_wgrad_compute=defer
+            )
     torch.cuda.synchronize()
-    params = [p.grad.clone() for s in (stack_f, stack_b) for p in s.parameters() if p.grad is not None]
+    params = [
+        p.grad.clone() for s in (stack_f, stack_b) for p in s.parameters() if p.grad is not None
+    ]
     return [outs[0].detach().clone(), gx[0].clone()] + params
 
 
@@ -106,7 +113,10 @@ def _run(make_stacks, mode: str, defer: bool):
 @pytest.mark.parametrize("defer", [False, True])
 def test_cuda_streams_give_the_bits_of_the_cpu_implementation(make_stacks, defer):
     with deterministic_kernels(strict=False):
-        runs = {mode: _run(make_stacks, mode, defer) for mode in ("sequential", "cpu-streams", "cuda-streams")}
+        runs = {
+            mode: _run(make_stacks, mode, defer)
+            for mode in ("sequential", "cpu-streams", "cuda-streams")
+        }
     reference = runs["sequential"]
     for mode in ("cpu-streams", "cuda-streams"):
         assert len(runs[mode]) == len(reference)
@@ -177,9 +187,15 @@ def test_combined_step_on_cuda_overlaps_forward_and_backward_comm_nodes_with_com
         _, tape_a = record_forward([plan, plan], (x,))  # the sequential baseline: one stream
         tape_b = _record([plan, plan], (x,), streams)
         torch.cuda.synchronize()
-        sequential = _timed(streams.compute, lambda: (record_forward([plan, plan], (x,)), run_backward(tape_a, (g,))))
+        sequential = _timed(
+            streams.compute,
+            lambda: (record_forward([plan, plan], (x,)), run_backward(tape_a, (g,))),
+        )
         trace = NodeTrace()
-        combined = _timed(streams.compute, lambda: combined_step([plan, plan], (x,), tape_b, (g,), streams, trace=trace))
+        combined = _timed(
+            streams.compute,
+            lambda: combined_step([plan, plan], (x,), tape_b, (g,), streams, trace=trace),
+        )
     spans = trace.spans  # GPU times
     # every node keeps the GPU busy for one unit: 20 units in sequence; the combined step
     # needs about 6 per pair of layers (4 slots with a comm node beside a compute node)

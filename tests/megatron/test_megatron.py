@@ -61,7 +61,9 @@ def test_front_end_equals_reference(rank_pools, case, form):
             if exact:
                 assert torch.equal(grad, want), (case, stage, name)
             else:
-                torch.testing.assert_close(grad, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+                torch.testing.assert_close(
+                    grad, want, rtol=1e-6, atol=1e-6 * want.abs().max().item()
+                )
 
 
 def test_forward_only_keeps_no_gradients(rank_pools):

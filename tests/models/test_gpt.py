@@ -131,7 +131,8 @@ def test_bad_inputs_and_configs_rejected():
 
 def test_moe_layout_follows_config():
     stage = build_stage(MOE, 0, 1)
-    assert [layer.is_moe for layer in stage.layers.values()] == [False, True, False, True, False, True]
+    moe = [layer.is_moe for layer in stage.layers.values()]
+    assert moe == [False, True, False, True, False, True]
     assert [m.layer_index for m in stage.moe_layers()] == [1, 3, 5]
     # experts are keyed by global layer index: a later stage holds the same layer-5 experts
     last = build_stage(MOE, 1, 2)

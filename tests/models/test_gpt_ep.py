@@ -30,7 +30,13 @@ def _ep_vs_local():
     loss, grads = _loss_and_grads(sharded, rank)
     reference = [_loss_and_grads(build_stage(CONFIG, 0, 1), r) for r in range(world)]
     params = dict(sharded.named_parameters())
-    return rank, loss, grads, {n: getattr(p, "expert_parallel", False) for n, p in params.items()}, reference
+    return (
+        rank,
+        loss,
+        grads,
+        {n: getattr(p, "expert_parallel", False) for n, p in params.items()},
+        reference,
+    )
 
 
 def test_ep2_model_equals_single_process_model(rank_pools):
@@ -45,5 +51,7 @@ def test_ep2_model_equals_single_process_model(rank_pools):
                 torch.testing.assert_close(grad, ref_grads[name], rtol=1e-6, atol=1e-7, msg=name)
                 continue
             # this rank's experts [rank*L, (rank+1)*L) get gradients from both ranks' tokens
-            full = sum(ref[1][name] for ref in reference)[rank * local_experts:(rank + 1) * local_experts]
+            full = sum(ref[1][name] for ref in reference)[
+                rank * local_experts : (rank + 1) * local_experts
+            ]
             torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7, msg=name)

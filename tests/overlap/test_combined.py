@@ -33,7 +33,9 @@ def _plans(stack):
     return [layer.node_plan() for layer in stack]
 
 
-def combined_matches_sequential(fwd_kinds: str, bwd_kinds: str, defer: bool, use_group: bool) -> int:
+def combined_matches_sequential(
+    fwd_kinds: str, bwd_kinds: str, defer: bool, use_group: bool
+) -> int:
     """F(i) on stack A beside B(j) on stack B, against F(i) then B(j); returns #checks."""
     group = dist.group.WORLD if use_group else None
     rank = dist.get_rank() if use_group else 0
@@ -75,7 +77,13 @@ def combined_matches_sequential(fwd_kinds: str, bwd_kinds: str, defer: bool, use
 
 @pytest.mark.parametrize(
     "fwd_kinds,bwd_kinds,defer",
-    [("mm", "mm", False), ("mm", "mm", True), ("dmm", "mdm", True), ("dm", "mmdm", False), ("mmm", "m", True)],
+    [
+        ("mm", "mm", False),
+        ("mm", "mm", True),
+        ("dmm", "mdm", True),
+        ("dm", "mmdm", False),
+        ("mmm", "m", True),
+    ],
 )
 def test_combined_step_is_bitwise_sequential_single_process(fwd_kinds, bwd_kinds, defer):
     assert combined_matches_sequential(fwd_kinds, bwd_kinds, defer, use_group=False) > 0
@@ -96,7 +104,14 @@ def _pairs_in_trace(trace):
     for slot in trace.slots():
         for comm in (s for s in slot if s.kind == "comm"):
             partners = [s for s in slot if s.kind == "compute" and s.direction != comm.direction]
-            found.append((comm.direction, comm.layer, comm.node, sorted((p.direction, p.layer, p.node) for p in partners)))
+            found.append(
+                (
+                    comm.direction,
+                    comm.layer,
+                    comm.node,
+                    sorted((p.direction, p.layer, p.node) for p in partners),
+                )
+            )
     return found
 
 
@@ -105,8 +120,17 @@ def test_trace_shows_the_four_pairs_in_every_moe_layer():
     _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
     trace = NodeTrace()
     with make_streams("cpu") as streams:
-        combined_step(_plans(stack), (torch.randn(4, 8, requires_grad=True),), tape_j, (torch.ones(4, 8),),
-                      streams, delay_wgrad_compute=True, trace=trace, fwd_microbatch=1, bwd_microbatch=0)
+        combined_step(
+            _plans(stack),
+            (torch.randn(4, 8, requires_grad=True),),
+            tape_j,
+            (torch.ones(4, 8),),
+            streams,
+            delay_wgrad_compute=True,
+            trace=trace,
+            fwd_microbatch=1,
+            bwd_microbatch=0,
+        )
     found = _pairs_in_trace(trace)
     expected = []
     for k in range(3):
@@ -123,8 +147,18 @@ def test_trace_shows_the_four_pairs_in_every_moe_layer():
     assert found == expected
     # issue order of the compute stream within one pair of layers, and into the next
     compute = [s.label() for s in trace.by_start() if s.stream == "compute"][:10]
-    assert compute == ["B0.2.finish", "F1.0.attention", "B0.2.experts", "F1.0.experts", "W0.2.wgrad",
-                       "B0.2.attention", "F1.0.finish", "B0.1.finish", "F1.1.attention", "W0.2.wgrad"]
+    assert compute == [
+        "B0.2.finish",
+        "F1.0.attention",
+        "B0.2.experts",
+        "F1.0.experts",
+        "W0.2.wgrad",
+        "B0.2.attention",
+        "F1.0.finish",
+        "B0.1.finish",
+        "F1.1.attention",
+        "W0.2.wgrad",
+    ]
     # the last layer's held half runs at the end of the step
     assert [s.label() for s in trace.by_start()][-1] == "W0.0.wgrad"
 
@@ -134,12 +168,20 @@ def test_dense_and_leftover_layers_run_alone():
     _, tape_j = record_forward(_plans(b_stack), (torch.randn(4, 8, requires_grad=True),))
     trace = NodeTrace()
     with make_streams("cpu") as streams:
-        combined_step(_plans(f_stack), (torch.randn(4, 8),), tape_j, (torch.ones(4, 8),), streams, trace=trace)
+        combined_step(
+            _plans(f_stack), (torch.randn(4, 8),), tape_j, (torch.ones(4, 8),), streams, trace=trace
+        )
     order = [s.label() for s in trace.by_start()]
     # F layer 0 (dense) beside B layer 2 (dense): B alone, then F alone
     assert order[:2] == ["B.2.dense", "F.0.dense"]
     # B layer 0 is a leftover: its five nodes run alone, last, in backward order
-    assert order[-5:] == ["B.0.finish", "B.0.combine", "B.0.experts", "B.0.dispatch", "B.0.attention"]
+    assert order[-5:] == [
+        "B.0.finish",
+        "B.0.combine",
+        "B.0.experts",
+        "B.0.dispatch",
+        "B.0.attention",
+    ]
 
 
 def overlapped_step_times(use_group: bool) -> tuple[float, float, float]:
@@ -153,7 +195,14 @@ def overlapped_step_times(use_group: bool) -> tuple[float, float, float]:
             _, tape_j = record_forward(_plans(stack), (torch.randn(4, 8, requires_grad=True),))
             trace = NodeTrace()
             start = time.perf_counter()
-            combined_step(_plans(stack), (torch.randn(4, 8),), tape_j, (torch.ones(4, 8),), streams, trace=trace)
+            combined_step(
+                _plans(stack),
+                (torch.randn(4, 8),),
+                tape_j,
+                (torch.ones(4, 8),),
+                streams,
+                trace=trace,
+            )
             wall = time.perf_counter() - start
     return wall, trace.total("comm") + trace.total("compute"), trace.exposed_comm_fraction()
 
@@ -288,7 +337,10 @@ def test_comm_node_failure_is_raised_and_named():
     def boom(state, t):
         raise ValueError("link down")
 
-    plan = [Node("attention", NodeKind.COMPUTE, lambda s, t: (t[0] * 2,)), Node("dispatch", NodeKind.COMM, boom)]
+    plan = [
+        Node("attention", NodeKind.COMPUTE, lambda s, t: (t[0] * 2,)),
+        Node("dispatch", NodeKind.COMM, boom),
+    ]
     with make_streams("cpu") as streams:
         with pytest.raises(ValueError, match="link down"):
             combined_step([plan], (torch.ones(2),), None, None, streams)
@@ -324,7 +376,9 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         xi = x_i.clone().requires_grad_(True)
         if combined:
             with make_streams("cpu") as streams:
-                runner = CombinedStep(streams, BackwardHalf(recorder.tape, None, wgrad=WeightGradQueue()))
+                runner = CombinedStep(
+                    streams, BackwardHalf(recorder.tape, None, wgrad=WeightGradQueue())
+                )
                 loss_i = model_forward(stack, runner, xi)
                 (gx_j,) = runner.finish()
             tape_i = runner.tape
@@ -336,7 +390,11 @@ def test_runner_driven_forward_with_glue_and_loss_is_bitwise_sequential():
         mid = [p.grad.clone() for p in stack.parameters()]
         loss_i.backward()
         (gx_i,) = run_backward(tape_i)
-        results.append([loss_i.detach(), gx_j, xj.grad, gx_i, xi.grad] + mid + [p.grad for p in stack.parameters()])
+        results.append(
+            [loss_i.detach(), gx_j, xj.grad, gx_i, xi.grad]
+            + mid
+            + [p.grad for p in stack.parameters()]
+        )
     assert_same_tensors(results[0], results[1])
 
 
@@ -439,7 +497,9 @@ def test_a_lone_step_with_chunked_all_to_alls_pipelines_them_and_keeps_the_bits(
         # one wave's all-to-all beside the other wave's experts, twice per layer
         for pair in ({"dispatch1", "experts0"}, {"combine0", "experts1"}):
             if direction == "B":
-                pair = {"combine1", "experts0"} if "dispatch1" in pair else {"dispatch0", "experts1"}
+                pair = (
+                    {"combine1", "experts0"} if "dispatch1" in pair else {"dispatch0", "experts1"}
+                )
             found = [n for n in waved if n[0][0] == direction and {x for _, x in n} == pair]
             assert len(found) == 2, (direction, pair, waved)
     assert side_by_side(traces[0]) == []  # one-wave, a lone action runs its nodes one by one

@@ -12,7 +12,10 @@ from megapipe.overlap.streams import InlineStream, StreamFailed, WorkerStream, m
 def test_worker_stream_runs_in_order_on_its_own_thread():
     with make_streams("cpu") as streams:
         seen = []
-        events = [streams.comm.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i) for i in range(5)]
+        events = [
+            streams.comm.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i)
+            for i in range(5)
+        ]
         assert [e.value_on(streams.compute) for e in events] == list(range(5))
         assert [i for i, _ in seen] == list(range(5))
         assert {name for _, name in seen} == {"megapipe-comm"}

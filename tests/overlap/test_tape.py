@@ -54,7 +54,9 @@ def test_tape_matches_plain_autograd_bitwise(kinds, defer):
 
 def test_tape_frees_each_node_as_its_backward_runs():
     layers = toy_stack("mm", hidden=8)
-    outs, tape = record_forward([layer.node_plan() for layer in layers], (torch.randn(4, 8, requires_grad=True),))
+    outs, tape = record_forward(
+        [layer.node_plan() for layer in layers], (torch.randn(4, 8, requires_grad=True),)
+    )
     assert tape.live_nodes() == 10
     live = [tape.live_tensors()]
     tape.begin_layer_backward((torch.ones(4, 8),))
@@ -79,7 +81,10 @@ def _join_node(state, t):
 
 
 def test_passthrough_int_and_no_grad_outputs_and_unused_outputs():
-    plan = [Node("split", NodeKind.COMPUTE, _split_node), Node("join", NodeKind.COMPUTE, _join_node)]
+    plan = [
+        Node("split", NodeKind.COMPUTE, _split_node),
+        Node("join", NodeKind.COMPUTE, _join_node),
+    ]
     x = torch.randn(5, 3)
     ref = x.clone().requires_grad_(True)
     run_nodes(plan, (ref,))[0].sum().backward()
@@ -185,7 +190,9 @@ def test_tape_matches_plain_autograd_on_the_moe_layer(shared, defer):
         x = torch.randn(2, 5, 8)
         g = torch.randn(2, 5, 8)
         out_ref, gx_ref = _plain(ref, x, g)
-        outs, tape = record_forward([layer.node_plan() for layer in layers], (x.clone().requires_grad_(True),))
+        outs, tape = record_forward(
+            [layer.node_plan() for layer in layers], (x.clone().requires_grad_(True),)
+        )
         assert torch.equal(outs[0], out_ref)
         queue = WeightGradQueue() if defer else None
         (gx,) = run_backward(tape, (g,), wgrad=queue)
@@ -212,7 +219,11 @@ def test_gradients_meeting_at_a_residual_used_five_times_sum_in_autograds_order(
         x, y = t
         return (x * 0.3 + y.exp() * x,)
 
-    plan = [Node("a", NodeKind.COMPUTE, a), Node("b", NodeKind.COMM, b), Node("c", NodeKind.COMPUTE, c)]
+    plan = [
+        Node("a", NodeKind.COMPUTE, a),
+        Node("b", NodeKind.COMM, b),
+        Node("c", NodeKind.COMPUTE, c),
+    ]
     for _ in range(10):
         x, g = torch.randn(16, 8), torch.randn(16, 8)
         ref = x.clone().requires_grad_(True)
@@ -260,7 +271,9 @@ def test_a_node_whose_output_gradients_are_incomplete_cannot_run_backward():
     tape.backward_node(layer, 5)  # the join
     tape.backward_node(layer, 2)  # branch 0 (roll, mix): its last node
     tape.backward_node(layer, 1)
-    with pytest.raises(RuntimeError, match="'head': the gradients of its outputs are not all known"):
+    with pytest.raises(
+        RuntimeError, match="'head': the gradients of its outputs are not all known"
+    ):
         tape.backward_node(layer, 0)  # branch 1 has not run backward yet
 
 

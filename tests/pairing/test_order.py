@@ -9,7 +9,8 @@ from megapipe.pairing.order import (
 )
 from megapipe.pairing.slots import COMM_READS_HOST
 
-MOE = ["compute", "comm", "compute", "comm", "compute"]  # attention, dispatch, experts, combine, finish
+# attention, dispatch, experts, combine, finish
+MOE = ["compute", "comm", "compute", "comm", "compute"]
 NAMES = ["attention", "dispatch", "experts", "combine", "finish"]
 DENSE = ["compute"]
 
@@ -52,7 +53,7 @@ def test_step_plan_order_waits_and_weight_gradients():
     # each node waits (an event) only for the previous node of its side, when that ran on the
     # other stream; weight gradients wait for nothing on the other stream
     last = {}
-    for position, issue in enumerate(issues):
+    for issue in issues:
         if issue.side == "W":
             assert issue.needs == ()
             continue
@@ -71,7 +72,8 @@ def test_step_plan_order_waits_and_weight_gradients():
     ([MOE], [MOE, MOE, MOE]),                          # leftover backward layers
     ([MOE, MOE, MOE], [MOE]),                          # leftover forward layers
     ([MOE, MOE], []),                                  # a forward alone
-    ([["compute", "comm"], ["comm", "compute", "comm"]], [["comm"], ["compute", "comm", "compute"]]),
+    ([["compute", "comm"], ["comm", "compute", "comm"]],
+     [["comm"], ["compute", "comm", "compute"]]),
 ])
 @pytest.mark.parametrize("defer", [False, True])
 def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
@@ -82,7 +84,8 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
     assert b_nodes == [(b, n) for b in reversed(range(len(backward)))
                        for n in reversed(range(len(backward[b])))]
     kinds = {("F", k, n): kind for k, layer in enumerate(forward) for n, kind in enumerate(layer)}
-    kinds.update({("B", b, n): kind for b, layer in enumerate(backward) for n, kind in enumerate(layer)})
+    kinds.update({("B", b, n): kind
+                  for b, layer in enumerate(backward) for n, kind in enumerate(layer)})
     for issue in issues:
         if issue.side != "W":
             assert issue.stream == kinds[(issue.side, issue.layer, issue.node)]
@@ -92,7 +95,8 @@ def test_every_node_is_issued_once_in_its_sides_order(forward, backward, defer):
     w = [(i.layer, i.share) for i in issues if i.side == "W"]
     moe_backward = [b for b, kinds in enumerate(backward) if COMM in kinds]
     if defer and backward:
-        assert sorted(w) == sorted([(b, HEAD) for b in moe_backward] + [(b, TAIL) for b in moe_backward] + [(-1, REST)])
+        assert sorted(w) == sorted([(b, HEAD) for b in moe_backward]
+                                   + [(b, TAIL) for b in moe_backward] + [(-1, REST)])
     else:
         assert w == []
 

@@ -30,8 +30,8 @@ def test_expand_hostlist_rejects_malformed(bad):
 
 
 def test_torchrun_env():
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0",
+           "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
     info = resolve_launch(env)
     assert (info.rank, info.world_size, info.local_rank) == (5, 8, 1)
     assert (info.master_addr, info.master_port, info.source) == ("h0", 1234, "torchrun")
@@ -52,7 +52,8 @@ def test_slurm_env_uses_first_host_and_job_port():
 def test_explicit_arguments_override_env():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "1000"}
     info = resolve_launch(env, rank=0, world_size=1, master_addr="10.0.0.1", master_port=4242)
-    assert (info.rank, info.world_size, info.master_addr, info.master_port) == (0, 1, "10.0.0.1", 4242)
+    assert (info.rank, info.world_size, info.master_addr, info.master_port) == (
+        0, 1, "10.0.0.1", 4242)
     assert info.source == "explicit"
     info = resolve_launch({}, rank=3, world_size=4)
     assert (info.local_rank, info.master_addr, info.master_port) == (3, "127.0.0.1", 29500)

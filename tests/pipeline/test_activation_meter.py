@@ -203,7 +203,9 @@ def _full_recompute_lower_bound(config: GPTConfig, layers: range, b: int) -> int
     return total
 
 
-@pytest.mark.parametrize("method, layers", [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 2)])
+@pytest.mark.parametrize(
+    "method, layers", [("uniform", 1), ("uniform", 2), ("block", 1), ("block", 2)]
+)
 def test_full_recompute_drops_at_least_what_it_no_longer_saves(method, layers):
     config = GPTConfig()
     full, _, _ = _step(config, measure=True)

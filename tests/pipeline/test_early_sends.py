@@ -54,7 +54,9 @@ def test_each_half_sends_before_its_pair_ends(rank_pools):
         before = 0
         for end in pair_ends:
             previous = max([i for i in pair_ends if i < end], default=-1)
-            sends = [text for what, text in log[previous + 1:end] if what == "post" and "SEND" in text]
+            sends = [
+                text for what, text in log[previous + 1 : end] if what == "post" and "SEND" in text
+            ]
             before += bool(sends)
         # every pair hands something on before it ends (rank 0: SEND_F, rank 1: SEND_B)
         assert before == len(pair_ends), (rank, log)

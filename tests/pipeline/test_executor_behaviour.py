@@ -52,7 +52,9 @@ def test_broken_schedule_is_named_before_anything_runs():
     from megapipe import PipelineExecutor
     from megapipe.schedule import Action, Kind, Schedule, ScheduleError
 
-    actions = ((Action(0, Kind.F, 0), Action(0, Kind.B, 1), Action(0, Kind.F, 1), Action(0, Kind.B, 0)),)
+    actions = (
+        (Action(0, Kind.F, 0), Action(0, Kind.B, 1), Action(0, Kind.F, 1), Action(0, Kind.B, 0)),
+    )
     broken = Schedule(actions, num_stages=1, num_microbatches=2, stage_to_rank=(0,), name="mine")
     with pytest.raises(ScheduleError, match="rank 0"):
         PipelineExecutor(broken, {0: nn.Linear(2, 2)}, loss_fn=lambda out, target: out.sum())

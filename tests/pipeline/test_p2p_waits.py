@@ -11,8 +11,10 @@ from megapipe.pipeline.p2p import (
 )
 from megapipe.schedule.ir import parse_action
 
-GLOO_DEAD_PEER = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
-                  "by peer [127.0.0.1]:41234. This is typically caused by a remote worker crashing.")
+GLOO_DEAD_PEER = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:41234. This is typically caused by a remote worker crashing."
+)
 
 
 class _Work:

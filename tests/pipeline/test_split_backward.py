@@ -30,7 +30,9 @@ class SharedWeights(nn.Module):
 
 
 MODULES = {
-    "sequential": lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8)),
+    "sequential": lambda: nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8)
+    ),
     "shared": SharedWeights,
 }
 

@@ -61,7 +61,8 @@ def _toy_step(recompute: bool):
 def test_compute_nodes_rerun_in_their_backward_comm_nodes_never():
     out, grad_x, grad_w, calls = _toy_step(recompute=False)
     out_r, grad_x_r, grad_w_r, calls_r = _toy_step(recompute=True)
-    assert torch.equal(out, out_r) and torch.equal(grad_x, grad_x_r) and torch.equal(grad_w, grad_w_r)
+    assert torch.equal(out, out_r) and torch.equal(grad_x, grad_x_r)
+    assert torch.equal(grad_w, grad_w_r)
     forward = [("first", False), ("comm", False), ("last", False)] * 2
     assert calls == forward
     # backward walks the layers and nodes last first: each compute node runs again, marked
@@ -100,7 +101,8 @@ def _wrapped(node: Node) -> bool:
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"recompute_method": "selective"}, "recompute method 'selective' is not one of uniform, block"),
+    ({"recompute_method": "selective"},
+     "recompute method 'selective' is not one of uniform, block"),
     ({"recompute_method": "block", "recompute_num_layers": 0},
      "recompute num_layers=0 must be an int >= 1"),
     ({"recompute_method": "uniform", "recompute_modules": ("core_attn",)},

@@ -49,8 +49,15 @@ DYADIC = Costs(1.0, 2.0, 0.5, p2p_latency=0.25, dispatch=0.25, combine=0.125, mo
 def rounding_costs(num_stages: int) -> Costs:
     """Costs whose sums round (0.1, 0.3, ...), with per-stage multipliers."""
     return Costs(
-        1.1, 2.3, 0.7, p2p_latency=0.1, dispatch=0.3, combine=0.2, moe_layers=2,
-        attention_share=0.4, stage_multipliers=tuple(1.0 + 0.1 * (s % 3) for s in range(num_stages)),
+        1.1,
+        2.3,
+        0.7,
+        p2p_latency=0.1,
+        dispatch=0.3,
+        combine=0.2,
+        moe_layers=2,
+        attention_share=0.4,
+        stage_multipliers=tuple(1.0 + 0.1 * (s % 3) for s in range(num_stages)),
     )
 
 
@@ -101,7 +108,9 @@ def _sim_text(schedule: Schedule, costs: Costs) -> str:
         for half in timed.halves:
             parts.append(f" {half.action} {half.start!r} {half.end!r}")
         for seg in timed.segments:
-            parts.append(f" {seg.stream} {seg.part} {seg.action} {seg.layer} {seg.start!r} {seg.end!r}")
+            parts.append(
+                f" {seg.stream} {seg.part} {seg.action} {seg.layer} {seg.start!r} {seg.end!r}"
+            )
     return "\n".join(parts)
 
 

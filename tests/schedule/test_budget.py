@@ -65,5 +65,7 @@ def test_budget_zero_holds_exactly_the_plain_peak():
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_a_bad_budget_names_the_value(bad):
-    with pytest.raises(ScheduleError, match=f"max_extra_in_flight must be an integer >= 0.*{bad!r}"):
+    with pytest.raises(
+        ScheduleError, match=f"max_extra_in_flight must be an integer >= 0.*{bad!r}"
+    ):
         build_schedule("1f1b", 2, 4, overlap=True, max_extra_in_flight=bad)

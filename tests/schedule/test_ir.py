@@ -81,13 +81,19 @@ def test_csv_is_torch_format_one_row_per_rank(tmp_path):
     write_csv(schedule, str(path))
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    assert rows == [["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"], ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"]]
+    assert rows == [
+        ["0F0", "0F1", "0B0", "0F2", "0B1", "0B2"],
+        ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2"],
+    ]
 
 
 def test_csv_skips_empty_cells_as_torch_pads_rows(tmp_path):
     path = tmp_path / "padded.csv"
     path.write_text("0F0,,0B0,\n1F0,1B0,,\n")
-    assert [[str(a) for a in row] for row in read_rows(str(path))] == [["0F0", "0B0"], ["1F0", "1B0"]]
+    assert [[str(a) for a in row] for row in read_rows(str(path))] == [
+        ["0F0", "0B0"],
+        ["1F0", "1B0"],
+    ]
 
 
 def test_csv_of_bidirectional_schedule_keeps_mirrored_placement(tmp_path):

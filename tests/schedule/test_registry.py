@@ -27,7 +27,9 @@ def test_stage_counts(name, pp, vpp, stages):
 
 
 def test_options_are_recorded():
-    schedule = build_schedule("interleaved-1f1b", 4, 10, vpp=2, microbatch_group_size_per_vp_stage=5)
+    schedule = build_schedule(
+        "interleaved-1f1b", 4, 10, vpp=2, microbatch_group_size_per_vp_stage=5
+    )
     assert schedule.options.microbatch_group_size_per_vp_stage == 5
     assert schedule.options.vpp == 2 and schedule.options.overlap is False
     assert build_schedule("zbv", 2, 4).options.vpp == 2
@@ -84,7 +86,9 @@ def test_an_option_no_schedule_has_is_refused_by_name():
 def test_interleaved_accepts_non_multiples_with_a_larger_group():
     # Megatron's rule: M % group is 0 or >= pp (10 % 5 = 0; 9 % 5 = 4 >= pp).
     for m in (9, 10, 14):
-        validate(build_schedule("interleaved-1f1b", 4, m, vpp=2, microbatch_group_size_per_vp_stage=5))
+        validate(
+            build_schedule("interleaved-1f1b", 4, m, vpp=2, microbatch_group_size_per_vp_stage=5)
+        )
 
 
 def test_default_schedule_is_megatrons_choice():

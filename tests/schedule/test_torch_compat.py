@@ -62,7 +62,8 @@ TORCH_CASES = [
     (ScheduleInterleaved1F1B, 4, 6, 3), (ScheduleInterleaved1F1B, 3, 3, 4),
     (ScheduleInterleavedZeroBubble, 2, 4, 3), (ScheduleInterleavedZeroBubble, 4, 8, 2),
     (ScheduleInterleavedZeroBubble, 4, 12, 2),
-    (ScheduleZBVZeroBubble, 2, 4, 2), (ScheduleZBVZeroBubble, 4, 8, 2), (ScheduleZBVZeroBubble, 4, 3, 2),
+    (ScheduleZBVZeroBubble, 2, 4, 2), (ScheduleZBVZeroBubble, 4, 8, 2),
+    (ScheduleZBVZeroBubble, 4, 3, 2),
     (ScheduleDualPipeV, 2, 4, 2), (ScheduleDualPipeV, 4, 8, 2), (ScheduleDualPipeV, 4, 11, 2),
 ]
 

@@ -7,7 +7,9 @@ import pytest
 from megapipe.schedule import Schedule, ScheduleError, build_schedule, lower, parse_action, validate
 
 
-def schedule_of(text: str, num_stages: int, m: int, placement=None, bidirectional=False) -> Schedule:
+def schedule_of(
+    text: str, num_stages: int, m: int, placement=None, bidirectional=False
+) -> Schedule:
     rows = [[parse_action(t) for t in line.split()] for line in text.strip().splitlines()]
     placement = placement or tuple(range(num_stages))
     return Schedule(rows, num_stages, m, placement, name="hand", bidirectional=bidirectional)

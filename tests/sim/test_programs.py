@@ -31,7 +31,9 @@ def test_the_profile_of_the_issue_and_its_errors():
     assert DEEPSEEK.time("mlp", "F", waves=2) == 2.3 and DEEPSEEK.time("attn", "F", 2) == 4.1
     assert DEEPSEEK.time("head", "F") == 0.0  # optional parts absent: no time
     data = json.loads(PROFILE_FILE.read_text())
-    with pytest.raises(ValueError, match=r"compute.mlp_W must be a finite number of ms >= 0, got -1"):
+    with pytest.raises(
+        ValueError, match=r"compute.mlp_W must be a finite number of ms >= 0, got -1"
+    ):
         NodeProfile.from_dict({**data, "compute": {**data["compute"], "mlp_W": -1}})
     del data["comm"]["combine_B"]
     with pytest.raises(ValueError, match="profile 'comm' lacks combine_B"):

@@ -83,7 +83,9 @@ def _install_loss_recorder(folder: str, reference: bool) -> None:
             alone = replace(args, checkpoint=replace(args.checkpoint, save=None, load=None))
             _REFERENCE_RUNNING["now"] = True  # no fault in the reference
             try:
-                _record(folder, "reference", real_train(alone, lambda line: None, ResumeChoice(None)))
+                _record(
+                    folder, "reference", real_train(alone, lambda line: None, ResumeChoice(None))
+                )
             finally:
                 _REFERENCE_RUNNING["now"] = False
         result = real_train(args, write, choice)
@@ -97,7 +99,9 @@ _fault = _parse_fault()
 if _fault is not None:
     _install_fault(*_fault)
 if os.environ.get("MEGAPIPE_LOSSES"):
-    _install_loss_recorder(os.environ["MEGAPIPE_LOSSES"], os.environ.get("MEGAPIPE_REFERENCE") == "1")
+    _install_loss_recorder(
+        os.environ["MEGAPIPE_LOSSES"], os.environ.get("MEGAPIPE_REFERENCE") == "1"
+    )
 
 if __name__ == "__main__":
     sys.exit(entry.main())

@@ -124,7 +124,9 @@ class ToyMoE(nn.Module):
             y = Sleep.apply(y, self.compute_sleep_s)
         return y
 
-    def _attention(self, state: LayerState, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def _attention(
+        self, state: LayerState, t: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         (x,) = t
         y = torch.tanh(x @ self.attn)
         return (x, self._burn(y))
@@ -136,7 +138,11 @@ class ToyMoE(nn.Module):
     def _experts(self, state: LayerState, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x, z = t
         n = z.shape[0]
-        counts = [n // 2, n - n // 2] if self.w_in.shape[0] == 2 else [n] + [0] * (self.w_in.shape[0] - 1)
+        counts = (
+            [n // 2, n - n // 2]
+            if self.w_in.shape[0] == 2
+            else [n] + [0] * (self.w_in.shape[0] - 1)
+        )
         h = torch.relu(grouped_matmul(z, counts, self.w_in, state))
         return (x, self._burn(grouped_matmul(h, counts, self.w_out, state)))
 

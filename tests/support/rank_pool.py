@@ -111,7 +111,8 @@ class RankPool:
                 if dead or time.monotonic() > deadline:
                     self.close(kill=True)
                     raise RankError(f"the pool's ranks {dead} died while starting" if dead else
-                                    f"the pool did not start within {START_TIMEOUT:.0f}s")
+                                    f"the pool did not start within {START_TIMEOUT:.0f}s"
+                                    ) from None
         self._joined = True
 
     def _most_threads(self) -> int:

@@ -82,7 +82,11 @@ def test_a_train_result_keeps_a_fixed_window():
         result.add_saved(f"iter_{i + 1}")
     assert result.losses == [7.0, 8.0, 9.0] and result.grad_norms == [8.0, 9.0, 10.0]
     assert len(result.aux_losses) == 3 and result.dropped == 7 and result.first_loss == 0.0
-    assert list(result.valid_losses) == [8, 9, 10] and list(result.valid_bits_per_byte) == [8, 9, 10]
+    assert list(result.valid_losses) == [8, 9, 10] and list(result.valid_bits_per_byte) == [
+        8,
+        9,
+        10,
+    ]
     assert result.saved == ["iter_8", "iter_9", "iter_10"]
     result.add_line("model: ...")
     result.head = 1  # the run's description stays

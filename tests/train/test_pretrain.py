@@ -97,7 +97,8 @@ def test_non_finite_loss_stops_naming_the_iteration(rank_pools):
     (["--moe-a2a-waves", "0"], "--moe-a2a-waves=0 must be >= 1"),
     (["--recompute-granularity", "full"],
      "--recompute-granularity full needs --recompute-method uniform or block"),
-    (["--recompute-num-layers", "2"], "--recompute-num-layers=2 needs --recompute-granularity full"),
+    (["--recompute-num-layers", "2"],
+     "--recompute-num-layers=2 needs --recompute-granularity full"),
     (["--recompute-granularity", "full", "--recompute-method", "uniform",
       "--recompute-num-layers", "0"], "--recompute-num-layers=0 must be >= 1"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
@@ -149,7 +150,8 @@ def test_every_schedule_trains_the_same_model(rank_pools):
     base = TINY + ["--train-iters", "3", "--eval-interval", "0", "--global-batch-size", "16",
                    "--num-layers", "4"]
     reference = rank_pools(4).run(
-        _train, base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"]
+        _train,
+        base + ["--virtual-pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"],
     )[0].losses
     # a budget of one extra microbatch in flight pairs fewer steps, and full recompute re-runs
     # every compute node in its backward: same bits (selective recompute and the budget alone

@@ -11,9 +11,11 @@ from support.pretrain_flags import TINY
 
 LAYOUTS = {
     "pp1 ep4 dp4": ["--pipeline-model-parallel-size", "1",
-                    "--virtual-pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "4"],
+                    "--virtual-pipeline-model-parallel-size", "1",
+                    "--expert-model-parallel-size", "4"],
     "pp4 ep1 dp1": ["--pipeline-model-parallel-size", "4",
-                    "--virtual-pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "1"],
+                    "--virtual-pipeline-model-parallel-size", "1",
+                    "--expert-model-parallel-size", "1"],
     "pp2 ep1 dp2 1f1b": ["--virtual-pipeline-model-parallel-size", "1",
                          "--expert-model-parallel-size", "1", "--nproc", "4"],
 }

@@ -66,7 +66,9 @@ def test_a_rank_reports_its_error_in_one_line(monkeypatch):
     monkeypatch.setattr(pretrain, "train", failing_train)
     monkeypatch.setenv("RANK", "3")
     said = []
-    assert pretrain.run_rank(None, None, lambda line, secondary: said.append((line, secondary))) == 1
+    assert (
+        pretrain.run_rank(None, None, lambda line, secondary: said.append((line, secondary))) == 1
+    )
     assert said == [("rank 3: the corpus has 3 tokens: too few for two windows", False)]
 
 

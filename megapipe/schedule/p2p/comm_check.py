@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..errors import ScheduleError
+from ..actions import plain_key
 from ..ir import COMM_KINDS, Derived, Kind, Schedule
 from ..table import is_comm
 from ..timing.deps import (
@@ -59,11 +60,12 @@ def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
         for index, action in enumerate(row):
             if action.kind not in COMM_KINDS:
                 continue
-            if not 0 <= action.stage < lowered.num_stages:
-                raise ScheduleError(f"stage {action.stage} does not exist", rank, action)
-            if lowered.stage_to_rank[action.stage] != rank:
+            stage, _ = plain_key(action)
+            if not 0 <= stage < lowered.num_stages:
+                raise ScheduleError(f"stage {stage} does not exist", rank, action)
+            if lowered.stage_to_rank[stage] != rank:
                 raise ScheduleError(
-                    f"stage {action.stage} is placed on rank {lowered.stage_to_rank[action.stage]}",
+                    f"stage {stage} is placed on rank {lowered.stage_to_rank[stage]}",
                     rank, action,
                 )
             try:

@@ -13,7 +13,7 @@ for one action, ``megapipe.schedule.timing.flows`` for every computation of a sc
 
 from __future__ import annotations
 
-from ..actions import Action, Kind
+from ..actions import Action, Kind, plain_key
 from ..ir import Schedule
 
 # What a computation leaves behind for others: ("F" | "G" | "W", stage, microbatch), "G" being the
@@ -58,7 +58,7 @@ def product_of(comp: Action) -> Product:
     letter = MAKES.get(comp.kind)
     if letter is None:
         raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
-    return (letter, comp.stage, comp.microbatch)
+    return (letter, *plain_key(comp))
 
 
 def needs_of(schedule: Schedule, comp: Action) -> list[Product]:
@@ -66,11 +66,12 @@ def needs_of(schedule: Schedule, comp: Action) -> list[Product]:
     rules = NEEDS.get(comp.kind)
     if rules is None:
         raise ValueError(f"{comp} is not a plain computation (F, B, I or W)")
+    own, microbatch = plain_key(comp)
     needs = []
     for letter, offset in rules:
-        stage = neighbour(schedule, comp.stage, offset)
+        stage = neighbour(schedule, own, offset)
         if stage is not None:
-            needs.append((letter, stage, comp.microbatch))
+            needs.append((letter, stage, microbatch))
     return needs
 
 
@@ -80,14 +81,15 @@ def rank_of_product(schedule: Schedule, product: Product) -> int:
 
 def sent_message(schedule: Schedule, comp: Action) -> Message | None:
     """The message a computation's result becomes, or None if its consumer is on the same rank."""
-    here = schedule.stage_to_rank[comp.stage]
+    stage, microbatch = plain_key(comp)
+    here = schedule.stage_to_rank[stage]
     rule = SENDS.get(comp.kind)
     if rule is None:
         return None
-    target = neighbour(schedule, comp.stage, rule[1])
+    target = neighbour(schedule, stage, rule[1])
     if target is None or schedule.stage_to_rank[target] == here:
         return None
-    return (rule[0], comp.stage, comp.microbatch)
+    return (rule[0], stage, microbatch)
 
 
 def received_message(schedule: Schedule, comp: Action) -> Message | None:
@@ -98,7 +100,7 @@ def received_message(schedule: Schedule, comp: Action) -> Message | None:
     """
     if comp.kind not in SENDS:
         return None
-    here = schedule.stage_to_rank[comp.stage]
+    here = schedule.stage_to_rank[plain_key(comp)[0]]
     for product, stage, mb in needs_of(schedule, comp):
         if schedule.stage_to_rank[stage] != here:
             return ("F" if product == "F" else "B", stage, mb)
@@ -110,8 +112,9 @@ def message_of_comm(schedule: Schedule, action: Action) -> Message:
     rule = CARRIES.get(action.kind)
     if rule is None:
         raise ValueError(f"{action} is not a SEND or RECV action")
-    source = neighbour(schedule, action.stage, rule[1])
-    return (rule[0], -1 if source is None else source, action.microbatch)
+    stage, microbatch = plain_key(action)
+    source = neighbour(schedule, stage, rule[1])
+    return (rule[0], -1 if source is None else source, microbatch)
 
 
 def peer_rank(schedule: Schedule, action: Action) -> int:
@@ -119,7 +122,7 @@ def peer_rank(schedule: Schedule, action: Action) -> int:
     rule = CARRIES.get(action.kind)
     if rule is None:
         raise ValueError(f"{action} is not a SEND or RECV action")
-    other = neighbour(schedule, action.stage, rule[2])
+    other = neighbour(schedule, plain_key(action)[0], rule[2])
     if other is None:
         raise ValueError(
             f"{action} has no peer: stage {action.stage} is at the end of its pipeline"

@@ -139,13 +139,15 @@ def time_in_order(
     for p in watch:
         watched[p] = True
     sweep = new.fill(total, -1, np.int64)
+    row_offsets, need0, need1, need2, make0, make1, duration = new.of_actions(actions)
     remade = (compiled[0] if compiled else loops.sweep)(
-        *new.of_actions(actions), space,
+        row_offsets, need0, need1, need2, make0, make1, duration, space,
         new.fill(space if actions.delay else 0, actions.delay, np.float64),
         watched, new.fill(len(watched), -1, np.int64), actions.end_of, actions.made_at, cursor,
         free,
         start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
         new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
     stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}
-    found = None if remade[0] < 0 else tuple(int(x) for x in remade)
+    action, maker, product = remade
+    found = None if action < 0 else (int(action), int(maker), int(product))
     return ActionTimes(start, end, sweep, arrive, stuck, found)

@@ -111,7 +111,7 @@ class ProductSpace:
         return 2 * self.size
 
     def ids(self, letter: np.ndarray, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
-        wide = np.int32 if self.never < np.iinfo(np.int32).max else np.int64
+        wide: type[np.integer] = np.int32 if self.never < np.iinfo(np.int32).max else np.int64
         letter, stage, mb = (np.asarray(a).astype(wide, copy=False) for a in (letter, stage, mb))
         s, m = stage - self.stage_lo, mb - self.mb_lo
         inside = (s >= 0) & (s < self.stages) & (m >= 0) & (m < self.mbs) & (letter >= 0)

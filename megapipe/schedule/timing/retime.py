@@ -34,11 +34,12 @@ class SweepSequence:
     for any durations); worked out only when a retiming asks for it (the executor lowers and
     validates, and never retimes)."""
 
-    def __init__(self, sweep: list[int]) -> None:
+    def __init__(self, sweep: list[int] | np.ndarray) -> None:
         self.sweep = sweep
 
     @classmethod
     def of(cls, times: ActionTimes) -> SweepSequence:
+        assert times.sweep is not None  # the engine's timing records each action's sweep
         return cls(times.sweep)
 
     @functools.cached_property
@@ -68,14 +69,19 @@ def time_actions(schedule: Schedule, graph, watch: frozenset = frozenset()) -> A
     docstring), else timed by the engine, keeping a finished timing's sequence for next time."""
     found = SWEEP_SEQUENCE.of(schedule)
     if found is not None and _retimable(graph):
-        return retime(graph, found.sequence, found.sweep)
+        retimed = retime(graph, found.sequence, found.sweep)
+        # a finished timing's sequence is one the same actions can run in, whatever the durations
+        assert retimed is not None
+        return retimed
     times = time_in_order(graph.inputs, watch=watch)
     if _retimable(graph) and not times.stuck and times.remade is None:
         SWEEP_SEQUENCE.keep(schedule, SweepSequence.of(times))
     return times
 
 
-def retime(graph, sequence: np.ndarray, sweep: list[int] | None) -> ActionTimes | None:
+def retime(
+    graph, sequence: np.ndarray, sweep: list[int] | np.ndarray | None
+) -> ActionTimes | None:
     """The engine's times of ``graph``'s actions, computed in ``sequence`` (module docstring);
     None if the actions cannot run in ``sequence`` (a rank's actions out of list order, or an
     action before a product it needs), so that a guessed sequence can be tried. ``sweep`` is given
@@ -88,9 +94,10 @@ def retime(graph, sequence: np.ndarray, sweep: list[int] | None) -> ActionTimes 
     new = LoopColumns(compiled is not None)
     start, end = new.fill(n, 0.0, np.float64), new.fill(n, 0.0, np.float64)
     free, arrive = new.fill(table.pp, 0.0, np.float64), new.fill(2 * space + 1, -1.0, np.float64)
+    _, need0, need1, need2, make0, make1, duration = new.of_actions(actions)
     ok = (compiled[1] if compiled else loops.in_sequence)(
-        new.copy(sequence, np.int64), new.copy(table.rank, np.int64), *new.of_actions(actions)[1:],
-        float(actions.delay), space, start, end, free, arrive)
+        new.copy(sequence, np.int64), new.copy(table.rank, np.int64), need0, need1, need2, make0,
+        make1, duration, float(actions.delay), space, start, end, free, arrive)
     return ActionTimes(start, end, sweep, arrive, {}) if ok else None
 
 

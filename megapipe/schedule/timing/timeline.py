@@ -37,7 +37,7 @@ STRUCTURES: Derived[dict[bool, _Structure]] = Derived(dict)  # p2p latency or no
 class MadeTimes(Mapping):
     """Product ``("F" | "G" | "W", stage, microbatch)`` -> the time it was made, for those made."""
 
-    def __init__(self, space: ProductSpace, arrive: list[float]) -> None:
+    def __init__(self, space: ProductSpace, arrive: list[float] | np.ndarray) -> None:
         self._space = space
         self._arrive = arrive
 

@@ -84,7 +84,10 @@ class PieceTensor(torch.Tensor):
         return out
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+    # torch's stub types Tensor's as a plain function; a subclass defines it as this classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ):
         raise NotImplementedError(f"PieceTensor is a checkpoint entry only; {func} is not "
                                   "defined on it")
 
@@ -115,5 +118,6 @@ class PieceTensor(torch.Tensor):
                 raise ValueError("two copies of a checkpoint entry hold different ranges")
             view.copy_(theirs)
 
-    def __repr__(self) -> str:  # the default would run ops on the wrapper
+    # the default would run ops on the wrapper; Tensor's tensor_contents= has none to show here
+    def __repr__(self) -> str:  # type: ignore[override]
         return f"PieceTensor(shape={tuple(self.shape)}, boxes={len(self._boxes)})"

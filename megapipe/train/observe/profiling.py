@@ -109,6 +109,7 @@ class RunProfiler:
                   "num_microbatches": schedule.num_microbatches,
                   "overlap": self.config.overlap.enabled, "device": self.device.type}
         document = build_trace(records, self.schedule, layout)
+        assert self.path is not None  # written by ``after`` on a traced run only
         with open(self.path, "w") as f:
             json.dump(document, f)
         extra = " and PyTorch profiler traces beside it" if self.use_torch else ""

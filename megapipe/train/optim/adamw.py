@@ -16,8 +16,9 @@ clipping decision and the log need once per step, after the backward.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,19 @@ from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW
 
 
+class WithParamGroups(Protocol):
+    """An optimizer whose learning rate ``LRSchedule.step`` sets: torch's, or one of megapipe's
+    (``MixedPrecisionAdamW``, ``FlatAdamW``)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+
+class _WithState(Protocol):
+    @property
+    def state(self) -> Mapping[Any, Mapping[str, Any]]: ...
+
+
 def optimizer_state_bytes(optimizer: object) -> int:
     """Bytes of optimizer state this rank holds: AdamW's moments and step counters, and fp32
     main weights where they are a copy (bf16); not the model's parameters. An optimizer that
@@ -36,8 +50,10 @@ def optimizer_state_bytes(optimizer: object) -> int:
     own = getattr(optimizer, "state_bytes", None)
     if callable(own):
         return int(own())
+    # one that does not count its own state holds it per parameter, as torch's optimizers do
+    states = cast(_WithState, optimizer).state
     return sum(t.numel() * t.element_size()
-               for state in optimizer.state.values()
+               for state in states.values()
                for t in state.values() if isinstance(t, torch.Tensor))
 
 
@@ -122,7 +138,7 @@ class LRSchedule:
             return self.lr - (self.lr - self.min_lr) * progress
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def step(self, optimizer: torch.optim.Optimizer) -> float:
+    def step(self, optimizer: WithParamGroups) -> float:
         """Set the learning rate of iteration ``self.iteration`` on ``optimizer``; advance."""
         lr = self.lr_at(self.iteration)
         for group in optimizer.param_groups:
@@ -130,12 +146,12 @@ class LRSchedule:
         self.iteration += 1
         return lr
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "lr": self.lr, "min_lr": self.min_lr,
                 "warmup_iters": self.warmup_iters, "decay_iters": self.decay_iters,
                 "style": self.style}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
 
 

@@ -108,14 +108,16 @@ class MixedPrecisionAdamW:
     def copy_main_to_model(self) -> None:
         """Every model parameter := its main weight rounded to the parameter's dtype."""
         if self.model_params:
-            torch._foreach_copy_(self.model_params, list(self._main.values()))
+            # torch's stub asks for a list[Tensor] (invariant): a list of Parameters is one
+            torch._foreach_copy_(self.model_params,  # type: ignore[arg-type]
+                                 list(self._main.values()))
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW's state dict of the main copies (each state holds its ``main_param``)."""
         return self.optimizer.state_dict()
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()``'s output: moments and main weights, then the bf16 weights."""
         self.optimizer.load_state_dict(state_dict)
         for main in self._main.values():

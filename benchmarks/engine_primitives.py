@@ -55,8 +55,8 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     import torch
 
     import megapipe.overlap.combined as combined
-    import megapipe.overlap.tape as tape_module
     import megapipe.overlap.streams as streams_module
+    import megapipe.overlap.tape as tape_module
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap import record_forward
     from megapipe.overlap.streams import CudaStream, Streams

@@ -60,9 +60,9 @@ class _CountingGraphs:
 
 def count(hidden: int) -> dict[str, tuple[int, int]]:
     """Per captured node: (eager launches, launches with graphs) for one forward + backward."""
+    from megapipe.graphs.nodes import NodeGraphs
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap.tape import _run_backward
-    from megapipe.graphs.nodes import NodeGraphs
     from megapipe.train.optim.mixed_precision import cast_to_bf16
 
     config = GPTConfig(hidden_size=hidden, num_heads=4, num_layers=2, seq_length=64,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from .data.commands import PREPROCESS_DATA, TRAIN_TOKENIZER
 from .schedule.errors import ScheduleError
@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     from .schedule.registry import SCHEDULES
 
-    p.add_argument("name", nargs="?", help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)")
+    p.add_argument("name", nargs="?",
+                   help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)")
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--vpp", type=int, default=None,
                    help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 Check = Callable[[str, Any], "str | None"]
 

@@ -8,9 +8,9 @@ import pytest
 
 from megapipe import cli
 from megapipe.cli import main
-from megapipe.subcommand import Subcommand
 from megapipe.schedule.ir import read_csv
 from megapipe.schedule.registry import build_schedule
+from megapipe.subcommand import Subcommand
 
 
 def test_schedule_prints_grid_and_metrics(capsys):
@@ -52,7 +52,8 @@ def test_csv_and_trace_are_written(tmp_path, capsys):
         (["schedule", "1f1b", "--pp", "2"], "required: -m/--num-microbatches"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "1,2,3"], "must not exceed"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--costs", "a"], "F,B,W or F,B,W,A2A"),
-        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--moe-layers", "-1"], "--moe-layers=-1 must be >= 0"),
+        (["schedule", "1f1b", "--pp", "2", "-m", "4", "--moe-layers", "-1"],
+         "--moe-layers=-1 must be >= 0"),
         (["schedule", "1f1b", "--pp", "2", "-m", "4", "--png", "/nonexistent/x.png"],
          "folder '/nonexistent' does not exist"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

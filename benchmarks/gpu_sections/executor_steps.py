@@ -21,8 +21,8 @@ from gpu_sections.link_model import make_link, set_link
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.precision.main_grad import zero_grads
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.precision.main_grad import zero_grads
 from megapipe.schedule import build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 

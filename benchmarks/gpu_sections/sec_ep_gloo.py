@@ -126,8 +126,8 @@ def _step(s: Settings, batch, device: torch.device, groups, overlap: bool,  # no
     ``groups`` None: ep = 1."""
     from megapipe.models.gpt import gpt_loss
     from megapipe.models.split import build_stage
-    from megapipe.precision.main_grad import accumulated_grad
     from megapipe.pipeline.executor import PipelineExecutor
+    from megapipe.precision.main_grad import accumulated_grad
     from megapipe.schedule import build_schedule
     from megapipe.train.optim.mixed_precision import cast_to_bf16
 

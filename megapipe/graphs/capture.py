@@ -10,8 +10,9 @@ replays the backward graph. The rules it follows are in ``graphs.nodes``'s docst
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 

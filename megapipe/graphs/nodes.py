@@ -43,16 +43,16 @@ The mechanics of one node's instances: ``graphs.capture``; the flags' rules:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from megapipe.graphs.capture import CapturedNode, GraphStats
 from megapipe.graphs.rules import selected, settings_problem
-from megapipe.overlap.plan import (
-    Fork, Node, NodeKind, Plan, run_nodes,
-)
+from megapipe.overlap.plan import Fork, Node, NodeKind, Plan, run_nodes
+
 
 @dataclass(frozen=True, eq=False)
 class Graphable:
@@ -87,7 +87,7 @@ class GraphApi:
         self.check_input_liveness = check_input_liveness
         self._side: torch.cuda.Stream | None = None
 
-    def _stream(self) -> "torch.cuda.Stream":
+    def _stream(self) -> torch.cuda.Stream:
         if self._side is None:
             self._side = torch.cuda.Stream(device=self.device)
         return self._side
@@ -184,7 +184,7 @@ class NodeGraphs:
         self._plans[id(plan)] = (plan, wrapped)  # the plan kept: its id stays its own
         return wrapped
 
-    def runner(self, inner: Any = None) -> "GraphRunner":
+    def runner(self, inner: Any = None) -> GraphRunner:
         """A node runner that runs each plan's captured form through ``inner`` (None: plain
         autograd, ``run_nodes``)."""
         return GraphRunner(self, inner)

@@ -11,7 +11,7 @@ Megatron's local graphs), and ``moe`` (the whole layer) takes both.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 GRAPH_IMPLS = ("none", "local", "transformer_engine")
 GRAPH_MODULES = ("attn", "mlp", "moe_router", "moe_preprocess", "moe")

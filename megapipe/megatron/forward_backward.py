@@ -59,8 +59,9 @@ unused (no encoder-decoder models, no validation-step special case).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,7 @@ class MegatronForwardBackward:
     def aux_losses(self) -> list[torch.Tensor]:
         """The mean auxiliary loss of each of this rank's megapipe MoE layers over the last
         call's forwards (module docstring), summed when asked."""
-        return [log.mean() for log in self._aux_logs]  # type: ignore[misc]
+        return [log.mean() for log in self._aux_logs]
 
     # -------------------------------------------------------------- executor per shape
     def _executor(

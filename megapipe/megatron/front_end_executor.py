@@ -11,8 +11,9 @@ and the ``OverlapAuto`` that times the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

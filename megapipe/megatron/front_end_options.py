@@ -9,8 +9,8 @@ settings, the options that exist in one overlap mode only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

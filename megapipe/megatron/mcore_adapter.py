@@ -37,17 +37,9 @@ from megapipe.megatron.mcore_layers import (
     layer_plan,
     mtp_plan,
 )
-from megapipe.megatron.mcore_recompute import (
-    recompute_layer,
-    recompute_mtp,
-    recomputed_layers,
-)
+from megapipe.megatron.mcore_recompute import recompute_layer, recompute_mtp, recomputed_layers
 from megapipe.megatron.mcore_release import McoreRelease, release
-from megapipe.megatron.mcore_support import (
-    chain_of,
-    check_groups,
-    find_megatron_model,
-)
+from megapipe.megatron.mcore_support import chain_of, check_groups, find_megatron_model
 from megapipe.megatron.mcore_wgrad import check_driven, delayed_modules
 from megapipe.overlap.plan import LayerState, Node, NodeKind, NodeRunner, run_nodes
 

@@ -160,9 +160,9 @@ class _MoENodes:
     """The four node functions of one Megatron MoE layer (``moe_plan``), sharing the layer,
     the call's settings and how many passed-on tensors lead the tuples."""
 
-    def __init__(self, layer: nn.Module, call: ForwardCall,
-                 before: Optional[Callable[[McoreLayerState, Tensors], Tensors]],
-                 after: Optional[Callable[[McoreLayerState, torch.Tensor], Tensors]]) -> None:
+    def __init__(self, layer: Any, call: ForwardCall,  # Megatron's layer: megatron is untyped
+                 before: Callable[[McoreLayerState, Tensors], Tensors] | None,
+                 after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None) -> None:
         moe = layer.mlp
         self.layer, self.moe, self.call, self.before, self.after = layer, moe, call, before, after
         self.shared = moe.use_shared_expert and not moe.shared_expert_overlap

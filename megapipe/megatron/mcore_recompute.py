@@ -34,8 +34,8 @@ import torch
 
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.megatron.mcore_release import McoreRelease
-from megapipe.recompute.full import recompute_plan
 from megapipe.overlap.plan import Node, NodeKind, Plan
+from megapipe.recompute.full import recompute_plan
 
 
 class DispatcherSwitch:

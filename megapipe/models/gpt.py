@@ -18,27 +18,24 @@ index, name), so any stage split and any EP size rebuild the single-process mode
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.graphs.nodes import Graphable
 from megapipe.models.attention import CausalSelfAttention
 from megapipe.models.config import GPTConfig
 from megapipe.models.norm import RMSNorm
 from megapipe.moe.experts import SwiGLUMLP
 from megapipe.moe.layer import MoELayer, MoEState
 from megapipe.moe.seeding import seeded_normal
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes
 from megapipe.recompute.full import recompute_plan
-from megapipe.graphs.nodes import Graphable
 from megapipe.recompute.layer_groups import group_plans
-from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeKind, NodeRunner, Plan, run_nodes,
-)
 
 Tensors = tuple[torch.Tensor, ...]
 MOE_ATTENTION_GRAPH_MODULES = ("attn", "moe_router", "moe_preprocess")
@@ -312,7 +309,8 @@ class GPTStage(nn.Module):
         if not self.is_first and self.input_tensor is not None:
             x = self.input_tensor
         if x is None:
-            raise ValueError("GPTStage.forward needs an input (or set_input_tensor on a later stage)")
+            raise ValueError(
+                "GPTStage.forward needs an input (or set_input_tensor on a later stage)")
         if not self.is_first and (not x.is_floating_point() or x.dim() != 3):
             raise ValueError(
                 f"a stage after the first takes float hidden states [batch, seq, "

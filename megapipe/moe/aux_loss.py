@@ -99,7 +99,7 @@ class AuxLossLog:
         self._values = []
         return values
 
-    def take(self) -> "AuxLossLog":
+    def take(self) -> AuxLossLog:
         """A log of the values recorded since the last pop or take, which this one forgets:
         nothing is summed, so a caller that may never read them pays nothing for them."""
         taken = AuxLossLog()

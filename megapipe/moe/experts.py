@@ -13,17 +13,16 @@ one group of the local experts at a time (``group_first``), with bitwise the sam
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from megapipe.kernels import swiglu as fused_swiglu
+from megapipe.moe.grouped_gemm import grouped_matmul, use_grouped_mm
 from megapipe.moe.seeding import seeded_normal
 from megapipe.overlap.plan import LayerState
 from megapipe.recompute.function import recompute
-from megapipe.moe.grouped_gemm import use_grouped_mm
-from megapipe.moe.grouped_gemm import grouped_matmul
 
 
 def swiglu(

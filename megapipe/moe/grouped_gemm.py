@@ -23,7 +23,8 @@ input's dtype; its weight gradient can be deferred into a ``WeightGradQueue``
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F

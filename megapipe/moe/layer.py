@@ -52,12 +52,13 @@ results.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.graphs.nodes import Graphable
 from megapipe.kernels import unpermute_tokens
 from megapipe.moe.aux_loss import AuxLossLog
 from megapipe.moe.config import MoEConfig
@@ -67,7 +68,6 @@ from megapipe.moe.rank_capacity import RankCapacityDispatch, gather_rows, lane_r
 from megapipe.moe.router import Router
 from megapipe.moe.state import MoEState, pass_leading
 from megapipe.moe.waves import WaveDispatch
-from megapipe.graphs.nodes import Graphable
 from megapipe.overlap.plan import Fork, Node, NodeFn, NodeKind, WavePlan, run_nodes
 
 __all__ = ["MoEConfig", "MoELayer", "MoEState", "pass_leading", "set_sync_free",

@@ -42,7 +42,11 @@ import torch
 from torch import nn
 
 from megapipe.kernels import (
-    permute_op, router_backward_op, router_op, routing_rows_op, sum_choices_op,
+    permute_op,
+    router_backward_op,
+    router_op,
+    routing_rows_op,
+    sum_choices_op,
 )
 from megapipe.kernels.reference_fused import stable_top_k
 from megapipe.moe.aux_loss import AuxStatistics

@@ -3,12 +3,25 @@
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeKind, NodeRunner, WavePlan, layer_graph, run_nodes,
-)
-from megapipe.overlap.streams import (
-    CudaStream, Event, InlineStream, Stream, Streams, WorkerStream, make_streams,
+    Fork,
+    LayerState,
+    Node,
+    NodeKind,
+    NodeRunner,
+    WavePlan,
+    layer_graph,
+    run_nodes,
 )
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
+from megapipe.overlap.streams import (
+    CudaStream,
+    Event,
+    InlineStream,
+    Stream,
+    Streams,
+    WorkerStream,
+    make_streams,
+)
 from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 

@@ -30,9 +30,10 @@ partner overlaps its own all-to-all waves.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import ceil
-from typing import Any, Callable, Sequence, cast
+from typing import Any, cast
 
 import torch
 
@@ -42,12 +43,16 @@ from megapipe.overlap.streams import Event, Stream, Streams
 from megapipe.overlap.tape import Grads, LayerRecord, NodeRecord, Tape, Values, source_values
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pairing.order import (
-    COMM, FILL, HEAD, REST, Issue, IssueName, IssueOrder, queuing_positions,
+    COMM,
+    FILL,
+    HEAD,
+    REST,
+    Issue,
+    IssueName,
+    IssueOrder,
+    queuing_positions,
 )
 from megapipe.pairing.timing import LayerTimes
-
-
-
 
 
 @dataclass

@@ -26,12 +26,12 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 class CudaMark:
     """A timing event recorded on a CUDA stream, with the host time at which it was recorded."""
 
-    def __init__(self, stream: "torch.cuda.Stream") -> None:
+    def __init__(self, stream: torch.cuda.Stream) -> None:
         self.event = torch.cuda.Event(enable_timing=True)
         self.event.record(stream)
         self.host = time.perf_counter()
 
-    def host_time_of(self, other: "CudaMark") -> float:
+    def host_time_of(self, other: CudaMark) -> float:
         """When ``other`` was reached on the GPU, on the host clock's scale with this mark as
         the origin (waits until ``other`` is reached)."""
         other.event.synchronize()

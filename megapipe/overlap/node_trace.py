@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from megapipe.schedule.timing.intervals import covered_total, union
 

@@ -22,10 +22,10 @@ A plan may also hold a ``Fork``: parallel chains between two nodes (a layer spli
 from __future__ import annotations
 
 import warnings
-
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -239,7 +239,7 @@ class Plan(list):
         self.graph = layer_graph(self)
         self.state_type = state_type
 
-    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> "Plan":
+    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> Plan:
         """This plan with its items replaced by ``wrap(items)``, its state type kept."""
         return Plan(wrap(list(self)), self.state_type)
 
@@ -255,7 +255,7 @@ class WavePlan(Plan):
         self._in_waves = in_waves
         self._forms: dict[int, WavePlan] = {}
 
-    def in_waves(self, waves: int) -> "WavePlan":
+    def in_waves(self, waves: int) -> WavePlan:
         """The layer in ``waves`` expert groups."""
         form = self._forms.get(waves)
         if form is None:
@@ -263,7 +263,7 @@ class WavePlan(Plan):
                                                  self.state_type)
         return form
 
-    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> "WavePlan":
+    def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> WavePlan:
         """This plan and its wave forms with their items replaced by ``wrap(items)``."""
         in_waves = self.in_waves
         return WavePlan(wrap(list(self)), lambda waves: wrap(list(in_waves(waves))),

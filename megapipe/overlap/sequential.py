@@ -10,12 +10,13 @@ paths perform the same operations: bitwise those of plain autograd over the same
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from megapipe.overlap.tape import Grads, Tape, Values, checked
 from megapipe.overlap.plan import Track
+from megapipe.overlap.tape import Grads, Tape, Values, checked
 from megapipe.overlap.wgrad import WeightGradQueue
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ class Event(ABC):
         """Whether the work is complete (never blocks)."""
 
     @abstractmethod
-    def value_on(self, stream: "Stream") -> Any:
+    def value_on(self, stream: Stream) -> Any:
         """The value, made safe for work submitted to ``stream`` from now on."""
 
 
@@ -245,7 +246,7 @@ class WorkerStream(Stream):
 
 
 class CudaEvent(Event):
-    def __init__(self, event: Any, value: Any, producer: "CudaStream") -> None:
+    def __init__(self, event: Any, value: Any, producer: CudaStream) -> None:
         self.event = event
         self.value = value
         self.producer = producer
@@ -276,7 +277,7 @@ class CudaStream(Stream):
     keeps_memory = True
 
     def __init__(self, name: str, device: torch.device, priority: int = 0,
-                 stream: "torch.cuda.Stream | None" = None, current: bool = False,
+                 stream: torch.cuda.Stream | None = None, current: bool = False,
                  api: CudaApi | None = None) -> None:
         self.name = name
         self.device = device
@@ -375,7 +376,7 @@ class Streams:
         self.comm.close()
         self.compute.close()
 
-    def __enter__(self) -> "Streams":
+    def __enter__(self) -> Streams:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -26,13 +26,20 @@ The tape path (``sequential``) runs the nodes one after the other; the combined 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.autograd import Variable
 
 from megapipe.overlap.plan import (
-    LayerState, Node, Plan, Source, Track, UndeclaredState, layer_graph,
+    LayerState,
+    Node,
+    Plan,
+    Source,
+    Track,
+    UndeclaredState,
+    layer_graph,
 )
 from megapipe.overlap.streams import Stream
 from megapipe.overlap.wgrad import WeightGradQueue

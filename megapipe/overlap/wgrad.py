@@ -20,10 +20,10 @@ The experts' ``moe.grouped_gemm.grouped_matmul`` is such an op.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-
 
 Track = Callable[[Sequence[Any]], None]
 """``track(values)``: the engine keeps these tensors until their backward or later use (the

@@ -58,8 +58,9 @@ far, places its fills as it goes.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from functools import cache
+from typing import NamedTuple
 
 from .slots import LayerKinds, LayerWalk, NodeRef, Side, Slot, layer_walk, slots_of
 from .timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
@@ -145,7 +146,7 @@ class _PairPlan(NamedTuple):
     b_end: int  # the entry of the backward's first node (-1: none)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _pair_plan(forward: LayerWalk | None, backward: LayerWalk | None) -> _PairPlan:
     """The slots of a layer pair with each node's waits inside the pair worked out once."""
     entries: list[_Entry] = []  # in issue order: per slot its comm, then its compute entries

@@ -12,12 +12,12 @@ per layer shape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Sequence
+from functools import cache
+from typing import Any
 
 from .timing import COMM, COMPUTE
-
 
 COMM_READS_HOST = "comm_reads_host"
 """The kind of a comm node that reads values back to the host (a dropless dispatch's split
@@ -69,7 +69,7 @@ def _kind(kind: str) -> tuple[str, bool]:
     return kind, False
 
 
-@lru_cache(maxsize=None)
+@cache
 def layer_walk(kinds: tuple) -> LayerWalk:
     """Number the nodes of a layer's kinds (``LayerKinds`` as tuples; ``walk_of`` takes lists)
     and find what each reads. Cached: a run has a few shapes of layer, each walked once."""
@@ -132,7 +132,7 @@ def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> lis
     return slots
 
 
-@lru_cache(maxsize=None)
+@cache
 def slots_of(forward: LayerWalk | None, backward: LayerWalk | None) -> tuple[Slot, ...]:
     """One forward layer beside one backward layer (module docstring); cached per shape."""
     if forward is None or backward is None:  # a layer without a partner runs alone

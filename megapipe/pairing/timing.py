@@ -20,8 +20,9 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 COMPUTE = "compute"
 COMM = "comm"

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -140,7 +141,7 @@ class ActivationMeter:
     def _on_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
-    def __enter__(self) -> "ActivationMeter":
+    def __enter__(self) -> ActivationMeter:
         self.peak_bytes = self.live_bytes
         if self._on_cuda():
             torch.cuda.reset_peak_memory_stats(self.device)

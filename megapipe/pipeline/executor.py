@@ -20,22 +20,26 @@ the forward actions (under ``torch.no_grad``) lowered on their own: it stores no
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.overlap.combined import CombinedStep
 from megapipe.graphs.nodes import node_graphs
+from megapipe.overlap.combined import CombinedStep
 from megapipe.overlap.plan import WarnOnce
 from megapipe.overlap.streams import Streams, make_streams
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.parallel.groups import ProcessGroups, pipeline_position
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
-    check_executor_options, check_graph_options, check_inputs, check_overlap_options,
+    check_executor_options,
+    check_graph_options,
+    check_inputs,
+    check_overlap_options,
     check_stages,
 )
 from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
@@ -46,9 +50,9 @@ from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forwar
 from megapipe.pipeline.step_profile import ProfileOptions, open_step, take_trace
 from megapipe.pipeline.step_result import StepResult, StepState
 from megapipe.pipeline.transit import PairSends, StepTensors, stage_links
-from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind, Schedule
+from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
 from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
 
 LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
@@ -167,7 +171,7 @@ class PipelineExecutor:
             self._streams.close()
             self._streams = None
 
-    def __enter__(self) -> "PipelineExecutor":
+    def __enter__(self) -> PipelineExecutor:
         return self
 
     def __exit__(self, *exc: Any) -> None:

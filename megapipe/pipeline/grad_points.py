@@ -25,8 +25,9 @@ sum.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind
@@ -68,7 +69,7 @@ class GradPoints:
     at_end: tuple[int, ...] = ()  # stages whose two points come after the mirrored sum
 
     @classmethod
-    def of(cls, actions: Sequence[Action], bidirectional: bool = False) -> "GradPoints":
+    def of(cls, actions: Sequence[Action], bidirectional: bool = False) -> GradPoints:
         """The points of ``actions`` (one rank's list, lowered or compute-only)."""
         first_forward: dict[int, int] = {}
         last_backward: dict[int, int] = {}

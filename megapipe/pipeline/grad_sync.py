@@ -23,14 +23,15 @@ float32, else ``.grad``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.precision.main_grad import grad_buffer
 from megapipe.parallel.groups import ProcessGroups
+from megapipe.precision.main_grad import grad_buffer
 from megapipe.schedule.ir import Schedule
 
 

@@ -21,8 +21,8 @@ synchronisations, so the times are the device's, not the host's issue times.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -35,15 +35,14 @@ from __future__ import annotations
 import datetime
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind
-
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ class TensorSpec:
     def empty(self, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
-    def __call__(self, stage: int, microbatch: int) -> "TensorSpec":
+    def __call__(self, stage: int, microbatch: int) -> TensorSpec:
         """One spec for every boundary is a ``SpecFn`` too."""
         return self
 

@@ -31,8 +31,8 @@ overhead per parameter group; in exchange W never recomputes an input-gradient m
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge

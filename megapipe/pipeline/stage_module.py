@@ -25,8 +25,9 @@ it would silently lose the 1/num_microbatches scale of its auxiliary-loss gradie
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Protocol, Sequence, TypeGuard, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import nn

@@ -19,21 +19,25 @@ Two ways to run a stage, performing the same operations (so results are bitwise 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from megapipe.overlap.combined import BackwardHalf
-from megapipe.overlap.tape import Tape
 from megapipe.graphs.nodes import NodeGraphs
-from megapipe.overlap.sequential import TapeRunner, run_backward
+from megapipe.overlap.combined import BackwardHalf
 from megapipe.overlap.plan import NodeRunner, Track
+from megapipe.overlap.sequential import TapeRunner, run_backward
+from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.split_backward import DeferredWeightGrad, input_backward
 from megapipe.pipeline.stage_module import (
-    StageModule, check_stage_module, is_stage_module, running_layers_with,
+    StageModule,
+    check_stage_module,
+    is_stage_module,
+    running_layers_with,
 )
 
 ForwardFn = Callable[[nn.Module, Any], torch.Tensor]

@@ -14,10 +14,11 @@ through ``p2p.PipelineP2P`` (the transport).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,8 +27,6 @@ from megapipe.pipeline.p2p import CommOp, PipelineP2P, PostedBatch, SpecFn
 from megapipe.schedule.actions import COMM_KINDS, plain_key
 from megapipe.schedule.ir import Action, Kind, Schedule
 from megapipe.schedule.p2p.early_sends import RECEIVES
-
-
 
 Key = tuple[int, int]  # (stage, microbatch)
 

@@ -13,10 +13,9 @@ under Megatron's DDP already carries ``main_grad``; megapipe writes into it the 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
-
 from torch.utils.hooks import RemovableHandle
 
 

@@ -26,9 +26,9 @@ there is no RNG state to restore; a node that draws any cannot be recomputed bit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

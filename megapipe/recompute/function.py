@@ -16,7 +16,7 @@ attention core and the experts' activation are (``RECOMPUTE_MODULES``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

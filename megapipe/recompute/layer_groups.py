@@ -17,13 +17,11 @@ the layers in the same order, so results are bitwise those of the layers one by 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
-from typing import Any, Callable, Sequence
-
-from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeKind, Plan, WavePlan, state_type_of,
-)
+from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, Plan, WavePlan, state_type_of
 
 Items = list[Any]
 _ENGINE_FIELDS = frozenset(f.name for f in fields(LayerState))

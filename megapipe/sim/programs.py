@@ -32,15 +32,7 @@ from dataclasses import dataclass
 from math import ceil
 from typing import TYPE_CHECKING
 
-from ..pairing.order import (
-    FILL,
-    HEAD,
-    REST,
-    TAIL,
-    Issue,
-    IssueOrder,
-    queuing_positions,
-)
+from ..pairing.order import FILL, HEAD, REST, TAIL, Issue, IssueOrder, queuing_positions
 from ..pairing.timing import COMM, COMPUTE, NodeTimes, time_issues
 from ..schedule.ir import Action, Kind, plain_key
 from ..schedule.p2p.early_sends import EACH

@@ -25,8 +25,8 @@ from gpu_sections.result import empty  # noqa: E402
 from gpu_sections.runner import finish_result, run_child  # noqa: E402
 from megapipe.moe.link import EmulatedLink  # noqa: E402
 from megapipe.overlap import make_streams  # noqa: E402
-from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
+from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 
 CPU = torch.device("cpu")
 TINY = Shape(hidden=16, heads=2, experts=4, top_k=2, ffn=8, tokens=16, batch=2)

@@ -10,11 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from launch_count import demo_layer, moe_layer_launches  # noqa: E402
-from outside_graphs import (  # noqa: E402
-    GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, launches_outside_graphs,
-)
-
-
+from outside_graphs import GRAPH_REPLAY, PARTIAL_LAYER, RANK_CAPACITY, launches_outside_graphs  # noqa: E402
 
 
 def test_the_layer_graphed_whole_leaves_replays_copies_and_gradient_accumulation():

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.gpt import gpt_loss  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
-from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.pipeline.executor import PipelineExecutor  # noqa: E402
+from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.schedule import build_schedule  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 from megapipe.train.optim.mixed_precision import cast_to_bf16  # noqa: E402

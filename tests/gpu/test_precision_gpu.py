@@ -21,7 +21,6 @@ from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.gpt import gpt_loss  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
 from megapipe.moe.dispatcher import HostCounts  # noqa: E402
-from megapipe.overlap import combined_step, make_streams, record_forward  # noqa: E402
 from megapipe.moe.grouped_gemm import (  # noqa: E402
     cuda_kernel_reads_no_offsets,
     grouped_forward,
@@ -29,9 +28,10 @@ from megapipe.moe.grouped_gemm import (  # noqa: E402
     grouped_weight_grad,
     use_grouped_mm,
 )
-from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
+from megapipe.overlap import combined_step, make_streams, record_forward  # noqa: E402
 from megapipe.overlap.sequential import run_backward  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
+from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 from megapipe.train.optim.adamw import build_optimizer  # noqa: E402
 from megapipe.train.optim.mixed_precision import cast_to_bf16  # noqa: E402

@@ -14,18 +14,22 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from megapipe.graphs.nodes import Graphable, NodeGraphs, node_graphs
+from megapipe.graphs.rules import (
+    GRAPH_IMPLS,
+    GRAPH_MODULES,
+    MOE_NOT_STATIC,
+    coverage_problem,
+    settings_problem,
+)
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss, graph_holders
+from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
-from megapipe.graphs.rules import (
-    GRAPH_IMPLS, GRAPH_MODULES, MOE_NOT_STATIC, coverage_problem, settings_problem,
-)
-from megapipe.graphs.nodes import Graphable, NodeGraphs, node_graphs
-from megapipe.precision.main_grad import accumulated_grad
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
-from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi

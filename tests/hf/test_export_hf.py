@@ -24,11 +24,7 @@ from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
 from megapipe.train.checkpoint.export_hf import export_hf  # noqa: E402
 from megapipe.train.checkpoint.files import DESCRIPTOR_FILE  # noqa: E402
-from megapipe.train.checkpoint.reader import (  # noqa: E402
-    config_of,
-    find_checkpoint,
-    read_model_state,
-)
+from megapipe.train.checkpoint.reader import config_of, find_checkpoint, read_model_state  # noqa: E402
 from support.hf_cases import LAYOUTS, MODERN, TIED, reference_model, write_checkpoints  # noqa: E402
 
 

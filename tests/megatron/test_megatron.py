@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megapipe import get_forward_backward_func
-from megapipe.schedule.registry import default_schedule_name
 from megapipe.schedule import ScheduleError
+from megapipe.schedule.registry import default_schedule_name
 from support.megatron_cases import megatron_run
 from support.pipeline_cases import Case
 

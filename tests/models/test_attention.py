@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from megapipe.models.config import CONFIG_VERSION, GPTConfig
 from megapipe.models.attention import CausalSelfAttention
+from megapipe.models.config import CONFIG_VERSION, GPTConfig
 from megapipe.models.split import build_stage
 
 MODERN = dict(num_heads=4, num_query_groups=2, kv_channels=6, qk_layernorm=True,

@@ -5,13 +5,16 @@ import pytest
 import torch
 
 from megapipe.moe.grouped_gemm import (
-    cuda_kernel_reads_no_offsets, grouped_forward, grouped_input_grad, grouped_weight_grad,
+    cuda_kernel_reads_no_offsets,
+    grouped_forward,
+    grouped_input_grad,
+    grouped_matmul,
+    grouped_weight_grad,
     use_grouped_mm,
 )
-from megapipe.precision.main_grad import attach_main_grads
 from megapipe.overlap.plan import LayerState
-from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.precision.main_grad import attach_main_grads
 
 HAS_KERNEL = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
 COUNTS = [[40, 0, 60, 28], [0, 0, 128, 0], [32, 32, 32, 32]]

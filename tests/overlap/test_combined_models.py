@@ -7,11 +7,10 @@ import torch.distributed as dist
 
 from megapipe.models import GPTConfig, build_stage, gpt_loss
 from megapipe.overlap.combined import combined_step
-from megapipe.overlap.streams import make_streams
-from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.node_trace import NodeTrace
+from megapipe.overlap.sequential import record_forward, run_backward
+from megapipe.overlap.streams import make_streams
 from megapipe.overlap.wgrad import WeightGradQueue
-
 from support.overlap_asserts import assert_same_tensors
 
 CONFIG = dict(num_layers=5, first_k_dense_layers=1, hidden_size=16, num_heads=2, seq_length=8,

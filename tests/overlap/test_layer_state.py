@@ -8,13 +8,19 @@ import torch
 from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.models import GPTConfig, build_stage
 from megapipe.moe.layer import MoEState
-from megapipe.recompute.layer_groups import GroupState
 from megapipe.overlap.combined import combined_step
 from megapipe.overlap.plan import (
-    LayerState, Node, NodeKind, UndeclaredState, WarnOnce, WavePlan, node_plan_of,
+    LayerState,
+    Node,
+    NodeKind,
+    UndeclaredState,
+    WarnOnce,
+    WavePlan,
+    node_plan_of,
 )
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.streams import make_streams
+from megapipe.recompute.layer_groups import GroupState
 
 
 @pytest.mark.parametrize("state_type", [LayerState, MoEState, McoreLayerState, GroupState])

@@ -19,7 +19,10 @@ from megapipe.overlap.combined import CombinedStep
 from support.pipeline_cases import Case
 from support.pretrain_flags import TINY
 from support.stream_cases import (
-    comm_last_findings, executor_findings, job_findings, pipeline_findings,
+    comm_last_findings,
+    executor_findings,
+    job_findings,
+    pipeline_findings,
 )
 from support.stream_checker import StreamChecker
 

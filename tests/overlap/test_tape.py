@@ -10,7 +10,6 @@ from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, UndeclaredSt
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
 from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
-
 from support.overlap_asserts import assert_same_tensors
 from support.overlap_toys import toy_stack
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from megapipe.overlap.plan import LayerState
 from megapipe.moe.grouped_gemm import grouped_matmul
+from megapipe.overlap.plan import LayerState
 from megapipe.overlap.wgrad import WeightGradQueue
 
 

@@ -2,12 +2,21 @@
 
 import pytest
 
-from megapipe.pairing.timing import NodeTimes, time_issues
 from megapipe.pairing.order import (
-    COMM, COMPUTE, FILL, HEAD, REST, TAIL, IssueOrder, format_pair_table, issue_order,
-    pair_slots, queuing_positions,
+    COMM,
+    COMPUTE,
+    FILL,
+    HEAD,
+    REST,
+    TAIL,
+    IssueOrder,
+    format_pair_table,
+    issue_order,
+    pair_slots,
+    queuing_positions,
 )
 from megapipe.pairing.slots import COMM_READS_HOST
+from megapipe.pairing.timing import NodeTimes, time_issues
 
 # attention, dispatch, experts, combine, finish
 MOE = ["compute", "comm", "compute", "comm", "compute"]

@@ -15,13 +15,13 @@ from torch import nn
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.precision.main_grad import accumulated_grad, attach_main_grads
+from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.overlap.plan import LayerState, Node, NodeKind
 from megapipe.overlap.sequential import record_forward, run_backward
-from megapipe.moe.grouped_gemm import grouped_matmul
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.precision.main_grad import accumulated_grad, attach_main_grads
 from megapipe.schedule import build_schedule
 from support.meter_cases import Toy, toy_pipeline_peak
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.rank_pool import results_by_case
 from support.pipeline_cases import Case, bitwise_expected, expected_grad, run_cases
+from support.rank_pool import results_by_case
 
 STEPS = 2
 LOSS_RTOL = 2e-3

@@ -11,11 +11,16 @@ import dataclasses
 import pytest
 import torch
 
-from support.rank_pool import results_by_case
 from support.combined_cases import (
-    bitwise_cases, concurrency_run, front_end_run, graph_cases, non_node_stage, traced_run,
+    bitwise_cases,
+    concurrency_run,
+    front_end_run,
+    graph_cases,
+    non_node_stage,
+    traced_run,
 )
 from support.pipeline_cases import Case
+from support.rank_pool import results_by_case
 
 # every combined schedule; ep in {1, 2, 4}, pp in {1, 2, 4}, vpp in {1, 2}; CONFIG's first
 # layer is dense (dense-first); world = pp * dp <= 8 with ep | dp. At least one case per family

@@ -2,12 +2,17 @@
 
 import pytest
 
-from megapipe.schedule.p2p.early_sends import (
-    EACH, SINGLE, WHOLE, candidates, choose_early_sends, early_posting,
-)
 from megapipe.schedule import build_schedule
-from megapipe.schedule.p2p.comm_check import check_batches
 from megapipe.schedule.errors import ScheduleError
+from megapipe.schedule.p2p.comm_check import check_batches
+from megapipe.schedule.p2p.early_sends import (
+    EACH,
+    SINGLE,
+    WHOLE,
+    candidates,
+    choose_early_sends,
+    early_posting,
+)
 from megapipe.schedule.rank_views import lower_schedule
 from support.combined_cases import early_send_order
 from support.pipeline_cases import Case

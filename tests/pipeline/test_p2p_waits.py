@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from megapipe.pipeline.p2p import (
-    CommOp, P2PPeerError, P2PTimeoutError, PostedBatch, backend_message,
+    CommOp,
+    P2PPeerError,
+    P2PTimeoutError,
+    PostedBatch,
+    backend_message,
 )
 from megapipe.schedule.ir import parse_action
 

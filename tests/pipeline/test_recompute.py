@@ -8,10 +8,10 @@ hold several layers; block: the first layer of each chunk, there too)."""
 from __future__ import annotations
 
 import pytest
-
-from support.rank_pool import results_by_case
-from support.combined_cases import recompute_cases
 from test_combined_step import BITWISE_CASES
+
+from support.combined_cases import recompute_cases
+from support.rank_pool import results_by_case
 
 SETTINGS = {
     "selective": {"recompute_modules": ("core_attn", "moe_act")},

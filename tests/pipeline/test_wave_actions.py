@@ -2,9 +2,9 @@
 
 import pytest
 
-from support.rank_pool import results_by_case
 from support.combined_cases import wave_cases
 from support.pipeline_cases import Case
+from support.rank_pool import results_by_case
 
 FOUR_PAIRS = {frozenset(p) for p in [
     {("B", "combine"), ("F", "attention")}, {("F", "dispatch"), ("B", "experts")},

@@ -15,14 +15,20 @@ from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.moe.layer import MoEState
-from megapipe.recompute.full import recompute_plan
-from megapipe.recompute.layer_groups import GroupState
-from megapipe.precision.main_grad import accumulated_grad
 from megapipe.overlap.plan import (
-    Fork, LayerState, Node, NodeKind, WarnOnce, node_plan_of, run_nodes,
+    Fork,
+    LayerState,
+    Node,
+    NodeKind,
+    WarnOnce,
+    node_plan_of,
+    run_nodes,
 )
 from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
+from megapipe.precision.main_grad import accumulated_grad
+from megapipe.recompute.full import recompute_plan
+from megapipe.recompute.layer_groups import GroupState
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 
 

@@ -20,10 +20,10 @@ from megapipe import get_forward_backward_func
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.moe.link import EmulatedLink
-from megapipe.precision.main_grad import accumulated_grad
 from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.schedule import Kind, build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi

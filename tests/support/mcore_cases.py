@@ -15,14 +15,7 @@ import torch
 import torch.distributed as dist
 
 from support import megatron_cpu
-from support.mcore_models import (
-    MICRO_BATCH,
-    SEQ,
-    VOCAB,
-    McoreCase,
-    TEContractLinear,
-    build_chunks,
-)
+from support.mcore_models import MICRO_BATCH, SEQ, VOCAB, McoreCase, TEContractLinear, build_chunks
 from support.mcore_releases import use_release
 
 Release = tuple[str, "str | None"]  # (version, directory to import it from)

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.overlap.plan import LayerState, Node, NodeKind
 from megapipe.moe.grouped_gemm import grouped_matmul
+from megapipe.overlap.plan import LayerState, Node, NodeKind
 
 
 class AllToAll(torch.autograd.Function):

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
-from megapipe.precision.main_grad import accumulated_grad, zero_grads
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_grid
 from megapipe.pipeline.executor import PipelineExecutor
 from megapipe.pipeline.p2p import TensorSpec
+from megapipe.precision.main_grad import accumulated_grad, zero_grads
 from megapipe.schedule import Kind, build_schedule
 from megapipe.schedule.rank_views import in_flight_limit
 from megapipe.train.optim.mixed_precision import cast_to_bf16

@@ -37,11 +37,7 @@ from megapipe.data.gpt_samples import (  # noqa: E402
 from megapipe.data.tokenizer import HuggingFaceTokenizer  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402
 from megapipe.moe.experts import GroupedExperts  # noqa: E402
-from megapipe.train.checkpoint.reader import (  # noqa: E402
-    config_of,
-    find_checkpoint,
-    read_model_state,
-)
+from megapipe.train.checkpoint.reader import config_of, find_checkpoint, read_model_state  # noqa: E402
 from megapipe.train.config.parse import parse_pretrain_args  # noqa: E402
 from megapipe.train.job import build_job  # noqa: E402
 from megapipe.train.loop import train  # noqa: E402

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..errors import ScheduleError
 from ..actions import plain_key
+from ..errors import ScheduleError
 from ..ir import COMM_KINDS, Derived, Kind, Schedule
 from ..table import is_comm
 from ..timing.deps import (

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from megapipe.schedule import Kind, ScheduleError
 from megapipe.schedule.registry import default_schedule_name
@@ -22,9 +23,21 @@ from megapipe.train.config.declare import ArgsError
 from megapipe.train.config.flag_checks import HIGH_PRIORITY_GROUPS, values_are_indexed
 from megapipe.train.config.flags import PretrainFlags
 from megapipe.train.config.job_config import (
-    DEFAULT_SPLIT, CheckpointConfig, CollectorConfig, DataConfig, DataParallelConfig,
-    FailureConfig, GraphConfig, JobConfig, LoggingConfig, OptimizerConfig, OverlapConfig,
-    PrecisionConfig, ScheduleConfig, TokenizerConfig, emulated_link,
+    DEFAULT_SPLIT,
+    CheckpointConfig,
+    CollectorConfig,
+    DataConfig,
+    DataParallelConfig,
+    FailureConfig,
+    GraphConfig,
+    JobConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    OverlapConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+    TokenizerConfig,
+    emulated_link,
 )
 
 if TYPE_CHECKING:  # the model and process-group modules import torch; the CLI stays light
@@ -84,7 +97,7 @@ def bucket_size(f: PretrainFlags, dp: int) -> int | None:
     return (f.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)) if f.overlap_grad_reduce else None
 
 
-def _parallel(f: PretrainFlags, world_size: int) -> "ParallelConfig":
+def _parallel(f: PretrainFlags, world_size: int) -> ParallelConfig:
     """pp, dp = world / pp and ep, fitting the world size, the experts and the global batch."""
     from megapipe.parallel.config import ParallelConfig
 
@@ -161,7 +174,7 @@ def _check_text(f: PretrainFlags) -> None:
         raise ArgsError(str(err).splitlines()[0]) from None
 
 
-def _check_indexed(f: PretrainFlags, data: DataConfig, tokenizer: "Tokenizer") -> None:
+def _check_indexed(f: PretrainFlags, data: DataConfig, tokenizer: Tokenizer) -> None:
     """Megatron's dataset files and splits, before any process group (``check_gpt_data``)."""
     from megapipe.data.blend import parse_split
     from megapipe.data.gpt_samples import check_gpt_data, megatron_sample_counts
@@ -178,7 +191,7 @@ def _check_indexed(f: PretrainFlags, data: DataConfig, tokenizer: "Tokenizer") -
                    data.cache_path)
 
 
-def _model(f: PretrainFlags, vocab_size: int) -> "GPTConfig":
+def _model(f: PretrainFlags, vocab_size: int) -> GPTConfig:
     """The reference MoE GPT of ``vocab_size`` ids; one ArgsError line for a shape it cannot
     take."""
     from megapipe.models.config import GPTConfig
@@ -212,7 +225,7 @@ def _model(f: PretrainFlags, vocab_size: int) -> "GPTConfig":
         raise ArgsError(str(err).splitlines()[0]) from None
 
 
-def _schedule(f: PretrainFlags, parallel: "ParallelConfig") -> tuple[ScheduleConfig, "Schedule"]:
+def _schedule(f: PretrainFlags, parallel: ParallelConfig) -> tuple[ScheduleConfig, Schedule]:
     """The schedule to run (the flag, or Megatron's default for pp and vpp), built once; every
     stage gets layers, block recompute's N layers fit in the largest pipeline chunk, and tied
     embeddings run where they can."""
@@ -244,7 +257,7 @@ def _schedule(f: PretrainFlags, parallel: "ParallelConfig") -> tuple[ScheduleCon
     return config, schedule
 
 
-def _check_tied_embeddings(f: PretrainFlags, schedule: "Schedule") -> None:
+def _check_tied_embeddings(f: PretrainFlags, schedule: Schedule) -> None:
     """What megapipe does not run with one weight for the embedding and the output layer."""
     if f.untie_embeddings_and_output_weights:
         return
@@ -263,11 +276,13 @@ def _check_tied_embeddings(f: PretrainFlags, schedule: "Schedule") -> None:
                         "--no-overlap-moe-expert-parallel-comm")
 
 
-def _graphs(f: PretrainFlags, model: "GPTConfig", schedule: "Schedule") -> GraphConfig:
+def _graphs(f: PretrainFlags, model: GPTConfig, schedule: Schedule) -> GraphConfig:
     """``--cuda-graph-impl`` / ``--cuda-graph-modules`` (or ``--cuda-graph-scope``) against the
     model's nodes and the schedule (``graphs.rules``)."""
     from megapipe.graphs.rules import (  # torch: only when flags are run
-        coverage_problem, settings_problem, split_backward_problem,
+        coverage_problem,
+        settings_problem,
+        split_backward_problem,
     )
 
     if f.cuda_graph_modules and f.cuda_graph_scope:

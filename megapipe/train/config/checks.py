@@ -26,7 +26,7 @@ def selective_recompute_modules(f: PretrainFlags) -> tuple[str, ...]:
     return ("core_attn",) if f.recompute_modules is None else f.recompute_modules
 
 
-def check_flags(f: PretrainFlags, parallel: "ParallelConfig") -> None:
+def check_flags(f: PretrainFlags, parallel: ParallelConfig) -> None:
     """Every rule between flags that needs no built part but the layout (module docstring)."""
     _check_numbers(f)
     _check_data_parallel(f, parallel)
@@ -84,7 +84,7 @@ def _check_numbers(f: PretrainFlags) -> None:
         )
 
 
-def _check_data_parallel(f: PretrainFlags, parallel: "ParallelConfig") -> None:
+def _check_data_parallel(f: PretrainFlags, parallel: ParallelConfig) -> None:
     """Megatron's rules for the distributed optimizer and its overlaps, and the bucket size."""
     if f.overlap_param_gather and not f.use_distributed_optimizer:
         raise ArgsError(
@@ -215,7 +215,7 @@ def _check_attention(f: PretrainFlags) -> None:
                         "heads; --no-group-query-attention: one per query head)")
 
 
-def _check_options(f: PretrainFlags, parallel: "ParallelConfig") -> None:
+def _check_options(f: PretrainFlags, parallel: ParallelConfig) -> None:
     """Flags that need each other: waves, deferred weight gradients, saving."""
     waves, overlap = f.moe_a2a_waves, f.overlap_moe_expert_parallel_comm
     if waves > 1 and not overlap:

@@ -19,7 +19,8 @@ import argparse
 import dataclasses
 import types
 import typing
-from typing import Any, NoReturn, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, NoReturn, TypeVar
 
 from megapipe.subcommand import ArgsError, Check, above, at_least, finite, one_of
 
@@ -170,7 +171,7 @@ def parse_namespace(record: type, argv: Sequence[str] | None, prog: str,
     def fail(message: str) -> NoReturn:  # argparse's usage block becomes one line
         raise ArgsError(message)
 
-    parser.error = fail  # type: ignore[method-assign]
+    parser.error = fail  # type: ignore[method-assign]  # one instance's error hook, on purpose
     return parser.parse_args(argv)
 
 

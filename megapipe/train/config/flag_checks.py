@@ -7,7 +7,8 @@ parsing stays light; the rules between several flags live in ``checks``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from megapipe.data.blend import check_data_path, is_indexed_prefix
 from megapipe.data.errors import DataError

@@ -14,10 +14,25 @@ from typing import ClassVar
 
 from megapipe.data.tokenizer import TOKENIZER_TYPES
 from megapipe.schedule import SCHEDULES
-from megapipe.train.config.declare import above, at_least, build_parser as parser_of, finite, flag, one_of
+from megapipe.train.config.declare import (
+    above,
+    at_least,
+    build_parser as parser_of,
+    finite,
+    flag,
+    one_of,
+)
 from megapipe.train.config.flag_checks import (
-    GRAPH_IMPLS, GRAPH_MODULES, HIGH_PRIORITY_GROUPS, graph_impl, graph_modules, indexed_or_text,
-    known_groups, known_schedule, megapipe_model, no_fp16,
+    GRAPH_IMPLS,
+    GRAPH_MODULES,
+    HIGH_PRIORITY_GROUPS,
+    graph_impl,
+    graph_modules,
+    indexed_or_text,
+    known_groups,
+    known_schedule,
+    megapipe_model,
+    no_fp16,
 )
 
 DESCRIPTION = ("Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "

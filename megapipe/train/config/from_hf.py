@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from megapipe.models.config import GPTConfig
 
 
-def model_flags(model: "GPTConfig") -> dict[str, Any]:
+def model_flags(model: GPTConfig) -> dict[str, Any]:
     """The model flags (``PretrainFlags`` fields) that give ``model``."""
     if model.first_k_dense_layers == 0 or model.num_experts == 0:
         layer_freq = str(model.moe_layer_freq)
@@ -44,7 +44,7 @@ def model_flags(model: "GPTConfig") -> dict[str, Any]:
 
 
 def flags_from_hf(flags: PretrainFlags, given: frozenset[str] | None
-                  ) -> tuple[PretrainFlags, "GPTConfig"]:
+                  ) -> tuple[PretrainFlags, GPTConfig]:
     """``flags`` with the model flags not ``given`` (None: all were) taken from ``--load-hf``'s
     ``config.json``, and that model; ArgsError (one line) for a directory megapipe cannot
     read or mirror."""

@@ -32,7 +32,7 @@ class ScheduleConfig:
     overlap: bool
     max_extra_in_flight: int | None = None
 
-    def build(self) -> "Schedule":
+    def build(self) -> Schedule:
         from megapipe.schedule import build_schedule
 
         return build_schedule(self.name, self.pp, self.num_microbatches, self.vpp,
@@ -105,7 +105,7 @@ class DataParallelConfig:
         """Whether gradients live in bucketed flat buffers (``optim.grad_buffers``)."""
         return self.overlap_grad_reduce or self.distributed_optimizer
 
-    def link(self) -> "EmulatedLink | None":
+    def link(self) -> EmulatedLink | None:
         """The emulated data-parallel interconnect (CPU overlap studies), or None when off."""
         return None if self.link_gbps is None else emulated_link(self.link_gbps, 0.0)
 
@@ -136,7 +136,7 @@ class TokenizerConfig:
     vocab_size: int = 256
     padded_vocab_size: int = 256
 
-    def build(self) -> "Tokenizer":
+    def build(self) -> Tokenizer:
         from megapipe.data.tokenizer import build_tokenizer
 
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model)
@@ -203,10 +203,10 @@ class JobConfig:
 
     seed: int
     train_iters: int
-    parallel: "ParallelConfig"
+    parallel: ParallelConfig
     schedule: ScheduleConfig
     overlap: OverlapConfig
-    model: "GPTConfig"
+    model: GPTConfig
     tokenizer: TokenizerConfig
     optimizer: OptimizerConfig
     precision: PrecisionConfig
@@ -219,7 +219,7 @@ class JobConfig:
     collector: CollectorConfig = CollectorConfig()
 
 
-def emulated_link(gbps: float, latency_us: float) -> "EmulatedLink":
+def emulated_link(gbps: float, latency_us: float) -> EmulatedLink:
     """An emulated interconnect of ``gbps`` GB/s and ``latency_us`` per message (``moe.link``)."""
     from megapipe.moe.link import EmulatedLink
 

@@ -10,7 +10,7 @@ Anything that cannot run raises ``ArgsError`` with one line naming the value and
 from __future__ import annotations
 
 import argparse
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from megapipe.train.config.build import job_config, world_size_of
 from megapipe.train.config.declare import ArgsError, given_flags, parse_namespace, record_of

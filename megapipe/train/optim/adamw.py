@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.precision.main_grad import accumulated_grad
 from megapipe.pipeline.grad_sync import is_expert_param
+from megapipe.precision.main_grad import accumulated_grad
 from megapipe.train.optim.mixed_precision import MixedPrecisionAdamW
 
 

@@ -126,14 +126,7 @@ def test_a_combined_step_replays_its_graphs_on_the_compute_stream() -> None:
     batches = _batches(2)
     results = []
     for graphs in (None, NodeGraphs(MODULES, FakeGraphApi())):
-        stage = _stage()
-        plans = stage.layer_plans() if graphs is None else [graphs.plan(p) for p in
-                                                            stage.layer_plans()]
-        (out_b,), tape_b = record_forward(plans, (batches[0][0],))
-        (grad,) = torch.autograd.grad(gpt_loss(out_b, batches[0][1]), out_b)
-        with make_streams("cpu") as streams:
-            (out_f,), _, _ = combined_step(plans, (batches[1][0],), tape_b, (grad,), streams,
-                                           delay_wgrad_compute=True)
+        stage, out_f = _pair(CONFIG, graphs, batches)
         results.append((out_f, _grads(stage)))
         if graphs is not None:  # the comm stream's worker never ran a graph
             threads = {stream for kind, _, stream in graphs.api.events if kind == "replay"}

@@ -24,6 +24,7 @@ pytest.importorskip(
 from support import mcore_cases, mcore_checks  # noqa: E402
 from support.mcore_models import McoreCase  # noqa: E402
 from support.mcore_releases import RELEASES, ReleaseUnavailable, release_dir  # noqa: E402
+from support.rank_pool import run_with_room  # noqa: E402
 
 # Where each case runs (time: a release's pool costs about a minute of CPU per ten cases):
 # EVERY release runs the cases that reach what differs between releases (mcore_release's table:
@@ -128,7 +129,7 @@ def release(request, rank_pools):
     shared = directory is None and not version.startswith("0.19")
     tag = None if shared else f"megatron-core-{version}"
     pool = rank_pools(4, tag, env={"TORCHDYNAMO_DISABLE": "1", "NO_VCS_VERSION": "1"})
-    _run_on_pool(pool, mcore_cases.warm_up, spec)
+    run_with_room(pool, mcore_cases.warm_up, spec)
     yield spec, pool
     if tag is not None:
         rank_pools.close(4, tag)
@@ -136,22 +137,12 @@ def release(request, rank_pools):
         del _RESULTS[key]
 
 
-def _run_on_pool(pool, fn, *args):
-    """``pool.run`` with room for a busy machine: one case runs Megatron and megapipe three
-    times on 4 processes (seconds alone, minutes when other jobs share the 2 cores)."""
-    limit, pool.timeout = pool.timeout, max(pool.timeout, 600.0)
-    try:
-        return pool.run(fn, *args)
-    finally:
-        pool.timeout = limit
-
-
 def _result(release, case: McoreCase, kind: str = "fp32") -> list:
     spec, pool = release
     key = (spec[0], case, kind)
     if key not in _RESULTS:
         fn = mcore_cases.compare_case if kind == "fp32" else mcore_cases.bf16_combined_case
-        _RESULTS[key] = _run_on_pool(pool, fn, spec, case)
+        _RESULTS[key] = run_with_room(pool, fn, spec, case)
     return _RESULTS[key]
 
 
@@ -278,7 +269,7 @@ def test_undriven_deferred_weight_gradients_are_missing_under_megatrons_schedule
     no gradient and their work still pending; under megapipe nothing is pending (above)."""
     spec, pool = release
     case = McoreCase(pp=1, ep=2, delay_wgrad=True)
-    outs = _run_on_pool(pool, mcore_cases.undriven_case, spec, case)
+    outs = run_with_room(pool, mcore_cases.undriven_case, spec, case)
     assert all(out["pending_wgrads"] > 0 for out in outs)
     grads = outs[0]["grads"]
     assert not any("linear_qkv" in name for name in grads), "the deferred ones got no gradient"
@@ -288,7 +279,7 @@ def test_refusals_name_what_is_not_mirrored(release):
     """Each setting the adapter does not mirror is refused in one line naming it, before any
     collective; every config field of the release is classified or at its default."""
     spec, pool = release
-    for checks in _run_on_pool(pool, mcore_checks.refusal_checks, spec):  # every rank
+    for checks in run_with_room(pool, mcore_checks.refusal_checks, spec):  # every rank
         for name, (message, expected) in checks.items():
             if expected is None:
                 assert message is None, (name, message)

@@ -14,17 +14,13 @@ pytest.importorskip(
 
 from support import mcore_cases
 from support.mcore_models import McoreCase
+from support.rank_pool import run_with_room
 
 
 def test_a_step_on_megatron_chunks_leaves_no_cyclic_garbage(rank_pools):
     pool = rank_pools(4, None, env={"TORCHDYNAMO_DISABLE": "1", "NO_VCS_VERSION": "1"})
-    limit, pool.timeout = pool.timeout, max(pool.timeout, 600.0)  # Megatron's import: minutes
-    try:
-        pool.run(mcore_cases.warm_up, None)
-        # pipelined combined steps with I and W halves, Megatron's deferred weight gradients
-        # driven by the adapter, shared experts, the node trace: one case (time)
-        case = McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True,
-                         schedule="zb1p")
-        assert pool.run(mcore_cases.cyclic_garbage_case, case, True) == [{}] * 4
-    finally:
-        pool.timeout = limit
+    run_with_room(pool, mcore_cases.warm_up, None)  # Megatron's import: minutes when busy
+    # pipelined combined steps with I and W halves, Megatron's deferred weight gradients
+    # driven by the adapter, shared experts, the node trace: one case (time)
+    case = McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p")
+    assert run_with_room(pool, mcore_cases.cyclic_garbage_case, case, True) == [{}] * 4

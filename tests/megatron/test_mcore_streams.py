@@ -17,18 +17,15 @@ pytest.importorskip(
 
 from support import mcore_cases  # noqa: E402
 from support.mcore_models import McoreCase  # noqa: E402
+from support.rank_pool import run_with_room  # noqa: E402
 from support.stream_cases import mcore_findings  # noqa: E402
 
 
 def test_the_adapters_layers_keep_the_stream_rules(rank_pools):
     # the installed release's pool, as tests/megatron/test_mcore_adapter.py makes it
     pool = rank_pools(4, None, env={"TORCHDYNAMO_DISABLE": "1", "NO_VCS_VERSION": "1"})
-    limit, pool.timeout = pool.timeout, max(pool.timeout, 600.0)  # Megatron's import: minutes
-    try:
-        pool.run(mcore_cases.warm_up, None)
-        for case in (McoreCase(pp=2, vpp=2, ep=2),
-                     McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True,
-                               schedule="zb1p")):
-            assert pool.run(mcore_findings, case) == [[]] * 4, case
-    finally:
-        pool.timeout = limit
+    run_with_room(pool, mcore_cases.warm_up, None)  # Megatron's import: minutes when busy
+    for case in (McoreCase(pp=2, vpp=2, ep=2),
+                 McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True,
+                           schedule="zb1p")):
+        assert run_with_room(pool, mcore_findings, case) == [[]] * 4, case

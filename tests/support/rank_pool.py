@@ -189,6 +189,17 @@ class RankPool:
         self.close()
 
 
+def run_with_room(pool: RankPool, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``pool.run`` with room for a busy machine (600 s at least): a Megatron-Core case runs
+    Megatron and megapipe on 4 processes, and its first imports Megatron in each (seconds
+    alone, minutes when other jobs share the 2 cores)."""
+    limit, pool.timeout = pool.timeout, max(pool.timeout, 600.0)
+    try:
+        return pool.run(fn, *args)
+    finally:
+        pool.timeout = limit
+
+
 def results_by_case(per_rank: list[list[Any]], cases: list[Any]) -> dict[Any, list[Any]]:
     """Regroup ``RankPool.run`` results, one list per rank with one entry per case, into one
     list per case of the ranks that took part in it (a rank outside a case returns None)."""

@@ -14,7 +14,11 @@ megapipe adds ``--heap-trim-interval N`` (default 100, 0: off), with or without 
 after every N-th iteration, after that iteration's collection if any, glibc's ``malloc_trim(0)``
 (where the C library has it; elsewhere nothing) hands the free pages the C heap keeps back to the
 system. Without it the resident memory of each rank kept growing by kilobytes per iteration while
-the heap's bytes in use stayed flat (docs/memory.md, Long runs).
+the heap's bytes in use stayed flat (docs/memory.md, Long runs). With it, when the run starts,
+glibc's mmap threshold is also pinned at its initial 128 KiB (``mallopt``): glibc raises the
+threshold to the size of each mapped block freed, after which the host tensors of that size (a
+CPU run's activations) come from the heap instead and fragment it, their sizes varying with the
+tokens routed to each expert. ``--heap-trim-interval 0`` leaves glibc as it is.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from megapipe.train.config.job_config import CollectorConfig
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's initial value, kept from the run's start
 
 
 class ManualCollector:
@@ -38,9 +45,11 @@ class ManualCollector:
         self.collections = 0  # how many collections this object ran (tests, logs)
         self.trims = 0  # how many times the C heap's free pages were handed back
         self._was_enabled = False
-        self._trim = _malloc_trim() if config.trim_interval else None
+        self._libc = _glibc() if config.trim_interval else None
 
     def __enter__(self) -> ManualCollector:
+        if self._libc is not None:
+            self._libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         if self.config.manual:
             self._was_enabled = gc.isenabled()
             gc.disable()
@@ -57,8 +66,8 @@ class ManualCollector:
         interval, trim_interval = self.config.interval, self.config.trim_interval
         if self.config.manual and interval and iteration % interval == 0:
             self._collect()
-        if self._trim is not None and iteration % trim_interval == 0:
-            self._trim(0)
+        if self._libc is not None and iteration % trim_interval == 0:
+            self._libc.malloc_trim(0)
             self.trims += 1
 
     @contextmanager
@@ -76,10 +85,12 @@ class ManualCollector:
         self.collections += 1
 
 
-def _malloc_trim() -> Callable[[int], Any] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+def _glibc() -> Any:
+    """The C library when it has glibc's ``malloc_trim`` and ``mallopt``, else None (macOS,
+    musl)."""
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and libc.malloc_trim and libc.mallopt else None
     except (OSError, AttributeError):
         return None

@@ -44,26 +44,33 @@ def collections_seen(argv: list[str]) -> dict:
     return {"enabled": enabled, "deltas": deltas, "enabled_after": gc.isenabled()}
 
 
-def trims_seen(argv: list[str]) -> list[int]:
-    """Train with ``argv``, glibc's ``malloc_trim`` replaced by a counter: the iterations at
-    whose end the C heap was trimmed (each call's argument must be 0: trim everything)."""
+def trims_seen(argv: list[str]) -> dict[str, list]:
+    """Train with ``argv``, glibc replaced by a recorder: the iterations at whose end the C heap
+    was trimmed (each call's argument must be 0: trim everything) and the ``mallopt`` calls."""
     calls: list[int] = []
     trimmed: list[int] = []
+    options: list[tuple[int, int]] = []
 
-    def counting_trim(pad: int) -> int:
-        assert pad == 0, pad
-        calls.append(pad)
-        return 1
+    class RecordingGlibc:
+        def malloc_trim(self, pad: int) -> int:
+            assert pad == 0, pad
+            calls.append(pad)
+            return 1
+
+        def mallopt(self, param: int, value: int) -> int:
+            assert not trimmed, "mallopt after the first iteration"
+            options.append((param, value))
+            return 1
 
     def probe(iteration: int) -> None:
         if len(calls) > len(trimmed):
             trimmed.append(iteration)
         assert len(calls) == len(trimmed), (calls, trimmed)  # at most one per iteration
 
-    real = manual_gc._malloc_trim
-    manual_gc._malloc_trim = lambda: counting_trim
+    real = manual_gc._glibc
+    manual_gc._glibc = RecordingGlibc
     try:
         train(parse_pretrain_args(argv, env={}), write=lambda line: None, on_iteration=probe)
     finally:
-        manual_gc._malloc_trim = real
-    return trimmed
+        manual_gc._glibc = real
+    return {"trimmed": trimmed, "mallopt": options}

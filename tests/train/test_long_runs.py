@@ -7,10 +7,11 @@ import gc
 
 import pytest
 
+from megapipe.train import manual_gc
 from megapipe.train.config.job_config import CollectorConfig
 from megapipe.train.config.parse import ArgsError, parse_pretrain_args
 from megapipe.train.loop import TrainResult
-from megapipe.train.manual_gc import ManualCollector, _malloc_trim
+from megapipe.train.manual_gc import M_MMAP_THRESHOLD, MMAP_THRESHOLD, ManualCollector, _glibc
 from support.long_run_cases import collections_seen, pretrain_step_garbage, trims_seen
 from support.pretrain_flags import TINY
 
@@ -54,9 +55,11 @@ def test_the_heap_is_trimmed_every_n_iterations_on_every_rank(rank_pools):
     rank, through the real loop: at 2 and 4 of 5 iterations, neither every iteration nor at the
     run's end. What the trims are counted at is the iteration, never a time, so load (which
     made the pool's time limit end it once) changes nothing but how long it takes.
+    glibc's mmap threshold pinned at 128 KiB once, before the first iteration.
     --heap-trim-interval 0 (never) is the collector's own test below, on the parsed flag."""
     argv = TINY + ["--log-interval", "4", "--train-iters", "5", "--heap-trim-interval", "2"]
-    assert _run(rank_pools(4), trims_seen, argv) == [[2, 4]] * 4
+    pinned = [(M_MMAP_THRESHOLD, MMAP_THRESHOLD)]
+    assert _run(rank_pools(4), trims_seen, argv) == [{"trimmed": [2, 4], "mallopt": pinned}] * 4
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -104,13 +107,13 @@ def test_the_collector_collects_and_trims_at_its_intervals():
             pass
     assert gc.isenabled()
     assert collector.collections == 1 + 2 + 2  # the start, iterations 2 and 4, the evaluation
-    assert collector.trims == (1 if _malloc_trim() is not None else 0)  # iteration 3
+    assert collector.trims == (1 if _glibc() is not None else 0)  # iteration 3
     with ManualCollector(CollectorConfig(trim_interval=2)) as automatic:  # trims, no collection
         assert gc.isenabled()
         for iteration in range(1, 6):
             automatic.after_iteration(iteration)
     assert automatic.collections == 0
-    assert automatic.trims == (2 if _malloc_trim() is not None else 0)
+    assert automatic.trims == (2 if _glibc() is not None else 0)
     with ManualCollector(CollectorConfig()) as off:  # neither: nothing changes
         assert gc.isenabled()
         off.after_iteration(2)
@@ -120,3 +123,29 @@ def test_the_collector_collects_and_trims_at_its_intervals():
         for iteration in range(1, 201):
             untrimmed.after_iteration(iteration)
     assert (never.trim_interval, untrimmed.trims, untrimmed.collections) == (0, 0, 0)
+
+
+def test_the_mmap_threshold_is_pinned_with_the_trim_and_glibc_left_alone_without(monkeypatch):
+    """--heap-trim-interval N > 0 pins glibc's mmap threshold once, when the run starts; 0
+    touches neither mallopt nor malloc_trim."""
+    calls: list[tuple] = []
+
+    class Recording:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append(("mallopt", param, value))
+            return 1
+
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(("malloc_trim", pad))
+            return 1
+
+    monkeypatch.setattr(manual_gc, "_glibc", Recording)
+    with ManualCollector(CollectorConfig(trim_interval=2)) as trimmed:
+        assert calls == [("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)]
+        trimmed.after_iteration(1)
+        trimmed.after_iteration(2)
+    assert calls[1:] == [("malloc_trim", 0)]
+    calls.clear()
+    with ManualCollector(CollectorConfig(trim_interval=0)) as untouched:
+        untouched.after_iteration(2)
+    assert calls == []

@@ -153,7 +153,7 @@ def _hf_weights(model, path: Path) -> None:
     """TINY's model (its seeded initial weights) as Hugging Face tensors in ``path``."""
     from safetensors.torch import save_file
 
-    from megapipe.hf.architectures import export_architecture
+    from megapipe.hf.export_config import export_architecture
     from megapipe.hf.tensors import tensor_sources
     from megapipe.models.split import build_stage
 
@@ -172,7 +172,7 @@ def _hf_dir(weights: bool | None = True, index: str | None = None,
     ``model.safetensors.index.json`` beside it; ``flags``: more model flags given (the others
     are config.json's)."""
     def setup(w: World) -> list[str]:
-        from megapipe.hf.architectures import hf_config
+        from megapipe.hf.export_config import hf_config
 
         folder = w.root / "hf"
         folder.mkdir()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from megapipe.data.errors import DataError
 from megapipe.data.mcore_datasets import mcore_datasets
@@ -131,23 +132,10 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
                 for key, prefix in zip(json_keys, prefixes)}
     tasks = _tasks(path, (tokenizer_type, tokenizer_model, tuple(json_keys), append_eod))
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    documents = tokens = 0
-    pids: set[int] = set()
-    start = time.perf_counter()
+    start = time.perf_counter()  # the pace counts the pool's start
     try:
         with _TaskResults(tasks, workers, tokenizer) as results:
-            for pid, batch in results:
-                pids.add(pid)
-                for encoded in batch:
-                    if encoded is None:
-                        continue
-                    for key, (ids, lengths) in encoded.items():
-                        builders[key].add_document(ids, lengths)
-                        tokens += len(ids)
-                    documents += 1
-                    if documents % log_interval == 0:
-                        log(f"processed {documents:,} documents "
-                            f"({documents / (time.perf_counter() - start):.0f} docs/s)")
+            documents, tokens, pids = _add_documents(results, builders, start, log_interval, log)
         for key, prefix in zip(json_keys, prefixes):
             builders[key].finalize(prefix + ".idx")
     except BaseException:
@@ -156,6 +144,29 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
                 Path(prefix + suffix).unlink(missing_ok=True)
         raise
     return PreprocessResult(prefixes, documents, tokens, frozenset(pids))
+
+
+def _add_documents(results: Iterator[tuple[int, list[Encoded | None]]], builders: dict[str, Any],
+                   start: float, log_interval: int, log: Callable[[str], None],
+                   ) -> tuple[int, int, set[int]]:
+    """Each encoded document into its key's dataset builder, in input order, logging the pace
+    since ``start`` every ``log_interval`` documents: (documents, tokens, the ids of the
+    processes that tokenized)."""
+    documents = tokens = 0
+    pids: set[int] = set()
+    for pid, batch in results:
+        pids.add(pid)
+        for encoded in batch:
+            if encoded is None:
+                continue
+            for key, (ids, lengths) in encoded.items():
+                builders[key].add_document(ids, lengths)
+                tokens += len(ids)
+            documents += 1
+            if documents % log_interval == 0:
+                log(f"processed {documents:,} documents "
+                    f"({documents / (time.perf_counter() - start):.0f} docs/s)")
+    return documents, tokens, pids
 
 
 class _TaskResults:

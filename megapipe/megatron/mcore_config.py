@@ -5,16 +5,18 @@ embedding, output layer and loss) unchanged and re-creates only the code between
 (``GPTModel.forward``, ``TransformerBlock.forward``, the MoE part of ``TransformerLayer`` and
 of the MTP layer). ``check_config`` therefore sorts every field of the config into:
 
-- ``MIRRORED``: read only by Megatron's own modules, or by code the adapter mirrors; any value.
+- ``MIRRORED``: read only by Megatron's own modules, or by code the adapter mirrors; any value
+  (``mcore_accepted``).
 - ``SCHEDULE``: read by Megatron's pipeline schedules, which megapipe's front end replaces
-  (pipeline sizes, p2p options, the schedule's own overlap); any value.
+  (pipeline sizes, p2p options, the schedule's own overlap); any value (``mcore_accepted``).
 - ``OPTIONS_OF``: options of a feature another field switches on; any value (the feature
-  itself is checked).
-- ``RULES``: allowed values decided by a rule that says why others are refused.
-- every other field must keep its release's default: refused otherwise, naming the field.
+  itself is checked; ``mcore_feature_options``).
+- ``RULES``: allowed values decided by a rule that says why others are refused (here).
+- every other field must keep its release's default: refused otherwise, naming the field and,
+  where ``REASONS`` gives one, why.
 
-So a field a new Megatron release adds is refused until someone classifies it here; the tests
-check that every field of every supported release is either classified or at its default.
+So a field a new Megatron release adds is refused until someone classifies it; the tests check
+that every field of every supported release is either classified or at its default.
 """
 
 from __future__ import annotations
@@ -23,135 +25,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-MIRRORED = frozenset({
-    # model shape and initialisation
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
-    "num_query_groups", "params_dtype", "bf16", "perform_initialization",
-    "use_cpu_initialization", "init_model_with_meta_device", "init_method",
-    "output_layer_init_method", "init_method_std", "embedding_init_method",
-    "embedding_init_method_std", "moe_layer_freq", "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout",
-    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
-    # inside attention and the norms
-    "attention_backend", "softmax_scale", "softmax_type", "hidden_dropout", "attention_dropout",
-    "layernorm_epsilon", "layernorm_zero_centered_gamma", "add_bias_linear", "add_qkv_bias",
-    "gated_linear_unit", "activation_func", "glu_linear_offset", "activation_func_clamp_value",
-    "use_te_activation_func", "rotary_interleaved", "window_size", "window_attn_skip_freq",
-    "normalization", "qk_layernorm", "qk_l2_norm", "qk_clip", "qk_clip_alpha",
-    "qk_clip_threshold", "log_max_attention_logit", "attention_output_gate",
-    "multi_latent_attention", "no_rope_freq", "mrope_section", "apply_query_key_layer_scaling",
-    "attention_softmax_in_fp32", "disable_bf16_reduced_precision_matmul",
-    "bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm",
-    "memory_efficient_layer_norm", "bias_dropout_fusion", "apply_rope_fusion",
-    "use_fused_weighted_squared_relu", "fused_single_qkv_rope", "flash_attention_version",
-    "use_transformer_engine_op_fuser", "deterministic_mode", "batch_invariant_mode",
-    "disable_parameter_transpose_cache", "clone_scatter_output_in_embedding",
-    "apply_residual_connection_post_layernorm",  # read nowhere in the model code
-    # multi-latent attention (MLATransformerConfig)
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor",
-    "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-    "cache_mla_latents", "mla_down_proj_fusion",
-    # inside the router, the experts and the dispatcher's permutation
-    "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate", "moe_router_load_balancing_type", "moe_router_topk",
-    "moe_router_topk_limited_devices", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_score_function",
-    "moe_router_dtype", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-    "moe_router_force_load_balancing", "moe_router_force_biased", "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_token_dropping",
-    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-    "moe_expert_rank_capacity_factor", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm",
-    "moe_permute_fusion", "moe_router_fusion", "moe_apply_probs_on_input",
-    "moe_per_layer_logging", "moe_latent_size", "moe_mlp_glu_interleave_size",
-    "moe_single_grouped_weight", "moe_single_grouped_bias", "use_grouped_gemm_for_dense_mlp",
-    "use_grouped_gemm_for_shared_expert", "moe_shared_expert_glu_interleave_size",
-    "moe_router_quantile_balancing_ema",
-    # the head: GPTModel._postprocess, which the adapter calls
-    "mtp_loss_scaling_factor", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
-    "use_mup", "config_logger_dir",
-    # mirrored by the adapter itself (mcore_layers, mcore_wgrad, mcore_release)
-    "fp32_residual_connection", "fused_residual_rmsnorm", "delay_wgrad_compute",
-    "gradient_accumulation_fusion",
-    "async_tensor_model_parallel_allreduce", "use_te_rng_tracker", "transformer_impl",
-    "expert_model_parallel_size", "hetereogenous_dist_checkpoint",
-})
-
-SCHEDULE = frozenset({
-    "pipeline_model_parallel_comm_backend", "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size", "timers", "finalize_model_grads_func",
-    "pipeline_dtype", "variable_seq_lengths", "overlap_p2p_comm", "batch_p2p_comm",
-    "batch_p2p_sync", "use_ring_exchange_p2p", "deallocate_pipeline_outputs",
-    "overlap_p2p_comm_warmup_flush", "microbatch_group_size_per_vp_stage",
-    "barrier_with_L1_time", "overlap_moe_expert_parallel_comm",
-    # Megatron DDP's hooks: the front end calls them where Megatron's schedules do (ddp_hooks)
-    "no_sync_func", "grad_sync_func", "param_sync_func",
-    "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream",
-})
-
-# option -> the field that switches its feature on (each such feature is refused or checked)
-OPTIONS_OF = {
-    **{name: "tp_comm_overlap" for name in (
-        "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_ag", "tp_comm_overlap_rs",
-        "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag", "tp_comm_atomic_ag", "tp_comm_split_rs",
-        "tp_comm_atomic_rs", "tp_comm_overlap_disable_qkv", "tp_comm_overlap_disable_fc1",
-        "tp_comm_bootstrap_backend")},
-    **{name: "fp8" for name in (
-        "fp8_recipe", "fp8_margin", "fp8_interval", "fp8_amax_history_len",
-        "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention",
-        "fp8_multi_head_attention", "tp_only_amax_red", "first_last_layers_bf16",
-        "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-        "activation_func_fp8_input_store", "moe_router_padding_for_fp8", "fp8_output_proj")},
-    **{name: "fp4" for name in ("fp4_recipe", "moe_router_padding_for_quantization")},
-    **{name: "cpu_offloading" for name in (
-        "cpu_offloading_num_layers", "_cpu_offloading_context", "cpu_offloading_activations",
-        "cpu_offloading_weights", "cpu_offloading_double_buffering",
-        "cpu_offloading_retain_pinned_cpu_buffers")},
-    **{name: "fine_grained_activation_offloading" for name in (
-        "offload_modules", "min_offloaded_tensor_size", "delay_offload_until_cuda_graph",
-        "delta_offload_bytes_across_pp_ranks", "activation_offload_fraction",
-        "fine_grained_offloading_max_inflight_offloads")},
-    **{name: "cuda_graph_impl" for name in (
-        "cuda_graph_use_single_mempool", "cuda_graph_retain_backward_graph",
-        "cuda_graph_warmup_steps", "cuda_graph_scope", "cuda_graph_modules",
-        "moe_pad_experts_for_cuda_graph_inference", "inference_cuda_graph_scope")},
-    **{name: "moe_paged_stash" for name in (
-        "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
-        "moe_paged_stash_buffer_size_factor_cpu")},
-    **{name: "moe_token_dispatcher_type" for name in (
-        "moe_enable_deepep", "moe_flex_dispatcher_backend", "moe_deepep_num_sms",
-        "moe_hybridep_num_sms", "moe_permute_fusion_into_hybridep",
-        "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
-        "moe_hybridep_num_sms_preprocessing", "moe_hybridep_pad_uneven_dispatch_inputs",
-        "moe_flex_dispatcher_num_sms", "moe_ncclep_static_shape", "moe_ncclep_zero_copy")},
-    **{name: "is_hybrid_model" for name in (
-        "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
-        "use_mamba_mem_eff_path", "mamba_training_ssm_states_dtype")},
-    **{name: "linear_attention_freq" for name in (
-        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-        "linear_num_key_heads", "linear_num_value_heads")},
-    **{name: "experimental_attention_variant" for name in (
-        "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
-        "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss", "dsa_indexer_topk_freq",
-        "dsa_indexer_skip_topk_offset", "dsa_kernel_backend", "dsa_indexer_rope_interleaved",
-        "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu",
-        "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32")},
-    **{name: "use_mup" for name in (
-        "mup_width_mult", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
-        "mup_base_head_dim", "mup_attn_scale_power")},
-    **{name: "context_parallel_size" for name in (
-        "cp_comm_type", "hierarchical_context_parallel_sizes")},
-    **{name: "enable_autocast" for name in ("autocast_dtype",)},
-    **{name: "use_kitchen_attention" for name in ("kitchen_attention_backend",)},
-    **{name: "defer_embedding_wgrad_compute" for name in ("wgrad_deferral_limit",)},
-    # inference only: the adapter runs training forwards (inference arguments are refused)
-    **{name: "inference" for name in (
-        "flash_decode", "inference_rng_tracker", "inference_sampling_seed", "symmetric_ar_type",
-        "use_inference_optimized_layers", "inference_fuse_tp_communication",
-        "mlp_chunks_for_prefill", "nccl_all_reduce_for_prefill",
-        "inference_disable_triton_nvls_kernels", "inference_grouped_gemm_backend",
-        "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type")},
-}
+from megapipe.megatron.mcore_accepted import MIRRORED, SCHEDULE
+from megapipe.megatron.mcore_feature_options import OPTIONS_OF
 
 Rule = Callable[[Any], str | None]
 

@@ -95,33 +95,17 @@ def build_job(config: JobConfig, start_from: str | None = None,
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     device = job_device()
-    overlap, optim, model = config.overlap, config.optimizer, config.model
-    timeout, dp = config.failures.timeout, config.parallel.dp
-    groups = create_groups(config.parallel, high_priority=overlap.high_priority_stream_groups,
-                           timeout=timeout)
+    optim = config.optimizer
+    groups = create_groups(config.parallel,
+                           high_priority=config.overlap.high_priority_stream_groups,
+                           timeout=config.failures.timeout)
     schedule = config.schedule.build()
-    stages: dict[int, nn.Module] = {
-        s: build_stage(model, schedule.model_part(s), schedule.stages_per_pipeline,
-                       ep_group=groups.ep).to(device)
-        for s in schedule.stages_of_rank(groups.pp_rank)
-    }
-    if start_from is not None:  # before the bf16 cast and the optimizer's fp32 copies
-        _copy_hf_weights(start_from, model, stages)
+    stages = _stages(config, schedule, groups, device, start_from)
     modules = [stages[s] for s in sorted(stages)]
-    bf16, flat = config.precision.bf16, config.data_parallel.flat_grad_buffers
-    if bf16:  # flat buffers give the parameters their main_grad themselves
-        cast_to_bf16(modules, [] if flat else unique_params(modules))
     norm_stages = [s for s in sorted(stages) if s < schedule.stages_per_pipeline]
     dp_sync, optimizer = _optimizer(config, stages, groups, device, norm_stages)
-    executor = _executor(config, schedule, stages, groups, dp_sync, overlap.record_trace)
-    overlap_auto = None
-    if overlap.auto:  # the plain schedule's executor too, over the same stages
-        plain = replace(config.schedule, overlap=False).build()
-        overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync,
-                                             record_trace=False),
-                                   executor, overlap.auto_interval, clock, device=device)
-        executor = overlap_auto.executor
-    job_data = build_data(config, dp, groups.dp_rank)
+    executor, overlap_auto = _executors(config, schedule, stages, groups, dp_sync, clock, device)
+    job_data = build_data(config, config.parallel.dp, groups.dp_rank)
     counts = job_data.byte_counts
     return Job(
         config=config, device=device, groups=groups, schedule=schedule, stages=stages,
@@ -135,6 +119,41 @@ def build_job(config: JobConfig, start_from: str | None = None,
                      if not getattr(p, "shared", False)],
         dp_sync=dp_sync, overlap_auto=overlap_auto,
     )
+
+
+def _stages(config: JobConfig, schedule: Schedule, groups: ProcessGroups, device: torch.device,
+            start_from: str | None) -> dict[int, nn.Module]:
+    """This rank's stages of the model: the seed's weights or ``start_from``'s, then in bf16
+    when asked (flat buffers give the parameters their main_grad themselves)."""
+    stages: dict[int, nn.Module] = {
+        s: build_stage(config.model, schedule.model_part(s), schedule.stages_per_pipeline,
+                       ep_group=groups.ep).to(device)
+        for s in schedule.stages_of_rank(groups.pp_rank)
+    }
+    if start_from is not None:  # before the bf16 cast and the optimizer's fp32 copies
+        _copy_hf_weights(start_from, config.model, stages)
+    if config.precision.bf16:
+        modules = [stages[s] for s in sorted(stages)]
+        cast_to_bf16(modules, [] if config.data_parallel.flat_grad_buffers
+                     else unique_params(modules))
+    return stages
+
+
+def _executors(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],
+               groups: ProcessGroups, dp_sync: DataParallelSync | None,
+               clock: Callable[[], float], device: torch.device,
+               ) -> tuple[PipelineExecutor, OverlapAuto | None]:
+    """The executor the step runs; with the overlap's auto mode also the plain schedule's, over
+    the same stages, and the ``OverlapAuto`` that chooses between them."""
+    overlap = config.overlap
+    executor = _executor(config, schedule, stages, groups, dp_sync, overlap.record_trace)
+    if not overlap.auto:
+        return executor, None
+    plain = replace(config.schedule, overlap=False).build()
+    overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync,
+                                         record_trace=False),
+                               executor, overlap.auto_interval, clock, device=device)
+    return overlap_auto.executor, overlap_auto
 
 
 def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],

@@ -30,7 +30,7 @@ from megapipe.overlap import combined_step, make_streams, record_forward, run_ba
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.precision.main_grad import accumulated_grad
-from megapipe.train.config import flags
+from megapipe.train.config import flag_checks as flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
 

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
                                    "(the hf extra)")
 
 from megapipe.cli import main  # noqa: E402
-from megapipe.hf.architectures import export_architecture, gpt_config_from_hf  # noqa: E402
+from megapipe.hf.architectures import gpt_config_from_hf  # noqa: E402
+from megapipe.hf.export_config import export_architecture  # noqa: E402
 from megapipe.hf.load_hf import load_hf  # noqa: E402
 from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.split import build_stage, copy_into_stage  # noqa: E402

@@ -176,9 +176,11 @@ def test_bad_input_is_one_line_before_any_process(published, tmp_path, monkeypat
         assert word in err, (word, err)
 
 
-def test_the_flags_know_the_models_qk_norm_scopes():
-    """``train.config.flags`` spells them without importing torch; they must be the model's."""
-    from megapipe.models.config import QK_LAYERNORM_SCOPES
-    from megapipe.train.config import flags
+def test_the_flags_spell_the_models_choices():
+    """``train.config.flags.model`` spells the QK norm scopes and position embeddings without
+    importing torch; they must be the model's."""
+    from megapipe.models.config import POSITION_EMBEDDING_TYPES, QK_LAYERNORM_SCOPES
+    from megapipe.train.config.flags import model
 
-    assert flags.QK_LAYERNORM_SCOPES == QK_LAYERNORM_SCOPES
+    assert model.QK_LAYERNORM_SCOPES == QK_LAYERNORM_SCOPES
+    assert set(model.POSITION_EMBEDDING_TYPES) == set(POSITION_EMBEDDING_TYPES)

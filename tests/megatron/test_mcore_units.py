@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megapipe.megatron import mcore_config
+from megapipe.megatron import mcore_accepted, mcore_config, mcore_feature_options
 from megapipe.megatron.mcore_release import (
     SUPPORTED_RELEASES,
     McoreRelease,
@@ -107,11 +107,11 @@ def test_every_classified_field_exists_in_a_supported_release():
         if fields is None:
             pytest.skip(f"megatron-core {version} is not cached and cannot be fetched")
         known |= fields
-    listed = (set(mcore_config.MIRRORED) | set(mcore_config.SCHEDULE)
-              | set(mcore_config.OPTIONS_OF) | set(mcore_config.RULES)
+    listed = (set(mcore_accepted.MIRRORED) | set(mcore_accepted.SCHEDULE)
+              | set(mcore_feature_options.OPTIONS_OF) | set(mcore_config.RULES)
               | set(mcore_config.REASONS))
     assert listed - known == set()
-    switches = {f for f in mcore_config.OPTIONS_OF.values() if f not in ("inference",)}
+    switches = {f for f in mcore_feature_options.OPTIONS_OF.values() if f not in ("inference",)}
     assert switches - known == set()
 
 

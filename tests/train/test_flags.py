@@ -89,3 +89,18 @@ def test_the_typed_config_holds_the_derived_values():
     assert config.overlap.high_priority_stream_groups == ()
     assert parse_pretrain_args(["--high-priority-stream-groups", "ep_dp", "pp"],
                                env={}).overlap.high_priority_stream_groups == ("expert_dp", "pp")
+
+
+def test_the_groups_keep_their_order_in_the_record_and_in_help():
+    """``PretrainFlags`` lists its group records last to first (a dataclass takes its bases'
+    fields in that order): the model's flags first, each group's flags together, --help's
+    groups in the order the docs list them."""
+    order = ["model", "model architecture", "data and tokenizer", "precision", "training",
+             "parallelism", "data parallelism", "activation recompute",
+             "data, checkpoints, logging", "failures and preemption", "CUDA graphs", "profiling"]
+    groups = [f.metadata["flag"].group for f in fields(PretrainFlags)]
+    assert [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g] == order
+    assert fields(PretrainFlags)[0].name == "num_layers"
+    text = build_parser(PretrainFlags, "megapipe pretrain", "").format_help()
+    where = [text.index(f"\n{group}:\n") for group in order]
+    assert where == sorted(where)

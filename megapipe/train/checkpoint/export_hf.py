@@ -1,6 +1,6 @@
 """``megapipe export-hf --load CKPT --out DIR``: a checkpoint of any layout as a Hugging Face
 model directory (``config.json``, safetensors, tokenizer files): Qwen3-MoE, Mixtral or OLMoE,
-whichever has the model's attention and router (``hf.architectures.export_architecture``).
+whichever has the model's attention and router (``hf.export_config.export_architecture``).
 
 Order: find the checkpoint and its config, refuse what that family cannot express (one line,
 before reading any tensor), check every tensor the model needs is in the checkpoint with its
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megapipe.hf.architectures import export_architecture, hf_config
+from megapipe.hf.export_config import export_architecture, hf_config
 from megapipe.hf.tensors import HFTensor, tensor_sources
 from megapipe.hf.tokenizer_files import HUGGING_FACE, check_tokenizer, write_tokenizer
 from megapipe.train.checkpoint.reader import (

@@ -3,8 +3,8 @@
 Each flag's own checks (ranges, choices) are in its declaration (``flags``) and ran while
 parsing; ``check_flags(flags, parallel)`` checks the rules that involve several flags (and the
 parallel layout) and raises ``ArgsError`` with one line naming the values and the rule. The rules
-that need a built part (the tokenizer, the model, the schedule) are checked where ``build``
-makes that part, once.
+that need a built part (the tokenizer, the model, the schedule) are checked where the one-pass
+build makes that part, once (``checked_data``, ``checked_model``, ``build``).
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ from typing import Any, NoReturn, TypeVar
 
 from megapipe.subcommand import ArgsError, Check, above, at_least, finite, one_of
 
-__all__ = ["ArgsError", "Check", "above", "add_flags", "at_least", "build_parser", "finite",
-           "flag", "given_flags", "one_of", "parse_flags", "record_of"]
+__all__ = ["COUNT", "POSITIVE", "ArgsError", "Check", "above", "add_flags", "at_least",
+           "build_parser", "finite", "flag", "given_flags", "one_of", "parse_flags", "record_of"]
 
 R = TypeVar("R")
+POSITIVE, COUNT = at_least(1), at_least(0)  # the two ranges most flags have
 
 
 @dataclasses.dataclass(frozen=True)

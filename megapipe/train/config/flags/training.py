@@ -59,7 +59,8 @@ class TrainingFlags:
         "(--no-manual-gc-eval: not there)", group=TRAINING)
     heap_trim_interval: int = flag(
         100, "hand the C heap's free pages back to the system (glibc malloc_trim) after every "
-        "N-th iteration, on every rank (0: never; megapipe's, not Megatron's)",
+        "N-th iteration, on every rank, glibc's mmap threshold pinned at 128 KiB from the start "
+        "(0: glibc left as it is; megapipe's, not Megatron's)",
         COUNT, group=TRAINING, metavar="N")
 
 

@@ -55,11 +55,12 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     import torch
 
     import megapipe.overlap.combined as combined
-    import megapipe.overlap.streams as streams_module
+    import megapipe.overlap.cuda_streams as cuda_streams_module
     import megapipe.overlap.tape as tape_module
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap import record_forward
-    from megapipe.overlap.streams import CudaStream, Streams
+    from megapipe.overlap.cuda_streams import CudaStream
+    from megapipe.overlap.streams import Streams
     from megapipe.overlap.wgrad import WeightGradQueue
 
     counts: Counter = Counter()
@@ -71,7 +72,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
         yield
 
     def record_use(self: Any, values: Any) -> None:
-        counts["record_stream"] += len(streams_module.tensors_in(values))
+        counts["record_stream"] += len(cuda_streams_module.tensors_in(values))
 
     real_backward = tape_module._run_backward
 

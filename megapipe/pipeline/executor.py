@@ -29,8 +29,9 @@ from torch import nn
 
 from megapipe.graphs.nodes import node_graphs
 from megapipe.overlap.combined import CombinedStep
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.plan import WarnOnce
-from megapipe.overlap.streams import Streams, make_streams
+from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.parallel.groups import pipeline_position
 from megapipe.pipeline.activation_meter import ActivationMeter

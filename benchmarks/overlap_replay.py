@@ -146,7 +146,7 @@ class _ReplayRuns:
                     delay_wgrad_compute=s.delay_wgrad and overlap),
             )
         self.schedule, self.config = schedule, config
-        self.early_rule = self.executors["combined"].early_send_rule
+        self.early_rule = self.executors["combined"].rank_actions.early_send_rule
 
     def step(self, label: str, step: int):
         g = torch.Generator().manual_seed(1000 * step + self.groups.dp_rank)

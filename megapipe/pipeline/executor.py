@@ -71,7 +71,8 @@ class PipelineExecutor:
 
     def __init__(self, schedule: Schedule, stages: Mapping[int, nn.Module],
                  options: ExecutorOptions | None = None) -> None:
-        o = self.options = options if options is not None else ExecutorOptions()  # checked
+        # the options were checked when made (``ExecutorOptions``)
+        o = self.options = options if options is not None else ExecutorOptions()
         self.schedule = schedule
         self.position = pipeline_position(schedule.pp, o.groups, o.pp_group)
         self.pp_rank = self.position.rank

@@ -55,12 +55,17 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
     import torch
 
     import megapipe.overlap.combined as combined
-    import megapipe.overlap.streams as streams_module
     import megapipe.overlap.tape as tape_module
     from megapipe.models import GPTConfig, build_stage
     from megapipe.overlap import record_forward
-    from megapipe.overlap.streams import CudaStream, Streams
+    from megapipe.overlap.streams import Streams
     from megapipe.overlap.wgrad import WeightGradQueue
+
+    try:  # CUDA's streams in their own module; an older --tree has them in streams.py
+        import megapipe.overlap.cuda_streams as cuda_streams_module
+    except ImportError:
+        import megapipe.overlap.streams as cuda_streams_module
+    CudaStream = cuda_streams_module.CudaStream
 
     counts: Counter = Counter()
     patches = contextlib.ExitStack()
@@ -71,7 +76,7 @@ def count(rounds: int = 3) -> tuple[dict[str, float], int]:
         yield
 
     def record_use(self: Any, values: Any) -> None:
-        counts["record_stream"] += len(streams_module.tensors_in(values))
+        counts["record_stream"] += len(cuda_streams_module.tensors_in(values))
 
     real_backward = tape_module._run_backward
 

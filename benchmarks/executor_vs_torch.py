@@ -76,7 +76,7 @@ def _worker(rank: int, s: Settings, out) -> None:
     dist.init_process_group("gloo")  # run_ranks set torchrun's variables, one thread per rank
     import torch.distributed.pipelining as tp
 
-    from megapipe import PipelineExecutor, TensorSpec
+    from megapipe import ExecutorOptions, PipelineExecutor, TensorSpec
     from megapipe.models.gpt import gpt_loss
     from megapipe.models.split import build_stage
     from megapipe.schedule import build_schedule
@@ -96,8 +96,9 @@ def _worker(rank: int, s: Settings, out) -> None:
 
         ours = stages()
         executor = PipelineExecutor(
-            schedule, ours, spec=TensorSpec((s.micro_batch, s.seq, s.hidden)), loss_fn=gpt_loss,
-            pp_group=megapipe_group, use_tape=s.use_tape,
+            schedule, ours,
+            ExecutorOptions(spec=TensorSpec((s.micro_batch, s.seq, s.hidden)), loss_fn=gpt_loss,
+                            pp_group=megapipe_group, use_tape=s.use_tape),
         )
         theirs = stages()
         torch_stages = [

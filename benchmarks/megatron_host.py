@@ -119,6 +119,7 @@ class _GptStep:
         from megapipe.models import GPTConfig, build_stage
         from megapipe.models.gpt import gpt_loss
         from megapipe.pipeline.executor import PipelineExecutor
+        from megapipe.pipeline.executor_options import ExecutorOptions
         from megapipe.schedule import build_schedule
 
         config = GPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=MOE_LAYERS,
@@ -126,8 +127,8 @@ class _GptStep:
                            num_experts=EXPERTS, moe_top_k=TOPK, moe_ffn_hidden_size=FFN)
         self.stage = build_stage(config, 0, 1, ep_group=groups.ep)
         schedule = build_schedule("1f1b", 1, MICROBATCHES, overlap=True)
-        self.executor = PipelineExecutor(schedule, {0: self.stage}, groups=groups,
-                                         loss_fn=gpt_loss, grad_reduction="none")
+        self.executor = PipelineExecutor(schedule, {0: self.stage}, ExecutorOptions(
+            groups=groups, loss_fn=gpt_loss, grad_reduction="none"))
         self.tokens = [t for t, _ in data]
         self.labels = [lab for _, lab in data]
 

@@ -104,7 +104,7 @@ class _Runs:
     """This rank's pipelines of one family: megapipe plain, megapipe combined, (torch)."""
 
     def __init__(self, s: Settings, config, groups, name: str, per_rank: int, with_torch: bool):
-        from megapipe import PipelineExecutor, TensorSpec
+        from megapipe import ExecutorOptions, PipelineExecutor, TensorSpec
         from megapipe.models.gpt import gpt_loss
         from megapipe.schedule import build_schedule
 
@@ -118,9 +118,10 @@ class _Runs:
             stages = {i: build_stage(config, i, schedule.num_stages, groups.ep) for i in ids}
             self.stages[label] = stages
             self.executors[label] = PipelineExecutor(
-                schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
-                record_trace=overlap, moe_a2a_waves=s.a2a_waves if overlap else 1,
-                delay_wgrad_compute=s.delay_wgrad and overlap,
+                schedule, stages, ExecutorOptions(
+                    spec=spec, loss_fn=gpt_loss, groups=groups,
+                    record_trace=overlap, moe_a2a_waves=s.a2a_waves if overlap else 1,
+                    delay_wgrad_compute=s.delay_wgrad and overlap),
             )
         self.schedule = schedule
         self.torch_schedule = None

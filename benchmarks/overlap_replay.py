@@ -121,7 +121,7 @@ class _ReplayRuns:
     """This rank's plain and combined executors of one schedule, on replay stages."""
 
     def __init__(self, s: ReplaySettings, groups, name: str, waves: int) -> None:
-        from megapipe import PipelineExecutor, TensorSpec
+        from megapipe import ExecutorOptions, PipelineExecutor, TensorSpec
         from megapipe.models.gpt import gpt_loss
         from replay_stage import ReplayStage
 
@@ -139,13 +139,14 @@ class _ReplayRuns:
                                         schedule.is_last_stage(i), groups.ep)
             self.stages[label] = stages
             self.executors[label] = PipelineExecutor(
-                schedule, stages, spec=TensorSpec((1, config.seq_length, config.hidden_size)),
-                loss_fn=gpt_loss, groups=groups, record_trace=overlap,
-                moe_a2a_waves=waves if overlap else 1,
-                delay_wgrad_compute=s.delay_wgrad and overlap,
+                schedule, stages, ExecutorOptions(
+                    spec=TensorSpec((1, config.seq_length, config.hidden_size)),
+                    loss_fn=gpt_loss, groups=groups, record_trace=overlap,
+                    moe_a2a_waves=waves if overlap else 1,
+                    delay_wgrad_compute=s.delay_wgrad and overlap),
             )
         self.schedule, self.config = schedule, config
-        self.early_rule = self.executors["combined"].early_send_rule
+        self.early_rule = self.executors["combined"].rank_actions.early_send_rule
 
     def step(self, label: str, step: int):
         g = torch.Generator().manual_seed(1000 * step + self.groups.dp_rank)

@@ -31,6 +31,7 @@ _RUNTIME_EXPORTS = {
     "get_forward_backward_func": "megapipe.megatron.forward_backward",
     "McoreGPTStage": "megapipe.megatron.mcore_adapter",
     "PipelineExecutor": "megapipe.pipeline.executor",
+    "ExecutorOptions": "megapipe.pipeline.executor_options",
     "StepResult": "megapipe.pipeline.executor",
     "TensorSpec": "megapipe.pipeline.p2p",
     "P2PError": "megapipe.pipeline.p2p",

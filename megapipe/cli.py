@@ -8,9 +8,9 @@ combined and the makespan at each in-flight budget; with ``--dp-reduce T`` the d
 reduction after the step and overlapped), and optionally writes it as CSV (torch's format), a
 PNG timeline and a Chrome trace. ``megapipe schedule --pick --pp P -m M --activation-bytes B
 --memory-budget BYTES`` instead prints the fastest schedule, vpp, in-flight budget and recompute
-choice whose activations fit (``sim/pick.py``). ``pretrain``, ``trace summarize``, and the
-subcommands of the data and checkpoint rooms (``data.commands``, ``train.checkpoint.
-export_command``) are declared the same way.
+choice whose activations fit (``sim/pick.py``). ``pretrain`` and the subcommands of the data,
+checkpoint and observation rooms (``data.commands``, ``train.checkpoint.export_command``,
+``train.observe.trace_command``: ``trace summarize``) are declared the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .schedule.errors import ScheduleError
 from .subcommand import ArgsError, Subcommand, at_least, check_values, writable_file
 from .train.checkpoint.export_command import EXPORT_HF
 from .train.config.flags import DESCRIPTION as PRETRAIN_DESCRIPTION
+from .train.observe.trace_command import TRACE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +36,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``schedule`` subcommand's arguments, in groups: the schedule, its costs, the pick
+    among schedules, and what to write."""
+    _shape_arguments(p)
+    _cost_arguments(p)
+    _pick_arguments(p)
+    p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
+    p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
+
+
+def _shape_arguments(p: argparse.ArgumentParser) -> None:
+    """Which schedule: its name, pipeline ranks, stages per rank, microbatches, the overlap."""
     from .schedule.registry import SCHEDULES
 
     p.add_argument("name", nargs="?",
@@ -49,6 +62,10 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-extra-in-flight", type=int, default=None, metavar="K",
                    help="with --overlap (implied): at most K more microbatch-stages in flight on "
                         "any rank than the plain schedule (default: no budget)")
+
+
+def _cost_arguments(p: argparse.ArgumentParser) -> None:
+    """What each action costs in the simulation, and the data-parallel reduction after it."""
     p.add_argument("--costs", default="1,2,1", metavar="F,B,W[,A2A]",
                    help="per-stage costs of forward, full backward and weight-gradient backward, "
                         "and optionally of each all-to-all (default 1,2,1: free all-to-all)")
@@ -60,6 +77,10 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
                         "much of it is exposed after the step and overlapped with the backward")
     p.add_argument("--dp-buckets", type=int, default=1, metavar="N",
                    help="with --dp-reduce: buckets per stage (default 1)")
+
+
+def _pick_arguments(p: argparse.ArgumentParser) -> None:
+    """``--pick``: the fastest choice whose activations fit a memory budget, and its inputs."""
     p.add_argument("--pick", action="store_true",
                    help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
                         "whose activations fit --memory-budget (needs --activation-bytes)")
@@ -80,9 +101,6 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-recompute-cost", type=float, default=1.0, metavar="FRACTION",
                    help="with --pick: part of F that full recompute re-runs in each backward "
                         "(default 1: the whole forward)")
-    p.add_argument("--csv", metavar="FILE", help="write the schedule as CSV (torch's format)")
-    p.add_argument("--png", metavar="FILE", help="draw the simulated timeline to a PNG")
-    p.add_argument("--trace", metavar="FILE", help="write a Chrome trace (open in Perfetto)")
 
 
 _POSITIVE, _COUNT = (at_least(1),), (at_least(0),)
@@ -195,30 +213,6 @@ def run_pretrain_command(config) -> int:  # config: JobConfig
     return run(config)
 
 
-def _trace_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("summarize",),
-                   help="summarize: per rank, exposed all-to-all, largest bubbles; measured vs "
-                        "simulated")
-    p.add_argument("file", help="the trace (JSON) --profile-trace wrote")
-
-
-def _check_trace(args: argparse.Namespace) -> argparse.Namespace:
-    import os
-
-    if not os.path.isfile(args.file):
-        raise ArgsError(f"trace {args.action} {args.file}: no such file")
-    return args
-
-
-def run_trace_summarize(args: argparse.Namespace) -> int:
-    """``megapipe trace summarize FILE``: print the trace's figures
-    (``train.observe.trace_summary``)."""
-    from .train.observe.trace_summary import summarize_file
-
-    print(summarize_file(args.file))
-    return 0
-
-
 def _run_pick(args: argparse.Namespace, costs) -> int:
     """``megapipe schedule --pick``: the fastest choice whose activations fit the budget."""
     from .sim.pick import Recompute, all_choices, format_pick
@@ -239,10 +233,6 @@ SCHEDULE = Subcommand(
 PRETRAIN = Subcommand(
     "pretrain", "pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
     PRETRAIN_DESCRIPTION, _pretrain_arguments, _check_pretrain, run_pretrain_command)
-TRACE = Subcommand(
-    "trace", "read a profile trace of a run (megapipe pretrain --profile-trace)",
-    "Read a profile trace written by megapipe pretrain --profile-trace.",
-    _trace_arguments, _check_trace, run_trace_summarize)
 SUBCOMMANDS: tuple[Subcommand, ...] = (SCHEDULE, PRETRAIN, TRACE, TRAIN_TOKENIZER,
                                         PREPROCESS_DATA, EXPORT_HF)
 

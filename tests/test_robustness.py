@@ -471,10 +471,12 @@ def test_empty_csv_is_refused_naming_the_file(tmp_path):
 
 def test_executor_spec_of_the_wrong_type_is_refused_up_front():
     from megapipe.pipeline.executor import PipelineExecutor
+    from megapipe.pipeline.executor_options import ExecutorOptions
     from megapipe.schedule import build_schedule
 
     with pytest.raises(TypeError) as err:
-        PipelineExecutor(build_schedule("1f1b", 1, 2), {0: nn.Linear(2, 2)}, spec=(2, 12, 32))
+        PipelineExecutor(build_schedule("1f1b", 1, 2), {0: nn.Linear(2, 2)},
+                         ExecutorOptions(spec=(2, 12, 32)))
     assert "spec=(2, 12, 32) must be a TensorSpec" in str(err.value)
     assert "\n" not in str(err.value)
 

@@ -21,9 +21,6 @@ EXEMPT: dict[str, str] = {
     "replay set-up of one node in one function, 85 lines; to be split by phase",
     "graphs/capture.py": "TEMPORARY (issue 39): 402 lines once ruff sorted its imports; goes under "
     "with _capture's split by phase",
-    "pipeline/executor.py": "TEMPORARY (issue 39): 410 lines once ruff wrapped its imports one per "
-    "line; PipelineExecutor.__init__'s 17 parameters become one options object, which takes it "
-    "under",
 }
 
 

@@ -22,6 +22,7 @@ from megapipe.models.config import GPTConfig
 from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.precision.main_grad import zero_grads
 from megapipe.schedule import build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
@@ -72,7 +73,7 @@ def executor(config: GPTConfig, device: torch.device, overlap: bool, stage=None,
     """A bf16 stage (a new one, or ``stage`` shared) under 1f1b, plain or combined."""
     stage = bf16_stage(config, device) if stage is None else stage
     schedule = build_schedule("1f1b", 1, microbatches, overlap=overlap)
-    return PipelineExecutor(schedule, {0: stage}, loss_fn=gpt_loss, **options)
+    return PipelineExecutor(schedule, {0: stage}, ExecutorOptions(loss_fn=gpt_loss, **options))
 
 
 def describe(config: GPTConfig, micro_batch: int) -> str:

@@ -127,6 +127,7 @@ def _step(s: Settings, batch, device: torch.device, groups, overlap: bool,  # no
     from megapipe.models.gpt import gpt_loss
     from megapipe.models.split import build_stage
     from megapipe.pipeline.executor import PipelineExecutor
+    from megapipe.pipeline.executor_options import ExecutorOptions
     from megapipe.precision.main_grad import accumulated_grad
     from megapipe.schedule import build_schedule
     from megapipe.train.optim.mixed_precision import cast_to_bf16
@@ -135,8 +136,8 @@ def _step(s: Settings, batch, device: torch.device, groups, overlap: bool,  # no
     if bf16:
         cast_to_bf16([stage], list(stage.parameters()))
     schedule = build_schedule("1f1b", 1, s.microbatches, overlap=overlap)
-    with PipelineExecutor(schedule, {0: stage}, loss_fn=gpt_loss, groups=groups,
-                          grad_reduction="none") as run_executor:
+    options = ExecutorOptions(loss_fn=gpt_loss, groups=groups, grad_reduction="none")
+    with PipelineExecutor(schedule, {0: stage}, options) as run_executor:
         result = run_executor.step(*batch)
     grads = {n: (accumulated_grad(p).detach().float().cpu(), getattr(p, "expert_parallel", False))
              for n, p in stage.named_parameters()}

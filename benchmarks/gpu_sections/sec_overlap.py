@@ -35,7 +35,7 @@ from gpu_sections import timeline
 from gpu_sections.gpu_timing import Timed
 from gpu_sections.link_model import copy_unavailable, make_link
 from gpu_sections.moe_bench import BASE, PairBench, Shape, Variant, build_layers
-from megapipe.overlap.streams import make_streams
+from megapipe.overlap.device_streams import make_streams
 
 # the two most telling shapes (the first GPU run measured four more; they said the same)
 REAL = (

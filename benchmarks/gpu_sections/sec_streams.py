@@ -22,7 +22,7 @@ from gpu_sections import timeline, trace_analysis
 from gpu_sections.gpu_timing import node_spans, synchronize
 from gpu_sections.link_model import copy_unavailable, make_link
 from gpu_sections.moe_bench import PairBench, Shape, build_layers
-from megapipe.overlap.streams import make_streams
+from megapipe.overlap.device_streams import make_streams
 
 REAL = Shape(hidden=2048, heads=16, experts=8, top_k=2, ffn=1408, tokens=4096)
 DRY = Shape(hidden=64, heads=4, experts=4, top_k=2, ffn=32, tokens=64, batch=2)

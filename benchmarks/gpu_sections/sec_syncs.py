@@ -31,8 +31,8 @@ from gpu_sections.gpu_timing import synchronize
 from gpu_sections.moe_bench import PairBench, Shape, build_layers
 from gpu_sections.sync_sites import capture_syncs
 from megapipe.moe.dispatcher import HostCounts
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.sequential import record_forward, run_backward
-from megapipe.overlap.streams import make_streams
 
 REAL = Shape(hidden=2048, heads=16, experts=8, top_k=2, ffn=1408, tokens=4096)
 DRY = Shape(hidden=64, heads=4, experts=4, top_k=2, ffn=32, tokens=64, batch=2)

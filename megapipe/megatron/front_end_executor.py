@@ -24,6 +24,7 @@ from megapipe.megatron.mcore_support import activation_shape, check_cuda_graphs
 from megapipe.moe.layer import take_overflow
 from megapipe.parallel.groups import pipeline_position
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, Schedule, build_schedule
@@ -41,18 +42,20 @@ def build_executor(
     build = partial(
         PipelineExecutor,
         stages=stages,
-        spec=_activation_spec(o, placed, seq_length, micro_batch_size),
-        loss_fn=loss_fn,
-        groups=o.groups,
-        grad_reduction="dp" if o.reduce_grads else "none",
-        forward_fn=forward_fn,
-        timeout=o.timeout,
-        delay_wgrad_compute=o.delay_wgrad_compute,
-        record_trace=o.record_trace,
-        # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
-        # the tape in every schedule (McoreGPTStage.needs_tape)
-        use_tape=any(getattr(c, "needs_tape", False) for c in placed),
-        cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
+        options=ExecutorOptions(
+            spec=_activation_spec(o, placed, seq_length, micro_batch_size),
+            loss_fn=loss_fn,
+            groups=o.groups,
+            grad_reduction="dp" if o.reduce_grads else "none",
+            forward_fn=forward_fn,
+            timeout=o.timeout,
+            delay_wgrad_compute=o.delay_wgrad_compute,
+            record_trace=o.record_trace,
+            # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
+            # the tape in every schedule (McoreGPTStage.needs_tape)
+            use_tape=any(getattr(c, "needs_tape", False) for c in placed),
+            cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
+        ),
     )
     executor = build(schedule)
     if not o.overlap_auto:

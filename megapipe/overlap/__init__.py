@@ -1,6 +1,8 @@
 """megapipe.overlap: node plans, streams, the combined step and its tape."""
 
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
+from megapipe.overlap.cuda_streams import CudaStream
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.node_trace import NodeSpan, NodeTrace
 from megapipe.overlap.plan import (
     Fork,
@@ -13,15 +15,7 @@ from megapipe.overlap.plan import (
     run_nodes,
 )
 from megapipe.overlap.sequential import TapeRunner, record_forward, run_backward
-from megapipe.overlap.streams import (
-    CudaStream,
-    Event,
-    InlineStream,
-    Stream,
-    Streams,
-    WorkerStream,
-    make_streams,
-)
+from megapipe.overlap.streams import Event, InlineStream, Stream, Streams, WorkerStream
 from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
 

@@ -1,4 +1,4 @@
-"""The ``torch.cuda`` calls of a ``CudaStream`` (``streams``), in one place, and its timing mark.
+"""The ``torch.cuda`` calls of a ``CudaStream`` (``cuda_streams``), in one place; its timing mark.
 
 ``CudaApi`` is the one seam between the CUDA streams and ``torch.cuda``: a stand-in that counts
 or checks the calls runs the CUDA path's logic on CPU (``benchmarks/engine_primitives.py``, the

@@ -51,18 +51,18 @@ except that a comm node that reads the host (a dropless dispatch reading its spl
 after its slot's compute nodes, so the host has queued that compute before it blocks
 (``queuing_positions``). Each stream sees the same sequence either way.
 
-A pair's issues are planned once per pair of layer shapes (``_pair_plan``, cached) and placed
-into each step with their positions; the time rule, whose W placement depends on the times so
-far, places its fills as it goes.
+A pair's slots and waits are worked out once per pair of layer shapes (``layer_pair``, cached)
+and placed into each step with the issues' names; the time rule, whose W placement depends on
+the times so far, places its fills as it goes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import cache
 from typing import NamedTuple
 
-from .slots import LayerKinds, LayerWalk, NodeRef, Side, Slot, layer_walk, slots_of
+from .layer_pair import PairEntry, layer_pair
+from .slots import LayerKinds, LayerWalk, Side, Slot, layer_walk, slots_of
 from .timing import COMM, COMPUTE, IssueClock, LayerTimes, NodeTimes
 
 IssueName = tuple[Side, int, int]  # an F or B issue's name in its step: (side, layer, node)
@@ -124,57 +124,6 @@ def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[
     nodes then go alone). See the module docstring."""
     return list(slots_of(walk_of(forward) if forward else None,
                        walk_of(backward) if backward else None))
-
-
-class _Entry(NamedTuple):
-    """One node of a planned pair (``_pair_plan``): what it waits for inside the pair (entries
-    on the other stream), and whether it waits for its side's previous layer."""
-
-    stream: str
-    side: Side
-    node: int
-    waits: tuple[int, ...]  # earlier entries of the pair, on the other stream
-    after_previous: bool  # it reads its side's previous layer (its layer's input)
-    reads_host: bool
-    signals: bool  # an entry of the pair waits for it
-
-
-class _PairPlan(NamedTuple):
-    slots: tuple[tuple[tuple[_Entry, ...], tuple[_Entry, ...]], ...]  # (comm, compute) entries
-    b_comm: tuple[int, ...]  # the slots holding a backward comm node
-    f_end: int  # the entry of the forward's last node (-1: none)
-    b_end: int  # the entry of the backward's first node (-1: none)
-
-
-@cache
-def _pair_plan(forward: LayerWalk | None, backward: LayerWalk | None) -> _PairPlan:
-    """The slots of a layer pair with each node's waits inside the pair worked out once."""
-    entries: list[_Entry] = []  # in issue order: per slot its comm, then its compute entries
-    entry_of: dict[NodeRef, int] = {}
-    shape = []  # per slot: (comm entries, compute entries)
-    for comm_refs, compute_refs in slots_of(forward, backward):
-        for stream, refs in ((COMM, comm_refs), (COMPUTE, compute_refs)):
-            for side, node in refs:
-                walk = forward if side == "F" else backward
-                assert walk is not None
-                inputs = walk.reads[node] if side == "F" else walk.readers[node]
-                waits = tuple(sorted(entry_of[(side, n)] for n in inputs
-                                     if walk.kinds[n] != stream))
-                entry_of[(side, node)] = len(entries)
-                reads_host = side == "F" and walk.reads_host[node]  # its backward reads none
-                entries.append(_Entry(stream, side, node, waits, not inputs, reads_host, False))
-        shape.append((len(comm_refs), len(compute_refs)))
-    waited = {w for entry in entries for w in entry.waits}
-    entries = [e._replace(signals=n in waited) for n, e in enumerate(entries)]
-    slots, start = [], 0
-    for comm, compute in shape:
-        slots.append((tuple(entries[start:start + comm]),
-                      tuple(entries[start + comm:start + comm + compute])))
-        start += comm + compute
-    b_comm = tuple(n for n, (comm, _) in enumerate(slots) if any(e.side == "B" for e in comm))
-    f_end = entry_of[("F", len(forward.kinds) - 1)] if forward is not None else -1
-    b_end = entry_of[("B", 0)] if backward is not None else -1
-    return _PairPlan(tuple(slots), b_comm, f_end, b_end)
 
 
 class IssueOrder:
@@ -246,7 +195,7 @@ class IssueOrder:
             self._issue_due_w()
         return self.issues[start:]
 
-    # ---- placing a planned pair ----------------------------------------------------------
+    # ---- placing a layer pair -----------------------------------------------------------
     def _take_backward(self) -> int:
         self._next_backward -= 1
         return self._next_backward + 1
@@ -257,12 +206,12 @@ class IssueOrder:
         f_layer = len(self.forward_layers)
         if forward is not None:
             self.forward_layers.append(forward)
-        plan = _pair_plan(forward, self.backward_layers[backward] if backward is not None
+        pair = layer_pair(forward, self.backward_layers[backward] if backward is not None
                           else None)
         placed: list[IssueName] = []  # each entry's issue
         layers = {"F": f_layer, "B": backward}
         count_rule = self.defer_wgrad and self.clock is None
-        for n, (comm, compute) in enumerate(plan.slots):
+        for n, (comm, compute) in enumerate(pair.slots):
             self._slot += 1
             for entry in comm:
                 placed.append(self._place(entry, layers[entry.side], placed))
@@ -270,22 +219,22 @@ class IssueOrder:
                 self._issue_due_w()
             for entry in compute:
                 placed.append(self._place(entry, layers[entry.side], placed))
-            if count_rule and n in plan.b_comm:  # the count rule
+            if count_rule and n in pair.b_comm:  # the count rule
                 self._w_due += [(waiting, TAIL, self._slot) for waiting in self._w_waiting]
                 self._w_waiting = []
-                if n == plan.b_comm[-1]:
+                if n == pair.b_comm[-1]:
                     assert backward is not None  # b_comm holds a backward layer's comm slots
                     self._w_due.append((backward, HEAD, self._slot))
                     self._w_waiting.append(backward)
         if forward is not None:
-            self.side_end["F"] = placed[plan.f_end]
+            self.side_end["F"] = placed[pair.f_end]
         if backward is not None:
-            self.side_end["B"] = placed[plan.b_end]
+            self.side_end["B"] = placed[pair.b_end]
 
-    def _place(self, entry: _Entry, layer: int | None, placed: list[IssueName]) -> IssueName:
+    def _place(self, entry: PairEntry, layer: int | None, placed: list[IssueName]) -> IssueName:
         """Issue one node after the entries it waits for (and its side's previous layer's end,
         when that ran on the other stream); returns its name."""
-        assert layer is not None  # a plan holds a side's entries only when that side has a layer
+        assert layer is not None  # a pair holds a side's entries only when that side has a layer
         waits = entry.waits
         needs = (placed[waits[0]],) if len(waits) == 1 else tuple([placed[w] for w in waits])
         caller = False

@@ -37,6 +37,15 @@ def check_executor_options(
         )
 
 
+def check_grad_hooks(has_grad_hooks: bool, grad_reduction: str) -> None:
+    """A step given ``grad_hooks`` reduces the gradients itself: the executor must not too."""
+    if has_grad_hooks and grad_reduction != "none":
+        raise ValueError(
+            f"grad_hooks reduce the gradients themselves; the executor's grad_reduction="
+            f"{grad_reduction!r} would reduce them again (build it with 'none')"
+        )
+
+
 def check_overlap_options(
     name: str, has_overlap: bool, delay_wgrad_compute: bool, a2a_waves: int
 ) -> None:

@@ -20,139 +20,82 @@ the forward actions (under ``torch.no_grad``) lowered on their own: it stores no
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megapipe.graphs.nodes import node_graphs
 from megapipe.overlap.combined import CombinedStep
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.plan import WarnOnce
-from megapipe.overlap.streams import Streams, make_streams
+from megapipe.overlap.streams import Streams
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.parallel.groups import ProcessGroups, pipeline_position
+from megapipe.parallel.groups import pipeline_position
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.checks import (
-    check_executor_options,
+    check_grad_hooks,
     check_graph_options,
     check_inputs,
     check_overlap_options,
     check_stages,
 )
-from megapipe.pipeline.grad_points import GradPoints, GradSyncHooks, StepGradEvents
+from megapipe.pipeline.executor_options import ExecutorOptions
+from megapipe.pipeline.grad_points import GradSyncHooks, StepGradEvents
 from megapipe.pipeline.grad_sync import sync_step_grads
-from megapipe.pipeline.p2p import PipelineP2P, SpecFn, TensorSpec
+from megapipe.pipeline.p2p import PipelineP2P
+from megapipe.pipeline.rank_actions import RankActions
 from megapipe.pipeline.stage_module import is_stage_module
-from megapipe.pipeline.stage_worker import ForwardFn, StageWorker, module_forward
+from megapipe.pipeline.stage_worker import StageWorker, runs_on_tape
 from megapipe.pipeline.step_profile import ProfileOptions, open_step, take_trace
 from megapipe.pipeline.step_result import StepResult, StepState
 from megapipe.pipeline.transit import PairSends, StepTensors, stage_links
 from megapipe.schedule.actions import plain_key
 from megapipe.schedule.ir import Action, Kind, Schedule
-from megapipe.schedule.p2p.early_sends import choose_early_sends, comm_batch
-from megapipe.schedule.rank_views import checked_lowering, forward_only_schedule
-
-LossFn = Callable[[torch.Tensor, Any], torch.Tensor]
-"""``loss_fn(last_stage_output, target) -> scalar loss`` (unscaled)."""
-
-GRAD_REDUCTIONS = ("dp", "none")
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` on this rank's ``stages`` ({stage id: module}).
+    """Runs ``schedule`` on this rank's ``stages`` ({stage id: module}) with ``options``
+    (``ExecutorOptions``: the spec, the loss, the groups, the reduction and the overlap's and
+    the measurements' options, each documented there).
 
-    ``schedule`` is a compute-only schedule (lowered here) or an already lowered one.
-    ``groups`` (``create_groups``) gives the pipeline position, the PP group for p2p and the
-    DP/expert-DP groups; without it ``pp_group`` (or the default group) is the pipeline.
-    ``grad_reduction``: ``"dp"`` (default) averages gradients over data parallelism after each
-    training step (dense over DP, experts over expert-DP; needs ``groups`` when dp > 1) and
-    sums the two copies of an embedding tied across the first and last stage
-    (``shared_embedding``), ``"none"`` leaves the accumulated gradients to the caller (e.g.
-    Megatron's DDP and ``finalize_model_grads``).
-    ``spec`` declares what each stage sends forward: one ``TensorSpec`` for every boundary, or a
-    function ``spec(stage, microbatch)`` (variable sequence lengths). ``loss_fn(output, target)``
-    gives the unscaled loss of a last stage; the executor scales it by 1/num_microbatches.
-    ``timeout`` (seconds) bounds every wait for a peer. ``forward_fn(module, input)`` replaces
-    ``module(input)`` (the Megatron front end runs the user's forward_step_func through it).
-
-    In combined schedules every training F/B/I of ``StageModule`` stages runs as a
+    ``schedule`` is a compute-only schedule (lowered here) or an already lowered one. In
+    combined schedules every training F/B/I of ``StageModule`` stages runs as a
     ``CombinedStep``, its comm nodes on one communication stream (made once, closed by
     ``close()``); a module with ``layer_plans()`` that is not a whole ``StageModule`` is refused.
-    ``use_tape=True`` runs them on the tape in plain schedules too (same bits).
-    ``delay_wgrad_compute`` (Megatron's flag) defers the expert weight gradients into the
-    backward all-to-alls' time; ``moe_a2a_waves`` k > 1 records MoE layers with their
-    all-to-alls in k expert groups (both need a combined schedule). ``record_trace`` fills the
-    timing fields of ``StepResult``. ``cuda_graph_impl="local"`` with ``cuda_graph_modules``
-    replays the static nodes as CUDA graphs (``graphs.nodes``; without CUDA they run eager and
-    ``cuda_graph_note`` says so; ``graph_api``: a stand-in, tests). A pair's sends go out from
-    inside it as each half's result is made (``early_sends``, ``early_send_rule``).
+    A pair's sends go out from inside it as each half's result is made (``rank_actions``:
+    this rank's lowered actions, their gaps and early sends).
     """
 
-    def __init__(
-        self, schedule: Schedule, stages: Mapping[int, nn.Module], *,
-        spec: TensorSpec | SpecFn | None = None, loss_fn: LossFn | None = None,
-        groups: ProcessGroups | None = None, pp_group: dist.ProcessGroup | None = None,
-        grad_reduction: str = "dp", forward_fn: ForwardFn = module_forward,
-        timeout: float = 300.0, use_tape: bool = False,
-        # the overlap's and the measurements' options (class docstring)
-        delay_wgrad_compute: bool = False, moe_a2a_waves: int = 1, record_trace: bool = False,
-        measure_activations: bool = False, cuda_graph_impl: str = "none",
-        cuda_graph_modules: Sequence[str] = (), graph_api: Any = None,
-    ) -> None:
-        check_executor_options(spec, grad_reduction, GRAD_REDUCTIONS, timeout,
-                               groups.config.tp if groups is not None else 1)
+    def __init__(self, schedule: Schedule, stages: Mapping[int, nn.Module],
+                 options: ExecutorOptions | None = None) -> None:
+        # the options were checked when made (``ExecutorOptions``)
+        o = self.options = options if options is not None else ExecutorOptions()
         self.schedule = schedule
-        self.groups = groups
-        self.grad_reduction = grad_reduction
-        self.position = pipeline_position(schedule.pp, groups, pp_group)
+        self.position = pipeline_position(schedule.pp, o.groups, o.pp_group)
         self.pp_rank = self.position.rank
         check_stages(schedule, self.pp_rank, stages)
         self.stages = dict(stages)
-        self.loss_fn = loss_fn
-        self.spec = spec  # a TensorSpec is a SpecFn too
-        self.timeout = timeout
         # CUDA graphs of static nodes (graphs.nodes); off, with a line to log, without CUDA
         self.cuda_graphs, self.cuda_graph_note = node_graphs(
-            cuda_graph_impl, cuda_graph_modules, self._device(), graph_api)
+            o.cuda_graph_impl, o.cuda_graph_modules, self._device(), o.graph_api)
         self.workers = {
-            s: StageWorker(s, m, forward_fn, use_tape=use_tape, graphs=self.cuda_graphs)
+            s: StageWorker(s, m, o.forward_fn, use_tape=o.use_tape, graphs=self.cuda_graphs)
             for s, m in self.stages.items()
         }
-        self._lower(schedule)
-        check_overlap_options(schedule.name, self.has_overlap, delay_wgrad_compute, moe_a2a_waves)
-        check_graph_options(self.cuda_graphs, self.stages, self.lowered,
-                            tape=self.has_overlap or use_tape)
-        self.record_trace = record_trace
-        self.measure_activations = measure_activations
-        self.delay_wgrad_compute = delay_wgrad_compute
-        self.moe_a2a_waves = moe_a2a_waves
+        self.rank_actions = RankActions.of(schedule, self.pp_rank, o.spec is not None)
+        has_overlap = self.rank_actions.has_overlap
+        check_overlap_options(schedule.name, has_overlap, o.delay_wgrad_compute,
+                              o.moe_a2a_waves)
+        check_graph_options(self.cuda_graphs, self.stages, self.rank_actions.lowered,
+                            tape=has_overlap or o.use_tape)
+        self.record_trace = o.record_trace  # a measurement switch: may change between steps
         self._streams: Streams | None = None  # made on first use, in a combined schedule
         self._warn_once = WarnOnce()
         self._links = stage_links(schedule)  # each stage's neighbours in its pipeline
         self._p2p: PipelineP2P | None = None
-
-    def _lower(self, schedule: Schedule) -> None:
-        """This rank's actions, checked and lowered; the gap after each compute action and the
-        sends of an OVERLAP that go out from inside the pair (proven deadlock-free here)."""
-        # a broken schedule (hand-written, from a CSV) fails here, naming rank, action and rule
-        self.lowered = checked_lowering(schedule)
-        self.actions = self.lowered.actions[self.pp_rank]
-        self.forward_only_actions = forward_only_schedule(self.lowered).actions[self.pp_rank]
-        if self.spec is None and any(not a.is_compute for a in self.actions):
-            raise ValueError(
-                "spec is required when stages talk across ranks: pass TensorSpec(shape, dtype) "
-                "of the activation each stage sends forward, or spec(stage, microbatch)"
-            )
-        self.has_overlap = any(a.kind is Kind.OVERLAP for row in self.lowered.actions for a in row)
-        self.grad_points = GradPoints.of(self.actions, schedule.bidirectional)
-        self.early_sends, self.early_send_rule = choose_early_sends(self.lowered)
-        self._gaps = {  # per training compute action: (the gap after it, its early sends)
-            i: (comm_batch(self.actions, i), self.early_sends.get((self.pp_rank, i), ()))
-            for i, action in enumerate(self.actions) if action.is_compute
-        }
 
     def _device(self) -> torch.device | None:
         first = next((p for m in self.stages.values() for p in m.parameters()), None)
@@ -195,23 +138,20 @@ class PipelineExecutor:
         step tells ``grad_hooks`` when each stage's gradients become final (``grad_points``).
         """
         check_inputs(
-            self.schedule, self.pp_rank, self.stages, self.loss_fn is not None,
+            self.schedule, self.pp_rank, self.stages, self.options.loss_fn is not None,
             microbatches, targets, forward_only,
         )
-        if grad_hooks is not None and self.grad_reduction != "none":
-            raise ValueError(
-                f"grad_hooks reduce the gradients themselves; the executor's grad_reduction="
-                f"{self.grad_reduction!r} would reduce them again (build it with 'none')"
-            )
+        check_grad_hooks(grad_hooks is not None, self.options.grad_reduction)
         for module in self.stages.values():
             if is_stage_module(module):
                 module.set_aux_loss_scale(1.0 / self.schedule.num_microbatches)
-        actions = self.forward_only_actions if forward_only else self.actions
+        rank = self.rank_actions
+        actions = rank.forward_only_actions if forward_only else rank.actions
         state = self._begin_step(microbatches, targets, forward_only, profile, grad_hooks)
         meter = ActivationMeter(  # told of what the workers and the data in transit hold
             self._device(), [p for m in self.stages.values() for p in m.parameters()],
             holders=[state.tensors, *self.workers.values()],
-        ) if self.measure_activations else None
+        ) if self.options.measure_activations else None
         state.grads.start()
         try:
             with meter if meter is not None else contextlib.nullcontext():
@@ -226,12 +166,13 @@ class PipelineExecutor:
                     forward_only: bool, profile: ProfileOptions | None,
                     grad_hooks: GradSyncHooks | None) -> StepState:
         """The step's state: its data in transit, gradient points, trace and profile."""
-        trace, recorder = open_step(self.record_trace, profile, forward_only,
-                                    self.streams if self.has_overlap else None, self._device())
+        streams = self.streams if self.rank_actions.has_overlap else None
+        trace, recorder = open_step(self.record_trace, profile, forward_only, streams,
+                                    self._device())
         tensors = StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(),
-                              self.spec, wait_span=recorder.wait_span, prev=self._links[0],
+                              self.options.spec, wait_span=recorder.wait_span, prev=self._links[0],
                               next=self._links[1])
-        grads = StepGradEvents(self.grad_points, None if forward_only else grad_hooks)
+        grads = StepGradEvents(self.rank_actions.grad_points, None if forward_only else grad_hooks)
         return StepState(tensors, targets, forward_only, grads, trace, profile=recorder)
 
     def _end_step(self, state: StepState, meter: ActivationMeter | None) -> None:
@@ -243,7 +184,7 @@ class PipelineExecutor:
             state.result.cuda_activation_bytes = meter.cuda_peak_bytes
         if not state.forward_only:
             sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
-                            self.groups, self.grad_reduction)
+                            self.options.groups, self.options.grad_reduction)
             state.grads.finish()
         if self.cuda_graphs is not None:
             state.result.graph_instances = self.cuda_graphs.captured
@@ -268,10 +209,10 @@ class PipelineExecutor:
 
     def _channel(self) -> PipelineP2P | None:
         """The p2p over the pipeline group, made on first use (None without a spec)."""
-        if self._p2p is None and self.spec is not None and self.schedule.pp > 1:
+        if self._p2p is None and self.options.spec is not None and self.schedule.pp > 1:
             self._p2p = PipelineP2P(
                 self.position.group, self.position.ranks, self.schedule.stage_to_rank,
-                self.spec, self.timeout, self._device(),
+                self.options.spec, self.options.timeout, self._device(),
             )
         return self._p2p
 
@@ -280,8 +221,9 @@ class PipelineExecutor:
         if action.kind is Kind.W:
             s, i = plain_key(action)
             self.workers[s].backward_weight(i)
-        elif self._combined(action, state):  # a training action: one of ``self.actions``
-            self._run_combined(action, state, *self._gaps[index])
+        elif (self.rank_actions.has_overlap and not state.forward_only
+              and runs_on_tape(action, self.workers, self._warn_once)):
+            self._run_combined(action, state, *self.rank_actions.gaps[index])
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
             self._forward(action.forward, state)
             self._backward(action.backward, state)
@@ -291,27 +233,6 @@ class PipelineExecutor:
             self._backward(action, state)
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
-
-    def _combined(self, action: Action, state: StepState) -> bool:
-        """Whether a training action of a combined schedule runs as a combined step: its stages
-        are ``StageModule``s (an OVERLAP of other modules runs F then B, warned once per type)
-        and a lone backward's forward ran on the tape."""
-        if not self.has_overlap or state.forward_only:
-            return False
-        for half in (action.sub_actions if action.kind is Kind.OVERLAP else (action,)):
-            stage, microbatch = plain_key(half)
-            worker = self.workers[stage]
-            if not worker.can_tape:
-                if action.kind is Kind.OVERLAP:
-                    kind = type(worker.module)
-                    self._warn_once(kind, f"{kind.__name__} (stage {worker.stage}) does not "
-                                    "follow the node protocol (not a StageModule); its OVERLAP "
-                                    "actions run forward then backward, without overlap")
-                return False
-            if half.kind is not Kind.F and action.kind is not Kind.OVERLAP \
-                    and not worker.has_tape(microbatch):
-                return False
-        return True
 
     def _run_combined(self, action: Action, state: StepState, gap: list[Action],
                       early: Sequence[Action]) -> None:
@@ -327,7 +248,7 @@ class PipelineExecutor:
         if b is not None:
             b_stage, b_microbatch = plain_key(b)
             b_worker = self.workers[b_stage]
-            wgrad = WeightGradQueue(b_worker.track) if self.delay_wgrad_compute else None
+            wgrad = WeightGradQueue(b_worker.track) if self.options.delay_wgrad_compute else None
             half = b_worker.backward_half(b_microbatch, tensors.grad_output(b),
                                           keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
             end = partial(b_worker.end_backward, b_microbatch, half=half)
@@ -341,7 +262,7 @@ class PipelineExecutor:
             trace=state.trace,
             fwd_microbatch=f_microbatch,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
-            a2a_waves=self.moe_a2a_waves,
+            a2a_waves=self.options.moe_a2a_waves,
             track=f_worker.track if f_worker is not None else None,
         )
         if f is not None and f_worker is not None and f_microbatch is not None:
@@ -377,7 +298,7 @@ class PipelineExecutor:
 
     def _finish_last_stage(self, worker: StageWorker, microbatch: int, output: torch.Tensor,
                            state: StepState) -> None:
-        if self.loss_fn is None:
+        if self.options.loss_fn is None:
             state.result.outputs[microbatch] = output.detach()
             if not state.forward_only:
                 raise ValueError("training needs loss_fn on the last stage")
@@ -385,9 +306,9 @@ class PipelineExecutor:
         assert state.targets is not None
         if state.forward_only:
             with torch.no_grad():
-                loss = self.loss_fn(output, state.targets[microbatch])
+                loss = self.options.loss_fn(output, state.targets[microbatch])
         else:
-            loss = self.loss_fn(output, state.targets[microbatch])
+            loss = self.options.loss_fn(output, state.targets[microbatch])
             worker.attach_loss(microbatch, loss / self.schedule.num_microbatches)
         state.result.losses[microbatch] = loss.detach()
 

@@ -15,11 +15,14 @@ Two ways to run a stage, performing the same operations (so results are bitwise 
   out of the stash with ``backward_half`` and given back with ``end_backward`` around a
   combined step's walk. Its I defers only the weight gradients of the ops that support it
   (``WeightGradQueue``: the experts' grouped matmuls).
+
+``runs_on_tape`` says which training actions of a combined schedule take the second way, as
+one combined step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -28,7 +31,7 @@ from torch import nn
 
 from megapipe.graphs.nodes import NodeGraphs
 from megapipe.overlap.combined import BackwardHalf
-from megapipe.overlap.plan import NodeRunner, Track
+from megapipe.overlap.plan import NodeRunner, Track, WarnOnce
 from megapipe.overlap.sequential import TapeRunner, run_backward
 from megapipe.overlap.tape import Tape
 from megapipe.overlap.wgrad import WeightGradQueue
@@ -39,6 +42,8 @@ from megapipe.pipeline.stage_module import (
     is_stage_module,
     running_layers_with,
 )
+from megapipe.schedule.actions import plain_key
+from megapipe.schedule.ir import Action, Kind
 
 ForwardFn = Callable[[nn.Module, Any], torch.Tensor]
 """``forward_fn(module, stage_input) -> output``: how a stage computes one microbatch."""
@@ -301,3 +306,23 @@ class StageWorker:
     def clear(self) -> None:
         """Drop every stashed activation (after an error, or at the end of forward-only)."""
         self._stash.clear()
+
+
+def runs_on_tape(action: Action, workers: Mapping[int, StageWorker], warn_once: WarnOnce) -> bool:
+    """Whether a training action of a combined schedule runs node by node on the tape, as one
+    combined step: its stages are ``StageModule``s (an OVERLAP of other modules runs F then B,
+    warned once per type) and a lone backward's forward ran on the tape."""
+    for half in (action.sub_actions if action.kind is Kind.OVERLAP else (action,)):
+        stage, microbatch = plain_key(half)
+        worker = workers[stage]
+        if not worker.can_tape:
+            if action.kind is Kind.OVERLAP:
+                kind = type(worker.module)
+                warn_once(kind, f"{kind.__name__} (stage {worker.stage}) does not "
+                          "follow the node protocol (not a StageModule); its OVERLAP "
+                          "actions run forward then backward, without overlap")
+            return False
+        if half.kind is not Kind.F and action.kind is not Kind.OVERLAP \
+                and not worker.has_tape(microbatch):
+            return False
+    return True

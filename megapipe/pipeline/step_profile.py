@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from megapipe.overlap.cuda_streams import CudaStream
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.streams import CudaStream, Stream
+from megapipe.overlap.streams import Stream
 from megapipe.schedule.ir import Action, Kind
 
 ACTION = "action"

@@ -106,7 +106,6 @@ def draw_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
 
     pp = result.pp
     local_chunk = _local_chunks(result, stage_to_rank)
@@ -119,6 +118,16 @@ def draw_timeline(
     boxes, seen = _action_boxes(result, geometry, ax)
     if show_comm:
         boxes += _comm_boxes(result, geometry.top + geometry.box_h + 0.04, 0.16)
+    _draw_boxes(ax, boxes)
+    _label_axes(ax, result, geometry, _title(result, title), seen)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _draw_boxes(ax, boxes: list[_Box]) -> None:
+    """Every box, actions and all-to-alls, as one matplotlib collection on ``ax``."""
+    from matplotlib.collections import PolyCollection
+
     ax.add_collection(PolyCollection(
         [[(b.x, b.y), (b.x + b.width, b.y), (b.x + b.width, b.y + b.height), (b.x, b.y + b.height)]
          for b in boxes],
@@ -126,6 +135,12 @@ def draw_timeline(
         edgecolors=[b.edge for b in boxes],
         linewidths=[b.line for b in boxes],
     ))
+
+
+def _label_axes(ax, result: SimResult, geometry: _Geometry, title: str, seen: set) -> None:
+    """The axes' limits and rank labels, the title with the metrics, and the legend of the
+    kinds ``seen``."""
+    pp = result.pp
     ax.set_xlim(0, geometry.span)
     ax.set_ylim(pp - 0.5, -0.5)
     ax.set_yticks(range(pp))
@@ -133,12 +148,10 @@ def draw_timeline(
     ax.set_xlabel("time (cost units);  numbers in boxes: microbatch")
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.set_title(_title(result, title), fontsize=10, loc="left")
+    ax.set_title(title, fontsize=10, loc="left")
     handles = _legend_handles(result, geometry, seen)
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
               ncol=min(len(handles), 4), fontsize=8, frameon=False)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
 
 
 def _action_boxes(result: SimResult, geometry: _Geometry, ax) -> tuple[list[_Box], set]:

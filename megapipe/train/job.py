@@ -28,6 +28,7 @@ from megapipe.models.split import build_stage, copy_into_stage
 from megapipe.moe.rank_capacity import buffer_bytes, lane_rows
 from megapipe.parallel.groups import ProcessGroups, create_groups
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.grad_sync import is_expert_param
 from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.pipeline.p2p import TensorSpec
@@ -163,14 +164,16 @@ def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module
     the flat buffers, its replays wait for the parameter gathers (a replay runs no module hook)."""
     overlap, model, data = config.overlap, config.model, config.data
     executor = PipelineExecutor(
-        schedule, stages, groups=groups, loss_fn=gpt_loss,
-        grad_reduction="none" if dp_sync is not None else "dp",
-        spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
-                        torch.bfloat16 if config.precision.bf16 else torch.float32),
-        delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
-        record_trace=record_trace, measure_activations=config.logging.activation_memory,
-        timeout=config.failures.timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
-        cuda_graph_modules=config.graphs.modules,
+        schedule, stages, ExecutorOptions(
+            groups=groups, loss_fn=gpt_loss,
+            grad_reduction="none" if dp_sync is not None else "dp",
+            spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
+                            torch.bfloat16 if config.precision.bf16 else torch.float32),
+            delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
+            record_trace=record_trace, measure_activations=config.logging.activation_memory,
+            timeout=config.failures.timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
+            cuda_graph_modules=config.graphs.modules,
+        ),
     )
     if dp_sync is not None and executor.cuda_graphs is not None:
         dp_sync.wait_before_replays(executor.cuda_graphs)

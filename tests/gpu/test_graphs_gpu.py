@@ -25,6 +25,7 @@ from megapipe.models.config import GPTConfig  # noqa: E402
 from megapipe.models.gpt import gpt_loss  # noqa: E402
 from megapipe.models.split import build_stage  # noqa: E402
 from megapipe.pipeline.executor import PipelineExecutor  # noqa: E402
+from megapipe.pipeline.executor_options import ExecutorOptions  # noqa: E402
 from megapipe.precision.main_grad import accumulated_grad  # noqa: E402
 from megapipe.schedule import build_schedule  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
@@ -56,7 +57,7 @@ def _step(overlap: bool, graphs: bool, capacity=None, **options):  # noqa: ANN00
     extra = dict(cuda_graph_impl="local", cuda_graph_modules=MODULES,
                  graph_api=_api()) if graphs else {}
     with PipelineExecutor(build_schedule("1f1b", 1, MICROBATCHES, overlap=overlap), {0: stage},
-                          loss_fn=gpt_loss, **extra, **options) as executor:
+                          ExecutorOptions(loss_fn=gpt_loss, **extra, **options)) as executor:
         for _ in range(2):  # the second step replays graphs captured in the first
             for p in stage.parameters():
                 p.main_grad.zero_()

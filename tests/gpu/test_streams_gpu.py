@@ -29,10 +29,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megapipe.overlap.combined import combined_step  # noqa: E402
+from megapipe.overlap.cuda_streams import CudaStream  # noqa: E402
+from megapipe.overlap.device_streams import make_streams  # noqa: E402
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
 from megapipe.overlap.plan import Node, NodeKind  # noqa: E402
 from megapipe.overlap.sequential import record_forward, run_backward  # noqa: E402
-from megapipe.overlap.streams import CudaStream, make_streams  # noqa: E402
 from megapipe.overlap.wgrad import WeightGradQueue  # noqa: E402
 from megapipe.train.determinism import deterministic_kernels  # noqa: E402
 

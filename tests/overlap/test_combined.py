@@ -13,10 +13,12 @@ import torch.distributed as dist
 
 from megapipe.overlap.combined import BackwardHalf, CombinedStep, combined_step
 from megapipe.overlap.cuda_api import CudaApi
+from megapipe.overlap.cuda_streams import CudaStream
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.overlap.sequential import record_forward, run_backward
-from megapipe.overlap.streams import CudaStream, InlineStream, Streams, WorkerStream, make_streams
+from megapipe.overlap.streams import InlineStream, Streams, WorkerStream
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pairing.order import FILL, HEAD
 from megapipe.pairing.timing import NodeTimes

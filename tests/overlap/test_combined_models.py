@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 from megapipe.models import GPTConfig, build_stage, gpt_loss
 from megapipe.overlap.combined import combined_step
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.sequential import record_forward, run_backward
-from megapipe.overlap.streams import make_streams
 from megapipe.overlap.wgrad import WeightGradQueue
 from support.overlap_asserts import assert_same_tensors
 

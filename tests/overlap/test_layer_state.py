@@ -9,6 +9,7 @@ from megapipe.megatron.mcore_layers import McoreLayerState
 from megapipe.models import GPTConfig, build_stage
 from megapipe.moe.layer import MoEState
 from megapipe.overlap.combined import combined_step
+from megapipe.overlap.device_streams import make_streams
 from megapipe.overlap.plan import (
     LayerState,
     Node,
@@ -19,7 +20,6 @@ from megapipe.overlap.plan import (
     node_plan_of,
 )
 from megapipe.overlap.sequential import record_forward, run_backward
-from megapipe.overlap.streams import make_streams
 from megapipe.recompute.layer_groups import GroupState
 
 

@@ -26,6 +26,7 @@ def _measure_on_rank(_):
     from megapipe.models.gpt import gpt_loss
     from megapipe.parallel.groups import ParallelConfig, create_groups
     from megapipe.pipeline.executor import PipelineExecutor
+    from megapipe.pipeline.executor_options import ExecutorOptions
     from megapipe.pipeline.p2p import TensorSpec
     from megapipe.schedule import build_schedule
     from support.call_tree import ActionPath
@@ -40,9 +41,10 @@ def _measure_on_rank(_):
         schedule = build_schedule("1f1b", 2, 4, overlap=overlap)
         stages = {s: build_stage(config, schedule.model_part(s), 2)
                   for s in schedule.stages_of_rank(groups.pp_rank)}
-        with PipelineExecutor(schedule, stages, groups=groups, loss_fn=gpt_loss,
-                              spec=TensorSpec((2, 8, 16), torch.float32), record_trace=trace,
-                              delay_wgrad_compute=delay) as pipeline:
+        options = ExecutorOptions(groups=groups, loss_fn=gpt_loss,
+                                  spec=TensorSpec((2, 8, 16), torch.float32), record_trace=trace,
+                                  delay_wgrad_compute=delay)
+        with PipelineExecutor(schedule, stages, options) as pipeline:
             pipeline.step(ids, ids)  # plans and streams made
             with ActionPath() as path:
                 pipeline.step(ids, ids)

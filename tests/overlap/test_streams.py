@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from megapipe.overlap.streams import InlineStream, StreamFailed, WorkerStream, make_streams
+from megapipe.overlap.device_streams import make_streams
+from megapipe.overlap.streams import InlineStream, StreamFailed, WorkerStream
 
 
 def test_worker_stream_runs_in_order_on_its_own_thread():

@@ -136,14 +136,14 @@ def test_a_queuing_host_issues_a_host_reading_comm_node_after_its_slots_compute(
 
 
 def test_a_pair_of_layer_shapes_is_planned_once():
-    """The pair order places a planned pair (``_pair_plan``, cached by the layers' walks) into
-    every combined step: two of the same shape plan nothing again and give equal issues."""
-    from megapipe.pairing import order as pair_order
+    """The pair order places a layer pair (``layer_pair``, cached by the layers' walks) into
+    every combined step: two of the same shape work nothing out again and give equal issues."""
+    from megapipe.pairing.layer_pair import layer_pair
 
     first = issue_order([MOE, DENSE], [DENSE, MOE], defer_wgrad=True)
-    before = pair_order._pair_plan.cache_info()
+    before = layer_pair.cache_info()
     second = issue_order([MOE, DENSE], [DENSE, MOE], defer_wgrad=True)
-    after = pair_order._pair_plan.cache_info()
+    after = layer_pair.cache_info()
     assert first == second
     assert after.misses == before.misses and after.hits > before.hits
 

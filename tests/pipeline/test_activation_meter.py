@@ -21,6 +21,7 @@ from megapipe.overlap.sequential import record_forward, run_backward
 from megapipe.overlap.wgrad import WeightGradQueue
 from megapipe.pipeline.activation_meter import ActivationMeter
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.precision.main_grad import accumulated_grad, attach_main_grads
 from megapipe.schedule import build_schedule
 from support.meter_cases import Toy, toy_pipeline_peak
@@ -68,8 +69,8 @@ def test_executor_peak_is_saved_plus_stashed():
     schedule = build_schedule("looped-bfs", 1, m, vpp=2)
     inputs = [torch.randn(n) for _ in range(m)]
     targets = [torch.randn(n) for _ in range(m)]
-    with PipelineExecutor(schedule, {0: Toy(n), 1: Toy(n)}, loss_fn=lambda o, t: (o * t).sum(),
-                          measure_activations=True) as executor:
+    options = ExecutorOptions(loss_fn=lambda o, t: (o * t).sum(), measure_activations=True)
+    with PipelineExecutor(schedule, {0: Toy(n), 1: Toy(n)}, options) as executor:
         result = executor.step(inputs, targets)
     assert result.activation_bytes == m * (6 * n * 4 + 4)
     assert result.cuda_activation_bytes is None

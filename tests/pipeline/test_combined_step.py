@@ -159,10 +159,11 @@ def test_stage_without_node_protocol_runs_f_then_b_with_one_warning():
 
 def test_delay_wgrad_compute_needs_a_combined_schedule():
     from megapipe.pipeline.executor import PipelineExecutor
+    from megapipe.pipeline.executor_options import ExecutorOptions
     from megapipe.schedule import build_schedule
 
     with pytest.raises(ValueError, match="delay_wgrad_compute"):
         PipelineExecutor(
             build_schedule("1f1b", 1, 2), {0: torch.nn.Linear(2, 2)},
-            loss_fn=lambda o, t: o.sum(), delay_wgrad_compute=True,
+            ExecutorOptions(loss_fn=lambda o, t: o.sum(), delay_wgrad_compute=True),
         )

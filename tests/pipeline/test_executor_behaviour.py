@@ -49,7 +49,7 @@ def test_broken_schedule_is_named_before_anything_runs():
     """A hand-written schedule that runs a backward before its forward fails at construction."""
     from torch import nn
 
-    from megapipe import PipelineExecutor
+    from megapipe import ExecutorOptions, PipelineExecutor
     from megapipe.schedule import Action, Kind, Schedule, ScheduleError
 
     actions = (
@@ -57,7 +57,8 @@ def test_broken_schedule_is_named_before_anything_runs():
     )
     broken = Schedule(actions, num_stages=1, num_microbatches=2, stage_to_rank=(0,), name="mine")
     with pytest.raises(ScheduleError, match="rank 0"):
-        PipelineExecutor(broken, {0: nn.Linear(2, 2)}, loss_fn=lambda out, target: out.sum())
+        PipelineExecutor(broken, {0: nn.Linear(2, 2)},
+                         ExecutorOptions(loss_fn=lambda out, target: out.sum()))
 
 
 def test_a_chunk_with_layer_plans_but_not_the_whole_protocol_is_refused_naming_what_it_lacks():
@@ -67,7 +68,7 @@ def test_a_chunk_with_layer_plans_but_not_the_whole_protocol_is_refused_naming_w
     import torch
     from torch import nn
 
-    from megapipe import PipelineExecutor
+    from megapipe import ExecutorOptions, PipelineExecutor
     from megapipe.overlap.plan import Node, NodeKind
     from megapipe.schedule import build_schedule
 
@@ -86,7 +87,32 @@ def test_a_chunk_with_layer_plans_but_not_the_whole_protocol_is_refused_naming_w
     for overlap in (False, True):
         with pytest.raises(TypeError) as caught:
             PipelineExecutor(build_schedule("1f1b", 1, 2, overlap=overlap), {0: EarlierChunk()},
-                             loss_fn=lambda out, target: out.sum())
+                             ExecutorOptions(loss_fn=lambda out, target: out.sum()))
         message = str(caught.value)
         assert "stage 0: EarlierChunk has layer_plans() but is not a whole StageModule" in message
         assert "it lacks node_runner, set_input_tensor, set_aux_loss_scale" in message
+
+
+def test_the_options_are_one_frozen_record_refused_when_made():
+    """``ExecutorOptions`` refuses a value no schedule can use when it is made (one line naming
+    the value), cannot be changed afterwards, and its defaults run a plain schedule."""
+    import dataclasses
+
+    import torch
+    from torch import nn
+
+    from megapipe import ExecutorOptions, PipelineExecutor
+    from megapipe.schedule import build_schedule
+
+    for bad, words in ((dict(grad_reduction="ddp"), "grad_reduction='ddp' must be one of dp"),
+                       (dict(timeout=0.0), "timeout=0.0 must be a positive number")):
+        with pytest.raises(ValueError) as caught:
+            ExecutorOptions(**bad)
+        assert words in str(caught.value) and "\n" not in str(caught.value)
+    options = ExecutorOptions(loss_fn=lambda out, target: out.sum())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.timeout = 1.0  # type: ignore[misc]  # the assignment that must fail
+    with PipelineExecutor(build_schedule("1f1b", 1, 2), {0: nn.Linear(2, 2)}) as executor:
+        assert executor.options == ExecutorOptions()
+        result = executor.step([torch.ones(1, 2)] * 2, forward_only=True)
+    assert sorted(result.outputs) == [0, 1]

@@ -14,6 +14,7 @@ from megapipe.megatron.mcore_support import check_cuda_graphs
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.schedule import build_schedule
 from megapipe.train.config.declare import ArgsError
 from megapipe.train.config.parse import parse_pretrain_args
@@ -25,7 +26,8 @@ CONFIG = GPTConfig(hidden_size=16, num_layers=2, num_heads=2, seq_length=8, ffn_
 
 def _executor(schedule: str = "1f1b", overlap: bool = True, **graphs) -> PipelineExecutor:
     return PipelineExecutor(build_schedule(schedule, 1, 2, overlap=overlap),
-                            {0: build_stage(CONFIG, 0, 1)}, loss_fn=gpt_loss, **graphs)
+                            {0: build_stage(CONFIG, 0, 1)},
+                            ExecutorOptions(loss_fn=gpt_loss, **graphs))
 
 
 def test_the_step_reports_the_graphs_and_their_bytes() -> None:
@@ -112,8 +114,8 @@ def test_moe_layers_graphed_whole_give_the_plain_and_eager_bits() -> None:
         options = dict(cuda_graph_impl="local", graph_api=FakeGraphApi(),
                        cuda_graph_modules=("attn", "moe", "mlp")) if graphs else {}
         with PipelineExecutor(build_schedule("1f1b", 1, 4, overlap=overlap), {0: stage},
-                              loss_fn=gpt_loss, delay_wgrad_compute=overlap,
-                              **options) as executor:
+                              ExecutorOptions(loss_fn=gpt_loss, delay_wgrad_compute=overlap,
+                                              **options)) as executor:
             result = executor.step([i[:, :-1] for i in ids], [i[:, 1:] for i in ids])
             assert not graphs or (executor.cuda_graphs.captured > 0
                                   and executor.cuda_graphs.stats.eager == {})
@@ -135,7 +137,8 @@ def test_chunked_all_to_alls_capture_the_chunked_attention_node_with_the_same_bi
                             cuda_graph_modules=("attn", "moe_router", "mlp"))):
         stage = build_stage(config, 0, 1)
         with PipelineExecutor(build_schedule("1f1b", 1, 4, overlap=True), {0: stage},
-                              loss_fn=gpt_loss, moe_a2a_waves=2, **graphs) as executor:
+                              ExecutorOptions(loss_fn=gpt_loss, moe_a2a_waves=2,
+                                              **graphs)) as executor:
             result = executor.step([i[:, :-1] for i in ids], [i[:, 1:] for i in ids])
         runs.append(([result.losses[m] for m in sorted(result.losses)],
                      [accumulated_grad(p) for p in stage.parameters()], result))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.grad_points import GradPoints
 from megapipe.schedule import Kind, build_schedule
 from megapipe.schedule.rank_views import checked_lowering
@@ -58,7 +59,8 @@ def test_the_executor_calls_the_hooks_in_order_and_refuses_a_double_reduction():
     loss = lambda out, target: (out - target).square().mean()  # noqa: E731
     data = [torch.randn(2, 4) for _ in range(3)]
     hooks = _Recorder()
-    with PipelineExecutor(schedule, {0: stage}, loss_fn=loss, grad_reduction="none") as ex:
+    options = ExecutorOptions(loss_fn=loss, grad_reduction="none")
+    with PipelineExecutor(schedule, {0: stage}, options) as ex:
         ex.step(data, data, grad_hooks=hooks)
         assert hooks.calls == [
             ("step_started", (0,)), ("before_first_forward", 0),
@@ -68,6 +70,6 @@ def test_the_executor_calls_the_hooks_in_order_and_refuses_a_double_reduction():
         hooks.calls.clear()
         ex.step(data, data, forward_only=True, grad_hooks=hooks)
         assert hooks.calls == []  # forward-only steps tell it nothing
-    with PipelineExecutor(schedule, {0: stage}, loss_fn=loss) as ex:
+    with PipelineExecutor(schedule, {0: stage}, ExecutorOptions(loss_fn=loss)) as ex:
         with pytest.raises(ValueError, match="grad_reduction='dp' would reduce them again"):
             ex.step(data, data, grad_hooks=hooks)

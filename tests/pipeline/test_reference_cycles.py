@@ -18,6 +18,7 @@ from megapipe import get_forward_backward_func
 from megapipe.models import GPTConfig, build_stage
 from megapipe.models.gpt import gpt_loss
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.schedule import build_schedule
 from support.cyclic_garbage import cyclic_garbage
 
@@ -47,8 +48,8 @@ def test_a_step_leaves_no_cyclic_garbage(name: str) -> None:
     schedule, overlap, options = SETTINGS[name]
     inputs, targets = _batches()
     with PipelineExecutor(build_schedule(schedule, 1, MICROBATCHES, overlap=overlap),
-                          {0: build_stage(CONFIG, 0, 1)}, loss_fn=gpt_loss,
-                          **options) as executor:
+                          {0: build_stage(CONFIG, 0, 1)},
+                          ExecutorOptions(loss_fn=gpt_loss, **options)) as executor:
         assert cyclic_garbage(lambda: executor.step(inputs, targets)) == {}, name
 
 

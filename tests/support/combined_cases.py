@@ -22,6 +22,7 @@ from megapipe.models.split import build_stage
 from megapipe.moe.link import EmulatedLink
 from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.precision.main_grad import accumulated_grad
 from megapipe.schedule import Kind, build_schedule
@@ -63,10 +64,12 @@ def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = Fals
     spec = TensorSpec((MICRO_BATCH, config.seq_length, config.hidden_size), dtype)
     data = [microbatch(groups.dp_rank, i, 0) for i in range(case.microbatches)]
     with PipelineExecutor(
-        schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
-        delay_wgrad_compute=delay, record_trace=trace, moe_a2a_waves=waves,
-        **(dict(cuda_graph_impl="local", cuda_graph_modules=GRAPH_MODULES,
-                graph_api=FakeGraphApi()) if graphs else {}),
+        schedule, stages, ExecutorOptions(
+            spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
+            delay_wgrad_compute=delay, record_trace=trace, moe_a2a_waves=waves,
+            **(dict(cuda_graph_impl="local", cuda_graph_modules=GRAPH_MODULES,
+                    graph_api=FakeGraphApi()) if graphs else {}),
+        ),
     ) as executor:
         dist.barrier(groups.pp)
         start = time.perf_counter()
@@ -288,7 +291,8 @@ def non_node_stage(overlap: bool) -> tuple[list[str], dict[int, float], torch.Te
     gen = torch.Generator().manual_seed(1)
     inputs = [torch.randn(2, 4, generator=gen) for _ in range(4)]
     with PipelineExecutor(
-        schedule, {0: stage}, loss_fn=lambda out, target: ((out - target) ** 2).mean()
+        schedule, {0: stage},
+        ExecutorOptions(loss_fn=lambda out, target: ((out - target) ** 2).mean()),
     ) as executor:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

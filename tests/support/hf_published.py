@@ -15,6 +15,7 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.models.split import build_stage, copy_into_stage
 from megapipe.parallel.config import ParallelConfig
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import build_schedule
 from megapipe.train.checkpoint.reader import CONFIG_KEY, TOKENIZER_KEY
@@ -102,8 +103,8 @@ def layout_run(directories: dict[str, str], root: str) -> dict | None:
             copy_into_stage(stage, state)
         data = [batch(groups.dp_rank, i) for i in range(MICROBATCHES)]
         spec = TensorSpec((MICRO_BATCH, SEQ, config.hidden_size), torch.float32)
-        with PipelineExecutor(schedule, stages, spec=spec, loss_fn=gpt_loss, groups=groups,
-                              timeout=30.0) as executor:
+        options = ExecutorOptions(spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0)
+        with PipelineExecutor(schedule, stages, options) as executor:
             result = executor.step([d[0] for d in data], [d[1] for d in data])
         params = [p for stage in stages.values() for p in stage.parameters()]
         descriptor = {"model": {CONFIG_KEY: config.to_dict(),

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import build_schedule
 
@@ -29,9 +30,10 @@ def toy_pipeline_peak(n: int, microbatches: int) -> int:
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(n, generator=gen) for _ in range(microbatches)]
     targets = [torch.randn(n, generator=gen) for _ in range(microbatches)]
-    with PipelineExecutor(schedule, {rank: Toy(n)}, spec=TensorSpec((n,), torch.float32),
-                          loss_fn=lambda o, t: (o * t).sum(), measure_activations=True,
-                          timeout=30.0) as executor:
+    with PipelineExecutor(schedule, {rank: Toy(n)},
+                          ExecutorOptions(spec=TensorSpec((n,), torch.float32),
+                                          loss_fn=lambda o, t: (o * t).sum(),
+                                          measure_activations=True, timeout=30.0)) as executor:
         result = executor.step(inputs if rank == 0 else None, targets if rank == 1 else None)
     assert result.activation_bytes is not None
     return result.activation_bytes

@@ -21,6 +21,7 @@ from megapipe.models.split import build_stage
 from megapipe.parallel.config import ParallelConfig
 from megapipe.parallel.groups import GROUP_NAMES, ProcessGroups, assemble_groups, rank_grid
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.precision.main_grad import accumulated_grad, zero_grads
 from megapipe.schedule import Kind, build_schedule
@@ -232,13 +233,15 @@ def build_pipeline(case: Case, timeout: float = 20.0):
     executor = PipelineExecutor(
         schedule,
         stages,
-        # a declaration per microbatch: sequence lengths may differ between microbatches
-        spec=lambda stage, i: TensorSpec(
-            (MICRO_BATCH, seq_length(i, case.variable_seq), CONFIG.hidden_size), dtype
+        ExecutorOptions(
+            # a declaration per microbatch: sequence lengths may differ between microbatches
+            spec=lambda stage, i: TensorSpec(
+                (MICRO_BATCH, seq_length(i, case.variable_seq), CONFIG.hidden_size), dtype
+            ),
+            loss_fn=gpt_loss,
+            groups=groups,
+            timeout=timeout,
         ),
-        loss_fn=gpt_loss,
-        groups=groups,
-        timeout=timeout,
     )
     return groups, schedule, stages, executor
 
@@ -271,7 +274,7 @@ def pipeline_run(case: Case, steps: int) -> dict | None:
         "steps": per_step,
         "experts": experts,
         "peak": peak,
-        "limit": in_flight_limit(executor.lowered, groups.pp_rank),
+        "limit": in_flight_limit(executor.rank_actions.lowered, groups.pp_rank),
     }
 
 
@@ -333,10 +336,12 @@ def timeout_run(timeout: float) -> str | None:
         executor = PipelineExecutor(
             schedule,
             {1: stage},
-            spec=TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size)),
-            loss_fn=gpt_loss,
-            pp_group=group,
-            timeout=timeout,
+            ExecutorOptions(
+                spec=TensorSpec((MICRO_BATCH, CONFIG.seq_length, CONFIG.hidden_size)),
+                loss_fn=gpt_loss,
+                pp_group=group,
+                timeout=timeout,
+            ),
         )
         labels = [microbatch(0, i, 0)[1] for i in range(2)]
         try:
@@ -368,7 +373,8 @@ def misuse_errors() -> dict[str, str] | None:
 
     def make(stage_ids, sched=schedule, spec=spec):
         stages = {s: build_stage(CONFIG, s, sched.stages_per_pipeline) for s in stage_ids}
-        return PipelineExecutor(sched, stages, spec=spec, loss_fn=gpt_loss, groups=groups)
+        return PipelineExecutor(sched, stages,
+                                ExecutorOptions(spec=spec, loss_fn=gpt_loss, groups=groups))
 
     capture("chunks", lambda: make(mine[:1]))
     capture("placement", lambda: make(schedule.stages_of_rank(1 - groups.pp_rank)))

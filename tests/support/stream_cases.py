@@ -22,6 +22,7 @@ from megapipe.models.gpt import gpt_loss
 from megapipe.overlap.combined import combined_step
 from megapipe.overlap.plan import Node, NodeKind
 from megapipe.pipeline.executor import PipelineExecutor
+from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.schedule import build_schedule
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
@@ -75,8 +76,9 @@ def executor_findings(schedule: str, vpp: int = 1, delay: bool = False, graphs: 
                                    graph_api=FakeGraphApi()) if graphs else {}
     checker = StreamChecker()
     with checked_streams(checker), checker:
-        with PipelineExecutor(built, stages, loss_fn=gpt_loss, delay_wgrad_compute=delay,
-                              moe_a2a_waves=waves, **options) as executor:
+        with PipelineExecutor(built, stages,
+                              ExecutorOptions(loss_fn=gpt_loss, delay_wgrad_compute=delay,
+                                              moe_a2a_waves=waves, **options)) as executor:
             executor.step([i[:, :-1] for i in ids], [i[:, 1:] for i in ids])
         del executor, stages
     assert checker.ops > 100, checker.ops  # the step ran under the checker

@@ -54,7 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megapipe.overlap.cuda_api import CudaApi
-from megapipe.overlap.streams import CudaStream, Streams
+from megapipe.overlap.cuda_streams import CudaStream
+from megapipe.overlap.streams import Streams
 
 HOST = "host"
 DEFAULT = "compute"  # the device's default stream

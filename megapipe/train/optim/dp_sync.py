@@ -53,15 +53,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megapipe.moe.link import EmulatedLink
+from megapipe.overlap.cuda_streams import CudaEvent, CudaStream
 from megapipe.overlap.node_trace import NodeTrace
-from megapipe.overlap.streams import (
-    CudaEvent,
-    CudaStream,
-    Event,
-    InlineStream,
-    Streams,
-    WorkerStream,
-)
+from megapipe.overlap.streams import Event, InlineStream, Streams, WorkerStream
 from megapipe.train.optim.grad_buffers import Bucket, FlatBuffer
 
 DP_KIND, DP_WAIT_KIND, DP_STREAM = "dp", "dp_wait", "dp"

@@ -419,19 +419,25 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
     """Autograd binds a parameter's accumulation to the stream current when its node is made
     (``support.accumulator_streams``); the warm-up and capture run on the graphs' side stream,
     but every accumulation, in the step that captures and after, runs on the compute stream
-    (here the calling thread), the one the data-parallel reduction waits on."""
+    (here the calling thread), the one the data-parallel reduction waits on: autograd's for
+    the parameters without ``main_grad`` (fp32), the backward replays' own for those with one
+    (bf16: added into ``main_grad`` inside the graph; autograd accumulates none of them)."""
     from support.accumulator_streams import AccumulatorStreams
 
-    stage, api = _stage(bf16=True), FakeGraphApi()
-    graphs = NodeGraphs(MODULES, api)
     run = _plain_run if path == "plain" else _tape_run
-    with AccumulatorStreams(api.stream_of) as streams:
-        run(stage, graphs, _batches(2))
-    assert graphs.captured == 3 and api.count("warm") == 3
-    assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
-    captured = [p for plan in stage.layer_plans() for n in plan
-                if isinstance(n, Node) and n.graphable is not None for p in n.graphable.params]
-    assert len(streams.accumulated) >= 2 * len(captured) > 0  # two microbatches
+    for bf16 in (False, True):
+        stage, api = _stage(bf16=bf16), FakeGraphApi()
+        graphs = NodeGraphs(MODULES, api)
+        with AccumulatorStreams(api.stream_of) as streams:
+            run(stage, graphs, _batches(2))
+        assert graphs.captured == 3 and api.count("warm") == 3
+        assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
+        captured = [p for plan in stage.layer_plans() for n in plan
+                    if isinstance(n, Node) and graphs.covers(n) for p in n.graphable.params]
+        by_autograd = [streams.leaves.count(id(p)) for p in captured]
+        assert captured and by_autograd == [0 if bf16 else 2] * len(captured)  # 2 microbatches
+        replayed = {stream for kind, _, stream in api.events if kind == "replay"}
+        assert replayed == {threading.current_thread().name}
 
 
 def test_the_stand_in_replays_only_the_captured_operations_on_the_captured_memory() -> None:

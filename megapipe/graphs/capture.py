@@ -27,6 +27,7 @@ from megapipe.graphs.instance import Handed, Instance, Lease, Loans, static_byte
 from megapipe.graphs.recorder import StateRecorder, forget_writes, no_grad_read
 from megapipe.graphs.replay import ParamsCall, Replay
 from megapipe.overlap.plan import LayerState, Node
+from megapipe.precision.main_grad import accumulate_grad, accumulated_grad, grad_buffer
 
 WARMUP_RUNS = 1  # eager forward + backward runs before a capture (lazy kernel initialisation)
 
@@ -134,7 +135,7 @@ class _Regions:
         if grad is None or where is None:
             return grad
         if where is wanted:
-            wanted.main_grad.add_(grad)  # type: ignore[attr-defined]  # Megatron's attribute
+            accumulate_grad(wanted, grad)  # into main_grad, as the hook adds it
             self.added.append(wanted)
             return None
         return where.copy_(grad)
@@ -188,8 +189,8 @@ class CapturedNode:
             instance = self._capture(state, inputs, loans)
             found.append(instance)
             loans.settle()  # the capture's own references gone: what the instance keeps
-        if any(p.main_grad is not g for p, g in  # type: ignore[attr-defined]
-               zip(instance.accumulated, instance.main_grads)):
+        if any(accumulated_grad(p) is not g
+               for p, g in zip(instance.accumulated, instance.main_grads)):
             raise RuntimeError(f"node {self.node.name!r}: a parameter's main_grad is another "
                                "tensor than when its graphs were captured (they add into the "
                                "old memory)")
@@ -270,7 +271,7 @@ class CapturedNode:
         instance.writes = dict(recorder._writes)
         instance.guards = dict(recorder._reads)
         instance.accumulated = tuple(regions.added)
-        instance.main_grads = tuple(p.main_grad for p in regions.added)  # type: ignore
+        instance.main_grads = tuple(grad_buffer(p) for p in regions.added)  # their main_grad
         instance.in_place_state = frozenset(
             name for name, t in instance.state_inputs.items()
             if self.stats.handed.find(t, self.layer) is not None)

@@ -27,16 +27,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megapipe.moe.dispatcher import HostCounts, TokenDispatcher, _reorder_blocks, all_to_all
 from megapipe.overlap.plan import NodeFn
-
-if TYPE_CHECKING:  # state.py imports WaveSplits from here
-    from megapipe.moe.state import MoEState
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -154,7 +151,8 @@ class WaveDispatch:
 
 
 class WaveNodes:
-    """The node functions of a MoE layer in waves (``MoELayer.wave_plan`` lays them out):
+    """The node functions of a MoE layer in waves (``MoELayer.wave_plan`` lays them out; the
+    state is its ``MoEState``, which imports this module):
     route (the layer's, relabelled group-major, its rows handed to every wave), and per group
     its dispatch (wave 0 plans every group: the count exchange and the layer's one host read),
     experts and combine."""
@@ -164,13 +162,13 @@ class WaveNodes:
         self.count = len(by_wave.groups)
 
     def route(self, layer_route: Callable[..., Tensors]) -> NodeFn:
-        def fn(state: MoEState, tensors: Tensors) -> Tensors:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
             *lead, rows = layer_route(state, tensors, relabel=self.by_wave.relabel)
             return tuple(lead) + (rows,) * self.count  # each wave's dispatch takes its block
         return fn
 
     def dispatch(self, g: int) -> NodeFn:
-        def fn(state: MoEState, tensors: Tensors) -> Tensors:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
             started = None
             if g == 0:  # the count exchange (and the layer's one host read) of all groups
                 started = time.perf_counter()
@@ -180,14 +178,14 @@ class WaveNodes:
         return fn
 
     def experts(self, g: int) -> NodeFn:
-        def fn(state: MoEState, tensors: Tensors) -> Tensors:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
             counts = _splits(state)[g].tokens_per_local_expert
             first = self.by_wave.groups[g][0]
             return (self.expert_fn(tensors[0], counts, state=state, group_first=first),)
         return fn
 
     def combine(self, g: int) -> NodeFn:
-        def fn(state: MoEState, tensors: Tensors) -> Tensors:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
             return (self.by_wave.combine(g, tensors[0], _splits(state)),)
         return fn
 

@@ -421,13 +421,16 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
     but every accumulation, in the step that captures and after, runs on the compute stream
     (here the calling thread), the one the data-parallel reduction waits on: autograd's for
     the parameters without ``main_grad`` (fp32), the backward replays' own for those with one
-    (bf16: added into ``main_grad`` inside the graph; autograd accumulates none of them)."""
+    (bf16: added into ``main_grad`` inside the graph; autograd accumulates none of them, and
+    ``NodeGraphs.after_backward`` is told of each, for the data-parallel bucket counts)."""
     from support.accumulator_streams import AccumulatorStreams
 
     run = _plain_run if path == "plain" else _tape_run
     for bf16 in (False, True):
         stage, api = _stage(bf16=bf16), FakeGraphApi()
         graphs = NodeGraphs(MODULES, api)
+        told: list[int] = []  # what the data-parallel sync would count (grads_added)
+        graphs.after_backward.append(lambda params: told.extend(id(p) for p in params))
         with AccumulatorStreams(api.stream_of) as streams:
             run(stage, graphs, _batches(2))
         assert graphs.captured == 3 and api.count("warm") == 3
@@ -436,6 +439,7 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
                     if isinstance(n, Node) and graphs.covers(n) for p in n.graphable.params]
         by_autograd = [streams.leaves.count(id(p)) for p in captured]
         assert captured and by_autograd == [0 if bf16 else 2] * len(captured)  # 2 microbatches
+        assert [told.count(id(p)) for p in captured] == [2 if bf16 else 0] * len(captured)
         replayed = {stream for kind, _, stream in api.events if kind == "replay"}
         assert replayed == {threading.current_thread().name}
 

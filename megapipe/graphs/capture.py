@@ -27,7 +27,7 @@ from megapipe.graphs.instance import Handed, Instance, Lease, Loans, static_byte
 from megapipe.graphs.recorder import StateRecorder, forget_writes, no_grad_read
 from megapipe.graphs.replay import ParamsCall, Replay
 from megapipe.overlap.plan import LayerState, Node
-from megapipe.precision.main_grad import accumulate_grad, accumulated_grad, grad_buffer
+from megapipe.precision.main_grad import accumulate_grad, grad_buffer
 
 WARMUP_RUNS = 1  # eager forward + backward runs before a capture (lazy kernel initialisation)
 
@@ -189,11 +189,10 @@ class CapturedNode:
             instance = self._capture(state, inputs, loans)
             found.append(instance)
             loans.settle()  # the capture's own references gone: what the instance keeps
-        if any(accumulated_grad(p) is not g
+        if any(grad_buffer(p).data_ptr() != g.data_ptr()
                for p, g in zip(instance.accumulated, instance.main_grads)):
-            raise RuntimeError(f"node {self.node.name!r}: a parameter's main_grad is another "
-                               "tensor than when its graphs were captured (they add into the "
-                               "old memory)")
+            raise RuntimeError(f"node {self.node.name!r}: a parameter's main_grad moved since "
+                               "its graphs were captured (they would add into the old memory)")
         for name in instance.state_inputs:
             no_grad_read(self.node.name, name, getattr(state, name))
         for call in self.before_replay:

@@ -29,7 +29,7 @@ from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.precision.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad, attach_main_grads
 from megapipe.train.config import flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
@@ -315,6 +315,15 @@ def test_undeclared_parameters_host_syncs_and_moved_storage_are_refused() -> Non
     weight.data = weight.data.clone()
     with pytest.raises(RuntimeError, match="a parameter's or buffer's storage moved"):
         run_nodes(plan, (x,))
+    # a main_grad the backward graph adds into, replaced after the capture
+    weight = torch.randn(8, 8, requires_grad=True)
+    attach_main_grads([weight])
+    plan, _, _ = _one_node(lambda s, t: (t[0] @ weight,), [weight])
+    run_nodes(plan, (x,))[0].sum().backward()
+    assert weight.grad is None and torch.equal(weight.main_grad, x.detach().t() @ torch.ones(4, 8))
+    weight.main_grad = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match="a parameter's main_grad moved since its graphs"):
+        run_nodes(plan, (x,))
 
 
 def test_a_second_backward_and_a_missing_output_gradient_are_refused() -> None:
@@ -430,7 +439,7 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
         stage, api = _stage(bf16=bf16), FakeGraphApi()
         graphs = NodeGraphs(MODULES, api)
         told: list[int] = []  # what the data-parallel sync would count (grads_added)
-        graphs.after_backward.append(lambda params: told.extend(id(p) for p in params))
+        graphs.after_backward.append(lambda params, into=told: into.extend(map(id, params)))
         with AccumulatorStreams(api.stream_of) as streams:
             run(stage, graphs, _batches(2))
         assert graphs.captured == 3 and api.count("warm") == 3

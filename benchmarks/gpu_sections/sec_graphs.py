@@ -61,16 +61,14 @@ def graph_times(ctx, result, config, micro_batch: int,  # noqa: ANN001
                                   **_options(MODES[mode], graph_api))
             for mode in modes for way in WAYS}
     try:
-        times, overflowed = _median_steps(ctx, runs, inputs, targets, rounds)
-        graphed = {mode: runs[(mode, "combined")].step(inputs, targets) for mode in modes}
-        zero_grads(stage.parameters())
+        times, overflowed, last = _median_steps(ctx, runs, inputs, targets, rounds)
     finally:
         for run_executor in runs.values():
             run_executor.close()
     h, rows = config.hidden_size, []
     for mode in modes:
         plain, combined = times[(mode, "plain")], times[(mode, "combined")]
-        out = graphed[mode]
+        out = last[(mode, "combined")]
         mib = None if out.graph_bytes is None else out.graph_bytes / 2**20
         rows.append([mode, plain.device_ms, combined.device_ms,
                      plain.device_ms / combined.device_ms, plain.host_ms, combined.host_ms,
@@ -101,14 +99,16 @@ def _options(modules: Any, graph_api: Any) -> dict[str, Any]:
 
 
 def _median_steps(ctx, runs: dict, inputs, targets, rounds: int  # noqa: ANN001
-                  ) -> tuple[dict, int]:
+                  ) -> tuple[dict, int, dict]:
     """Median GPU and host ms per executor, their steps alternating (round 0 warms up and
-    captures), and how many steps overflowed (read once at the end: no host read between)."""
+    captures), how many steps overflowed (read once at the end: no host read between), and
+    each executor's last ``StepResult``."""
     times: dict = {key: [] for key in runs}
-    flags = []
+    flags, last = [], {}
     for round_index in range(rounds + 1):
         for key, run_executor in runs.items():
-            timed = time_ms(lambda: run_executor.step(inputs, targets), ctx.device)
+            timed = time_ms(lambda: last.__setitem__(key, run_executor.step(inputs, targets)),
+                            ctx.device)
             zero_grads(run_executor.stages[0].parameters())
             flags.append(take_overflow(list(run_executor.stages.values())))
             if round_index:
@@ -117,4 +117,4 @@ def _median_steps(ctx, runs: dict, inputs, targets, rounds: int  # noqa: ANN001
     medians = {key: Timed(statistics.median(t.device_ms for t in values),
                           statistics.median(t.host_ms for t in values))
                for key, values in times.items()}
-    return medians, overflowed
+    return medians, overflowed, last

@@ -25,7 +25,7 @@ import torch
 
 from megapipe.graphs.instance import Handed, Instance, Lease, Loans, static_bytes
 from megapipe.graphs.recorder import StateRecorder, forget_writes, no_grad_read
-from megapipe.graphs.replay import ParamsCall, Replay
+from megapipe.graphs.replay import ParamCall, ParamsCall, Replay
 from megapipe.overlap.plan import LayerState, Node
 from megapipe.precision.main_grad import accumulate_grad, grad_buffer
 
@@ -155,11 +155,12 @@ class CapturedNode:
 
     def __init__(self, node: Node, spec: Any, stats: GraphStats,
                  before_replay: Sequence[ParamsCall] = (),
-                 after_backward: Sequence[ParamsCall] = (), layer: int = 0) -> None:
+                 after_backward: Sequence[ParamCall] = (), layer: int = 0) -> None:
         """``spec``: the node's ``graphs.nodes.Graphable``; ``stats``: where captures count;
         ``layer``: its layer plan's key (it reads in place only what that layer's nodes made);
         ``before_replay``: called with its parameters before each forward replay;
-        ``after_backward``: with those the backward graph added into ``main_grad``, after it."""
+        ``after_backward``: with each parameter the backward graph added into ``main_grad``,
+        after it."""
         self.node, self.spec, self.stats = node, spec, stats
         self.before_replay, self.after_backward = before_replay, after_backward
         self.layer = layer

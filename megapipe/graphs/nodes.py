@@ -148,10 +148,10 @@ class NodeGraphs:
         # graph: what module hooks do in eager (the parameter all-gather waits), which a
         # replay runs no Python for
         self.before_replay: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
-        # called after each backward replay with the parameters its graph added into their
-        # main_grad: what their post-accumulate hooks do in eager besides that (the
+        # called after each backward replay with each parameter its graph added into its
+        # main_grad: what its post-accumulate hooks do in eager besides that (the
         # data-parallel bucket counts), which a replay runs no Python for
-        self.after_backward: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
+        self.after_backward: list[Callable[[torch.Tensor], None]] = []
         self._nodes: dict[int, tuple[Node, CapturedNode]] = {}
         self._plans: dict[int, tuple[Any, Any]] = {}
 

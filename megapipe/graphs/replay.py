@@ -16,6 +16,7 @@ from megapipe.graphs.instance import Lease
 from megapipe.overlap.plan import LayerState
 
 ParamsCall = Callable[[tuple[torch.Tensor, ...]], None]
+ParamCall = Callable[[torch.Tensor], None]
 
 
 class Replay(torch.autograd.Function):
@@ -25,7 +26,7 @@ class Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lease: Lease, state: LayerState, logs: tuple, num_inputs: int,
-                after_backward: Sequence[ParamsCall], *tensors: torch.Tensor
+                after_backward: Sequence[ParamCall], *tensors: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         instance = lease.instance
         instance.fill(state, tensors[:num_inputs])
@@ -57,7 +58,7 @@ class Replay(torch.autograd.Function):
         instance.take_grads(grads)
         instance.api.replay(instance.bwd)
         lease.release()  # its saved activations are spent (a second backward is refused)
-        if instance.accumulated:
-            for call in ctx.after_backward:
-                call(instance.accumulated)
+        for call in ctx.after_backward:
+            for param in instance.accumulated:
+                call(param)
         return (None, None, None, None, None, *instance.returned())

@@ -438,8 +438,8 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
     for bf16 in (False, True):
         stage, api = _stage(bf16=bf16), FakeGraphApi()
         graphs = NodeGraphs(MODULES, api)
-        told: list[int] = []  # what the data-parallel sync would count (grads_added)
-        graphs.after_backward.append(lambda params, into=told: into.extend(map(id, params)))
+        told: list[int] = []  # what the data-parallel sync would count (grad_added)
+        graphs.after_backward.append(lambda param, into=told: into.append(id(param)))
         with AccumulatorStreams(api.stream_of) as streams:
             run(stage, graphs, _batches(2))
         assert graphs.captured == 3 and api.count("warm") == 3

@@ -62,6 +62,7 @@ from megapipe.overlap.streams import (
     Streams,
     WorkerStream,
 )
+from megapipe.precision.main_grad import accumulate_grad
 from megapipe.train.optim.grad_buffers import Bucket, FlatBuffer
 
 DP_KIND, DP_WAIT_KIND, DP_STREAM = "dp", "dp_wait", "dp"
@@ -170,23 +171,13 @@ class DataParallelSync:
     # ------------------------------------------------------------- reductions
     def _grad_arrived(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: move autograd's gradient into ``main_grad``; count it."""
-        if param.grad is None:
-            return  # a deferred weight gradient arrives later, outside autograd
-        # main_grad: Megatron's fp32 gradient attribute on a Parameter
-        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
-        param.grad = None
-        self._count(param)
+        if param.grad is not None:  # None: a deferred weight gradient, outside autograd
+            accumulate_grad(param, param.grad)  # into main_grad
+            param.grad = None
+            self.grad_added(param)
 
-    def grads_added(self, params: Sequence[torch.Tensor]) -> None:
-        """After a CUDA graph's backward replay: ``params``' gradients were added into their
-        ``main_grad`` inside the graph (``graphs.capture``); count each as the hook does."""
-        for param in params:
-            if id(param) in self._where:
-                self._count(param)
-
-    def _count(self, param: torch.Tensor) -> None:
-        """Count a gradient of ``param`` that arrived in its ``main_grad``; start the buckets
-        it completes."""
+    def grad_added(self, param: torch.Tensor) -> None:
+        """Count a gradient added into ``main_grad`` (the hook's, a graph's backward replay)."""
         key = id(param)
         buffer, bucket = self._where[key]
         if bucket < self._next.get(id(buffer), 0):
@@ -320,11 +311,9 @@ class DataParallelSync:
     def wait_before_replays(self, graphs: Any) -> None:
         """With CUDA graphs (``graphs.nodes.NodeGraphs``): a replay runs no module hook, so
         before each forward replay of a captured node the engine waits for the gathers of its
-        parameters' buckets (outside the graph, on the stream it replays on), and after each
-        backward replay counts the gradients its graph added into ``main_grad``."""
+        parameters' buckets (outside the graph, on the stream it replays on)."""
         if self.sharded and self.overlap_param_gather:
             graphs.before_replay.append(self.wait_param_gathers)
-        graphs.after_backward.append(self.grads_added)
 
     def wait_param_gathers(self, params: Sequence[torch.Tensor]) -> None:
         """The current stream waits for the gathers of the buckets holding ``params``."""

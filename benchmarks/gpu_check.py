@@ -8,6 +8,8 @@ with their caps; ``budget.py`` says how the budget is shared):
     executor  pp = 1, 1f1b, 8 microbatches, stages built on the device: step times at hidden
               1024 and 4096, link off/on, CUDA graphs off/on: combined / plain, host issue
               time vs kernel time, exposed all-to-all, GPU idle share
+    graphs    the executor's step on a rank-capacity model, hidden 1024 and 4096: MoE layers
+              graphed whole vs partial graphs vs eager, combined vs plain
     kernels   every fused operator: GPU ms, share of HBM bandwidth, host us per launch
     bitwise   the executor's runs bit for bit, with a plain-vs-plain control: combined,
               deferred wgrad, slow comm stream (race detector), CUDA graphs on
@@ -16,7 +18,7 @@ with their caps; ``budget.py`` says how the budget is shared):
     tests     pytest tests/gpu -rA
     pretrain  world size 1 on NCCL, --deterministic-mode, 20 iterations: exit, save and resume
               bitwise (with a control), tokens/s
-    (the sections above always get their caps in the default 360 s; the ones below run in
+    (the sections above always get their caps in the default 420 s; the ones below run in
     what they leave)
     streams   profiler trace of one combined step: streams per node, concurrent kernel ms
     overlap   ep = 1 MoE layer pair and step, sequential vs combined (also deferred wgrad and
@@ -41,7 +43,7 @@ are rewritten after each section, and the running section writes its figures as 
 moment keeps what it measured. Prints a table at
 the end; the last line is ``N passed, N failed, N skipped``; exit code 1 when a section failed.
 
-    python benchmarks/gpu_check.py --out DIR [--budget 360] [--dry-run] [--sections a,b]
+    python benchmarks/gpu_check.py --out DIR [--budget 420] [--dry-run] [--sections a,b]
 """
 
 from __future__ import annotations

@@ -293,12 +293,17 @@ def _launches() -> int:
           f"{ms['interleaved']:.2f} ms: combined / it {ms['combined'] / ms['interleaved']:.2f}")
     from outside_graphs import PARTIAL_LAYER, RANK_CAPACITY, WHOLE_LAYER, launches_outside_graphs
 
-    outside, _ = launches_outside_graphs()
+    outside, counter = launches_outside_graphs()
+    in_grad, _ = launches_outside_graphs(main_grads=False)
     partial, _ = launches_outside_graphs(modules=PARTIAL_LAYER)
     print(f"launches per MoE layer outside CUDA graphs: {outside} (combined step, "
           f"--moe-expert-rank-capacity-factor {RANK_CAPACITY:g}, ep 1, --cuda-graph-modules "
-          f"{' '.join(WHOLE_LAYER)}: attention, experts and finish replayed, a replay one "
-          f"launch; {partial} with {' '.join(PARTIAL_LAYER)}, the attention node alone)")
+          f"{' '.join(WHOLE_LAYER)}, fp32 main gradients: attention, experts and finish "
+          f"replayed, a replay one launch; {in_grad} with gradients in .grad (fp32 without "
+          f"main_grad: autograd copies each parameter's out of its graph); {partial} with "
+          f"{' '.join(PARTIAL_LAYER)}, the attention node alone)")
+    for label in sorted(counter.launches):
+        print("  " + histogram(counter, label))
     print(f"launches per MoE layer: plain {plain}, combined {combined}")
     return 0
 

@@ -1,11 +1,15 @@
 """Launches one MoE layer's combined step issues outside CUDA graphs, counted on the live code.
 
 ``host_cost.py --launches`` prints it as ``launches per MoE layer outside CUDA graphs: N``: the
-demo's layer with ``--moe-expert-rank-capacity-factor`` (static shapes, no host read) and
-``--cuda-graph-modules attn moe`` (the layer graphed whole), its graphs replayed by the CPU graph
-stand-in (``tests/support/fake_graphs.py``, which replays below every dispatch mode), each
-replay counted as one launch and every other operator the host dispatches as one
-(``launch_count.LaunchCounter``'s rule).
+demo's layer with ``--moe-expert-rank-capacity-factor`` (static shapes, no host read),
+``--cuda-graph-modules attn moe`` (the layer graphed whole) and fp32 main gradients (a bf16
+run's, and the data-parallel buffers'), its graphs replayed by the CPU graph stand-in
+(``tests/support/fake_graphs.py``, which replays below every dispatch mode), each replay counted
+as one launch and every other operator the host dispatches as one
+(``launch_count.LaunchCounter``'s rule). What is left (docs/cuda-graphs.md): the six replays,
+the layer input's copy into its static buffer, the incoming gradient's, the input gradient's
+copy into ``.grad`` at the layer boundary, the auxiliary-loss log's copy; at ep > 1 the
+all-to-alls run eager besides (on the comm stream) and their results are copied in.
 """
 
 from __future__ import annotations
@@ -46,17 +50,23 @@ def _replay_counting_api() -> Any:
     return ReplayCounting()
 
 
-def launches_outside_graphs(stage: Any | None = None,
-                            modules: Sequence[str] = WHOLE_LAYER) -> tuple[int, LaunchCounter]:
+def launches_outside_graphs(stage: Any | None = None, modules: Sequence[str] = WHOLE_LAYER,
+                            main_grads: bool = True) -> tuple[int, LaunchCounter]:
     """Launches the host issues for one MoE layer's combined step (F of one microbatch beside
     B of another) with ``--moe-expert-rank-capacity-factor`` and ``--cuda-graph-modules
-    modules`` (the demo's layer alone in its stage, ep 1), counted on the live code: the
-    graphs captured in a first round, the second counted, where each replay counts one and
-    every operator the host issues besides counts one (copies into static buffers, the
-    all-to-all nodes, the gradients' accumulation). Returns (the count, its counter)."""
+    modules`` (the demo's layer alone in its stage, ep 1; ``main_grads``: its parameters given
+    fp32 ``main_grad`` buffers, as a bf16 run's, else gradients in ``.grad``), counted on the
+    live code: the graphs captured in a first round, the second counted, where each replay
+    counts one and every operator the host issues besides counts one (copies into static
+    buffers, the all-to-all nodes, the gradients' accumulation outside the graphs). Returns
+    (the count, its counter)."""
     from megapipe.graphs.nodes import NodeGraphs
+    from megapipe.precision.main_grad import attach_main_grads
 
-    stage = demo_layer(moe_expert_rank_capacity_factor=RANK_CAPACITY) if stage is None else stage
+    if stage is None:
+        stage = demo_layer(moe_expert_rank_capacity_factor=RANK_CAPACITY)
+        if main_grads:
+            attach_main_grads(stage.parameters())
     api = _replay_counting_api()
     graphs = NodeGraphs(modules, api)
     plans = [graphs.plan(plan) for plan in stage.layer_plans()]

@@ -14,7 +14,7 @@
 #  2. PYTHONPATH=<this checkout> (ahead of any megapipe installed elsewhere), then a check, run
 #     from outside the checkout, that megapipe resolves to it. Every section
 #     (and every process a section starts) gets the same path from the runner.
-# BUDGET (default 360): seconds for the whole check, this set-up included; the sections get
+# BUDGET (default 420): seconds for the whole check, this set-up included; the sections get
 # what is left of it (--budget).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -85,6 +85,6 @@ if [ "$SETUP_ONLY" = 1 ]; then
   exit 0
 fi
 export PYTHONUNBUFFERED=1
-LEFT=$(( ${BUDGET:-360} - SECONDS ))  # SECONDS: this script's own time so far (the set-up)
-say "set-up took ${SECONDS} s; the sections get ${LEFT} s of ${BUDGET:-360}"
+LEFT=$(( ${BUDGET:-420} - SECONDS ))  # SECONDS: this script's own time so far (the set-up)
+say "set-up took ${SECONDS} s; the sections get ${LEFT} s of ${BUDGET:-420}"
 exec "$RUN_PY" benchmarks/gpu_check.py --out "$OUT" --budget "$LEFT" "$@"

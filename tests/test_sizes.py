@@ -17,10 +17,6 @@ MODULE_LINES, FUNCTION_LINES = 400, 60
 EXEMPT: dict[str, str] = {
     "schedule/timing/loops.py:sweep": "a compiled hot loop: numba compiles it, and compiled code "
     "cannot call plain Python helpers, so the round robin is one function (the module says so)",
-    "graphs/capture.py:CapturedNode._capture": "TEMPORARY (issue 39): the warm-up, capture and "
-    "replay set-up of one node in one function, 85 lines; to be split by phase",
-    "graphs/capture.py": "TEMPORARY (issue 39): 402 lines once ruff sorted its imports; goes under "
-    "with _capture's split by phase",
 }
 
 

@@ -26,7 +26,7 @@ class SectionSpec:
 DETERMINISTIC = (("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),)  # before the process's first GEMM
 TRITON_CACHE = (("TRITON_CACHE_DIR", "{scratch}/triton-cache"),)  # one cache for all sections
 
-CHECK_S = 360  # the whole check by default, set-up included (scripts/gpu_check.sh's BUDGET)
+CHECK_S = 420  # the whole check by default, set-up included (scripts/gpu_check.sh's BUDGET)
 SETUP_S = 20  # what the set-up may take of it (measured: a few seconds)
 
 # Ordered by value: the executor's step (what the check is for), then every fused kernel, then
@@ -39,6 +39,9 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 "device: step times at hidden 1024 and 4096, all-to-all link off and on, CUDA "
                 "graphs off and on: combined / plain, host issue time vs kernel time, exposed "
                 "all-to-all, GPU idle share, the graphs' memory", env=TRITON_CACHE),
+    SectionSpec("graphs", 60, 25, "the executor's step on a rank-capacity model, hidden 1024 "
+                "and 4096: MoE layers graphed whole vs partial graphs vs eager, combined vs "
+                "plain; the graphs' instances and memory", env=TRITON_CACHE),
     SectionSpec("kernels", 35, 12, "every fused operator (megapipe.kernels): GPU ms, share of "
                 "HBM bandwidth, host us per launch beside an aten op's; first-call seconds",
                 env=TRITON_CACHE),
@@ -70,7 +73,8 @@ SECTIONS: tuple[SectionSpec, ...] = (
                 needs_cuda=False),
 )
 # The sections whose caps, with the set-up's, fit the default check: they always run in full.
-GUARANTEED = ("env", "executor", "kernels", "bitwise", "syncs", "tests", "pretrain")
+GUARANTEED = ("env", "executor", "graphs", "kernels", "bitwise", "syncs", "tests",
+              "pretrain")
 
 
 def select(names: str | None) -> tuple[SectionSpec, ...]:

@@ -24,9 +24,14 @@ tensor outside it still views an output or state tensor it handed out, so a pipe
 microbatches in flight each get their own instance, as Megatron's runners do. A
 replay copies the inputs into the static buffers and launches the graph on the current stream
 (whichever stream the combined step issues the node on); the backward copies the output
-gradients in, replays, and returns the static input and parameter gradients, which autograd
-accumulates as it would eager ones (``.grad``, or ``main_grad`` through its hook): same values,
-same order, so bitwise the eager run under deterministic kernels.
+gradients in, replays, and returns the static input gradients. A parameter's gradient is added
+into its ``main_grad`` inside the backward graph when eager code moves it there (a bf16 run's
+fp32 main gradients, the data-parallel buffers), else returned for autograd to accumulate into
+``.grad``: same values, same order, so bitwise the eager run under deterministic kernels. An
+input that is another instance's static output (the rows, probabilities and routing indices a
+MoE layer's attention node hands to its experts and finish nodes) is read in place, and its
+gradient written into that instance's static gradient buffer inside the backward graph
+(``graphs.instance``): between two captured nodes nothing is copied outside the graphs.
 
 **Layer state.** While captured, a node sees a recording ``LayerState``: what it writes (routing
 indices, split sizes) is replayed onto the real state (tensors are the instance's static
@@ -36,7 +41,8 @@ needs a gradient is refused: those come through the inputs). Its weight-gradient
 None: a captured node computes its weight gradients inside its backward graph. Tensors it records
 in ``Graphable.logs`` (the MoE auxiliary-loss log) are recorded again, copied, at each replay.
 A replay runs no Python of the node (no module hook): what must happen per replay runs in the
-wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits).
+wrapper, outside the graph (``NodeGraphs.before_replay``: the parameter all-gather waits;
+``NodeGraphs.after_backward``: the data-parallel bucket counts).
 The mechanics of one node's instances: ``graphs.capture``; the flags' rules:
 ``graphs.rules``.
 """
@@ -142,6 +148,10 @@ class NodeGraphs:
         # graph: what module hooks do in eager (the parameter all-gather waits), which a
         # replay runs no Python for
         self.before_replay: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
+        # called after each backward replay with each parameter its graph added into its
+        # main_grad: what its post-accumulate hooks do in eager besides that (the
+        # data-parallel bucket counts), which a replay runs no Python for
+        self.after_backward: list[Callable[[torch.Tensor], None]] = []
         self._nodes: dict[int, tuple[Node, CapturedNode]] = {}
         self._plans: dict[int, tuple[Any, Any]] = {}
 
@@ -150,8 +160,9 @@ class NodeGraphs:
         spec = node.graphable
         return spec is not None and set(spec.modules) <= self.modules
 
-    def node(self, node: Node) -> Node:
-        """``node``, captured when ``covers`` says so (comm and host-reading nodes: refused)."""
+    def node(self, node: Node, layer: int = 0) -> Node:
+        """``node``, captured when ``covers`` says so (comm and host-reading nodes: refused);
+        ``layer``: its plan's key (a node reads in place what its layer's nodes made)."""
         if not self.covers(node):
             return node
         if node.kind != NodeKind.COMPUTE or node.reads_host:
@@ -159,8 +170,9 @@ class NodeGraphs:
                              "or reads the host: it can never be captured")
         held = self._nodes.get(id(node))
         if held is None:  # one set of instances per node of a plan made once
-            held = self._nodes[id(node)] = (node, CapturedNode(node, node.graphable, self.stats,
-                                                               self.before_replay))
+            held = self._nodes[id(node)] = (node, CapturedNode(
+                node, node.graphable, self.stats, self.before_replay, self.after_backward,
+                layer))
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:
@@ -176,8 +188,8 @@ class NodeGraphs:
             return plan  # nothing to capture (not kept: a plan made per call stays uncounted)
 
         def wrap(items: Sequence[Any]) -> list[Any]:
-            return [Fork(tuple(tuple(self.node(n) for n in b) for b in item.branches),
-                         item.width) if isinstance(item, Fork) else self.node(item)
+            return [Fork(tuple(tuple(self.node(n, id(plan)) for n in b) for b in item.branches),
+                         item.width) if isinstance(item, Fork) else self.node(item, id(plan))
                     for item in items]
 
         wrapped = plan.wrapped(wrap)

@@ -51,7 +51,6 @@ results.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,11 +63,11 @@ from megapipe.moe.aux_loss import AuxLossLog
 from megapipe.moe.config import MoEConfig
 from megapipe.moe.dispatcher import TokenDispatcher
 from megapipe.moe.experts import GroupedExperts, SwiGLUMLP
-from megapipe.moe.rank_capacity import RankCapacityDispatch, gather_rows, lane_rows
+from megapipe.moe.rank_capacity import LaneExchanges, gather_rows, lane_rows
 from megapipe.moe.router import Router
 from megapipe.moe.state import MoEState, pass_leading
-from megapipe.moe.waves import WaveDispatch
-from megapipe.overlap.plan import Fork, Node, NodeFn, NodeKind, WavePlan, run_nodes
+from megapipe.moe.waves import WaveDispatch, WaveNodes
+from megapipe.overlap.plan import Fork, Node, NodeKind, WavePlan, run_nodes
 
 __all__ = ["MoEConfig", "MoELayer", "MoEState", "pass_leading", "set_sync_free",
            "take_aux_loss_logs", "take_overflow"]
@@ -160,7 +159,7 @@ class MoELayer(nn.Module):
         self.sync_free = config.rank_capacity_factor is not None
         self.register_buffer("rank_overflow", torch.zeros((), dtype=torch.int32),
                              persistent=False)
-        self._exchanges: dict[int, RankCapacityDispatch] = {}  # per lane size (``_lanes``)
+        self._lanes = LaneExchanges(self.dispatcher)  # per lane size
 
     def describe(self) -> str:
         """One line for logs and outputs: experts, EP size, and whether the emulated link is on."""
@@ -218,48 +217,17 @@ class MoELayer(nn.Module):
         if self.config.rank_capacity_factor is not None:
             raise NotImplementedError("a MoE layer with a rank capacity (sync-free dispatch) "
                                       "does not run in waves: its all-to-alls are not split")
-        by_wave = WaveDispatch(self.dispatcher, waves)
-        count = len(by_wave.groups)
-
-        def route(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-            *lead, rows = self._route(state, tensors, relabel=by_wave.relabel)
-            return tuple(lead) + (rows,) * count  # each wave's dispatch takes its block
-
-        def dispatch(g: int) -> NodeFn:
-            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                started = None
-                if g == 0:  # the count exchange (and the layer's one host read) of all groups
-                    started = time.perf_counter()
-                    assert state.rows_per_expert is not None  # route wrote it
-                    state.wave_splits = by_wave.splits(state.rows_per_expert, state.capacity)
-                assert state.wave_splits is not None  # wave 0's dispatch wrote it
-                return (by_wave.dispatch(g, tensors[0], state.wave_splits, started),)
-            return fn
-
-        def experts(g: int) -> NodeFn:
-            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                assert state.wave_splits is not None  # wave 0's dispatch wrote it
-                counts = state.wave_splits[g].tokens_per_local_expert
-                first = by_wave.groups[g][0]
-                return (self.experts(tensors[0], counts, state=state, group_first=first),)
-            return fn
-
-        def combine(g: int) -> NodeFn:
-            def fn(state: MoEState, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                assert state.wave_splits is not None  # wave 0's dispatch wrote it
-                return (by_wave.combine(g, tensors[0], state.wave_splits),)
-            return fn
-
+        nodes = WaveNodes(WaveDispatch(self.dispatcher, waves), self.experts)
         branches = tuple(
-            (Node(f"dispatch{g}", NodeKind.COMM, dispatch(g),
+            (Node(f"dispatch{g}", NodeKind.COMM, nodes.dispatch(g),
                   reads_host=g == 0 and self.config.capacity_factor is None),
-             Node(f"experts{g}", NodeKind.COMPUTE, experts(g)),
-             Node(f"combine{g}", NodeKind.COMM, combine(g)))
-            for g in range(count)
+             Node(f"experts{g}", NodeKind.COMPUTE, nodes.experts(g)),
+             Node(f"combine{g}", NodeKind.COMM, nodes.combine(g)))
+            for g in range(nodes.count)
         )
-        finish = pass_leading(self._finish, self.num_shared + 1 + count)
+        finish = pass_leading(self._finish, self.num_shared + 1 + nodes.count)
         return [
-            Node("route", NodeKind.COMPUTE, pass_leading(route, 1)),
+            Node("route", NodeKind.COMPUTE, pass_leading(nodes.route(self._route), 1)),
             Fork(branches),
             Node("finish", NodeKind.COMPUTE, finish),
         ]
@@ -305,15 +273,6 @@ class MoELayer(nn.Module):
         rows = self._place_sends(state, routed.rows)
         shared = (tokens,) if self.shared_expert is not None else ()
         return shared + (routed.probs, rows)
-
-    def _lanes(self, lane: int) -> RankCapacityDispatch:
-        """The rank capacity's exchange for lanes of ``lane`` rows (one per lane size)."""
-        exchange = self._exchanges.get(lane)
-        if exchange is None:
-            d = self.dispatcher
-            exchange = RankCapacityDispatch(d.num_experts, lane, d.group, d.link)
-            self._exchanges[lane] = exchange
-        return exchange
 
     def _place_sends(self, state: MoEState, rows: torch.Tensor) -> torch.Tensor:
         """With a rank capacity: the sending side of the dispatch, in route (device work on

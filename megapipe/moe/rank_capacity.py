@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapipe.moe.dispatcher import all_to_all
+from megapipe.moe.dispatcher import TokenDispatcher, all_to_all
 from megapipe.moe.link import EmulatedLink
 
 
@@ -192,3 +192,20 @@ class RankCapacityDispatch:
         in its expert order (rows past a lane, an overflowed step's, come back as zeros)."""
         back = gather_rows(expert_rows, splits.received_index)
         return gather_rows(self.return_exchange(back), splits.return_index)
+
+
+class LaneExchanges:
+    """A MoE layer's rank-capacity exchanges over ``dispatcher``'s group, one per lane size
+    (a microbatch's row count sets it), made on first use: ``lanes(lane)``."""
+
+    def __init__(self, dispatcher: TokenDispatcher) -> None:
+        self.dispatcher = dispatcher
+        self._by_lane: dict[int, RankCapacityDispatch] = {}
+
+    def __call__(self, lane: int) -> RankCapacityDispatch:
+        exchange = self._by_lane.get(lane)
+        if exchange is None:
+            d = self.dispatcher
+            exchange = self._by_lane[lane] = RankCapacityDispatch(d.num_experts, lane, d.group,
+                                                                  d.link)
+        return exchange

@@ -24,12 +24,18 @@ a link's latency), and k cannot exceed the experts a rank holds.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megapipe.moe.dispatcher import HostCounts, TokenDispatcher, _reorder_blocks, all_to_all
+from megapipe.overlap.plan import NodeFn
+
+Tensors = tuple[torch.Tensor, ...]
 
 
 def expert_groups(num_local_experts: int, waves: int) -> list[tuple[int, int]]:
@@ -142,3 +148,48 @@ class WaveDispatch:
             rank_major = [e * ep + r for r in range(ep) for e in range(size)]
             rows = _reorder_blocks(rows, sizes, rank_major)
         return all_to_all(rows, wave.input_splits, wave.output_splits, d.group, d.link)
+
+
+class WaveNodes:
+    """The node functions of a MoE layer in waves (``MoELayer.wave_plan`` lays them out; the
+    state is its ``MoEState``, which imports this module):
+    route (the layer's, relabelled group-major, its rows handed to every wave), and per group
+    its dispatch (wave 0 plans every group: the count exchange and the layer's one host read),
+    experts and combine."""
+
+    def __init__(self, by_wave: WaveDispatch, experts: Callable[..., torch.Tensor]) -> None:
+        self.by_wave, self.expert_fn = by_wave, experts
+        self.count = len(by_wave.groups)
+
+    def route(self, layer_route: Callable[..., Tensors]) -> NodeFn:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
+            *lead, rows = layer_route(state, tensors, relabel=self.by_wave.relabel)
+            return tuple(lead) + (rows,) * self.count  # each wave's dispatch takes its block
+        return fn
+
+    def dispatch(self, g: int) -> NodeFn:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
+            started = None
+            if g == 0:  # the count exchange (and the layer's one host read) of all groups
+                started = time.perf_counter()
+                assert state.rows_per_expert is not None  # route wrote it
+                state.wave_splits = self.by_wave.splits(state.rows_per_expert, state.capacity)
+            return (self.by_wave.dispatch(g, tensors[0], _splits(state), started),)
+        return fn
+
+    def experts(self, g: int) -> NodeFn:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
+            counts = _splits(state)[g].tokens_per_local_expert
+            first = self.by_wave.groups[g][0]
+            return (self.expert_fn(tensors[0], counts, state=state, group_first=first),)
+        return fn
+
+    def combine(self, g: int) -> NodeFn:
+        def fn(state: Any, tensors: Tensors) -> Tensors:
+            return (self.by_wave.combine(g, tensors[0], _splits(state)),)
+        return fn
+
+
+def _splits(state: Any) -> list[WaveSplits]:
+    assert state.wave_splits is not None  # wave 0's dispatch wrote it
+    return state.wave_splits

@@ -177,6 +177,7 @@ def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module
     )
     if dp_sync is not None and executor.cuda_graphs is not None:
         dp_sync.wait_before_replays(executor.cuda_graphs)
+        executor.cuda_graphs.after_backward.append(dp_sync.grad_added)  # bucket counts
     return executor
 
 

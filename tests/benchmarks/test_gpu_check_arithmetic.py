@@ -130,7 +130,7 @@ def test_the_sections_that_matter_most_always_get_their_caps_in_the_default_chec
     check where every section uses its whole allowance gives each of them its cap."""
     specs = {s.name: s for s in SECTIONS}
     assert [s.name for s in SECTIONS[:len(GUARANTEED)]] == list(GUARANTEED)
-    assert SETUP_S + sum(specs[n].cap_s for n in GUARANTEED) <= CHECK_S == 360
+    assert SETUP_S + sum(specs[n].cap_s for n in GUARANTEED) <= CHECK_S == 420
     plan = device_plan([s.cap_s for s in SECTIONS], [s.min_s for s in SECTIONS],
                        CHECK_S - SETUP_S)
     assert plan[:len(GUARANTEED)] == [specs[n].cap_s for n in GUARANTEED]

@@ -152,7 +152,7 @@ def test_the_copy_link_copies_and_changes_no_bits_under_the_triton_interpreter()
 
 # The dry run's sections in two halves run side by side (two cores; most sections use one):
 # each half is a whole check of its own, and together they are every section.
-_HALVES = (("env", "executor", "kernels", "gemm", "megatron", "replay"),
+_HALVES = (("env", "executor", "graphs", "kernels", "gemm", "megatron", "replay"),
            ("bitwise", "syncs", "tests", "pretrain", "streams", "overlap", "ep_gloo"))
 
 

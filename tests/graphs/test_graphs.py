@@ -29,7 +29,7 @@ from megapipe.moe.layer import MoEState, set_sync_free
 from megapipe.overlap import combined_step, make_streams, record_forward, run_backward
 from megapipe.overlap.plan import LayerState, Node, NodeKind, Plan, run_nodes
 from megapipe.overlap.wgrad import WeightGradQueue
-from megapipe.precision.main_grad import accumulated_grad
+from megapipe.precision.main_grad import accumulated_grad, attach_main_grads
 from megapipe.train.config import flag_checks as flags
 from megapipe.train.optim.mixed_precision import cast_to_bf16
 from support.fake_graphs import FakeGraphApi
@@ -315,6 +315,15 @@ def test_undeclared_parameters_host_syncs_and_moved_storage_are_refused() -> Non
     weight.data = weight.data.clone()
     with pytest.raises(RuntimeError, match="a parameter's or buffer's storage moved"):
         run_nodes(plan, (x,))
+    # a main_grad the backward graph adds into, replaced after the capture
+    weight = torch.randn(8, 8, requires_grad=True)
+    attach_main_grads([weight])
+    plan, _, _ = _one_node(lambda s, t: (t[0] @ weight,), [weight])
+    run_nodes(plan, (x,))[0].sum().backward()
+    assert weight.grad is None and torch.equal(weight.main_grad, x.detach().t() @ torch.ones(4, 8))
+    weight.main_grad = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match="a parameter's main_grad moved since its graphs"):
+        run_nodes(plan, (x,))
 
 
 def test_a_second_backward_and_a_missing_output_gradient_are_refused() -> None:
@@ -419,19 +428,29 @@ def test_captured_parameters_accumulate_on_the_stream_the_reduction_waits_on(pat
     """Autograd binds a parameter's accumulation to the stream current when its node is made
     (``support.accumulator_streams``); the warm-up and capture run on the graphs' side stream,
     but every accumulation, in the step that captures and after, runs on the compute stream
-    (here the calling thread), the one the data-parallel reduction waits on."""
+    (here the calling thread), the one the data-parallel reduction waits on: autograd's for
+    the parameters without ``main_grad`` (fp32), the backward replays' own for those with one
+    (bf16: added into ``main_grad`` inside the graph; autograd accumulates none of them, and
+    ``NodeGraphs.after_backward`` is told of each, for the data-parallel bucket counts)."""
     from support.accumulator_streams import AccumulatorStreams
 
-    stage, api = _stage(bf16=True), FakeGraphApi()
-    graphs = NodeGraphs(MODULES, api)
     run = _plain_run if path == "plain" else _tape_run
-    with AccumulatorStreams(api.stream_of) as streams:
-        run(stage, graphs, _batches(2))
-    assert graphs.captured == 3 and api.count("warm") == 3
-    assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
-    captured = [p for plan in stage.layer_plans() for n in plan
-                if isinstance(n, Node) and n.graphable is not None for p in n.graphable.params]
-    assert len(streams.accumulated) >= 2 * len(captured) > 0  # two microbatches
+    for bf16 in (False, True):
+        stage, api = _stage(bf16=bf16), FakeGraphApi()
+        graphs = NodeGraphs(MODULES, api)
+        told: list[int] = []  # what the data-parallel sync would count (grad_added)
+        graphs.after_backward.append(lambda param, into=told: into.append(id(param)))
+        with AccumulatorStreams(api.stream_of) as streams:
+            run(stage, graphs, _batches(2))
+        assert graphs.captured == 3 and api.count("warm") == 3
+        assert {stream for _, stream in streams.accumulated} == {threading.current_thread().name}
+        captured = [p for plan in stage.layer_plans() for n in plan
+                    if isinstance(n, Node) and graphs.covers(n) for p in n.graphable.params]
+        by_autograd = [streams.leaves.count(id(p)) for p in captured]
+        assert captured and by_autograd == [0 if bf16 else 2] * len(captured)  # 2 microbatches
+        assert [told.count(id(p)) for p in captured] == [2 if bf16 else 0] * len(captured)
+        replayed = {stream for kind, _, stream in api.events if kind == "replay"}
+        assert replayed == {threading.current_thread().name}
 
 
 def test_the_stand_in_replays_only_the_captured_operations_on_the_captured_memory() -> None:

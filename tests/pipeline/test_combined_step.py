@@ -44,7 +44,8 @@ BITWISE_CASES = [
 # bf16 runs the same layouts with the reference model: each family meets both models
 BF16_CASES = [dataclasses.replace(case, model="reference") for case in BITWISE_CASES]
 
-GRAPH_CASES = [Case("1f1b", 2, ep=2, dp=2), Case("zbv", 2, vpp=2, ep=2, dp=2)]
+GRAPH_CASES = [Case("1f1b", 2, ep=2, dp=2), Case("zbv", 2, vpp=2, ep=2, dp=2),
+               Case("1f1b", 2, ep=2, dp=2, model="rank_capacity")]  # MoE layers graphed whole
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ node was made, and the node lives as long as some autograd graph holds it (pytor
 autograd history from a leaf needing a gradient, stamps that leaf's node (made by the call,
 unless one lived) with the stream current then (``stream_of()``, e.g.
 ``FakeGraphApi.stream_of``: the graphs' side stream in a warm-up or capture); ``accumulated``
-lists, per accumulation, the leaf's shape and the stream its node is bound to. A reduction that
-waits only on the compute stream needs them all on it.
+lists, per accumulation of a gradient, the leaf's shape and the stream its node is bound to
+(``leaves``: the leaf's ``id``). A reduction that waits only on the compute stream needs them
+all on it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class AccumulatorStreams(TorchFunctionMode):
         super().__init__()
         self.stream_of = stream_of
         self.accumulated: list[tuple[tuple[int, ...], str]] = []
+        self.leaves: list[int] = []  # per accumulation, id() of the leaf
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -44,9 +46,11 @@ class AccumulatorStreams(TorchFunctionMode):
         node = leaf.view_as(leaf).grad_fn.next_functions[0][0]  # the one the call made or used
         if "stream" not in node.metadata:
             stream = node.metadata["stream"] = self.stream_of()
-            shape = tuple(leaf.shape)
+            shape, key = tuple(leaf.shape), id(leaf)
 
             def accumulating(grads: Any) -> None:
-                self.accumulated.append((shape, stream))
+                if grads[0] is not None:  # autograd runs it with no gradient too: nothing added
+                    self.accumulated.append((shape, stream))
+                    self.leaves.append(key)
 
             node.register_prehook(accumulating)

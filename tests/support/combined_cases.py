@@ -38,6 +38,7 @@ from support.pipeline_cases import (
 )
 
 GRAPH_MODULES = ("attn", "moe_router", "mlp")
+WHOLE_LAYER_MODULES = ("attn", "moe", "mlp")  # a model with a rank capacity: MoE layers whole
 
 
 def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = False,
@@ -48,7 +49,8 @@ def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = Fals
     ``bf16``: bf16 parameters and activations with float32 ``main_grad`` (what ``--bf16``
     trains with); the gradients compared are then the float32 main gradients. ``waves``: the
     all-to-alls in that many expert groups (``moe_a2a_waves``). ``graphs``: the static nodes
-    as CUDA graphs, through the CPU stand-in (``fake_graphs``)."""
+    as CUDA graphs, through the CPU stand-in (``fake_graphs``); with a rank capacity the MoE
+    layers whole."""
     config = case.config if config is None else config
     groups = subworld_groups(ParallelConfig(case.pp, case.dp, case.ep))
     schedule = build_schedule(case.schedule, case.pp, case.microbatches, vpp=case.vpp,
@@ -67,8 +69,10 @@ def _run(case: Case, overlap: bool, delay: bool, config=None, trace: bool = Fals
         schedule, stages, ExecutorOptions(
             spec=spec, loss_fn=gpt_loss, groups=groups, timeout=30.0,
             delay_wgrad_compute=delay, record_trace=trace, moe_a2a_waves=waves,
-            **(dict(cuda_graph_impl="local", cuda_graph_modules=GRAPH_MODULES,
-                    graph_api=FakeGraphApi()) if graphs else {}),
+            **(dict(cuda_graph_impl="local", graph_api=FakeGraphApi(),
+                    cuda_graph_modules=WHOLE_LAYER_MODULES
+                    if config.moe_expert_rank_capacity_factor else GRAPH_MODULES)
+               if graphs else {}),
         ),
     ) as executor:
         dist.barrier(groups.pp)

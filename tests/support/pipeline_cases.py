@@ -55,6 +55,8 @@ MODELS = {
     "reference": CONFIG,
     "modern": MODERN_CONFIG,
     "modern_untied": dataclasses.replace(MODERN_CONFIG, untie_embeddings_and_output_weights=True),
+    # sync-free lanes (static shapes): MoE layers that CUDA graphs capture whole
+    "rank_capacity": dataclasses.replace(CONFIG, moe_expert_rank_capacity_factor=2.0),
 }
 
 

@@ -56,6 +56,7 @@ from megapipe.moe.link import EmulatedLink
 from megapipe.overlap.cuda_streams import CudaEvent, CudaStream
 from megapipe.overlap.node_trace import NodeTrace
 from megapipe.overlap.streams import Event, InlineStream, Streams, WorkerStream
+from megapipe.precision.main_grad import accumulate_grad
 from megapipe.train.optim.grad_buffers import Bucket, FlatBuffer
 
 DP_KIND, DP_WAIT_KIND, DP_STREAM = "dp", "dp_wait", "dp"
@@ -164,11 +165,13 @@ class DataParallelSync:
     # ------------------------------------------------------------- reductions
     def _grad_arrived(self, param: torch.Tensor) -> None:
         """Post-accumulate hook: move autograd's gradient into ``main_grad``; count it."""
-        if param.grad is None:
-            return  # a deferred weight gradient arrives later, outside autograd
-        # main_grad: Megatron's fp32 gradient attribute on a Parameter
-        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
-        param.grad = None
+        if param.grad is not None:  # None: a deferred weight gradient, outside autograd
+            accumulate_grad(param, param.grad)  # into main_grad
+            param.grad = None
+            self.grad_added(param)
+
+    def grad_added(self, param: torch.Tensor) -> None:
+        """Count a gradient added into ``main_grad`` (the hook's, a graph's backward replay)."""
         key = id(param)
         buffer, bucket = self._where[key]
         if bucket < self._next.get(id(buffer), 0):

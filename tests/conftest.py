@@ -50,10 +50,9 @@ class RankPools:
             pool.close()
 
     def close_all(self) -> None:
-        """At the session's end: the ranks are killed (leaving their gloo groups one by one
-        took 6 to 8 s)."""
+        """At the session's end (``RankPool.close`` kills the ranks)."""
         for pool in self._pools.values():
-            pool.close(kill=True)
+            pool.close()
         self._pools.clear()
 
 

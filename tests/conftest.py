@@ -18,6 +18,23 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: a sweep of minutes, run with MEGAPIPE_HEAVY=1")
 
 
+def pytest_collection_finish(session):
+    """The mypy test's run starts now, beside the first tests (``support.early_mypy``)."""
+    from support import early_mypy
+
+    if any(item.nodeid.endswith(early_mypy.TEST) for item in session.items):
+        session.config.stash[early_mypy.STARTED] = early_mypy.start()
+
+
+def pytest_unconfigure(config):
+    from support import early_mypy
+
+    process = config.stash.get(early_mypy.STARTED, None)
+    if process is not None and process.poll() is None:  # its test did not run (-x, a stop)
+        process.kill()
+        process.communicate()
+
+
 def pytest_collection_modifyitems(config, items):
     if HEAVY:
         return
@@ -50,10 +67,9 @@ class RankPools:
             pool.close()
 
     def close_all(self) -> None:
-        """At the session's end: the ranks are killed (leaving their gloo groups one by one
-        took 6 to 8 s)."""
+        """At the session's end (``RankPool.close`` kills the ranks)."""
         for pool in self._pools.values():
-            pool.close(kill=True)
+            pool.close()
         self._pools.clear()
 
 

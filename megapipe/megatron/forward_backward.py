@@ -61,7 +61,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ from torch import nn
 
 from megapipe.megatron.ddp_hooks import MegatronGradSync, check_data_parallel
 from megapipe.megatron.front_end_executor import build_executor
-from megapipe.megatron.front_end_options import FrontEndOptions
+from megapipe.megatron.front_end_options import FrontEndOptions, overlap_modes
 from megapipe.megatron.mcore_adapter import McoreGPTStage
 from megapipe.megatron.mcore_support import check_ddp, finish_router_step
 from megapipe.moe.aux_loss import AuxLossLog
@@ -80,6 +80,13 @@ from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.schedule import Schedule
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable[..., Any]]]
+
+
+class _TakesInput(Protocol):
+    """Megatron's convention a chunk follows: the received activation handed in before its
+    forward (``set_input_tensor``)."""
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None: ...
 
 
 @dataclass
@@ -134,7 +141,7 @@ class MegatronForwardBackward:
         collect_non_loss_data: bool = False,
         first_val_step: bool | None = None,
     ) -> list[Any]:
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks = [model] if isinstance(model, nn.Module) else list(model)
         executor, stages = self._executor(chunks, num_microbatches, seq_length, micro_batch_size)
         if not forward_only:
             for chunk in chunks:
@@ -171,7 +178,8 @@ class MegatronForwardBackward:
     def aux_losses(self) -> list[torch.Tensor]:
         """The mean auxiliary loss of each of this rank's megapipe MoE layers over the last
         call's forwards (module docstring), summed when asked."""
-        return [log.mean() for log in self._aux_logs]
+        # every log taken holds values (take_aux_loss_logs leaves the empty ones out)
+        return [torch.stack(log.values()).mean() for log in self._aux_logs]
 
     # -------------------------------------------------------------- executor per shape
     def _executor(
@@ -215,12 +223,13 @@ class MegatronForwardBackward:
     def _forward(self, chunk: nn.Module, stage_input: Any) -> torch.Tensor:
         call = self._call
         assert call is not None
-        chunk.set_input_tensor(stage_input if isinstance(stage_input, torch.Tensor) else None)
+        taker = cast(_TakesInput, chunk)  # checked at placement (front_end_executor)
+        taker.set_input_tensor(stage_input if isinstance(stage_input, torch.Tensor) else None)
         stage = call.stage_of[id(chunk)]
         try:
             output, loss_func = call.forward_step_func(call.iterators[stage], chunk)
         finally:
-            chunk.set_input_tensor(None)  # hold no activation beyond this forward
+            taker.set_input_tensor(None)  # hold no activation beyond this forward
         call.loss_funcs[stage] = loss_func
         return output
 
@@ -297,34 +306,16 @@ def get_forward_backward_func(
 ) -> MegatronForwardBackward:
     """A function with Megatron's ``forward_backward_func`` signature, run by megapipe.
 
-    ``pp``/``vpp``/``schedule`` pick the schedule (see the module docstring); ``groups`` (from
-    ``megapipe.parallel.create_groups``) give the pipeline, data- and expert-parallel groups,
-    otherwise the default group is the pipeline. ``overlap_moe_expert_parallel_comm=True``
-    (Megatron's flag; ``overlap=True`` is the same) picks the combined variant of the schedule:
-    one microbatch's forward co-scheduled with another's backward, layer by layer, so the
-    expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
-    overlap) defers expert weight gradients into the time of a backward all-to-all. With
-    ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
-    ``a2a_time`` and ``exposed_comm_fraction``; ``.aux_losses()`` are the last call's
-    auxiliary losses (module docstring). ``microbatch_group_size_per_vp_stage`` and
-    ``max_extra_in_flight`` go to ``build_schedule``. ``cuda_graph_impl="local"`` with
-    ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
-    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.graphs.nodes``; on CPU the
-    executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
-    ``overlap_moe_expert_parallel_comm="auto"`` times plain and combined training calls on this
-    machine and keeps the faster (``megapipe.pipeline.overlap_auto``: every rank agrees, the
-    numbers are those of either mode), timing again every ``overlap_auto_interval`` calls (0:
-    once); each decision is printed on rank 0 as ``overlap auto: ...`` and kept in
-    ``.overlap_auto_lines``; ``overlap_auto_clock`` reads the time (tests script it).
+    ``pp``/``vpp``/``schedule`` pick the schedule (module docstring), ``groups`` (from
+    ``megapipe.parallel.create_groups``) the process groups; ``overlap_moe_expert_parallel_comm``
+    (Megatron's flag; ``overlap=True`` is the same) picks the combined variant of the schedule,
+    or with ``"auto"`` the faster of plain and combined, timed on this machine. Each keyword is
+    a field of ``FrontEndOptions``: its docstring says what each does and what is refused.
     """
-    auto = overlap_moe_expert_parallel_comm == "auto"
-    if not isinstance(overlap_moe_expert_parallel_comm, bool) and not auto:
-        raise ValueError(f"overlap_moe_expert_parallel_comm={overlap_moe_expert_parallel_comm!r} "
-                         "must be True, False or 'auto'")
+    overlap_on, auto = overlap_modes(overlap, overlap_moe_expert_parallel_comm)
     return MegatronForwardBackward(FrontEndOptions(
         pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
-        axes=axes, dtype=dtype, timeout=timeout,
-        overlap=overlap or bool(overlap_moe_expert_parallel_comm), overlap_auto=auto,
+        axes=axes, dtype=dtype, timeout=timeout, overlap=overlap_on, overlap_auto=auto,
         overlap_auto_interval=overlap_auto_interval, overlap_auto_clock=overlap_auto_clock,
         calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
         delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,

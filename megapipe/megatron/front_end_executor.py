@@ -28,6 +28,7 @@ from megapipe.pipeline.executor_options import ExecutorOptions
 from megapipe.pipeline.overlap_auto import OverlapAuto
 from megapipe.pipeline.p2p import TensorSpec
 from megapipe.schedule import Kind, Schedule, build_schedule
+from megapipe.schedule.actions import plain_key
 
 
 def build_executor(
@@ -88,7 +89,8 @@ def _check_microbatch_sequence(name: str, schedule: Schedule) -> None:
         for action in row:
             for comp in action.computations():
                 if comp.kind is Kind.F:
-                    order.setdefault(comp.stage, []).append(comp.microbatch)
+                    stage, microbatch = plain_key(comp)
+                    order.setdefault(stage, []).append(microbatch)
     for stage, mbs in order.items():
         if mbs != sorted(mbs):
             raise ValueError(
@@ -135,12 +137,14 @@ def _activation_spec(o: FrontEndOptions, chunks: list[nn.Module], seq_length: in
     """The shape and dtype of an activation crossing stages (None: one stage, no hidden size
     known)."""
     hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)
-    if hidden is None and o.pp > 1:
-        raise ValueError(
-            "hidden_size is needed for the activation shape: pass it to "
-            "get_forward_backward_func or give the chunks a .config.hidden_size"
-        )
-    megatron = any(isinstance(c, McoreGPTStage) for c in chunks)
+    if hidden is None:
+        if o.pp > 1:
+            raise ValueError(
+                "hidden_size is needed for the activation shape: pass it to "
+                "get_forward_backward_func or give the chunks a .config.hidden_size"
+            )
+        return None
+    megatron = [c for c in chunks if isinstance(c, McoreGPTStage)]
     axes = o.axes or ("sbh" if megatron else "bsh")
     shape = (
         (micro_batch_size, seq_length, hidden)
@@ -148,9 +152,9 @@ def _activation_spec(o: FrontEndOptions, chunks: list[nn.Module], seq_length: in
         else (seq_length, micro_batch_size, hidden)
     )
     if megatron and axes == "sbh" and o.hidden_size is None:  # Megatron's own shape
-        shape = activation_shape(chunks[0].config, seq_length, micro_batch_size)
-    dtype = o.dtype or (_pipeline_dtype(chunks[0]) if megatron else torch.float32)
-    return TensorSpec(shape, dtype) if hidden is not None else None
+        shape = activation_shape(megatron[0].config, seq_length, micro_batch_size)
+    dtype = o.dtype or (_pipeline_dtype(megatron[0]) if megatron else torch.float32)
+    return TensorSpec(shape, dtype)
 
 
 def _pipeline_dtype(chunk: McoreGPTStage) -> torch.dtype:

@@ -1,9 +1,9 @@
 """What ``get_forward_backward_func`` was asked for, checked once when it is asked.
 
-``FrontEndOptions`` holds the front end's keywords (``forward_backward``'s module docstring and
-``get_forward_backward_func``'s say what each does) and refuses, with one line, a value or a
-combination megapipe does not run: sizes, axes, groups that disagree with ``pp``, CUDA graph
-settings, the options that exist in one overlap mode only.
+``FrontEndOptions`` holds the front end's keywords (its docstring says what each does; the
+conventions of a call are ``forward_backward``'s module docstring) and refuses, with one line, a
+value or a combination megapipe does not run: sizes, axes, groups that disagree with ``pp``,
+CUDA graph settings, the options that exist in one overlap mode only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,28 @@ from megapipe.schedule.registry import default_schedule_name
 
 @dataclass(frozen=True)
 class FrontEndOptions:
-    """What ``get_forward_backward_func`` was asked for (see its docstring), checked once."""
+    """What ``get_forward_backward_func`` was asked for, checked once.
+
+    ``pp``/``vpp``/``schedule`` pick the schedule; ``groups`` (from
+    ``megapipe.parallel.create_groups``) give the pipeline, data- and expert-parallel groups,
+    otherwise the default group is the pipeline. ``overlap`` (Megatron's
+    ``overlap_moe_expert_parallel_comm=True``) picks the combined variant of the schedule: one
+    microbatch's forward co-scheduled with another's backward, layer by layer, so the
+    expert-parallel all-to-all hides behind compute. ``delay_wgrad_compute=True`` (needs the
+    overlap) defers expert weight gradients into the time of a backward all-to-all. With
+    ``record_trace=True`` each call's ``StepResult`` (``.last_result``) carries the node trace,
+    ``a2a_time`` and ``exposed_comm_fraction``. ``microbatch_group_size_per_vp_stage`` and
+    ``max_extra_in_flight`` go to ``build_schedule``. ``cuda_graph_impl="local"`` with
+    ``cuda_graph_modules`` (Megatron's names, e.g. ``("attn", "moe_router", "moe_preprocess")``)
+    replays megapipe's static GPT nodes as CUDA graphs (``megapipe.graphs.nodes``; on CPU the
+    executor's ``cuda_graph_note`` says they run eager; Megatron-Core chunks are refused).
+    ``overlap_auto`` (``overlap_moe_expert_parallel_comm="auto"``) times plain and combined
+    training calls on this machine and keeps the faster (``megapipe.pipeline.overlap_auto``:
+    every rank agrees, the numbers are those of either mode), timing again every
+    ``overlap_auto_interval`` calls (0: once); each decision is printed on rank 0 as
+    ``overlap auto: ...`` and kept in ``.overlap_auto_lines``; ``overlap_auto_clock`` reads the
+    time (tests script it).
+    """
 
     pp: int = 1
     vpp: int = 1
@@ -77,3 +98,12 @@ class FrontEndOptions:
     @property
     def schedule_name(self) -> str:
         return self.schedule or default_schedule_name(self.pp, self.vpp)
+
+
+def overlap_modes(overlap: bool, overlap_moe_expert_parallel_comm: bool | str) -> tuple[bool, bool]:
+    """(overlap on, auto mode) from ``overlap`` and Megatron's flag (True, False or "auto")."""
+    auto = overlap_moe_expert_parallel_comm == "auto"
+    if not isinstance(overlap_moe_expert_parallel_comm, bool) and not auto:
+        raise ValueError(f"overlap_moe_expert_parallel_comm={overlap_moe_expert_parallel_comm!r} "
+                         "must be True, False or 'auto'")
+    return overlap or bool(overlap_moe_expert_parallel_comm), auto

@@ -56,6 +56,9 @@ class CausalSelfAttention(nn.Module):
     keys (groups x d) through another, as OLMoE's.
     """
 
+    rotary_cos: torch.Tensor  # buffers, registered with rope only
+    rotary_sin: torch.Tensor
+
     def __init__(self, config: GPTConfig, layer_index: int) -> None:
         super().__init__()
         h, std, seed = config.hidden_size, config.init_std, config.seed
@@ -71,7 +74,8 @@ class CausalSelfAttention(nn.Module):
         self.w_out = nn.Parameter(
             seeded_normal((h, self.num_heads * self.head_dim), std, seed, *keys, "out")
         )
-        self.q_norm = self.k_norm = None
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
         self.norm_all_heads = config.qk_layernorm and config.qk_layernorm_scope == "all"
         if config.qk_layernorm:
             q_size, k_size = self.head_dim, self.head_dim
@@ -88,14 +92,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         d, heads, groups = self.head_dim, self.num_heads, self.groups
+        q_norm, k_norm = self.q_norm, self.k_norm  # both or neither (qk_layernorm)
         qkv = F.linear(x, self.w_qkv)
-        if self.norm_all_heads:
+        if self.norm_all_heads and q_norm is not None and k_norm is not None:
             q, k, v = qkv.split((heads * d, groups * d, groups * d), dim=-1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+            qkv = torch.cat((q_norm(q), k_norm(k), v), dim=-1)
         qkv = qkv.view(b, s, heads + 2 * groups, d).transpose(1, 2)
         q, k, v = qkv.split((heads, groups, groups), dim=1)  # [b, heads | groups, s, d]
-        if self.q_norm is not None and not self.norm_all_heads:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if q_norm is not None and k_norm is not None and not self.norm_all_heads:
+            q, k = q_norm(q), k_norm(k)
         if self.rotary:
             cos, sin = self.rotary_cos[:s], self.rotary_sin[:s]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -187,13 +188,14 @@ class OutputHead(nn.Module):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.weight: nn.Parameter | None = None
-        self._tied = None if tied is None else (tied,)  # a tuple: not registered twice
+        # the tied table in a tuple, so it is not registered twice
+        self._tied: tuple[Embedding, ...] = () if tied is None else (tied,)
         if tied is None:
             shape = (config.vocab_size, config.hidden_size)
             self.weight = nn.Parameter(seeded_normal(shape, config.init_std, config.seed, "head"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self._tied is None else self._tied[0].tokens
+        weight = self.weight if self.weight is not None else self._tied[0].tokens
         return F.linear(self.norm(x), weight)
 
 
@@ -233,13 +235,15 @@ class GPTStage(nn.Module):
         self.is_first = is_first
         self.is_last = is_last
         tied = not config.untie_embeddings_and_output_weights
-        self.embedding = None
+        self.embedding: Embedding | None = None
         if is_first or (tied and is_last):
             self.embedding = Embedding(config, tokens_only=not is_first)
-        if tied and is_first != is_last:  # one weight held by two stages (Megatron's marks)
-            self.embedding.tokens.shared_embedding = True
-            if not is_first:
-                self.embedding.tokens.shared = True  # the copy a gradient norm leaves out
+            if tied and is_first != is_last:  # one weight held by two stages (Megatron's marks)
+                tokens = self.embedding.tokens
+                # Megatron's marks: attributes a Parameter does not declare
+                tokens.shared_embedding = True  # type: ignore[attr-defined]
+                if not is_first:  # the copy a gradient norm leaves out
+                    tokens.shared = True  # type: ignore[attr-defined]  # Megatron's mark
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ep_group) for i in self.layer_indices}
         )
@@ -256,9 +260,10 @@ class GPTStage(nn.Module):
     def set_input_tensor(self, input_tensor: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         """Megatron's convention (used by ``megapipe.get_forward_backward_func``): a stage after
         the first computes on this received activation instead of its ``forward`` argument."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
+        if input_tensor is None or isinstance(input_tensor, torch.Tensor):
+            self.input_tensor = input_tensor
+        else:  # a list of one, as Megatron's schedules pass it
+            self.input_tensor = input_tensor[0] if input_tensor else None
 
     def layer_plans(self) -> list[Plan]:
         """Node plans in execution order: embedding, each layer, final norm + head. A layer the
@@ -267,7 +272,8 @@ class GPTStage(nn.Module):
         method and N > 1 layers, each group of N is one plan (``recompute.layer_groups``). Made
         once (the engine records them every step; a copy of the stage makes its own)."""
         if self._layer_plans is None:
-            plans = [_single_node("embedding", self.embedding)] if self.is_first else []
+            embedding = self.embedding if self.is_first else None
+            plans = [] if embedding is None else [_single_node("embedding", embedding)]
             plans += [self._layer_group_plan(group) for group in self._layer_groups()]
             if self.head is not None:
                 plans.append(_single_node("head", self.head))
@@ -281,20 +287,24 @@ class GPTStage(nn.Module):
     def _layer_groups(self) -> list[list[TransformerLayer]]:
         """The layers in recompute groups: N consecutive layers with uniform full recompute,
         else one layer each."""
-        layers = list(self.layers.values())
+        layers = self._layers()
         size = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
         return [layers[i:i + size] for i in range(0, len(layers), size)]
 
     def _layer_group_plan(self, group: list[TransformerLayer]) -> Plan:
         plan = group_plans([layer.node_plan() for layer in group])
-        position = list(self.layers.values()).index(group[0])
+        position = self._layers().index(group[0])
         if not self.config.recomputes_layer(position):
             return plan
         return recompute_plan(plan, [p for layer in group for p in layer.parameters()])
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers of this stage."""
-        return [layer.moe for layer in self.layers.values() if layer.is_moe]
+        return [layer.moe for layer in self._layers() if layer.is_moe]
+
+    def _layers(self) -> list[TransformerLayer]:
+        """The layers in order (a ``ModuleDict`` types its values as ``Module``)."""
+        return cast(list[TransformerLayer], list(self.layers.values()))
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """The factor of the MoE auxiliary losses' gradients (the engine: 1/num_microbatches)."""
@@ -316,7 +326,7 @@ class GPTStage(nn.Module):
                 f"a stage after the first takes float hidden states [batch, seq, "
                 f"{self.config.hidden_size}], got {x.dtype} of shape {tuple(x.shape)}"
             )
-        values = (x,)
+        values: tuple[torch.Tensor, ...] = (x,)
         runner = self.node_runner
         for plan in self.layer_plans():
             values = run_nodes(plan, values) if runner is None else runner.run_layer(plan, values)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -103,6 +103,10 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
     return replace(node, fn=fn, graphable=None)  # a recomputing node is never captured
 
 
+@overload
+def recompute_plan(plan: Plan, params: Sequence[torch.Tensor]) -> Plan: ...
+@overload
+def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]: ...
 def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[Any]:
     """Every compute node of ``plan`` (also inside a ``Fork``) recomputed; a ``Plan`` stays
     one of its kind and state type (a ``WavePlan``'s wave forms recomputed too)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, overload
 
 from megapipe.overlap.plan import Fork, LayerState, Node, NodeKind, Plan, WavePlan, state_type_of
 
@@ -92,6 +92,10 @@ def _chain(plans: Sequence[Sequence[Any]]) -> Items:
     return out
 
 
+@overload
+def group_plans(plans: Sequence[Plan]) -> Plan: ...
+@overload
+def group_plans(plans: Sequence[Sequence[Any]]) -> Items: ...
 def group_plans(plans: Sequence[Sequence[Any]]) -> Items:
     """The layers ``plans`` (in order) as one plan (module docstring); a ``WavePlan`` among
     them makes the group one too (its wave form chains the layers' wave forms)."""

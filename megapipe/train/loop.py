@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -28,6 +28,8 @@ from megapipe.train.manual_gc import ManualCollector
 from megapipe.train.observe.logging import TrainingLogger
 from megapipe.train.observe.profiling import RunProfiler
 from megapipe.train.step import evaluate, train_step
+
+V = TypeVar("V")
 
 HISTORY = 1000  # the most recent iterations (and lines, evaluations, saves) a result keeps
 
@@ -71,11 +73,8 @@ class TrainResult:
             self.dropped += 1
 
     def add_evaluation(self, iteration: int, loss: float, bits_per_byte: float | None) -> None:
-        for values, value in ((self.valid_losses, loss),
-                              (self.valid_bits_per_byte, bits_per_byte)):
-            values[iteration] = value
-            if len(values) > self.history:
-                del values[next(iter(values))]
+        _keep_last_key(self.valid_losses, iteration, loss, self.history)
+        _keep_last_key(self.valid_bits_per_byte, iteration, bits_per_byte, self.history)
 
     def add_ran_again(self, iteration: int) -> None:
         """An iteration whose rank capacity overflowed on some rank, so it ran again."""
@@ -94,6 +93,13 @@ def _keep_last(values: list[Any], value: Any, limit: int, head: int = 0) -> None
     values.append(value)
     if len(values) > head + limit:
         del values[head]
+
+
+def _keep_last_key(values: dict[int, V], key: int, value: V, limit: int) -> None:
+    """Set ``values[key]``; beyond ``limit`` entries drop the oldest."""
+    values[key] = value
+    if len(values) > limit:
+        del values[next(iter(values))]
 
 
 def train(

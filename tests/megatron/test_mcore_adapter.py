@@ -5,9 +5,9 @@ that release): Megatron's own ``get_forward_backward_func`` (no overlap; its DDP
 ``finalize_model_grads``) as the reference, then megapipe's front end on freshly built chunks
 with the same weights and data, plain and with ``overlap_moe_expert_parallel_comm=True``.
 Auxiliary loss on (coefficient 0.01), fp32; the bf16 cases compare with Megatron's own
-combined 1F1B. Every release runs the cases that reach a difference between releases (the
-table in ``megapipe/megatron/mcore_release.py``); the oldest and the newest also run one case
-per feature; the newest runs every combination (``CASES``: time).
+combined 1F1B. The newest release runs every case; an older one runs, for each difference
+between it and the newest (the table in ``megapipe/megatron/mcore_release.py``), the first case
+that reaches it (``support.mcore_differences``: derived from the table, not chosen by hand).
 """
 
 from __future__ import annotations
@@ -22,63 +22,58 @@ pytest.importorskip(
 )
 
 from support import mcore_cases, mcore_checks  # noqa: E402
+from support.mcore_differences import REACHES, cases_on, row_key, table  # noqa: E402
 from support.mcore_models import McoreCase  # noqa: E402
 from support.mcore_releases import RELEASES, ReleaseUnavailable, release_dir  # noqa: E402
 from support.rank_pool import run_with_room  # noqa: E402
 
-# Where each case runs (time: a release's pool costs about a minute of CPU per ten cases):
-# EVERY release runs the cases that reach what differs between releases (mcore_release's table:
-# the pre-MLP norm, MTP's inner layer and embeddings, the post-processing, the MoE metrics under
-# recompute, the expert-bias update); ENDS (the oldest and the newest) also run one case per
-# feature; NEWEST also runs the remaining combinations.
-EVERY, ENDS, NEWEST = "every", "ends", "newest"
-
-# (case, where, releases it needs); grouped by layout (tp, pp, ep), since a new layout makes
-# Megatron's process groups again
+# (case, the releases it needs: None for any); grouped by layout (tp, pp, ep), since a new
+# layout makes Megatron's process groups again. The newest release runs them all; an older one
+# the first that reaches each of its differences from the newest (module docstring), so a case
+# that should run on older releases comes first among those reaching the same difference.
 CASES = [
-    (McoreCase(pp=1, ep=1), ENDS, None),
-    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), ENDS, None),
+    (McoreCase(pp=1, ep=1), None),
+    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), None),
     # Megatron's deferred weight gradients (TE's contract), driven after each node's backward
-    (McoreCase(pp=1, ep=2, delay_wgrad=True, mtp=1), NEWEST, None),
+    (McoreCase(pp=1, ep=2, delay_wgrad=True, mtp=1), None),
     # a pre-MLP norm returning (output, residual), as the fused residual RMSNorm does (0.17+)
-    (McoreCase(pp=1, ep=2, fused_norm=True), EVERY, ("0.17", "0.18", "0.19")),
-    (McoreCase(pp=2, ep=1, tie=True), ENDS, None),
-    (McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"), ENDS, None),
-    (McoreCase(pp=2, ep=2), ENDS, None),  # megapipe's combined 1F1B: Megatron has none w/o vpp
-    (McoreCase(pp=2, vpp=2, ep=2), ENDS, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"), ENDS, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"), ENDS, None),
-    (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), ENDS, None),
+    (McoreCase(pp=1, ep=2, fused_norm=True), ("0.17", "0.18", "0.19")),
+    (McoreCase(pp=2, ep=1, tie=True), None),
+    (McoreCase(pp=2, vpp=2, ep=1, tie=True, reduce="ddp"), None),
+    (McoreCase(pp=2, ep=2), None),  # megapipe's combined 1F1B: Megatron has none without vpp
+    (McoreCase(pp=2, vpp=2, ep=2), None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zb1p"), None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="zbv"), None),
+    (McoreCase(pp=2, vpp=2, ep=2, schedule="dualpipev", shared_expert=True), None),
     # full recompute node by node; the expert-bias update after megapipe's own reduction
-    (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), EVERY, None),
+    (McoreCase(pp=2, vpp=2, ep=2, expert_bias=True, recompute="full"), None),
     # 0.19's quantile balancing: its bias updated after megapipe's reduction too, its counts
     # not doubled by full recompute's re-runs
-    (McoreCase(pp=2, vpp=2, ep=2, balancing="quantile_balancing", recompute="full"), NEWEST,
-     ("0.19",)),
+    (McoreCase(pp=2, vpp=2, ep=2, balancing="quantile_balancing", recompute="full"), ("0.19",)),
     # deferred weight gradients in the zero-bubble W action and beside the all-to-all
-    (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"),
-     ENDS, None),
+    (McoreCase(pp=2, vpp=2, ep=2, delay_wgrad=True, shared_expert=True, schedule="zb1p"), None),
     # tensor + sequence parallelism, MTP, selective recompute, shared experts, expert bias
     (McoreCase(pp=1, ep=2, tp=2, reduce="ddp", shared_expert=True, expert_bias=True, mtp=1,
-               recompute="selective"), EVERY, None),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), ENDS, None),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), NEWEST, None),
+               recompute="selective"), None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1, recompute="full"), None),
     # tensor + sequence parallelism in the other schedules that overlap
-    (McoreCase(pp=2, ep=2, tp=2, reduce="ddp"), NEWEST, None),
+    (McoreCase(pp=2, ep=2, tp=2, reduce="ddp"), None),
     (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", recompute="selective", shared_expert=True,
-               schedule="zb1p"), NEWEST, None),
+               schedule="zb1p"), None),
     (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", recompute="full",
-               recompute_method="block", schedule="zbv"), NEWEST, None),
+               recompute_method="block", schedule="zbv"), None),
     (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", shared_expert=True,
-               schedule="dualpipev"), NEWEST, None),
+               schedule="dualpipev"), None),
 ]
 
+# bf16 as a Megatron script runs it: Megatron's DDP reduces (reduce="ddp") in both runs
 BF16_CASES = [
-    (McoreCase(pp=1, ep=2, shared_expert=True), ENDS),  # Megatron's combined 1F1B at pp 1
-    (McoreCase(pp=2, vpp=2, ep=2), ENDS),  # and its interleaved combined 1F1B
-    (McoreCase(pp=1, ep=2, tp=2, shared_expert=True, expert_bias=True, mtp=1,
-               recompute="selective"), EVERY),
-    (McoreCase(pp=2, vpp=2, ep=2, tp=2, mtp=1), NEWEST),
+    (McoreCase(pp=1, ep=2, shared_expert=True, reduce="ddp"), None),  # its combined 1F1B at pp 1
+    (McoreCase(pp=2, vpp=2, ep=2, reduce="ddp"), None),  # and its interleaved combined 1F1B
+    (McoreCase(pp=1, ep=2, tp=2, reduce="ddp", shared_expert=True, expert_bias=True, mtp=1,
+               recompute="selective"), None),
+    (McoreCase(pp=2, vpp=2, ep=2, tp=2, reduce="ddp", mtp=1), None),
 ]
 
 # Megatron's split, paired as in its combined 1F1B: (comm stream node, compute stream node)
@@ -93,22 +88,27 @@ _RESULTS: dict = {}
 
 
 def takes_part(item) -> bool:
-    """Whether a collected test runs on its release (``CASES``: where a case runs, the releases
-    it needs; the negative control runs on the newest only). ``tests/megatron/conftest.py``
-    deselects the others at collection, so no combination is generated only to be skipped."""
+    """Whether a collected test runs on its release (module docstring; the negative control
+    runs on the newest only). ``tests/megatron/conftest.py`` deselects the others at collection,
+    so no combination is generated only to be skipped."""
     params = item.callspec.params
     version = params["release"]
     if "case" not in params:
         return (version == RELEASES[-1] or item.originalname
                 != "test_undriven_deferred_weight_gradients_are_missing_under_megatrons_schedule")
-    needs, where = params.get("needs"), params["where"]
-    if needs is not None and not version.startswith(needs):
-        return False
-    if where == NEWEST:
-        return version == RELEASES[-1]
-    if where == ENDS:
-        return version in (RELEASES[0], RELEASES[-1])
-    return True
+    cases = BF16_CASES if "bf16" in item.originalname else CASES
+    return params["case"] in cases_on(version, RELEASES[-1], cases)
+
+
+def test_every_difference_between_releases_names_the_cases_that_reach_it():
+    """Each row of mcore_release's table is named in ``mcore_differences.REACHES``, and some
+    case reaches it on the newest release (a row no case reaches would run nowhere)."""
+    rows = table()
+    assert len(rows) >= 10 and all(len(answers) == 4 for answers in rows.values()), rows
+    newest = cases_on(RELEASES[-1], RELEASES[-1], CASES)
+    for where in rows:
+        reaches = row_key(where)  # raises unless exactly one key names the row
+        assert any(REACHES[reaches](case) for case in newest), where
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -181,8 +181,8 @@ def _weight_used_twice(case: McoreCase) -> bool:
     return case.tie or (case.mtp > 0 and case.pp == 1)
 
 
-@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_megapipe_gives_megatrons_numbers(release, case, where, needs):
+@pytest.mark.parametrize("case,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_megapipe_gives_megatrons_numbers(release, case, needs):
     """Losses bitwise (the forward performs Megatron's operations); every gradient within 1e-6
     relative, bitwise where the reduction is Megatron's own (its DDP); every weight has its
     gradient (also with deferred weight gradients: nothing is left pending); the expert biases
@@ -209,16 +209,16 @@ def test_megapipe_gives_megatrons_numbers(release, case, where, needs):
                       exact, f"rank {rank}")
 
 
-@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_combined_is_bitwise_the_plain_run(release, case, where, needs):
+@pytest.mark.parametrize("case,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_combined_is_bitwise_the_plain_run(release, case, needs):
     for rank, out in enumerate(_result(release, case)):
         plain, overlap = _tensors(out["plain"]["grads"]), _tensors(out["overlap"]["grads"])
         _assert_grads(overlap, plain, exact=not _weight_used_twice(case),
                       what=f"rank {rank} overlap")
 
 
-@pytest.mark.parametrize("case,where,needs", CASES, ids=[str(c[0]) for c in CASES])
-def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, where, needs):
+@pytest.mark.parametrize("case,needs", CASES, ids=[str(c[0]) for c in CASES])
+def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, needs):
     """Every rank that pairs MoE layers pairs them in Megatron's four pairs (a rank can have
     none: in dualpipev, rank 0 holds the dense first layer and the MoE last one, and pairs each
     one's forward with the other's backward)."""
@@ -234,10 +234,10 @@ def test_trace_shows_the_four_pairs_in_every_paired_moe_layer(release, case, whe
 _COMBINED_DEFERRED = [c for c in CASES if c[0].delay_wgrad and c[0].schedule is None]
 
 
-@pytest.mark.parametrize("case,where,needs", _COMBINED_DEFERRED,
+@pytest.mark.parametrize("case,needs", _COMBINED_DEFERRED,
                          ids=[str(c[0]) for c in _COMBINED_DEFERRED])
 def test_backward_dw_runs_where_megapipe_puts_its_deferred_weight_gradients(
-        release, case, where, needs):
+        release, case, needs):
     """Megatron's backward_dw() calls run as megapipe's W items (Megatron's local layers give
     the queue nothing else): beside a backward dispatch in the combined step, as the trace
     shows. (In zb1p they stay queued for the W action, which the trace of the pairs does not
@@ -247,8 +247,8 @@ def test_backward_dw_runs_where_megapipe_puts_its_deferred_weight_gradients(
     assert any(out["overlap"]["wgrad_beside_dispatch"] for out in outs)
 
 
-@pytest.mark.parametrize("case,where", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
-def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, where):
+@pytest.mark.parametrize("case,needs", BF16_CASES, ids=[str(c[0]) for c in BF16_CASES])
+def test_bf16_combined_step_is_bitwise_megatrons_combined_1f1b(release, case, needs):
     """bf16 as a Megatron script sets it up (config.bf16, Float16Module, DDP with fp32 gradient
     buffers, finalize_model_grads): megapipe's combined step gives bitwise the losses and
     gradients of Megatron's own overlapped schedule (overlap_moe_expert_parallel_comm), with

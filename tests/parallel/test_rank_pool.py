@@ -35,21 +35,23 @@ def _make_groups(count):
     return len(groups)
 
 
-def test_a_pool_past_the_thread_limit_starts_afresh(monkeypatch):
+def test_a_pool_past_the_thread_limit_starts_afresh(rank_pools, monkeypatch):
     """Each gloo group keeps threads until its process ends; past THREAD_LIMIT the pool
-    replaces its ranks before the next task, which then runs as usual."""
+    replaces its ranks before the next task, which then runs as usual (the shared pool of 2:
+    it is left with fresh ranks)."""
     from support import rank_pool
 
-    with rank_pool.RankPool(2) as pool:
-        monkeypatch.setattr(rank_pool, "THREAD_LIMIT", pool._most_threads() + 10)
-        first = [p.pid for p in pool._procs]
-        assert pool.run(_make_groups, 2) == [2, 2]
-        assert [p.pid for p in pool._procs] == first  # under the limit: the same ranks
-        pool.run(_make_groups, 10)
-        assert pool._most_threads() > rank_pool.THREAD_LIMIT
-        assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
-        assert [p.pid for p in pool._procs] != first
-        assert pool._most_threads() <= rank_pool.THREAD_LIMIT
+    pool = rank_pools(2)
+    pool.run(_allreduce_rank)  # joined: its threads counted from here
+    monkeypatch.setattr(rank_pool, "THREAD_LIMIT", pool._most_threads() + 10)
+    first = [p.pid for p in pool._procs]
+    assert pool.run(_make_groups, 2) == [2, 2]
+    assert [p.pid for p in pool._procs] == first  # under the limit: the same ranks
+    pool.run(_make_groups, 10)
+    assert pool._most_threads() > rank_pool.THREAD_LIMIT
+    assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
+    assert [p.pid for p in pool._procs] != first
+    assert pool._most_threads() <= rank_pool.THREAD_LIMIT
 
 
 def _die_on_rank_one():

@@ -29,7 +29,7 @@ class RankError(RuntimeError):
 
 
 def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> None:
-    """A pool process: join the gloo world, then run this rank's tasks until told to stop.
+    """A pool process: join the gloo world, then run this rank's tasks until the pool kills it.
 
     The ranks meet through a file, not a TCP port: a port picked free by the parent can be
     taken by another process (another test run on the machine) before rank 0 binds it."""
@@ -48,14 +48,11 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
             if os.getppid() != parent:  # threads would keep a core busy for nothing)
                 os._exit(0)
             continue
-        if item is None:
-            break
         fn, args, kwargs = item
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report every failure, including assertion errors
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 # gloo keeps about three threads per process group until its process ends (cases build their
@@ -77,7 +74,6 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        self._stopping = False
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -109,7 +105,7 @@ class RankPool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
-                    self.close(kill=True)
+                    self.close()
                     raise RankError(f"the pool's ranks {dead} died while starting" if dead else
                                     f"the pool did not start within {START_TIMEOUT:.0f}s"
                                     ) from None
@@ -148,12 +144,12 @@ class RankPool:
                 dead = {r: self._procs[r].exitcode for r in missing
                         if not self._procs[r].is_alive()}
                 if dead:
-                    self.close(kill=True)
+                    self.close()
                     raise RankError(f"{name}: ranks {sorted(dead)} died (exit codes "
                                     f"{list(dead.values())}; a negative code is a signal)"
                                     + _format_failures(failures)) from None
                 if time.monotonic() > deadline:
-                    self.close(kill=True)
+                    self.close()
                     raise RankError(f"{name} did not finish within {self.timeout:.0f}s "
                                     f"on ranks {missing}" + _format_failures(failures)) from None
                 continue
@@ -162,23 +158,15 @@ class RankPool:
             raise RankError(f"{name} failed" + _format_failures(failures))
         return [results[r] for r in range(self.world_size)]
 
-    def stop(self) -> None:
-        """Ask every rank to leave the gloo world and exit (``close`` waits for them); pools
-        stopped together leave together."""
-        if self._stopping:
-            return
-        self._stopping = True
-        for p, q in zip(self._procs, self._tasks):
-            if p.is_alive():
-                q.put(None)
-
-    def close(self, kill: bool = False) -> None:
-        if not kill:
-            self.stop()
+    def close(self) -> None:
+        """End the ranks. They are killed: a pool is closed between tasks, when nothing is
+        left to finish, and ranks leaving their gloo groups one by one took 6 to 10 s per pool
+        that had made many groups (a Megatron-Core release's pool, one past its thread limit)."""
         for p in self._procs:
-            p.join(timeout=0 if kill else 10)
             if p.is_alive():
                 p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
         self._procs = []
         shutil.rmtree(self._store_dir, ignore_errors=True)
 

@@ -50,57 +50,124 @@ def _shape_arguments(p: argparse.ArgumentParser) -> None:
     """Which schedule: its name, pipeline ranks, stages per rank, microbatches, the overlap."""
     from .schedule.registry import SCHEDULES
 
-    p.add_argument("name", nargs="?",
-                   help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)")
+    p.add_argument(
+        "name", nargs="?", help=f"schedule name: {', '.join(SCHEDULES)} (none with --pick)"
+    )
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
-    p.add_argument("--vpp", type=int, default=None,
-                   help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)")
-    p.add_argument("-m", "--num-microbatches", type=int, required=True,
-                   dest="num_microbatches", help="microbatches per step")
-    p.add_argument("--overlap", action="store_true",
-                   help="pair forwards with backwards (OVERLAP) to hide the all-to-all")
-    p.add_argument("--max-extra-in-flight", type=int, default=None, metavar="K",
-                   help="with --overlap (implied): at most K more microbatch-stages in flight on "
-                        "any rank than the plain schedule (default: no budget)")
+    p.add_argument(
+        "--vpp", type=int, default=None, help="stages per rank (interleaved-1f1b, looped-bfs, zb1p)"
+    )
+    p.add_argument(
+        "-m",
+        "--num-microbatches",
+        type=int,
+        required=True,
+        dest="num_microbatches",
+        help="microbatches per step",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="pair forwards with backwards (OVERLAP) to hide the all-to-all",
+    )
+    p.add_argument(
+        "--max-extra-in-flight",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --overlap (implied): at most K more microbatch-stages in flight on "
+        "any rank than the plain schedule (default: no budget)",
+    )
 
 
 def _cost_arguments(p: argparse.ArgumentParser) -> None:
     """What each action costs in the simulation, and the data-parallel reduction after it."""
-    p.add_argument("--costs", default="1,2,1", metavar="F,B,W[,A2A]",
-                   help="per-stage costs of forward, full backward and weight-gradient backward, "
-                        "and optionally of each all-to-all (default 1,2,1: free all-to-all)")
-    p.add_argument("--moe-layers", type=int, default=1,
-                   help="MoE layers per stage, each with a dispatch and a combine (default 1)")
+    p.add_argument(
+        "--costs",
+        default="1,2,1",
+        metavar="F,B,W[,A2A]",
+        help="per-stage costs of forward, full backward and weight-gradient backward, "
+        "and optionally of each all-to-all (default 1,2,1: free all-to-all)",
+    )
+    p.add_argument(
+        "--moe-layers",
+        type=int,
+        default=1,
+        help="MoE layers per stage, each with a dispatch and a combine (default 1)",
+    )
     p.add_argument("--p2p-latency", type=float, default=0.0, help="stage-to-stage latency")
-    p.add_argument("--dp-reduce", type=float, default=None, metavar="T",
-                   help="time of one stage's data-parallel gradient reduction: also print how "
-                        "much of it is exposed after the step and overlapped with the backward")
-    p.add_argument("--dp-buckets", type=int, default=1, metavar="N",
-                   help="with --dp-reduce: buckets per stage (default 1)")
+    p.add_argument(
+        "--dp-reduce",
+        type=float,
+        default=None,
+        metavar="T",
+        help="time of one stage's data-parallel gradient reduction: also print how "
+        "much of it is exposed after the step and overlapped with the backward",
+    )
+    p.add_argument(
+        "--dp-buckets",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --dp-reduce: buckets per stage (default 1)",
+    )
 
 
 def _pick_arguments(p: argparse.ArgumentParser) -> None:
     """``--pick``: the fastest choice whose activations fit a memory budget, and its inputs."""
-    p.add_argument("--pick", action="store_true",
-                   help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
-                        "whose activations fit --memory-budget (needs --activation-bytes)")
-    p.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
-                   help="with --pick: activation bytes any rank may hold")
-    p.add_argument("--activation-bytes", type=float, default=None, metavar="BYTES",
-                   help="with --pick: activation bytes of one plain stage (1/pp of the layers) "
-                        "for one microbatch")
-    p.add_argument("--recompute-saves", type=float, default=0.3, metavar="FRACTION",
-                   help="with --pick: part of the activation bytes selective recompute no longer "
-                        "keeps (default 0.3: it keeps 0.7)")
-    p.add_argument("--recompute-cost", type=float, default=0.3, metavar="FRACTION",
-                   help="with --pick: part of F that selective recompute re-runs in each "
-                        "backward (default 0.3)")
-    p.add_argument("--full-recompute-saves", type=float, default=0.7, metavar="FRACTION",
-                   help="with --pick: part of the activation bytes full recompute no longer "
-                        "keeps (default 0.7; the demo model measures 0.57)")
-    p.add_argument("--full-recompute-cost", type=float, default=1.0, metavar="FRACTION",
-                   help="with --pick: part of F that full recompute re-runs in each backward "
-                        "(default 1: the whole forward)")
+    p.add_argument(
+        "--pick",
+        action="store_true",
+        help="print the fastest schedule, vpp, in-flight budget K and recompute choice "
+        "whose activations fit --memory-budget (needs --activation-bytes)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        metavar="BYTES",
+        help="with --pick: activation bytes any rank may hold",
+    )
+    p.add_argument(
+        "--activation-bytes",
+        type=float,
+        default=None,
+        metavar="BYTES",
+        help="with --pick: activation bytes of one plain stage (1/pp of the layers) "
+        "for one microbatch",
+    )
+    p.add_argument(
+        "--recompute-saves",
+        type=float,
+        default=0.3,
+        metavar="FRACTION",
+        help="with --pick: part of the activation bytes selective recompute no longer "
+        "keeps (default 0.3: it keeps 0.7)",
+    )
+    p.add_argument(
+        "--recompute-cost",
+        type=float,
+        default=0.3,
+        metavar="FRACTION",
+        help="with --pick: part of F that selective recompute re-runs in each "
+        "backward (default 0.3)",
+    )
+    p.add_argument(
+        "--full-recompute-saves",
+        type=float,
+        default=0.7,
+        metavar="FRACTION",
+        help="with --pick: part of the activation bytes full recompute no longer "
+        "keeps (default 0.7; the demo model measures 0.57)",
+    )
+    p.add_argument(
+        "--full-recompute-cost",
+        type=float,
+        default=1.0,
+        metavar="FRACTION",
+        help="with --pick: part of F that full recompute re-runs in each backward "
+        "(default 1: the whole forward)",
+    )
 
 
 _POSITIVE, _COUNT = (at_least(1),), (at_least(0),)
@@ -111,10 +178,20 @@ def _check_schedule(args: argparse.Namespace) -> argparse.Namespace:
     with ``costs`` parsed into ``sim.costs.Costs``."""
     from .sim.costs import Costs
 
-    check_values(args, {"--pp": _POSITIVE, "--vpp": _POSITIVE, "--num-microbatches": _POSITIVE,
-                        "--max-extra-in-flight": _COUNT, "--moe-layers": _COUNT,
-                        "--dp-buckets": _POSITIVE, "--csv": (writable_file,),
-                        "--png": (writable_file,), "--trace": (writable_file,)})
+    check_values(
+        args,
+        {
+            "--pp": _POSITIVE,
+            "--vpp": _POSITIVE,
+            "--num-microbatches": _POSITIVE,
+            "--max-extra-in-flight": _COUNT,
+            "--moe-layers": _COUNT,
+            "--dp-buckets": _POSITIVE,
+            "--csv": (writable_file,),
+            "--png": (writable_file,),
+            "--trace": (writable_file,),
+        },
+    )
     if args.pick and args.name is not None:
         raise ArgsError(f"--pick chooses the schedule itself; drop the name {args.name!r}")
     for flag in ("memory_budget", "activation_bytes") if args.pick else ():
@@ -123,8 +200,9 @@ def _check_schedule(args: argparse.Namespace) -> argparse.Namespace:
     if not args.pick and args.name is None:
         raise ArgsError("the following arguments are required: name (or --pick)")
     try:
-        costs = Costs.from_text(args.costs, moe_layers=args.moe_layers,
-                                p2p_latency=args.p2p_latency)
+        costs = Costs.from_text(
+            args.costs, moe_layers=args.moe_layers, p2p_latency=args.p2p_latency
+        )
     except ValueError as err:
         raise ArgsError(f"--costs {args.costs}: {err}".splitlines()[0]) from None
     return argparse.Namespace(**{**vars(args), "costs": costs})
@@ -142,8 +220,12 @@ def run_schedule_command(args: argparse.Namespace) -> int:
     extra = {} if args.vpp is None else {"vpp": args.vpp}
     overlap = args.overlap or args.max_extra_in_flight is not None
     schedule = build_schedule(
-        args.name, args.pp, args.num_microbatches, overlap=overlap,
-        max_extra_in_flight=args.max_extra_in_flight, **extra,
+        args.name,
+        args.pp,
+        args.num_microbatches,
+        overlap=overlap,
+        max_extra_in_flight=args.max_extra_in_flight,
+        **extra,
     )
     result = simulate(schedule, costs)
     vpp = schedule.options.vpp
@@ -219,22 +301,38 @@ def _run_pick(args: argparse.Namespace, costs) -> int:
 
     recompute = Recompute(saves=args.recompute_saves, cost=args.recompute_cost)
     full = Recompute(saves=args.full_recompute_saves, cost=args.full_recompute_cost)
-    choices = all_choices(args.pp, args.num_microbatches, costs, args.activation_bytes,
-                          recompute, full)
+    choices = all_choices(
+        args.pp, args.num_microbatches, costs, args.activation_bytes, recompute, full
+    )
     text = format_pick(choices, args.memory_budget)
     print(text)
     return 0 if not text.startswith("no choice fits") else 1
 
 
 SCHEDULE = Subcommand(
-    "schedule", "print a pipeline schedule and its simulated bubble",
+    "schedule",
+    "print a pipeline schedule and its simulated bubble",
     "Build a pipeline schedule, print it as a rank-by-step grid and simulate it.",
-    _schedule_arguments, _check_schedule, run_schedule_command)
+    _schedule_arguments,
+    _check_schedule,
+    run_schedule_command,
+)
 PRETRAIN = Subcommand(
-    "pretrain", "pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
-    PRETRAIN_DESCRIPTION, _pretrain_arguments, _check_pretrain, run_pretrain_command)
-SUBCOMMANDS: tuple[Subcommand, ...] = (SCHEDULE, PRETRAIN, TRACE, TRAIN_TOKENIZER,
-                                        PREPROCESS_DATA, EXPORT_HF)
+    "pretrain",
+    "pretrain an MoE GPT (Megatron's flags; no flags: the CPU demo, 4 processes)",
+    PRETRAIN_DESCRIPTION,
+    _pretrain_arguments,
+    _check_pretrain,
+    run_pretrain_command,
+)
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    SCHEDULE,
+    PRETRAIN,
+    TRACE,
+    TRAIN_TOKENIZER,
+    PREPROCESS_DATA,
+    EXPORT_HF,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,8 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     for command in SUBCOMMANDS:
-        p = subparsers.add_parser(command.name, help=command.help,
-                                  description=command.description)
+        p = subparsers.add_parser(command.name, help=command.help, description=command.description)
         command.arguments(p)
         p.set_defaults(subcommand=command)
     return parser
@@ -272,8 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug_enabled():
             traceback.print_exc()
         message = str(error).splitlines()[0] if str(error) else ""
-        print(f"megapipe: internal error: {type(error).__name__}: {message} "
-              "(MEGAPIPE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(
+            f"megapipe: internal error: {type(error).__name__}: {message} "
+            "(MEGAPIPE_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

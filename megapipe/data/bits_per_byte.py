@@ -24,12 +24,16 @@ def token_byte_counts(tokenizer: Tokenizer, padded_vocab_size: int | None = None
     """int64 [padded_vocab_size]: the UTF-8 bytes each id stands for (0 for special tokens and
     padding ids)."""
     if not tokenizer.byte_level:
-        raise DataError(f"bits per byte needs a byte-level tokenizer, whose every token stands "
-                        f"for fixed bytes ({tokenizer.describe()})")
+        raise DataError(
+            f"bits per byte needs a byte-level tokenizer, whose every token stands "
+            f"for fixed bytes ({tokenizer.describe()})"
+        )
     size = tokenizer.vocab_size if padded_vocab_size is None else padded_vocab_size
     if size < tokenizer.vocab_size:
-        raise DataError(f"the padded vocabulary {size:,} is smaller than the tokenizer's "
-                        f"{tokenizer.vocab_size:,}")
+        raise DataError(
+            f"the padded vocabulary {size:,} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size:,}"
+        )
     counts = [len(tokenizer.decode_bytes([token])) for token in range(tokenizer.vocab_size)]
     if tokenizer.eod is not None:
         counts[tokenizer.eod] = 0

@@ -55,20 +55,24 @@ def parse_data_path(values: Sequence[str]) -> Blend:
         return Blend(tuple(values), None)
     shown = " ".join(values)
     if len(values) % 2:
-        raise DataError(f"--data-path {shown}: weights and prefixes must alternate "
-                        f"(WEIGHT PREFIX WEIGHT PREFIX ...), got {len(values)} values")
+        raise DataError(
+            f"--data-path {shown}: weights and prefixes must alternate "
+            f"(WEIGHT PREFIX WEIGHT PREFIX ...), got {len(values)} values"
+        )
     weights = []
     for i in range(0, len(values), 2):
         weight, prefix = numbers[i], values[i + 1]
         if weight is None:
-            raise DataError(f"--data-path {shown}: weight {values[i]!r} is not a number "
-                            "(WEIGHT PREFIX pairs)")
+            raise DataError(
+                f"--data-path {shown}: weight {values[i]!r} is not a number (WEIGHT PREFIX pairs)"
+            )
         if not math.isfinite(weight) or weight <= 0:
-            raise DataError(f"--data-path {shown}: weight {values[i]} must be a finite "
-                            "number > 0")
+            raise DataError(f"--data-path {shown}: weight {values[i]} must be a finite number > 0")
         if numbers[i + 1] is not None:
-            raise DataError(f"--data-path {shown}: {prefix!r} stands where a prefix should "
-                            "(WEIGHT PREFIX pairs)")
+            raise DataError(
+                f"--data-path {shown}: {prefix!r} stands where a prefix should "
+                "(WEIGHT PREFIX pairs)"
+            )
         weights.append(weight)
     return Blend(tuple(values[1::2]), tuple(weights))
 
@@ -82,8 +86,9 @@ def parse_split(split: str) -> tuple[float, float, float]:
     for part in parts:
         value = _number(part)
         if value is None or not math.isfinite(value) or value < 0:
-            raise DataError(f"--split {split}: {part!r} is not a number >= 0 "
-                            "(e.g. --split 969,30,1)")
+            raise DataError(
+                f"--split {split}: {part!r} is not a number >= 0 (e.g. --split 969,30,1)"
+            )
         shares.append(value)
     shares += [0.0] * (3 - len(shares))
     total = sum(shares)
@@ -97,12 +102,17 @@ def check_prefix(prefix: str) -> None:
     that does not."""
     for suffix in (".bin", ".idx"):
         if prefix.endswith(suffix) and not os.path.exists(prefix + suffix):
-            raise DataError(f"--data-path {prefix}: name the prefix without {suffix} "
-                            f"(--data-path {prefix[: -len(suffix)]})")
+            raise DataError(
+                f"--data-path {prefix}: name the prefix without {suffix} "
+                f"(--data-path {prefix[: -len(suffix)]})"
+            )
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     if not idx.is_file():
-        hint = (" (megapipe preprocess-data writes PREFIX.bin and PREFIX.idx)"
-                if not bin_.exists() else "")
+        hint = (
+            " (megapipe preprocess-data writes PREFIX.bin and PREFIX.idx)"
+            if not bin_.exists()
+            else ""
+        )
         raise DataError(f"--data-path {prefix}: {idx} does not exist{hint}")
     if not bin_.is_file():
         raise DataError(f"--data-path {prefix}: {idx} has no {bin_} beside it")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 def files_under(directory: Path) -> list[Path]:
     return sorted(
-        p for p in directory.rglob("*")
+        p
+        for p in directory.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     )

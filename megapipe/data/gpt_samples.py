@@ -46,16 +46,20 @@ Microbatch = tuple[torch.Tensor, torch.Tensor]  # (tokens [b, s], labels [b, s])
 SPLIT_NAMES = ("train", "validation", "test")
 
 
-def megatron_sample_counts(train_iters: int, global_batch_size: int, eval_interval: int,
-                           eval_iters: int) -> tuple[int, int, int]:
+def megatron_sample_counts(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> tuple[int, int, int]:
     """The samples Megatron asks of each split (its ``get_train_valid_test_num_samples``):
     train ``train_iters * G``; validation ``(train_iters // eval_interval + 1) * eval_iters * G``;
     test ``eval_iters * G``. The counts shape the datasets (how many epochs are shuffled), so
     the same counts give Megatron's samples; each split's samples depend on its own count only.
     ``eval_interval`` 0 (no evaluation): no validation samples."""
     evaluations = train_iters // eval_interval + 1 if eval_interval > 0 else 0
-    return (train_iters * global_batch_size, evaluations * eval_iters * global_batch_size,
-            eval_iters * global_batch_size)
+    return (
+        train_iters * global_batch_size,
+        evaluations * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    )
 
 
 class _MegatronTokenizerView:
@@ -72,8 +76,14 @@ class _MegatronTokenizerView:
         )
 
 
-def gpt_dataset_config(data_path: Sequence[str], split: str, seq_length: int, seed: int,
-                       tokenizer: Tokenizer, data_cache_path: str | os.PathLike | None = None):
+def gpt_dataset_config(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer: Tokenizer,
+    data_cache_path: str | os.PathLike | None = None,
+):
     """megatron-core's ``GPTDatasetConfig`` for these flags (checked: see ``check_gpt_data``)."""
     blend = check_data_path(data_path)
     parse_split(split)
@@ -81,16 +91,28 @@ def gpt_dataset_config(data_path: Sequence[str], split: str, seq_length: int, se
         raise DataError(f"--seq-length={seq_length} must be >= 1")
     mcore = mcore_datasets("--data-path with indexed datasets")
     return mcore.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=blend.megatron(), split=split,
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend.megatron(),
+        split=split,
         path_to_cache=None if data_cache_path is None else str(data_cache_path),
-        tokenizer=_MegatronTokenizerView(tokenizer), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        tokenizer=_MegatronTokenizerView(tokenizer),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
     )
 
 
-def check_gpt_data(data_path: Sequence[str], split: str, seq_length: int, seed: int,
-                   num_samples: Sequence[int], tokenizer: Tokenizer,
-                   data_cache_path: str | os.PathLike | None = None):
+def check_gpt_data(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int],
+    tokenizer: Tokenizer,
+    data_cache_path: str | os.PathLike | None = None,
+):
     """Everything ``build_gpt_datasets`` needs, checked without a process group: the blend
     parses, each prefix's ``.idx`` and ``.bin`` exist and agree, each split of a share above 0
     holds tokens in every dataset (Megatron would loop forever building an empty one, even
@@ -100,12 +122,17 @@ def check_gpt_data(data_path: Sequence[str], split: str, seq_length: int, seed: 
     for prefix in config.blend[0]:
         dataset = mcore.IndexedDataset(prefix)
         lengths = dataset.sequence_lengths
-        expected = 0 if len(lengths) == 0 else int(
-            dataset.index.sequence_pointers[-1] + lengths[-1] * dataset.index.dtype_size)
+        expected = (
+            0
+            if len(lengths) == 0
+            else int(dataset.index.sequence_pointers[-1] + lengths[-1] * dataset.index.dtype_size)
+        )
         actual = os.path.getsize(prefix + ".bin")
         if actual != expected:
-            raise DataError(f"--data-path {prefix}: {prefix}.bin holds {actual:,} bytes, its "
-                            f"index describes {expected:,} (files of two different datasets?)")
+            raise DataError(
+                f"--data-path {prefix}: {prefix}.bin holds {actual:,} bytes, its "
+                f"index describes {expected:,} (files of two different datasets?)"
+            )
         count = len(lengths)
         for name, bookends in zip(SPLIT_NAMES, config.split_matrix):
             if bookends is None:  # a share of 0: Megatron builds no dataset
@@ -129,18 +156,26 @@ class GPTDatasets:
     test: Any
 
 
-def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: int,
-                       num_samples: Sequence[int], tokenizer: Tokenizer,
-                       data_cache_path: str | os.PathLike | None = None) -> GPTDatasets:
+def build_gpt_datasets(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[int],
+    tokenizer: Tokenizer,
+    data_cache_path: str | os.PathLike | None = None,
+) -> GPTDatasets:
     """Megatron's datasets for these flags (``num_samples``: ``megatron_sample_counts``).
 
     Collective where ``torch.distributed`` is initialized: call it on every rank of the default
     group (global rank 0 writes the caches, a barrier, then the others read them)."""
-    config = check_gpt_data(data_path, split, seq_length, seed, num_samples, tokenizer,
-                            data_cache_path)
+    config = check_gpt_data(
+        data_path, split, seq_length, seed, num_samples, tokenizer, data_cache_path
+    )
     mcore = mcore_datasets("--data-path with indexed datasets")
     builder = mcore.BlendedMegatronDatasetBuilder(
-        mcore.GPTDataset, [int(n) for n in num_samples], lambda: True, config)
+        mcore.GPTDataset, [int(n) for n in num_samples], lambda: True, config
+    )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         train, valid, test = builder.build()
     else:
@@ -164,8 +199,10 @@ def _one_process_group() -> Iterator[None]:
 def stack_samples(dataset: Any, indices: Sequence[int]) -> Microbatch:
     """Samples ``indices`` of a Megatron GPT dataset as (tokens [b, s], labels [b, s]) int64."""
     samples = [dataset[int(i)] for i in indices]
-    return (torch.stack([s["tokens"] for s in samples]),
-            torch.stack([s["labels"] for s in samples]))
+    return (
+        torch.stack([s["tokens"] for s in samples]),
+        torch.stack([s["labels"] for s in samples]),
+    )
 
 
 @dataclass
@@ -203,7 +240,11 @@ class IndexedTrainBatches(SamplingPosition):
 
 
 def indexed_validation_batches(
-    dataset: Any, eval_iters: int, global_batch_size: int, micro_batch_size: int, dp: int,
+    dataset: Any,
+    eval_iters: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp: int,
     dp_rank: int,
 ) -> list[list[Microbatch]]:
     """The same ``eval_iters`` validation batches at every evaluation (the validation split's
@@ -211,14 +252,18 @@ def indexed_validation_batches(
     if eval_iters == 0:
         return []
     if dataset is None or len(dataset) == 0:
-        raise DataError("the validation split holds no samples (--split gives it no share) "
-                        f"but --eval-iters={eval_iters}")
+        raise DataError(
+            "the validation split holds no samples (--split gives it no share) "
+            f"but --eval-iters={eval_iters}"
+        )
     mbs, stride = micro_batch_size, micro_batch_size * dp
     batches = []
     for it in range(eval_iters):
         begin = it * global_batch_size
-        batches.append([
-            stack_samples(dataset, [(s + dp_rank * mbs + j) % len(dataset) for j in range(mbs)])
-            for s in range(begin, begin + global_batch_size, stride)
-        ])
+        batches.append(
+            [
+                stack_samples(dataset, [(s + dp_rank * mbs + j) % len(dataset) for j in range(mbs)])
+                for s in range(begin, begin + global_batch_size, stride)
+            ]
+        )
     return batches

@@ -37,7 +37,10 @@ def mcore_datasets(needed_by: str) -> SimpleNamespace:
             f"({err}; pip install -e '.[megatron]')"
         ) from None
     return SimpleNamespace(
-        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder, GPTDataset=GPTDataset,
-        GPTDatasetConfig=GPTDatasetConfig, DType=DType, IndexedDataset=IndexedDataset,
+        BlendedMegatronDatasetBuilder=BlendedMegatronDatasetBuilder,
+        GPTDataset=GPTDataset,
+        GPTDatasetConfig=GPTDatasetConfig,
+        DType=DType,
+        IndexedDataset=IndexedDataset,
         IndexedDatasetBuilder=IndexedDatasetBuilder,
     )

@@ -52,8 +52,9 @@ def _tokenizer(tokenizer_type: str, tokenizer_model: str | None) -> Tokenizer:
     return build_tokenizer(tokenizer_type, tokenizer_model)
 
 
-def encode_record(line: str, where: str, tokenizer: Tokenizer, json_keys: Sequence[str],
-                  append_eod: bool) -> Encoded:
+def encode_record(
+    line: str, where: str, tokenizer: Tokenizer, json_keys: Sequence[str], append_eod: bool
+) -> Encoded:
     """One jsonl line as Megatron's preprocess encodes it (``where`` names it in errors)."""
     try:
         record = json.loads(line)
@@ -81,16 +82,21 @@ def encode_record(line: str, where: str, tokenizer: Tokenizer, json_keys: Sequen
     return encoded
 
 
-def _encode_task(task: tuple, tokenizer: Tokenizer | None = None,
-                 ) -> tuple[int, list[Encoded | None]]:
+def _encode_task(
+    task: tuple,
+    tokenizer: Tokenizer | None = None,
+) -> tuple[int, list[Encoded | None]]:
     """A batch of lines -> (this process's id, their encodings; None for a blank line). A pool
     process builds its tokenizer once (cached) from the names in the task."""
     path, first_line, lines, tokenizer_type, tokenizer_model, json_keys, append_eod = task
     tokenizer = tokenizer or _tokenizer(tokenizer_type, tokenizer_model)
     out = []
     for number, line in enumerate(lines, start=first_line):
-        out.append(None if not line.strip() else
-                   encode_record(line, f"{path} line {number}", tokenizer, json_keys, append_eod))
+        out.append(
+            None
+            if not line.strip()
+            else encode_record(line, f"{path} line {number}", tokenizer, json_keys, append_eod)
+        )
     return os.getpid(), out
 
 
@@ -107,10 +113,17 @@ def _tasks(path: Path, rest: tuple) -> Iterator[tuple]:
             yield (str(path), first, batch, *rest)
 
 
-def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenizer_type: str,
-               tokenizer_model: str | None, output_prefix: str, append_eod: bool = False,
-               workers: int = 1, log_interval: int = 1000,
-               log: Callable[[str], None] | None = None) -> PreprocessResult:
+def preprocess(
+    input_path: str | os.PathLike,
+    json_keys: Sequence[str],
+    tokenizer_type: str,
+    tokenizer_model: str | None,
+    output_prefix: str,
+    append_eod: bool = False,
+    workers: int = 1,
+    log_interval: int = 1000,
+    log: Callable[[str], None] | None = None,
+) -> PreprocessResult:
     """Tokenize ``input_path`` (jsonl) into ``{output_prefix}_{key}_document.{bin,idx}``."""
     if workers < 1:
         raise DataError(f"--workers={workers} must be >= 1")
@@ -118,18 +131,22 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
         raise DataError("--json-keys needs at least one key")
     path = Path(input_path)
     if not path.is_file():
-        raise DataError(f"--input {path} " + ("is not a regular file" if path.exists()
-                                              else "does not exist"))
+        raise DataError(
+            f"--input {path} " + ("is not a regular file" if path.exists() else "does not exist")
+        )
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
     if append_eod and tokenizer.eod is None:
-        raise DataError(f"--append-eod: the tokenizer names no end-of-document token "
-                        f"({tokenizer.describe()})")
+        raise DataError(
+            f"--append-eod: the tokenizer names no end-of-document token ({tokenizer.describe()})"
+        )
     mcore = mcore_datasets("preprocess-data")
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     prefixes = [output_prefix_of(output_prefix, key) for key in json_keys]
     dtype = mcore.DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {key: mcore.IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
-                for key, prefix in zip(json_keys, prefixes)}
+    builders = {
+        key: mcore.IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+        for key, prefix in zip(json_keys, prefixes)
+    }
     tasks = _tasks(path, (tokenizer_type, tokenizer_model, tuple(json_keys), append_eod))
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     start = time.perf_counter()  # the pace counts the pool's start
@@ -146,9 +163,13 @@ def preprocess(input_path: str | os.PathLike, json_keys: Sequence[str], tokenize
     return PreprocessResult(prefixes, documents, tokens, frozenset(pids))
 
 
-def _add_documents(results: Iterator[tuple[int, list[Encoded | None]]], builders: dict[str, Any],
-                   start: float, log_interval: int, log: Callable[[str], None],
-                   ) -> tuple[int, int, set[int]]:
+def _add_documents(
+    results: Iterator[tuple[int, list[Encoded | None]]],
+    builders: dict[str, Any],
+    start: float,
+    log_interval: int,
+    log: Callable[[str], None],
+) -> tuple[int, int, set[int]]:
     """Each encoded document into its key's dataset builder, in input order, logging the pace
     since ``start`` every ``log_interval`` documents: (documents, tokens, the ids of the
     processes that tokenized)."""
@@ -164,8 +185,10 @@ def _add_documents(results: Iterator[tuple[int, list[Encoded | None]]], builders
                 tokens += len(ids)
             documents += 1
             if documents % log_interval == 0:
-                log(f"processed {documents:,} documents "
-                    f"({documents / (time.perf_counter() - start):.0f} docs/s)")
+                log(
+                    f"processed {documents:,} documents "
+                    f"({documents / (time.perf_counter() - start):.0f} docs/s)"
+                )
     return documents, tokens, pids
 
 

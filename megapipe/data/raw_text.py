@@ -48,11 +48,15 @@ def resolve_data_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         elif path.exists():
-            raise ValueError(f"--data-path {path} is neither a regular file nor a directory "
-                             "(a FIFO, socket or device cannot be read twice)")
+            raise ValueError(
+                f"--data-path {path} is neither a regular file nor a directory "
+                "(a FIFO, socket or device cannot be read twice)"
+            )
         else:
-            raise FileNotFoundError(f"--data-path {path} does not exist (neither text files nor "
-                                    f"an indexed dataset: no {path}.idx, no {path}.bin)")
+            raise FileNotFoundError(
+                f"--data-path {path} does not exist (neither text files nor "
+                f"an indexed dataset: no {path}.idx, no {path}.bin)"
+            )
     return files
 
 
@@ -162,7 +166,11 @@ class TrainBatches(SamplingPosition):
 
 
 def validation_batches(
-    splits: Splits, eval_iters: int, global_batch_size: int, micro_batch_size: int, dp: int,
+    splits: Splits,
+    eval_iters: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp: int,
     dp_rank: int,
 ) -> list[list[Microbatch]]:
     """The same ``eval_iters`` validation batches every time (wrapping if the split is small)."""
@@ -172,7 +180,9 @@ def validation_batches(
         start = it * global_batch_size + dp_rank * per_rank
         indices = [splits.num_train + (start + i) % splits.num_valid for i in range(per_rank)]
         batches.append(
-            [_stack(splits, indices[i : i + micro_batch_size])
-             for i in range(0, per_rank, micro_batch_size)]
+            [
+                _stack(splits, indices[i : i + micro_batch_size])
+                for i in range(0, per_rank, micro_batch_size)
+            ]
         )
     return batches

@@ -145,8 +145,10 @@ class HuggingFaceTokenizer:
             if eos is not None:
                 found = self._tokenizer.token_to_id(eos)
                 if found is None:
-                    raise DataError(f"{config} names eos_token {eos!r}, which the tokenizer "
-                                    f"{self.path} does not hold")
+                    raise DataError(
+                        f"{config} names eos_token {eos!r}, which the tokenizer "
+                        f"{self.path} does not hold"
+                    )
                 return found
         for name in END_OF_DOCUMENT_NAMES:
             found = self._tokenizer.token_to_id(name)
@@ -171,29 +173,37 @@ class HuggingFaceTokenizer:
                 continue
             token = self._tokenizer.id_to_token(i)
             if token is None:
-                raise DataError(f"token id {i} is outside the tokenizer {self.path} "
-                                f"({self.vocab_size} tokens)")
+                raise DataError(
+                    f"token id {i} is outside the tokenizer {self.path} ({self.vocab_size} tokens)"
+                )
             out += bytes(alphabet[c] for c in token)
         return bytes(out)
 
     def describe(self) -> str:
-        eod = "none" if self.eod is None else (
-            f"{self._tokenizer.id_to_token(self.eod)} = {self.eod}")
-        return (f"HuggingFaceTokenizer {self.path}: {self.vocab_size:,} tokens; "
-                f"end of document {eod}")
+        eod = (
+            "none"
+            if self.eod is None
+            else (f"{self._tokenizer.id_to_token(self.eod)} = {self.eod}")
+        )
+        return (
+            f"HuggingFaceTokenizer {self.path}: {self.vocab_size:,} tokens; end of document {eod}"
+        )
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | None) -> Tokenizer:
     """The tokenizer Megatron's ``--tokenizer-type`` and ``--tokenizer-model`` name."""
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise DataError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH "
-                            "(a tokenizer.json or a directory holding one)")
+            raise DataError(
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH "
+                "(a tokenizer.json or a directory holding one)"
+            )
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "ByteTokenizer":
         if tokenizer_model is not None:
-            raise DataError(f"--tokenizer-type ByteTokenizer takes no --tokenizer-model "
-                            f"(got {tokenizer_model})")
+            raise DataError(
+                f"--tokenizer-type ByteTokenizer takes no --tokenizer-model (got {tokenizer_model})"
+            )
         return ByteTokenizer()
     raise DataError(
         f"--tokenizer-type {tokenizer_type} is not supported: megapipe reads "
@@ -202,13 +212,16 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | os.PathLike | No
     )
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                      tensor_model_parallel_size: int = 1) -> int:
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
     """The vocabulary as Megatron pads it: rounded up to a multiple of
     ``--make-vocab-size-divisible-by`` x the tensor-parallel size."""
-    for name, value in (("vocabulary size", vocab_size),
-                        ("--make-vocab-size-divisible-by", make_vocab_size_divisible_by),
-                        ("--tensor-model-parallel-size", tensor_model_parallel_size)):
+    for name, value in (
+        ("vocabulary size", vocab_size),
+        ("--make-vocab-size-divisible-by", make_vocab_size_divisible_by),
+        ("--tensor-model-parallel-size", tensor_model_parallel_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise DataError(f"{name}={value!r} must be a positive integer")
     multiple = make_vocab_size_divisible_by * tensor_model_parallel_size

@@ -74,8 +74,10 @@ def jsonl_texts(path: Path, json_keys: Sequence[str]) -> Iterator[str]:
                 value = record[key]
                 for text in value if isinstance(value, list) else [value]:
                     if not isinstance(text, str):
-                        raise DataError(f"{path} line {number}: field {key!r} holds "
-                                        f"{type(text).__name__}, not text")
+                        raise DataError(
+                            f"{path} line {number}: field {key!r} holds "
+                            f"{type(text).__name__}, not text"
+                        )
                     yield text
 
 
@@ -105,13 +107,19 @@ class _Corpus:
             yield text
 
 
-def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int, output: str | os.PathLike,
-                    json_keys: Sequence[str] = ("text",)) -> TrainedTokenizer:
+def train_tokenizer(
+    inputs: Sequence[str | os.PathLike],
+    vocab_size: int,
+    output: str | os.PathLike,
+    json_keys: Sequence[str] = ("text",),
+) -> TrainedTokenizer:
     """Train a byte-level BPE of at most ``vocab_size`` ids on ``inputs``; write
     ``output/tokenizer.json`` and ``output/tokenizer_config.json``."""
     if vocab_size < MIN_VOCAB_SIZE:
-        raise DataError(f"--vocab-size={vocab_size} must be at least {MIN_VOCAB_SIZE} (the 256 "
-                        "byte characters and the end-of-document token)")
+        raise DataError(
+            f"--vocab-size={vocab_size} must be at least {MIN_VOCAB_SIZE} (the 256 "
+            "byte characters and the end-of-document token)"
+        )
     out_dir = Path(output)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output {out_dir} is a file; name a directory")
@@ -119,14 +127,17 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int, output
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
-        raise DataError("train-tokenizer needs Hugging Face's tokenizers library "
-                        "(pip install -e '.[data]')") from None
+        raise DataError(
+            "train-tokenizer needs Hugging Face's tokenizers library (pip install -e '.[data]')"
+        ) from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[END_OF_DOCUMENT_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_DOCUMENT_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = _Corpus(files, named, json_keys)
     tokenizer.train_from_iterator(corpus, trainer)
@@ -135,8 +146,16 @@ def train_tokenizer(inputs: Sequence[str | os.PathLike], vocab_size: int, output
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "tokenizer.json"
     tokenizer.save(str(path))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_DOCUMENT_TOKEN,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": END_OF_DOCUMENT_TOKEN,
+        "clean_up_tokenization_spaces": False,
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return TrainedTokenizer(path, tokenizer.get_vocab_size(with_added_tokens=True), len(files),
-                            corpus.skipped, corpus.texts)
+    return TrainedTokenizer(
+        path,
+        tokenizer.get_vocab_size(with_added_tokens=True),
+        len(files),
+        corpus.skipped,
+        corpus.texts,
+    )

@@ -46,8 +46,12 @@ class GraphStats:
 
 
 def _signature(inputs: Sequence[Any]) -> tuple:
-    return tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
-                 if isinstance(x, torch.Tensor) else ("value", x) for x in inputs)
+    return tuple(
+        (tuple(x.shape), x.stride(), x.dtype, x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else ("value", x)
+        for x in inputs
+    )
 
 
 def _tensors(values: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -63,7 +67,8 @@ def _moves_grad(param: torch.Tensor) -> bool:
     post-accumulate hook of ``main_grad.attach_main_grads`` or the flat gradient buffers, which
     leave ``.grad`` None): then the backward graph adds it there itself."""
     return getattr(param, "main_grad", None) is not None and bool(
-        getattr(param, "_post_accumulate_grad_hooks", None))
+        getattr(param, "_post_accumulate_grad_hooks", None)
+    )
 
 
 def _accumulators(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
@@ -87,8 +92,15 @@ class _Regions:
     logs read), the backward region (``autograd.grad`` of its outputs, the gradients handed
     over in the graph) and the warm-up that runs the node eagerly first."""
 
-    def __init__(self, node: Node, spec: Any, instance: Instance, recorder: StateRecorder,
-                 wanted: list[torch.Tensor], handover: list[Any]) -> None:
+    def __init__(
+        self,
+        node: Node,
+        spec: Any,
+        instance: Instance,
+        recorder: StateRecorder,
+        wanted: list[torch.Tensor],
+        handover: list[Any],
+    ) -> None:
         """``wanted``: the inputs and parameters whose gradients the graph computes;
         ``handover``: per wanted tensor, where the graph puts its gradient (None: returned;
         a tensor: copied into this producer's gradient buffer; a parameter: added into its
@@ -124,11 +136,13 @@ class _Regions:
         if not roots or not self.wanted:
             return ()
         found = torch.autograd.grad(roots, self.wanted, grads, allow_unused=True)
-        return tuple(self._hand_over(g, where, t)
-                     for g, where, t in zip(found, self.handover, self.wanted))
+        return tuple(
+            self._hand_over(g, where, t) for g, where, t in zip(found, self.handover, self.wanted)
+        )
 
-    def _hand_over(self, grad: torch.Tensor | None, where: Any, wanted: torch.Tensor
-                   ) -> torch.Tensor | None:
+    def _hand_over(
+        self, grad: torch.Tensor | None, where: Any, wanted: torch.Tensor
+    ) -> torch.Tensor | None:
         """Inside the backward graph: ``grad`` into the producer's gradient buffer ``where``
         (an input read in place) or added into ``wanted``'s ``main_grad`` (``where is
         wanted``), or returned."""
@@ -145,17 +159,24 @@ class _Regions:
         _check_leaves(self.node.name, self.outputs, self.wanted)  # refused before any capture
         roots = [o for o in self.outputs if o.requires_grad]
         if roots and self.wanted:
-            torch.autograd.grad(roots, self.wanted, [torch.ones_like(o) for o in roots],
-                                allow_unused=True)
+            torch.autograd.grad(
+                roots, self.wanted, [torch.ones_like(o) for o in roots], allow_unused=True
+            )
         self.outputs, self.logged = (), []
 
 
 class CapturedNode:
     """A node's instances by input signature, capture on first use (module docstring)."""
 
-    def __init__(self, node: Node, spec: Any, stats: GraphStats,
-                 before_replay: Sequence[ParamsCall] = (),
-                 after_backward: Sequence[ParamCall] = (), layer: int = 0) -> None:
+    def __init__(
+        self,
+        node: Node,
+        spec: Any,
+        stats: GraphStats,
+        before_replay: Sequence[ParamsCall] = (),
+        after_backward: Sequence[ParamCall] = (),
+        layer: int = 0,
+    ) -> None:
         """``spec``: the node's ``graphs.nodes.Graphable``; ``stats``: where captures count;
         ``layer``: its layer plan's key (it reads in place only what that layer's nodes made);
         ``before_replay``: called with its parameters before each forward replay;
@@ -176,12 +197,15 @@ class CapturedNode:
             self.stats.eager[self.node.name.split(".")[-1]] = reason
             return tuple(self.node.fn(state, inputs))
         if not torch.is_grad_enabled() or not any(
-                t.requires_grad for t in inputs + spec.params):  # nothing to save: eager
+            t.requires_grad for t in inputs + spec.params
+        ):  # nothing to save: eager
             return tuple(self.node.fn(state, inputs))
         if tuple(p.data_ptr() for p in spec.params + spec.buffers) != self.pointers:
-            raise RuntimeError(f"node {self.node.name!r}: a parameter's or buffer's storage "
-                               "moved since its graphs were captured (they would read the old "
-                               "memory)")
+            raise RuntimeError(
+                f"node {self.node.name!r}: a parameter's or buffer's storage "
+                "moved since its graphs were captured (they would read the old "
+                "memory)"
+            )
         key = (_signature(inputs), spec.key() if spec.key is not None else None)
         found = self.instances.setdefault(key, [])
         instance = next((i for i in found if i.fits(state, inputs)), None)
@@ -190,19 +214,31 @@ class CapturedNode:
             instance = self._capture(state, inputs, loans)
             found.append(instance)
             loans.settle()  # the capture's own references gone: what the instance keeps
-        if any(grad_buffer(p).data_ptr() != g.data_ptr()
-               for p, g in zip(instance.accumulated, instance.main_grads)):
-            raise RuntimeError(f"node {self.node.name!r}: a parameter's main_grad moved since "
-                               "its graphs were captured (they would add into the old memory)")
+        if any(
+            grad_buffer(p).data_ptr() != g.data_ptr()
+            for p, g in zip(instance.accumulated, instance.main_grads)
+        ):
+            raise RuntimeError(
+                f"node {self.node.name!r}: a parameter's main_grad moved since "
+                "its graphs were captured (they would add into the old memory)"
+            )
         for name in instance.state_inputs:
             no_grad_read(self.node.name, name, getattr(state, name))
         for call in self.before_replay:
             call(spec.params)
-        return Replay.apply(Lease(instance), state, spec.logs, len(inputs),
-                             self.after_backward, *inputs, *spec.params)
+        return Replay.apply(
+            Lease(instance),
+            state,
+            spec.logs,
+            len(inputs),
+            self.after_backward,
+            *inputs,
+            *spec.params,
+        )
 
-    def _capture(self, state: LayerState, inputs: tuple[torch.Tensor, ...], loans: Loans
-                 ) -> Instance:
+    def _capture(
+        self, state: LayerState, inputs: tuple[torch.Tensor, ...], loans: Loans
+    ) -> Instance:
         """A new instance: static inputs and warm-up, the two captures, the replay set-up."""
         if self.accumulators is None:  # before the warm-up on the side stream makes them there
             self.accumulators = _accumulators(self.spec.params)
@@ -215,8 +251,9 @@ class CapturedNode:
         self._set_up(instance, regions, found, pooled)
         return instance
 
-    def _static_inputs(self, instance: Instance, state: LayerState,
-                       inputs: tuple[torch.Tensor, ...], loans: Loans) -> _Regions:
+    def _static_inputs(
+        self, instance: Instance, state: LayerState, inputs: tuple[torch.Tensor, ...], loans: Loans
+    ) -> _Regions:
         """The instance's static inputs (another instance's static output read in place, else
         a copy), the parameters whose gradient the graph adds into ``main_grad``, and the
         regions to capture."""
@@ -229,8 +266,9 @@ class CapturedNode:
             else:
                 found = None
                 with torch.no_grad():
-                    static = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype,
-                                                 device=x.device).copy_(x)
+                    static = torch.empty_strided(
+                        x.shape, x.stride(), dtype=x.dtype, device=x.device
+                    ).copy_(x)
             statics.append(static.requires_grad_(x.requires_grad))
             in_place.append(found is not None)
             if x.requires_grad:
@@ -247,22 +285,25 @@ class CapturedNode:
         api, spec = self.stats.api, self.spec
         # what the graphs read in place besides their pool (state tensors: read by the warm-up)
         instance.state_inputs = dict(regions.recorder._state_inputs)
-        static = instance.inputs + spec.params + spec.buffers + tuple(
-            instance.state_inputs.values())
+        static = (
+            instance.inputs + spec.params + spec.buffers + tuple(instance.state_inputs.values())
+        )
         # thread_local: other threads (NCCL's watchdog, autograd's device thread) may make
         # calls a global capture would forbid them; work they queue on the stream is captured
         before = api.reserved()
         instance.fwd, _ = api.capture(regions.forward, None, "thread_local", static)
         pooled = api.reserved() - before
         instance.outputs, instance.logged = regions.outputs, list(map(list, regions.logged))
-        instance.grad_outputs = [torch.empty_like(o) if o.requires_grad else None
-                                 for o in instance.outputs]
+        instance.grad_outputs = [
+            torch.empty_like(o) if o.requires_grad else None for o in instance.outputs
+        ]
         # written in place: producers' gradient buffers, main_grad (parameters in handover)
         written = tuple(getattr(t, "main_grad", t) for t in regions.handover if t is not None)
         grads = tuple(g for g in instance.grad_outputs if g is not None)
         before = api.reserved()
-        instance.bwd, found = api.capture(regions.backward, api.pool(instance.fwd),
-                                          "thread_local", static + grads + written)
+        instance.bwd, found = api.capture(
+            regions.backward, api.pool(instance.fwd), "thread_local", static + grads + written
+        )
         return found, pooled + api.reserved() - before
 
     def _set_up(self, instance: Instance, regions: _Regions, found: tuple, pooled: int) -> None:
@@ -273,25 +314,31 @@ class CapturedNode:
         instance.accumulated = tuple(regions.added)
         instance.main_grads = tuple(grad_buffer(p) for p in regions.added)  # their main_grad
         instance.in_place_state = frozenset(
-            name for name, t in instance.state_inputs.items()
-            if self.stats.handed.find(t, self.layer) is not None)
+            name
+            for name, t in instance.state_inputs.items()
+            if self.stats.handed.find(t, self.layer) is not None
+        )
         regions.outputs, regions.logged = (), []
         instance.hand_out()
         returned = iter(found)
-        instance.grad_inputs = tuple(next(returned, None) if t.requires_grad else None
-                                     for t in instance.inputs + spec.params)
+        instance.grad_inputs = tuple(
+            next(returned, None) if t.requires_grad else None for t in instance.inputs + spec.params
+        )
         # the pool's segments (the reserved bytes its captures added) and the static buffers
-        instance.bytes = pooled + static_bytes(
-            s for s, kept in zip(instance.inputs, instance.in_place) if not kept) + \
-            static_bytes(instance.grad_outputs) + static_bytes(
-                t for n, t in instance.state_inputs.items() if n not in instance.in_place_state)
+        instance.bytes = (
+            pooled
+            + static_bytes(s for s, kept in zip(instance.inputs, instance.in_place) if not kept)
+            + static_bytes(instance.grad_outputs)
+            + static_bytes(
+                t for n, t in instance.state_inputs.items() if n not in instance.in_place_state
+            )
+        )
         self.stats.captured += 1
         self.stats.bytes += instance.bytes
         self.stats.handed.add(instance, self.layer)
 
 
-def _check_leaves(name: str, outputs: Iterable[torch.Tensor], wanted: list[torch.Tensor]
-                  ) -> None:
+def _check_leaves(name: str, outputs: Iterable[torch.Tensor], wanted: list[torch.Tensor]) -> None:
     """Every tensor the captured outputs' gradients reach is an input or a declared parameter
     (else its gradient would be lost: refused)."""
     known = {id(t) for t in wanted}
@@ -303,7 +350,9 @@ def _check_leaves(name: str, outputs: Iterable[torch.Tensor], wanted: list[torch
         seen.add(fn)
         leaf = getattr(fn, "variable", None)
         if leaf is not None and id(leaf) not in known:
-            raise RuntimeError(f"node {name!r} cannot be captured: it uses a tensor of shape "
-                               f"{tuple(leaf.shape)} that needs a gradient but is neither its "
-                               "input nor in Graphable.params")
+            raise RuntimeError(
+                f"node {name!r} cannot be captured: it uses a tensor of shape "
+                f"{tuple(leaf.shape)} that needs a gradient but is neither its "
+                "input nor in Graphable.params"
+            )
         todo.extend(f for f, _ in fn.next_functions if f is not None)

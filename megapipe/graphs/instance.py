@@ -45,18 +45,26 @@ class Handed:
         """Register what ``instance`` hands out (call once it is captured)."""
         grads = instance.grad_outputs
         tensors = [(o, g) for o, g in zip(instance.outputs, grads)] + [
-            (v, None) for v in instance.writes.values() if isinstance(v, torch.Tensor)]
+            (v, None) for v in instance.writes.values() if isinstance(v, torch.Tensor)
+        ]
         for tensor, grad in tensors:
             if tensor.numel():
                 self._by_address.setdefault(tensor.data_ptr(), []).append(
-                    HandedTensor(tensor, grad, instance, layer))
+                    HandedTensor(tensor, grad, instance, layer)
+                )
 
     def find(self, value: torch.Tensor, layer: int) -> HandedTensor | None:
         """The handed tensor of ``layer`` that ``value`` is (same address and layout), or None."""
         if not value.numel():
             return None
-        return next((h for h in self._by_address.get(value.data_ptr(), ())
-                     if h.layer == layer and same_layout(value, h.tensor)), None)
+        return next(
+            (
+                h
+                for h in self._by_address.get(value.data_ptr(), ())
+                if h.layer == layer and same_layout(value, h.tensor)
+            ),
+            None,
+        )
 
 
 class Loans:
@@ -112,14 +120,21 @@ class Instance:
         """Free (no forward whose autograd record lives, no tensor outside viewing what it
         handed out beyond what it lends: a deferred weight gradient may keep an output), its
         guards hold, and what it reads in place is where it was captured."""
-        return (self.lease is None or self.lease() is None) and all(
-            getattr(state, name) == value for name, value in self.guards.items()) and all(
-            views(t) <= count for t, count in zip(self.handed, self.counts)) and all(
-            same_layout(getattr(state, name), static)
-            and (name not in self.in_place_state or _same_address(getattr(state, name), static))
-            for name, static in self.state_inputs.items()) and all(
-            _same_address(x, static)
-            for x, static, kept in zip(inputs, self.inputs, self.in_place) if kept)
+        return (
+            (self.lease is None or self.lease() is None)
+            and all(getattr(state, name) == value for name, value in self.guards.items())
+            and all(views(t) <= count for t, count in zip(self.handed, self.counts))
+            and all(
+                same_layout(getattr(state, name), static)
+                and (name not in self.in_place_state or _same_address(getattr(state, name), static))
+                for name, static in self.state_inputs.items()
+            )
+            and all(
+                _same_address(x, static)
+                for x, static, kept in zip(inputs, self.inputs, self.in_place)
+                if kept
+            )
+        )
 
     def fill(self, state: Any, inputs: Sequence[torch.Tensor]) -> None:
         """Copy the inputs and state tensors into the static buffers, except what is there."""
@@ -138,8 +153,10 @@ class Instance:
             if static is None:
                 continue
             if grad is None:
-                raise RuntimeError("a captured node's output got no gradient, but its graph was "
-                                   "captured with one for every output that requires grad")
+                raise RuntimeError(
+                    "a captured node's output got no gradient, but its graph was "
+                    "captured with one for every output that requires grad"
+                )
             if not _same_address(grad, static):
                 static.copy_(grad)
 
@@ -149,14 +166,16 @@ class Instance:
         ``.grad`` without a copy and the producer finds it where it reads it; the others not
         (autograd copies them, never keeping the buffer, which the next replay writes)."""
         kept = self.in_place + (False,) * (len(self.grad_inputs) - len(self.in_place))
-        return tuple(g.detach() if g is not None and k else g
-                     for g, k in zip(self.grad_inputs, kept))
+        return tuple(
+            g.detach() if g is not None and k else g for g, k in zip(self.grad_inputs, kept)
+        )
 
     def hand_out(self) -> None:
         """Count the views of what replays hand out (outputs, state tensors) at rest."""
         seen: dict[int, torch.Tensor] = {}
-        for t in self.outputs + tuple(v for v in self.writes.values()
-                                      if isinstance(v, torch.Tensor)):
+        for t in self.outputs + tuple(
+            v for v in self.writes.values() if isinstance(v, torch.Tensor)
+        ):
             seen.setdefault(t.untyped_storage().data_ptr(), t)
         self.handed = tuple(seen.values())
         self.counts = [views(t) for t in self.handed]
@@ -188,8 +207,12 @@ class Lease:
 
 
 def same_layout(value: Any, static: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == static.shape and \
-        value.stride() == static.stride() and value.dtype == static.dtype
+    return (
+        isinstance(value, torch.Tensor)
+        and value.shape == static.shape
+        and value.stride() == static.stride()
+        and value.dtype == static.dtype
+    )
 
 
 def _same_address(value: torch.Tensor, static: torch.Tensor) -> bool:

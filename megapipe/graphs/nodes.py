@@ -106,8 +106,9 @@ class GraphApi:
             fn()
         current.wait_stream(side)
 
-    def capture(self, fn: Callable[[], Any], pool: Any, mode: str,
-                static: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+    def capture(
+        self, fn: Callable[[], Any], pool: Any, mode: str, static: Sequence[torch.Tensor] = ()
+    ) -> tuple[Any, Any]:
         """A graph of ``fn``'s kernels, captured on the side stream into ``pool`` (None: a new
         one), and what ``fn`` returned (tensors in the pool, written by each replay).
         ``static``: the tensors outside the pool the graph reads in place (static inputs,
@@ -166,13 +167,18 @@ class NodeGraphs:
         if not self.covers(node):
             return node
         if node.kind != NodeKind.COMPUTE or node.reads_host:
-            raise ValueError(f"node {node.name!r} declares CUDA-graph modules but is a comm node "
-                             "or reads the host: it can never be captured")
+            raise ValueError(
+                f"node {node.name!r} declares CUDA-graph modules but is a comm node "
+                "or reads the host: it can never be captured"
+            )
         held = self._nodes.get(id(node))
         if held is None:  # one set of instances per node of a plan made once
-            held = self._nodes[id(node)] = (node, CapturedNode(
-                node, node.graphable, self.stats, self.before_replay, self.after_backward,
-                layer))
+            held = self._nodes[id(node)] = (
+                node,
+                CapturedNode(
+                    node, node.graphable, self.stats, self.before_replay, self.after_backward, layer
+                ),
+            )
         return replace(node, fn=held[1])
 
     def plan(self, plan: Sequence[Any]) -> Any:
@@ -188,9 +194,15 @@ class NodeGraphs:
             return plan  # nothing to capture (not kept: a plan made per call stays uncounted)
 
         def wrap(items: Sequence[Any]) -> list[Any]:
-            return [Fork(tuple(tuple(self.node(n, id(plan)) for n in b) for b in item.branches),
-                         item.width) if isinstance(item, Fork) else self.node(item, id(plan))
-                    for item in items]
+            return [
+                Fork(
+                    tuple(tuple(self.node(n, id(plan)) for n in b) for b in item.branches),
+                    item.width,
+                )
+                if isinstance(item, Fork)
+                else self.node(item, id(plan))
+                for item in items
+            ]
 
         wrapped = plan.wrapped(wrap)
         self._plans[id(plan)] = (plan, wrapped)  # the plan kept: its id stays its own
@@ -213,8 +225,10 @@ class NodeGraphs:
 
     def describe(self) -> str:
         eager = "".join(f"; {node} eager: {why}" for node, why in sorted(self.stats.eager.items()))
-        return (f"{self.captured} graph instances captured, {self.bytes / 2**20:.1f} MiB in "
-                f"their pools and static buffers{eager}")
+        return (
+            f"{self.captured} graph instances captured, {self.bytes / 2**20:.1f} MiB in "
+            f"their pools and static buffers{eager}"
+        )
 
 
 class GraphRunner:
@@ -230,12 +244,12 @@ class GraphRunner:
 
     def run_layer(self, plan: Sequence[Any], inputs: tuple) -> tuple:
         plan = self.graphs.plan(plan)
-        return run_nodes(plan, inputs) if self.inner is None else \
-            self.inner.run_layer(plan, inputs)
+        return run_nodes(plan, inputs) if self.inner is None else self.inner.run_layer(plan, inputs)
 
 
-def node_graphs(impl: str, modules: Sequence[str], device: torch.device | None,
-                api: Any = None) -> tuple[NodeGraphs | None, str | None]:
+def node_graphs(
+    impl: str, modules: Sequence[str], device: torch.device | None, api: Any = None
+) -> tuple[NodeGraphs | None, str | None]:
     """The executor's graphs for ``--cuda-graph-impl`` / ``--cuda-graph-modules`` (ValueError
     for bad settings) and a line to log: off without CUDA (graphs need CUDA; the nodes run
     eager), unless a stand-in ``api`` is given."""
@@ -247,8 +261,10 @@ def node_graphs(impl: str, modules: Sequence[str], device: torch.device | None,
     names = " ".join(modules)
     if api is None and (device is None or device.type != "cuda"):
         where = "cpu" if device is None else device.type
-        return None, (f"--cuda-graph-impl local ({names}): CUDA graphs need CUDA; this run is "
-                      f"on {where}, so every node runs eager")
+        return None, (
+            f"--cuda-graph-impl local ({names}): CUDA graphs need CUDA; this run is "
+            f"on {where}, so every node runs eager"
+        )
     if api is None:
         assert device is not None  # a CUDA device (without one, returned above)
         api = GraphApi(device)

@@ -31,8 +31,9 @@ class StateRecorder(LayerState):
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_writes", {})
         object.__setattr__(self, "_reads", {})
-        declared = (None if hasattr(base, "__dict__")
-                    else frozenset(f.name for f in fields(type(base))))
+        declared = (
+            None if hasattr(base, "__dict__") else frozenset(f.name for f in fields(type(base)))
+        )
         object.__setattr__(self, "_fields", declared)
         object.__setattr__(self, "_node", node)
         object.__setattr__(self, "_state_inputs", {})
@@ -64,8 +65,9 @@ class StateRecorder(LayerState):
                 static = found.tensor
             else:
                 with torch.no_grad():
-                    static = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                                 device=value.device).copy_(value)
+                    static = torch.empty_strided(
+                        value.shape, value.stride(), dtype=value.dtype, device=value.device
+                    ).copy_(value)
             self._state_inputs[name] = static
         return static
 
@@ -84,6 +86,8 @@ def forget_writes(recorder: StateRecorder) -> None:
 def no_grad_read(node: str, name: str, value: torch.Tensor) -> None:
     """Refuse a state tensor that needs a gradient (a captured node takes those as inputs)."""
     if value.requires_grad:
-        raise RuntimeError(f"node {node!r} cannot be captured: it reads state.{name}, a tensor "
-                           "that needs a gradient; a captured node takes those through its "
-                           "inputs")
+        raise RuntimeError(
+            f"node {node!r} cannot be captured: it reads state.{name}, a tensor "
+            "that needs a gradient; a captured node takes those through its "
+            "inputs"
+        )

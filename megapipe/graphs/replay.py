@@ -25,9 +25,15 @@ class Replay(torch.autograd.Function):
     gradients the graph did not add into ``main_grad`` itself."""
 
     @staticmethod
-    def forward(ctx, lease: Lease, state: LayerState, logs: tuple, num_inputs: int,
-                after_backward: Sequence[ParamCall], *tensors: torch.Tensor
-                ) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        lease: Lease,
+        state: LayerState,
+        logs: tuple,
+        num_inputs: int,
+        after_backward: Sequence[ParamCall],
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         instance = lease.instance
         instance.fill(state, tensors[:num_inputs])
         instance.api.replay(instance.fwd)
@@ -40,8 +46,9 @@ class Replay(torch.autograd.Function):
         ctx.lease, ctx.after_backward = lease, after_backward
         ctx.set_materialize_grads(False)
         outputs = tuple(o.detach() for o in instance.outputs)
-        ctx.mark_non_differentiable(*(o for o, s in zip(outputs, instance.outputs)
-                                      if not s.requires_grad))
+        ctx.mark_non_differentiable(
+            *(o for o, s in zip(outputs, instance.outputs) if not s.requires_grad)
+        )
         return outputs
 
     @staticmethod
@@ -50,10 +57,12 @@ class Replay(torch.autograd.Function):
         lease: Lease = ctx.lease
         instance = lease.instance
         if lease.backward_done:
-            raise RuntimeError("a captured node's backward ran twice on one forward (the "
-                               "generic I/W split of a plain zero-bubble schedule); its graph "
-                               "may have reused its saved activations: run such schedules with "
-                               "the overlap, or without CUDA graphs")
+            raise RuntimeError(
+                "a captured node's backward ran twice on one forward (the "
+                "generic I/W split of a plain zero-bubble schedule); its graph "
+                "may have reused its saved activations: run such schedules with "
+                "the overlap, or without CUDA graphs"
+            )
         lease.backward_done = True
         instance.take_grads(grads)
         instance.api.replay(instance.bwd)

@@ -44,32 +44,94 @@ class Architecture:
     keys: frozenset[str]  # the keys it reads besides ``_MIRRORED``
 
 
-QWEN3_MOE = Architecture("Qwen3MoeForCausalLM", "qwen3_moe", "mlp",
-                         ("gate_proj", "up_proj", "down_proj"), "num_local_experts", "head",
-                         True, None, frozenset({"head_dim", "moe_intermediate_size",
-                                                "decoder_sparse_step", "mlp_only_layers",
-                                                "norm_topk_prob", "max_window_layers"}))
-MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"),
-                       "num_local_experts", None, False, True, frozenset({"head_dim"}))
-OLMOE = Architecture("OlmoeForCausalLM", "olmoe", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                     "num_experts", "all", False, None, frozenset({"norm_topk_prob"}))
+QWEN3_MOE = Architecture(
+    "Qwen3MoeForCausalLM",
+    "qwen3_moe",
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    "num_local_experts",
+    "head",
+    True,
+    None,
+    frozenset(
+        {
+            "head_dim",
+            "moe_intermediate_size",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "norm_topk_prob",
+            "max_window_layers",
+        }
+    ),
+)
+MIXTRAL = Architecture(
+    "MixtralForCausalLM",
+    "mixtral",
+    "block_sparse_moe",
+    ("w1", "w3", "w2"),
+    "num_local_experts",
+    None,
+    False,
+    True,
+    frozenset({"head_dim"}),
+)
+OLMOE = Architecture(
+    "OlmoeForCausalLM",
+    "olmoe",
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    "num_experts",
+    "all",
+    False,
+    None,
+    frozenset({"norm_topk_prob"}),
+)
 ARCHITECTURES = {a.model_type: a for a in (QWEN3_MOE, MIXTRAL, OLMOE)}
 
-_MIRRORED = frozenset({  # read by every family
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
-    "rope_theta", "rope_parameters", "tie_word_embeddings", "num_experts", "num_local_experts",
-    "num_experts_per_tok", "initializer_range", "router_aux_loss_coef", "hidden_act",
-    "model_type", "architectures",
-})
+_MIRRORED = frozenset(
+    {  # read by every family
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "tie_word_embeddings",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "initializer_range",
+        "router_aux_loss_coef",
+        "hidden_act",
+        "model_type",
+        "architectures",
+    }
+)
 _NEUTRAL: dict[str, Any] = {  # key -> the only value megapipe's GPT mirrors
-    "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-    "clip_qkv": None, "router_jitter_noise": 0.0, "rope_scaling": None,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "clip_qkv": None,
+    "router_jitter_noise": 0.0,
+    "rope_scaling": None,
 }
-_IGNORED = frozenset({  # not the model's numbers
-    "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
-    "transformers_version", "use_cache", "output_router_logits", "_name_or_path",
-})
+_IGNORED = frozenset(
+    {  # not the model's numbers
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+        "output_router_logits",
+        "_name_or_path",
+    }
+)
 
 
 def _value(hf: Mapping[str, Any], key: str) -> str:
@@ -87,8 +149,10 @@ def architecture_of(hf: Mapping[str, Any]) -> Architecture:
         raise ValueError(f"config.json model_type={shown}: --load-hf reads {known}")
     named = hf.get("architectures")
     if named is not None and list(named) != [arch.name]:
-        raise ValueError(f"config.json architectures={json.dumps(named)}: megapipe reads "
-                         f"{arch.model_type} as [\"{arch.name}\"]")
+        raise ValueError(
+            f"config.json architectures={json.dumps(named)}: megapipe reads "
+            f'{arch.model_type} as ["{arch.name}"]'
+        )
     return arch
 
 
@@ -102,8 +166,9 @@ def _check_keys(hf: Mapping[str, Any], arch: Architecture) -> None:
                 raise ValueError(f"{_value(hf, key)}: megapipe's attention has no sliding window")
             continue
         if key not in _NEUTRAL:
-            raise ValueError(f"{_value(hf, key)}: megapipe does not mirror this {arch.model_type} "
-                             "key")
+            raise ValueError(
+                f"{_value(hf, key)}: megapipe does not mirror this {arch.model_type} key"
+            )
         if hf[key] != _NEUTRAL[key]:
             raise ValueError(f"{_value(hf, key)} has no equivalent in megapipe's GPT")
     if hf.get("hidden_act", "silu") != "silu":
@@ -114,8 +179,10 @@ def _experts(hf: Mapping[str, Any]) -> int:
     """The experts' count under either name (both, when present, must agree)."""
     counts = {hf[key] for key in ("num_local_experts", "num_experts") if key in hf}
     if len(counts) > 1:
-        raise ValueError(f"config.json num_local_experts={hf['num_local_experts']} and "
-                         f"num_experts={hf['num_experts']} disagree")
+        raise ValueError(
+            f"config.json num_local_experts={hf['num_local_experts']} and "
+            f"num_experts={hf['num_experts']} disagree"
+        )
     return counts.pop() if counts else 0
 
 
@@ -125,16 +192,19 @@ def _rotary_base(hf: Mapping[str, Any]) -> float:
     rope = hf.get("rope_parameters") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"config.json rope_type={json.dumps(kind)}: megapipe's rope has "
-                         "no scaling ('default' only)")
+        raise ValueError(
+            f"config.json rope_type={json.dumps(kind)}: megapipe's rope has "
+            "no scaling ('default' only)"
+        )
     theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ValueError("config.json has no rope_theta (in rope_parameters or on its own)")
     return theta
 
 
-def _moe_pattern(hf: Mapping[str, Any], arch: Architecture, experts: int,
-                 num_layers: int) -> tuple[int, int]:
+def _moe_pattern(
+    hf: Mapping[str, Any], arch: Architecture, experts: int, num_layers: int
+) -> tuple[int, int]:
     """(first_k_dense_layers, moe_layer_freq) giving the config's MoE layers."""
     dense = set(hf.get("mlp_only_layers") or []) if arch.dense_layers else set()
     step = hf.get("decoder_sparse_step", 1) if arch.dense_layers else 1
@@ -145,8 +215,10 @@ def _moe_pattern(hf: Mapping[str, Any], arch: Architecture, experts: int,
     freq = gaps.pop() if len(gaps) == 1 else (num_layers - first if not gaps else 0)
     expected = [i for i in range(first, num_layers) if freq and (i - first) % freq == 0]
     if moe != expected:
-        raise ValueError(f"config.json's MoE layers {moe} are not 'the first k dense, then every "
-                         "n-th' (megapipe's first_k_dense_layers and moe_layer_freq)")
+        raise ValueError(
+            f"config.json's MoE layers {moe} are not 'the first k dense, then every "
+            "n-th' (megapipe's first_k_dense_layers and moe_layer_freq)"
+        )
     return first, freq
 
 
@@ -162,16 +234,24 @@ def gpt_config_from_hf(hf: Mapping[str, Any], seq_length: int | None = None) -> 
     renormalise = arch.renormalises or bool(hf.get("norm_topk_prob", False))
     expert_size = hf["moe_intermediate_size" if arch.dense_layers else "intermediate_size"]
     fields: dict[str, Any] = dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
-        num_heads=heads, seq_length=seq_length or hf["max_position_embeddings"],
-        ffn_hidden_size=hf["intermediate_size"], num_experts=experts,
-        first_k_dense_layers=first_dense, moe_layer_freq=freq,
-        position_embedding_type="rope", rotary_base=_rotary_base(hf),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        seq_length=seq_length or hf["max_position_embeddings"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_experts=experts,
+        first_k_dense_layers=first_dense,
+        moe_layer_freq=freq,
+        position_embedding_type="rope",
+        rotary_base=_rotary_base(hf),
         num_query_groups=hf.get("num_key_value_heads", heads),
-        qk_layernorm=arch.qk_norm is not None, qk_layernorm_scope=arch.qk_norm or "head",
+        qk_layernorm=arch.qk_norm is not None,
+        qk_layernorm_scope=arch.qk_norm or "head",
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        init_std=hf.get("initializer_range", 0.02),
         moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
         moe_router_pre_softmax=not renormalise,
     )

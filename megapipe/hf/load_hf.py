@@ -27,12 +27,15 @@ def _weight_files(directory: Path) -> list[Path]:
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as err:
-            raise ValueError(f"--load-hf {directory}: {index.name} is not an index of weight "
-                             f"files ({type(err).__name__}: {err})") from None
+            raise ValueError(
+                f"--load-hf {directory}: {index.name} is not an index of weight "
+                f"files ({type(err).__name__}: {err})"
+            ) from None
         missing = [name for name in names if not (directory / name).is_file()]
         if missing:
-            raise ValueError(f"--load-hf {directory}: its index names {missing[0]}, which is "
-                             "not there")
+            raise ValueError(
+                f"--load-hf {directory}: its index names {missing[0]}, which is not there"
+            )
         return [directory / name for name in names]
     single = directory / "model.safetensors"
     if not single.is_file():
@@ -53,8 +56,7 @@ def check_hf_weights(directory: str | Path, seq_length: int | None = None) -> No
     _tensors(Path(directory), *_read(Path(directory), seq_length))
 
 
-def _read(directory: Path, seq_length: int | None
-          ) -> tuple[GPTConfig, Architecture, list[Path]]:
+def _read(directory: Path, seq_length: int | None) -> tuple[GPTConfig, Architecture, list[Path]]:
     """``hf_model_config``'s config, its family and the weight files it found."""
     if not directory.is_dir():
         raise ValueError(f"--load-hf {directory} is not a directory")
@@ -74,8 +76,9 @@ def _read(directory: Path, seq_length: int | None
     return config, architecture_of(fields), _weight_files(directory)
 
 
-def _tensors(directory: Path, config: GPTConfig, arch: Architecture, files: list[Path]
-             ) -> _LazyTensors:
+def _tensors(
+    directory: Path, config: GPTConfig, arch: Architecture, files: list[Path]
+) -> _LazyTensors:
     """The files' tensors (headers read), checked to be the model's (``tensors.check_names``)."""
     try:
         tensors = _LazyTensors(files)
@@ -109,9 +112,9 @@ class _LazyTensors(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def load_hf(directory: str | Path, seq_length: int | None = None,
-            keep: Callable[[str], bool] | None = None
-            ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+def load_hf(
+    directory: str | Path, seq_length: int | None = None, keep: Callable[[str], bool] | None = None
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The config and single-process state dict (experts stacked) of a directory; with ``keep``
     only the parameters whose global names it keeps (a rank's stages), each read from its file
     when needed."""

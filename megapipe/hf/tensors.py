@@ -32,7 +32,7 @@ class HFTensor:
 
     def make(self, source: torch.Tensor) -> torch.Tensor:
         """This tensor from its source tensor (a fresh contiguous tensor)."""
-        t = source if self.rows is None else source[self.rows[0]:self.rows[1]]
+        t = source if self.rows is None else source[self.rows[0] : self.rows[1]]
         return (t.t() if self.transpose else t).contiguous().clone()
 
 
@@ -43,13 +43,16 @@ def _attention(config: GPTConfig, arch: Architecture, layer: int) -> list[HFTens
     sources = [
         HFTensor(f"{theirs}.q_proj.weight", qkv, rows=(0, heads * d)),
         HFTensor(f"{theirs}.k_proj.weight", qkv, rows=(heads * d, (heads + groups) * d)),
-        HFTensor(f"{theirs}.v_proj.weight", qkv,
-                 rows=((heads + groups) * d, (heads + 2 * groups) * d)),
+        HFTensor(
+            f"{theirs}.v_proj.weight", qkv, rows=((heads + groups) * d, (heads + 2 * groups) * d)
+        ),
         HFTensor(f"{theirs}.o_proj.weight", f"{ours}.attention.w_out"),
     ]
     if arch.qk_norm is not None:
-        sources += [HFTensor(f"{theirs}.{n}_norm.weight", f"{ours}.attention.{n}_norm.weight")
-                 for n in ("q", "k")]
+        sources += [
+            HFTensor(f"{theirs}.{n}_norm.weight", f"{ours}.attention.{n}_norm.weight")
+            for n in ("q", "k")
+        ]
     return sources
 
 
@@ -59,20 +62,27 @@ def tensor_sources(config: GPTConfig, arch: Architecture) -> list[HFTensor]:
     gate, up, down = arch.expert_projections
     for layer in range(config.num_layers):
         ours, theirs = f"model/layers.{layer}", f"model.layers.{layer}"
-        sources.append(HFTensor(f"{theirs}.input_layernorm.weight",
-                                f"{ours}.attention_norm.weight"))
+        sources.append(
+            HFTensor(f"{theirs}.input_layernorm.weight", f"{ours}.attention_norm.weight")
+        )
         sources += _attention(config, arch, layer)
-        sources.append(HFTensor(f"{theirs}.post_attention_layernorm.weight",
-                             f"{ours}.ffn_norm.weight"))
+        sources.append(
+            HFTensor(f"{theirs}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
+        )
         if not config.is_moe_layer(layer):
-            sources += [HFTensor(f"{theirs}.mlp.{proj}_proj.weight", f"{ours}.mlp.w_{proj}",
-                              transpose=True) for proj in ("gate", "up", "down")]
+            sources += [
+                HFTensor(f"{theirs}.mlp.{proj}_proj.weight", f"{ours}.mlp.w_{proj}", transpose=True)
+                for proj in ("gate", "up", "down")
+            ]
             continue
         block = f"{theirs}.{arch.moe_block}"
         sources.append(HFTensor(f"{block}.gate.weight", f"{ours}.moe.router.weight"))
         sources += [
-            HFTensor(f"{block}.experts.{e}.{name}.weight", f"{ours}.moe.experts.w_{proj}/expert{e}",
-                     transpose=True)
+            HFTensor(
+                f"{block}.experts.{e}.{name}.weight",
+                f"{ours}.moe.experts.w_{proj}/expert{e}",
+                transpose=True,
+            )
             for e in range(config.num_experts)
             for name, proj in ((gate, "gate"), (up, "up"), (down, "down"))
         ]
@@ -91,12 +101,18 @@ def check_names(config: GPTConfig, arch: Architecture, names: set[str]) -> None:
         raise ValueError(f"the Hugging Face weights lack {missing[0]} ({len(missing)} missing)")
     extra = sorted(n for n in names - sources if not n.endswith(IGNORED_SUFFIXES))
     if extra:
-        raise ValueError(f"the Hugging Face weights hold {extra[0]}, which megapipe's "
-                         f"{arch.name} model does not have ({len(extra)} such tensor(s))")
+        raise ValueError(
+            f"the Hugging Face weights hold {extra[0]}, which megapipe's "
+            f"{arch.name} model does not have ({len(extra)} such tensor(s))"
+        )
 
 
-def state_from_hf(config: GPTConfig, arch: Architecture, tensors: Mapping[str, torch.Tensor],
-                  keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    config: GPTConfig,
+    arch: Architecture,
+    tensors: Mapping[str, torch.Tensor],
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
     """The single-process model's state dict (experts stacked) from Hugging Face tensors; with
     ``keep``, only the parameters whose names it keeps (their tensors alone are read)."""
     sources: dict[str, list[tuple[HFTensor, torch.Tensor]]] = {}

@@ -92,12 +92,14 @@ def check_tokenizer(spec: Mapping[str, Any], vocab_size: int) -> TokenizerFiles:
     kind = spec.get("tokenizer_type")
     if kind == BYTE_LEVEL:
         if vocab_size < 256:
-            raise ValueError(f"a byte-level tokenizer needs vocab_size >= 256, the model has "
-                             f"{vocab_size}")
+            raise ValueError(
+                f"a byte-level tokenizer needs vocab_size >= 256, the model has {vocab_size}"
+            )
         return TokenizerFiles(kind, None, 256, 0)  # NUL (id 0) ends a document
     if kind != HUGGING_FACE:
-        raise ValueError(f"tokenizer_type={kind!r}: the export writes {BYTE_LEVEL} or "
-                         f"{HUGGING_FACE} tokenizers")
+        raise ValueError(
+            f"tokenizer_type={kind!r}: the export writes {BYTE_LEVEL} or {HUGGING_FACE} tokenizers"
+        )
     if not spec.get("tokenizer_model"):
         raise ValueError(f"a {HUGGING_FACE} needs its tokenizer_model (--tokenizer-model PATH)")
     source = tokenizer_file(spec["tokenizer_model"])
@@ -106,15 +108,18 @@ def check_tokenizer(spec: Mapping[str, Any], vocab_size: int) -> TokenizerFiles:
     tokenizer = Tokenizer.from_file(str(source))
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
-        raise ValueError(f"tokenizer {source} has {size} tokens, more than the model's "
-                         f"vocab_size={vocab_size}")
+        raise ValueError(
+            f"tokenizer {source} has {size} tokens, more than the model's vocab_size={vocab_size}"
+        )
     return TokenizerFiles(kind, source, size, _eos_id(source, tokenizer))
 
 
 def write_tokenizer(out: Path, files: TokenizerFiles) -> None:
     """Write the checked tokenizer's files into ``out``."""
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
-                              "model_max_length": None}
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": None,
+    }
     if files.source is None:
         _byte_level_tokenizer().save(str(out / "tokenizer.json"))
         config["eos_token"] = _bytes_to_unicode()[0]  # the symbol of byte 0

@@ -19,37 +19,61 @@ import torch
 from . import reference, reference_fused
 from .library import HAS_TRITON, define
 
-permute_op = define("permute(Tensor tokens, Tensor row_choice, int top_k) -> Tensor",
-                    reference.permute, ("triton_permute", "permute"))
-sum_choices_op = define("sum_choices(Tensor rows, Tensor? probs, Tensor choice_rows) -> Tensor",
-                        reference.sum_choices, ("triton_permute", "sum_choices"))
+permute_op = define(
+    "permute(Tensor tokens, Tensor row_choice, int top_k) -> Tensor",
+    reference.permute,
+    ("triton_permute", "permute"),
+)
+sum_choices_op = define(
+    "sum_choices(Tensor rows, Tensor? probs, Tensor choice_rows) -> Tensor",
+    reference.sum_choices,
+    ("triton_permute", "sum_choices"),
+)
 unpermute_backward_op = define(
     "unpermute_backward(Tensor grad_out, Tensor rows, Tensor probs, Tensor row_choice, "
     "Tensor choice_rows) -> (Tensor, Tensor)",
-    reference.unpermute_backward, ("triton_permute", "unpermute_backward"))
-rms_norm_op = define("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
-                     reference_fused.rms_norm, ("triton_norm", "rms_norm"))
+    reference.unpermute_backward,
+    ("triton_permute", "unpermute_backward"),
+)
+rms_norm_op = define(
+    "rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)",
+    reference_fused.rms_norm,
+    ("triton_norm", "rms_norm"),
+)
 rms_norm_backward_op = define(
     "rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, "
     "Tensor? residual_grad) -> (Tensor, Tensor)",
-    reference_fused.rms_norm_backward, ("triton_norm", "rms_norm_backward"))
-swiglu_op = define("swiglu(Tensor gate, Tensor up, int[] counts) -> Tensor",
-                   reference_fused.swiglu, ("triton_norm", "swiglu"))
+    reference_fused.rms_norm_backward,
+    ("triton_norm", "rms_norm_backward"),
+)
+swiglu_op = define(
+    "swiglu(Tensor gate, Tensor up, int[] counts) -> Tensor",
+    reference_fused.swiglu,
+    ("triton_norm", "swiglu"),
+)
 swiglu_backward_op = define(
     "swiglu_backward(Tensor grad, Tensor gate, Tensor up, int[] counts) -> (Tensor, Tensor)",
-    reference_fused.swiglu_backward, ("triton_norm", "swiglu_backward"))
+    reference_fused.swiglu_backward,
+    ("triton_norm", "swiglu_backward"),
+)
 router_op = define(
     "router(Tensor logits, int top_k, bool sigmoid, bool renormalize=False) "
     "-> (Tensor, Tensor, Tensor)",
-    reference_fused.router, ("triton_router", "router"))
+    reference_fused.router,
+    ("triton_router", "router"),
+)
 router_backward_op = define(
     "router_backward(Tensor? grad_probs, Tensor logits, Tensor counts, Tensor? labels, "
     "int top_k, bool sigmoid, float balance_grad, float z_grad, bool renormalize=False) "
     "-> Tensor",
-    reference_fused.router_backward, ("triton_router", "router_backward"))
+    reference_fused.router_backward,
+    ("triton_router", "router_backward"),
+)
 routing_rows_op = define(
     "routing_rows(Tensor indices, int num_experts, int capacity) -> (Tensor, Tensor, Tensor)",
-    reference_fused.routing_rows, ("triton_router", "routing_rows"))
+    reference_fused.routing_rows,
+    ("triton_router", "routing_rows"),
+)
 
 
 class _Permute(torch.autograd.Function):
@@ -144,6 +168,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: Sequence[int]) -> torch
 
 
 __all__ = [
-    "HAS_TRITON", "permute_tokens", "reference", "reference_fused", "rms_norm",
-    "rms_norm_residual", "swiglu", "unpermute_tokens",
+    "HAS_TRITON",
+    "permute_tokens",
+    "reference",
+    "reference_fused",
+    "rms_norm",
+    "rms_norm_residual",
+    "swiglu",
+    "unpermute_tokens",
 ]

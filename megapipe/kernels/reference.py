@@ -58,7 +58,10 @@ def permute(tokens: torch.Tensor, row_choice: torch.Tensor, top_k: int) -> torch
 
 
 def unpermute_backward(
-    grad_out: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, row_choice: torch.Tensor,
+    grad_out: torch.Tensor,
+    rows: torch.Tensor,
+    probs: torch.Tensor,
+    row_choice: torch.Tensor,
     choice_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``sum_choices(rows, probs, choice_rows)``: (rows' in their dtype, probs' in

@@ -21,6 +21,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 # --- RMSNorm ---------------------------------------------------------------------------------
 
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +36,10 @@ def rms_norm(
 
 
 def rms_norm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
     residual_grad: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) of ``rms_norm``; ``residual_grad`` (another gradient of ``x``, e.g. of a
@@ -56,6 +60,7 @@ def rms_norm_backward(
 
 # --- SwiGLU activation -----------------------------------------------------------------------
 
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """``silu(gate) * up``, per block of ``counts`` rows (one expert each): on CPU a tensor's
     last elements are computed in a scalar tail, so one expert's bits would depend on where its
@@ -75,6 +80,7 @@ def swiglu_backward(
 
 
 # --- router ----------------------------------------------------------------------------------
+
 
 def stable_top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) of the ``k`` largest scores of each row, largest first. The tie rule,
@@ -120,8 +126,14 @@ def router(
 
 
 def router_backward(
-    grad_probs: torch.Tensor | None, logits: torch.Tensor, counts: torch.Tensor,
-    labels: torch.Tensor | None, top_k: int, sigmoid: bool, balance_grad: float, z_grad: float,
+    grad_probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    labels: torch.Tensor | None,
+    top_k: int,
+    sigmoid: bool,
+    balance_grad: float,
+    z_grad: float,
     renormalize: bool = False,
 ) -> torch.Tensor:
     """d logits of ``probs`` (given ``grad_probs``) plus ``balance_grad`` x the load-balancing
@@ -161,6 +173,7 @@ def router_backward(
 
 
 # --- routing rows ----------------------------------------------------------------------------
+
 
 def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Choices per expert ``[E]`` (int64) from the expert ids sorted in increasing order."""

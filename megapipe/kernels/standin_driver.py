@@ -61,13 +61,13 @@ class Launch:
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
     """(registers, stack bytes) per thread of the one function in ``cubin``."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", file.name], check=True,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [tool, "--dump-resource-usage", file.name], check=True, capture_output=True, text=True
+        ).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", out)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{out}")
@@ -104,13 +104,21 @@ class _Launcher:
     def __init__(self, src: Any, metadata: Any) -> None:
         self.fp_fusion = bool(metadata.enable_fp_fusion)
 
-    def __call__(self, gx: int, gy: int, gz: int, stream: Any, function: _Module,
-                 *args: Any) -> None:
+    def __call__(
+        self, gx: int, gy: int, gz: int, stream: Any, function: _Module, *args: Any
+    ) -> None:
         active = driver.active
         if not isinstance(active, StandInDriver):
             raise RuntimeError("a stand-in kernel launched outside compiling_for")
-        active.launches.append(Launch(function.name, (gx, gy, gz), function.registers,
-                                      function.stack_bytes, self.fp_fusion))
+        active.launches.append(
+            Launch(
+                function.name,
+                (gx, gy, gz),
+                function.registers,
+                function.stack_bytes,
+                self.fp_fusion,
+            )
+        )
 
 
 class StandInDriver(DriverBase):

@@ -44,8 +44,19 @@ def _rms_norm_kernel(x, weight, y, rstd, hidden, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    grad, x, weight, rstd, residual_grad, dx, dweight, rows, hidden, column_programs,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr,
+    grad,
+    x,
+    weight,
+    rstd,
+    residual_grad,
+    dx,
+    dweight,
+    rows,
+    hidden,
+    column_programs,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COL_BLOCK: tl.constexpr,
     ROW_TILE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -83,8 +94,9 @@ def _rms_norm_backward_kernel(
             v = tl.load(x + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             out = r * (dy * w - (v * r) * mean)
             if HAS_RESIDUAL:
-                out += tl.load(residual_grad + row * hidden + cols, mask=mask,
-                               other=0.0).to(tl.float32)
+                out += tl.load(residual_grad + row * hidden + cols, mask=mask, other=0.0).to(
+                    tl.float32
+                )
             tl.store(dx + row * hidden + cols, out.to(dx.dtype.element_ty), mask=mask)
 
 
@@ -110,13 +122,24 @@ def rms_norm(
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x.contiguous(), weight.contiguous(), y, rstd, hidden, eps,
-                                  **_row_block(hidden), **KERNEL_OPTIONS)
+        _rms_norm_kernel[(rows,)](
+            x.contiguous(),
+            weight.contiguous(),
+            y,
+            rstd,
+            hidden,
+            eps,
+            **_row_block(hidden),
+            **KERNEL_OPTIONS,
+        )
     return y, rstd
 
 
 def rms_norm_backward(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
     residual_grad: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference_fused.rms_norm_backward``: one launch."""
@@ -131,9 +154,20 @@ def rms_norm_backward(
     column_programs = triton.cdiv(hidden, columns)
     if hidden:
         _rms_norm_backward_kernel[(column_programs + rows,)](
-            grad.contiguous(), x.contiguous(), weight.contiguous(), rstd, residual, dx, dweight,
-            rows, hidden, column_programs, HAS_RESIDUAL=residual_grad is not None,
-            COL_BLOCK=columns, ROW_TILE=DWEIGHT_TILE // columns, **_row_block(hidden),
+            grad.contiguous(),
+            x.contiguous(),
+            weight.contiguous(),
+            rstd,
+            residual,
+            dx,
+            dweight,
+            rows,
+            hidden,
+            column_programs,
+            HAS_RESIDUAL=residual_grad is not None,
+            COL_BLOCK=columns,
+            ROW_TILE=DWEIGHT_TILE // columns,
+            **_row_block(hidden),
             **KERNEL_OPTIONS,
         )
     return dx, dweight
@@ -156,8 +190,11 @@ def _swiglu_backward_kernel(grad, gate, up, d_gate, d_up, n, BLOCK: tl.constexpr
     g = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + offsets, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    tl.store(d_gate + offsets, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(d_gate.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        d_gate + offsets,
+        (dy * u * sig * (1.0 + g * (1.0 - sig))).to(d_gate.dtype.element_ty),
+        mask=mask,
+    )
     tl.store(d_up + offsets, (dy * g * sig).to(d_up.dtype.element_ty), mask=mask)
 
 
@@ -168,8 +205,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, counts: list[int]) -> torch.Ten
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        _swiglu_kernel[(triton.cdiv(n, ELEMENTS),)](gate.contiguous(), up.contiguous(), out, n,
-                                                    BLOCK=ELEMENTS, **KERNEL_OPTIONS)
+        _swiglu_kernel[(triton.cdiv(n, ELEMENTS),)](
+            gate.contiguous(), up.contiguous(), out, n, BLOCK=ELEMENTS, **KERNEL_OPTIONS
+        )
     return out
 
 
@@ -184,7 +222,13 @@ def swiglu_backward(
     n = gate.numel()
     if n:
         _swiglu_backward_kernel[(triton.cdiv(n, ELEMENTS),)](
-            grad.contiguous(), gate.contiguous(), up.contiguous(), d_gate, d_up, n,
-            BLOCK=ELEMENTS, **KERNEL_OPTIONS,
+            grad.contiguous(),
+            gate.contiguous(),
+            up.contiguous(),
+            d_gate,
+            d_up,
+            n,
+            BLOCK=ELEMENTS,
+            **KERNEL_OPTIONS,
         )
     return d_gate, d_up

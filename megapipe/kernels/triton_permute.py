@@ -53,8 +53,9 @@ def _sum_choices_kernel(
             choice = tl.load(choice_rows + token * top_k + j).to(tl.int64)
             # a dropped choice (choice -1) contributes nothing
             valid = mask & ((choice + tl.zeros([BLOCK], dtype=tl.int64)) >= 0)
-            values = tl.load(rows + tl.maximum(choice, 0) * hidden + cols,
-                             mask=valid, other=0.0).to(tl.float32)
+            values = tl.load(
+                rows + tl.maximum(choice, 0) * hidden + cols, mask=valid, other=0.0
+            ).to(tl.float32)
             if HAS_PROBS:
                 weight = tl.load(probs + token * top_k + j).to(tl.float32)
                 values = values * weight
@@ -64,8 +65,18 @@ def _sum_choices_kernel(
 
 @triton.jit
 def _unpermute_backward_kernel(
-    grad_out, rows, probs, row_choice, choice_rows, grad_rows, grad_probs, num_rows, hidden,
-    top_k, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+    grad_out,
+    rows,
+    probs,
+    row_choice,
+    choice_rows,
+    grad_rows,
+    grad_probs,
+    num_rows,
+    hidden,
+    top_k,
+    BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr,
 ):
     """Programs 0..n-1, one per row r: grad_rows[r] = p * grad_out[t] and grad_probs[choice] =
     <grad_out[t], rows[r]> (a padding row, choice -1, gets zeros and writes no probability).
@@ -91,8 +102,9 @@ def _unpermute_backward_kernel(
                 mask=mask,
             )
             dot = dot + grad * values
-        tl.store(grad_probs + choice, tl.sum(dot, axis=0).to(grad_probs.dtype.element_ty),
-                 mask=valid)
+        tl.store(
+            grad_probs + choice, tl.sum(dot, axis=0).to(grad_probs.dtype.element_ty), mask=valid
+        )
     else:
         token = pid - num_rows
         j = tl.arange(0, K_BLOCK)
@@ -118,8 +130,15 @@ def sum_choices(
     if num_tokens and hidden:
         weights = probs.contiguous() if probs is not None else choice_rows  # unused when absent
         _sum_choices_kernel[(num_tokens,)](
-            rows.contiguous(), weights, choice_rows.contiguous(), out, hidden, top_k,
-            HAS_PROBS=probs is not None, **_block(hidden), **KERNEL_OPTIONS,
+            rows.contiguous(),
+            weights,
+            choice_rows.contiguous(),
+            out,
+            hidden,
+            top_k,
+            HAS_PROBS=probs is not None,
+            **_block(hidden),
+            **KERNEL_OPTIONS,
         )
     return out
 
@@ -130,14 +149,22 @@ def permute(tokens: torch.Tensor, row_choice: torch.Tensor, top_k: int) -> torch
     out = torch.empty(row_choice.numel(), hidden, dtype=tokens.dtype, device=tokens.device)
     if row_choice.numel() and hidden:
         _permute_kernel[(row_choice.numel(),)](
-            tokens.contiguous(), row_choice.contiguous(), out, hidden, top_k, **_block(hidden),
+            tokens.contiguous(),
+            row_choice.contiguous(),
+            out,
+            hidden,
+            top_k,
+            **_block(hidden),
             **KERNEL_OPTIONS,
         )
     return out
 
 
 def unpermute_backward(
-    grad_out: torch.Tensor, rows: torch.Tensor, probs: torch.Tensor, row_choice: torch.Tensor,
+    grad_out: torch.Tensor,
+    rows: torch.Tensor,
+    probs: torch.Tensor,
+    row_choice: torch.Tensor,
     choice_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.unpermute_backward``: one launch."""
@@ -147,9 +174,18 @@ def unpermute_backward(
     grad_probs = torch.empty(probs.shape, dtype=probs.dtype, device=probs.device)
     if num_rows + num_tokens:
         _unpermute_backward_kernel[(num_rows + num_tokens,)](
-            grad_out.contiguous(), rows.contiguous(), probs.contiguous(),
-            row_choice.contiguous(), choice_rows.contiguous(), grad_rows, grad_probs, num_rows,
-            hidden, top_k, K_BLOCK=triton.next_power_of_2(top_k), **_block(max(hidden, 1)),
+            grad_out.contiguous(),
+            rows.contiguous(),
+            probs.contiguous(),
+            row_choice.contiguous(),
+            choice_rows.contiguous(),
+            grad_rows,
+            grad_probs,
+            num_rows,
+            hidden,
+            top_k,
+            K_BLOCK=triton.next_power_of_2(top_k),
+            **_block(max(hidden, 1)),
             **KERNEL_OPTIONS,
         )
     return grad_rows, grad_probs

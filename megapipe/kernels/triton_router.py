@@ -35,16 +35,20 @@ TILE = 1024  # elements of a router tile: 8 a thread per [rows, experts] array a
 
 
 @triton.jit
-def _scores(logits, first, t, num_experts, BT: tl.constexpr, EB: tl.constexpr,
-            SIGMOID: tl.constexpr):
+def _scores(
+    logits, first, t, num_experts, BT: tl.constexpr, EB: tl.constexpr, SIGMOID: tl.constexpr
+):
     """Rows ``first..first+BT``: (x, row mask, column mask, scores, logsumexp) in float32."""
     rows = first + tl.arange(0, BT)
     cols = tl.arange(0, EB)
     row_mask = rows < t
     col_mask = cols < num_experts
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :], mask=mask,
-                other=float("-inf")).to(tl.float32)
+    x = tl.load(
+        logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :],
+        mask=mask,
+        other=float("-inf"),
+    ).to(tl.float32)
     x = tl.where(row_mask[:, None], x, tl.where(col_mask[None, :], 0.0, float("-inf")))
     top = tl.max(x, axis=1)
     e = tl.exp(x - top[:, None])
@@ -58,9 +62,21 @@ def _scores(logits, first, t, num_experts, BT: tl.constexpr, EB: tl.constexpr,
 
 
 @triton.jit
-def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.constexpr,
-                   SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, BT: tl.constexpr,
-                   SUB: tl.constexpr, EB: tl.constexpr, KB: tl.constexpr):
+def _router_kernel(
+    logits,
+    probs,
+    indices,
+    partials,
+    t,
+    num_experts,
+    K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BT: tl.constexpr,
+    SUB: tl.constexpr,
+    EB: tl.constexpr,
+    KB: tl.constexpr,
+):
     """Program p: tokens p*BT .. p*BT+BT-1 in tiles of SUB rows; row p of ``partials``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, EB)
@@ -68,14 +84,16 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
     column_sums = tl.zeros([EB], dtype=tl.float32)
     lse_squares = tl.zeros([SUB], dtype=tl.float32)
     for tile in range(0, BT // SUB):
-        x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT + tile * SUB, t,
-                                                           num_experts, SUB, EB, SIGMOID)
+        x, rows, row_mask, col_mask, scores, lse = _scores(
+            logits, pid * BT + tile * SUB, t, num_experts, SUB, EB, SIGMOID
+        )
         work = tl.where(col_mask[None, :], scores, -1.0)  # scores are >= 0
         values = tl.zeros([SUB, KB], dtype=tl.float32)
         chosen = tl.zeros([SUB, KB], dtype=tl.int32)
         for j in tl.static_range(K):
-            best, index = tl.max(work, axis=1, return_indices=True,
-                                 return_indices_tie_break_left=True)
+            best, index = tl.max(
+                work, axis=1, return_indices=True, return_indices_tie_break_left=True
+            )
             values = tl.where(ks[None, :] == j, best[:, None], values)
             chosen = tl.where(ks[None, :] == j, index[:, None], chosen)
             work = tl.where(cols[None, :] == index[:, None], -2.0, work)
@@ -98,14 +116,64 @@ def _router_kernel(logits, probs, indices, partials, t, num_experts, K: tl.const
 
 
 @triton.jit
-def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num_experts,
-                            balance_scale, z_scale, K: tl.constexpr, SIGMOID: tl.constexpr,
-                            RENORMALIZE: tl.constexpr, HAS_GRAD: tl.constexpr,
-                            HAS_LABELS: tl.constexpr, HAS_Z: tl.constexpr, BT: tl.constexpr,
-                            EB: tl.constexpr):
+def _chosen(
+    work,
+    cols,
+    grad_probs,
+    rows,
+    row_mask,
+    K: tl.constexpr,
+    HAS_GRAD: tl.constexpr,
+    BT: tl.constexpr,
+    EB: tl.constexpr,
+):
+    """The top ``K`` of ``work`` (scores, -1 at padding), the lowest index first on ties as in
+    the forward: ``work`` with -2 at the chosen experts, the incoming ``grad_probs`` spread to
+    the chosen experts' columns, and per row the chosen scores' sum and their sum weighted by
+    ``grad_probs``. Inlined into the backward kernel (a helper, not a second launch)."""
+    spread = tl.zeros([BT, EB], dtype=tl.float32)  # grad_probs at the chosen experts
+    chosen_sum = tl.zeros([BT], dtype=tl.float32)
+    weighted = tl.zeros([BT], dtype=tl.float32)  # sum_j g_j * top_j
+    for j in tl.static_range(K):
+        best, index = tl.max(work, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        hit = cols[None, :] == index[:, None]
+        if HAS_GRAD:
+            g = tl.load(grad_probs + rows.to(tl.int64) * K + j, mask=row_mask, other=0.0).to(
+                tl.float32
+            )
+        else:
+            g = tl.zeros([BT], dtype=tl.float32)
+        spread += tl.where(hit, g[:, None], 0.0)
+        chosen_sum += best
+        weighted += g * best
+        work = tl.where(hit, -2.0, work)  # -2: chosen
+    return work, spread, chosen_sum, weighted
+
+
+@triton.jit
+def _router_backward_kernel(
+    grad_probs,
+    logits,
+    counts,
+    labels,
+    d_logits,
+    t,
+    num_experts,
+    balance_scale,
+    z_scale,
+    K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    HAS_GRAD: tl.constexpr,
+    HAS_LABELS: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    BT: tl.constexpr,
+    EB: tl.constexpr,
+):
     pid = tl.program_id(0)
-    x, rows, row_mask, col_mask, scores, lse = _scores(logits, pid * BT, t, num_experts, BT, EB,
-                                                       SIGMOID)
+    x, rows, row_mask, col_mask, scores, lse = _scores(
+        logits, pid * BT, t, num_experts, BT, EB, SIGMOID
+    )
     cols = tl.arange(0, EB)
     if HAS_LABELS:
         label = tl.load(labels + cols, mask=col_mask, other=0)
@@ -114,22 +182,9 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
     per_expert = tl.load(counts + label, mask=col_mask, other=0).to(tl.float32)
     a = balance_scale * per_expert  # d loss / d balance score, per expert
     work = tl.where(col_mask[None, :], scores, -1.0)
-    spread = tl.zeros([BT, EB], dtype=tl.float32)  # grad_probs at the chosen experts
-    chosen_sum = tl.zeros([BT], dtype=tl.float32)
-    weighted = tl.zeros([BT], dtype=tl.float32)  # sum_j g_j * top_j
-    for j in tl.static_range(K):
-        best, index = tl.max(work, axis=1, return_indices=True,
-                             return_indices_tie_break_left=True)
-        hit = cols[None, :] == index[:, None]
-        if HAS_GRAD:
-            g = tl.load(grad_probs + rows.to(tl.int64) * K + j, mask=row_mask,
-                        other=0.0).to(tl.float32)
-        else:
-            g = tl.zeros([BT], dtype=tl.float32)
-        spread += tl.where(hit, g[:, None], 0.0)
-        chosen_sum += best
-        weighted += g * best
-        work = tl.where(hit, -2.0, work)  # -2: chosen
+    work, spread, chosen_sum, weighted = _chosen(
+        work, cols, grad_probs, rows, row_mask, K, HAS_GRAD, BT, EB
+    )
     if SIGMOID or RENORMALIZE:
         # probs_j = top_j / S: d top_j = (g_j - sum_i g_i probs_i) / S
         d_top = (spread - (weighted / chosen_sum)[:, None]) / chosen_sum[:, None]
@@ -145,8 +200,11 @@ def _router_backward_kernel(grad_probs, logits, counts, labels, d_logits, t, num
     if HAS_Z:
         d += (z_scale * lse)[:, None] * tl.exp(x - lse[:, None])
     mask = row_mask[:, None] & col_mask[None, :]
-    tl.store(d_logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :],
-             d.to(d_logits.dtype.element_ty), mask=mask)
+    tl.store(
+        d_logits + rows[:, None].to(tl.int64) * num_experts + cols[None, :],
+        d.to(d_logits.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def _tile(num_experts: int) -> tuple[int, int]:
@@ -169,41 +227,72 @@ def router(
     partials = torch.empty(blocks, num_experts + 1, dtype=torch.float32, device=logits.device)
     if blocks:
         experts, rows = _tile(num_experts)
-        _router_kernel[(blocks,)](logits.contiguous(), probs, indices, partials, t, num_experts,
-                                  K=top_k, SIGMOID=sigmoid, RENORMALIZE=renormalize and not sigmoid,
-                                  BT=STAT_BLOCK, SUB=rows, EB=experts,
-                                  KB=triton.next_power_of_2(top_k), num_warps=8,
-                                  **KERNEL_OPTIONS)
+        _router_kernel[(blocks,)](
+            logits.contiguous(),
+            probs,
+            indices,
+            partials,
+            t,
+            num_experts,
+            K=top_k,
+            SIGMOID=sigmoid,
+            RENORMALIZE=renormalize and not sigmoid,
+            BT=STAT_BLOCK,
+            SUB=rows,
+            EB=experts,
+            KB=triton.next_power_of_2(top_k),
+            num_warps=8,
+            **KERNEL_OPTIONS,
+        )
     return probs, indices, partials
 
 
 def router_backward(
-    grad_probs: torch.Tensor | None, logits: torch.Tensor, counts: torch.Tensor,
-    labels: torch.Tensor | None, top_k: int, sigmoid: bool, balance_grad: float, z_grad: float,
+    grad_probs: torch.Tensor | None,
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    labels: torch.Tensor | None,
+    top_k: int,
+    sigmoid: bool,
+    balance_grad: float,
+    z_grad: float,
     renormalize: bool = False,
 ) -> torch.Tensor:
     """``reference_fused.router_backward``: one launch."""
     if logits.dtype == torch.float64:
-        return reference_fused.router_backward(grad_probs, logits, counts, labels, top_k,
-                                               sigmoid, balance_grad, z_grad, renormalize)
+        return reference_fused.router_backward(
+            grad_probs, logits, counts, labels, top_k, sigmoid, balance_grad, z_grad, renormalize
+        )
     t, num_experts = logits.shape
     d_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     experts, rows = _tile(num_experts)
     if t:
         _router_backward_kernel[(triton.cdiv(t, rows),)](
-            grad_probs.contiguous() if grad_probs is not None else logits, logits.contiguous(),
-            counts, labels if labels is not None else counts, d_logits, t, num_experts,
-            balance_grad * num_experts / (t * top_k * t), 2.0 * z_grad / t, K=top_k,
-            SIGMOID=sigmoid, RENORMALIZE=renormalize and not sigmoid and grad_probs is not None,
-            HAS_GRAD=grad_probs is not None, HAS_LABELS=labels is not None,
-            HAS_Z=z_grad != 0.0, BT=rows, EB=experts, num_warps=4, **KERNEL_OPTIONS,
+            grad_probs.contiguous() if grad_probs is not None else logits,
+            logits.contiguous(),
+            counts,
+            labels if labels is not None else counts,
+            d_logits,
+            t,
+            num_experts,
+            balance_grad * num_experts / (t * top_k * t),
+            2.0 * z_grad / t,
+            K=top_k,
+            SIGMOID=sigmoid,
+            RENORMALIZE=renormalize and not sigmoid and grad_probs is not None,
+            HAS_GRAD=grad_probs is not None,
+            HAS_LABELS=labels is not None,
+            HAS_Z=z_grad != 0.0,
+            BT=rows,
+            EB=experts,
+            num_warps=4,
+            **KERNEL_OPTIONS,
         )
     return d_logits
 
 
 @triton.jit
-def _rows_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
-                 BLOCK: tl.constexpr):
+def _rows_kernel(flat, row_choice, choice_rows, counts, n, capacity, part, BLOCK: tl.constexpr):
     """Program (e, p): the choices of expert e in part p (choices p*part .. p*part+part-1).
     One pass over every choice counts those of lower experts and those of e before the part
     (its first row); then it walks its part with a running count (a stable counting sort).
@@ -243,8 +332,9 @@ def _rows_kernel(flat, row_choice, choice_rows, counts, n, capacity, part,
         for start in range(0, capacity, BLOCK):
             slot = start + tl.arange(0, BLOCK)
             padding = (slot < capacity) & (slot >= own)
-            tl.store(row_choice + expert * capacity + slot, tl.full([BLOCK], -1, tl.int64),
-                     mask=padding)
+            tl.store(
+                row_choice + expert * capacity + slot, tl.full([BLOCK], -1, tl.int64), mask=padding
+            )
 
 
 def rows_parts(n: int, num_experts: int) -> tuple[int, int]:
@@ -266,6 +356,15 @@ def routing_rows(
     choice_rows = torch.empty(indices.shape, dtype=torch.int64, device=indices.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=indices.device)
     parts, part = rows_parts(n, num_experts)
-    _rows_kernel[(num_experts, parts)](indices.contiguous(), row_choice, choice_rows, counts,
-                                       n, capacity, part, BLOCK=ROWS_BLOCK, **KERNEL_OPTIONS)
+    _rows_kernel[(num_experts, parts)](
+        indices.contiguous(),
+        row_choice,
+        choice_rows,
+        counts,
+        n,
+        capacity,
+        part,
+        BLOCK=ROWS_BLOCK,
+        **KERNEL_OPTIONS,
+    )
     return row_choice, choice_rows, counts

@@ -50,8 +50,12 @@ from megapipe.schedule.ir import Schedule
 def _fsdp(chunk: nn.Module) -> nn.Module | None:
     """Megatron-FSDP's or torch FSDP2's wrapper (Megatron's classes) around ``chunk``, if any."""
     return next(
-        (m for m in chain_of(chunk) if type(m).__module__.startswith("megatron.")
-         and "FullyShardedDataParallel" in type(m).__name__),
+        (
+            m
+            for m in chain_of(chunk)
+            if type(m).__module__.startswith("megatron.")
+            and "FullyShardedDataParallel" in type(m).__name__
+        ),
         None,
     )
 
@@ -74,7 +78,8 @@ def check_data_parallel(chunk: nn.Module, schedule: Schedule, graphs: bool = Fal
         raise NotImplementedError(
             "Megatron DDP's overlap_param_gather=True with CUDA graphs: its all-gather waits are "
             "module forward pre-hooks, which a graph replay does not run; use "
-            "overlap_param_gather=False or cuda_graph_impl='none'")
+            "overlap_param_gather=False or cuda_graph_impl='none'"
+        )
     overlap = getattr(getattr(ddp, "ddp_config", None), "overlap_grad_reduce", False)
     if overlap and schedule.bidirectional:
         raise NotImplementedError(

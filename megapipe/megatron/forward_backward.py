@@ -148,21 +148,30 @@ class MegatronForwardBackward:
                 check_ddp(chunk, self.options.reduce_grads)
                 check_data_parallel(chunk, executor.schedule, executor.cuda_graphs is not None)
         self._call = _CallState(
-            forward_step_func, _iterators(data_iterator, chunks, stages), num_microbatches,
+            forward_step_func,
+            _iterators(data_iterator, chunks, stages),
+            num_microbatches,
             forward_only,
-            collect_non_loss_data, self.options.calculate_per_token_loss,
+            collect_non_loss_data,
+            self.options.calculate_per_token_loss,
             stage_of={id(module): stage for stage, module in stages.items()},
         )
         try:
             targets = _loss_targets(executor.schedule, stages, num_microbatches)
             hooks = None if forward_only else self._megatron_hooks(chunks, stages)
-            auto = None if forward_only else self._autos.get(self._key(chunks, num_microbatches,
-                                                                      seq_length, micro_batch_size))
+            auto = (
+                None
+                if forward_only
+                else self._autos.get(
+                    self._key(chunks, num_microbatches, seq_length, micro_batch_size)
+                )
+            )
             if auto is not None:  # this call's mode: the trial's, or the faster one's
                 executor = auto.executor
                 auto.start()
-            self.last_result = executor.step([None] * num_microbatches, targets,
-                                             forward_only=forward_only, grad_hooks=hooks)
+            self.last_result = executor.step(
+                [None] * num_microbatches, targets, forward_only=forward_only, grad_hooks=hooks
+            )
             decision = auto.finish() if auto is not None else None
             if decision is not None:
                 self.overlap_auto_lines.append(decision)
@@ -189,16 +198,23 @@ class MegatronForwardBackward:
         key = self._key(chunks, num_microbatches, seq_length, micro_batch_size)
         if key not in self._executors:
             executor, stages, auto = build_executor(
-                self.options, chunks, num_microbatches, seq_length, micro_batch_size,
-                loss_fn=self._loss, forward_fn=self._forward)
+                self.options,
+                chunks,
+                num_microbatches,
+                seq_length,
+                micro_batch_size,
+                loss_fn=self._loss,
+                forward_fn=self._forward,
+            )
             self._executors[key] = (executor, stages)
             if auto is not None:
                 self._autos[key] = auto
         return self._executors[key]
 
     @staticmethod
-    def _key(chunks: list[nn.Module], num_microbatches: int, seq_length: int,
-             micro_batch_size: int) -> tuple:
+    def _key(
+        chunks: list[nn.Module], num_microbatches: int, seq_length: int, micro_batch_size: int
+    ) -> tuple:
         return (tuple(id(c) for c in chunks), num_microbatches, seq_length, micro_batch_size)
 
     def _megatron_hooks(
@@ -256,8 +272,9 @@ class MegatronForwardBackward:
         return loss
 
 
-def _iterators(data_iterator: Any, chunks: list[nn.Module],
-               stages: dict[int, nn.Module]) -> dict[int, Any]:
+def _iterators(
+    data_iterator: Any, chunks: list[nn.Module], stages: dict[int, nn.Module]
+) -> dict[int, Any]:
     """Each stage's data iterator: one for all, or one per chunk in stage order."""
     if not isinstance(data_iterator, (list, tuple)):
         return {s: data_iterator for s in stages}
@@ -269,8 +286,9 @@ def _iterators(data_iterator: Any, chunks: list[nn.Module],
     return {s: data_iterator[j] for j, s in enumerate(sorted(stages))}
 
 
-def _loss_targets(schedule: Schedule, stages: dict[int, nn.Module],
-                  num_microbatches: int) -> list[_LossTarget | None]:
+def _loss_targets(
+    schedule: Schedule, stages: dict[int, nn.Module], num_microbatches: int
+) -> list[_LossTarget | None]:
     """The executor's target of each microbatch: the last stage on this rank that holds it."""
     targets: list[_LossTarget | None] = [None] * num_microbatches
     for stage in stages:
@@ -313,13 +331,27 @@ def get_forward_backward_func(
     a field of ``FrontEndOptions``: its docstring says what each does and what is refused.
     """
     overlap_on, auto = overlap_modes(overlap, overlap_moe_expert_parallel_comm)
-    return MegatronForwardBackward(FrontEndOptions(
-        pp=pp, vpp=vpp, schedule=schedule, groups=groups, hidden_size=hidden_size,
-        axes=axes, dtype=dtype, timeout=timeout, overlap=overlap_on, overlap_auto=auto,
-        overlap_auto_interval=overlap_auto_interval, overlap_auto_clock=overlap_auto_clock,
-        calculate_per_token_loss=calculate_per_token_loss, reduce_grads=reduce_grads,
-        delay_wgrad_compute=delay_wgrad_compute, record_trace=record_trace,
-        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        max_extra_in_flight=max_extra_in_flight,
-        cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=tuple(cuda_graph_modules),
-    ))
+    return MegatronForwardBackward(
+        FrontEndOptions(
+            pp=pp,
+            vpp=vpp,
+            schedule=schedule,
+            groups=groups,
+            hidden_size=hidden_size,
+            axes=axes,
+            dtype=dtype,
+            timeout=timeout,
+            overlap=overlap_on,
+            overlap_auto=auto,
+            overlap_auto_interval=overlap_auto_interval,
+            overlap_auto_clock=overlap_auto_clock,
+            calculate_per_token_loss=calculate_per_token_loss,
+            reduce_grads=reduce_grads,
+            delay_wgrad_compute=delay_wgrad_compute,
+            record_trace=record_trace,
+            microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+            max_extra_in_flight=max_extra_in_flight,
+            cuda_graph_impl=cuda_graph_impl,
+            cuda_graph_modules=tuple(cuda_graph_modules),
+        )
+    )

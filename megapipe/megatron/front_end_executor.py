@@ -32,8 +32,12 @@ from megapipe.schedule.actions import plain_key
 
 
 def build_executor(
-    o: FrontEndOptions, chunks: list[nn.Module], num_microbatches: int, seq_length: int,
-    micro_batch_size: int, loss_fn: Callable[..., torch.Tensor],
+    o: FrontEndOptions,
+    chunks: list[nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    loss_fn: Callable[..., torch.Tensor],
     forward_fn: Callable[[nn.Module, Any], torch.Tensor],
 ) -> tuple[PipelineExecutor, dict[int, nn.Module], OverlapAuto | None]:
     """The executor of this call shape, its stages, and with auto mode the ``OverlapAuto``."""
@@ -55,7 +59,8 @@ def build_executor(
             # Megatron chunks that recompute or defer weight gradients to backward_dw() run on
             # the tape in every schedule (McoreGPTStage.needs_tape)
             use_tape=any(getattr(c, "needs_tape", False) for c in placed),
-            cuda_graph_impl=o.cuda_graph_impl, cuda_graph_modules=o.cuda_graph_modules,
+            cuda_graph_impl=o.cuda_graph_impl,
+            cuda_graph_modules=o.cuda_graph_modules,
         ),
     )
     executor = build(schedule)
@@ -65,15 +70,25 @@ def build_executor(
     device = next((p.device for c in placed for p in c.parameters()), "cpu")
     g = o.groups  # the MAX over pp, then dp (and tp) reaches every rank of the grid
     agree = (None,) if g is None else tuple(x for x in (g.pp, g.dp, g.tp) if x is not None)
-    auto = OverlapAuto(build(plain_schedule), executor, o.overlap_auto_interval,
-                       o.overlap_auto_clock, groups=agree, device=device)
+    auto = OverlapAuto(
+        build(plain_schedule),
+        executor,
+        o.overlap_auto_interval,
+        o.overlap_auto_clock,
+        groups=agree,
+        device=device,
+    )
     return executor, stages, auto
 
 
 def _schedule(o: FrontEndOptions, num_microbatches: int, overlap: bool) -> Schedule:
     """The schedule the options name, checked to run forwards in microbatch order."""
     schedule = build_schedule(
-        o.schedule_name, o.pp, num_microbatches, vpp=o.vpp, overlap=overlap,
+        o.schedule_name,
+        o.pp,
+        num_microbatches,
+        vpp=o.vpp,
+        overlap=overlap,
         max_extra_in_flight=o.max_extra_in_flight,
         microbatch_group_size_per_vp_stage=o.microbatch_group_size_per_vp_stage,
     )
@@ -100,8 +115,9 @@ def _check_microbatch_sequence(name: str, schedule: Schedule) -> None:
             )
 
 
-def _placed_stages(o: FrontEndOptions, schedule: Schedule,
-                   chunks: list[nn.Module]) -> dict[int, nn.Module]:
+def _placed_stages(
+    o: FrontEndOptions, schedule: Schedule, chunks: list[nn.Module]
+) -> dict[int, nn.Module]:
     """This pipeline rank's stages, one chunk each (wrapped as a stage module), checked."""
     pp_rank = pipeline_position(o.pp, o.groups).rank
     stage_ids = schedule.stages_of_rank(pp_rank)
@@ -116,7 +132,8 @@ def _placed_stages(o: FrontEndOptions, schedule: Schedule,
         raise ValueError(
             "MoE layers with a rank capacity (moe_expert_rank_capacity_factor) are not "
             "supported by the Megatron front end: a step that overflows must run again "
-            "from the gradients the call started with (megapipe pretrain does it)")
+            "from the gradients the call started with (megapipe pretrain does it)"
+        )
     for chunk in chunks:
         if not callable(getattr(chunk, "set_input_tensor", None)):
             raise TypeError(
@@ -132,8 +149,9 @@ def _placed_stages(o: FrontEndOptions, schedule: Schedule,
     return stages
 
 
-def _activation_spec(o: FrontEndOptions, chunks: list[nn.Module], seq_length: int,
-                     micro_batch_size: int) -> TensorSpec | None:
+def _activation_spec(
+    o: FrontEndOptions, chunks: list[nn.Module], seq_length: int, micro_batch_size: int
+) -> TensorSpec | None:
     """The shape and dtype of an activation crossing stages (None: one stage, no hidden size
     known)."""
     hidden = o.hidden_size or getattr(getattr(chunks[0], "config", None), "hidden_size", None)

@@ -70,9 +70,7 @@ class FrontEndOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.axes not in (None, "bsh", "sbh"):
-            raise ValueError(
-                f"axes={self.axes!r} must be 'bsh' (batch first) or 'sbh' (Megatron)"
-            )
+            raise ValueError(f"axes={self.axes!r} must be 'bsh' (batch first) or 'sbh' (Megatron)")
         if self.groups is not None and self.groups.config.pp != self.pp:
             raise ValueError(
                 f"pp={self.pp} does not match the process groups' pp={self.groups.config.pp}"
@@ -85,10 +83,17 @@ class FrontEndOptions:
                 "delay_wgrad_compute=True needs overlap_moe_expert_parallel_comm=True (Megatron's "
                 "rule: the deferred weight gradients fill the time of the overlapped all-to-all)"
             )
-        combined_only = [name for name, on in (
-            ("delay_wgrad_compute=True", self.delay_wgrad_compute),
-            (f"max_extra_in_flight={self.max_extra_in_flight}",
-             self.max_extra_in_flight is not None)) if on]
+        combined_only = [
+            name
+            for name, on in (
+                ("delay_wgrad_compute=True", self.delay_wgrad_compute),
+                (
+                    f"max_extra_in_flight={self.max_extra_in_flight}",
+                    self.max_extra_in_flight is not None,
+                ),
+            )
+            if on
+        ]
         if self.overlap_auto and combined_only:
             raise ValueError(
                 f"overlap_moe_expert_parallel_comm='auto' with {combined_only[0]}: auto chooses "
@@ -104,6 +109,8 @@ def overlap_modes(overlap: bool, overlap_moe_expert_parallel_comm: bool | str) -
     """(overlap on, auto mode) from ``overlap`` and Megatron's flag (True, False or "auto")."""
     auto = overlap_moe_expert_parallel_comm == "auto"
     if not isinstance(overlap_moe_expert_parallel_comm, bool) and not auto:
-        raise ValueError(f"overlap_moe_expert_parallel_comm={overlap_moe_expert_parallel_comm!r} "
-                         "must be True, False or 'auto'")
+        raise ValueError(
+            f"overlap_moe_expert_parallel_comm={overlap_moe_expert_parallel_comm!r} "
+            "must be True, False or 'auto'"
+        )
     return overlap or bool(overlap_moe_expert_parallel_comm), auto

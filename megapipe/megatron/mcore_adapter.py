@@ -47,11 +47,20 @@ Tensors = tuple[Any, ...]
 
 # GPTModel.forward's arguments the node plans mirror; any other one given with a value other
 # than its default is refused (so an argument a new release adds cannot slip through)
-MIRRORED_ARGUMENTS = frozenset({
-    "input_ids", "position_ids", "attention_mask", "decoder_input", "labels",
-    "runtime_gather_output", "loss_mask", "padding_mask", "output_processor",
-    "output_processor_context",
-})
+MIRRORED_ARGUMENTS = frozenset(
+    {
+        "input_ids",
+        "position_ids",
+        "attention_mask",
+        "decoder_input",
+        "labels",
+        "runtime_gather_output",
+        "loss_mask",
+        "padding_mask",
+        "output_processor",
+        "output_processor_context",
+    }
+)
 
 
 class _PlainRunner:
@@ -210,9 +219,18 @@ class McoreGPTStage(nn.Module):
         a = self._bind(args, dict(kwargs))
         gpt, config = self.gpt, self.config
         call = ForwardCall(
-            self.release, a["input_ids"], a["position_ids"], a["attention_mask"],
-            a["decoder_input"], a["labels"], None, a["runtime_gather_output"], a["loss_mask"],
-            a["padding_mask"], a.get("output_processor"), a.get("output_processor_context"),
+            self.release,
+            a["input_ids"],
+            a["position_ids"],
+            a["attention_mask"],
+            a["decoder_input"],
+            a["labels"],
+            None,
+            a["runtime_gather_output"],
+            a["loss_mask"],
+            a["padding_mask"],
+            a.get("output_processor"),
+            a.get("output_processor_context"),
             delay_wgrad=bool(config.delay_wgrad_compute),
         )
         if gpt.pre_process:
@@ -238,8 +256,10 @@ class McoreGPTStage(nn.Module):
                     if index == 0 and gpt.decoder.final_layernorm is not None:
                         params += list(gpt.decoder.final_layernorm.parameters())
                     plan = recompute_layer(
-                        plan, self.release.mtp_inner_layer(gpt.mtp.layers[index]),
-                        self.release, params,
+                        plan,
+                        self.release.mtp_inner_layer(gpt.mtp.layers[index]),
+                        self.release,
+                        params,
                     )
                 values = runner.run_layer(plan, values)
         if gpt.post_process:
@@ -273,11 +293,17 @@ class McoreGPTStage(nn.Module):
             else:
                 hidden = final_norm(gpt, inputs[0])
             output = gpt._postprocess(
-                hidden_states=hidden, input_ids=call.input_ids, position_ids=call.position_ids,
-                labels=call.labels, rotary_pos_emb=call.rotary_pos_emb,
-                rotary_pos_cos=call.rotary_pos_cos, rotary_pos_sin=call.rotary_pos_sin,
-                mtp_in_postprocess=False, loss_mask=call.loss_mask,
-                decoder_input=call.decoder_input, attention_mask=call.attention_mask,
+                hidden_states=hidden,
+                input_ids=call.input_ids,
+                position_ids=call.position_ids,
+                labels=call.labels,
+                rotary_pos_emb=call.rotary_pos_emb,
+                rotary_pos_cos=call.rotary_pos_cos,
+                rotary_pos_sin=call.rotary_pos_sin,
+                mtp_in_postprocess=False,
+                loss_mask=call.loss_mask,
+                decoder_input=call.decoder_input,
+                attention_mask=call.attention_mask,
                 packed_seq_params=call.packed_seq_params,
                 sequence_len_offset=call.sequence_len_offset,
                 runtime_gather_output=call.runtime_gather_output,
@@ -298,11 +324,15 @@ def _float16_end(half: Any, end: str) -> bool:  # Megatron's Float16Module (unty
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import utils
 
-    group = (parallel_state.get_pipeline_model_parallel_group() if half.pg_collection is None
-             else half.pg_collection.pp)
+    group = (
+        parallel_state.get_pipeline_model_parallel_group()
+        if half.pg_collection is None
+        else half.pg_collection.pp
+    )
     if end == "first":
-        return (utils.is_vp_first_stage(half.vp_stage, half.vp_size)
-                and utils.is_pp_first_stage(group))
+        return utils.is_vp_first_stage(half.vp_stage, half.vp_size) and utils.is_pp_first_stage(
+            group
+        )
     return utils.is_vp_last_stage(half.vp_stage, half.vp_size) and utils.is_pp_last_stage(group)
 
 

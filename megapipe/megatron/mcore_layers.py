@@ -61,10 +61,18 @@ class ForwardCall:
 
     def preprocess(self, gpt: Any) -> torch.Tensor | None:
         """Run ``GPTModel._preprocess``; keep what it derives, return the decoder input."""
-        (decoder_input, self.rotary_pos_emb, self.rotary_pos_cos, self.rotary_pos_sin,
-         self.sequence_len_offset, self.padding_mask) = gpt._preprocess(
-            input_ids=self.input_ids, position_ids=self.position_ids,
-            decoder_input=self.decoder_input, packed_seq_params=self.packed_seq_params,
+        (
+            decoder_input,
+            self.rotary_pos_emb,
+            self.rotary_pos_cos,
+            self.rotary_pos_sin,
+            self.sequence_len_offset,
+            self.padding_mask,
+        ) = gpt._preprocess(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            decoder_input=self.decoder_input,
+            packed_seq_params=self.packed_seq_params,
             padding_mask=self.padding_mask,
         )[:6]
         self.mtp_ids = (self.input_ids, self.position_ids, self.padding_mask)
@@ -74,8 +82,10 @@ class ForwardCall:
         """The keyword arguments ``TransformerBlock.forward`` gives each layer (an MTP layer
         gives its inner layer its own, rolled, padding mask: ``own_mask``)."""
         return dict(
-            attention_mask=self.attention_mask, rotary_pos_emb=self.rotary_pos_emb,
-            rotary_pos_cos=self.rotary_pos_cos, rotary_pos_sin=self.rotary_pos_sin,
+            attention_mask=self.attention_mask,
+            rotary_pos_emb=self.rotary_pos_emb,
+            rotary_pos_cos=self.rotary_pos_cos,
+            rotary_pos_sin=self.rotary_pos_sin,
             packed_seq_params=self.packed_seq_params,
             sequence_len_offset=self.sequence_len_offset,
             padding_mask=padding_mask if own_mask else self.padding_mask,
@@ -107,14 +117,23 @@ def rng_fork(config: Any) -> AbstractContextManager:
 
 
 # -------------------------------------------------------------------------------- dense
-def dense_plan(layer: Any, call: ForwardCall, name: str,
-               before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
-               after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
-               ) -> list[Node]:
+def dense_plan(
+    layer: Any,
+    call: ForwardCall,
+    name: str,
+    before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+    after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None,
+) -> list[Node]:
     """A dense ``TransformerLayer`` as one compute node (``before``/``after``: an MTP layer's
     own preprocessing and final norm around it)."""
-    work = [("attention.backward_dw", layer.self_attention.backward_dw),
-            ("mlp.backward_dw", layer.mlp.backward_dw)] if call.delay_wgrad else []
+    work = (
+        [
+            ("attention.backward_dw", layer.self_attention.backward_dw),
+            ("mlp.backward_dw", layer.mlp.backward_dw),
+        ]
+        if call.delay_wgrad
+        else []
+    )
 
     def dense(state: McoreLayerState, inputs: Tensors) -> Tensors:
         lead, hidden, kwargs = _enter(state, inputs, before, call)
@@ -126,8 +145,9 @@ def dense_plan(layer: Any, call: ForwardCall, name: str,
     return [Node(name, NodeKind.COMPUTE, dense)]
 
 
-def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCall
-           ) -> tuple[Tensors, torch.Tensor, dict[str, Any]]:
+def _enter(
+    state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCall
+) -> tuple[Tensors, torch.Tensor, dict[str, Any]]:
     """(tensors passed on untouched, the layer's hidden input, its keyword arguments);
     ``before(state, inputs)`` -> (passed on, hidden, padding mask) for an MTP layer."""
     if before is None:
@@ -138,10 +158,13 @@ def _enter(state: McoreLayerState, inputs: Tensors, before: Any, call: ForwardCa
 
 
 # -------------------------------------------------------------------------------- MoE
-def moe_plan(layer: Any, call: ForwardCall, name: str,
-             before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
-             after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None
-             ) -> list[Node]:
+def moe_plan(
+    layer: Any,
+    call: ForwardCall,
+    name: str,
+    before: Callable[[McoreLayerState, Tensors], Tensors] | None = None,
+    after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None = None,
+) -> list[Node]:
     """Megatron's four-node split of a MoE ``TransformerLayer`` (module docstring): the
     operations of ``TransformerLayer._forward_attention``, ``_forward_mlp`` and
     ``MoELayer.forward``. Tuples carry (passed-on tensors, residual, [shared experts' output],
@@ -160,21 +183,37 @@ class _MoENodes:
     """The four node functions of one Megatron MoE layer (``moe_plan``), sharing the layer,
     the call's settings and how many passed-on tensors lead the tuples."""
 
-    def __init__(self, layer: Any, call: ForwardCall,  # Megatron's layer: megatron is untyped
-                 before: Callable[[McoreLayerState, Tensors], Tensors] | None,
-                 after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None) -> None:
+    def __init__(
+        self,
+        layer: Any,
+        call: ForwardCall,  # Megatron's layer: megatron is untyped
+        before: Callable[[McoreLayerState, Tensors], Tensors] | None,
+        after: Callable[[McoreLayerState, torch.Tensor], Tensors] | None,
+    ) -> None:
         moe = layer.mlp
         self.layer, self.moe, self.call, self.before, self.after = layer, moe, call, before, after
         self.shared = moe.use_shared_expert and not moe.shared_expert_overlap
-        self.attn_work = [
-            ("attention.backward_dw", layer.self_attention.backward_dw),
-            ("shared_experts.backward_dw",
-             lambda: moe.backward_dw(routed_experts=False, shared_experts=True)),
-        ] if call.delay_wgrad else []
-        self.mlp_work = [
-            ("experts.backward_dw",
-             lambda: moe.backward_dw(routed_experts=True, shared_experts=False)),
-        ] if call.delay_wgrad else []
+        self.attn_work = (
+            [
+                ("attention.backward_dw", layer.self_attention.backward_dw),
+                (
+                    "shared_experts.backward_dw",
+                    lambda: moe.backward_dw(routed_experts=False, shared_experts=True),
+                ),
+            ]
+            if call.delay_wgrad
+            else []
+        )
+        self.mlp_work = (
+            [
+                (
+                    "experts.backward_dw",
+                    lambda: moe.backward_dw(routed_experts=True, shared_experts=False),
+                ),
+            ]
+            if call.delay_wgrad
+            else []
+        )
         self.carried = 0  # how many passed-on tensors lead the tuples (set by the attn node)
 
     def attn(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
@@ -205,8 +244,10 @@ class _MoENodes:
         with rng_fork(self.layer.config):
             output, bias = self.moe.routed_experts_compute(tokens, probs)
         if bias is not None:
-            raise NotImplementedError("the MoE layer's experts returned a bias; Megatron's "
-                                      "alltoall dispatcher does not support one either")
+            raise NotImplementedError(
+                "the MoE layer's experts returned a bias; Megatron's "
+                "alltoall dispatcher does not support one either"
+            )
         return (*inputs[:-2], output)
 
     def combine(self, state: McoreLayerState, inputs: Tensors) -> Tensors:
@@ -256,7 +297,12 @@ def mtp_plan(gpt: Any, index: int, call: ForwardCall) -> Plan:
         assert state.mtp_ids is not None  # the chunk's preprocess set them before any MTP layer
         ids, positions, padding = state.mtp_ids
         ids, positions, padding, decoder_input, hidden = call.release.mtp_embeddings(
-            mtp_layer, ids, positions, gpt.embedding, inputs[-1], call.packed_seq_params,
+            mtp_layer,
+            ids,
+            positions,
+            gpt.embedding,
+            inputs[-1],
+            call.packed_seq_params,
             padding,
         )
         if not state.recomputing:

@@ -89,8 +89,9 @@ def recompute_mtp(config: Any) -> bool:
     return config.recompute_granularity == "full" and config.recompute_method == "uniform"
 
 
-def recompute_layer(plan: Plan, layer: Any, release: McoreRelease,
-                    params: Sequence[torch.Tensor]) -> Plan:
+def recompute_layer(
+    plan: Plan, layer: Any, release: McoreRelease, params: Sequence[torch.Tensor]
+) -> Plan:
     """``plan`` (one layer's nodes, ``mcore_layers.layer_plan``) recomputed node by node, its
     re-runs guarded (module docstring; what they keep is in the layer's ``McoreLayerState``).
     ``layer``: the ``TransformerLayer`` (its MoE part, if any, is guarded); ``params``: every
@@ -123,8 +124,9 @@ def recompute_layer(plan: Plan, layer: Any, release: McoreRelease,
 
 
 @contextmanager
-def _first_forward_view(state: McoreLayerState, key: str, buffers: list[torch.Tensor],
-                        release: McoreRelease) -> Iterator[None]:
+def _first_forward_view(
+    state: McoreLayerState, key: str, buffers: list[torch.Tensor], release: McoreRelease
+) -> Iterator[None]:
     """The first forward records the buffers it starts from; a recompute starts from those and
     leaves the buffers and the MoE metrics as it found them."""
     saved = state.buffers_at_first_forward

@@ -78,12 +78,17 @@ class McoreRelease:
     def config_problem(self, config: Any) -> str | None:
         """A configuration this release's own Megatron cannot run (so there are no Megatron
         numbers to mirror), as one line; None otherwise."""
-        if (self.version[:2] == (0, 18) and config.mtp_num_layers
-                and config.recompute_granularity == "full"):
-            return (f"megatron-core {self} cannot run MTP layers under full recompute (its "
-                    "MultiTokenPredictionLayer passes padding_mask to a _checkpointed_forward "
-                    "that does not take it); use another release or recompute_granularity="
-                    "'selective'")
+        if (
+            self.version[:2] == (0, 18)
+            and config.mtp_num_layers
+            and config.recompute_granularity == "full"
+        ):
+            return (
+                f"megatron-core {self} cannot run MTP layers under full recompute (its "
+                "MultiTokenPredictionLayer passes padding_mask to a _checkpointed_forward "
+                "that does not take it); use another release or recompute_granularity="
+                "'selective'"
+            )
         return None
 
     # ---------------------------------------------------------------- TransformerLayer
@@ -115,39 +120,59 @@ class McoreRelease:
     def reflatten_from_moe(
         self, layer: Any, output: torch.Tensor, packed_seq_params: Any, mbs: int | None
     ) -> torch.Tensor:
-        return output if mbs is None else layer._maybe_reflatten_from_moe(
-            output, packed_seq_params, mbs
+        return (
+            output
+            if mbs is None
+            else layer._maybe_reflatten_from_moe(output, packed_seq_params, mbs)
         )
 
     # ---------------------------------------------------------------- GPTModel
-    def postprocess_kwargs(self, padding_mask: Any, output_processor: Any,
-                           output_processor_context: Any) -> dict[str, Any]:
+    def postprocess_kwargs(
+        self, padding_mask: Any, output_processor: Any, output_processor_context: Any
+    ) -> dict[str, Any]:
         """The keyword arguments ``GPTModel.forward`` gives ``_postprocess`` beyond 0.16's."""
         if not self.at_least(18):
             return {}
-        return dict(padding_mask=padding_mask, output_processor=output_processor,
-                    output_processor_context=output_processor_context)
+        return dict(
+            padding_mask=padding_mask,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+        )
 
     # ---------------------------------------------------------------- multi-token prediction
     def mtp_inner_layer(self, mtp_layer: Any) -> Any:
         """The transformer layer inside an MTP layer."""
         return mtp_layer.mtp_model_layer if self.at_least(17) else mtp_layer.transformer_layer
 
-    def mtp_embeddings(self, mtp_layer: Any, input_ids: Any, position_ids: Any, embedding: Any,
-                       hidden: torch.Tensor, packed_seq_params: Any, padding_mask: Any
-                       ) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor]:
+    def mtp_embeddings(
+        self,
+        mtp_layer: Any,
+        input_ids: Any,
+        position_ids: Any,
+        embedding: Any,
+        hidden: torch.Tensor,
+        packed_seq_params: Any,
+        padding_mask: Any,
+    ) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor]:
         """``_get_embeddings``: (input ids, position ids, padding mask, decoder input, hidden),
         the ids (and, from 0.18, the mask) rolled one token on; before 0.18 the MTP layer's
         transformer layer gets no padding mask."""
         if not self.at_least(18):
             ids, positions, decoder_input, hidden = mtp_layer._get_embeddings(
-                input_ids=input_ids, position_ids=position_ids, embedding=embedding,
-                hidden_states=hidden, packed_seq_params=packed_seq_params,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                embedding=embedding,
+                hidden_states=hidden,
+                packed_seq_params=packed_seq_params,
             )
             return ids, positions, None, decoder_input, hidden  # no mask reaches the layer
         return mtp_layer._get_embeddings(
-            input_ids=input_ids, position_ids=position_ids, embedding=embedding,
-            hidden_states=hidden, packed_seq_params=packed_seq_params, padding_mask=padding_mask,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            embedding=embedding,
+            hidden_states=hidden,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
         )
 
     # ---------------------------------------------------------------- MoE bookkeeping

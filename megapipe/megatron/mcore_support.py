@@ -104,8 +104,11 @@ def megatron_ddp(chunk: nn.Module) -> Any:
     """Megatron's DistributedDataParallel around ``chunk``, if any (its gradients live in
     ``main_grad`` buffers that its ``finalize_model_grads`` reduces)."""
     return next(
-        (m for m in chain_of(chunk)
-         if type(m).__module__.startswith("megatron.") and hasattr(m, "finish_grad_sync")),
+        (
+            m
+            for m in chain_of(chunk)
+            if type(m).__module__.startswith("megatron.") and hasattr(m, "finish_grad_sync")
+        ),
         None,
     )
 
@@ -182,4 +185,5 @@ def check_cuda_graphs(impl: str) -> None:
             f"cuda_graph_impl={impl!r} with Megatron-Core chunks: megapipe captures its own GPT's "
             "nodes; the adapter's nodes run Megatron's modules, whose capture (router, "
             "auxiliary-loss tracker, dispatcher preprocessing) has not been verified on a GPU "
-            "here; run them eager (cuda_graph_impl='none')")
+            "here; run them eager (cuda_graph_impl='none')"
+        )

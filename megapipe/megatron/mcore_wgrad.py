@@ -38,8 +38,7 @@ class _AfterBackward(torch.autograd.Function):
     """Identity on a node's inputs; its backward queues (or runs) the node's weight work."""
 
     @staticmethod
-    def forward(ctx, state: LayerState, work: Work,
-                *tensors: torch.Tensor):
+    def forward(ctx, state: LayerState, work: Work, *tensors: torch.Tensor):
         ctx.state, ctx.work = state, work
         return tensors if len(tensors) > 1 else tensors[0]
 
@@ -61,8 +60,7 @@ def after_backward(state: LayerState, work: Work, inputs: tuple) -> tuple:
     identity; at least one must, or the work could never be driven."""
     if not work or not torch.is_grad_enabled():
         return inputs
-    positions = [i for i, x in enumerate(inputs)
-                 if isinstance(x, torch.Tensor) and x.requires_grad]
+    positions = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         raise RuntimeError(
             f"delayed weight gradients of {[name for name, _ in work]}: no input of their node "
@@ -92,8 +90,9 @@ def check_driven(chunk: nn.Module, driven: Sequence[nn.Module]) -> None:
     """Every module of ``chunk`` that defers its weight gradient must sit inside one of the
     ``driven`` modules (whose ``backward_dw`` the node plans call)."""
     covered = {id(m) for root in driven for m in root.modules()}
-    missing = [name for name, m in chunk.named_modules()
-               if defers_wgrad(m) and id(m) not in covered]
+    missing = [
+        name for name, m in chunk.named_modules() if defers_wgrad(m) and id(m) not in covered
+    ]
     if missing:
         raise NotImplementedError(
             f"delay_wgrad_compute: {', '.join(missing)} defer their weight gradients to "

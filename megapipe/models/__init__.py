@@ -5,6 +5,11 @@ from megapipe.models.gpt import GPTStage, TransformerLayer, gpt_loss
 from megapipe.models.split import build_stage, split_layers, stage_ids_of_rank
 
 __all__ = [
-    "GPTConfig", "GPTStage", "TransformerLayer", "build_stage", "gpt_loss", "split_layers",
+    "GPTConfig",
+    "GPTStage",
+    "TransformerLayer",
+    "build_stage",
+    "gpt_loss",
+    "split_layers",
     "stage_ids_of_rank",
 ]

@@ -63,7 +63,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         h, std, seed = config.hidden_size, config.init_std, config.seed
         self.num_heads, self.groups, self.head_dim = (
-            config.num_heads, config.query_groups, config.head_dim
+            config.num_heads,
+            config.query_groups,
+            config.head_dim,
         )
         # Megatron's --recompute-modules core_attn: softmax(q k^T) v re-runs in backward
         self.recompute_core = "core_attn" in config.recompute_modules

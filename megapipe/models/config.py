@@ -82,8 +82,16 @@ class GPTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "seq_length",
-                    "ffn_hidden_size", "moe_ffn_hidden_size", "moe_layer_freq")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "seq_length",
+            "ffn_hidden_size",
+            "moe_ffn_hidden_size",
+            "moe_layer_freq",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -118,8 +126,9 @@ class GPTConfig:
     def _check_attention(self) -> None:
         for name in ("num_query_groups", "kv_channels"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"GPTConfig.{name} must be a positive int or None, got {value!r}")
         if self.kv_channels is None and self.hidden_size % self.num_heads != 0:
             raise ValueError(
@@ -132,8 +141,10 @@ class GPTConfig:
                 f"num_heads={self.num_heads}"
             )
         if self.qk_layernorm_scope not in QK_LAYERNORM_SCOPES:
-            raise ValueError(f"GPTConfig.qk_layernorm_scope={self.qk_layernorm_scope!r} must be "
-                             f"one of {', '.join(QK_LAYERNORM_SCOPES)}")
+            raise ValueError(
+                f"GPTConfig.qk_layernorm_scope={self.qk_layernorm_scope!r} must be "
+                f"one of {', '.join(QK_LAYERNORM_SCOPES)}"
+            )
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"GPTConfig.position_embedding_type={self.position_embedding_type!r} must be one "
@@ -141,8 +152,9 @@ class GPTConfig:
             )
         if self.position_embedding_type == "rope":
             if self.head_dim % 2 != 0:
-                raise ValueError(f"rotary embeddings need an even head dim (kv_channels), got "
-                                 f"{self.head_dim}")
+                raise ValueError(
+                    f"rotary embeddings need an even head dim (kv_channels), got {self.head_dim}"
+                )
             if isinstance(self.rotary_base, bool) or not self.rotary_base > 0:
                 raise ValueError(f"GPTConfig.rotary_base must be > 0, got {self.rotary_base!r}")
 
@@ -165,8 +177,10 @@ class GPTConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "moe_link" and value is not None:
-                value = {"bandwidth_bytes_per_s": value.bandwidth_bytes_per_s,
-                         "latency_s": value.latency_s}
+                value = {
+                    "bandwidth_bytes_per_s": value.bandwidth_bytes_per_s,
+                    "latency_s": value.latency_s,
+                }
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -180,8 +194,10 @@ class GPTConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a GPTConfig dict must be a JSON object, got {type(data).__name__}")
         if data.get("version") != CONFIG_VERSION:
-            raise ValueError(f"GPTConfig dict has version {data.get('version')!r}; this megapipe "
-                             f"reads version {CONFIG_VERSION}")
+            raise ValueError(
+                f"GPTConfig dict has version {data.get('version')!r}; this megapipe "
+                f"reads version {CONFIG_VERSION}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names - {"version"})
         if unknown:

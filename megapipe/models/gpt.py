@@ -51,8 +51,11 @@ def graph_holders(config: GPTConfig) -> list[tuple[str, ...]]:
     layer's experts and finish nodes only with a rank capacity (static shapes)."""
     kinds = {config.is_moe_layer(layer) for layer in range(config.num_layers)}
     static_moe = True in kinds and config.moe_config().rank_capacity_factor is not None
-    return [MOE_ATTENTION_GRAPH_MODULES] * (True in kinds) + [DENSE_GRAPH_MODULES] * (
-        False in kinds) + [MOE_GRAPH_MODULES] * static_moe
+    return (
+        [MOE_ATTENTION_GRAPH_MODULES] * (True in kinds)
+        + [DENSE_GRAPH_MODULES] * (False in kinds)
+        + [MOE_GRAPH_MODULES] * static_moe
+    )
 
 
 class TransformerLayer(nn.Module):
@@ -73,7 +76,11 @@ class TransformerLayer(nn.Module):
             )
         else:
             self.mlp = SwiGLUMLP(
-                config.hidden_size, config.ffn_hidden_size, config.seed, "dense_mlp", layer_index,
+                config.hidden_size,
+                config.ffn_hidden_size,
+                config.seed,
+                "dense_mlp",
+                layer_index,
                 init_std=config.init_std,
             )
 
@@ -92,10 +99,12 @@ class TransformerLayer(nn.Module):
         ``.in_waves(k)`` has a fork of k expert groups in the middle, ``MoELayer.wave_plan``)."""
         name = f"layer{self.layer_index}"
         if not self.is_moe:
-            graphable = Graphable(DENSE_GRAPH_MODULES, tuple(self.parameters()),
-                                  buffers=tuple(self.buffers()))
-            return Plan([Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)],
-                        LayerState)
+            graphable = Graphable(
+                DENSE_GRAPH_MODULES, tuple(self.parameters()), buffers=tuple(self.buffers())
+            )
+            return Plan(
+                [Node(name, NodeKind.COMPUTE, self._dense, graphable=graphable)], LayerState
+            )
         return self.moe.node_plan().wrapped(self._with_residual)
 
     def _with_residual(self, moe_plan: list) -> list:
@@ -118,15 +127,21 @@ class TransformerLayer(nn.Module):
 
         middle = [
             Fork(tuple(tuple(named(n) for n in b) for b in item.branches), item.width)
-            if isinstance(item, Fork) else named(item)
+            if isinstance(item, Fork)
+            else named(item)
             for item in middle
         ]
         return [
-            Node(f"{name}.attention", NodeKind.COMPUTE, attention,
-                 graphable=self._attention_graphable()),
+            Node(
+                f"{name}.attention",
+                NodeKind.COMPUTE,
+                attention,
+                graphable=self._attention_graphable(),
+            ),
             *middle,
-            Node(f"{name}.finish", NodeKind.COMPUTE, finish_with_residual,
-                 graphable=finish.graphable),
+            Node(
+                f"{name}.finish", NodeKind.COMPUTE, finish_with_residual, graphable=finish.graphable
+            ),
         ]
 
     def _attention_graphable(self) -> Graphable:
@@ -139,10 +154,13 @@ class TransformerLayer(nn.Module):
         moe = self.moe
         later = ("moe.experts.", "moe.shared_expert.")
         params = tuple(p for n, p in self.named_parameters() if not n.startswith(later))
-        return Graphable(MOE_ATTENTION_GRAPH_MODULES, params,
-                         key=lambda: (moe.aux_loss_scale, moe.sync_free),
-                         logs=((moe, "aux_loss_log"),),
-                         buffers=tuple(self.attention.buffers()) + (moe.rank_overflow,))
+        return Graphable(
+            MOE_ATTENTION_GRAPH_MODULES,
+            params,
+            key=lambda: (moe.aux_loss_scale, moe.sync_free),
+            logs=((moe, "aux_loss_log"),),
+            buffers=tuple(self.attention.buffers()) + (moe.rank_overflow,),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return run_nodes(self.node_plan(), (x,))[0]
@@ -289,7 +307,7 @@ class GPTStage(nn.Module):
         else one layer each."""
         layers = self._layers()
         size = self.config.recompute_num_layers if self.config.recompute_method == "uniform" else 1
-        return [layers[i:i + size] for i in range(0, len(layers), size)]
+        return [layers[i : i + size] for i in range(0, len(layers), size)]
 
     def _layer_group_plan(self, group: list[TransformerLayer]) -> Plan:
         plan = group_plans([layer.node_plan() for layer in group])
@@ -320,7 +338,8 @@ class GPTStage(nn.Module):
             x = self.input_tensor
         if x is None:
             raise ValueError(
-                "GPTStage.forward needs an input (or set_input_tensor on a later stage)")
+                "GPTStage.forward needs an input (or set_input_tensor on a later stage)"
+            )
         if not self.is_first and (not x.is_floating_point() or x.dim() != 3):
             raise ValueError(
                 f"a stage after the first takes float hidden states [batch, seq, "

@@ -32,8 +32,12 @@ def split_layers(
     num_layers: int, num_parts: int, input_weight: int = 1, output_weight: int = 1
 ) -> list[range]:
     """Global layer indices of each part, lighter first and last parts (ranges may be empty)."""
-    checks = (("num_layers", num_layers, 0), ("num_parts", num_parts, 1),
-              ("input_weight", input_weight, 0), ("output_weight", output_weight, 0))
+    checks = (
+        ("num_layers", num_layers, 0),
+        ("num_parts", num_parts, 1),
+        ("input_weight", input_weight, 0),
+        ("output_weight", output_weight, 0),
+    )
     for name, value, low in checks:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -55,9 +59,7 @@ def split_layers(
     return ranges
 
 
-def stage_ids_of_rank(
-    pp_rank: int, pp: int, num_stages: int, placement: str = "loop"
-) -> list[int]:
+def stage_ids_of_rank(pp_rank: int, pp: int, num_stages: int, placement: str = "loop") -> list[int]:
     """The stages rank ``pp_rank`` holds, in increasing order, under loop or V placement."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r} must be one of {sorted(PLACEMENTS)}")
@@ -98,7 +100,9 @@ def copy_into_stage(stage: nn.Module, state: Mapping[str, Any]) -> None:
     """Copy the single-process ``state`` into one stage (any split, any EP rank): each
     parameter by its global name, a grouped-experts weight sliced to this rank's experts."""
     first_expert = {
-        id(p): m.first_expert for m in stage.modules() if isinstance(m, GroupedExperts)
+        id(p): m.first_expert
+        for m in stage.modules()
+        if isinstance(m, GroupedExperts)
         for p in m.parameters(recurse=False)
     }
     with torch.no_grad():
@@ -108,8 +112,9 @@ def copy_into_stage(stage: nn.Module, state: Mapping[str, Any]) -> None:
             value = state[name]
             if id(param) in first_expert:
                 first = first_expert[id(param)]
-                value = value[first:first + param.shape[0]]
+                value = value[first : first + param.shape[0]]
             if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{name} has shape {tuple(value.shape)}, the stage's "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(
+                    f"{name} has shape {tuple(value.shape)}, the stage's {tuple(param.shape)}"
+                )
             param.copy_(value)

@@ -58,7 +58,8 @@ class MoEConfig:
                 f"MoEConfig.capacity_factor={self.capacity_factor} must be > 0 or None (dropless)"
             )
         if self.rank_capacity_factor is not None and (
-                self.capacity_factor is not None or not self.rank_capacity_factor > 0):
+            self.capacity_factor is not None or not self.rank_capacity_factor > 0
+        ):
             raise ValueError(
                 f"MoEConfig.rank_capacity_factor={self.rank_capacity_factor} must be > 0, and "
                 "it keeps the layer dropless: it excludes capacity_factor (token dropping)"

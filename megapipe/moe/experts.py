@@ -95,8 +95,11 @@ class GroupedExperts(nn.Module):
         self.w_down = stacked((ffn_hidden_size, hidden_size), "down")
 
     def forward(
-        self, tokens: torch.Tensor, tokens_per_expert: Sequence[int] | None,
-        state: LayerState | None = None, offsets: torch.Tensor | None = None,
+        self,
+        tokens: torch.Tensor,
+        tokens_per_expert: Sequence[int] | None,
+        state: LayerState | None = None,
+        offsets: torch.Tensor | None = None,
         group_first: int | None = None,
     ) -> torch.Tensor:
         """``tokens [n, h]`` expert-major with ``tokens_per_expert[i]`` rows for local expert i.
@@ -131,6 +134,7 @@ class GroupedExperts(nn.Module):
         # gradients into the WeightGradQueue that ``state.wgrad_queue`` holds at backward time
         gate = grouped_matmul(tokens, counts, self.w_gate, state, offsets, first)
         up = grouped_matmul(tokens, counts, self.w_up, state, offsets, first)
+
         def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             # one operator each way (megapipe.kernels.swiglu); on CPU it runs per expert, since
             # CPU kernels compute a tensor's last elements in a scalar tail, so an expert's
@@ -144,11 +148,13 @@ class GroupedExperts(nn.Module):
             hidden = activation(gate, up)
         return grouped_matmul(hidden, counts, self.w_down, state, offsets, first)
 
-    def _device_counts(self, tokens: torch.Tensor, state: LayerState | None,
-                       offsets: torch.Tensor | None) -> torch.Tensor:
+    def _device_counts(
+        self, tokens: torch.Tensor, state: LayerState | None, offsets: torch.Tensor | None
+    ) -> torch.Tensor:
         """The experts with their row counts on the device only (``forward``)."""
-        if offsets is None or not all(use_grouped_mm(tokens, w, offsets)
-                                      for w in (self.w_gate, self.w_down)):
+        if offsets is None or not all(
+            use_grouped_mm(tokens, w, offsets) for w in (self.w_gate, self.w_down)
+        ):
             raise NotImplementedError(
                 f"experts with device-only row counts need torch's grouped GEMM for "
                 f"{tokens.dtype} on {tokens.device.type} (CUDA: bf16 on compute capability 9.x "
@@ -162,6 +168,7 @@ class GroupedExperts(nn.Module):
         def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             return fused_swiglu(gate, up, [gate.shape[0]])
 
-        hidden = recompute(activation, gate, up) if self.recompute_activation else \
-            activation(gate, up)
+        hidden = (
+            recompute(activation, gate, up) if self.recompute_activation else activation(gate, up)
+        )
         return grouped_matmul(hidden, whole, self.w_down, state, offsets)

@@ -57,7 +57,8 @@ def use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor 
         return False
     if x.is_cuda:
         if x.dtype != torch.bfloat16 or not cuda_kernel_reads_no_offsets(
-                torch.cuda.get_device_capability(x.device)):
+            torch.cuda.get_device_capability(x.device)
+        ):
             return False
     elif x.device.type != "cpu" or x.dtype not in _CPU_DTYPES:
         return False
@@ -87,7 +88,10 @@ def grouped_input_grad(
 
 
 def grouped_weight_grad(
-    x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, counts: Sequence[int],
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    counts: Sequence[int],
     offsets: torch.Tensor | None,
 ) -> torch.Tensor:
     """``stack_i(x_i^T @ grad_i)`` (zeros for an empty group), shaped like ``weight``."""
@@ -103,8 +107,10 @@ class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, weight, state, offsets, first):
         dtype = _compute_dtype(x, weight)
-        used = weight if first == 0 and len(counts) == weight.shape[0] else (
-            weight[first : first + len(counts)]
+        used = (
+            weight
+            if first == 0 and len(counts) == weight.shape[0]
+            else (weight[first : first + len(counts)])
         )
         x_c, w_c = x.to(dtype), used.to(dtype)
         ctx.save_for_backward(x_c, w_c, offsets)
@@ -149,7 +155,8 @@ class _GroupedMatmul(torch.autograd.Function):
                 f"got a weight with grad_fn {type(weight.grad_fn).__name__}"
             )
         queue.put(
-            lambda: accumulate_grad_rows(weight, first, weight_grad()), name="grouped_matmul",
+            lambda: accumulate_grad_rows(weight, first, weight_grad()),
+            name="grouped_matmul",
             keeps=(x, grad_out, w, offsets),
         )
         return grad_x, None, None, None, None, None
@@ -169,8 +176,12 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def grouped_matmul(
-    x: torch.Tensor, counts: Sequence[int], weight: torch.Tensor,
-    state: Any = None, offsets: torch.Tensor | None = None, first: int = 0,
+    x: torch.Tensor,
+    counts: Sequence[int],
+    weight: torch.Tensor,
+    state: Any = None,
+    offsets: torch.Tensor | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """``cat_i(x_i @ weight[first + i])`` for ``x`` split into row groups of ``counts``.
 

@@ -69,16 +69,27 @@ from megapipe.moe.state import MoEState, pass_leading
 from megapipe.moe.waves import WaveDispatch, WaveNodes
 from megapipe.overlap.plan import Fork, Node, NodeKind, WavePlan, run_nodes
 
-__all__ = ["MoEConfig", "MoELayer", "MoEState", "pass_leading", "set_sync_free",
-           "take_aux_loss_logs", "take_overflow"]
+__all__ = [
+    "MoEConfig",
+    "MoELayer",
+    "MoEState",
+    "pass_leading",
+    "set_sync_free",
+    "take_aux_loss_logs",
+    "take_overflow",
+]
 
 
 def take_overflow(modules: Sequence[nn.Module]) -> torch.Tensor | None:
     """Whether any rank-capacity dispatch of the ``MoELayer``s inside ``modules`` overflowed
     since the last call (an int32 device scalar, nothing read; None: no such layer); the
     layers' flags are cleared."""
-    flags = [layer.rank_overflow for module in modules for layer in module.modules()
-             if isinstance(layer, MoELayer) and layer.config.rank_capacity_factor is not None]
+    flags = [
+        layer.rank_overflow
+        for module in modules
+        for layer in module.modules()
+        if isinstance(layer, MoELayer) and layer.config.rank_capacity_factor is not None
+    ]
     if not flags:
         return None
     taken = torch.stack(flags).amax()
@@ -100,8 +111,12 @@ def take_aux_loss_logs(modules: Sequence[nn.Module]) -> list[AuxLossLog]:
     """What each ``MoELayer`` inside ``modules`` logged since its log was last popped or taken
     (``AuxLossLog.take``: nothing summed), in module order, layers that logged nothing left
     out; the layers' logs are emptied, so they do not grow."""
-    return [layer.aux_loss_log.take() for module in modules for layer in module.modules()
-            if isinstance(layer, MoELayer) and len(layer.aux_loss_log)]
+    return [
+        layer.aux_loss_log.take()
+        for module in modules
+        for layer in module.modules()
+        if isinstance(layer, MoELayer) and len(layer.aux_loss_log)
+    ]
 
 
 class MoELayer(nn.Module):
@@ -157,8 +172,7 @@ class MoELayer(nn.Module):
         # a rank capacity (moe.rank_capacity): on unless a step runs again without it; its
         # dispatches' overflow, kept on the device until the step's one check (take_overflow)
         self.sync_free = config.rank_capacity_factor is not None
-        self.register_buffer("rank_overflow", torch.zeros((), dtype=torch.int32),
-                             persistent=False)
+        self.register_buffer("rank_overflow", torch.zeros((), dtype=torch.int32), persistent=False)
         self._lanes = LaneExchanges(self.dispatcher)  # per lane size
 
     def describe(self) -> str:
@@ -190,12 +204,20 @@ class MoELayer(nn.Module):
             Node("experts", NodeKind.COMPUTE, self._experts, graphable=experts),
             Node("combine", NodeKind.COMM, self._combine),
         )
-        return WavePlan([
-            Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
-            Fork((branch,)),
-            Node("finish", NodeKind.COMPUTE, pass_leading(self._finish, self.num_shared + 2),
-                 graphable=finish),
-        ], self.wave_plan, MoEState)
+        return WavePlan(
+            [
+                Node("route", NodeKind.COMPUTE, pass_leading(self._route, 1)),
+                Fork((branch,)),
+                Node(
+                    "finish",
+                    NodeKind.COMPUTE,
+                    pass_leading(self._finish, self.num_shared + 2),
+                    graphable=finish,
+                ),
+            ],
+            self.wave_plan,
+            MoEState,
+        )
 
     def graph_eager(self) -> str | None:
         """Why the experts and finish nodes run eager under ``--cuda-graph-modules moe`` now
@@ -205,8 +227,10 @@ class MoELayer(nn.Module):
             return None
         if self.config.rank_capacity_factor is not None:
             return "a step run again dropless after an overflow: shapes follow the routing"
-        return ("dropless without --moe-expert-rank-capacity-factor: the experts' shapes "
-                "follow the routing")
+        return (
+            "dropless without --moe-expert-rank-capacity-factor: the experts' shapes "
+            "follow the routing"
+        )
 
     def wave_plan(self, waves: int) -> list[Node | Fork]:
         """The layer with its all-to-alls in ``waves`` expert groups (``megapipe.moe.waves``):
@@ -215,14 +239,22 @@ class MoELayer(nn.Module):
         if waves == 1:
             return list(self.node_plan())
         if self.config.rank_capacity_factor is not None:
-            raise NotImplementedError("a MoE layer with a rank capacity (sync-free dispatch) "
-                                      "does not run in waves: its all-to-alls are not split")
+            raise NotImplementedError(
+                "a MoE layer with a rank capacity (sync-free dispatch) "
+                "does not run in waves: its all-to-alls are not split"
+            )
         nodes = WaveNodes(WaveDispatch(self.dispatcher, waves), self.experts)
         branches = tuple(
-            (Node(f"dispatch{g}", NodeKind.COMM, nodes.dispatch(g),
-                  reads_host=g == 0 and self.config.capacity_factor is None),
-             Node(f"experts{g}", NodeKind.COMPUTE, nodes.experts(g)),
-             Node(f"combine{g}", NodeKind.COMM, nodes.combine(g)))
+            (
+                Node(
+                    f"dispatch{g}",
+                    NodeKind.COMM,
+                    nodes.dispatch(g),
+                    reads_host=g == 0 and self.config.capacity_factor is None,
+                ),
+                Node(f"experts{g}", NodeKind.COMPUTE, nodes.experts(g)),
+                Node(f"combine{g}", NodeKind.COMM, nodes.combine(g)),
+            )
             for g in range(nodes.count)
         )
         finish = pass_leading(self._finish, self.num_shared + 1 + nodes.count)
@@ -236,7 +268,9 @@ class MoELayer(nn.Module):
         return run_nodes(self.node_plan(), (x,))[0]
 
     def _route(
-        self, state: MoEState, tensors: tuple[torch.Tensor, ...],
+        self,
+        state: MoEState,
+        tensors: tuple[torch.Tensor, ...],
         relabel: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, ...]:
         (x,) = tensors
@@ -259,8 +293,9 @@ class MoELayer(nn.Module):
         if relabel is not None:  # the label of each expert, for an expert-group order
             labels = relabel(torch.arange(c.num_experts, device=tokens.device))
         capacity = c.capacity(tokens.shape[0])
-        routed = self.router(tokens, capacity, labels, (c.aux_loss_coeff, c.z_loss_coeff),
-                                   state.aux_loss_scale)
+        routed = self.router(
+            tokens, capacity, labels, (c.aux_loss_coeff, c.z_loss_coeff), state.aux_loss_scale
+        )
         if not state.recomputing:
             self.aux_loss_log.record(routed.aux)
         state.input_shape = x.shape
@@ -287,8 +322,11 @@ class MoELayer(nn.Module):
         exchange = self._lanes(lane_rows(n, factor, self.dispatcher.ep_size))
         sends = exchange.place_sends(state.rows_per_expert, n)
         self.rank_overflow.bitwise_or_(sends.overflow.to(torch.int32))
-        state.lane, state.send_counts, state.return_index = (exchange.lane, sends.counts,
-                                                             sends.return_index)
+        state.lane, state.send_counts, state.return_index = (
+            exchange.lane,
+            sends.counts,
+            sends.return_index,
+        )
         return gather_rows(rows, sends.send_index)
 
     def _dispatch(
@@ -298,7 +336,8 @@ class MoELayer(nn.Module):
         if state.lane is not None:  # fixed-size lanes, counts on the device (moe.rank_capacity)
             assert state.send_counts is not None  # route wrote it with the lane
             received, state.received_counts = self._lanes(state.lane).exchange(
-                rows, state.send_counts)
+                rows, state.send_counts
+            )
             return (received,)
         state.received_counts = None
         assert state.rows_per_expert is not None  # route wrote it
@@ -314,15 +353,19 @@ class MoELayer(nn.Module):
         if state.lane is not None:  # the received lanes into expert order and back
             assert state.received_counts is not None  # dispatch wrote it with the lane
             expert_index, received_index, offsets = self._lanes(state.lane).expert_order(
-                state.received_counts)
-            out = self.experts(gather_rows(expert_rows, expert_index), None, state=state,
-                               offsets=offsets)
+                state.received_counts
+            )
+            out = self.experts(
+                gather_rows(expert_rows, expert_index), None, state=state, offsets=offsets
+            )
             return (gather_rows(out, received_index),)
         splits = state.dispatch_splits
         assert splits is not None  # dispatch wrote it
         return (
             self.experts(
-                expert_rows, splits.tokens_per_local_expert, state=state,
+                expert_rows,
+                splits.tokens_per_local_expert,
+                state=state,
                 offsets=splits.local_offsets,
             ),
         )

@@ -39,7 +39,8 @@ def sort_by_expert(
     and ``rows_per_expert [E]`` (int64; all equal to ``capacity`` when one is given).
     """
     row_choice, choice_rows, counts = routing_rows_op(
-        indices, num_experts, -1 if capacity is None else capacity)
+        indices, num_experts, -1 if capacity is None else capacity
+    )
     if capacity is not None:
         counts = torch.full_like(counts, capacity)
     return row_choice, choice_rows, counts

@@ -89,8 +89,13 @@ class RankCapacityDispatch:
     size; ``lane``: rows per (source, destination) lane (``lane_rows``).
     """
 
-    def __init__(self, num_experts: int, lane: int, group: dist.ProcessGroup | None = None,
-                 link: EmulatedLink | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        lane: int,
+        group: dist.ProcessGroup | None = None,
+        link: EmulatedLink | None = None,
+    ) -> None:
         self.ep = 1 if group is None else dist.get_world_size(group)
         if num_experts % self.ep:
             raise ValueError(f"num_experts={num_experts} must be divisible by ep={self.ep}")
@@ -108,8 +113,7 @@ class RankCapacityDispatch:
 
     def buffer_bytes(self, hidden: int, dtype: torch.dtype) -> int:
         """Bytes of one layer's fixed buffers per microbatch (``buffer_bytes``)."""
-        return buffer_bytes(self.lane, self.ep, hidden,
-                            torch.empty((), dtype=dtype).element_size())
+        return buffer_bytes(self.lane, self.ep, hidden, torch.empty((), dtype=dtype).element_size())
 
     def place_sends(self, rows_per_expert: torch.Tensor, n: int) -> LaneSends:
         """The sending side of a dispatch of ``n`` expert-ordered rows with ``rows_per_expert
@@ -129,8 +133,9 @@ class RankCapacityDispatch:
         return_index = torch.where(within < lane, dest * lane + within, ep * lane)
         return LaneSends(counts, send_index, return_index, overflow)
 
-    def exchange(self, send: torch.Tensor, counts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def exchange(
+        self, send: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The all-to-alls of a dispatch (the only part on the comm stream): the lanes ``send
         [ep * lane, h]`` and the ``counts [ep, local]``; (received lanes, received counts)."""
         started = time.perf_counter()
@@ -148,23 +153,29 @@ class RankCapacityDispatch:
         sizes = [self.lane] * self.ep
         return all_to_all(back, sizes, sizes, self.group, self.link)
 
-    def dispatch(self, rows: torch.Tensor, rows_per_expert: torch.Tensor
-                 ) -> tuple[torch.Tensor, RankCapacitySplits]:
+    def dispatch(
+        self, rows: torch.Tensor, rows_per_expert: torch.Tensor
+    ) -> tuple[torch.Tensor, RankCapacitySplits]:
         """``rows [n, h]`` in expert order with ``rows_per_expert [E]`` (device) -> the expert
         rows ``[ep * lane, h]`` of this rank's local experts (expert-major at the front, zeros
         after) and the splits. No host read, static shapes. The phases in one call
         (``place_sends``, ``exchange``, ``expert_order``), as the MoE layer runs them in its
         nodes."""
         sends = self.place_sends(rows_per_expert, rows.shape[0])
-        received, received_counts = self.exchange(gather_rows(rows, sends.send_index),
-                                                  sends.counts)
+        received, received_counts = self.exchange(gather_rows(rows, sends.send_index), sends.counts)
         expert_index, received_index, offsets = self.expert_order(received_counts)
         return gather_rows(received, expert_index), RankCapacitySplits(
-            sends.send_index, sends.return_index, expert_index, received_index, offsets,
-            sends.overflow)
+            sends.send_index,
+            sends.return_index,
+            expert_index,
+            received_index,
+            offsets,
+            sends.overflow,
+        )
 
-    def expert_order(self, received_counts: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expert_order(
+        self, received_counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each received row goes in the expert-major order (local expert, then source
         rank), both ways, and the experts' end rows; past-the-buffer positions (an overflowed
         step's) read zeros."""
@@ -206,6 +217,7 @@ class LaneExchanges:
         exchange = self._by_lane.get(lane)
         if exchange is None:
             d = self.dispatcher
-            exchange = self._by_lane[lane] = RankCapacityDispatch(d.num_experts, lane, d.group,
-                                                                  d.link)
+            exchange = self._by_lane[lane] = RankCapacityDispatch(
+                d.num_experts, lane, d.group, d.link
+            )
         return exchange

@@ -160,8 +160,11 @@ class Router(nn.Module):
         )
 
     def forward(
-        self, tokens: torch.Tensor, capacity: int | None = None,
-        labels: torch.Tensor | None = None, coefficients: tuple[float, float] = (0.0, 0.0),
+        self,
+        tokens: torch.Tensor,
+        capacity: int | None = None,
+        labels: torch.Tensor | None = None,
+        coefficients: tuple[float, float] = (0.0, 0.0),
         loss_scale: float = 1.0,
     ) -> Routed:
         """Route ``tokens [t, h]``: the probs and choices of ``reference``, given rows by
@@ -172,11 +175,19 @@ class Router(nn.Module):
         gradients times ``loss_scale``."""
         balance_grad, z_grad = (c * loss_scale for c in coefficients)
         dtype = None if self.router_dtype is None else _ROUTER_TORCH_DTYPES[self.router_dtype]
-        spec = _RouteSpec(self.top_k, self.score_function == "sigmoid", self.num_experts,
-                          -1 if capacity is None else capacity, dtype, balance_grad, z_grad,
-                          not self.pre_softmax and self.score_function == "softmax")
+        spec = _RouteSpec(
+            self.top_k,
+            self.score_function == "sigmoid",
+            self.num_experts,
+            -1 if capacity is None else capacity,
+            dtype,
+            balance_grad,
+            z_grad,
+            not self.pre_softmax and self.score_function == "softmax",
+        )
         probs, rows, indices, row_choice, choice_rows, counts, partials = _Route.apply(
-            tokens, self.weight, labels, spec)
+            tokens, self.weight, labels, spec
+        )
         aux = AuxStatistics(partials, counts, labels, tokens.shape[0], self.top_k, *coefficients)
         return Routed(probs, rows, indices, row_choice, choice_rows, counts, aux)
 
@@ -208,8 +219,7 @@ class _Route(torch.autograd.Function):
             logits = torch.mm(tokens_c, weight_c.t())
         probs, indices, partials = router_op(logits, spec.top_k, spec.sigmoid, spec.renormalize)
         plan_of = indices if labels is None else labels[indices]
-        row_choice, choice_rows, counts = routing_rows_op(plan_of, spec.num_experts,
-                                                          spec.capacity)
+        row_choice, choice_rows, counts = routing_rows_op(plan_of, spec.num_experts, spec.capacity)
         rows = permute_op(tokens, row_choice, spec.top_k)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(indices, row_choice, choice_rows, counts, partials)
@@ -221,9 +231,17 @@ class _Route(torch.autograd.Function):
     def backward(ctx, grad_probs, grad_rows, *_):
         tokens_c, weight_c, logits, choice_rows, counts, labels = ctx.saved_tensors
         spec = ctx.spec
-        d_logits = router_backward_op(grad_probs, logits, counts, labels, spec.top_k,
-                                      spec.sigmoid, spec.balance_grad, spec.z_grad,
-                                      spec.renormalize)
+        d_logits = router_backward_op(
+            grad_probs,
+            logits,
+            counts,
+            labels,
+            spec.top_k,
+            spec.sigmoid,
+            spec.balance_grad,
+            spec.z_grad,
+            spec.renormalize,
+        )
         d_permute = None if grad_rows is None else sum_choices_op(grad_rows, None, choice_rows)
         if d_permute is not None and d_permute.dtype == d_logits.dtype:
             d_tokens = torch.addmm(d_permute, d_logits, weight_c)

@@ -82,8 +82,9 @@ class WaveDispatch:
         edge = extra * (base + 1)  # the first ``extra`` groups hold base + 1 experts
         rank, offset = indices // local, indices % local
         low = offset < edge
-        first = torch.where(low, offset // (base + 1) * (base + 1),
-                            edge + (offset - edge) // base * base)
+        first = torch.where(
+            low, offset // (base + 1) * (base + 1), edge + (offset - edge) // base * base
+        )
         size = torch.where(low, base + 1, base)
         return ep * first + rank * size + (offset - first)
 
@@ -109,18 +110,21 @@ class WaveDispatch:
             members = range(first, first + size)
             sent = [sum(send_counts[r][e] for e in members) for r in range(ep)]
             received = [[recv_counts[r][e] for e in members] for r in range(ep)]
-            splits.append(WaveSplits(
-                rows=(start, start + sum(sent)),
-                input_splits=sent,
-                output_splits=[sum(row) for row in received],
-                received_counts=received,
-                tokens_per_local_expert=[sum(row[i] for row in received) for i in range(size)],
-            ))
+            splits.append(
+                WaveSplits(
+                    rows=(start, start + sum(sent)),
+                    input_splits=sent,
+                    output_splits=[sum(row) for row in received],
+                    received_counts=received,
+                    tokens_per_local_expert=[sum(row[i] for row in received) for i in range(size)],
+                )
+            )
             start += sum(sent)
         return splits
 
-    def dispatch(self, group: int, rows: torch.Tensor, splits: list[WaveSplits],
-                 started: float | None = None) -> torch.Tensor:
+    def dispatch(
+        self, group: int, rows: torch.Tensor, splits: list[WaveSplits], started: float | None = None
+    ) -> torch.Tensor:
         """Send group ``group``'s block of the group-major ``rows``; returns its rows
         expert-major (local expert, then source rank)."""
         d, wave = self.dispatcher, splits[group]
@@ -165,6 +169,7 @@ class WaveNodes:
         def fn(state: Any, tensors: Tensors) -> Tensors:
             *lead, rows = layer_route(state, tensors, relabel=self.by_wave.relabel)
             return tuple(lead) + (rows,) * self.count  # each wave's dispatch takes its block
+
         return fn
 
     def dispatch(self, g: int) -> NodeFn:
@@ -175,6 +180,7 @@ class WaveNodes:
                 assert state.rows_per_expert is not None  # route wrote it
                 state.wave_splits = self.by_wave.splits(state.rows_per_expert, state.capacity)
             return (self.by_wave.dispatch(g, tensors[0], _splits(state), started),)
+
         return fn
 
     def experts(self, g: int) -> NodeFn:
@@ -182,11 +188,13 @@ class WaveNodes:
             counts = _splits(state)[g].tokens_per_local_expert
             first = self.by_wave.groups[g][0]
             return (self.expert_fn(tensors[0], counts, state=state, group_first=first),)
+
         return fn
 
     def combine(self, g: int) -> NodeFn:
         def fn(state: Any, tensors: Tensors) -> Tensors:
             return (self.by_wave.combine(g, tensors[0], _splits(state)),)
+
         return fn
 
 

@@ -28,6 +28,7 @@ A lone forward or backward is a combined step with one half missing (the executo
 training step of a combined schedule this way); with ``a2a_waves`` k > 1 a layer without a
 partner overlaps its own all-to-all waves.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -114,13 +115,19 @@ class CombinedStep:
         times = [_times(layer.nodes) for layer in b_layers]
         defer = backward is not None and backward.run_wgrad and backward.wgrad is not None
         time_rule = bool(b_layers) and all(t is not None for t in times)
-        self.order = IssueOrder([layer.kinds for layer in b_layers], defer,
-                                # time_rule: every layer has its times
-                                cast("list[LayerTimes]", times) if time_rule else None,
-                                streams.compute.runs_on_host)
+        self.order = IssueOrder(
+            [layer.kinds for layer in b_layers],
+            defer,
+            # time_rule: every layer has its times
+            cast("list[LayerTimes]", times) if time_rule else None,
+            streams.compute.runs_on_host,
+        )
         # deferring: one W queue per backward layer, so the order can run a layer's in parts
-        self._layer_wgrad = [WeightGradQueue(backward.wgrad.track) for _ in b_layers] \
-            if defer and backward is not None and backward.wgrad is not None else None
+        self._layer_wgrad = (
+            [WeightGradQueue(backward.wgrad.track) for _ in b_layers]
+            if defer and backward is not None and backward.wgrad is not None
+            else None
+        )
         self._forward: list[LayerRecord] = []
         self._events: dict[IssueName, Event] = {}  # the events recorded, by issue
         self._trace_slots: dict[int, int] = {}
@@ -129,8 +136,7 @@ class CombinedStep:
     # ---- public --------------------------------------------------------------------------
     def plan_of(self, layer: Any) -> list[Any]:
         """The node plan ``run_layer`` records for ``layer`` (``plan.node_plan_of``)."""
-        if isinstance(layer, Plan) and (self.a2a_waves == 1 or
-                                        not isinstance(layer, WavePlan)):
+        if isinstance(layer, Plan) and (self.a2a_waves == 1 or not isinstance(layer, WavePlan)):
             return layer
         if self.warn_once is None:
             self.warn_once = WarnOnce()
@@ -171,8 +177,9 @@ class CombinedStep:
         on the compute stream; the backward's last node hands its gradients on."""
         streams = self.streams
         events = self._events
-        positions = range(len(issues)) if streams.compute.runs_on_host else \
-            queuing_positions(issues)
+        positions = (
+            range(len(issues)) if streams.compute.runs_on_host else queuing_positions(issues)
+        )
         try:
             for n in positions:
                 issue = issues[n]
@@ -222,8 +229,9 @@ class CombinedStep:
             self._events[name] = event
         return event
 
-    def _keep_crossing(self, stream: Stream, layer: LayerRecord, record: NodeRecord,
-                       forward: bool) -> None:
+    def _keep_crossing(
+        self, stream: Stream, layer: LayerRecord, record: NodeRecord, forward: bool
+    ) -> None:
         """``record_use`` on ``stream`` of what a node that waits for the other stream reads:
         forward, its sources' outputs made on another stream (or given by the caller) and the
         tensors its layer's state lets cross (``LayerState.crossing``: kept once, in the
@@ -251,9 +259,7 @@ class CombinedStep:
                 stream.record_use(source_values(layer, source, part, record))
         stream.record_use(layer.state.crossing(record.node.kind))
 
-    def _given_grads(
-        self, tape: Tape, layer: LayerRecord
-    ) -> Sequence[torch.Tensor | None] | None:
+    def _given_grads(self, tape: Tape, layer: LayerRecord) -> Sequence[torch.Tensor | None] | None:
         """The gradients the caller gave the backward half, for the tape's last layer only
         (the others get theirs from the layer after them)."""
         assert self.backward is not None
@@ -265,8 +271,9 @@ class CombinedStep:
         tape = self.backward.tape
         if index == len(layer.nodes) - 1:
             grads = self._given_grads(tape, layer)
-            wgrad = self.backward.wgrad if self._layer_wgrad is None \
-                else self._layer_wgrad[layer.index]
+            wgrad = (
+                self.backward.wgrad if self._layer_wgrad is None else self._layer_wgrad[layer.index]
+            )
             tape.begin_layer_backward(None if grads is None else tuple(grads), wgrad)
         return tape.backward_node(layer, index)
 
@@ -314,8 +321,9 @@ class CombinedStep:
         compute.record_use(made)
         return made
 
-    def _traced(self, run: Callable[..., Any], stream: Stream, issue: Issue,
-                node: Node | None) -> Callable[..., Any]:
+    def _traced(
+        self, run: Callable[..., Any], stream: Stream, issue: Issue, node: Node | None
+    ) -> Callable[..., Any]:
         trace = self.trace
         assert trace is not None
         slot = self._trace_slots.get(issue.slot)
@@ -378,8 +386,9 @@ def combined_step(
     backward = None
     if bwd_tape is not None:
         backward = BackwardHalf(bwd_tape, bwd_grads, bwd_microbatch, wgrad)
-    step = CombinedStep(streams, backward, trace=trace, fwd_microbatch=fwd_microbatch,
-                        route_input_grads=False)
+    step = CombinedStep(
+        streams, backward, trace=trace, fwd_microbatch=fwd_microbatch, route_input_grads=False
+    )
     values: Values = tuple(fwd_inputs)
     try:
         for plan in fwd_plans:

@@ -51,9 +51,15 @@ class CudaStream(Stream):
 
     keeps_memory = True
 
-    def __init__(self, name: str, device: torch.device, priority: int = 0,
-                 stream: torch.cuda.Stream | None = None, current: bool = False,
-                 api: CudaApi | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        priority: int = 0,
+        stream: torch.cuda.Stream | None = None,
+        current: bool = False,
+        api: CudaApi | None = None,
+    ) -> None:
         self.name = name
         self.device = device
         self.api = api if api is not None else CudaApi()
@@ -76,8 +82,9 @@ class CudaStream(Stream):
         self.api.record(event, self.stream)
         return CudaEvent(event, value, self)
 
-    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
-            record: bool = True) -> Event | None:
+    def run(
+        self, fn: Callable[..., Any] | None, args: tuple = (), record: bool = True
+    ) -> Event | None:
         if fn is not None:
             self._call(fn, args, {})
         if not record:
@@ -94,12 +101,14 @@ class CudaStream(Stream):
         if self.current and self.api.current_stream(self.device) != self.stream:
             raise RuntimeError(
                 f"stream {self.name!r} must stay the device's current stream while megapipe "
-                "runs (its work is issued without switching to it)")
+                "runs (its work is issued without switching to it)"
+            )
 
     def wait_event(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):
-            raise TypeError(f"a CudaStream can wait only on a CudaEvent, not "
-                            f"{type(event).__name__}")
+            raise TypeError(
+                f"a CudaStream can wait only on a CudaEvent, not {type(event).__name__}"
+            )
         self.api.wait(self.stream, event.event)
 
     def record_event(self) -> Event:

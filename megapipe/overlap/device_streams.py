@@ -23,8 +23,10 @@ def make_streams(device: torch.device | str = "cpu", high_priority_comm: bool = 
             raise RuntimeError(f"make_streams({device}) needs CUDA, which is not available")
         # out-of-range priorities map to the nearest valid one: -1000 means the highest
         priority = -1000 if high_priority_comm else 0
-        return Streams(CudaStream("compute", device, stream=torch.cuda.current_stream(device),
-                                  current=True), CudaStream("comm", device, priority=priority))
+        return Streams(
+            CudaStream("compute", device, stream=torch.cuda.current_stream(device), current=True),
+            CudaStream("comm", device, priority=priority),
+        )
     if device.type == "cpu":
         return Streams(InlineStream("compute"), WorkerStream("comm"))
     raise ValueError(f"make_streams: device type {device.type!r} is not supported (cpu or cuda)")

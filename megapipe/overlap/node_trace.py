@@ -70,8 +70,9 @@ class NodeTrace:
         self.annotate = annotate
         self._spans: list[NodeSpan] = []
         # (microbatch, layer, node, direction, stream, kind), slot, start mark, end mark
-        self._unresolved: list[tuple[tuple[int | None, int, str, str, str, str], int, Any,
-                                     Any]] = []
+        self._unresolved: list[
+            tuple[tuple[int | None, int, str, str, str, str], int, Any, Any]
+        ] = []
         self._origin: Any = None  # the first device mark: where device times meet the host clock
         self._lock = threading.Lock()
         self._slots = 0
@@ -161,4 +162,3 @@ class NodeTrace:
             return 0.0
         covered = covered_total(comm, compute)  # one pass: this runs inside a timed step
         return max(0.0, (total - covered) / total)
-

@@ -78,7 +78,6 @@ class UndeclaredState(LayerState):
 NodeFn = Callable[[Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]
 
 
-
 @dataclass(frozen=True)
 class Node:
     """One node of a layer. ``group``: the process group a comm node drives (optional); the
@@ -158,8 +157,12 @@ def layer_graph(plan: Sequence[Any]) -> LayerGraph:
         if not plan:
             raise TypeError("a layer plan must be a non-empty list of Node (and Fork) items")
         count = len(plan)
-        return LayerGraph(tuple(plan), tuple(((n - 1, _WHOLE),) for n in range(count)),
-                          (1,) * (count - 1) + (0,), tuple(_kind(node) for node in plan))
+        return LayerGraph(
+            tuple(plan),
+            tuple(((n - 1, _WHOLE),) for n in range(count)),
+            (1,) * (count - 1) + (0,),
+            tuple(_kind(node) for node in plan),
+        )
     nodes: list[Node] = []
     sources: list[tuple[Source, ...]] = []
     kinds: list[Any] = []
@@ -233,8 +236,9 @@ class Plan(list):
     (``GPTStage.layer_plans``) gives them so; a layer kind with its own state gives its plans
     as ``Plan`` always."""
 
-    def __init__(self, items: Sequence[Any],
-                 state_type: type[LayerState] = UndeclaredState) -> None:
+    def __init__(
+        self, items: Sequence[Any], state_type: type[LayerState] = UndeclaredState
+    ) -> None:
         super().__init__(items)
         self.graph = layer_graph(self)
         self.state_type = state_type
@@ -249,8 +253,12 @@ class WavePlan(Plan):
     layer as a plan with a ``Fork`` of k branches whose results equal this plan's (made once per
     k); the combined step uses it when asked for all-to-alls in waves (``a2a_waves``)."""
 
-    def __init__(self, nodes: Sequence[Any], in_waves: Callable[[int], list[Any]],
-                 state_type: type[LayerState] = UndeclaredState) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[Any],
+        in_waves: Callable[[int], list[Any]],
+        state_type: type[LayerState] = UndeclaredState,
+    ) -> None:
         super().__init__(nodes, state_type)
         self._in_waves = in_waves
         self._forms: dict[int, WavePlan] = {}
@@ -259,15 +267,17 @@ class WavePlan(Plan):
         """The layer in ``waves`` expert groups."""
         form = self._forms.get(waves)
         if form is None:
-            form = self._forms[waves] = WavePlan(self._in_waves(waves), self._in_waves,
-                                                 self.state_type)
+            form = self._forms[waves] = WavePlan(
+                self._in_waves(waves), self._in_waves, self.state_type
+            )
         return form
 
     def wrapped(self, wrap: Callable[[list[Any]], list[Any]]) -> WavePlan:
         """This plan and its wave forms with their items replaced by ``wrap(items)``."""
         in_waves = self.in_waves
-        return WavePlan(wrap(list(self)), lambda waves: wrap(list(in_waves(waves))),
-                        self.state_type)
+        return WavePlan(
+            wrap(list(self)), lambda waves: wrap(list(in_waves(waves))), self.state_type
+        )
 
 
 def state_type_of(plan: Sequence[Any]) -> type[LayerState]:
@@ -302,7 +312,8 @@ class WarnOnce:
 def is_plan(value: Any) -> bool:
     """Whether ``value`` is a node plan: a non-empty list of ``Node`` and ``Fork``."""
     return (
-        isinstance(value, (list, tuple)) and bool(value)
+        isinstance(value, (list, tuple))
+        and bool(value)
         and all(isinstance(item, (Node, Fork)) for item in value)
     )
 

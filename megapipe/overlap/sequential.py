@@ -20,8 +20,9 @@ from megapipe.overlap.tape import Grads, Tape, Values, checked
 from megapipe.overlap.wgrad import WeightGradQueue
 
 
-def record_forward(layer_plans: Sequence[Sequence[Any]], inputs: Sequence[Any],
-                   track: Track | None = None) -> tuple[Values, Tape]:
+def record_forward(
+    layer_plans: Sequence[Sequence[Any]], inputs: Sequence[Any], track: Track | None = None
+) -> tuple[Values, Tape]:
     """Run a stage's layer plans node by node; return (outputs as fresh leaves, tape).
 
     ``run_backward`` returns the gradients of ``inputs`` and leaves the caller's tensors alone
@@ -34,8 +35,11 @@ def record_forward(layer_plans: Sequence[Sequence[Any]], inputs: Sequence[Any],
     return values, runner.tape
 
 
-def run_backward(tape: Tape, grad_outputs: Sequence[torch.Tensor | None] | None = None,
-                 wgrad: WeightGradQueue | None = None) -> Grads:
+def run_backward(
+    tape: Tape,
+    grad_outputs: Sequence[torch.Tensor | None] | None = None,
+    wgrad: WeightGradQueue | None = None,
+) -> Grads:
     """Run the whole backward of ``tape``; return the gradients of its first layer's inputs.
 
     ``grad_outputs`` are the gradients of the tape's outputs (None: read the outputs' ``.grad``,

@@ -73,8 +73,9 @@ class Stream(ABC):
         """Block the calling thread until all work submitted so far has completed."""
         self.record_event().synchronize()
 
-    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
-            record: bool = True) -> Event | None:
+    def run(
+        self, fn: Callable[..., Any] | None, args: tuple = (), record: bool = True
+    ) -> Event | None:
         """The combined step's ``submit``: ``fn(*args)`` (None: only the event), an event only
         when ``record`` (a CPU stream always gives one). The event carries no value (the step
         keeps its events to its end; a value kept would keep, say, a gradient alive after its
@@ -167,8 +168,9 @@ class InlineStream(Stream):
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Event:
         return DoneEvent(fn(*args, **kwargs))
 
-    def run(self, fn: Callable[..., Any] | None, args: tuple = (),
-            record: bool = True) -> Event | None:
+    def run(
+        self, fn: Callable[..., Any] | None, args: tuple = (), record: bool = True
+    ) -> Event | None:
         if fn is not None:
             fn(*args)
         return DoneEvent()
@@ -205,8 +207,12 @@ class WorkerStream(Stream):
                 return
             event, fn, args, kwargs, grad_enabled = item
             if self._failed is not None:
-                event.complete(error=StreamFailed(f"stream {self.name!r} skipped work after "
-                                                  f"an earlier failure: {self._failed!r}"))
+                event.complete(
+                    error=StreamFailed(
+                        f"stream {self.name!r} skipped work after "
+                        f"an earlier failure: {self._failed!r}"
+                    )
+                )
                 continue
             try:
                 if grad_enabled == torch.is_grad_enabled():
@@ -261,7 +267,8 @@ class Streams:
         elif owner[1] != stream.name:
             raise RuntimeError(
                 f"process group {group!r} is driven from stream {owner[1]!r}; it cannot also be "
-                f"driven from {stream.name!r} (collectives would be issued in different orders)")
+                f"driven from {stream.name!r} (collectives would be issued in different orders)"
+            )
 
     def synchronize(self) -> None:
         self.comm.synchronize()

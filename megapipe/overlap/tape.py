@@ -53,8 +53,14 @@ _Tensor = torch.Tensor
 
 def detached(values: Sequence[Any]) -> Values:
     """Fresh leaves for the tensors in ``values``: same storage, requires_grad as the original."""
-    return tuple([(v.detach().requires_grad_() if v.requires_grad else v.detach())
-                  if isinstance(v, _Tensor) else v for v in values])
+    return tuple(
+        [
+            (v.detach().requires_grad_() if v.requires_grad else v.detach())
+            if isinstance(v, _Tensor)
+            else v
+            for v in values
+        ]
+    )
 
 
 def checked(values: Any, where: str) -> Values:
@@ -70,8 +76,17 @@ class NodeRecord:
     and, during backward, its outputs' gradients as its readers give them (``waiting``: readers
     still to give theirs). ``stream``: the stream it last ran on (the combined step)."""
 
-    __slots__ = ("node", "sources", "inputs", "outputs", "grads", "waiting", "readers", "sizes",
-                 "stream")
+    __slots__ = (
+        "node",
+        "sources",
+        "inputs",
+        "outputs",
+        "grads",
+        "waiting",
+        "readers",
+        "sizes",
+        "stream",
+    )
 
     def __init__(self, node: Node, sources: tuple[Source, ...], readers: int) -> None:
         self.node = node
@@ -94,11 +109,25 @@ class LayerRecord:
     its ``LayerGraph``), its state (of its plan's state type), the outputs handed to the
     caller, and how many nodes ran each way."""
 
-    __slots__ = ("index", "nodes", "state", "given_inputs", "outputs", "kinds", "forward_count",
-                 "backward_count")
+    __slots__ = (
+        "index",
+        "nodes",
+        "state",
+        "given_inputs",
+        "outputs",
+        "kinds",
+        "forward_count",
+        "backward_count",
+    )
 
-    def __init__(self, index: int, nodes: list[NodeRecord], given_inputs: Values,
-                 kinds: tuple[Any, ...], state: LayerState) -> None:
+    def __init__(
+        self,
+        index: int,
+        nodes: list[NodeRecord],
+        given_inputs: Values,
+        kinds: tuple[Any, ...],
+        state: LayerState,
+    ) -> None:
         self.index = index
         self.nodes = nodes
         self.state = state
@@ -130,8 +159,9 @@ class Tape:
     def begin_layer(self, plan: Sequence[Any], inputs: Sequence[Any]) -> LayerRecord:
         """Start recording a layer (a plan of ``Node`` and ``Fork`` items) on ``inputs``."""
         if self.layers and self.layers[-1].forward_count < len(self.layers[-1].nodes):
-            raise RuntimeError(f"layer {self.layers[-1].index} is still being recorded; "
-                               "finish it before the next")
+            raise RuntimeError(
+                f"layer {self.layers[-1].index} is still being recorded; finish it before the next"
+            )
         if isinstance(plan, Plan):
             graph, state = plan.graph, plan.state_type()  # the layer kind's state
         else:  # a plain list of nodes: a state that takes any name (``state_type_of``)
@@ -155,31 +185,37 @@ class Tape:
     def remaining_backward_layers(self) -> int:
         return sum(1 for layer in self.layers if layer.backward_count < len(layer.nodes))
 
-    def begin_layer_backward(self, grads: Sequence[torch.Tensor | None] | None = None,
-                             wgrad: WeightGradQueue | None = None) -> LayerRecord:
+    def begin_layer_backward(
+        self,
+        grads: Sequence[torch.Tensor | None] | None = None,
+        wgrad: WeightGradQueue | None = None,
+    ) -> LayerRecord:
         """Take the last layer whose backward has not run; ``grads`` are its outputs' gradients
         (needed for the first layer to go backward; None reads their ``.grad``; later layers get
         theirs from the layer after them). ``wgrad`` becomes the layer state's ``wgrad_queue``,
         where its deferrable ops put their weight gradients."""
-        layer = next((lay for lay in reversed(self.layers)
-                      if lay.backward_count < len(lay.nodes)), None)
+        layer = next(
+            (lay for lay in reversed(self.layers) if lay.backward_count < len(lay.nodes)), None
+        )
         if layer is None:
             raise RuntimeError("every layer of the tape already ran backward")
         if layer.outputs is None:
             raise RuntimeError(f"layer {layer.index} was never finished forward")
         grads = self.incoming_grads(layer, grads)
         if len(grads) != len(layer.outputs):
-            raise ValueError(f"layer {layer.index} has {len(layer.outputs)} outputs but got "
-                             f"{len(grads)} gradients")
+            raise ValueError(
+                f"layer {layer.index} has {len(layer.outputs)} outputs but got "
+                f"{len(grads)} gradients"
+            )
         self._pending_grads = None
         layer.outputs = None  # the leaves handed out are no longer needed
         layer.nodes[-1].grads = list(grads)
         layer.state.wgrad_queue = wgrad
         return layer
 
-    def incoming_grads(self, layer: LayerRecord,
-                       grads: Sequence[torch.Tensor | None] | None = None
-                       ) -> Sequence[torch.Tensor | None]:
+    def incoming_grads(
+        self, layer: LayerRecord, grads: Sequence[torch.Tensor | None] | None = None
+    ) -> Sequence[torch.Tensor | None]:
         """The gradients of ``layer``'s outputs that ``begin_layer_backward(grads)`` hands to
         its last node: ``grads``, else those the layer after it gave, else (the last layer)
         its outputs' ``.grad``."""
@@ -188,8 +224,10 @@ class Tape:
         if grads is None:
             if layer is not self.layers[-1]:
                 raise RuntimeError(f"layer {layer.index}: no gradients for its outputs")
-            grads = tuple(o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
-                          for o in layer.outputs or ())
+            grads = tuple(
+                o.grad if isinstance(o, torch.Tensor) and o.requires_grad else None
+                for o in layer.outputs or ()
+            )
         return grads
 
     def _finish_layer_backward(self, layer: LayerRecord, input_grads: Grads) -> None:
@@ -232,8 +270,9 @@ class Tape:
         record = layer.nodes[index]
         if record.outputs is not None:
             raise RuntimeError(f"layer {layer.index}: node {index} already ran forward")
-        outputs = checked(record.node.fn(layer.state, node_inputs(layer, index)),
-                          f"node {record.node.name!r}")
+        outputs = checked(
+            record.node.fn(layer.state, node_inputs(layer, index)), f"node {record.node.name!r}"
+        )
         record.outputs = outputs
         if self.track is not None:
             self.track(outputs)
@@ -241,7 +280,6 @@ class Tape:
         if layer.forward_count == len(layer.nodes):
             layer.outputs = detached(outputs)
         return outputs
-
 
     def backward_node(self, layer: LayerRecord, index: int) -> Grads:
         """Run the backward of node ``index`` of ``layer`` (one autograd-engine call); deliver its
@@ -253,14 +291,20 @@ class Tape:
             raise RuntimeError(f"layer {layer.index}: node {index} cannot run backward now")
         if record.waiting or grads is None:
             raise RuntimeError(
-                f"node {record.node.name!r}: the gradients of its outputs are not all known yet")
+                f"node {record.node.name!r}: the gradients of its outputs are not all known yet"
+            )
         if len(grads) != len(record.outputs):
-            raise ValueError(f"node {record.node.name!r} has {len(record.outputs)} outputs but "
-                             f"got {len(grads)} gradients")
+            raise ValueError(
+                f"node {record.node.name!r} has {len(record.outputs)} outputs but "
+                f"got {len(grads)} gradients"
+            )
         # an output without a gradient (unused, or an integer tensor) is left out, as autograd
         # leaves it out
-        pairs = [(out, grad) for out, grad in zip(record.outputs, grads)
-                 if grad is not None and isinstance(out, _Tensor) and out.requires_grad]
+        pairs = [
+            (out, grad)
+            for out, grad in zip(record.outputs, grads)
+            if grad is not None and isinstance(out, _Tensor) and out.requires_grad
+        ]
         inputs = record.inputs
         assert inputs is not None
         passed = _passed_through(pairs, inputs)
@@ -270,8 +314,9 @@ class Tape:
             if pairs:
                 roots, root_grads = zip(*pairs)
                 _run_backward(roots, root_grads, False, False, (), True, True)
-            input_grads = tuple([x.grad if isinstance(x, _Tensor) and x.requires_grad else None
-                                 for x in inputs])
+            input_grads = tuple(
+                [x.grad if isinstance(x, _Tensor) and x.requires_grad else None for x in inputs]
+            )
         record.inputs = record.outputs = record.grads = None
         layer.backward_count += 1
         if len(record.sources) == 1:  # one source gave every input (a node of a chain)
@@ -282,13 +327,11 @@ class Tape:
             start = 0
             for (source, part), size in zip(record.sources, record.sizes):
                 if source >= 0:
-                    _deliver(layer.nodes[source], part, input_grads[start:start + size])
+                    _deliver(layer.nodes[source], part, input_grads[start : start + size])
                 start += size
         if layer.backward_count == len(layer.nodes):
             self._finish_layer_backward(layer, input_grads)
         return input_grads
-
-
 
     def live_tensors(self) -> int:
         """How many node-boundary tensors the tape still holds (each keeps its graph alive)."""
@@ -303,8 +346,10 @@ def source_values(layer: LayerRecord, source: int, part: slice, reader: NodeReco
     """The values node ``reader`` reads from ``source`` (-1: the layer's given inputs)."""
     values = layer.given_inputs if source < 0 else layer.nodes[source].outputs
     if values is None:
-        raise RuntimeError(f"node {reader.node.name!r} reads node "
-                           f"{layer.nodes[source].node.name!r}, whose forward has not run")
+        raise RuntimeError(
+            f"node {reader.node.name!r} reads node "
+            f"{layer.nodes[source].node.name!r}, whose forward has not run"
+        )
     return values if part == _WHOLE else values[part]
 
 
@@ -323,8 +368,7 @@ def node_inputs(layer: LayerRecord, index: int) -> Values:
     return record.inputs
 
 
-def _passed_through(pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Values
-                    ) -> Grads | None:
+def _passed_through(pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Values) -> Grads | None:
     """The input gradients of a node whose outputs with a gradient are all its own input
     leaves, each once (a comm node with nothing to exchange: expert parallelism 1, no link):
     each input's gradient is its output's, the very values autograd would copy into the
@@ -333,8 +377,7 @@ def _passed_through(pairs: list[tuple[torch.Tensor, torch.Tensor]], inputs: Valu
         return None
     given: dict[int, torch.Tensor] = {}
     for out, grad in pairs:
-        if out.grad_fn is not None or id(out) in given or \
-                not any(out is x for x in inputs):
+        if out.grad_fn is not None or id(out) in given or not any(out is x for x in inputs):
             return None
         given[id(out)] = grad
     return tuple([given.get(id(x)) if isinstance(x, _Tensor) else None for x in inputs])

@@ -40,9 +40,7 @@ class WeightGradQueue:
         self._work: deque[tuple[str, Callable[[], None]]] = deque()
         self.track = track
 
-    def put(
-        self, fn: Callable[[], None], name: str = "wgrad", keeps: Sequence[Any] = ()
-    ) -> None:
+    def put(self, fn: Callable[[], None], name: str = "wgrad", keeps: Sequence[Any] = ()) -> None:
         """Queue ``fn``; ``keeps``: the tensors it holds until it runs (other values skipped)."""
         if self.track is not None:
             self.track(keeps)
@@ -54,8 +52,9 @@ class WeightGradQueue:
     def names(self) -> list[str]:
         return [name for name, _ in self._work]
 
-    def wrap_last(self, count: int, wrapper: Callable[[Callable[[], None]], Callable[[], None]]
-                  ) -> None:
+    def wrap_last(
+        self, count: int, wrapper: Callable[[Callable[[], None]], Callable[[], None]]
+    ) -> None:
         """Replace each of the ``count`` items queued last by ``wrapper(item)`` (instrumentation:
         the replay benchmark makes each deferred GEMM last its profile time)."""
         for index in range(len(self._work) - count, len(self._work)):

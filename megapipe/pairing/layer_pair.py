@@ -52,8 +52,9 @@ def layer_pair(forward: LayerWalk | None, backward: LayerWalk | None) -> LayerPa
                 walk = forward if side == "F" else backward
                 assert walk is not None
                 inputs = walk.reads[node] if side == "F" else walk.readers[node]
-                waits = tuple(sorted(entry_of[(side, n)] for n in inputs
-                                     if walk.kinds[n] != stream))
+                waits = tuple(
+                    sorted(entry_of[(side, n)] for n in inputs if walk.kinds[n] != stream)
+                )
                 entry_of[(side, node)] = len(entries)
                 reads_host = side == "F" and walk.reads_host[node]  # its backward reads none
                 entries.append(PairEntry(stream, side, node, waits, not inputs, reads_host, False))
@@ -62,8 +63,12 @@ def layer_pair(forward: LayerWalk | None, backward: LayerWalk | None) -> LayerPa
     entries = [e._replace(signals=n in waited) for n, e in enumerate(entries)]
     slots, start = [], 0
     for comm, compute in shape:
-        slots.append((tuple(entries[start:start + comm]),
-                      tuple(entries[start + comm:start + comm + compute])))
+        slots.append(
+            (
+                tuple(entries[start : start + comm]),
+                tuple(entries[start + comm : start + comm + compute]),
+            )
+        )
         start += comm + compute
     b_comm = tuple(n for n, (comm, _) in enumerate(slots) if any(e.side == "B" for e in comm))
     f_end = entry_of[("F", len(forward.kinds) - 1)] if forward is not None else -1

@@ -109,21 +109,22 @@ class Issue(NamedTuple):
         return f"{self.side}{self.layer}.{self.node}"
 
 
-
 def walk_of(kinds: LayerKinds) -> LayerWalk:
     """``layer_walk`` of ``kinds`` given as tuples (a ``LayerGraph``'s) or lists."""
     try:
         return layer_walk(kinds)
     except TypeError:  # a list somewhere: not hashable
-        return layer_walk(tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k)
-                                for k in kinds))
+        return layer_walk(
+            tuple(k if isinstance(k, str) else tuple(tuple(b) for b in k) for k in kinds)
+        )
 
 
 def pair_slots(forward: LayerKinds | None, backward: LayerKinds | None) -> list[Slot]:
     """The slots of one forward layer beside one backward layer (either may be None: the other's
     nodes then go alone). See the module docstring."""
-    return list(slots_of(walk_of(forward) if forward else None,
-                       walk_of(backward) if backward else None))
+    return list(
+        slots_of(walk_of(forward) if forward else None, walk_of(backward) if backward else None)
+    )
 
 
 class IssueOrder:
@@ -141,9 +142,13 @@ class IssueOrder:
     (None: its nodes take no time). ``host_runs_compute``: time as a CPU host runs the issues.
     """
 
-    def __init__(self, backward_layers: Iterable[LayerKinds] = (), defer_wgrad: bool = False,
-                 backward_times: Sequence[LayerTimes] | None = None,
-                 host_runs_compute: bool = False):
+    def __init__(
+        self,
+        backward_layers: Iterable[LayerKinds] = (),
+        defer_wgrad: bool = False,
+        backward_times: Sequence[LayerTimes] | None = None,
+        host_runs_compute: bool = False,
+    ):
         self.backward_layers = [walk_of(kinds) for kinds in backward_layers]
         self.defer_wgrad = defer_wgrad and bool(self.backward_layers)
         self.clock: IssueClock | None = None
@@ -169,7 +174,8 @@ class IssueOrder:
             if times is not None:
                 _check_times([times], [forward], "forward layer times")
             self.clock.forward.append(
-                tuple(times) if times is not None else (NodeTimes(0.0, 0.0),) * len(forward.kinds))
+                tuple(times) if times is not None else (NodeTimes(0.0, 0.0),) * len(forward.kinds)
+            )
         start = len(self.issues)
         while self._next_backward >= 0 and not self.backward_layers[self._next_backward].has_comm:
             self._pair(None, self._take_backward())
@@ -206,8 +212,7 @@ class IssueOrder:
         f_layer = len(self.forward_layers)
         if forward is not None:
             self.forward_layers.append(forward)
-        pair = layer_pair(forward, self.backward_layers[backward] if backward is not None
-                          else None)
+        pair = layer_pair(forward, self.backward_layers[backward] if backward is not None else None)
         placed: list[IssueName] = []  # each entry's issue
         layers = {"F": f_layer, "B": backward}
         count_rule = self.defer_wgrad and self.clock is None
@@ -246,12 +251,28 @@ class IssueOrder:
         clock = self.clock
         if clock is not None and entry.stream == COMPUTE:  # the time rule: W into the gap
             for w_layer, count, duration in clock.fill(needs):
-                self.issues.append(Issue(COMPUTE, "W", w_layer, -1, self._slot, count=count,
-                                         share=FILL))
+                self.issues.append(
+                    Issue(COMPUTE, "W", w_layer, -1, self._slot, count=count, share=FILL)
+                )
                 clock.add(COMPUTE, (), duration)
-        self.issues.append(_new_issue(Issue, (entry.stream, entry.side, layer, entry.node,
-                                              self._slot, needs, 0, entry.reads_host, caller,
-                                              entry.signals, "")))
+        self.issues.append(
+            _new_issue(
+                Issue,
+                (
+                    entry.stream,
+                    entry.side,
+                    layer,
+                    entry.node,
+                    self._slot,
+                    needs,
+                    0,
+                    entry.reads_host,
+                    caller,
+                    entry.signals,
+                    "",
+                ),
+            )
+        )
         name = (entry.side, layer, entry.node)
         self.stream_of[name] = entry.stream
         if clock is not None:
@@ -268,14 +289,19 @@ class IssueOrder:
 
 def _check_times(times: Sequence[LayerTimes], layers: Sequence[LayerWalk], what: str) -> None:
     if len(times) != len(layers) or any(
-            len(t) != len(layer.kinds) for t, layer in zip(times, layers)):
+        len(t) != len(layer.kinds) for t, layer in zip(times, layers)
+    ):
         raise ValueError(
             f"{what}: {[len(t) for t in times]} node times per layer, but the layers have "
-            f"{[len(layer.kinds) for layer in layers]} nodes")
+            f"{[len(layer.kinds) for layer in layers]} nodes"
+        )
 
 
-def issue_order(forward_layers: Sequence[LayerKinds], backward_layers: Sequence[LayerKinds] = (),
-                defer_wgrad: bool = False) -> tuple[Issue, ...]:
+def issue_order(
+    forward_layers: Sequence[LayerKinds],
+    backward_layers: Sequence[LayerKinds] = (),
+    defer_wgrad: bool = False,
+) -> tuple[Issue, ...]:
     """Every issue of a combined step, in host (CPU) order: the forward of ``forward_layers``
     beside the backward of a tape of ``backward_layers`` (kinds per layer, forward order)."""
     order = IssueOrder(backward_layers, defer_wgrad)
@@ -304,8 +330,12 @@ def queuing_positions(issues: Sequence[Issue]) -> list[int]:
     return out + held
 
 
-def format_pair_table(forward: LayerKinds, backward: LayerKinds,
-                      names: Sequence[str] | None = None, defer_wgrad: bool = False) -> str:
+def format_pair_table(
+    forward: LayerKinds,
+    backward: LayerKinds,
+    names: Sequence[str] | None = None,
+    defer_wgrad: bool = False,
+) -> str:
     """One forward layer beside one backward layer as the table of the module docstring, made
     from the order itself (``issue_order`` of two such pairs; the second, the steady state, is
     shown): what the docs print is what the engine runs. ``defer_wgrad``: with the count rule's
@@ -316,8 +346,11 @@ def format_pair_table(forward: LayerKinds, backward: LayerKinds,
 
     def text(issue: Issue) -> str:
         if issue.side == "W":
-            return "W head of this B layer" if issue.share == HEAD else \
-                "W tail of the previous B layer"
+            return (
+                "W head of this B layer"
+                if issue.share == HEAD
+                else "W tail of the previous B layer"
+            )
         return f"{issue.side} {names[issue.node] if names else issue.node}"
 
     rows = ["| slot | comm stream | compute stream |", "|---|---|---|"]

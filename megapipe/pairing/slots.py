@@ -64,8 +64,7 @@ def _kind(kind: str) -> tuple[str, bool]:
     if kind == COMM_READS_HOST:
         return COMM, True
     if kind not in (COMPUTE, COMM):
-        raise ValueError(f"node kind {kind!r} is not {COMPUTE!r}, {COMM!r} or "
-                         f"{COMM_READS_HOST!r}")
+        raise ValueError(f"node kind {kind!r} is not {COMPUTE!r}, {COMM!r} or {COMM_READS_HOST!r}")
     return kind, False
 
 
@@ -105,8 +104,15 @@ def layer_walk(kinds: tuple) -> LayerWalk:
         last = before + tuple(ends)
     readers = tuple(tuple(m for m, r in enumerate(reads) if n in r) for n in range(len(flat)))
     kinds_flat = tuple(k for k, _ in flat)
-    return LayerWalk(kinds_flat, tuple(h for _, h in flat), tuple(reads), readers,
-                     tuple(groups), tuple(lone), COMM in kinds_flat)
+    return LayerWalk(
+        kinds_flat,
+        tuple(h for _, h in flat),
+        tuple(reads),
+        readers,
+        tuple(groups),
+        tuple(lone),
+        COMM in kinds_flat,
+    )
 
 
 def wave_slots(chains: list[list[int]], kinds: Sequence[str], side: Side) -> list[Slot]:

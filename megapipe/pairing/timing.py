@@ -57,8 +57,11 @@ LayerTimes = Sequence[NodeTimes]  # one per node of a layer, in its ``LayerWalk`
 
 
 def time_issues(
-    issues: Sequence[Any], duration: Callable[[Any], Any], host_runs_compute: bool = False,
-    start: Any = 0.0, maximum: Callable[[Any, Any], Any] = max,
+    issues: Sequence[Any],
+    duration: Callable[[Any], Any],
+    host_runs_compute: bool = False,
+    start: Any = 0.0,
+    maximum: Callable[[Any, Any], Any] = max,
 ) -> list[tuple[Any, Any]]:
     """(start, end) of every issue (anything with ``stream`` and ``needs``: positions of earlier
     items, or an ``Issue``'s names of earlier issues) when each takes ``duration(issue)``, the

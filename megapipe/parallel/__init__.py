@@ -19,7 +19,17 @@ from megapipe.parallel.launch import (
 from megapipe.parallel.slurm_hostlist import expand_hostlist
 
 __all__ = [
-    "LaunchInfo", "ParallelConfig", "ProcessGroups", "RankCoordinates", "RankGrid", "create_groups",
-    "detect_launcher", "free_port", "start_local_ranks",
-    "expand_hostlist", "init_distributed", "rank_grid", "resolve_launch",
+    "LaunchInfo",
+    "ParallelConfig",
+    "ProcessGroups",
+    "RankCoordinates",
+    "RankGrid",
+    "create_groups",
+    "detect_launcher",
+    "free_port",
+    "start_local_ranks",
+    "expand_hostlist",
+    "init_distributed",
+    "rank_grid",
+    "resolve_launch",
 ]

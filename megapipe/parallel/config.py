@@ -54,8 +54,9 @@ class ParallelConfig:
         return self.tp * self.dp // self.ep
 
     @classmethod
-    def from_world_size(cls, world_size: int, pp: int = 1, ep: int = 1, tp: int = 1
-                        ) -> ParallelConfig:
+    def from_world_size(
+        cls, world_size: int, pp: int = 1, ep: int = 1, tp: int = 1
+    ) -> ParallelConfig:
         """The config with ``dp = world_size // (pp * tp)``; rejects a world that pp x tp does
         not divide."""
         _check_size("world_size", world_size)
@@ -76,8 +77,9 @@ class ParallelConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise unless this grid covers exactly ``world_size`` ranks."""
         if world_size != self.world_size:
-            grid = (f"pp x dp = {self.pp} x {self.dp}" if self.tp == 1 else
-                    f"pp x dp x tp = {self.pp} x {self.dp} x {self.tp}")
-            raise ValueError(
-                f"world_size={world_size} does not match {grid} = {self.world_size}"
+            grid = (
+                f"pp x dp = {self.pp} x {self.dp}"
+                if self.tp == 1
+                else f"pp x dp x tp = {self.pp} x {self.dp} x {self.tp}"
             )
+            raise ValueError(f"world_size={world_size} does not match {grid} = {self.world_size}")

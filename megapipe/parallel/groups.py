@@ -95,9 +95,13 @@ def rank_grid(config: ParallelConfig) -> RankGrid:
     def rank(pp_rank: int, slot: int) -> int:
         return pp_rank * per_stage + slot
 
-    tp_groups = tuple(  # none without tensor parallelism: no singleton groups to create
-        tuple(rank(p, d * tp + t) for t in range(tp)) for p in range(pp) for d in range(dp)
-    ) if tp > 1 else ()
+    tp_groups = (
+        tuple(  # none without tensor parallelism: no singleton groups to create
+            tuple(rank(p, d * tp + t) for t in range(tp)) for p in range(pp) for d in range(dp)
+        )
+        if tp > 1
+        else ()
+    )
     pp_groups = tuple(tuple(rank(p, s) for p in range(pp)) for s in range(per_stage))
     dp_groups = tuple(
         tuple(rank(p, d * tp + t) for d in range(dp)) for p in range(pp) for t in range(tp)

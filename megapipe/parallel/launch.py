@@ -223,13 +223,21 @@ class RankExited(RuntimeError):
 
 
 def _rank_main(
-    target: Callable[..., Any], rank: int, world_size: int, port: int, threads: int,
+    target: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    threads: int,
     args: Sequence[Any],
 ) -> None:
     """A started process: torchrun's variables, ``threads`` CPU threads, then ``target``."""
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
         OMP_NUM_THREADS=str(threads),
     )
     torch.set_num_threads(threads)

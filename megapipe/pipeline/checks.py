@@ -12,7 +12,10 @@ from megapipe.schedule.ir import Kind, Schedule
 
 
 def check_executor_options(
-    spec: Any, grad_reduction: str, known_reductions: Sequence[str], timeout: float,
+    spec: Any,
+    grad_reduction: str,
+    known_reductions: Sequence[str],
+    timeout: float,
     tp: int = 1,
 ) -> None:
     """``spec`` a TensorSpec or a function of (stage, microbatch); a known gradient reduction
@@ -124,8 +127,9 @@ def check_inputs(
             )
 
 
-def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: Schedule,
-                        tape: bool) -> None:
+def check_graph_options(
+    graphs: Any, stages: Mapping[int, nn.Module], lowered: Schedule, tape: bool
+) -> None:
     """With CUDA graphs (``graphs.nodes``): a node holding a selected module is captured whole
     (``graphs.rules.coverage_problem``), and no plain-autograd step splits a backward into I and
     W (the generic split would run a captured node's backward twice)."""
@@ -135,10 +139,14 @@ def check_graph_options(graphs: Any, stages: Mapping[int, nn.Module], lowered: S
     from megapipe.overlap.plan import layer_graph
     from megapipe.pipeline.stage_module import is_stage_module
 
-    holders = {node.graphable.modules
-               for module in stages.values() if is_stage_module(module)
-               for plan in module.layer_plans()
-               for node in layer_graph(plan).nodes if node.graphable is not None}
+    holders = {
+        node.graphable.modules
+        for module in stages.values()
+        if is_stage_module(module)
+        for plan in module.layer_plans()
+        for node in layer_graph(plan).nodes
+        if node.graphable is not None
+    }
     problem = coverage_problem(graphs.modules, holders, whole_model=False)
     if problem is not None:
         raise ValueError(problem)

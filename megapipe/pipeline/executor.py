@@ -69,8 +69,12 @@ class PipelineExecutor:
     this rank's lowered actions, their gaps and early sends).
     """
 
-    def __init__(self, schedule: Schedule, stages: Mapping[int, nn.Module],
-                 options: ExecutorOptions | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, nn.Module],
+        options: ExecutorOptions | None = None,
+    ) -> None:
         # the options were checked when made (``ExecutorOptions``)
         o = self.options = options if options is not None else ExecutorOptions()
         self.schedule = schedule
@@ -80,17 +84,18 @@ class PipelineExecutor:
         self.stages = dict(stages)
         # CUDA graphs of static nodes (graphs.nodes); off, with a line to log, without CUDA
         self.cuda_graphs, self.cuda_graph_note = node_graphs(
-            o.cuda_graph_impl, o.cuda_graph_modules, self._device(), o.graph_api)
+            o.cuda_graph_impl, o.cuda_graph_modules, self._device(), o.graph_api
+        )
         self.workers = {
             s: StageWorker(s, m, o.forward_fn, use_tape=o.use_tape, graphs=self.cuda_graphs)
             for s, m in self.stages.items()
         }
         self.rank_actions = RankActions.of(schedule, self.pp_rank, o.spec is not None)
         has_overlap = self.rank_actions.has_overlap
-        check_overlap_options(schedule.name, has_overlap, o.delay_wgrad_compute,
-                              o.moe_a2a_waves)
-        check_graph_options(self.cuda_graphs, self.stages, self.rank_actions.lowered,
-                            tape=has_overlap or o.use_tape)
+        check_overlap_options(schedule.name, has_overlap, o.delay_wgrad_compute, o.moe_a2a_waves)
+        check_graph_options(
+            self.cuda_graphs, self.stages, self.rank_actions.lowered, tape=has_overlap or o.use_tape
+        )
         self.record_trace = o.record_trace  # a measurement switch: may change between steps
         self._streams: Streams | None = None  # made on first use, in a combined schedule
         self._warn_once = WarnOnce()
@@ -138,8 +143,13 @@ class PipelineExecutor:
         step tells ``grad_hooks`` when each stage's gradients become final (``grad_points``).
         """
         check_inputs(
-            self.schedule, self.pp_rank, self.stages, self.options.loss_fn is not None,
-            microbatches, targets, forward_only,
+            self.schedule,
+            self.pp_rank,
+            self.stages,
+            self.options.loss_fn is not None,
+            microbatches,
+            targets,
+            forward_only,
         )
         check_grad_hooks(grad_hooks is not None, self.options.grad_reduction)
         for module in self.stages.values():
@@ -148,10 +158,15 @@ class PipelineExecutor:
         rank = self.rank_actions
         actions = rank.forward_only_actions if forward_only else rank.actions
         state = self._begin_step(microbatches, targets, forward_only, profile, grad_hooks)
-        meter = ActivationMeter(  # told of what the workers and the data in transit hold
-            self._device(), [p for m in self.stages.values() for p in m.parameters()],
-            holders=[state.tensors, *self.workers.values()],
-        ) if self.options.measure_activations else None
+        meter = (
+            ActivationMeter(  # told of what the workers and the data in transit hold
+                self._device(),
+                [p for m in self.stages.values() for p in m.parameters()],
+                holders=[state.tensors, *self.workers.values()],
+            )
+            if self.options.measure_activations
+            else None
+        )
         state.grads.start()
         try:
             with meter if meter is not None else contextlib.nullcontext():
@@ -162,16 +177,29 @@ class PipelineExecutor:
         self._end_step(state, meter)
         return state.result
 
-    def _begin_step(self, microbatches: Sequence[Any] | None, targets: Sequence[Any] | None,
-                    forward_only: bool, profile: ProfileOptions | None,
-                    grad_hooks: GradSyncHooks | None) -> StepState:
+    def _begin_step(
+        self,
+        microbatches: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
+        forward_only: bool,
+        profile: ProfileOptions | None,
+        grad_hooks: GradSyncHooks | None,
+    ) -> StepState:
         """The step's state: its data in transit, gradient points, trace and profile."""
         streams = self.streams if self.rank_actions.has_overlap else None
-        trace, recorder = open_step(self.record_trace, profile, forward_only, streams,
-                                    self._device())
-        tensors = StepTensors(self.schedule, self.pp_rank, microbatches, self._channel(),
-                              self.options.spec, wait_span=recorder.wait_span, prev=self._links[0],
-                              next=self._links[1])
+        trace, recorder = open_step(
+            self.record_trace, profile, forward_only, streams, self._device()
+        )
+        tensors = StepTensors(
+            self.schedule,
+            self.pp_rank,
+            microbatches,
+            self._channel(),
+            self.options.spec,
+            wait_span=recorder.wait_span,
+            prev=self._links[0],
+            next=self._links[1],
+        )
         grads = StepGradEvents(self.rank_actions.grad_points, None if forward_only else grad_hooks)
         return StepState(tensors, targets, forward_only, grads, trace, profile=recorder)
 
@@ -183,8 +211,14 @@ class PipelineExecutor:
             state.result.activation_bytes = meter.peak_bytes
             state.result.cuda_activation_bytes = meter.cuda_peak_bytes
         if not state.forward_only:
-            sync_step_grads(self.schedule, self.pp_rank, self.stages, self.position,
-                            self.options.groups, self.options.grad_reduction)
+            sync_step_grads(
+                self.schedule,
+                self.pp_rank,
+                self.stages,
+                self.position,
+                self.options.groups,
+                self.options.grad_reduction,
+            )
             state.grads.finish()
         if self.cuda_graphs is not None:
             state.result.graph_instances = self.cuda_graphs.captured
@@ -211,8 +245,12 @@ class PipelineExecutor:
         """The p2p over the pipeline group, made on first use (None without a spec)."""
         if self._p2p is None and self.options.spec is not None and self.schedule.pp > 1:
             self._p2p = PipelineP2P(
-                self.position.group, self.position.ranks, self.schedule.stage_to_rank,
-                self.options.spec, self.options.timeout, self._device(),
+                self.position.group,
+                self.position.ranks,
+                self.schedule.stage_to_rank,
+                self.options.spec,
+                self.options.timeout,
+                self._device(),
             )
         return self._p2p
 
@@ -221,8 +259,11 @@ class PipelineExecutor:
         if action.kind is Kind.W:
             s, i = plain_key(action)
             self.workers[s].backward_weight(i)
-        elif (self.rank_actions.has_overlap and not state.forward_only
-              and runs_on_tape(action, self.workers, self._warn_once)):
+        elif (
+            self.rank_actions.has_overlap
+            and not state.forward_only
+            and runs_on_tape(action, self.workers, self._warn_once)
+        ):
             self._run_combined(action, state, *self.rank_actions.gaps[index])
         elif action.kind is Kind.OVERLAP:  # forward-only, or stages that cannot run node by node
             self._forward(action.forward, state)
@@ -234,14 +275,18 @@ class PipelineExecutor:
         else:
             raise ValueError(f"rank {self.pp_rank}: cannot run {action}")
 
-    def _run_combined(self, action: Action, state: StepState, gap: list[Action],
-                      early: Sequence[Action]) -> None:
+    def _run_combined(
+        self, action: Action, state: StepState, gap: list[Action], early: Sequence[Action]
+    ) -> None:
         """One combined step: an OVERLAP's forward beside its backward, or a lone F, B or I
         (every all-to-all is then issued from the one comm stream). Each half's result is handed
         on (and the sends after the pair posted, ``PairSends``) as soon as it is made, before
         the step's leftover work."""
-        f, b = action.sub_actions if action.kind is Kind.OVERLAP else (
-            (action, None) if action.kind is Kind.F else (None, action))
+        f, b = (
+            action.sub_actions
+            if action.kind is Kind.OVERLAP
+            else ((action, None) if action.kind is Kind.F else (None, action))
+        )
         tensors = state.tensors
         half = None
         end = None
@@ -249,8 +294,12 @@ class PipelineExecutor:
             b_stage, b_microbatch = plain_key(b)
             b_worker = self.workers[b_stage]
             wgrad = WeightGradQueue(b_worker.track) if self.options.delay_wgrad_compute else None
-            half = b_worker.backward_half(b_microbatch, tensors.grad_output(b),
-                                          keep_weight_grads=b.kind is Kind.I, wgrad=wgrad)
+            half = b_worker.backward_half(
+                b_microbatch,
+                tensors.grad_output(b),
+                keep_weight_grads=b.kind is Kind.I,
+                wgrad=wgrad,
+            )
             end = partial(b_worker.end_backward, b_microbatch, half=half)
         # the hand-overs are given at construction and point one way (step -> sends -> half):
         # no cycle, so all of it is freed when this call returns, not by the garbage collector
@@ -258,7 +307,9 @@ class PipelineExecutor:
         f_stage, f_microbatch = plain_key(f) if f is not None else (None, None)
         f_worker = self.workers[f_stage] if f_stage is not None else None
         step = CombinedStep(
-            self.streams, half, backward_done=sends.backward_done if b is not None else None,
+            self.streams,
+            half,
+            backward_done=sends.backward_done if b is not None else None,
             trace=state.trace,
             fwd_microbatch=f_microbatch,
             route_input_grads=f_worker is not None and f_worker.routes_input_grads,
@@ -296,8 +347,9 @@ class PipelineExecutor:
         live = sum(w.live_activations for w in self.workers.values())
         state.result.peak_live_activations = max(state.result.peak_live_activations, live)
 
-    def _finish_last_stage(self, worker: StageWorker, microbatch: int, output: torch.Tensor,
-                           state: StepState) -> None:
+    def _finish_last_stage(
+        self, worker: StageWorker, microbatch: int, output: torch.Tensor, state: StepState
+    ) -> None:
         if self.options.loss_fn is None:
             state.result.outputs[microbatch] = output.detach()
             if not state.forward_only:

@@ -86,8 +86,7 @@ class GradPoints:
         order = tuple(sorted(first_forward, key=first_forward.__getitem__))
         if bidirectional:
             return cls(order, _by_index(first_forward), at_end=tuple(sorted(last_grad)))
-        return cls(order, _by_index(first_forward), _by_index(last_backward),
-                   _by_index(last_grad))
+        return cls(order, _by_index(first_forward), _by_index(last_backward), _by_index(last_grad))
 
 
 def _by_index(points: dict[int, int]) -> dict[int, tuple[int, ...]]:

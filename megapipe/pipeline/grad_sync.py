@@ -103,8 +103,7 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 def _tied_params(module: nn.Module) -> list[torch.Tensor]:
     return [
-        p for p in module.parameters()
-        if p.requires_grad and getattr(p, "shared_embedding", False)
+        p for p in module.parameters() if p.requires_grad and getattr(p, "shared_embedding", False)
     ]
 
 
@@ -139,7 +138,7 @@ def sum_tied_embedding_grads(
         grads[first].copy_(total)
         grads[last].copy_(total)
         return
-    (stage, grad), = grads.items()
+    ((stage, grad),) = grads.items()
     peer = pp_ranks[schedule.stage_to_rank[last if stage == first else first]]
     received = torch.empty_like(grad)
     ops = [

@@ -52,13 +52,20 @@ class OverlapAuto:
     lives and what is synchronised around a counted step.
     """
 
-    def __init__(self, plain: PipelineExecutor, combined: PipelineExecutor, interval: int,
-                 clock: Callable[[], float] = time.perf_counter,
-                 groups: Sequence[dist.ProcessGroup | None] = (None,),
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        plain: PipelineExecutor,
+        combined: PipelineExecutor,
+        interval: int,
+        clock: Callable[[], float] = time.perf_counter,
+        groups: Sequence[dist.ProcessGroup | None] = (None,),
+        device: torch.device | str = "cpu",
+    ) -> None:
         if interval < 0 or 0 < interval < len(TRIAL):
-            raise ValueError(f"interval={interval} must be 0 (one trial) or at least the trial's "
-                             f"{len(TRIAL)} steps")
+            raise ValueError(
+                f"interval={interval} must be 0 (one trial) or at least the trial's "
+                f"{len(TRIAL)} steps"
+            )
         self.executors = {False: plain, True: combined}
         self.interval = interval
         self.clock = clock
@@ -114,8 +121,11 @@ class OverlapAuto:
     def _decide(self) -> str:
         trial = self._trial
         assert trial is not None
-        local = torch.tensor([min(trial.times[False]), min(trial.times[True])],
-                             dtype=torch.float64, device=self.device)
+        local = torch.tensor(
+            [min(trial.times[False]), min(trial.times[True])],
+            dtype=torch.float64,
+            device=self.device,
+        )
         if dist.is_initialized():
             for group in self.groups:
                 dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
@@ -123,11 +133,16 @@ class OverlapAuto:
         self.combined = combined < plain
         self.decisions.append((self.combined, plain, combined))
         self._trial = None
-        then = (f"next check at step {self._steps + self.interval - len(TRIAL) + 1}"
-                if self.interval else "no further check")
-        return (f"overlap auto: {'on' if self.combined else 'off'} (combined {combined:.4g} s "
-                f"vs plain {plain:.4g} s per step, slowest rank, steps {trial.first_step}-"
-                f"{self._steps}; {then})")
+        then = (
+            f"next check at step {self._steps + self.interval - len(TRIAL) + 1}"
+            if self.interval
+            else "no further check"
+        )
+        return (
+            f"overlap auto: {'on' if self.combined else 'off'} (combined {combined:.4g} s "
+            f"vs plain {plain:.4g} s per step, slowest rank, steps {trial.first_step}-"
+            f"{self._steps}; {then})"
+        )
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

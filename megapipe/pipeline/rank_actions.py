@@ -47,10 +47,16 @@ class RankActions:
         early_sends, early_send_rule = choose_early_sends(lowered)
         gaps = {
             i: (comm_batch(actions, i), early_sends.get((pp_rank, i), ()))
-            for i, action in enumerate(actions) if action.is_compute
+            for i, action in enumerate(actions)
+            if action.is_compute
         }
         return cls(
-            lowered, actions, forward_only_schedule(lowered).actions[pp_rank],
+            lowered,
+            actions,
+            forward_only_schedule(lowered).actions[pp_rank],
             any(a.kind is Kind.OVERLAP for row in lowered.actions for a in row),
-            GradPoints.of(actions, schedule.bidirectional), early_sends, early_send_rule, gaps,
+            GradPoints.of(actions, schedule.bidirectional),
+            early_sends,
+            early_send_rule,
+            gaps,
         )

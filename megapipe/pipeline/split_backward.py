@@ -221,9 +221,7 @@ def input_backward(
     wanted = [t for t in inputs if _node_of(t) in closure]
     try:
         grads = (
-            torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True)
-            if wanted
-            else ()
+            torch.autograd.grad(outputs, wanted, grad_outputs, retain_graph=True) if wanted else ()
         )
     finally:
         for handle in handles:

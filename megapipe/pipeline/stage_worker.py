@@ -223,7 +223,8 @@ class StageWorker:
         if entry.tape is not None:
             half = self.backward_half(microbatch, grad_output, keep_weight_grads=True)
             grad_inputs: Sequence[torch.Tensor | None] = run_backward(
-                half.tape, half.grads, wgrad=half.wgrad)
+                half.tape, half.grads, wgrad=half.wgrad
+            )
             return self.end_backward(microbatch, grad_inputs, half)
         if entry.deferred is not None:
             raise RuntimeError(f"stage {self.stage}: I of microbatch {microbatch} ran twice")
@@ -312,17 +313,23 @@ def runs_on_tape(action: Action, workers: Mapping[int, StageWorker], warn_once: 
     """Whether a training action of a combined schedule runs node by node on the tape, as one
     combined step: its stages are ``StageModule``s (an OVERLAP of other modules runs F then B,
     warned once per type) and a lone backward's forward ran on the tape."""
-    for half in (action.sub_actions if action.kind is Kind.OVERLAP else (action,)):
+    for half in action.sub_actions if action.kind is Kind.OVERLAP else (action,):
         stage, microbatch = plain_key(half)
         worker = workers[stage]
         if not worker.can_tape:
             if action.kind is Kind.OVERLAP:
                 kind = type(worker.module)
-                warn_once(kind, f"{kind.__name__} (stage {worker.stage}) does not "
-                          "follow the node protocol (not a StageModule); its OVERLAP "
-                          "actions run forward then backward, without overlap")
+                warn_once(
+                    kind,
+                    f"{kind.__name__} (stage {worker.stage}) does not "
+                    "follow the node protocol (not a StageModule); its OVERLAP "
+                    "actions run forward then backward, without overlap",
+                )
             return False
-        if half.kind is not Kind.F and action.kind is not Kind.OVERLAP \
-                and not worker.has_tape(microbatch):
+        if (
+            half.kind is not Kind.F
+            and action.kind is not Kind.OVERLAP
+            and not worker.has_tape(microbatch)
+        ):
             return False
     return True

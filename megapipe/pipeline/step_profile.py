@@ -58,8 +58,9 @@ class StepProfile:
         """Time one compute action (a ``with`` block around running it)."""
         if self.trace is None:
             return nullcontext()
-        return self.trace.span(action.microbatch, -1, str(action), action.kind.value,
-                               self.stream, ACTION)
+        return self.trace.span(
+            action.microbatch, -1, str(action), action.kind.value, self.stream, ACTION
+        )
 
     def wait(self, kind: Kind, stage: int, microbatch: int) -> AbstractContextManager:
         """Time the wait for the receive ``kind`` (RECV_F or RECV_B) of (stage, microbatch)."""

@@ -34,8 +34,10 @@ Key = tuple[int, int]  # (stage, microbatch)
 def stage_links(schedule: Schedule) -> tuple[dict[int, int | None], dict[int, int | None]]:
     """Per stage, the stage before and the stage after it in its pipeline (None at the ends)."""
     stages = range(schedule.num_stages)
-    return ({s: schedule.prev_stage(s) for s in stages},
-            {s: schedule.next_stage(s) for s in stages})
+    return (
+        {s: schedule.prev_stage(s) for s in stages},
+        {s: schedule.next_stage(s) for s in stages},
+    )
 
 
 @dataclass
@@ -220,8 +222,12 @@ class PairSends:
     """
 
     def __init__(
-        self, tensors: StepTensors, gap: Sequence[Action], early: Sequence[Action] = (),
-        backward: Action | None = None, end: Callable[[Any], torch.Tensor | None] | None = None,
+        self,
+        tensors: StepTensors,
+        gap: Sequence[Action],
+        early: Sequence[Action] = (),
+        backward: Action | None = None,
+        end: Callable[[Any], torch.Tensor | None] | None = None,
     ) -> None:
         self.tensors = tensors
         self.gap = list(gap)

@@ -51,8 +51,9 @@ class _NodeRecompute(torch.autograd.Function):
     """Saves the node's inputs only; the backward runs the node again and differentiates it."""
 
     @staticmethod
-    def forward(ctx, fn: NodeFn, state: LayerState, num_inputs: int,
-                *tensors: torch.Tensor) -> Tensors:
+    def forward(
+        ctx, fn: NodeFn, state: LayerState, num_inputs: int, *tensors: torch.Tensor
+    ) -> Tensors:
         inputs, params = tensors[:num_inputs], tensors[num_inputs:]
         ctx.fn, ctx.state, ctx.params = fn, state, params
         ctx.save_for_backward(*inputs)
@@ -78,10 +79,14 @@ class _NodeRecompute(torch.autograd.Function):
                 roots.append(out)
                 root_grads.append(grad)
         wanted = [x for x in inputs + tuple(ctx.params) if x.requires_grad]
-        found = iter(torch.autograd.grad(roots, wanted, root_grads, allow_unused=True)
-                     if roots else [None] * len(wanted))
-        input_grads = tuple(next(found) if x.requires_grad else None
-                            for x in inputs + tuple(ctx.params))
+        found = iter(
+            torch.autograd.grad(roots, wanted, root_grads, allow_unused=True)
+            if roots
+            else [None] * len(wanted)
+        )
+        input_grads = tuple(
+            next(found) if x.requires_grad else None for x in inputs + tuple(ctx.params)
+        )
         return (None, None, None, *input_grads)
 
 
@@ -94,9 +99,7 @@ def recompute_node(node: Node, params: Sequence[torch.Tensor]) -> Node:
 
     def fn(state: LayerState, inputs: tuple) -> Tensors:
         inputs = _tensors(inputs, "inputs")
-        if not torch.is_grad_enabled() or not any(
-            x.requires_grad for x in inputs + params
-        ):
+        if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs + params):
             return tuple(node.fn(state, inputs))  # nothing to save: run it plainly
         return _NodeRecompute.apply(node.fn, state, len(inputs), *inputs, *params)
 
@@ -115,8 +118,7 @@ def recompute_plan(plan: Sequence[Any], params: Sequence[torch.Tensor]) -> list[
         out: list[Any] = []
         for item in items:
             if isinstance(item, Fork):
-                branches = tuple(tuple(recompute_node(n, params) for n in b)
-                                 for b in item.branches)
+                branches = tuple(tuple(recompute_node(n, params) for n in b) for b in item.branches)
                 out.append(Fork(branches, item.width))
             else:
                 out.append(recompute_node(item, params))

@@ -54,7 +54,8 @@ class GroupState(LayerState):
         part = self.parts.get(index)
         if part is None:
             part = self.parts[index] = state_type(
-                wgrad_queue=self.wgrad_queue, recomputing=self.recomputing)
+                wgrad_queue=self.wgrad_queue, recomputing=self.recomputing
+            )
         return part
 
 
@@ -77,15 +78,22 @@ def _chain(plans: Sequence[Sequence[Any]]) -> Items:
     for index, plan in enumerate(plans):
         state_type = state_type_of(plan)
         items = [
-            Fork(tuple(tuple(_in_part(n, index, state_type) for n in b) for b in item.branches),
-                 item.width)
-            if isinstance(item, Fork) else _in_part(item, index, state_type)
+            Fork(
+                tuple(tuple(_in_part(n, index, state_type) for n in b) for b in item.branches),
+                item.width,
+            )
+            if isinstance(item, Fork)
+            else _in_part(item, index, state_type)
             for item in plan
         ]
         last = out[-1] if out else None
         head = items[0]
-        if (isinstance(last, Node) and last.kind == NodeKind.COMPUTE
-                and isinstance(head, Node) and head.kind == NodeKind.COMPUTE):
+        if (
+            isinstance(last, Node)
+            and last.kind == NodeKind.COMPUTE
+            and isinstance(head, Node)
+            and head.kind == NodeKind.COMPUTE
+        ):
             out[-1] = _joined(last, head)
             items = items[1:]
         out += items

@@ -16,7 +16,19 @@ from .p2p.lower import lower
 from .registry import SCHEDULES, build_schedule
 
 __all__ = [
-    "Action", "Kind", "SCHEDULES", "Schedule", "ScheduleError", "ScheduleOptions",
-    "apply_overlap", "apply_overlap_within", "build_schedule", "check_batches", "lower",
-    "parse_action", "read_csv", "validate", "write_csv",
+    "Action",
+    "Kind",
+    "SCHEDULES",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleOptions",
+    "apply_overlap",
+    "apply_overlap_within",
+    "build_schedule",
+    "check_batches",
+    "lower",
+    "parse_action",
+    "read_csv",
+    "validate",
+    "write_csv",
 ]

@@ -53,9 +53,7 @@ class Action:
         if self.kind is Kind.OVERLAP:
             subs = self.sub_actions
             if len(subs) != 2 or subs[0].kind is not Kind.F or subs[1].kind not in BACKWARD_KINDS:
-                raise ValueError(
-                    f"an OVERLAP action holds exactly (forward; B or I), got {subs!r}"
-                )
+                raise ValueError(f"an OVERLAP action holds exactly (forward; B or I), got {subs!r}")
         elif self.sub_actions:
             raise ValueError(f"only OVERLAP actions hold sub-actions, not {self.kind.value}")
         elif self.stage is None or self.microbatch is None:

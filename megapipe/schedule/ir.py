@@ -111,12 +111,22 @@ class Schedule:
         bidirectional: bool = False,
         options: ScheduleOptions | None = None,
     ) -> None:
-        table, rows = (actions, None) if isinstance(actions, ActionTable) else (
-            None, tuple(tuple(r) for r in actions))
+        table, rows = (
+            (actions, None)
+            if isinstance(actions, ActionTable)
+            else (None, tuple(tuple(r) for r in actions))
+        )
         fields: dict[str, object] = dict(
-            _table=table, _rows=rows, num_stages=num_stages, num_microbatches=num_microbatches,
-            stage_to_rank=tuple(stage_to_rank), name=name, bidirectional=bidirectional,
-            options=ScheduleOptions() if options is None else options, _derived={}, _made_rows={},
+            _table=table,
+            _rows=rows,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            stage_to_rank=tuple(stage_to_rank),
+            name=name,
+            bidirectional=bidirectional,
+            options=ScheduleOptions() if options is None else options,
+            _derived={},
+            _made_rows={},
         )
         for key, value in fields.items():
             object.__setattr__(self, key, value)
@@ -132,12 +142,27 @@ class Schedule:
         raise FrozenInstanceError(f"cannot delete field {name!r}")
 
     def __reduce__(self):
-        return (Schedule, (self.table, self.num_stages, self.num_microbatches,
-                           self.stage_to_rank, self.name, self.bidirectional, self.options))
+        return (
+            Schedule,
+            (
+                self.table,
+                self.num_stages,
+                self.num_microbatches,
+                self.stage_to_rank,
+                self.name,
+                self.bidirectional,
+                self.options,
+            ),
+        )
 
     def _facts(self) -> tuple:
-        return (self.num_stages, self.num_microbatches, self.stage_to_rank, self.name,
-                self.bidirectional)
+        return (
+            self.num_stages,
+            self.num_microbatches,
+            self.stage_to_rank,
+            self.name,
+            self.bidirectional,
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Schedule):
@@ -152,8 +177,10 @@ class Schedule:
         return hash((self._facts(), self.table.digest()))
 
     def __repr__(self) -> str:
-        return (f"Schedule(name={self.name!r}, pp={self.pp}, num_stages={self.num_stages}, "
-                f"num_microbatches={self.num_microbatches}, actions={len(self.table)})")
+        return (
+            f"Schedule(name={self.name!r}, pp={self.pp}, num_stages={self.num_stages}, "
+            f"num_microbatches={self.num_microbatches}, actions={len(self.table)})"
+        )
 
     @property
     def table(self) -> ActionTable:
@@ -240,9 +267,14 @@ class Schedule:
         self, actions: Sequence[Iterable[Action]] | ActionTable, **changes
     ) -> Schedule:
         """A copy with other action lists (and optionally other fields)."""
-        fields = dict(num_stages=self.num_stages, num_microbatches=self.num_microbatches,
-                      stage_to_rank=self.stage_to_rank, name=self.name,
-                      bidirectional=self.bidirectional, options=self.options)
+        fields = dict(
+            num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches,
+            stage_to_rank=self.stage_to_rank,
+            name=self.name,
+            bidirectional=self.bidirectional,
+            options=self.options,
+        )
         return Schedule(actions, **{**fields, **changes})
 
     def _texts(self) -> list[list[str]]:
@@ -304,8 +336,10 @@ def read_csv(path: str, name: str = "", bidirectional: bool = False) -> Schedule
     """Load a schedule from a CSV in torch's format; placement and counts are inferred."""
     rows = read_rows(path)
     if not any(rows):
-        raise ScheduleError(f"{path} holds no actions: a schedule needs at least one rank with "
-                            "one action (is the CSV empty?)")
+        raise ScheduleError(
+            f"{path} holds no actions: a schedule needs at least one rank with "
+            "one action (is the CSV empty?)"
+        )
     placement = infer_stage_to_rank(rows)
     mbs = {plain_key(c)[1] for row in rows for a in row for c in a.computations()}
     return Schedule(

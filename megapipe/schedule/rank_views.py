@@ -26,7 +26,8 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     keep = (kind == F) | (kind == SEND_F) | (kind == RECV_F) | (kind == OVERLAP)
     sub = table.select(keep)
     forwards = ActionTable.from_columns(
-        sub.offsets, np.where(sub.kind == OVERLAP, F, sub.kind), sub.stage, sub.mb)
+        sub.offsets, np.where(sub.kind == OVERLAP, F, sub.kind), sub.stage, sub.mb
+    )
     return schedule.replace_actions(forwards)
 
 

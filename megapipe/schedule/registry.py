@@ -116,9 +116,12 @@ def build_schedule(
     group = microbatch_group_size_per_vp_stage
     _check_request(name, family, pp, num_microbatches, vpp, group)
     check_budget(max_extra_in_flight)
-    options = ScheduleOptions(vpp=family.fixed_vpp or vpp, overlap=overlap,
-                              microbatch_group_size_per_vp_stage=group,
-                              max_extra_in_flight=max_extra_in_flight if overlap else None)
+    options = ScheduleOptions(
+        vpp=family.fixed_vpp or vpp,
+        overlap=overlap,
+        microbatch_group_size_per_vp_stage=group,
+        max_extra_in_flight=max_extra_in_flight if overlap else None,
+    )
     schedule = _build(family, pp, num_microbatches, options)
     if overlap and family.native_overlap:
         plain = _build(family, pp, num_microbatches, replace(options, overlap=False))

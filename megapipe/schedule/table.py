@@ -23,8 +23,15 @@ from .actions import Action, Kind, plain_key
 
 F, B, I, W, OVERLAP, SEND_F, RECV_F, SEND_B, RECV_B = range(9)  # noqa: E741
 KINDS = (
-    Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP,
-    Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B,
+    Kind.F,
+    Kind.B,
+    Kind.I,
+    Kind.W,
+    Kind.OVERLAP,
+    Kind.SEND_F,
+    Kind.RECV_F,
+    Kind.SEND_B,
+    Kind.RECV_B,
 )
 CODE = {kind: code for code, kind in enumerate(KINDS)}
 COMM_CODES = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -60,8 +67,12 @@ _INT32 = np.iinfo(np.int32)
 
 def _frozen(array: np.ndarray, dtype) -> np.ndarray:
     array = np.asarray(array)
-    if dtype == np.int32 and array.dtype != np.int32 and array.size and (
-            array.min() < _INT32.min or array.max() > _INT32.max):
+    if (
+        dtype == np.int32
+        and array.dtype != np.int32
+        and array.size
+        and (array.min() < _INT32.min or array.max() > _INT32.max)
+    ):
         raise ValueError("stage and microbatch numbers must fit in 32 bits")
     array = np.ascontiguousarray(array, dtype=dtype)
     array.setflags(write=False)
@@ -86,10 +97,14 @@ class ActionTable:
         kind = _frozen(kind, np.int8)
         back = None
         if back_kind is not None and (kind == OVERLAP).any():
-            back = (_frozen(back_kind, np.int8), _frozen(back_stage, np.int32),
-                    _frozen(back_mb, np.int32))
-        return cls(_frozen(offsets, np.int64), kind, _frozen(stage, np.int32),
-                   _frozen(mb, np.int32), back)
+            back = (
+                _frozen(back_kind, np.int8),
+                _frozen(back_stage, np.int32),
+                _frozen(back_mb, np.int32),
+            )
+        return cls(
+            _frozen(offsets, np.int64), kind, _frozen(stage, np.int32), _frozen(mb, np.int32), back
+        )
 
     def _back_column(self, i: int) -> np.ndarray:
         if self._back is not None:
@@ -119,8 +134,7 @@ class ActionTable:
                 code = CODE[action.kind]
                 if code == OVERLAP:
                     forward, backward = action.sub_actions
-                    values = (code, *plain_key(forward), CODE[backward.kind],
-                              *plain_key(backward))
+                    values = (code, *plain_key(forward), CODE[backward.kind], *plain_key(backward))
                 else:
                     values = (code, *plain_key(action), NONE, NONE, NONE)
                 for column, value in zip(columns, values):
@@ -154,8 +168,9 @@ class ActionTable:
     @property
     def rank(self) -> np.ndarray:
         """The rank of each row."""
-        return self._cached("rank", lambda: np.repeat(
-            np.arange(self.pp, dtype=np.int64), np.diff(self.offsets)))
+        return self._cached(
+            "rank", lambda: np.repeat(np.arange(self.pp, dtype=np.int64), np.diff(self.offsets))
+        )
 
     @property
     def local_index(self) -> np.ndarray:
@@ -196,13 +211,16 @@ class ActionTable:
         counts = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
         back = [] if self._back is None else [column[keep] for column in self._back]
         return ActionTable.from_columns(
-            counts[self.offsets], self.kind[keep], self.stage[keep], self.mb[keep], *back)
+            counts[self.offsets], self.kind[keep], self.stage[keep], self.mb[keep], *back
+        )
 
     def actions_of(self, rank: int) -> tuple[Action, ...]:
         """Rank ``rank``'s list as ``Action`` objects."""
         lo, hi = int(self.offsets[rank]), int(self.offsets[rank + 1])
-        columns = [c[lo:hi].tolist() for c in (
-            self.kind, self.stage, self.mb, self.back_kind, self.back_stage, self.back_mb)]
+        columns = [
+            c[lo:hi].tolist()
+            for c in (self.kind, self.stage, self.mb, self.back_kind, self.back_stage, self.back_mb)
+        ]
         out = []
         make = Action.trusted
         for code, stage, mb, back, back_stage, back_mb in zip(*columns):
@@ -216,11 +234,14 @@ class ActionTable:
     def texts_of(self, rank: int) -> list[str]:
         """Rank ``rank``'s list as action texts (``str(action)``), without making actions."""
         lo, hi = int(self.offsets[rank]), int(self.offsets[rank + 1])
-        columns = [c[lo:hi].tolist() for c in (
-            self.kind, self.stage, self.mb, self.back_kind, self.back_stage, self.back_mb)]
+        columns = [
+            c[lo:hi].tolist()
+            for c in (self.kind, self.stage, self.mb, self.back_kind, self.back_stage, self.back_mb)
+        ]
         names = [k.value for k in KINDS]
         return [
-            f"({stage}F{mb};{back_stage}{names[back]}{back_mb})OVERLAP_F_B" if code == OVERLAP
+            f"({stage}F{mb};{back_stage}{names[back]}{back_mb})OVERLAP_F_B"
+            if code == OVERLAP
             else f"{stage}{names[code]}{mb}"
             for code, stage, mb, back, back_stage, back_mb in zip(*columns)
         ]
@@ -233,6 +254,7 @@ class ActionTable:
 
     def digest(self) -> bytes:
         """A content hash of the columns (equal tables, equal digests)."""
+
         def make() -> bytes:
             h = hashlib.blake2b(digest_size=16)
             for column in (self.offsets, self.kind, self.stage, self.mb, *(self._back or ())):

@@ -24,7 +24,7 @@ from ..schedule.table import KINDS, OVERLAP, ActionTable
 from .costs import Costs
 from .programs import action_ops, half_ends, op_times
 
-_EXACT_LIMIT = 2 ** 53
+_EXACT_LIMIT = 2**53
 
 
 class ActionCosts:
@@ -49,11 +49,13 @@ class ActionCosts:
             mult_class = np.zeros(max(num_stages, 1), dtype=np.int64)
         classes = int(mult_class.max(initial=0)) + 1
         stage_class = mult_class[np.clip(table.stage, 0, len(mult_class) - 1)]
-        back_class = np.where(table.kind == OVERLAP,
-                              mult_class[np.clip(table.back_stage, 0, len(mult_class) - 1)], 0)
+        back_class = np.where(
+            table.kind == OVERLAP, mult_class[np.clip(table.back_stage, 0, len(mult_class) - 1)], 0
+        )
         kind, back_kind = table.kind.astype(np.int64), table.back_kind.astype(np.int64)
-        key = ((kind * (len(KINDS) + 1) + back_kind + 1) * classes
-               + stage_class) * classes + back_class
+        key = (
+            (kind * (len(KINDS) + 1) + back_kind + 1) * classes + stage_class
+        ) * classes + back_class
         first, template = _first_and_inverse(key)
         return template.reshape(-1), first
 
@@ -62,8 +64,9 @@ class ActionCosts:
         kind, stage, mb = KINDS[table.kind[row]], int(table.stage[row]), int(table.mb[row])
         if table.kind[row] != OVERLAP:
             return Action(stage, kind, mb)
-        back = Action(int(table.back_stage[row]), KINDS[table.back_kind[row]],
-                      int(table.back_mb[row]))
+        back = Action(
+            int(table.back_stage[row]), KINDS[table.back_kind[row]], int(table.back_mb[row])
+        )
         return Action.overlap(Action(stage, KINDS[0], mb), back)
 
     def _exact(self, costs: Costs) -> bool:

@@ -40,9 +40,13 @@ def budget_sweep(
     plain = build_schedule(name, pp, num_microbatches, **options)
     plain_point = _point(None, plain, costs)
     points = [
-        _point(budget, build_schedule(
-            name, pp, num_microbatches, overlap=True, max_extra_in_flight=budget, **options
-        ), costs)
+        _point(
+            budget,
+            build_schedule(
+                name, pp, num_microbatches, overlap=True, max_extra_in_flight=budget, **options
+            ),
+            costs,
+        )
         for budget in [*range(pp + 1), None]
     ]
     return plain_point, points
@@ -55,8 +59,10 @@ def _point(budget: int | None, schedule: Schedule, costs: Costs) -> BudgetPoint:
 
 def format_sweep(plain: BudgetPoint, points: list[BudgetPoint]) -> str:
     """The sweep as a table: budget, makespan and its ratio to plain, peak in flight, pairs."""
-    lines = ["budget K  makespan  vs plain  peak in flight (per rank)  pairs",
-             _row("plain", plain, plain)]
+    lines = [
+        "budget K  makespan  vs plain  peak in flight (per rank)  pairs",
+        _row("plain", plain, plain),
+    ]
     lines += [_row("unbounded" if p.budget is None else str(p.budget), p, plain) for p in points]
     return "\n".join(lines)
 

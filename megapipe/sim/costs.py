@@ -70,14 +70,19 @@ class NodeCosts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"NodeCosts {name} must be an integer >= 1, got {value!r}")
         if self.early_sends is not None and self.early_sends not in EARLY_RULES:
-            raise ValueError(f"NodeCosts early_sends={self.early_sends!r} is not one of "
-                             f"{', '.join(EARLY_RULES)}")
+            raise ValueError(
+                f"NodeCosts early_sends={self.early_sends!r} is not one of {', '.join(EARLY_RULES)}"
+            )
         if not self.host_cost >= 0:
             raise ValueError(f"NodeCosts host_cost must be >= 0, got {self.host_cost!r}")
-        if isinstance(self.moe_layers, bool) or not isinstance(self.moe_layers, int) \
-                or self.moe_layers < 0:
+        if (
+            isinstance(self.moe_layers, bool)
+            or not isinstance(self.moe_layers, int)
+            or self.moe_layers < 0
+        ):
             raise ValueError(
-                f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}")
+                f"NodeCosts moe_layers must be an integer >= 0, got {self.moe_layers!r}"
+            )
 
     def stage_class(self, stage: int) -> int:
         """0 a middle stage, 1 the first, 2 the last, 3 both (their actions differ)."""
@@ -118,7 +123,6 @@ class NodeCosts:
         """A W action of one stage: the weight gradients its I left."""
         roles = ("mlp",) if self.combined else ("attn", "mlp")
         return self.moe_layers * sum(self.profile.time(r, "W") for r in roles)
-
 
 
 @dataclass(frozen=True)
@@ -177,9 +181,7 @@ class Costs:
             raise ValueError(f"moe_layers must be >= 0, got {self.moe_layers}")
         _check_duration("attention_share", self.attention_share)
         if self.attention_share > 1:
-            raise ValueError(
-                f"attention_share must lie in [0, 1], got {self.attention_share!r}"
-            )
+            raise ValueError(f"attention_share must lie in [0, 1], got {self.attention_share!r}")
 
     @property
     def input_grad(self) -> float:

@@ -41,8 +41,11 @@ class DPCosts:
     buckets: int = 1
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.reduce, (int, float)) and math.isfinite(self.reduce)
-                and self.reduce >= 0):
+        if not (
+            isinstance(self.reduce, (int, float))
+            and math.isfinite(self.reduce)
+            and self.reduce >= 0
+        ):
             raise ValueError(f"dp reduce cost {self.reduce!r} must be a finite number >= 0")
         if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1:
             raise ValueError(f"dp buckets {self.buckets!r} must be an integer >= 1")
@@ -116,7 +119,11 @@ def dp_reduction(schedule: Schedule, result: SimResult, costs: DPCosts) -> DPRed
         exposed.append(max(0.0, free - last) if ready else 0.0)
     plain = result.makespan
     return DPReduction(
-        costs, tuple(totals), tuple(ends), tuple(exposed), plain,
+        costs,
+        tuple(totals),
+        tuple(ends),
+        tuple(exposed),
+        plain,
         max((e + t for e, t in zip(ends, totals)), default=plain),
         max((e + x for e, x in zip(ends, exposed)), default=plain),
     )

@@ -88,9 +88,16 @@ class _Geometry:
         assert not isinstance(face, str)  # a labelled box is an action's, in its shade
         luminance = 0.3 * face[0] + 0.59 * face[1] + 0.11 * face[2]
         if size >= 4.5:
-            ax.text(box.x + box.width / 2, box.y + box.height / 2, text, ha="center",
-                    va="center", fontsize=size, fontweight="bold",
-                    color="black" if luminance > 0.6 else "white")
+            ax.text(
+                box.x + box.width / 2,
+                box.y + box.height / 2,
+                text,
+                ha="center",
+                va="center",
+                fontsize=size,
+                fontweight="bold",
+                color="black" if luminance > 0.6 else "white",
+            )
 
 
 def draw_timeline(
@@ -113,8 +120,13 @@ def draw_timeline(
     per_rank = max((len(result.actions_of(r)) for r in range(pp)), default=1)
     width = min(max(10.0, 0.42 * per_rank + 2.5), 40.0)
     fig, ax = plt.subplots(figsize=(width, 2.0 + 0.75 * pp), dpi=110)
-    geometry = _Geometry(local_chunk, max(local_chunk.values(), default=0) + 1,
-                     result.makespan or 1.0, width * 0.86, 0.62 if show_comm else 0.8)
+    geometry = _Geometry(
+        local_chunk,
+        max(local_chunk.values(), default=0) + 1,
+        result.makespan or 1.0,
+        width * 0.86,
+        0.62 if show_comm else 0.8,
+    )
     boxes, seen = _action_boxes(result, geometry, ax)
     if show_comm:
         boxes += _comm_boxes(result, geometry.top + geometry.box_h + 0.04, 0.16)
@@ -128,13 +140,22 @@ def _draw_boxes(ax, boxes: list[_Box]) -> None:
     """Every box, actions and all-to-alls, as one matplotlib collection on ``ax``."""
     from matplotlib.collections import PolyCollection
 
-    ax.add_collection(PolyCollection(
-        [[(b.x, b.y), (b.x + b.width, b.y), (b.x + b.width, b.y + b.height), (b.x, b.y + b.height)]
-         for b in boxes],
-        facecolors=[b.face for b in boxes],
-        edgecolors=[b.edge for b in boxes],
-        linewidths=[b.line for b in boxes],
-    ))
+    ax.add_collection(
+        PolyCollection(
+            [
+                [
+                    (b.x, b.y),
+                    (b.x + b.width, b.y),
+                    (b.x + b.width, b.y + b.height),
+                    (b.x, b.y + b.height),
+                ]
+                for b in boxes
+            ],
+            facecolors=[b.face for b in boxes],
+            edgecolors=[b.edge for b in boxes],
+            linewidths=[b.line for b in boxes],
+        )
+    )
 
 
 def _label_axes(ax, result: SimResult, geometry: _Geometry, title: str, seen: set) -> None:
@@ -150,8 +171,14 @@ def _label_axes(ax, result: SimResult, geometry: _Geometry, title: str, seen: se
         ax.spines[side].set_visible(False)
     ax.set_title(title, fontsize=10, loc="left")
     handles = _legend_handles(result, geometry, seen)
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
-              ncol=min(len(handles), 4), fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.4 / (0.75 * pp)),
+        ncol=min(len(handles), 4),
+        fontsize=8,
+        frameon=False,
+    )
 
 
 def _action_boxes(result: SimResult, geometry: _Geometry, ax) -> tuple[list[_Box], set]:
@@ -185,8 +212,9 @@ def _legend_handles(result: SimResult, geometry: _Geometry, seen: set) -> list:
                 name = _NAMES[kind] + (f", chunk {chunk}" if geometry.chunks > 1 else "")
                 handles.append(Patch(facecolor=geometry.shade(probe), label=name))
     if "overlap" in seen:
-        handles.append(Patch(fill=False, edgecolor="black", linewidth=1.4,
-                             label="OVERLAP (F top, B/I below)"))
+        handles.append(
+            Patch(fill=False, edgecolor="black", linewidth=1.4, label="OVERLAP (F top, B/I below)")
+        )
     if sum(result.comm) - sum(result.exposed_comm) > 1e-9:
         handles.append(Patch(facecolor=_HIDDEN, label="all-to-all hidden"))
     if sum(result.exposed_comm) > 1e-9:

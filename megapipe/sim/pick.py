@@ -67,8 +67,10 @@ class Choice:
     def describe(self) -> str:
         """A one-line summary naming every part of the choice."""
         overlap = "off" if self.budget is None else f"on K={self.budget}"
-        return (f"{self.schedule} vpp={self.vpp} overlap {overlap} recompute {self.recompute}: "
-                f"makespan {self.makespan:g}, peak {self.peak_bytes:g} bytes")
+        return (
+            f"{self.schedule} vpp={self.vpp} overlap {overlap} recompute {self.recompute}: "
+            f"makespan {self.makespan:g}, peak {self.peak_bytes:g} bytes"
+        )
 
 
 def candidate_schedules(
@@ -111,10 +113,13 @@ def chunk_costs(costs: Costs, share: float) -> Costs:
     """``costs`` of one plain stage scaled to a chunk holding ``share`` of its layers."""
     if share == 1:
         return costs
-    return dataclasses.replace(costs, **{
-        name: getattr(costs, name) * share
-        for name in ("forward", "backward", "weight", "dispatch", "combine")
-    })
+    return dataclasses.replace(
+        costs,
+        **{
+            name: getattr(costs, name) * share
+            for name in ("forward", "backward", "weight", "dispatch", "combine")
+        },
+    )
 
 
 def with_recompute(costs: Costs, recompute: Recompute) -> Costs:
@@ -123,8 +128,12 @@ def with_recompute(costs: Costs, recompute: Recompute) -> Costs:
 
 
 def all_choices(
-    pp: int, num_microbatches: int, costs: Costs, activation_bytes: float,
-    recompute: Recompute = Recompute(), full: Recompute = FULL_RECOMPUTE,
+    pp: int,
+    num_microbatches: int,
+    costs: Costs,
+    activation_bytes: float,
+    recompute: Recompute = Recompute(),
+    full: Recompute = FULL_RECOMPUTE,
 ) -> list[Choice]:
     """Every choice simulated, fastest first (then the one holding less, then fewer parts).
     ``recompute``: selective recompute's trade; ``full``: full recompute's."""
@@ -139,14 +148,26 @@ def all_choices(
         ]
         for recomputed, action_costs, kept in options:
             makespan = simulate(schedule, action_costs).makespan
-            choices.append(Choice(name, vpp, budget, recomputed, makespan,
-                                  peak_bytes(schedule, activation_bytes, kept)))
+            choices.append(
+                Choice(
+                    name,
+                    vpp,
+                    budget,
+                    recomputed,
+                    makespan,
+                    peak_bytes(schedule, activation_bytes, kept),
+                )
+            )
     return sorted(choices, key=_rank_key)
 
 
 def _rank_key(choice: Choice) -> tuple:
-    return (choice.makespan, choice.peak_bytes, RECOMPUTE_PREFERENCE.index(choice.recompute),
-            -1 if choice.budget is None else choice.budget)
+    return (
+        choice.makespan,
+        choice.peak_bytes,
+        RECOMPUTE_PREFERENCE.index(choice.recompute),
+        -1 if choice.budget is None else choice.budget,
+    )
 
 
 def pick(choices: list[Choice], memory_budget: float) -> list[Choice]:
@@ -170,19 +191,27 @@ def format_pick(choices: list[Choice], memory_budget: float, top: int = 5) -> st
     fitting = pick(choices, memory_budget)
     if not fitting:
         smallest = min(choice.peak_bytes for choice in choices)
-        return (f"no choice fits the memory budget of {memory_budget:g} bytes: the smallest "
-                f"needs {smallest:g} bytes")
-    lines = [f"best: {fitting[0].describe()}", "",
-             "schedule          vpp  overlap  recompute   makespan  peak bytes"]
+        return (
+            f"no choice fits the memory budget of {memory_budget:g} bytes: the smallest "
+            f"needs {smallest:g} bytes"
+        )
+    lines = [
+        f"best: {fitting[0].describe()}",
+        "",
+        "schedule          vpp  overlap  recompute   makespan  peak bytes",
+    ]
     for choice in fitting[:top]:
         overlap = "off" if choice.budget is None else f"K={choice.budget}"
-        lines.append(f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {choice.recompute:<9} "
-                     f"{choice.makespan:>10g}  {choice.peak_bytes:>10g}")
+        lines.append(
+            f"{choice.schedule:<17} {choice.vpp:>3}  {overlap:<7}  {choice.recompute:<9} "
+            f"{choice.makespan:>10g}  {choice.peak_bytes:>10g}"
+        )
     return "\n".join(lines)
 
 
-def choose_a2a_waves(schedule: Schedule, nodes: NodeCosts, max_waves: int = 4,
-                      tolerance: float = 0.01) -> int:
+def choose_a2a_waves(
+    schedule: Schedule, nodes: NodeCosts, max_waves: int = 4, tolerance: float = 0.01
+) -> int:
     """The default of ``--moe-a2a-waves``: the smallest k in 1..``max_waves`` whose simulated
     step is within ``tolerance`` of the fastest (waves that gain nothing are not worth their
     extra latency and smaller GEMMs, which the profile does not price)."""

@@ -38,8 +38,12 @@ WGRAD_ITEMS = 3  # the weight-gradient GEMMs an experts node defers (gate, up, d
 
 
 def _number(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"profile {where} must be a finite number of ms >= 0, got {value!r}")
     return float(value)
 

@@ -88,9 +88,10 @@ def action_ops(action: Action, costs: Costs) -> list[NodeOp]:
         return node_ops(action, costs.nodes)
     layers = costs.moe_layers
     if action.kind is Kind.W or layers == 0:
-        return [NodeOp(COMPUTE, "compute", half, None,
-                       costs.compute(half.kind, plain_key(half)[0]), ())
-                for half in action.computations()]
+        return [
+            NodeOp(COMPUTE, "compute", half, None, costs.compute(half.kind, plain_key(half)[0]), ())
+            for half in action.computations()
+        ]
     forward, backward = _halves(action)
     order = IssueOrder([_LAYER_KINDS] * (layers if backward is not None else 0))
     for _ in range(layers if forward is not None else 0):
@@ -119,9 +120,12 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
     b_layers = nodes.layers(plain_key(backward)[0]) if backward is not None else []
     defer = nodes.defer_wgrad and backward is not None and backward.kind is Kind.B
     b_times = [nodes.node_times(roles) for roles in b_layers]
-    order = IssueOrder([nodes.kinds(r) for r in b_layers], defer_wgrad=defer,
-                       backward_times=b_times if nodes.wgrad_by_time else None,
-                       host_runs_compute=nodes.host_runs_compute)
+    order = IssueOrder(
+        [nodes.kinds(r) for r in b_layers],
+        defer_wgrad=defer,
+        backward_times=b_times if nodes.wgrad_by_time else None,
+        host_runs_compute=nodes.host_runs_compute,
+    )
     f_layers = nodes.layers(plain_key(forward)[0]) if forward is not None else []
     for roles in f_layers:
         order.forward_layer(nodes.kinds(roles), nodes.node_times(roles))
@@ -143,14 +147,21 @@ def node_ops(action: Action, nodes: NodeCosts) -> list[NodeOp]:
     return _program(order.issues, node, nodes.host_runs_compute)
 
 
-def _program(issues: Sequence[Issue], node: Callable[[Issue], tuple[str, Action, float]],
-             host_runs_compute: bool = False, order: Sequence[int] | None = None) -> list[NodeOp]:
+def _program(
+    issues: Sequence[Issue],
+    node: Callable[[Issue], tuple[str, Action, float]],
+    host_runs_compute: bool = False,
+    order: Sequence[int] | None = None,
+) -> list[NodeOp]:
     """``issues`` as ``NodeOp``s, listed in ``order`` (positions in ``issues``; default as
     ordered), each issue's needs renumbered to it; on a CPU host a comm node also needs the
     compute node before it."""
     order = range(len(issues)) if order is None else order
-    listed_as = {issues[ordered].name: listed for listed, ordered in enumerate(order)
-                 if issues[ordered].side != "W"}
+    listed_as = {
+        issues[ordered].name: listed
+        for listed, ordered in enumerate(order)
+        if issues[ordered].side != "W"
+    }
     ops: list[NodeOp] = []
     last_compute: int | None = None
     for ordered in order:
@@ -171,8 +182,9 @@ class _WeightShares:
     first ceil(n/2) of the n left, TAIL the rest, FILL its ``count``, REST everything left."""
 
     def __init__(self, b_times: Sequence[Sequence[NodeTimes]]) -> None:
-        self.left = [deque(item for times in reversed(layer) for item in times.wgrad)
-                     for layer in b_times]
+        self.left = [
+            deque(item for times in reversed(layer) for item in times.wgrad) for layer in b_times
+        ]
 
     def take(self, issue: Issue) -> float:
         if issue.share == REST:
@@ -197,8 +209,10 @@ def _duration(op: NodeOp) -> float:
 def time_action(action: Action, start: float, costs: Costs) -> tuple[Segment, ...]:
     """The timed nodes of a compute action started at ``start`` on an otherwise idle rank."""
     ops = action_ops(action, costs)
-    return tuple(Segment(op.stream, op.part, op.action, op.layer, begin, end)
-                 for op, (begin, end) in zip(ops, op_times(ops, start)))
+    return tuple(
+        Segment(op.stream, op.part, op.action, op.layer, begin, end)
+        for op, (begin, end) in zip(ops, op_times(ops, start))
+    )
 
 
 def half_ends(ops: Sequence[NodeOp], times: Sequence[tuple], rule: str) -> tuple[float, float]:

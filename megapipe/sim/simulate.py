@@ -77,8 +77,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     """Run ``schedule`` under ``costs``; raise ScheduleError if it cannot finish (a deadlock)."""
     costs.check_stages(schedule.num_stages)
     table = schedule.table
-    work = schedule if table.compute_only else schedule.replace_actions(
-        table.select(~is_comm(table.kind)))
+    work = (
+        schedule
+        if table.compute_only
+        else schedule.replace_actions(table.select(~is_comm(table.kind)))
+    )
     _check_actions(schedule, work)
     if costs.nodes is not None and costs.nodes.early_sends is None and table.has_overlap:
         costs = replace(costs, nodes=replace(costs.nodes, early_sends=executor_rule(work)))
@@ -106,12 +109,14 @@ def _raise_remade(work: Schedule, graph: ActionGraph, timed: ActionTimes) -> Non
     raise ScheduleError(
         f"{_product_text(graph.space.product(product))} runs twice "
         f"(also in {first_action} on rank {first_rank})",
-        rank, action,
+        rank,
+        action,
     )
 
 
-def _raise_stuck(schedule: Schedule, work: Schedule, graph: ActionGraph,
-                 timed: ActionTimes) -> None:
+def _raise_stuck(
+    schedule: Schedule, work: Schedule, graph: ActionGraph, timed: ActionTimes
+) -> None:
     done = MadeTimes(graph.space, timed.arrive)
     waits = []
     for rank, row in timed.stuck.items():
@@ -126,8 +131,9 @@ def _sum(values: np.ndarray):
     return float(np.cumsum(values)[-1]) if len(values) else 0
 
 
-def _result(schedule: Schedule, work: Schedule, pieces: ActionCosts, timed: ActionTimes,
-            costs: Costs) -> SimResult:
+def _result(
+    schedule: Schedule, work: Schedule, pieces: ActionCosts, timed: ActionTimes, costs: Costs
+) -> SimResult:
     table = work.table
     start = np.asarray(timed.start, dtype=np.float64)
     end = np.asarray(timed.end, dtype=np.float64)

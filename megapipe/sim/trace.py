@@ -53,14 +53,25 @@ def trace_events(result: SimResult) -> list[dict]:
         )
         for stream, tid in _TID.items():
             events.append(
-                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                 "args": {"name": stream}}
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": stream},
+                }
             )
     for timed in result.timeline:
         nested = bool(timed.halves) or len(timed.segments) > 1
         events.append(
-            _slice(str(timed.action), timed.rank, _TID[COMPUTE], timed.start, timed.end,
-                   {"kind": timed.action.kind.value})
+            _slice(
+                str(timed.action),
+                timed.rank,
+                _TID[COMPUTE],
+                timed.start,
+                timed.end,
+                {"kind": timed.action.kind.value},
+            )
         )
         for seg in timed.segments:
             if seg.end <= seg.start:

@@ -45,9 +45,12 @@ def _math_attention():  # noqa: ANN202
 def deterministic_kernels(strict: bool = True) -> Iterator[None]:
     """Deterministic kernels inside the block (module docstring); the previous settings after."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
-    previous = (torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled(),
-                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
     torch.use_deterministic_algorithms(True, warn_only=not strict)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:

@@ -52,8 +52,9 @@ class ExitPolicy:
         if config.exit_signal_handler or duration is not None:
             minutes = (time.monotonic() - self.started) / 60
             late = duration is not None and minutes >= duration
-            flags = torch.tensor([float(self.signalled is not None), float(late)],
-                                 device=self.device)
+            flags = torch.tensor(
+                [float(self.signalled is not None), float(late)], device=self.device
+            )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             if flags[0] > 0:
                 return f"{self.signalled or 'SIGTERM'} received"

@@ -39,8 +39,11 @@ WAITS: tuple[tuple[str, str | None, str], ...] = (
 """(file, function or None for any, what the rank waited on): the innermost match names it."""
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
-_PEER_GONE = re.compile(r"connection (closed|reset)|broken pipe|peer|ECONNRESET|EPIPE|"
-                        r"socket closed|unexpected end", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"connection (closed|reset)|broken pipe|peer|ECONNRESET|EPIPE|"
+    r"socket closed|unexpected end",
+    re.IGNORECASE,
+)
 
 
 def debug_enabled() -> bool:

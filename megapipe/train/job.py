@@ -86,8 +86,9 @@ def job_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_job(config: JobConfig, start_from: str | None = None,
-              clock: Callable[[], float] = time.perf_counter) -> Job:
+def build_job(
+    config: JobConfig, start_from: str | None = None, clock: Callable[[], float] = time.perf_counter
+) -> Job:
     """Groups, schedule, stages, executor, data, optimizer (needs the default process group);
     each part from its typed configuration (``config``). The weights are the seed's, or with
     ``start_from`` those of that Hugging Face directory (``--load-hf``; checked beforehand by
@@ -97,9 +98,11 @@ def build_job(config: JobConfig, start_from: str | None = None,
     random.seed(config.seed)
     device = job_device()
     optim = config.optimizer
-    groups = create_groups(config.parallel,
-                           high_priority=config.overlap.high_priority_stream_groups,
-                           timeout=config.failures.timeout)
+    groups = create_groups(
+        config.parallel,
+        high_priority=config.overlap.high_priority_stream_groups,
+        timeout=config.failures.timeout,
+    )
     schedule = config.schedule.build()
     stages = _stages(config, schedule, groups, device, start_from)
     modules = [stages[s] for s in sorted(stages)]
@@ -109,41 +112,69 @@ def build_job(config: JobConfig, start_from: str | None = None,
     job_data = build_data(config, config.parallel.dp, groups.dp_rank)
     counts = job_data.byte_counts
     return Job(
-        config=config, device=device, groups=groups, schedule=schedule, stages=stages,
-        executor=executor, data_line=job_data.description, batches=job_data.batches,
-        valid=job_data.valid, byte_counts=None if counts is None else counts.to(device),
+        config=config,
+        device=device,
+        groups=groups,
+        schedule=schedule,
+        stages=stages,
+        executor=executor,
+        data_line=job_data.description,
+        batches=job_data.batches,
+        valid=job_data.valid,
+        byte_counts=None if counts is None else counts.to(device),
         optimizer=optimizer,
-        lr_schedule=LRSchedule(optim.lr, optim.min_lr, optim.warmup_iters,
-                               max(1, optim.decay_end - optim.warmup_iters), optim.decay_style),
+        lr_schedule=LRSchedule(
+            optim.lr,
+            optim.min_lr,
+            optim.warmup_iters,
+            max(1, optim.decay_end - optim.warmup_iters),
+            optim.decay_style,
+        ),
         all_params=unique_params(modules),
-        norm_params=[p for p in unique_params([stages[s] for s in norm_stages])
-                     if not getattr(p, "shared", False)],
-        dp_sync=dp_sync, overlap_auto=overlap_auto,
+        norm_params=[
+            p
+            for p in unique_params([stages[s] for s in norm_stages])
+            if not getattr(p, "shared", False)
+        ],
+        dp_sync=dp_sync,
+        overlap_auto=overlap_auto,
     )
 
 
-def _stages(config: JobConfig, schedule: Schedule, groups: ProcessGroups, device: torch.device,
-            start_from: str | None) -> dict[int, nn.Module]:
+def _stages(
+    config: JobConfig,
+    schedule: Schedule,
+    groups: ProcessGroups,
+    device: torch.device,
+    start_from: str | None,
+) -> dict[int, nn.Module]:
     """This rank's stages of the model: the seed's weights or ``start_from``'s, then in bf16
     when asked (flat buffers give the parameters their main_grad themselves)."""
     stages: dict[int, nn.Module] = {
-        s: build_stage(config.model, schedule.model_part(s), schedule.stages_per_pipeline,
-                       ep_group=groups.ep).to(device)
+        s: build_stage(
+            config.model, schedule.model_part(s), schedule.stages_per_pipeline, ep_group=groups.ep
+        ).to(device)
         for s in schedule.stages_of_rank(groups.pp_rank)
     }
     if start_from is not None:  # before the bf16 cast and the optimizer's fp32 copies
         _copy_hf_weights(start_from, config.model, stages)
     if config.precision.bf16:
         modules = [stages[s] for s in sorted(stages)]
-        cast_to_bf16(modules, [] if config.data_parallel.flat_grad_buffers
-                     else unique_params(modules))
+        cast_to_bf16(
+            modules, [] if config.data_parallel.flat_grad_buffers else unique_params(modules)
+        )
     return stages
 
 
-def _executors(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],
-               groups: ProcessGroups, dp_sync: DataParallelSync | None,
-               clock: Callable[[], float], device: torch.device,
-               ) -> tuple[PipelineExecutor, OverlapAuto | None]:
+def _executors(
+    config: JobConfig,
+    schedule: Schedule,
+    stages: dict[int, nn.Module],
+    groups: ProcessGroups,
+    dp_sync: DataParallelSync | None,
+    clock: Callable[[], float],
+    device: torch.device,
+) -> tuple[PipelineExecutor, OverlapAuto | None]:
     """The executor the step runs; with the overlap's auto mode also the plain schedule's, over
     the same stages, and the ``OverlapAuto`` that chooses between them."""
     overlap = config.overlap
@@ -151,27 +182,44 @@ def _executors(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Modul
     if not overlap.auto:
         return executor, None
     plain = replace(config.schedule, overlap=False).build()
-    overlap_auto = OverlapAuto(_executor(config, plain, stages, groups, dp_sync,
-                                         record_trace=False),
-                               executor, overlap.auto_interval, clock, device=device)
+    overlap_auto = OverlapAuto(
+        _executor(config, plain, stages, groups, dp_sync, record_trace=False),
+        executor,
+        overlap.auto_interval,
+        clock,
+        device=device,
+    )
     return overlap_auto.executor, overlap_auto
 
 
-def _executor(config: JobConfig, schedule: Schedule, stages: dict[int, nn.Module],
-              groups: ProcessGroups, dp_sync: DataParallelSync | None,
-              record_trace: bool) -> PipelineExecutor:
+def _executor(
+    config: JobConfig,
+    schedule: Schedule,
+    stages: dict[int, nn.Module],
+    groups: ProcessGroups,
+    dp_sync: DataParallelSync | None,
+    record_trace: bool,
+) -> PipelineExecutor:
     """The pipeline executor of ``schedule`` over this rank's ``stages``; with CUDA graphs and
     the flat buffers, its replays wait for the parameter gathers (a replay runs no module hook)."""
     overlap, model, data = config.overlap, config.model, config.data
     executor = PipelineExecutor(
-        schedule, stages, ExecutorOptions(
-            groups=groups, loss_fn=gpt_loss,
+        schedule,
+        stages,
+        ExecutorOptions(
+            groups=groups,
+            loss_fn=gpt_loss,
             grad_reduction="none" if dp_sync is not None else "dp",
-            spec=TensorSpec((data.micro_batch_size, model.seq_length, model.hidden_size),
-                            torch.bfloat16 if config.precision.bf16 else torch.float32),
-            delay_wgrad_compute=overlap.delay_wgrad_compute, moe_a2a_waves=overlap.moe_a2a_waves,
-            record_trace=record_trace, measure_activations=config.logging.activation_memory,
-            timeout=config.failures.timeout.total_seconds(), cuda_graph_impl=config.graphs.impl,
+            spec=TensorSpec(
+                (data.micro_batch_size, model.seq_length, model.hidden_size),
+                torch.bfloat16 if config.precision.bf16 else torch.float32,
+            ),
+            delay_wgrad_compute=overlap.delay_wgrad_compute,
+            moe_a2a_waves=overlap.moe_a2a_waves,
+            record_trace=record_trace,
+            measure_activations=config.logging.activation_memory,
+            timeout=config.failures.timeout.total_seconds(),
+            cuda_graph_impl=config.graphs.impl,
             cuda_graph_modules=config.graphs.modules,
         ),
     )
@@ -193,8 +241,11 @@ def _copy_hf_weights(directory: str, model: GPTConfig, stages: dict[int, nn.Modu
 
 
 def _optimizer(
-    config: JobConfig, stages: dict[int, nn.Module], groups: ProcessGroups,
-    device: torch.device, norm_stages: list[int],
+    config: JobConfig,
+    stages: dict[int, nn.Module],
+    groups: ProcessGroups,
+    device: torch.device,
+    norm_stages: list[int],
 ) -> tuple[DataParallelSync | None, torch.optim.Optimizer | MixedPrecisionAdamW | FlatAdamW]:
     """AdamW over the parameters, or with ``--overlap-grad-reduce`` /
     ``--use-distributed-optimizer`` the flat buffers, their collectives and AdamW over them."""
@@ -203,15 +254,28 @@ def _optimizer(
     if not dp.flat_grad_buffers:
         return None, build_optimizer(modules, optim.lr, optim.weight_decay, mixed_precision=bf16)
     buffers = {
-        s: stage_buffers(stages[s], groups.dp, groups.expert_dp, dp.bucket_size,
-                         dp.distributed_optimizer, is_expert_param)
+        s: stage_buffers(
+            stages[s],
+            groups.dp,
+            groups.expert_dp,
+            dp.bucket_size,
+            dp.distributed_optimizer,
+            is_expert_param,
+        )
         for s in sorted(stages)
     }
-    sync = DataParallelSync(stages, buffers, config.parallel.dp, device,
-                            overlap=dp.overlap_grad_reduce,
-                            overlap_param_gather=dp.overlap_param_gather, link=dp.link())
-    return sync, FlatAdamW(buffers, sync, optim.lr, optim.weight_decay, mixed_precision=bf16,
-                           norm_stages=norm_stages)
+    sync = DataParallelSync(
+        stages,
+        buffers,
+        config.parallel.dp,
+        device,
+        overlap=dp.overlap_grad_reduce,
+        overlap_param_gather=dp.overlap_param_gather,
+        link=dp.link(),
+    )
+    return sync, FlatAdamW(
+        buffers, sync, optim.lr, optim.weight_decay, mixed_precision=bf16, norm_stages=norm_stages
+    )
 
 
 def describe(job: Job) -> list[str]:
@@ -248,27 +312,30 @@ def describe(job: Job) -> list[str]:
 
 def model_text(model: GPTConfig) -> str:
     """The log's model line: shape and architecture, every choice named."""
-    moe = (f"{model.num_experts} experts top-{model.moe_top_k}" if model.num_experts
-           else "dense")
+    moe = f"{model.num_experts} experts top-{model.moe_top_k}" if model.num_experts else "dense"
     if model.num_experts and model.first_k_dense_layers:
         moe += f" after {model.first_k_dense_layers} dense layer(s)"
-    groups = (f", {model.query_groups} query groups" if model.query_groups != model.num_heads
-              else "")
-    position = ("rope" if model.position_embedding_type == "rope"
-                else "learned absolute positions")
-    return (f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, {moe}; "
-            f"attention {model.num_heads} heads of {model.head_dim}{groups}, {position}"
-            f"{', QK norm' if model.qk_layernorm else ''}; RMSNorm, SwiGLU, no biases, "
-            f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings")
+    groups = f", {model.query_groups} query groups" if model.query_groups != model.num_heads else ""
+    position = "rope" if model.position_embedding_type == "rope" else "learned absolute positions"
+    return (
+        f"model: GPT, {model.num_layers} layers, hidden {model.hidden_size}, {moe}; "
+        f"attention {model.num_heads} heads of {model.head_dim}{groups}, {position}"
+        f"{', QK norm' if model.qk_layernorm else ''}; RMSNorm, SwiGLU, no biases, "
+        f"{'untied' if model.untie_embeddings_and_output_weights else 'tied'} embeddings"
+    )
 
 
 def tokenizer_text(config: JobConfig) -> str:
     """The log's tokenizer line: which, its size, the model's padded vocabulary."""
     tok = config.tokenizer
-    which = ("ByteTokenizer (one token per byte)" if tok.tokenizer_type == "ByteTokenizer"
-             else f"{tok.tokenizer_type} {tok.tokenizer_model}")
-    return (f"tokenizer: {which}, {tok.vocab_size:,} tokens; model vocabulary "
-            f"{tok.padded_vocab_size:,}")
+    which = (
+        "ByteTokenizer (one token per byte)"
+        if tok.tokenizer_type == "ByteTokenizer"
+        else f"{tok.tokenizer_type} {tok.tokenizer_model}"
+    )
+    return (
+        f"tokenizer: {which}, {tok.vocab_size:,} tokens; model vocabulary {tok.padded_vocab_size:,}"
+    )
 
 
 def data_parallel_text(job: Job) -> str:
@@ -280,10 +347,11 @@ def data_parallel_text(job: Job) -> str:
     when = "as each is final in the backward" if dp.overlap_grad_reduce else "after the step"
     text = f"data parallel: gradients reduced in {buckets} bucket(s) on rank 0, {when}"
     if dp.distributed_optimizer:
-        text += (f"; AdamW state sharded over dp {parallel.dp} (experts over expert-dp "
-                 f"{parallel.expert_dp}), updated weights all-gathered "
-                 + ("behind the next step's forwards" if dp.overlap_param_gather
-                    else "after the step"))
+        text += (
+            f"; AdamW state sharded over dp {parallel.dp} (experts over expert-dp "
+            f"{parallel.expert_dp}), updated weights all-gathered "
+            + ("behind the next step's forwards" if dp.overlap_param_gather else "after the step")
+        )
     text += f"; optimizer state {optimizer_state_bytes(job.optimizer) / 2**20:.2f} MiB on rank 0"
     link = dp.link()
     if link is not None:
@@ -300,10 +368,12 @@ def rank_capacity_text(config: JobConfig) -> str:
     rows = config.data.micro_batch_size * model.seq_length * model.moe_top_k
     lane = lane_rows(rows, factor, ep)
     size = buffer_bytes(lane, ep, model.hidden_size, 2 if config.precision.bf16 else 4)
-    return (f"rank capacity {factor:g}: dispatch in fixed lanes of {lane} rows per EP rank "
-            f"pair ({ep * lane} rows received for {rows} routed), counts on the device; "
-            f"buffers {size / 2**20:.3f} MiB per MoE layer and microbatch; a step that "
-            "overflows on any rank runs again without it")
+    return (
+        f"rank capacity {factor:g}: dispatch in fixed lanes of {lane} rows per EP rank "
+        f"pair ({ep * lane} rows received for {rows} routed), counts on the device; "
+        f"buffers {size / 2**20:.3f} MiB per MoE layer and microbatch; a step that "
+        "overflows on any rank runs again without it"
+    )
 
 
 def precision_text(config: JobConfig) -> str:

@@ -54,19 +54,25 @@ def build_data(config: JobConfig, dp: int, dp_rank: int) -> JobData:
     if not data.indexed:
         files = resolve_data_files(data.paths)
         splits = split_corpus(load_tokens(files), seq)
-        batches: TrainBatches | IndexedTrainBatches = TrainBatches(splits, gbs, mbs, dp,
-                                                                   dp_rank, config.seed)
+        batches: TrainBatches | IndexedTrainBatches = TrainBatches(
+            splits, gbs, mbs, dp, dp_rank, config.seed
+        )
         valid = validation_batches(splits, data.eval_iters, gbs, mbs, dp, dp_rank)
-        line = (f"data: {len(files)} files, {splits.tokens.numel():,} byte tokens, "
-                f"{splits.num_train:,} train / {splits.num_valid:,} validation windows")
+        line = (
+            f"data: {len(files)} files, {splits.tokens.numel():,} byte tokens, "
+            f"{splits.num_train:,} train / {splits.num_valid:,} validation windows"
+        )
         return JobData(batches, valid, line, counts)
-    samples = megatron_sample_counts(config.train_iters, gbs, data.eval_interval,
-                                     data.eval_iters)
-    datasets = build_gpt_datasets(data.paths, data.split, seq, config.seed, samples, tokenizer,
-                                  data.cache_path)
+    samples = megatron_sample_counts(config.train_iters, gbs, data.eval_interval, data.eval_iters)
+    datasets = build_gpt_datasets(
+        data.paths, data.split, seq, config.seed, samples, tokenizer, data.cache_path
+    )
     batches = IndexedTrainBatches(datasets.train, gbs, mbs, dp, dp_rank, config.seed)
-    valid = (indexed_validation_batches(datasets.valid, data.eval_iters, gbs, mbs, dp, dp_rank)
-             if evaluates else [])
+    valid = (
+        indexed_validation_batches(datasets.valid, data.eval_iters, gbs, mbs, dp, dp_rank)
+        if evaluates
+        else []
+    )
     return JobData(batches, valid, _indexed_line(config, datasets), counts)
 
 
@@ -75,9 +81,10 @@ def _indexed_line(config: JobConfig, datasets) -> str:
     samples of Megatron's GPTDataset``."""
     blend = parse_data_path(config.data.paths)
     weights = blend.weights or [None] * len(blend.prefixes)
-    named = ", ".join(f"{w:g} {p}" if w is not None else p
-                      for w, p in zip(weights, blend.prefixes))
+    named = ", ".join(f"{w:g} {p}" if w is not None else p for w, p in zip(weights, blend.prefixes))
     valid = 0 if datasets.valid is None else len(datasets.valid)
-    return (f"data: {len(blend.prefixes)} indexed dataset(s) ({named}), split "
-            f"{config.data.split}: {len(datasets.train):,} train / {valid:,} validation samples "
-            "of Megatron's GPTDataset")
+    return (
+        f"data: {len(blend.prefixes)} indexed dataset(s) ({named}), split "
+        f"{config.data.split}: {len(datasets.train):,} train / {valid:,} validation samples "
+        "of Megatron's GPTDataset"
+    )

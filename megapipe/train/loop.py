@@ -64,8 +64,11 @@ class TrainResult:
         """One iteration's global mean loss, auxiliary loss and gradient norm."""
         if self.first_loss is None:
             self.first_loss = loss
-        for values, value in ((self.losses, loss), (self.aux_losses, aux_loss),
-                              (self.grad_norms, grad_norm)):
+        for values, value in (
+            (self.losses, loss),
+            (self.aux_losses, aux_loss),
+            (self.grad_norms, grad_norm),
+        ):
             values.append(value)
         if len(self.losses) > self.history:
             for values in (self.losses, self.aux_losses, self.grad_norms):
@@ -103,7 +106,9 @@ def _keep_last_key(values: dict[int, V], key: int, value: V, limit: int) -> None
 
 
 def train(
-    config: JobConfig, write: Callable[[str], None] = print, choice: ResumeChoice | None = None,
+    config: JobConfig,
+    write: Callable[[str], None] = print,
+    choice: ResumeChoice | None = None,
     clock: Callable[[], float] = time.perf_counter,
     on_iteration: Callable[[int], None] | None = None,
 ) -> TrainResult:
@@ -119,9 +124,13 @@ def train(
         return _train(config, write, choice, clock, on_iteration)
 
 
-def _train(config: JobConfig, write: Callable[[str], None], choice: ResumeChoice | None,
-           clock: Callable[[], float],
-           on_iteration: Callable[[int], None] | None) -> TrainResult:
+def _train(
+    config: JobConfig,
+    write: Callable[[str], None],
+    choice: ResumeChoice | None,
+    clock: Callable[[], float],
+    on_iteration: Callable[[int], None] | None,
+) -> TrainResult:
     if not dist.is_initialized():
         init_distributed(timeout=config.failures.timeout)
     result = TrainResult()
@@ -140,8 +149,10 @@ def _train(config: JobConfig, write: Callable[[str], None], choice: ResumeChoice
         say(line)
     result.head = len(result.lines)
     try:
-        with ExitPolicy(config.failures, job.device) as exits, \
-                ManualCollector(config.collector) as collector:
+        with (
+            ExitPolicy(config.failures, job.device) as exits,
+            ManualCollector(config.collector) as collector,
+        ):
             result.first_iteration = resume(job, say, choice, decided_here)
             _run(job, result, exits, collector, say, on_iteration)
     finally:
@@ -149,13 +160,24 @@ def _train(config: JobConfig, write: Callable[[str], None], choice: ResumeChoice
     return result
 
 
-def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualCollector,
-         say: Callable[[str], None], on_iteration: Callable[[int], None] | None) -> None:
+def _run(
+    job: Job,
+    result: TrainResult,
+    exits: ExitPolicy,
+    collector: ManualCollector,
+    say: Callable[[str], None],
+    on_iteration: Callable[[int], None] | None,
+) -> None:
     """Iterations from ``result.first_iteration`` to the end, or to an early exit."""
     config, checkpoint, data = job.config, job.config.checkpoint, job.config.data
     iters = config.train_iters
-    logger = TrainingLogger(iters, config.logging.interval, enabled=dist.get_rank() == 0,
-                            tensorboard_dir=config.logging.tensorboard_dir, write=say)
+    logger = TrainingLogger(
+        iters,
+        config.logging.interval,
+        enabled=dist.get_rank() == 0,
+        tensorboard_dir=config.logging.tensorboard_dir,
+        write=say,
+    )
     tokens_per_iter = data.global_batch_size * config.model.seq_length
     iteration = result.first_iteration
     started = time.perf_counter()
@@ -177,8 +199,9 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
                 result.add_saved(save(job, iteration))
                 say(f"saved checkpoint {result.saved[-1]}")
             if result.exit_reason is not None:
-                saved = (f"checkpoint {result.saved[-1]}" if checkpoint.save
-                         else "nothing (no --save)")
+                saved = (
+                    f"checkpoint {result.saved[-1]}" if checkpoint.save else "nothing (no --save)"
+                )
                 say(f"exiting after iteration {iteration}: {result.exit_reason}; saved {saved}")
                 return
             collector.after_iteration(iteration)  # every rank is here, after the same work
@@ -191,8 +214,15 @@ def _run(job: Job, result: TrainResult, exits: ExitPolicy, collector: ManualColl
         logger.close()
 
 
-def _train_iteration(job: Job, result: TrainResult, iteration: int, profiler: RunProfiler,
-                     logger: TrainingLogger, say: Callable[[str], None], tokens: int) -> None:
+def _train_iteration(
+    job: Job,
+    result: TrainResult,
+    iteration: int,
+    profiler: RunProfiler,
+    logger: TrainingLogger,
+    say: Callable[[str], None],
+    tokens: int,
+) -> None:
     """Training step ``iteration`` (auto mode: on its trial's or its choice's executor), its
     log line and the trace's part of it."""
     start = time.perf_counter()
@@ -206,33 +236,48 @@ def _train_iteration(job: Job, result: TrainResult, iteration: int, profiler: Ru
         say(decision)
     if stats.ran_again:
         result.add_ran_again(iteration)
-        say(f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
-            f"again without it ({result.reruns} so far)")
+        say(
+            f"iter {iteration}: the rank capacity overflowed on some rank; the step ran "
+            f"again without it ({result.reruns} so far)"
+        )
     result.add_iteration(stats.loss, stats.aux_loss, stats.grad_norm)
-    logger.record(iteration, loss=stats.loss,
-                  aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
-                  lr=stats.lr, grad_norm=stats.grad_norm,
-                  step_time=time.perf_counter() - start, tokens=tokens,
-                  a2a_hidden=stats.a2a_hidden, a2a_exposed=stats.a2a_exposed,
-                  act_mem=stats.act_mem)
+    logger.record(
+        iteration,
+        loss=stats.loss,
+        aux_loss=stats.aux_loss if stats.aux_loss == stats.aux_loss else None,
+        lr=stats.lr,
+        grad_norm=stats.grad_norm,
+        step_time=time.perf_counter() - start,
+        tokens=tokens,
+        a2a_hidden=stats.a2a_hidden,
+        a2a_exposed=stats.a2a_exposed,
+        act_mem=stats.act_mem,
+    )
     profiler.after(iteration)  # at M: gather the traced steps, write the trace
 
 
-def _done_line(job: Job, result: TrainResult, iteration: int, logger: TrainingLogger,
-               seconds: float) -> str:
+def _done_line(
+    job: Job, result: TrainResult, iteration: int, logger: TrainingLogger, seconds: float
+) -> str:
     """The run's last line: iterations, time, first and last loss, overlap, graphs, reruns."""
     overlap = logger.overlap_summary()
     graphs = job.executor.cuda_graphs
-    return (f"done: iterations {result.first_iteration + 1}-{iteration} in {seconds:.0f} s; "
-            f"loss {result.first_loss:.4f} -> {result.losses[-1]:.4f}"
-            + ("" if overlap is None else f"; {overlap}")
-            + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
-            + ("" if job.config.model.moe_expert_rank_capacity_factor is None else
-               f"; steps run again without the rank capacity: {result.reruns}"))
+    return (
+        f"done: iterations {result.first_iteration + 1}-{iteration} in {seconds:.0f} s; "
+        f"loss {result.first_loss:.4f} -> {result.losses[-1]:.4f}"
+        + ("" if overlap is None else f"; {overlap}")
+        + ("" if graphs is None else f"; CUDA graphs: {graphs.describe()}")
+        + (
+            ""
+            if job.config.model.moe_expert_rank_capacity_factor is None
+            else f"; steps run again without the rank capacity: {result.reruns}"
+        )
+    )
 
 
-def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice,
-           tell_warnings: bool = False) -> int:
+def resume(
+    job: Job, say: Callable[[str], None], choice: ResumeChoice, tell_warnings: bool = False
+) -> int:
     """Load the checkpoint the resume choice names into the job; returns its iteration (0: none,
     the weights the job was built with: its seed's, or ``--load-hf``'s)."""
     if tell_warnings:
@@ -244,8 +289,9 @@ def resume(job: Job, say: Callable[[str], None], choice: ResumeChoice,
             say(choice.note)
         return 0
     extra = {"scheduler": job.lr_schedule.state_dict(), "data": job.batches.state_dict()}
-    loaded = load_checkpoint(choice.checkpoint.path, job.stages, job.optimizer, extra,
-                             choice.saved_world)
+    loaded = load_checkpoint(
+        choice.checkpoint.path, job.stages, job.optimizer, extra, choice.saved_world
+    )
     job.lr_schedule.load_state_dict(loaded["scheduler"])
     job.batches.load_state_dict(loaded["data"])
     say(f"resumed from {choice.checkpoint.path} at iteration {choice.checkpoint.iteration}")
@@ -273,6 +319,13 @@ def save(job: Job, iteration: int) -> str:
     descriptor = descriptor_parts(job.config, job.schedule.name, info)
     if job.dp_sync is not None:
         job.dp_sync.finish_param_gather()  # the whole updated model, on every rank
-    path = save_checkpoint(checkpoint.save, iteration, job.stages, job.optimizer, extra,
-                           descriptor, checkpoint.keep_last)
+    path = save_checkpoint(
+        checkpoint.save,
+        iteration,
+        job.stages,
+        job.optimizer,
+        extra,
+        descriptor,
+        checkpoint.keep_last,
+    )
     return str(path)

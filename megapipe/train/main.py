@@ -81,8 +81,9 @@ def run(config: JobConfig) -> int:
     threads = max(1, (os.cpu_count() or 1) // world_size)
 
     def start(folder: Path) -> list[Any]:
-        return start_local_ranks(_local_rank, world_size, (config, choice, str(folder)),
-                                 threads=threads).processes
+        return start_local_ranks(
+            _local_rank, world_size, (config, choice, str(folder)), threads=threads
+        ).processes
 
     return run_local(start, config.failures.exit_signal_handler, _error)
 

@@ -150,8 +150,9 @@ def finish_tied_grads(job: Job) -> None:
     give both copies of a weight tied across the first and last stage the sum of their
     gradients, as the executor's own reduction does (``pipeline.grad_sync``)."""
     executor = job.executor
-    sum_tied_embedding_grads(job.schedule, executor.pp_rank, job.stages,
-                             executor.position.group, executor.position.ranks)
+    sum_tied_embedding_grads(
+        job.schedule, executor.pp_rank, job.stages, executor.position.group, executor.position.ranks
+    )
 
 
 @dataclass(frozen=True)

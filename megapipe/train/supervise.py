@@ -64,8 +64,9 @@ def write_report(folder: Path, rank: int, line: str, secondary: bool) -> None:
     """A rank's report, written atomically so the parent never reads half of one."""
     path = folder / f"rank{rank}.json"
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "line": line, "time": time.time(),
-                               "secondary": secondary}))
+    tmp.write_text(
+        json.dumps({"rank": rank, "line": line, "time": time.time(), "secondary": secondary})
+    )
     tmp.replace(path)
 
 
@@ -74,8 +75,14 @@ def read_reports(folder: Path) -> list[Report]:
     for path in sorted(folder.glob("rank*.json")):
         try:
             data = json.loads(path.read_text())
-            reports.append(Report(int(data["rank"]), str(data["line"]), float(data["time"]),
-                                  bool(data["secondary"])))
+            reports.append(
+                Report(
+                    int(data["rank"]),
+                    str(data["line"]),
+                    float(data["time"]),
+                    bool(data["secondary"]),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return reports
@@ -94,8 +101,11 @@ def _death(rank: int, code: int) -> str:
 def explain(codes: Sequence[int | None], reports: Sequence[Report], stopped: set[int]) -> str:
     """The one line for a failed run (module docstring); ``stopped``: ranks the parent killed."""
     reported = {r.rank for r in reports}
-    unreported = [(rank, code) for rank, code in enumerate(codes)
-                  if code not in (None, 0) and rank not in reported | stopped]
+    unreported = [
+        (rank, code)
+        for rank, code in enumerate(codes)
+        if code not in (None, 0) and rank not in reported | stopped
+    ]
     for rank, code in unreported:
         if code < 0:
             return _death(rank, code)
@@ -109,8 +119,9 @@ def explain(codes: Sequence[int | None], reports: Sequence[Report], stopped: set
     return chosen.line
 
 
-def supervise(processes: Sequence[RankProcess], folder: Path,
-              grace_s: float = GRACE_S, poll_s: float = POLL_S) -> tuple[int, str | None]:
+def supervise(
+    processes: Sequence[RankProcess], folder: Path, grace_s: float = GRACE_S, poll_s: float = POLL_S
+) -> tuple[int, str | None]:
     """Wait for every rank; (0, None) if all succeeded, else (1, the line that explains)."""
     failed_at: float | None = None
     stopped: set[int] = set()
@@ -162,8 +173,11 @@ class _ParentSignals:
         stop(self.processes)
 
 
-def run_local(start: Callable[[Path], Sequence[RankProcess]], forward_sigterm: bool,
-              say: Callable[[str], None]) -> int:
+def run_local(
+    start: Callable[[Path], Sequence[RankProcess]],
+    forward_sigterm: bool,
+    say: Callable[[str], None],
+) -> int:
     """Start the ranks (``start(report_folder)``), supervise them, say one line if they fail."""
     with tempfile.TemporaryDirectory(prefix="megapipe-reports-") as folder:
         processes = start(Path(folder))

@@ -85,13 +85,14 @@ def check_pairs(schedule: Schedule) -> None:
         raise ScheduleError(
             "the two halves of an OVERLAP must be different microbatches (a backward of "
             "a microbatch needs its own forward to have finished)",
-            int(table.rank[first]), schedule.action_at(first),
+            int(table.rank[first]),
+            schedule.action_at(first),
         )
 
 
 def _cell(schedule: Schedule, stage: np.ndarray, mb: np.ndarray) -> np.ndarray:
     """stage * M + mb, wide enough for 4 S M."""
-    wide = np.int32 if 4 * schedule.num_stages * schedule.num_microbatches < 2 ** 31 else np.int64
+    wide = np.int32 if 4 * schedule.num_stages * schedule.num_microbatches < 2**31 else np.int64
     return stage.astype(wide, copy=False) * schedule.num_microbatches + mb
 
 
@@ -134,7 +135,8 @@ def check_counts(schedule: Schedule) -> None:
         mine = (comps.kind == code) & ~outside
         np.minimum.at(first_of[code], cell[mine], index[mine])
     clash = ((comps.kind == B) & (first_of[I][cell] < index)) | (
-        (comps.kind == I) & (first_of[B][cell] < index))
+        (comps.kind == I) & (first_of[B][cell] < index)
+    )
     first = _first(outside | repeat | (clash & ~outside))
     if first is not None:
         _raise_count_error(schedule, comps, first, outside, repeat, lo, hi)
@@ -146,8 +148,10 @@ def _raise_count_error(schedule, comps, first, outside, repeat, lo, hi) -> None:
     kind = KINDS[comps.kind[first]]
     comp = Action(stage, kind, mb)
     if outside[first]:
-        rule = (f"microbatch {mb} does not flow through stage {stage} "
-                f"(its stages are {int(lo[first])}..{int(hi[first]) - 1})")
+        rule = (
+            f"microbatch {mb} does not flow through stage {stage} "
+            f"(its stages are {int(lo[first])}..{int(hi[first]) - 1})"
+        )
     elif repeat[first]:
         rule = f"stage {stage} runs {kind.value} of microbatch {mb} twice"
     else:
@@ -159,8 +163,9 @@ def presence(schedule: Schedule, comps: Comps) -> dict[int, np.ndarray]:
     """Per kind code F, B, I, W: which (stage, microbatch) cells run it (flat S x M grid)."""
     cells = schedule.num_stages * schedule.num_microbatches
     cell = _cell(schedule, comps.stage, comps.mb)
-    return {code: np.bincount(cell[comps.kind == code], minlength=cells) > 0
-            for code in (F, B, I, W)}
+    return {
+        code: np.bincount(cell[comps.kind == code], minlength=cells) > 0 for code in (F, B, I, W)
+    }
 
 
 def _check_missing(schedule: Schedule, has: dict[int, np.ndarray]) -> None:
@@ -175,7 +180,8 @@ def _check_missing(schedule: Schedule, has: dict[int, np.ndarray]) -> None:
         stage, mb = int(stages[first]), int(mbs[first])
         raise ScheduleError(
             "missing: each stage runs one F and one B (or one I and one W) per microbatch",
-            schedule.stage_to_rank[stage], Action(stage, KINDS[missing[first]], mb),
+            schedule.stage_to_rank[stage],
+            Action(stage, KINDS[missing[first]], mb),
         )
 
 
@@ -209,19 +215,30 @@ def check_list_order(schedule: Schedule) -> None:
     s, i, rank = int(stage[first]), int(mb[first]), int(here[first])
     back_kind = KINDS[B] if has_b[first] else KINDS[I]
     if wrong[0][first]:
-        raise ScheduleError(f"runs before {s}F{i}: a backward needs its forward first",
-                            rank, Action(s, back_kind, i))
+        raise ScheduleError(
+            f"runs before {s}F{i}: a backward needs its forward first",
+            rank,
+            Action(s, back_kind, i),
+        )
     if wrong[1][first]:
-        raise ScheduleError(f"runs before {s}I{i}: W needs the I of the same microbatch first",
-                            rank, Action(s, KINDS[W], i))
+        raise ScheduleError(
+            f"runs before {s}I{i}: W needs the I of the same microbatch first",
+            rank,
+            Action(s, KINDS[W], i),
+        )
     if wrong[2][first]:
         raise ScheduleError(
             f"runs before {s}F{i} on the same rank: stage {s + 1} needs the output of stage {s}",
-            rank, Action(s + 1, KINDS[F], i))
+            rank,
+            Action(s + 1, KINDS[F], i),
+        )
     next_kind = KINDS[B] if pos[B][nxt[first]] >= 0 else KINDS[I]
     raise ScheduleError(
         f"runs before {s + 1}{next_kind.value}{i} on the same rank: stage {s} needs the input "
-        f"gradient of stage {s + 1}", rank, Action(s, back_kind, i))
+        f"gradient of stage {s + 1}",
+        rank,
+        Action(s, back_kind, i),
+    )
 
 
 def _list_order_errors(schedule: Schedule, pos: dict, keys: np.ndarray) -> list[np.ndarray]:

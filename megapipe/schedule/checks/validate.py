@@ -75,7 +75,8 @@ def _check_progress(schedule: Schedule) -> None:
     raise ScheduleError(
         "the ranks' orders wait on each other in a cycle (dependency order across stages): "
         + "; ".join(waits),
-        first_rank, compute.row(first_rank)[first_index],
+        first_rank,
+        compute.row(first_rank)[first_index],
     )
 
 

@@ -82,8 +82,13 @@ class RowBuilder:
                 seen[key] += 1
         columns = []
         for item, keyed in zip(pattern, per_item):
-            mbs = [self.count(*key) + self.first_microbatch.get(key[0], 0) + offset
-                   + seen[key] * np.arange(times) for key, offset in keyed]
+            mbs = [
+                self.count(*key)
+                + self.first_microbatch.get(key[0], 0)
+                + offset
+                + seen[key] * np.arange(times)
+                for key, offset in keyed
+            ]
             columns += self._item_columns(item, mbs, times)
         for key, uses in seen.items():
             self.counts[key] = self.count(*key) + uses * times
@@ -97,10 +102,11 @@ class RowBuilder:
             return [[kind * ones, stage * ones, mbs[0], none, none, none]]
         f_stage, b_stage, b_kind = item
         if self.overlap:
-            return [[OVERLAP * ones, f_stage * ones, mbs[0], b_kind * ones, b_stage * ones,
-                     mbs[1]]]
-        return [[F * ones, f_stage * ones, mbs[0], none, none, none],
-                [b_kind * ones, b_stage * ones, mbs[1], none, none, none]]
+            return [[OVERLAP * ones, f_stage * ones, mbs[0], b_kind * ones, b_stage * ones, mbs[1]]]
+        return [
+            [F * ones, f_stage * ones, mbs[0], none, none, none],
+            [b_kind * ones, b_stage * ones, mbs[1], none, none, none],
+        ]
 
     def columns(self) -> list[np.ndarray]:
         """The list so far as (kind, stage, mb, back_kind, back_stage, back_mb) columns."""
@@ -110,8 +116,10 @@ class RowBuilder:
 
 
 def warmup_then_alternate(
-    forwards: tuple[np.ndarray, np.ndarray], backwards: tuple[np.ndarray, np.ndarray],
-    warmup: int, backward_kind: int,
+    forwards: tuple[np.ndarray, np.ndarray],
+    backwards: tuple[np.ndarray, np.ndarray],
+    warmup: int,
+    backward_kind: int,
 ) -> list[np.ndarray]:
     """The 1F1B shape as (kind, stage, mb) columns: ``warmup`` forwards, then one forward and
     one backward in turn, then the remaining backwards. ``forwards`` and ``backwards`` are
@@ -120,13 +128,13 @@ def warmup_then_alternate(
     steady = total - warmup
     kind = np.full(2 * total, backward_kind, dtype=np.int64)
     kind[:warmup] = F
-    kind[warmup:warmup + 2 * steady:2] = F
+    kind[warmup : warmup + 2 * steady : 2] = F
     columns = [kind]
     for f, b in zip(forwards, backwards):
         out = np.empty(2 * total, dtype=np.int64)
         out[:warmup] = f[:warmup]
-        out[warmup:warmup + 2 * steady:2] = f[warmup:]
-        out[warmup + 1:warmup + 2 * steady:2] = b[:steady]
-        out[warmup + 2 * steady:] = b[steady:]
+        out[warmup : warmup + 2 * steady : 2] = f[warmup:]
+        out[warmup + 1 : warmup + 2 * steady : 2] = b[:steady]
+        out[warmup + 2 * steady :] = b[steady:]
         columns.append(out)
     return columns

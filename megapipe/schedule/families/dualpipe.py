@@ -89,7 +89,10 @@ def dualpipev(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
         row = RowBuilder({near: 0, far: 0}, overlap)
         blocks.append(_dualpipe_rank(row, near, far, rank, pp, num_microbatches))
     return Schedule(
-        ActionTable.from_blocks(blocks), stages, num_microbatches, v_placement(pp, stages),
+        ActionTable.from_blocks(blocks),
+        stages,
+        num_microbatches,
+        v_placement(pp, stages),
         name="dualpipev",
         options=ScheduleOptions(overlap=overlap),
     )
@@ -114,7 +117,11 @@ def dualpipe(pp: int, num_microbatches: int, overlap: bool = True) -> Schedule:
         row = RowBuilder({down: 0, up: half}, overlap)
         blocks.append(_dualpipe_rank(row, near, far, position, pp // 2, half))
     return Schedule(
-        ActionTable.from_blocks(blocks), stages, num_microbatches, placement, name="dualpipe",
+        ActionTable.from_blocks(blocks),
+        stages,
+        num_microbatches,
+        placement,
+        name="dualpipe",
         bidirectional=True,
         options=ScheduleOptions(overlap=overlap),
     )

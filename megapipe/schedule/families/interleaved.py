@@ -14,8 +14,9 @@ from .builder import warmup_then_alternate
 from .simple import one_f_one_b
 
 
-def chunk_sequence(num_microbatches: int, vpp: int,
-                   group_size: int) -> tuple[np.ndarray, np.ndarray]:
+def chunk_sequence(
+    num_microbatches: int, vpp: int, group_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """``megatron_chunk_sequence`` as (microbatch, chunk) columns."""
     mbs, chunks = [], []
     for first in range(0, num_microbatches, group_size):
@@ -74,8 +75,13 @@ def interleaved_1f1b(
         backwards = ((vpp - 1 - chunks) * pp + rank, mbs)
         warmup = megatron_warmup(rank, pp, vpp, group, total)
         blocks.append(warmup_then_alternate(forwards, backwards, warmup, B))
-    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
-                    loop_placement(pp, pp * vpp), name="interleaved-1f1b")
+    return Schedule(
+        ActionTable.from_blocks(blocks),
+        pp * vpp,
+        num_microbatches,
+        loop_placement(pp, pp * vpp),
+        name="interleaved-1f1b",
+    )
 
 
 def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
@@ -91,8 +97,14 @@ def looped_bfs(pp: int, num_microbatches: int, vpp: int) -> Schedule:
         stages = np.arange(rank, pp * vpp, pp)
         kind = np.repeat([F, B], len(stages) * m)
         stage = np.concatenate([np.repeat(stages, m), np.repeat(stages[::-1], m)])
-        mb = np.concatenate([np.tile(np.arange(m), len(stages)),
-                             np.tile(np.arange(m)[::-1], len(stages))])
+        mb = np.concatenate(
+            [np.tile(np.arange(m), len(stages)), np.tile(np.arange(m)[::-1], len(stages))]
+        )
         blocks.append((kind, stage, mb))
-    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
-                    loop_placement(pp, pp * vpp), name="looped-bfs")
+    return Schedule(
+        ActionTable.from_blocks(blocks),
+        pp * vpp,
+        num_microbatches,
+        loop_placement(pp, pp * vpp),
+        name="looped-bfs",
+    )

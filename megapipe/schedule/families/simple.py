@@ -22,8 +22,9 @@ def gpipe(pp: int, num_microbatches: int) -> Schedule:
     mbs = np.arange(num_microbatches)
     kind = np.repeat([F, B], num_microbatches)
     blocks = [(kind, np.full(2 * num_microbatches, rank), np.tile(mbs, 2)) for rank in range(pp)]
-    return Schedule(ActionTable.from_blocks(blocks), pp, num_microbatches,
-                    loop_placement(pp, pp), name="gpipe")
+    return Schedule(
+        ActionTable.from_blocks(blocks), pp, num_microbatches, loop_placement(pp, pp), name="gpipe"
+    )
 
 
 def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
@@ -38,5 +39,6 @@ def one_f_one_b(pp: int, num_microbatches: int) -> Schedule:
         stages = np.full(num_microbatches, rank)
         warmup = min(pp - rank - 1, num_microbatches)
         blocks.append(warmup_then_alternate((stages, mbs), (stages, mbs), warmup, B))
-    return Schedule(ActionTable.from_blocks(blocks), pp, num_microbatches,
-                    loop_placement(pp, pp), name="1f1b")
+    return Schedule(
+        ActionTable.from_blocks(blocks), pp, num_microbatches, loop_placement(pp, pp), name="1f1b"
+    )

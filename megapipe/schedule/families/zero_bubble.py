@@ -47,13 +47,20 @@ def zb1p(
         mb = np.stack([mbs[later], mbs, mbs[held]], axis=1)
         keep = np.stack([turns + warmup < total, turns >= 0, turns >= rank], axis=1).reshape(-1)
         rest = np.arange(max(total - rank, 0), total)
-        blocks.append((
-            np.concatenate([np.full(warmup, F), kind.reshape(-1)[keep], np.full(len(rest), W)]),
-            np.concatenate([f_stage[:warmup], stage.reshape(-1)[keep], b_stage[rest]]),
-            np.concatenate([mbs[:warmup], mb.reshape(-1)[keep], mbs[rest]]),
-        ))
-    return Schedule(ActionTable.from_blocks(blocks), pp * vpp, num_microbatches,
-                    loop_placement(pp, pp * vpp), name="zb1p")
+        blocks.append(
+            (
+                np.concatenate([np.full(warmup, F), kind.reshape(-1)[keep], np.full(len(rest), W)]),
+                np.concatenate([f_stage[:warmup], stage.reshape(-1)[keep], b_stage[rest]]),
+                np.concatenate([mbs[:warmup], mb.reshape(-1)[keep], mbs[rest]]),
+            )
+        )
+    return Schedule(
+        ActionTable.from_blocks(blocks),
+        pp * vpp,
+        num_microbatches,
+        loop_placement(pp, pp * vpp),
+        name="zb1p",
+    )
 
 
 def zbv(pp: int, num_microbatches: int) -> Schedule:
@@ -76,10 +83,12 @@ def zbv(pp: int, num_microbatches: int) -> Schedule:
         row.repeat([(up, F), (down, F)], rank)
         row.repeat([(up, F), (up, I), (up, W)], pp - rank)
         # Steady state: while down's forwards last, then until up's forwards catch up.
-        row.repeat([(down, F), (down, I), (down, W), (up, F), (up, I), (up, W)],
-                   n - row.count(down, F))
-        row.repeat([(down, I), (down, W), (up, F), (up, I), (up, W)],
-                   row.count(down, F) - row.count(up, F))
+        row.repeat(
+            [(down, F), (down, I), (down, W), (up, F), (up, I), (up, W)], n - row.count(down, F)
+        )
+        row.repeat(
+            [(down, I), (down, W), (up, F), (up, I), (up, W)], row.count(down, F) - row.count(up, F)
+        )
         row.repeat([(down, I), (up, I)], rank)
         row.repeat([(down, I), (down, W)], pp - rank)
         row.repeat([(up, W)], row.count(up, I) - row.count(up, W))
@@ -87,5 +96,10 @@ def zbv(pp: int, num_microbatches: int) -> Schedule:
         kind, stage, mb, *_ = row.columns()
         keep = mb < num_microbatches
         blocks.append((kind[keep], stage[keep], mb[keep]))
-    return Schedule(ActionTable.from_blocks(blocks), 2 * pp, num_microbatches,
-                    v_placement(pp, 2 * pp), name="zbv")
+    return Schedule(
+        ActionTable.from_blocks(blocks),
+        2 * pp,
+        num_microbatches,
+        v_placement(pp, 2 * pp),
+        name="zbv",
+    )

@@ -139,9 +139,11 @@ def critical_path(schedule: Schedule, timed: Timeline) -> list[tuple[int, int]]:
     """
     table = timed.graph.table
     offsets = table.offsets.tolist()
-    last = [(float(timed.end_flat[hi - 1]), r)
-            for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
-            if hi > lo]
+    last = [
+        (float(timed.end_flat[hi - 1]), r)
+        for r, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+        if hi > lo
+    ]
     if not last:
         return []
     before = _waited_for(timed)  # walked hop by hop: a path is short next to the table
@@ -201,8 +203,11 @@ class _Attempt:
             return None
         taken = found.sequence
         pair = self.rows[taken]
-        mate = np.where(pair >= 0, self.pairs.forward[np.maximum(pair, 0)], -1) if len(
-            self.pairs.forward) else np.full(len(taken), -1)
+        mate = (
+            np.where(pair >= 0, self.pairs.forward[np.maximum(pair, 0)], -1)
+            if len(self.pairs.forward)
+            else np.full(len(taken), -1)
+        )
         both = np.stack([self.source[taken], mate], axis=1).reshape(-1)
         return both[both >= 0]
 
@@ -241,8 +246,13 @@ def _splits(schedule: Schedule, attempt: _Attempt, target: float) -> np.ndarray 
     if timed.stuck:
         stuck = {r: int(attempt.rows[table.offsets[r] + i]) for r, i in timed.stuck.items()}
         stuck = {r: pair for r, pair in stuck.items() if pair >= 0}
-        blocking = [pair for r, pair in stuck.items() if not missing_needs(
-            schedule, schedule.action_at(attempt.pairs.backward[pair]), timed.made)]
+        blocking = [
+            pair
+            for r, pair in stuck.items()
+            if not missing_needs(
+                schedule, schedule.action_at(attempt.pairs.backward[pair]), timed.made
+            )
+        ]
         return np.array(blocking or list(stuck.values()), dtype=np.int64)
     if timed.makespan <= target:
         return None
@@ -293,7 +303,8 @@ def apply_overlap(schedule: Schedule) -> Schedule:
         raise ScheduleError(
             "cannot pair a schedule whose ranks wait on each other before pairing "
             f"(stuck ranks: {sorted(original.stuck)})",
-            rank, schedule.row(rank)[index],
+            rank,
+            schedule.row(rank)[index],
         )
     target = original.makespan + _longest_pair(schedule)
     settled = []
@@ -331,8 +342,9 @@ def _longest_pair(schedule: Schedule) -> float:
 
 def _finish(schedule: Schedule, combined: Schedule) -> Schedule:
     """``combined`` with the options of ``schedule`` and overlap on, keeping its timeline."""
-    result = combined.replace_actions(combined.table,
-                                      options=replace(schedule.options, overlap=True))
+    result = combined.replace_actions(
+        combined.table, options=replace(schedule.options, overlap=True)
+    )
     timelines, structures = TIMELINES.of(combined), STRUCTURES.of(combined)  # same actions, run
     if None in timelines:
         TIMELINES.of(result)[None] = timelines[None]

@@ -64,8 +64,11 @@ def find_pairs(table: ActionTable, extra: np.ndarray, cross_stage_only: bool) ->
     ok = (after > backward) & (after < table.offsets[rank + 1]) & (kind[after] == F)
     ok &= partner < per_rank[rank]
     before_rank = np.concatenate([[0], np.cumsum(per_rank)])[rank]
-    mate = forwards[np.minimum(before_rank + partner, max(len(forwards) - 1, 0))] if len(
-        forwards) else np.zeros(len(backward), dtype=np.int64)
+    mate = (
+        forwards[np.minimum(before_rank + partner, max(len(forwards) - 1, 0))]
+        if len(forwards)
+        else np.zeros(len(backward), dtype=np.int64)
+    )
     ok &= table.mb[mate] != table.mb[backward]
     if cross_stage_only:
         ok &= table.stage[mate] != table.stage[backward]

@@ -79,7 +79,8 @@ def certified(lowered: Schedule, timed: Timeline, source: Schedule) -> bool:
     start[compute_rows] = timed.start_flat
     batches = _Batches(table, comm, start, sent_at)
     return _batches_hold(batches, ops, partner) and _receives_hold(
-        source, ops, compute_rows, timed, batches)
+        source, ops, compute_rows, timed, batches
+    )
 
 
 def _rank_order(source: Schedule, timed: Timeline) -> bool:
@@ -113,8 +114,15 @@ def _ops(lowered: Schedule, comm: np.ndarray) -> _Ops:
     row = np.flatnonzero(comm)
     kind, stage = table.kind[row], table.stage[row]
     source, exists = neighbours(stage, CARRY_SOURCE[kind], lowered.stages_per_pipeline)
-    return _Ops(row, kind, stage, table.mb[row], table.rank[row], CARRY_LETTER[kind],
-                np.where(exists, source, -1))
+    return _Ops(
+        row,
+        kind,
+        stage,
+        table.mb[row],
+        table.rank[row],
+        CARRY_LETTER[kind],
+        np.where(exists, source, -1),
+    )
 
 
 def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
@@ -129,7 +137,7 @@ def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
     sending = ops.sending
     key = (np.where(sending, ops.rank, peer) * pp + np.where(sending, peer, ops.rank)) * 2
     key += sending
-    key = key.astype(np.int16 if 2 * pp * pp < 2 ** 15 else np.int64)  # int16: a radix sort
+    key = key.astype(np.int16 if 2 * pp * pp < 2**15 else np.int64)  # int16: a radix sort
     order = np.argsort(key, kind="stable")
     sends, recvs = order[sending[order]], order[~sending[order]]
     if len(sends) != len(recvs) or not np.array_equal(key[sends] // 2, key[recvs] // 2):
@@ -142,14 +150,19 @@ def _channels(lowered: Schedule, ops: _Ops) -> np.ndarray | None:
     return partner
 
 
-def _message_times(lowered: Schedule, ops: _Ops, partner: np.ndarray, found,
-                   compute_rows: np.ndarray, timed: Timeline) -> np.ndarray | None:
+def _message_times(
+    lowered: Schedule,
+    ops: _Ops,
+    partner: np.ndarray,
+    found,
+    compute_rows: np.ndarray,
+    timed: Timeline,
+) -> np.ndarray | None:
     """Per op, when its tensor was made: the end of the computation that made it, which must
     run earlier on the SEND's rank (None otherwise)."""
     sending = np.flatnonzero(ops.sending)
     product_letter = ops.letter[sending]  # "F" messages carry F products, "B" ones G
-    made_by = found.makers()[found.space.ids(product_letter, ops.source[sending],
-                                             ops.mb[sending])]
+    made_by = found.makers()[found.space.ids(product_letter, ops.source[sending], ops.mb[sending])]
     rows = ops.row[sending]
     if not (made_by >= 0).all():
         return None
@@ -196,8 +209,9 @@ def _batches_hold(batches: _Batches, ops: _Ops, partner: np.ndarray) -> bool:
     return bool((batches.done[batches.of] > ready[batches.of[partner]]).all())
 
 
-def _receives_hold(source: Schedule, ops: _Ops, compute_rows: np.ndarray, timed: Timeline,
-                   batches: _Batches) -> bool:
+def _receives_hold(
+    source: Schedule, ops: _Ops, compute_rows: np.ndarray, timed: Timeline, batches: _Batches
+) -> bool:
     """What a computation receives is in a batch earlier on its rank, completing no later than
     the computation starts (and no tensor is received twice)."""
     comps = source.table.comps()

@@ -66,7 +66,8 @@ def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
             if lowered.stage_to_rank[stage] != rank:
                 raise ScheduleError(
                     f"stage {stage} is placed on rank {lowered.stage_to_rank[stage]}",
-                    rank, action,
+                    rank,
+                    action,
                 )
             try:
                 peer = peer_rank(lowered, action)
@@ -75,7 +76,8 @@ def _comm_positions(lowered: Schedule) -> tuple[dict, dict]:
             if peer == rank:
                 raise ScheduleError(
                     "both stages are on this rank: the tensor is handed over locally, not sent",
-                    rank, action,
+                    rank,
+                    action,
                 )
             if action.kind in (Kind.SEND_F, Kind.SEND_B):
                 sends[(rank, peer)].append((rank, index))
@@ -103,19 +105,24 @@ def check_channel_matching(lowered: Schedule) -> Matching:
             if k >= len(out):
                 raise ScheduleError(
                     f"receives from rank {src}, but rank {src} sends only {len(out)} tensors to "
-                    f"rank {dst}: a SEND is missing", dst, at(into[k]),
+                    f"rank {dst}: a SEND is missing",
+                    dst,
+                    at(into[k]),
                 )
             if k >= len(into):
                 raise ScheduleError(
                     f"sends to rank {dst}, but rank {dst} receives only {len(into)} tensors from "
-                    f"rank {src}: a RECV is missing", src, at(out[k]),
+                    f"rank {src}: a RECV is missing",
+                    src,
+                    at(out[k]),
                 )
             send, recv = at(out[k]), at(into[k])
             if message_of_comm(lowered, send) != message_of_comm(lowered, recv):
                 raise ScheduleError(
                     f"is message {k} from rank {src} to rank {dst}, but rank {src} sends {send} "
                     f"there: RECVs must come in the order of the SENDs (NCCL matches p2p in order)",
-                    dst, recv,
+                    dst,
+                    recv,
                 )
             matching[out[k]] = into[k]
             matching[into[k]] = out[k]
@@ -263,7 +270,8 @@ def _advance(lowered: Schedule, rank: int, state: _RankState) -> bool:
                         raise ScheduleError(
                             f"sends the result of {describe_product(lowered, product)} "
                             "before this rank computes it",
-                            rank, action,
+                            rank,
+                            action,
                         )
             state.posted += 1
         elif _ready(lowered, rank, state, row[what]):
@@ -275,8 +283,9 @@ def _advance(lowered: Schedule, rank: int, state: _RankState) -> bool:
     return moved
 
 
-def _complete(lowered: Schedule, rank: int, states: list[_RankState], matching: dict,
-              done: set) -> bool:
+def _complete(
+    lowered: Schedule, rank: int, states: list[_RankState], matching: dict, done: set
+) -> bool:
     """Complete the rank's active batches, in order, whose ops all have active partners."""
     state = states[rank]
     moved = False
@@ -323,9 +332,12 @@ def _describe_wait(
             if message in state.received:
                 continue
             recv_index = next(
-                (i for i, a in enumerate(row)
-                 if a.kind in (Kind.RECV_F, Kind.RECV_B)
-                 and message_of_comm(lowered, a) == message),
+                (
+                    i
+                    for i, a in enumerate(row)
+                    if a.kind in (Kind.RECV_F, Kind.RECV_B)
+                    and message_of_comm(lowered, a) == message
+                ),
                 None,
             )
             if recv_index is None:

@@ -98,8 +98,9 @@ def early_posting(lowered: Schedule, early: EarlySends) -> Posting:
         row = lowered.row(rank)
         gap = comm_batch(row, index)
         position = {action: index + 1 + n for n, action in enumerate(gap)}
-        posting[(rank, index + 1)] = [[position[a] for a in batch]
-                                     for batch in early_batches(gap, sends)]
+        posting[(rank, index + 1)] = [
+            [position[a] for a in batch] for batch in early_batches(gap, sends)
+        ]
     return posting
 
 

@@ -65,8 +65,9 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
     table = schedule.table
     comm = np.flatnonzero(is_comm(table.kind))
     if len(comm):
-        raise ScheduleError("the schedule is lowered already", int(table.rank[comm[0]]),
-                            schedule.action_at(comm[0]))
+        raise ScheduleError(
+            "the schedule is lowered already", int(table.rank[comm[0]]), schedule.action_at(comm[0])
+        )
     try:
         run = timeline(schedule, durations)
     except ValueError as err:
@@ -77,7 +78,8 @@ def lower(schedule: Schedule, durations: dict[Kind, float] | None = None) -> Sch
         rank, index = stuck[0]
         raise ScheduleError(
             f"cannot lower: the ranks wait on each other before any communication ({waits})",
-            rank, schedule.row(rank)[index],
+            rank,
+            schedule.row(rank)[index],
         )
     lowered = schedule.replace_actions(_lowered_table(schedule, run))
     LOWERED_FROM.keep(lowered, LoweredFrom(schedule, run))
@@ -122,7 +124,8 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
         letter, stage = MESSAGE_LETTERS[r_letter[first]], r_stage[first]
         raise ScheduleError(
             f"needs {stage}{letter}{comps.mb[first]}'s result, which no rank computes",
-            rank, schedule.action_at(comps.action[first]),
+            rank,
+            schedule.action_at(comps.action[first]),
         )
     # rank r's gaps (before each of its n_r actions and after the last): first_gap[r] + 0..n_r
     first_gap = table.offsets[:-1] + np.arange(table.pp)
@@ -132,14 +135,16 @@ def _lowered_table(schedule: Schedule, run: Timeline) -> ActionTable:
     bounds = np.searchsorted(comps.rank[receiving], np.arange(table.pp + 1))
     for r in range(table.pp):  # receivers come in rank order
         mine = slice(bounds[r], bounds[r + 1])
-        starts = run.start_flat[table.offsets[r]:table.offsets[r + 1]]
+        starts = run.start_flat[table.offsets[r] : table.offsets[r + 1]]
         recv_gap[mine] = first_gap[r] + np.searchsorted(starts, sent_at[mine], "left")
-    return _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap,
-                  r_letter, r_stage)
+    return _place(
+        table, comps, sends, send_gap, receiving, recv_gap, source, first_gap, r_letter, r_stage
+    )
 
 
-def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap,
-           r_letter, r_stage) -> ActionTable:
+def _place(
+    table, comps, sends, send_gap, receiving, recv_gap, source, first_gap, r_letter, r_stage
+) -> ActionTable:
     """Lay out per gap: its SENDs (computation order), its RECVs (send time, sender, sender
     order), then the action."""
     gaps = len(table) + table.pp
@@ -152,8 +157,11 @@ def _place(table, comps, sends, send_gap, receiving, recv_gap, source, first_gap
     kind = np.empty(out_len, dtype=np.int8)
     # The table's own dtypes (int8 kinds, int32 numbers): from_columns keeps them without a copy.
     stage, mb = np.empty(out_len, dtype=np.int32), np.empty(out_len, dtype=np.int32)
-    back = ([np.full(out_len, -1, dtype=dtype) for dtype in (np.int8, np.int32, np.int32)]
-            if table.has_overlap else [])
+    back = (
+        [np.full(out_len, -1, dtype=dtype) for dtype in (np.int8, np.int32, np.int32)]
+        if table.has_overlap
+        else []
+    )
     # SENDs: in computation order, which is gap order.
     at = gap_start[send_gap] + _rank_among_equals(send_gap)
     kind[at] = np.where(sends.letter == 0, SEND_F, SEND_B)

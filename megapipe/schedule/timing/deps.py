@@ -34,8 +34,11 @@ NEEDS: dict[Kind, tuple[tuple[str, int], ...]] = {
 # The letter of the product each plain computation makes.
 MAKES: dict[Kind, str] = {Kind.F: "F", Kind.B: "G", Kind.I: "G", Kind.W: "W"}
 # The message a computation's product becomes when its consumer (this way) sits on another rank.
-SENDS: dict[Kind, tuple[str, int]] = {Kind.F: ("F", AFTER), Kind.B: ("B", BEFORE),
-                                      Kind.I: ("B", BEFORE)}
+SENDS: dict[Kind, tuple[str, int]] = {
+    Kind.F: ("F", AFTER),
+    Kind.B: ("B", BEFORE),
+    Kind.I: ("B", BEFORE),
+}
 # What a SEND or RECV carries: (message letter, where the sending stage lies, where the peer lies).
 CARRIES: dict[Kind, tuple[str, int, int]] = {
     Kind.SEND_F: ("F", SELF, AFTER),
@@ -139,7 +142,9 @@ DEFAULT_DURATIONS: dict[Kind, float] = {Kind.F: 1.0, Kind.B: 2.0, Kind.I: 1.0, K
 def missing_needs(schedule: Schedule, action: Action, made) -> list[Product]:
     """The products an action (an OVERLAP's halves included) needs that are not in ``made``."""
     return [
-        need for comp in action.computations() for need in needs_of(schedule, comp)
+        need
+        for comp in action.computations()
+        for need in needs_of(schedule, comp)
         if need not in made
     ]
 

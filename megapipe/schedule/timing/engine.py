@@ -30,9 +30,11 @@ class ActionColumns:
     when a loop runs in Python (``loops``)."""
 
     def __init__(self, offsets: np.ndarray, need: np.ndarray, make: np.ndarray) -> None:
-        self.arrays = (np.array(offsets, dtype=np.int64),  # writable: one compiled signature
-                       *(np.ascontiguousarray(c, dtype=np.int64) for c in need),
-                       *(np.ascontiguousarray(make[:, h], dtype=np.int64) for h in (0, 1)))
+        self.arrays = (
+            np.array(offsets, dtype=np.int64),  # writable: one compiled signature
+            *(np.ascontiguousarray(c, dtype=np.int64) for c in need),
+            *(np.ascontiguousarray(make[:, h], dtype=np.int64) for h in (0, 1)),
+        )
 
     @functools.cached_property
     def lists(self) -> tuple[list, ...]:
@@ -141,12 +143,31 @@ def time_in_order(
     sweep = new.fill(total, -1, np.int64)
     row_offsets, need0, need1, need2, make0, make1, duration = new.of_actions(actions)
     remade = (compiled[0] if compiled else loops.sweep)(
-        row_offsets, need0, need1, need2, make0, make1, duration, space,
+        row_offsets,
+        need0,
+        need1,
+        need2,
+        make0,
+        make1,
+        duration,
+        space,
         new.fill(space if actions.delay else 0, actions.delay, np.float64),
-        watched, new.fill(len(watched), -1, np.int64), actions.end_of, actions.made_at, cursor,
+        watched,
+        new.fill(len(watched), -1, np.int64),
+        actions.end_of,
+        actions.made_at,
+        cursor,
         free,
-        start, end, sweep, arrive, new.fill(space, -1, np.int64), new.fill(pp, -1, np.int64),
-        new.fill(pp, -1, np.int64), new.fill(pp, True, np.bool_), new.fill(pp, False, np.bool_))
+        start,
+        end,
+        sweep,
+        arrive,
+        new.fill(space, -1, np.int64),
+        new.fill(pp, -1, np.int64),
+        new.fill(pp, -1, np.int64),
+        new.fill(pp, True, np.bool_),
+        new.fill(pp, False, np.bool_),
+    )
     stuck = {r: int(k) for r, k in enumerate(cursor) if k < offsets[r + 1]}
     action, maker, product = remade
     found = None if action < 0 else (int(action), int(maker), int(product))

@@ -28,8 +28,10 @@ def _by_code(rule: dict, pick, missing) -> np.ndarray:
 
 # Per kind code: the letter and offset of need j (-1 letter: no such need), the product letter made,
 # the message letter and direction of what it sends, what a SEND/RECV carries.
-NEED_LETTER = [_by_code(NEEDS, lambda r, j=j: LETTERS.index(r[j][0]) if j < len(r) else -1, -1)
-               for j in range(2)]
+NEED_LETTER = [
+    _by_code(NEEDS, lambda r, j=j: LETTERS.index(r[j][0]) if j < len(r) else -1, -1)
+    for j in range(2)
+]
 NEED_STEP = [_by_code(NEEDS, lambda r, j=j: r[j][1] if j < len(r) else 0, 0) for j in range(2)]
 MAKE_LETTER = _by_code(MAKES, LETTERS.index, -1)
 SEND_LETTER = _by_code(SENDS, lambda r: MESSAGE_LETTERS.index(r[0]), -1)
@@ -78,8 +80,9 @@ def _comp_needs(schedule: Schedule, comps: Comps) -> list[Needs]:
     out = []
     for j in range(2):
         letter = NEED_LETTER[j][comps.kind]
-        stage, exists = neighbours(comps.stage, NEED_STEP[j][comps.kind],
-                                   schedule.stages_per_pipeline)
+        stage, exists = neighbours(
+            comps.stage, NEED_STEP[j][comps.kind], schedule.stages_per_pipeline
+        )
         out.append(Needs(letter, stage, exists & (letter >= 0)))
     return out
 

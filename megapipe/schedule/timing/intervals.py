@@ -42,8 +42,9 @@ def covered_lengths(
     step = 0
     while len(live):
         at = first[live] + step
-        covered[live] += (np.minimum(ends[live], cover_ends[at])
-                          - np.maximum(starts[live], cover_starts[at]))
+        covered[live] += np.minimum(ends[live], cover_ends[at]) - np.maximum(
+            starts[live], cover_starts[at]
+        )
         step += 1
         live = live[stop[live] > first[live] + step]
     return covered
@@ -52,8 +53,9 @@ def covered_lengths(
 def covered_length(span: Interval, cover: Sequence[Interval]) -> float:
     """How much of ``span`` lies inside ``cover``."""
     bounds = np.asarray(cover, dtype=np.float64).reshape(-1, 2)
-    return float(covered_lengths(np.array([span[0]]), np.array([span[1]]), bounds[:, 0],
-                                 bounds[:, 1])[0])
+    return float(
+        covered_lengths(np.array([span[0]]), np.array([span[1]]), bounds[:, 0], bounds[:, 1])[0]
+    )
 
 
 def covered_total(spans: Sequence[Interval], cover: Sequence[Interval]) -> float:

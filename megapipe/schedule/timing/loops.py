@@ -58,18 +58,68 @@ def warm_up() -> bool:
         return False
     none, one = np.full(1, -1, dtype=np.int64), np.ones(1)
     columns = (np.array([0, 1], dtype=np.int64), none, none, none, np.zeros(1, np.int64), none)
-    found[0](*columns, one, 1, np.zeros(0), np.zeros(0, np.bool_), np.zeros(0, np.int64), None,
-             None, np.zeros(1, np.int64), np.zeros(1), np.ones(1), np.ones(1), none.copy(),
-             np.full(3, -1.0), none.copy(), none.copy(), none.copy(), np.ones(1, np.bool_),
-             np.zeros(1, np.bool_))
-    found[1](np.zeros(1, np.int64), np.zeros(1, np.int64), *columns[1:], one, 0.0, 1,
-             np.zeros(1), np.zeros(1), np.zeros(1), np.full(3, -1.0))
+    found[0](
+        *columns,
+        one,
+        1,
+        np.zeros(0),
+        np.zeros(0, np.bool_),
+        np.zeros(0, np.int64),
+        None,
+        None,
+        np.zeros(1, np.int64),
+        np.zeros(1),
+        np.ones(1),
+        np.ones(1),
+        none.copy(),
+        np.full(3, -1.0),
+        none.copy(),
+        none.copy(),
+        none.copy(),
+        np.ones(1, np.bool_),
+        np.zeros(1, np.bool_),
+    )
+    found[1](
+        np.zeros(1, np.int64),
+        np.zeros(1, np.int64),
+        *columns[1:],
+        one,
+        0.0,
+        1,
+        np.zeros(1),
+        np.zeros(1),
+        np.zeros(1),
+        np.full(3, -1.0),
+    )
     return True
 
 
-def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, watched,
-          first_maker, end_of, made_at, cursor, free, start, end, sweep_of, arrive,
-          park_head, park_next, parked_on, now, later):
+def sweep(
+    offsets,
+    need0,
+    need1,
+    need2,
+    make0,
+    make1,
+    duration,
+    space,
+    delay,
+    watched,
+    first_maker,
+    end_of,
+    made_at,
+    cursor,
+    free,
+    start,
+    end,
+    sweep_of,
+    arrive,
+    park_head,
+    park_next,
+    parked_on,
+    now,
+    later,
+):
     """Run the round robin from ``cursor``/``free`` (updated in place) until no rank can move,
     writing ``start``, ``end``, ``sweep_of`` and ``arrive``. ``delay`` (per product, empty:
     none) and ``watched`` (per product, empty: none) are the rarer parts of making a product;
@@ -147,8 +197,22 @@ def sweep(offsets, need0, need1, need2, make0, make1, duration, space, delay, wa
     return -1, -1, -1
 
 
-def in_sequence(sequence, rank, need0, need1, need2, make0, make1, duration, latency, space,
-             start, end, free, arrive):
+def in_sequence(
+    sequence,
+    rank,
+    need0,
+    need1,
+    need2,
+    make0,
+    make1,
+    duration,
+    latency,
+    space,
+    start,
+    end,
+    free,
+    arrive,
+):
     """Take the actions in ``sequence``: each starts at the latest of its rank's previous end and
     its
     needs' arrivals (the engine's own float operations), writing ``start``, ``end``, ``free``

@@ -79,9 +79,7 @@ def time_actions(schedule: Schedule, graph, watch: frozenset = frozenset()) -> A
     return times
 
 
-def retime(
-    graph, sequence: np.ndarray, sweep: list[int] | np.ndarray | None
-) -> ActionTimes | None:
+def retime(graph, sequence: np.ndarray, sweep: list[int] | np.ndarray | None) -> ActionTimes | None:
     """The engine's times of ``graph``'s actions, computed in ``sequence`` (module docstring);
     None if the actions cannot run in ``sequence`` (a rank's actions out of list order, or an
     action before a product it needs), so that a guessed sequence can be tried. ``sweep`` is given
@@ -96,8 +94,21 @@ def retime(
     free, arrive = new.fill(table.pp, 0.0, np.float64), new.fill(2 * space + 1, -1.0, np.float64)
     _, need0, need1, need2, make0, make1, duration = new.of_actions(actions)
     ok = (compiled[1] if compiled else loops.in_sequence)(
-        new.copy(sequence, np.int64), new.copy(table.rank, np.int64), need0, need1, need2, make0,
-        make1, duration, float(actions.delay), space, start, end, free, arrive)
+        new.copy(sequence, np.int64),
+        new.copy(table.rank, np.int64),
+        need0,
+        need1,
+        need2,
+        make0,
+        make1,
+        duration,
+        float(actions.delay),
+        space,
+        start,
+        end,
+        free,
+        arrive,
+    )
     return ActionTimes(start, end, sweep, arrive, {}) if ok else None
 
 

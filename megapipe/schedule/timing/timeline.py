@@ -96,8 +96,16 @@ class ActionGraph:
             structures[bool(latency)] = _structure(schedule, latency)
         found = structures[bool(latency)]
         actions = ActionInputs(found.columns, duration, found.space.size, latency)
-        return cls(schedule.table, found.space, found.make, found.need, duration, actions,
-                   found.unique, found.watch)
+        return cls(
+            schedule.table,
+            found.space,
+            found.make,
+            found.need,
+            duration,
+            actions,
+            found.unique,
+            found.watch,
+        )
 
     def makers(self) -> np.ndarray:
         """Per engine cell: the row of the product's last maker (rank order), -1 if none (made
@@ -115,7 +123,7 @@ class ActionGraph:
             out[made[made >= 0]] = rows[made >= 0]
         else:
             np.maximum.at(out, made[made >= 0], rows[made >= 0])
-        out[self.space.size:2 * self.space.size] = out[:self.space.size]
+        out[self.space.size : 2 * self.space.size] = out[: self.space.size]
         return out
 
 
@@ -148,13 +156,25 @@ def _structure(schedule: Schedule, latency: float) -> _Structure:
     make = np.full((len(table), 2), -1, dtype=np.int64)
     make[comps.action, comps.half] = made
     repeated = np.flatnonzero(count > 1)
-    return _Structure(space, make, need.T, ActionColumns(table.offsets, need, make),
-                      len(repeated) == 0,
-                      frozenset(repeated.tolist()))
+    return _Structure(
+        space,
+        make,
+        need.T,
+        ActionColumns(table.offsets, need, make),
+        len(repeated) == 0,
+        frozenset(repeated.tolist()),
+    )
 
 
-def _need_cell(schedule: Schedule, comps: Comps, need, space: ProductSpace, maker: np.ndarray,
-          rank_of: np.ndarray, latency: float) -> np.ndarray:
+def _need_cell(
+    schedule: Schedule,
+    comps: Comps,
+    need,
+    space: ProductSpace,
+    maker: np.ndarray,
+    rank_of: np.ndarray,
+    latency: float,
+) -> np.ndarray:
     """The engine cell of one need of each computation, -1 where it has none or the need is
     settled statically (its only maker runs earlier on the same rank, with no latency)."""
     pid = np.where(need.exists, space.ids(need.letter, need.stage, comps.mb), -1)
@@ -299,7 +319,7 @@ def timeline_after_change(schedule: Schedule, before: Timeline, same: list[int])
             cut = min(cut, float(before.start_flat[old[r] + keep]))
     done = []
     for r in range(len(same)):
-        starts = before.start_flat[old[r]:old[r + 1]]
+        starts = before.start_flat[old[r] : old[r + 1]]
         ran = starts[: np.searchsorted(starts < 0, True)] if len(starts) else starts
         done.append(int(np.searchsorted(ran, cut, "left")))
     prefix = _prefix(graph, before, done)
@@ -319,10 +339,10 @@ def _prefix(graph: ActionGraph, before: Timeline, done: list[int]) -> Prefix | N
     free, dropped = [], []
     for r, count in enumerate(done):
         lo, at = old[r], new[r]
-        start[at:at + count] = before.start_flat[lo:lo + count]
-        end[at:at + count] = before.end_flat[lo:lo + count]
+        start[at : at + count] = before.start_flat[lo : lo + count]
+        end[at : at + count] = before.end_flat[lo : lo + count]
         free.append(float(before.end_flat[lo + count - 1]) if count else 0.0)
-        dropped.append(before.graph.make[lo + count:old[r + 1]].reshape(-1))
+        dropped.append(before.graph.make[lo + count : old[r + 1]].reshape(-1))
     arrive = np.array(before.arrive, dtype=np.float64)  # a copy: ``before`` keeps its own
     products = np.concatenate(dropped)
     arrive[products[products >= 0]] = -1.0

@@ -37,16 +37,20 @@ def _check_sources(sources: list[HFTensor], shapes: dict, path: Path) -> None:
     """Every source key present (and the row blocks inside it); no model key left over."""
     for item in sources:
         if item.source not in shapes:
-            raise ValueError(f"{path} lacks {item.source}, which its model config needs "
-                             f"(for {item.name})")
+            raise ValueError(
+                f"{path} lacks {item.source}, which its model config needs (for {item.name})"
+            )
         rows = shapes[item.source][0][0] if shapes[item.source][0] else 0
         if item.rows is not None and item.rows[1] > rows:
-            raise ValueError(f"{path}: {item.source} has {rows} rows, its config needs "
-                             f"{item.rows[1]}")
+            raise ValueError(
+                f"{path}: {item.source} has {rows} rows, its config needs {item.rows[1]}"
+            )
     unused = sorted(set(shapes) - {item.source for item in sources})
     if unused:
-        raise ValueError(f"{path} holds {unused[0]}, which its model config does not have "
-                         f"({len(unused)} such tensor(s))")
+        raise ValueError(
+            f"{path} holds {unused[0]}, which its model config does not have "
+            f"({len(unused)} such tensor(s))"
+        )
 
 
 def _nbytes(item: HFTensor, shapes: dict) -> int:
@@ -77,13 +81,19 @@ def _tokenizer_spec(descriptor_model: dict[str, Any], tokenizer_model: str | Non
         return {"tokenizer_type": HUGGING_FACE, "tokenizer_model": tokenizer_model}
     spec = descriptor_model.get(TOKENIZER_KEY)
     if not isinstance(spec, dict):
-        raise ValueError(f"the checkpoint names no tokenizer (descriptor model.{TOKENIZER_KEY}); "
-                         f"pass --tokenizer-model PATH")
+        raise ValueError(
+            f"the checkpoint names no tokenizer (descriptor model.{TOKENIZER_KEY}); "
+            f"pass --tokenizer-model PATH"
+        )
     return spec
 
 
-def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = None,
-              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+def export_hf(
+    load: str | Path,
+    out: str | Path,
+    tokenizer_model: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[str]:
     """Write the checkpoint ``load`` as a Hugging Face directory ``out``; returns the log
     lines."""
     from safetensors.torch import save_file
@@ -91,8 +101,9 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     checkpoint = find_checkpoint(load)
     config = config_of(checkpoint)
     arch = export_architecture(config)
-    tokenizer = check_tokenizer(_tokenizer_spec(checkpoint.descriptor["model"], tokenizer_model),
-                                config.vocab_size)
+    tokenizer = check_tokenizer(
+        _tokenizer_spec(checkpoint.descriptor["model"], tokenizer_model), config.vocab_size
+    )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
@@ -102,8 +113,11 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     out.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out, tokenizer)
     shards = _shards(listed, shapes, max_shard_bytes)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for shard, name in zip(shards, names):
         sources = read_tensors(checkpoint.path, {item.source for item in shard}, shapes)
@@ -117,8 +131,7 @@ def export_hf(load: str | Path, out: str | Path, tokenizer_model: str | None = N
     dtype = shapes["model/embedding.tokens"][1]
     hf = hf_config(config, dtype, tokenizer.eos_token_id)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    moe = (f"{config.num_experts} experts top-{config.moe_top_k}" if config.num_experts
-           else "dense")
+    moe = f"{config.num_experts} experts top-{config.moe_top_k}" if config.num_experts else "dense"
     return [
         f"export-hf: {checkpoint.path} (iteration {checkpoint.iteration}) -> {out}",
         f"  {arch.name}: {config.num_layers} layers, hidden {config.hidden_size}, {moe}, "

@@ -36,8 +36,14 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 DESCRIPTOR_FILE = "megapipe_layout.json"
 FORMAT = 2
 _ITER = re.compile(r"iter_(\d{7,})")
-_DESCRIPTOR_FIELDS = {"format": int, "iteration": int, "model": dict, "parallel": dict,
-                      "files": dict, "info": dict}
+_DESCRIPTOR_FIELDS = {
+    "format": int,
+    "iteration": int,
+    "model": dict,
+    "parallel": dict,
+    "files": dict,
+    "info": dict,
+}
 _CHUNK = 1 << 22
 
 
@@ -105,7 +111,8 @@ def check_complete(directory: Path, checksums: bool = True) -> dict[str, Any]:
         size = path.stat().st_size
         if size != expected.get("bytes"):
             raise CheckpointError(
-                f"{path} has {size} bytes, the manifest says {expected.get('bytes')}")
+                f"{path} has {size} bytes, the manifest says {expected.get('bytes')}"
+            )
         if checksums and file_digest(path)["crc32"] != expected.get("crc32"):
             raise CheckpointError(f"{path} does not match its checksum (the bytes changed)")
     return descriptor
@@ -135,15 +142,20 @@ class Selection:
         lines = []
         to = f"iteration {self.chosen.iteration}" if self.chosen else "nothing"
         for path, problem in self.damaged:
-            lines.append(f"warning: skipping damaged checkpoint {path} ({problem}); resuming "
-                         f"from {to}")
+            lines.append(
+                f"warning: skipping damaged checkpoint {path} ({problem}); resuming from {to}"
+            )
         if self.marker_problem is not None:
             lines.append(f"warning: {self.marker_problem}; using the newest complete checkpoint")
         elif self.chosen is not None and self.marker not in (
-            None, self.chosen.iteration, *(_iteration_of(p) for p, _ in self.damaged)
+            None,
+            self.chosen.iteration,
+            *(_iteration_of(p) for p, _ in self.damaged),
         ):
-            lines.append(f"warning: {LATEST_FILE} names iteration {self.marker}, the newest "
-                         f"complete checkpoint is iteration {self.chosen.iteration}")
+            lines.append(
+                f"warning: {LATEST_FILE} names iteration {self.marker}, the newest "
+                f"complete checkpoint is iteration {self.chosen.iteration}"
+            )
         return lines
 
 
@@ -191,7 +203,8 @@ def select_checkpoint(directory: str | Path) -> Selection:
             continue
         if descriptor["iteration"] != iteration:
             selection.damaged.append(
-                (path, f"its descriptor says iteration {descriptor['iteration']}"))
+                (path, f"its descriptor says iteration {descriptor['iteration']}")
+            )
             continue
         selection.chosen = Checkpoint(path, iteration, descriptor)
         break

@@ -44,8 +44,10 @@ def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[Box]:
     inner = math.prod(shape[1:])
     first, last = lo // inner, (hi - 1) // inner
     if first == last:
-        return [((first, *off), (1, *size))
-                for off, size in flat_boxes(shape[1:], lo - first * inner, hi - first * inner)]
+        return [
+            ((first, *off), (1, *size))
+            for off, size in flat_boxes(shape[1:], lo - first * inner, hi - first * inner)
+        ]
     whole_lo, whole_hi = -(-lo // inner), hi // inner
     out = flat_boxes(shape, lo, whole_lo * inner) if lo % inner else []
     if whole_hi > whole_lo:
@@ -72,14 +74,16 @@ class PieceTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, shape: Sequence[int], lo: int, hi: int, values: torch.Tensor) -> PieceTensor:
         if values.dim() != 1 or values.numel() != hi - lo:
-            raise ValueError(f"values must be 1-D with {hi - lo} elements, got "
-                             f"{tuple(values.shape)}")
-        out = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=values.dtype,
-                                                  device=values.device)
+            raise ValueError(
+                f"values must be 1-D with {hi - lo} elements, got {tuple(values.shape)}"
+            )
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=values.dtype, device=values.device
+        )
         out._boxes = []
         for offsets, sizes in flat_boxes(shape, lo, hi):
             start = _flat_offset(shape, offsets) - lo
-            view = values[start:start + math.prod(sizes)].view(sizes)
+            view = values[start : start + math.prod(sizes)].view(sizes)
             out._boxes.append((torch.Size(offsets), view))
         return out
 
@@ -88,22 +92,30 @@ class PieceTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ):
-        raise NotImplementedError(f"PieceTensor is a checkpoint entry only; {func} is not "
-                                  "defined on it")
+        raise NotImplementedError(
+            f"PieceTensor is a checkpoint entry only; {func} is not defined on it"
+        )
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self._boxes[0][1])
         return [
-            WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(
-                          chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
-                          properties=properties, size=self.size()))
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
             for offsets, view in self._boxes
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=view.size())
-                for offsets, view in self._boxes]
+        return [
+            ChunkStorageMetadata(offsets=offsets, sizes=view.size())
+            for offsets, view in self._boxes
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         for offsets, view in self._boxes:

@@ -55,8 +55,9 @@ def find_checkpoint(load: str | Path) -> Checkpoint:
         raise ValueError(f"--load {load}: {err}") from None
     if selection.chosen is None:
         damaged = "; ".join(f"{p.name}: {why}" for p, why in selection.damaged)
-        raise ValueError(f"--load {load} holds no complete checkpoint"
-                         + (f" ({damaged})" if damaged else ""))
+        raise ValueError(
+            f"--load {load} holds no complete checkpoint" + (f" ({damaged})" if damaged else "")
+        )
     return selection.chosen
 
 

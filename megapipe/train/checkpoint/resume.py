@@ -37,19 +37,26 @@ if TYPE_CHECKING:
 
 CONFIG_KEY, TOKENIZER_KEY = "gpt_config", "tokenizer"  # reader's, without torch
 RESUMED_FIELDS = {  # GPTConfig field -> how the message names it (its flag)
-    "hidden_size": "--hidden-size", "num_layers": "--num-layers",
-    "num_heads": "--num-attention-heads", "seq_length": "--seq-length",
-    "ffn_hidden_size": "--ffn-hidden-size", "num_experts": "--num-experts",
+    "hidden_size": "--hidden-size",
+    "num_layers": "--num-layers",
+    "num_heads": "--num-attention-heads",
+    "seq_length": "--seq-length",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_experts": "--num-experts",
     "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
     "first_k_dense_layers": "--moe-layer-freq (dense layers first)",
     "moe_layer_freq": "--moe-layer-freq",
-    "position_embedding_type": "--position-embedding-type", "rotary_base": "--rotary-base",
-    "num_query_groups": "--num-query-groups", "qk_layernorm": "--qk-layernorm",
-    "kv_channels": "--kv-channels", "qk_layernorm_scope": "--qk-layernorm-scope",
+    "position_embedding_type": "--position-embedding-type",
+    "rotary_base": "--rotary-base",
+    "num_query_groups": "--num-query-groups",
+    "qk_layernorm": "--qk-layernorm",
+    "kv_channels": "--kv-channels",
+    "qk_layernorm_scope": "--qk-layernorm-scope",
     "moe_router_pre_softmax": "--moe-router-pre-softmax",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "vocab_size": "a padded vocabulary", "seed": "--seed",
+    "vocab_size": "a padded vocabulary",
+    "seed": "--seed",
 }
 """What a checkpoint must share with the run that resumes it (shapes, architecture, seed)."""
 
@@ -72,9 +79,15 @@ class ResumeChoice:
 def descriptor_parts(config: JobConfig, schedule: str, info: dict[str, Any]) -> dict[str, Any]:
     """The ``model``, ``parallel`` and ``info`` parts of a checkpoint written by ``config``."""
     layout = config.parallel
-    parallel = {"pp": layout.pp, "vpp": config.schedule.vpp, "ep": layout.ep, "dp": layout.dp,
-                "world_size": layout.world_size, "schedule": schedule,
-                "overlap": config.overlap.enabled}
+    parallel = {
+        "pp": layout.pp,
+        "vpp": config.schedule.vpp,
+        "ep": layout.ep,
+        "dp": layout.dp,
+        "world_size": layout.world_size,
+        "schedule": schedule,
+        "overlap": config.overlap.enabled,
+    }
     model = {CONFIG_KEY: config.model.to_dict(), TOKENIZER_KEY: config.tokenizer.descriptor()}
     return {"model": model, "parallel": parallel, "info": info}
 
@@ -85,8 +98,10 @@ def check_model(checkpoint: Checkpoint, config: JobConfig) -> None:
     where = f"--load {checkpoint.path.parent}: {checkpoint.path.name}"
     fields = saved.get(CONFIG_KEY)
     if not isinstance(fields, dict):
-        raise CheckpointError(f"{where}: its descriptor has no model.{CONFIG_KEY} (written by "
-                              "an older megapipe), so its model cannot be compared")
+        raise CheckpointError(
+            f"{where}: its descriptor has no model.{CONFIG_KEY} (written by "
+            "an older megapipe), so its model cannot be compared"
+        )
     _check_tokenizer(where, saved.get(TOKENIZER_KEY), config.tokenizer, fields.get("vocab_size"))
     from megapipe.models.config import GPTConfig  # torch: the ranks have not started yet
 
@@ -121,8 +136,9 @@ def check_paths(save: str | None, load: str | None) -> None:
     if save is not None:
         existing = _nearest_existing(save)
         if not os.path.isdir(existing):
-            what = ("is" if existing == os.path.abspath(save)
-                    else f"lies under {existing!r}, which is")
+            what = (
+                "is" if existing == os.path.abspath(save) else f"lies under {existing!r}, which is"
+            )
             raise CheckpointError(f"--save {save!r} {what} a file, not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise CheckpointError(f"--save {save!r}: {existing!r} is not writable")
@@ -173,8 +189,10 @@ def choose_resume(config: JobConfig) -> ResumeChoice:
     check_model(selection.chosen, config)
     warnings = selection.warnings()
     if hf_dir is not None:
-        warnings.append(f"warning: --load-hf {hf_dir} is not read: --load {load} holds a "
-                        f"checkpoint (iteration {selection.chosen.iteration}), which is resumed")
+        warnings.append(
+            f"warning: --load-hf {hf_dir} is not read: --load {load} holds a "
+            f"checkpoint (iteration {selection.chosen.iteration}), which is resumed"
+        )
     return ResumeChoice(selection.chosen, warnings)
 
 
@@ -202,26 +220,29 @@ def check_hf_model(hf_dir: str, config: JobConfig) -> None:
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     if config.tokenizer.vocab_size > theirs.vocab_size:
-        raise CheckpointError(f"--load-hf {hf_dir}: the tokenizer has "
-                              f"{config.tokenizer.vocab_size:,} tokens, more than its model's "
-                              f"vocabulary of {theirs.vocab_size:,}")
-    fields = {name: shown for name, shown in RESUMED_FIELDS.items()
-              if name not in ("seed", "seq_length")}
+        raise CheckpointError(
+            f"--load-hf {hf_dir}: the tokenizer has "
+            f"{config.tokenizer.vocab_size:,} tokens, more than its model's "
+            f"vocabulary of {theirs.vocab_size:,}"
+        )
+    fields = {
+        name: shown for name, shown in RESUMED_FIELDS.items() if name not in ("seed", "seq_length")
+    }
     fields.update(HF_FIELDS)
     ours, its = _architecture(mine, fields), _architecture(theirs, fields)
     for name, shown in fields.items():
         if ours[name] != its[name]:
             raise CheckpointError(
                 f"--load-hf {hf_dir}: its config.json has {shown}={its[name]!r} but this run "
-                f"has {shown}={ours[name]!r}; pass the model flags of its model")
+                f"has {shown}={ours[name]!r}; pass the model flags of its model"
+            )
     try:
         check_hf_weights(hf_dir, mine.seq_length)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
 
 
-def _architecture(model: GPTConfig, fields: dict[str, str] = RESUMED_FIELDS
-                  ) -> dict[str, Any]:
+def _architecture(model: GPTConfig, fields: dict[str, str] = RESUMED_FIELDS) -> dict[str, Any]:
     """The ``fields`` of ``model``, the query groups and head dim as they are (the defaults
     None and the heads, or hidden / heads, are the same model)."""
     values = {name: getattr(model, name) for name in fields}
@@ -235,22 +256,27 @@ def _check_tokenizer(where: str, saved: Any, mine: TokenizerConfig, saved_vocab:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where}: its descriptor has no model.{TOKENIZER_KEY}")
     if isinstance(saved_vocab, int) and mine.vocab_size > saved_vocab:
-        raise CheckpointError(f"{where}: the tokenizer has {mine.vocab_size:,} tokens, more than "
-                              f"the checkpoint's model vocabulary of {saved_vocab:,}")
+        raise CheckpointError(
+            f"{where}: the tokenizer has {mine.vocab_size:,} tokens, more than "
+            f"the checkpoint's model vocabulary of {saved_vocab:,}"
+        )
     if saved.get("tokenizer_type") != mine.tokenizer_type:
-        raise CheckpointError(f"{where} was trained with --tokenizer-type "
-                              f"{saved.get('tokenizer_type')} but this run has --tokenizer-type "
-                              f"{mine.tokenizer_type}: the ids would mean other tokens")
+        raise CheckpointError(
+            f"{where} was trained with --tokenizer-type "
+            f"{saved.get('tokenizer_type')} but this run has --tokenizer-type "
+            f"{mine.tokenizer_type}: the ids would mean other tokens"
+        )
 
 
 def _check_marker(load: str, selection: Selection) -> None:
     """Megatron's tracker file names an iteration, and its folder is there (damaged or not)."""
     if selection.marker_problem is not None:
-        raise CheckpointError(f"--load {load}: {selection.marker_problem} (fix or remove the "
-                              "file)")
+        raise CheckpointError(f"--load {load}: {selection.marker_problem} (fix or remove the file)")
     marker = selection.marker
     if marker is not None and not iteration_dir(load, marker).is_dir():
         found = [iteration for iteration, _ in checkpoint_dirs(load)]
         held = f"it holds iterations {', '.join(map(str, found))}" if found else "it holds none"
-        raise CheckpointError(f"--load {load}: {LATEST_FILE} names iteration {marker}, whose "
-                              f"folder {iteration_dir(load, marker).name} is not there ({held})")
+        raise CheckpointError(
+            f"--load {load}: {LATEST_FILE} names iteration {marker}, whose "
+            f"folder {iteration_dir(load, marker).name} is not there ({held})"
+        )

@@ -83,14 +83,16 @@ def _range_pieces(
         shapes = [(key, tuple(param.shape), 0)]
     else:
         each = param[0].numel()
-        shapes = [(f"{key}/expert{first + e}", tuple(param.shape[1:]), e * each)
-                  for e in range(param.shape[0])]
+        shapes = [
+            (f"{key}/expert{first + e}", tuple(param.shape[1:]), e * each)
+            for e in range(param.shape[0])
+        ]
     for sub_key, shape, base in shapes:
         numel = math.prod(shape)
         a, b = max(lo, base), min(hi, base + numel)
         if a >= b:
             continue
-        part = values[a - lo:b - lo]
+        part = values[a - lo : b - lo]
         if a == base and b == base + numel:
             yield sub_key, part.view(shape)
         else:
@@ -110,8 +112,10 @@ def checkpoint_entries(
         for name, param in module.named_parameters():
             first = offsets.get(id(param))
             if getattr(param, "expert_parallel", False) and first is None:
-                raise ValueError(f"expert parameter {name} is not part of a GroupedExperts "
-                                 "module: its global expert indices are unknown")
+                raise ValueError(
+                    f"expert parameter {name} is not part of a GroupedExperts "
+                    "module: its global expert indices are unknown"
+                )
             names[id(param)] = (name, first)
             for key, view in _pieces(f"model/{name}", param.detach(), first):
                 entries.setdefault(key, []).append(view)
@@ -130,8 +134,9 @@ def checkpoint_entries(
                 if field == "step":
                     entries.setdefault(f"optim/{name}/step", []).append(value)
                     continue
-                for key, view in _range_pieces(f"optim/{name}", piece.param, piece.lo,
-                                               piece.hi, value, first):
+                for key, view in _range_pieces(
+                    f"optim/{name}", piece.param, piece.lo, piece.hi, value, first
+                ):
                     entries.setdefault(f"{key}/{field}", []).append(view)
     return entries
 
@@ -180,7 +185,7 @@ def _flat(entries: Entries, extra: Mapping[str, Any], rng_key: str) -> dict[str,
 def _checksums(directory: Path) -> dict[str, dict[str, int]]:
     """Every rank checksums its share of the files; everyone gets the whole table."""
     names = sorted(p.name for p in directory.iterdir() if p.is_file())
-    mine = {n: file_digest(directory / n) for n in names[dist.get_rank()::dist.get_world_size()]}
+    mine = {n: file_digest(directory / n) for n in names[dist.get_rank() :: dist.get_world_size()]}
     tables: list[dict[str, dict[str, int]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(tables, mine)
     return {name: digest for table in tables if table for name, digest in table.items()}
@@ -206,13 +211,19 @@ def save_checkpoint(
     if rank == 0:
         prepare_temporary(save, iteration)
     dist.barrier()
-    dcp.save(_flat(checkpoint_entries(stages, optimizer), extra, f"rng/rank{rank}"),
-             checkpoint_id=str(tmp))
+    dcp.save(
+        _flat(checkpoint_entries(stages, optimizer), extra, f"rng/rank{rank}"),
+        checkpoint_id=str(tmp),
+    )
     dist.barrier()
     digests = _checksums(tmp)
     if rank == 0:
-        full = {"format": FORMAT, "iteration": iteration, **dict(descriptor),
-                "files": describe_files(tmp, digests)}
+        full = {
+            "format": FORMAT,
+            "iteration": iteration,
+            **dict(descriptor),
+            "files": describe_files(tmp, digests),
+        }
         publish(save, iteration, full)
         if keep_last:
             prune(save, keep_last, newest=iteration)

@@ -53,34 +53,65 @@ def job_config(f: PretrainFlags, world_size: int, vocab_size: int | None = None)
     schedule_config, schedule = _schedule(f, parallel)
     graphs = _graphs(f, model, schedule)
     return JobConfig(
-        seed=f.seed, train_iters=f.train_iters, parallel=parallel, schedule=schedule_config,
-        overlap=_overlap(f), model=model, tokenizer=tokenizer,
-        optimizer=OptimizerConfig(f.lr, f.min_lr, f.lr_warmup_iters,
-                                  f.lr_decay_iters or f.train_iters, f.lr_decay_style,
-                                  f.weight_decay, f.clip_grad),
+        seed=f.seed,
+        train_iters=f.train_iters,
+        parallel=parallel,
+        schedule=schedule_config,
+        overlap=_overlap(f),
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=OptimizerConfig(
+            f.lr,
+            f.min_lr,
+            f.lr_warmup_iters,
+            f.lr_decay_iters or f.train_iters,
+            f.lr_decay_style,
+            f.weight_decay,
+            f.clip_grad,
+        ),
         precision=PrecisionConfig(f.bf16, f.deterministic_mode),
         data_parallel=DataParallelConfig(
-            f.overlap_grad_reduce, f.use_distributed_optimizer, f.overlap_param_gather,
-            bucket_size(f, parallel.dp), f.dp_emulated_link_gbps),
+            f.overlap_grad_reduce,
+            f.use_distributed_optimizer,
+            f.overlap_param_gather,
+            bucket_size(f, parallel.dp),
+            f.dp_emulated_link_gbps,
+        ),
         data=data,
         checkpoint=CheckpointConfig(f.save, f.load, f.save_interval, f.keep_last, f.load_hf),
-        logging=LoggingConfig(f.log_interval, f.tensorboard_dir, f.log_activation_memory,
-                              f.profile_trace, f.profile_step_start,
-                              f.profile_step_end or f.profile_step_start, f.use_pytorch_profiler),
-        failures=FailureConfig(timedelta(minutes=f.distributed_timeout_minutes),
-                               f.exit_signal_handler, f.exit_interval, f.exit_duration_in_mins),
+        logging=LoggingConfig(
+            f.log_interval,
+            f.tensorboard_dir,
+            f.log_activation_memory,
+            f.profile_trace,
+            f.profile_step_start,
+            f.profile_step_end or f.profile_step_start,
+            f.use_pytorch_profiler,
+        ),
+        failures=FailureConfig(
+            timedelta(minutes=f.distributed_timeout_minutes),
+            f.exit_signal_handler,
+            f.exit_interval,
+            f.exit_duration_in_mins,
+        ),
         graphs=graphs,
-        collector=CollectorConfig(f.manual_gc, f.manual_gc_interval, f.manual_gc_eval,
-                                  f.heap_trim_interval),
+        collector=CollectorConfig(
+            f.manual_gc, f.manual_gc_interval, f.manual_gc_eval, f.heap_trim_interval
+        ),
     )
 
 
 def _overlap(f: PretrainFlags) -> OverlapConfig:
     """The combined step's part; the high-priority groups in megapipe's names."""
     high_priority = tuple(HIGH_PRIORITY_GROUPS[g] for g in f.high_priority_stream_groups)
-    return OverlapConfig(f.overlap_moe_expert_parallel_comm, f.delay_wgrad_compute,
-                         f.moe_a2a_waves, high_priority, f.overlap_moe_expert_parallel_comm_auto,
-                         f.overlap_auto_interval)
+    return OverlapConfig(
+        f.overlap_moe_expert_parallel_comm,
+        f.delay_wgrad_compute,
+        f.moe_a2a_waves,
+        high_priority,
+        f.overlap_moe_expert_parallel_comm_auto,
+        f.overlap_auto_interval,
+    )
 
 
 def world_size_of(f: PretrainFlags, env: Mapping[str, str] | None = None) -> int:
@@ -101,8 +132,11 @@ def _parallel(f: PretrainFlags, world_size: int) -> ParallelConfig:
     """pp, dp = world / pp and ep, fitting the world size, the experts and the global batch."""
     from megapipe.parallel.config import ParallelConfig
 
-    pp, vpp, ep = (f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size or 1,
-                   f.expert_model_parallel_size)
+    pp, vpp, ep = (
+        f.pipeline_model_parallel_size,
+        f.virtual_pipeline_model_parallel_size or 1,
+        f.expert_model_parallel_size,
+    )
     if vpp > 1 and pp == 1:
         raise ArgsError(
             f"--virtual-pipeline-model-parallel-size={vpp} needs --pipeline-model-parallel-size > 1"
@@ -137,9 +171,14 @@ def _schedule(f: PretrainFlags, parallel: ParallelConfig) -> tuple[ScheduleConfi
     from megapipe.models.split import split_layers
 
     pp, vpp = f.pipeline_model_parallel_size, f.virtual_pipeline_model_parallel_size or 1
-    config = ScheduleConfig(f.pipeline_schedule or default_schedule_name(pp, vpp), pp, vpp,
-                            f.global_batch_size // (f.micro_batch_size * parallel.dp),
-                            f.overlap_moe_expert_parallel_comm, f.overlap_max_extra_in_flight)
+    config = ScheduleConfig(
+        f.pipeline_schedule or default_schedule_name(pp, vpp),
+        pp,
+        vpp,
+        f.global_batch_size // (f.micro_batch_size * parallel.dp),
+        f.overlap_moe_expert_parallel_comm,
+        f.overlap_max_extra_in_flight,
+    )
     try:
         schedule = config.build()
     except ScheduleError as err:
@@ -168,17 +207,23 @@ def _check_tied_embeddings(f: PretrainFlags, schedule: Schedule) -> None:
         return
     tied = "--no-untie-embeddings-and-output-weights (tied embeddings)"
     if schedule.bidirectional:
-        raise ArgsError(f"{tied} with --pipeline-schedule {schedule.name}: each model part has "
-                        "two copies there; pass --untie-embeddings-and-output-weights")
+        raise ArgsError(
+            f"{tied} with --pipeline-schedule {schedule.name}: each model part has "
+            "two copies there; pass --untie-embeddings-and-output-weights"
+        )
     if f.use_distributed_optimizer:
-        raise ArgsError(f"{tied} with --use-distributed-optimizer: the two copies' gradients "
-                        "are sharded differently and are not summed; pass "
-                        "--untie-embeddings-and-output-weights")
+        raise ArgsError(
+            f"{tied} with --use-distributed-optimizer: the two copies' gradients "
+            "are sharded differently and are not summed; pass "
+            "--untie-embeddings-and-output-weights"
+        )
     if schedule.num_stages == 1 and f.overlap_moe_expert_parallel_comm:
-        raise ArgsError(f"{tied} in a model of one stage with --overlap-moe-expert-parallel-"
-                        "comm: the combined step adds the weight's two gradients in another "
-                        "order than the plain step (not bitwise); untie them, or pass "
-                        "--no-overlap-moe-expert-parallel-comm")
+        raise ArgsError(
+            f"{tied} in a model of one stage with --overlap-moe-expert-parallel-"
+            "comm: the combined step adds the weight's two gradients in another "
+            "order than the plain step (not bitwise); untie them, or pass "
+            "--no-overlap-moe-expert-parallel-comm"
+        )
 
 
 def _graphs(f: PretrainFlags, model: GPTConfig, schedule: Schedule) -> GraphConfig:
@@ -191,26 +236,32 @@ def _graphs(f: PretrainFlags, model: GPTConfig, schedule: Schedule) -> GraphConf
     )
 
     if f.cuda_graph_modules and f.cuda_graph_scope:
-        raise ArgsError("--cuda-graph-scope is Megatron 0.16-0.17's name of --cuda-graph-modules: "
-                        "give one of them")
+        raise ArgsError(
+            "--cuda-graph-scope is Megatron 0.16-0.17's name of --cuda-graph-modules: "
+            "give one of them"
+        )
     config = GraphConfig(f.cuda_graph_impl, f.cuda_graph_modules or f.cuda_graph_scope)
     problem = settings_problem(config.impl, config.modules)
     if problem is None and config.impl != "none":
         if f.recompute_granularity == "full":
-            raise ArgsError("--recompute-granularity full with --cuda-graph-impl local: a "
-                            "recomputed node runs its forward again inside its backward, so it "
-                            "is not captured (Megatron allows full recompute only with "
-                            "whole-iteration graphs)")
+            raise ArgsError(
+                "--recompute-granularity full with --cuda-graph-impl local: a "
+                "recomputed node runs its forward again inside its backward, so it "
+                "is not captured (Megatron allows full recompute only with "
+                "whole-iteration graphs)"
+            )
         from megapipe.models.gpt import graph_holders
 
-        split = any(c.kind is Kind.I for row in schedule.actions for a in row
-                    for c in a.computations())
-        problem = coverage_problem(config.modules, graph_holders(model)) or \
-            split_backward_problem(  # auto runs plain steps too
-                f"--pipeline-schedule {schedule.name}", split,
-                f.overlap_moe_expert_parallel_comm and not f.overlap_moe_expert_parallel_comm_auto)
+        split = any(
+            c.kind is Kind.I for row in schedule.actions for a in row for c in a.computations()
+        )
+        problem = coverage_problem(
+            config.modules, graph_holders(model)
+        ) or split_backward_problem(  # auto runs plain steps too
+            f"--pipeline-schedule {schedule.name}",
+            split,
+            f.overlap_moe_expert_parallel_comm and not f.overlap_moe_expert_parallel_comm_auto,
+        )
     if problem is not None:
         raise ArgsError(problem)
     return config
-
-

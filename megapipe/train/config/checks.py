@@ -40,10 +40,15 @@ def check_flags(f: PretrainFlags, parallel: ParallelConfig) -> None:
     _check_options(f, parallel)
     _check_profiling(f)
     if not f.manual_gc and (f.manual_gc_interval or not f.manual_gc_eval):
-        used = f"--manual-gc-interval={f.manual_gc_interval}" if f.manual_gc_interval \
+        used = (
+            f"--manual-gc-interval={f.manual_gc_interval}"
+            if f.manual_gc_interval
             else "--no-manual-gc-eval"
-        raise ArgsError(f"{used} needs --manual-gc (without it Python's automatic garbage "
-                        "collector runs and the flag would change nothing)")
+        )
+        raise ArgsError(
+            f"{used} needs --manual-gc (without it Python's automatic garbage "
+            "collector runs and the flag would change nothing)"
+        )
 
 
 def check_output_path(flag: str, path: str | None) -> None:
@@ -56,8 +61,10 @@ def check_output_path(flag: str, path: str | None) -> None:
 def _check_profiling(f: PretrainFlags) -> None:
     """The traced iterations lie in 1..train-iters in order; the trace file can be written."""
     if f.use_pytorch_profiler and f.profile_trace is None:
-        raise ArgsError("--use-pytorch-profiler needs --profile-trace FILE (its traces are "
-                        "written next to that file)")
+        raise ArgsError(
+            "--use-pytorch-profiler needs --profile-trace FILE (its traces are "
+            "written next to that file)"
+        )
     if f.profile_trace is None:
         return
     start, end = f.profile_step_start, f.profile_step_end
@@ -68,8 +75,9 @@ def _check_profiling(f: PretrainFlags) -> None:
     last = start if end is None else end
     if last > f.train_iters:
         flag = "--profile-step-start" if end is None else "--profile-step-end"
-        raise ArgsError(f"{flag}={last} is beyond --train-iters={f.train_iters}: that "
-                        "iteration never runs")
+        raise ArgsError(
+            f"{flag}={last} is beyond --train-iters={f.train_iters}: that iteration never runs"
+        )
     check_output_path("profile-trace", f.profile_trace)
 
 
@@ -134,28 +142,39 @@ def _check_overlap_auto(f: PretrainFlags) -> None:
     interval = f.overlap_auto_interval
     if not f.overlap_moe_expert_parallel_comm_auto:
         if interval != PretrainFlags.overlap_auto_interval:
-            raise ArgsError(f"--overlap-auto-interval={interval} needs "
-                            "--overlap-moe-expert-parallel-comm-auto")
+            raise ArgsError(
+                f"--overlap-auto-interval={interval} needs --overlap-moe-expert-parallel-comm-auto"
+            )
         return
     auto = "--overlap-moe-expert-parallel-comm-auto"
     from megapipe.pipeline.overlap_auto import TRIAL  # torch: only when the flag is given
 
     if 0 < interval < len(TRIAL):
-        raise ArgsError(f"--overlap-auto-interval={interval} is shorter than one timing trial "
-                        f"({len(TRIAL)} iterations); use 0 (time once) or at least {len(TRIAL)}")
-    only_combined = [(name, on) for name, on in (
-        ("--no-overlap-moe-expert-parallel-comm", not f.overlap_moe_expert_parallel_comm),
-        ("--delay-wgrad-compute", f.delay_wgrad_compute),
-        (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
-        (f"--overlap-max-extra-in-flight={f.overlap_max_extra_in_flight}",
-         f.overlap_max_extra_in_flight is not None),
-        ("--profile-trace", f.profile_trace is not None),
-    ) if on]
+        raise ArgsError(
+            f"--overlap-auto-interval={interval} is shorter than one timing trial "
+            f"({len(TRIAL)} iterations); use 0 (time once) or at least {len(TRIAL)}"
+        )
+    only_combined = [
+        (name, on)
+        for name, on in (
+            ("--no-overlap-moe-expert-parallel-comm", not f.overlap_moe_expert_parallel_comm),
+            ("--delay-wgrad-compute", f.delay_wgrad_compute),
+            (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
+            (
+                f"--overlap-max-extra-in-flight={f.overlap_max_extra_in_flight}",
+                f.overlap_max_extra_in_flight is not None,
+            ),
+            ("--profile-trace", f.profile_trace is not None),
+        )
+        if on
+    ]
     if only_combined:
         name = only_combined[0][0]
-        raise ArgsError(f"{auto} with {name}: auto chooses between the plain and the combined "
-                        "step, which must differ in nothing else (and a profile traces one "
-                        "schedule); drop one of the two")
+        raise ArgsError(
+            f"{auto} with {name}: auto chooses between the plain and the combined "
+            "step, which must differ in nothing else (and a profile traces one "
+            "schedule); drop one of the two"
+        )
 
 
 def _check_rank_capacity(f: PretrainFlags) -> None:
@@ -166,8 +185,10 @@ def _check_rank_capacity(f: PretrainFlags) -> None:
         return
     name = f"--moe-expert-rank-capacity-factor={factor:g}"
     for other, on in (
-        (f"--moe-expert-capacity-factor={f.moe_expert_capacity_factor}",
-         f.moe_expert_capacity_factor is not None),
+        (
+            f"--moe-expert-capacity-factor={f.moe_expert_capacity_factor}",
+            f.moe_expert_capacity_factor is not None,
+        ),
         (f"--moe-a2a-waves={f.moe_a2a_waves}", f.moe_a2a_waves > 1),
         ("--overlap-grad-reduce", f.overlap_grad_reduce),
         ("--use-distributed-optimizer", f.use_distributed_optimizer),
@@ -176,14 +197,18 @@ def _check_rank_capacity(f: PretrainFlags) -> None:
             raise ArgsError(
                 f"{name} with {other}: not supported (the rank capacity keeps the layer "
                 "dropless in one all-to-all per node, and a step that overflows runs again, "
-                "which bucketed gradient reductions already issued would not undo)")
+                "which bucketed gradient reductions already issued would not undo)"
+            )
     row_bytes = 2 if f.bf16 else 4
-    for flag_name, size in (("--hidden-size", f.hidden_size),
-                            ("--moe-ffn-hidden-size", f.moe_ffn_hidden_size)):
+    for flag_name, size in (
+        ("--hidden-size", f.hidden_size),
+        ("--moe-ffn-hidden-size", f.moe_ffn_hidden_size),
+    ):
         if size is not None and size * row_bytes % 16:
             raise ArgsError(
                 f"{name} needs {flag_name} x {row_bytes} bytes to be a multiple of 16 (got "
-                f"{size}): its experts run on torch's grouped GEMM, which reads no host counts")
+                f"{size}): its experts run on torch's grouped GEMM, which reads no host counts"
+            )
 
 
 def _check_recompute(f: PretrainFlags) -> None:
@@ -191,8 +216,10 @@ def _check_recompute(f: PretrainFlags) -> None:
     full = f.recompute_granularity == "full"
     if full and f.recompute_method is None:
         raise ArgsError("--recompute-granularity full needs --recompute-method uniform or block")
-    for flag, value in (("--recompute-method", f.recompute_method),
-                        ("--recompute-num-layers", f.recompute_num_layers)):
+    for flag, value in (
+        ("--recompute-method", f.recompute_method),
+        ("--recompute-num-layers", f.recompute_num_layers),
+    ):
         if value is not None and not full:
             raise ArgsError(f"{flag}={value} needs --recompute-granularity full")
     if f.recompute_modules is not None and f.recompute_granularity != "selective":
@@ -210,9 +237,11 @@ def _check_attention(f: PretrainFlags) -> None:
     ``--num-query-groups`` is ignored, as Megatron ignores it)."""
     groups = f.num_query_groups
     if f.group_query_attention and f.num_attention_heads % (groups or 1) != 0:
-        raise ArgsError(f"--num-query-groups={groups} must divide --num-attention-heads="
-                        f"{f.num_attention_heads} (each key/value head serves as many query "
-                        "heads; --no-group-query-attention: one per query head)")
+        raise ArgsError(
+            f"--num-query-groups={groups} must divide --num-attention-heads="
+            f"{f.num_attention_heads} (each key/value head serves as many query "
+            "heads; --no-group-query-attention: one per query head)"
+        )
 
 
 def _check_options(f: PretrainFlags, parallel: ParallelConfig) -> None:

@@ -24,8 +24,22 @@ from typing import Any, NoReturn, TypeVar
 
 from megapipe.subcommand import ArgsError, Check, above, at_least, finite, one_of
 
-__all__ = ["COUNT", "POSITIVE", "ArgsError", "Check", "above", "add_flags", "at_least",
-           "build_parser", "finite", "flag", "given_flags", "one_of", "parse_flags", "record_of"]
+__all__ = [
+    "COUNT",
+    "POSITIVE",
+    "ArgsError",
+    "Check",
+    "above",
+    "add_flags",
+    "at_least",
+    "build_parser",
+    "finite",
+    "flag",
+    "given_flags",
+    "one_of",
+    "parse_flags",
+    "record_of",
+]
 
 R = TypeVar("R")
 POSITIVE, COUNT = at_least(1), at_least(0)  # the two ranges most flags have
@@ -43,9 +57,15 @@ class FlagSpec:
     metavar: str | None
 
 
-def flag(default: Any, help: str, *checks: Check, group: str | None = None,
-         choices: Sequence[str] | None = None, nargs: str | None = None,
-         metavar: str | None = None) -> Any:
+def flag(
+    default: Any,
+    help: str,
+    *checks: Check,
+    group: str | None = None,
+    choices: Sequence[str] | None = None,
+    nargs: str | None = None,
+    metavar: str | None = None,
+) -> Any:
     """Declare the flag of the field this is assigned to (module docstring)."""
     spec = FlagSpec(help, checks, group, choices, nargs, metavar)
     return dataclasses.field(default=default, metadata={"flag": spec})
@@ -113,8 +133,9 @@ def given_flags(ns: argparse.Namespace) -> frozenset[str]:
     return getattr(ns, GIVEN, frozenset())
 
 
-def build_parser(record: type, prog: str, description: str,
-                 add_help: bool = True) -> argparse.ArgumentParser:
+def build_parser(
+    record: type, prog: str, description: str, add_help: bool = True
+) -> argparse.ArgumentParser:
     """The argparse parser of every flag ``record`` declares, in ``--help`` groups."""
     parser = argparse.ArgumentParser(prog=prog, add_help=add_help, description=description)
     add_flags(parser, record)
@@ -133,8 +154,13 @@ def add_flags(parser: argparse.ArgumentParser, record: type) -> None:
             kwargs["action"] = _Boolean if f.default else _Switch
         else:
             kwargs.update(action=_Store, type=base, nargs=(spec.nargs or "*") if many else None)
-        kwargs.update({key: value for key, value in (("choices", spec.choices),
-                                                     ("metavar", spec.metavar)) if value})
+        kwargs.update(
+            {
+                key: value
+                for key, value in (("choices", spec.choices), ("metavar", spec.metavar))
+                if value
+            }
+        )
         groups[spec.group].add_argument(flag_name(f.name), **kwargs)
     for old, new in getattr(record, "RENAMED", {}).items():
         parser.add_argument(old, action=_Renamed, nargs="*", help=argparse.SUPPRESS, new=new)
@@ -164,8 +190,9 @@ def record_of(record: type[R], ns: argparse.Namespace) -> R:
     return record(**values)
 
 
-def parse_namespace(record: type, argv: Sequence[str] | None, prog: str,
-                    description: str = "") -> argparse.Namespace:
+def parse_namespace(
+    record: type, argv: Sequence[str] | None, prog: str, description: str = ""
+) -> argparse.Namespace:
     """Parse ``argv`` with ``build_parser``'s parser; ArgsError (one line) for a bad flag."""
     parser = build_parser(record, prog, description)
 
@@ -176,7 +203,6 @@ def parse_namespace(record: type, argv: Sequence[str] | None, prog: str,
     return parser.parse_args(argv)
 
 
-def parse_flags(record: type[R], argv: Sequence[str] | None, prog: str,
-                description: str = "") -> R:
+def parse_flags(record: type[R], argv: Sequence[str] | None, prog: str, description: str = "") -> R:
     """Parse ``argv`` into a checked record; ArgsError (one line) for a bad flag."""
     return record_of(record, parse_namespace(record, argv, prog, description))

@@ -49,8 +49,14 @@ def graph_modules(name: str, modules: tuple[str, ...]) -> str | None:
 
 
 def no_fp16(name: str, on: bool) -> str | None:
-    return ("--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
-            "dynamic loss scaling, which megapipe does not implement)") if on else None
+    return (
+        (
+            "--fp16 is not supported: megapipe trains in fp32 or with --bf16 (fp16 would need "
+            "dynamic loss scaling, which megapipe does not implement)"
+        )
+        if on
+        else None
+    )
 
 
 def indexed_or_text(name: str, values: tuple[str, ...]) -> str | None:
@@ -60,8 +66,10 @@ def indexed_or_text(name: str, values: tuple[str, ...]) -> str | None:
         return None
     text = [v for v in values if os.path.exists(v) and not _names_prefix(v)]
     if text:
-        return (f"{name} mixes raw text ({text[0]}) with indexed datasets: give raw text files "
-                "or Megatron prefixes (megapipe preprocess-data makes them)")
+        return (
+            f"{name} mixes raw text ({text[0]}) with indexed datasets: give raw text files "
+            "or Megatron prefixes (megapipe preprocess-data makes them)"
+        )
     try:
         check_data_path(values)
     except DataError as err:
@@ -92,9 +100,11 @@ def values_are_indexed(values: tuple[str, ...]) -> bool:
 def megapipe_model(what: str, megatron: str) -> Callable[[str, Any], str | None]:
     """A check refusing the setting of a Megatron model switch that megapipe's model lacks
     (``what``: megapipe's model; ``megatron``: the refused setting)."""
+
     def check(name: str, value: Any) -> str | None:
         if value is True or value == "RMSNorm":
             return None
         shown = f"{name}={value}" if isinstance(value, str) else "--no-" + name[2:]
         return f"{shown}: megapipe's model {what}; {megatron} is not implemented"
+
     return check

@@ -27,24 +27,33 @@ def model_flags(model: GPTConfig) -> dict[str, Any]:
         pattern = ",".join("1" if model.is_moe_layer(i) else "0" for i in range(model.num_layers))
         layer_freq = f"[{pattern}]"
     values: dict[str, Any] = dict(
-        num_layers=model.num_layers, hidden_size=model.hidden_size,
-        num_attention_heads=model.num_heads, ffn_hidden_size=model.ffn_hidden_size,
-        num_experts=model.num_experts, moe_layer_freq=layer_freq,
-        position_embedding_type=model.position_embedding_type, rotary_base=model.rotary_base,
-        group_query_attention=True, num_query_groups=model.query_groups,
-        qk_layernorm=model.qk_layernorm, qk_layernorm_scope=model.qk_layernorm_scope,
-        kv_channels=model.head_dim, norm_epsilon=model.norm_eps,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_experts=model.num_experts,
+        moe_layer_freq=layer_freq,
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+        group_query_attention=True,
+        num_query_groups=model.query_groups,
+        qk_layernorm=model.qk_layernorm,
+        qk_layernorm_scope=model.qk_layernorm_scope,
+        kv_channels=model.head_dim,
+        norm_epsilon=model.norm_eps,
         untie_embeddings_and_output_weights=model.untie_embeddings_and_output_weights,
         moe_router_pre_softmax=model.moe_router_pre_softmax,
     )
     if model.num_experts:
-        values.update(moe_router_topk=model.moe_top_k,
-                      moe_ffn_hidden_size=model.moe_ffn_hidden_size)
+        values.update(
+            moe_router_topk=model.moe_top_k, moe_ffn_hidden_size=model.moe_ffn_hidden_size
+        )
     return values
 
 
-def flags_from_hf(flags: PretrainFlags, given: frozenset[str] | None
-                  ) -> tuple[PretrainFlags, GPTConfig]:
+def flags_from_hf(
+    flags: PretrainFlags, given: frozenset[str] | None
+) -> tuple[PretrainFlags, GPTConfig]:
     """``flags`` with the model flags not ``given`` (None: all were) taken from ``--load-hf``'s
     ``config.json``, and that model; ArgsError (one line) for a directory megapipe cannot
     read or mirror."""
@@ -59,4 +68,3 @@ def flags_from_hf(flags: PretrainFlags, given: frozenset[str] | None
         return flags, model
     taken = {name: value for name, value in model_flags(model).items() if name not in given}
     return dataclasses.replace(flags, **taken), model
-

@@ -35,8 +35,14 @@ class ScheduleConfig:
     def build(self) -> Schedule:
         from megapipe.schedule import build_schedule
 
-        return build_schedule(self.name, self.pp, self.num_microbatches, self.vpp,
-                              overlap=self.overlap, max_extra_in_flight=self.max_extra_in_flight)
+        return build_schedule(
+            self.name,
+            self.pp,
+            self.num_microbatches,
+            self.vpp,
+            overlap=self.overlap,
+            max_extra_in_flight=self.max_extra_in_flight,
+        )
 
 
 @dataclass(frozen=True)

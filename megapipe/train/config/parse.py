@@ -35,8 +35,9 @@ def args_from_namespace(ns: argparse.Namespace, env: Mapping[str, str] | None = 
     return checked_config(record_of(PretrainFlags, ns), env, given_flags(ns))
 
 
-def checked_config(flags: PretrainFlags, env: Mapping[str, str] | None = None,
-                   given: frozenset[str] | None = None) -> JobConfig:
+def checked_config(
+    flags: PretrainFlags, env: Mapping[str, str] | None = None, given: frozenset[str] | None = None
+) -> JobConfig:
     """The checked typed parts, for the launcher's (or the flags') world. With ``--load-hf``,
     the model flags not ``given`` (None: all were) and the vocabulary are its model's."""
     vocab_size = None

@@ -20,8 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-VALUE_KEYS = ("loss", "aux_loss", "lr", "grad_norm", "step_time", "tokens", "a2a_hidden",
-              "a2a_exposed", "act_mem")
+VALUE_KEYS = (
+    "loss",
+    "aux_loss",
+    "lr",
+    "grad_norm",
+    "step_time",
+    "tokens",
+    "a2a_hidden",
+    "a2a_exposed",
+    "act_mem",
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -107,8 +116,12 @@ class TrainingLogger:
 
     def _format(self, iteration: int) -> str:
         parts = [f"iter {iteration}/{self.train_iters}"]
-        for key, label, fmt in (("loss", "loss", "{:.4f}"), ("aux_loss", "aux", "{:.4f}"),
-                                ("lr", "lr", "{:.2e}"), ("grad_norm", "grad norm", "{:.3f}")):
+        for key, label, fmt in (
+            ("loss", "loss", "{:.4f}"),
+            ("aux_loss", "aux", "{:.4f}"),
+            ("lr", "lr", "{:.2e}"),
+            ("grad_norm", "grad norm", "{:.3f}"),
+        ):
             mean = self._mean(key)
             parts.append(f"{label} {'n/a' if mean is None else fmt.format(mean)}")
         time_total = self._sums.get("step_time", 0.0)
@@ -117,8 +130,11 @@ class TrainingLogger:
         step = self._mean("step_time")
         parts.append(f"step {step:.3f} s" if step is not None else "step n/a")
         hidden, exposed = self._mean("a2a_hidden"), self._mean("a2a_exposed")
-        parts.append("a2a n/a" if hidden is None or exposed is None else
-                     f"a2a hidden {hidden * 1e3:,.0f} ms, exposed {exposed * 1e3:,.0f} ms")
+        parts.append(
+            "a2a n/a"
+            if hidden is None or exposed is None
+            else f"a2a hidden {hidden * 1e3:,.0f} ms, exposed {exposed * 1e3:,.0f} ms"
+        )
         act_mem = self._mean("act_mem")  # the largest rank's activation peak, mean over steps
         parts.append(f"act mem {'n/a' if act_mem is None else f'{act_mem / 2**20:.2f} MiB'}")
         return " | ".join(parts)
@@ -127,10 +143,15 @@ class TrainingLogger:
         """Print (and return) the validation line after an evaluation at ``iteration``: the
         mean loss per token, its perplexity, and the bits per byte of text (None: not known
         for this tokenizer)."""
-        line = (f"validation at iter {iteration} | loss {loss:.4f} per token | ppl "
-                f"{math.exp(min(loss, 50.0)):.2f} | "
-                + ("bits per byte n/a" if bits_per_byte is None
-                   else f"{bits_per_byte:.4f} bits per byte"))
+        line = (
+            f"validation at iter {iteration} | loss {loss:.4f} per token | ppl "
+            f"{math.exp(min(loss, 50.0)):.2f} | "
+            + (
+                "bits per byte n/a"
+                if bits_per_byte is None
+                else f"{bits_per_byte:.4f} bits per byte"
+            )
+        )
         if self._writer is not None:
             self._writer.add_scalar("valid/loss", loss, iteration)
             if bits_per_byte is not None:
@@ -144,8 +165,10 @@ class TrainingLogger:
         total = self.hidden_total + self.exposed_total
         if total <= 0:
             return None
-        return (f"the overlap hid {self.hidden_total:,.2f} s of {total:,.2f} s of all-to-all "
-                f"per rank ({self.hidden_total / total:.0%})")
+        return (
+            f"the overlap hid {self.hidden_total:,.2f} s of {total:,.2f} s of all-to-all "
+            f"per rank ({self.hidden_total / total:.0%})"
+        )
 
     def close(self) -> None:
         if self._writer is not None:

@@ -39,8 +39,14 @@ def node_times(spans: Iterable) -> list[dict]:
         if span.kind in ("compute", "comm"):
             groups[(span.direction, short_node(span.node), span.kind)].append(span.end - span.start)
     return [
-        {"direction": d, "node": n, "kind": k, "count": len(v),
-         "mean_ms": mean(v) * MS, "total_ms": sum(v) * MS}
+        {
+            "direction": d,
+            "node": n,
+            "kind": k,
+            "count": len(v),
+            "mean_ms": mean(v) * MS,
+            "total_ms": sum(v) * MS,
+        }
         for (d, n, k), v in sorted(groups.items())
     ]
 
@@ -67,7 +73,8 @@ def _plain_actions(spans: Sequence) -> dict[tuple, float]:
     for span in spans:
         if span.kind == "wait":
             waits[(span.rank, span.step, span.stage, span.microbatch, span.direction)] += (
-                span.end - span.start)
+                span.end - span.start
+            )
     out: dict[tuple, float] = {}
     for span in spans:
         if span.kind != "action" or span.has_nodes:
@@ -117,13 +124,13 @@ def measured_costs(spans: Sequence, num_stages: int) -> Costs:
             total_forward += parts["compute"]
     stage_f = [mean(forward[s]) if forward[s] else 0.0 for s in range(num_stages)]
     stage_w = [mean(weight[s]) if weight[s] else 0.0 for s in range(num_stages)]
-    stage_b = [(mean(backward[s]) if backward[s] else 0.0) + stage_w[s]
-               for s in range(num_stages)]
+    stage_b = [(mean(backward[s]) if backward[s] else 0.0) + stage_w[s] for s in range(num_stages)]
     per_stage = [f + b for f, b in zip(stage_f, stage_b)]
     average = mean(per_stage) if per_stage else 0.0
     multipliers = tuple(p / average if p > 0 and average > 0 else 1.0 for p in per_stage)
     return Costs(
-        forward=mean(stage_f) * MS, backward=mean(stage_b) * MS,
+        forward=mean(stage_f) * MS,
+        backward=mean(stage_b) * MS,
         weight=min(mean(stage_w), mean(stage_b)) * MS,
         stage_multipliers=multipliers,
         dispatch=_comm_per_layer(spans, "dispatch") * MS,

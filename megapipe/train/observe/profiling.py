@@ -40,8 +40,14 @@ class RunProfiler:
     """Traces the iterations ``--profile-step-start``..``--profile-step-end`` of one rank
     (at ``coordinates`` in the grid, running ``schedule`` on ``device``)."""
 
-    def __init__(self, config: JobConfig, schedule: Schedule, device: torch.device,
-                 coordinates: RankCoordinates, say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        schedule: Schedule,
+        device: torch.device,
+        coordinates: RankCoordinates,
+        say: Callable[[str], None],
+    ) -> None:
         log = config.logging
         self.config, self.schedule, self.device = config, schedule, device
         self.coordinates, self.say = coordinates, say
@@ -73,8 +79,19 @@ class RunProfiler:
             spans += sync.trace.spans
             sync.trace = None
         for s in spans:
-            self.rows.append((iteration, s.kind, s.stream, s.direction, s.microbatch, s.layer,
-                              s.node, s.start, s.end))
+            self.rows.append(
+                (
+                    iteration,
+                    s.kind,
+                    s.stream,
+                    s.direction,
+                    s.microbatch,
+                    s.layer,
+                    s.node,
+                    s.start,
+                    s.end,
+                )
+            )
 
     def open_dp_trace(self, iteration: int, sync: Any) -> None:
         """From now on record ``sync``'s collectives for iteration ``iteration`` when it is
@@ -93,8 +110,14 @@ class RunProfiler:
             self._torch.export_chrome_trace(torch_trace_path(self.path, rank))
             self._torch = None
         dist.barrier()
-        mine = RankRecord(rank, self.coordinates.pp_rank, self.coordinates.dp_rank,
-                          socket.gethostname(), time.perf_counter(), self.rows)
+        mine = RankRecord(
+            rank,
+            self.coordinates.pp_rank,
+            self.coordinates.dp_rank,
+            socket.gethostname(),
+            time.perf_counter(),
+            self.rows,
+        )
         everyone: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0)
         self.rows = []
@@ -104,18 +127,27 @@ class RunProfiler:
 
     def _write(self, records: list[RankRecord]) -> None:
         parallel, schedule = self.config.parallel, self.config.schedule
-        layout = {"pp": parallel.pp, "dp": parallel.dp, "ep": parallel.ep, "vpp": schedule.vpp,
-                  "world": parallel.world_size, "steps": [self.first, self.last],
-                  "num_microbatches": schedule.num_microbatches,
-                  "overlap": self.config.overlap.enabled, "device": self.device.type}
+        layout = {
+            "pp": parallel.pp,
+            "dp": parallel.dp,
+            "ep": parallel.ep,
+            "vpp": schedule.vpp,
+            "world": parallel.world_size,
+            "steps": [self.first, self.last],
+            "num_microbatches": schedule.num_microbatches,
+            "overlap": self.config.overlap.enabled,
+            "device": self.device.type,
+        }
         document = build_trace(records, self.schedule, layout)
         assert self.path is not None  # written by ``after`` on a traced run only
         with open(self.path, "w") as f:
             json.dump(document, f)
         extra = " and PyTorch profiler traces beside it" if self.use_torch else ""
-        self.say(f"wrote profile trace {self.path} (iterations {self.first}-{self.last}, "
-                 f"{len(records)} ranks){extra}; read it with `megapipe trace summarize "
-                 f"{self.path}` or in ui.perfetto.dev")
+        self.say(
+            f"wrote profile trace {self.path} (iterations {self.first}-{self.last}, "
+            f"{len(records)} ranks){extra}; read it with `megapipe trace summarize "
+            f"{self.path}` or in ui.perfetto.dev"
+        )
 
     def close(self) -> None:
         """Stop a PyTorch profiler left running (the run ended before M)."""

@@ -39,8 +39,13 @@ from megapipe.train.observe.measured_costs import measured_costs, node_times
 
 FORMAT = "megapipe-profile-trace"
 COMPUTE_TID, COMM_TID, EXPOSED_TID, DP_TID, DP_WAIT_TID = 0, 1, 2, 3, 4
-THREADS = {COMPUTE_TID: "compute", COMM_TID: "comm", EXPOSED_TID: "exposed all-to-all",
-           DP_TID: "data parallel", DP_WAIT_TID: "waits for data parallel"}
+THREADS = {
+    COMPUTE_TID: "compute",
+    COMM_TID: "comm",
+    EXPOSED_TID: "exposed all-to-all",
+    DP_TID: "data parallel",
+    DP_WAIT_TID: "waits for data parallel",
+}
 DP_KINDS = {"dp": DP_TID, "dp_wait": DP_WAIT_TID}  # optim.dp_sync's span kinds
 US = 1e6
 
@@ -82,8 +87,20 @@ def aligned_spans(records: Sequence[RankRecord]) -> list[Span]:
     for record in records:
         shift = 0.0 if record.host == first.host else first.clock - record.clock
         for step, kind, stream, direction, mb, layer, node, start, end in record.rows:
-            spans.append(Span(record.rank, step, kind, stream, direction, mb, layer, node,
-                              start + shift, end + shift))
+            spans.append(
+                Span(
+                    record.rank,
+                    step,
+                    kind,
+                    stream,
+                    direction,
+                    mb,
+                    layer,
+                    node,
+                    start + shift,
+                    end + shift,
+                )
+            )
     return _with_stages(spans)
 
 
@@ -116,8 +133,12 @@ def _with_stages(spans: list[Span]) -> list[Span]:
                 action = action.forward if span.direction == "F" else action.backward
             stage = action.stage
         out.append(replace(span, stage=stage))
-    return [replace(s, stage=parse_action(s.node).stage, has_nodes=s in inside)
-            if s.kind == "action" else s for s in out]
+    return [
+        replace(s, stage=parse_action(s.node).stage, has_nodes=s in inside)
+        if s.kind == "action"
+        else s
+        for s in out
+    ]
 
 
 def exposed_parts(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
@@ -130,17 +151,27 @@ def exposed_parts(spans: Sequence[Span]) -> list[tuple[Span, float, float]]:
     parts = []
     for span in spans:
         if span.kind == "comm":
-            for start, end in subtract((span.start, span.end), merged.get((span.rank, span.step),
-                                                                          [])):
+            for start, end in subtract(
+                (span.start, span.end), merged.get((span.rank, span.step), [])
+            ):
                 parts.append((span, start, end))
     return parts
 
 
-def _slice(name: str, cat: str, pid: int, tid: int, start: float, end: float, origin: float,
-           args: dict) -> dict:
+def _slice(
+    name: str, cat: str, pid: int, tid: int, start: float, end: float, origin: float, args: dict
+) -> dict:
     ts, stop = round((start - origin) * US, 3), round((end - origin) * US, 3)
-    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts,
-            "dur": round(stop - ts, 3), "args": args}
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": ts,
+        "dur": round(stop - ts, 3),
+        "args": args,
+    }
 
 
 def _span_name(span: Span) -> str:
@@ -156,22 +187,25 @@ def _span_name(span: Span) -> str:
 def _span_args(span: Span) -> dict:
     args: dict[str, Any] = {"step": span.step, "direction": span.direction}
     if span.kind in ("compute", "comm"):
-        args.update(microbatch=span.microbatch, stage=span.stage, layer=span.layer,
-                    node=span.node)
+        args.update(microbatch=span.microbatch, stage=span.stage, layer=span.layer, node=span.node)
     return args
 
 
 def _process(pid: int, name: str, sort: int, threads: dict[int, str]) -> list[dict]:
-    events = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}},
-              {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": sort}}]
+    events = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}},
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": sort}},
+    ]
     for tid, thread in threads.items():
-        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                       "args": {"name": thread}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": thread}}
+        )
     return events
 
 
-def measured_events(records: Sequence[RankRecord], spans: Sequence[Span],
-                    origin: float) -> list[dict]:
+def measured_events(
+    records: Sequence[RankRecord], spans: Sequence[Span], origin: float
+) -> list[dict]:
     """Process metadata and slices of every traced rank (module docstring)."""
     events = []
     for record in sorted(records, key=lambda r: r.rank):
@@ -179,11 +213,31 @@ def measured_events(records: Sequence[RankRecord], spans: Sequence[Span],
         events += _process(record.rank, name, record.rank, THREADS)
     for span in sorted(spans, key=lambda s: (s.rank, s.start, -s.end)):
         tid = COMM_TID if span.kind == "comm" else DP_KINDS.get(span.kind, COMPUTE_TID)
-        events.append(_slice(_span_name(span), span.kind, span.rank, tid, span.start, span.end,
-                             origin, _span_args(span)))
+        events.append(
+            _slice(
+                _span_name(span),
+                span.kind,
+                span.rank,
+                tid,
+                span.start,
+                span.end,
+                origin,
+                _span_args(span),
+            )
+        )
     for span, start, end in exposed_parts(spans):
-        events.append(_slice(f"exposed {_span_name(span)}", "exposed", span.rank, EXPOSED_TID,
-                             start, end, origin, _span_args(span)))
+        events.append(
+            _slice(
+                f"exposed {_span_name(span)}",
+                "exposed",
+                span.rank,
+                EXPOSED_TID,
+                start,
+                end,
+                origin,
+                _span_args(span),
+            )
+        )
     return events
 
 
@@ -191,8 +245,9 @@ def simulated_events(result: Any, pid_base: int, shift_us: float) -> list[dict]:
     """The simulator's trace events moved to pids ``pid_base + rank`` and by ``shift_us``."""
     events = []
     for rank in range(result.pp):
-        events += _process(pid_base + rank, f"simulated rank {rank}", pid_base + rank,
-                           {0: "compute", 1: "comm"})
+        events += _process(
+            pid_base + rank, f"simulated rank {rank}", pid_base + rank, {0: "compute", 1: "comm"}
+        )
     for event in trace_events(result):
         if event["ph"] != "X":
             continue
@@ -216,12 +271,22 @@ def build_trace(records: Sequence[RankRecord], schedule: Schedule, layout: dict)
     world = max(r.rank for r in records) + 1
     events = measured_events(records, spans, origin)
     events += simulated_events(result, world, (first_start - origin) * US)
-    meta = dict(layout, format=FORMAT, version=1, schedule=schedule.name,
-                ranks=[{"rank": r.rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank}
-                       for r in sorted(records, key=lambda r: r.rank)],
-                node_times=node_times(spans),
-                simulated={"pid_base": world, "makespan_ms": result.makespan,
-                           "exposed_comm_fraction": result.exposed_comm_fraction,
-                           "bubble_fraction": result.bubble_fraction,
-                           "costs": costs.describe()})
+    meta = dict(
+        layout,
+        format=FORMAT,
+        version=1,
+        schedule=schedule.name,
+        ranks=[
+            {"rank": r.rank, "pp_rank": r.pp_rank, "dp_rank": r.dp_rank}
+            for r in sorted(records, key=lambda r: r.rank)
+        ],
+        node_times=node_times(spans),
+        simulated={
+            "pid_base": world,
+            "makespan_ms": result.makespan,
+            "exposed_comm_fraction": result.exposed_comm_fraction,
+            "bubble_fraction": result.bubble_fraction,
+            "costs": costs.describe(),
+        },
+    )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"megapipe": meta}}

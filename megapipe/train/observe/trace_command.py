@@ -11,9 +11,11 @@ from megapipe.subcommand import ArgsError, Subcommand
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("summarize",),
-                   help="summarize: per rank, exposed all-to-all, largest bubbles; measured vs "
-                        "simulated")
+    p.add_argument(
+        "action",
+        choices=("summarize",),
+        help="summarize: per rank, exposed all-to-all, largest bubbles; measured vs simulated",
+    )
     p.add_argument("file", help="the trace (JSON) --profile-trace wrote")
 
 
@@ -33,6 +35,10 @@ def run_trace_summarize(args: argparse.Namespace) -> int:
 
 
 TRACE = Subcommand(
-    "trace", "read a profile trace of a run (megapipe pretrain --profile-trace)",
+    "trace",
+    "read a profile trace of a run (megapipe pretrain --profile-trace)",
     "Read a profile trace written by megapipe pretrain --profile-trace.",
-    _arguments, _check, run_trace_summarize)
+    _arguments,
+    _check,
+    run_trace_summarize,
+)

@@ -76,8 +76,9 @@ def read_trace(path: str) -> dict:
         raise ValueError(f"{path} is not JSON ({err.msg} at line {err.lineno})") from None
     meta = document.get("otherData", {}).get("megapipe") if isinstance(document, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a megapipe profile trace (made by `megapipe pretrain "
-                         "--profile-trace`)")
+        raise ValueError(
+            f"{path} is not a megapipe profile trace (made by `megapipe pretrain --profile-trace`)"
+        )
     return document
 
 
@@ -109,10 +110,14 @@ def _busy(actions: list[dict], compute: list[dict], waits: list[dict]) -> list[t
     return union(busy)
 
 
-def _cause(gap: tuple, actions: list[dict], waits: list[dict], comm: list[dict],
-           dp_waits: list[dict]) -> str:
-    for slices, text in ((waits, "waits for {}"), (comm, "waits for all-to-all {}"),
-                         (dp_waits, "{}")):
+def _cause(
+    gap: tuple, actions: list[dict], waits: list[dict], comm: list[dict], dp_waits: list[dict]
+) -> str:
+    for slices, text in (
+        (waits, "waits for {}"),
+        (comm, "waits for all-to-all {}"),
+        (dp_waits, "{}"),
+    ):
         overlap = [(covered_length(gap, [(e["ts"], _end(e))]), e["name"]) for e in slices]
         best = max(overlap, default=(0.0, ""))
         if best[0] > 0:
@@ -129,14 +134,17 @@ def summarize(document: dict) -> TraceSummary:
     """The figures of the module docstring, from the trace's events."""
     meta = document["otherData"]["megapipe"]
     events = document["traceEvents"]
-    cats = {c: _by(events, c)
-            for c in ("action", "compute", "comm", "wait", "exposed", "dp", "dp_wait")}
+    cats = {
+        c: _by(events, c) for c in ("action", "compute", "comm", "wait", "exposed", "dp", "dp_wait")
+    }
     steps = sorted({step for _, step in cats["action"]})
     windows = {}
     for step in steps:
         rows = [row for (pid, s), row in cats["action"].items() if s == step]
-        windows[step] = (min(e["ts"] for r in rows for e in r),
-                         max(_end(e) for r in rows for e in r))
+        windows[step] = (
+            min(e["ts"] for r in rows for e in r),
+            max(_end(e) for r in rows for e in r),
+        )
     ranks = []
     for info in meta["ranks"]:
         figures = RankFigures(info["rank"], info["pp_rank"], info["dp_rank"])
@@ -151,10 +159,14 @@ def summarize(document: dict) -> TraceSummary:
             busy = _busy(got["action"], got["compute"], got["wait"])
             figures.busy_ms += sum(b - a for a, b in busy) / 1e3
             for gap in subtract(windows[step], busy):
-                bubbles.append(Bubble(step, (gap[0] - windows[step][0]) / 1e3,
-                                      (gap[1] - gap[0]) / 1e3,
-                                      _cause(gap, got["action"], got["wait"], got["comm"],
-                                             got["dp_wait"])))
+                bubbles.append(
+                    Bubble(
+                        step,
+                        (gap[0] - windows[step][0]) / 1e3,
+                        (gap[1] - gap[0]) / 1e3,
+                        _cause(gap, got["action"], got["wait"], got["comm"], got["dp_wait"]),
+                    )
+                )
         count = max(len(steps), 1)
         figures.comm_ms /= count
         figures.exposed_ms /= count
@@ -180,20 +192,31 @@ def format_summary(summary: TraceSummary, path: str) -> str:
         f"{simulated:.2f} ms, measured/simulated {measured / simulated if simulated else 0:.2f}",
     ]
     for r in summary.ranks:
-        a2a = (f"exposed all-to-all {r.exposed_ms:.2f} ms of {r.comm_ms:.2f} ms per step "
-               f"({r.exposed_share:.1%})" if meta["node_times"] else
-               "all-to-all not traced (a plain schedule runs it inside its actions)")
-        lines.append(f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}): {a2a}; compute busy "
-                     f"{r.busy_ms:.2f} ms per step")
+        a2a = (
+            f"exposed all-to-all {r.exposed_ms:.2f} ms of {r.comm_ms:.2f} ms per step "
+            f"({r.exposed_share:.1%})"
+            if meta["node_times"]
+            else "all-to-all not traced (a plain schedule runs it inside its actions)"
+        )
+        lines.append(
+            f"rank {r.rank} (pp {r.pp_rank}, dp {r.dp_rank}): {a2a}; compute busy "
+            f"{r.busy_ms:.2f} ms per step"
+        )
         if r.dp_ms > 0:
             share = r.dp_waited_ms / r.dp_ms
-            lines.append(f"  data parallel: collectives {r.dp_ms:.2f} ms per step, the compute "
-                         f"stream waited {r.dp_waited_ms:.2f} ms for them ({share:.1%} exposed)")
+            lines.append(
+                f"  data parallel: collectives {r.dp_ms:.2f} ms per step, the compute "
+                f"stream waited {r.dp_waited_ms:.2f} ms for them ({share:.1%} exposed)"
+            )
         for b in r.bubbles[:BUBBLES_SHOWN]:
-            lines.append(f"  bubble {b.length_ms:.2f} ms (iteration {b.step}, at "
-                         f"+{b.offset_ms:.2f} ms): {b.cause}")
-    times = ", ".join(f"{t['direction']} {t['node']} {t['mean_ms']:.3f}"
-                      for t in meta["node_times"]) or "none (no node ran on the streams)"
+            lines.append(
+                f"  bubble {b.length_ms:.2f} ms (iteration {b.step}, at "
+                f"+{b.offset_ms:.2f} ms): {b.cause}"
+            )
+    times = (
+        ", ".join(f"{t['direction']} {t['node']} {t['mean_ms']:.3f}" for t in meta["node_times"])
+        or "none (no node ran on the streams)"
+    )
     lines.append(f"measured node times (mean ms): {times}")
     lines.append(f"simulated with: {meta['simulated']['costs']}")
     return "\n".join(lines)

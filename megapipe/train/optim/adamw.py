@@ -52,9 +52,12 @@ def optimizer_state_bytes(optimizer: object) -> int:
         return int(own())
     # one that does not count its own state holds it per parameter, as torch's optimizers do
     states = cast(_WithState, optimizer).state
-    return sum(t.numel() * t.element_size()
-               for state in states.values()
-               for t in state.values() if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for state in states.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -70,8 +73,12 @@ def unique_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
 
 
 def build_optimizer(
-    modules: Sequence[nn.Module], lr: float, weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, mixed_precision: bool = False,
+    modules: Sequence[nn.Module],
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    mixed_precision: bool = False,
 ) -> torch.optim.AdamW | MixedPrecisionAdamW:
     """AdamW over ``modules``; no weight decay on biases and norm weights (1-D tensors).
 
@@ -80,21 +87,35 @@ def build_optimizer(
     (``MixedPrecisionAdamW``).
     """
     params = [p for p in unique_params(modules) if p.requires_grad]
-    return adamw(params, [p.ndim for p in params], lr, weight_decay, betas, eps,
-                 MixedPrecisionAdamW if mixed_precision else torch.optim.AdamW)
+    return adamw(
+        params,
+        [p.ndim for p in params],
+        lr,
+        weight_decay,
+        betas,
+        eps,
+        MixedPrecisionAdamW if mixed_precision else torch.optim.AdamW,
+    )
 
 
 def adamw(
-    tensors: Sequence[torch.Tensor], ndims: Sequence[int], lr: float, weight_decay: float,
-    betas: tuple[float, float], eps: float, cls: type = torch.optim.AdamW,
+    tensors: Sequence[torch.Tensor],
+    ndims: Sequence[int],
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    cls: type = torch.optim.AdamW,
 ) -> torch.optim.AdamW:
     """``cls`` (AdamW or a subclass) over ``tensors``: weight decay only on those whose
     parameter has 2 or more dimensions (``ndims``: a tensor may be a 1-D view of one); fused on
     CUDA, the multi-tensor (foreach) path on CPU."""
     decay = [t for t, ndim in zip(tensors, ndims) if ndim >= 2]
     no_decay = [t for t, ndim in zip(tensors, ndims) if ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
     kwargs = {"fused": True} if on_cuda else {"foreach": True}
     return cls(groups, lr=lr, betas=betas, eps=eps, **kwargs)
@@ -147,9 +168,14 @@ class LRSchedule:
         return lr
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "lr": self.lr, "min_lr": self.min_lr,
-                "warmup_iters": self.warmup_iters, "decay_iters": self.decay_iters,
-                "style": self.style}
+        return {
+            "iteration": self.iteration,
+            "lr": self.lr,
+            "min_lr": self.min_lr,
+            "warmup_iters": self.warmup_iters,
+            "decay_iters": self.decay_iters,
+            "style": self.style,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iteration = int(state["iteration"])
@@ -178,12 +204,20 @@ def global_grad_norm(
     dense_grads, expert_grads = _grads(params, expert=False), _grads(params, expert=True)
     if device is None:
         device = next((g.device for g in dense_grads + expert_grads), torch.device("cpu"))
-    return norm_of_sums(sum_of_squares(dense_grads, device), sum_of_squares(expert_grads, device),
-                        pp_group, ep_group)
+    return norm_of_sums(
+        sum_of_squares(dense_grads, device),
+        sum_of_squares(expert_grads, device),
+        pp_group,
+        ep_group,
+    )
 
 
-def norm_of_sums(dense: torch.Tensor, expert: torch.Tensor, pp_group: dist.ProcessGroup | None,
-                 ep_group: dist.ProcessGroup | None) -> float:
+def norm_of_sums(
+    dense: torch.Tensor,
+    expert: torch.Tensor,
+    pp_group: dist.ProcessGroup | None,
+    ep_group: dist.ProcessGroup | None,
+) -> float:
     """The global norm from this rank's sums of squares (module docstring): the expert sum
     all-reduced over EP, the total over PP; one host read."""
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
@@ -205,8 +239,9 @@ def clip_grads(params: Sequence[torch.Tensor], max_norm: float, total_norm: floa
 
     Returns the scale applied (1.0 when no clipping was needed or ``max_norm`` is 0).
     """
-    return scale_grads([g for g in (accumulated_grad(p) for p in params) if g is not None],
-                       max_norm, total_norm)
+    return scale_grads(
+        [g for g in (accumulated_grad(p) for p in params) if g is not None], max_norm, total_norm
+    )
 
 
 def scale_grads(grads: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> float:

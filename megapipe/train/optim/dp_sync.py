@@ -115,8 +115,7 @@ class DataParallelSync:
                 for param in buffer.params:
                     self._stage_of[id(param)] = stage
                     self._where[id(param)] = (buffer, buffer.bucket_of[id(param)])
-                    self._hooks.append(
-                        param.register_post_accumulate_grad_hook(self._grad_arrived))
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._grad_arrived))
         self._golden: dict[int, int] | None = None  # id(param) -> gradients in its last backward
         self._early: dict[int, bool] = {}  # id(buffer) -> whether hooks may start its buckets
         self._counts: dict[int, int] = {}
@@ -132,8 +131,11 @@ class DataParallelSync:
     # ------------------------------------------------------------- GradSyncHooks
     def step_started(self, forward_stages: Sequence[int]) -> None:
         self._counts = {}
-        self._missing = {id(b): [len(bucket.params) for bucket in b.buckets]
-                         for bs in self.buffers.values() for b in bs}
+        self._missing = {
+            id(b): [len(bucket.params) for bucket in b.buckets]
+            for bs in self.buffers.values()
+            for b in bs
+        }
         self._counting = set()
         self._pending = []
         self._next = {id(b): 0 for bs in self.buffers.values() for b in bs}
@@ -213,10 +215,15 @@ class DataParallelSync:
             self._pending.append(self.streams.comm.submit(self._reduce, buffer, bucket))
 
     def _reduce(self, buffer: FlatBuffer, bucket: Bucket) -> None:
-        what = ("average" if buffer.group_size == 1 else
-                "reduce-scatter" if buffer.sharded else "all-reduce")
+        what = (
+            "average"
+            if buffer.group_size == 1
+            else "reduce-scatter"
+            if buffer.sharded
+            else "all-reduce"
+        )
         with self._span(f"{what} {self._name(buffer, bucket)}", "R"):
-            whole = buffer.grad[bucket.start:bucket.end]
+            whole = buffer.grad[bucket.start : bucket.end]
             lo, hi = buffer.shard_range(bucket)
             if buffer.group_size > 1:
                 started = time.perf_counter()
@@ -243,8 +250,9 @@ class DataParallelSync:
         self._golden = dict(self._counts)
         for stage_buffers in self.buffers.values():
             for buffer in stage_buffers:
-                counts = torch.tensor([self._golden.get(id(p), 0) for p in buffer.params],
-                                      device=buffer.grad.device)
+                counts = torch.tensor(
+                    [self._golden.get(id(p), 0) for p in buffer.params], device=buffer.grad.device
+                )
                 self._early[id(buffer)] = self.run_collective(_agree, counts, buffer.group)
 
     # ------------------------------------------------------------- parameter gathers
@@ -262,7 +270,8 @@ class DataParallelSync:
                     continue
                 for bucket in reversed(buffer.buckets):  # the forward meets the last first
                     self._gathers[(id(buffer), bucket.index)] = self.streams.comm.submit(
-                        self._gather, buffer, bucket)
+                        self._gather, buffer, bucket
+                    )
         if not self.overlap_param_gather:
             self.finish_param_gather()
 
@@ -270,7 +279,7 @@ class DataParallelSync:
         assert buffer.data is not None
         with self._span(f"all-gather {self._name(buffer, bucket)}", "G"):
             lo, hi = buffer.shard_range(bucket)
-            whole = buffer.data[bucket.start:bucket.end]
+            whole = buffer.data[bucket.start : bucket.end]
             started = time.perf_counter()
             _all_gather(whole, buffer.data[lo:hi], group=buffer.group)
             self._link_wait(whole, 1, buffer.group_size, started)
@@ -296,8 +305,13 @@ class DataParallelSync:
         handles = []
         for module in stages.values():
             for sub in module.modules():
-                keys = sorted({(id(self._where[id(p)][0]), self._where[id(p)][1])
-                               for p in sub.parameters(recurse=False) if id(p) in self._where})
+                keys = sorted(
+                    {
+                        (id(self._where[id(p)][0]), self._where[id(p)][1])
+                        for p in sub.parameters(recurse=False)
+                        if id(p) in self._where
+                    }
+                )
                 if keys:
                     handles.append(sub.register_forward_pre_hook(_wait_hook(self, keys)))
         return handles
@@ -321,8 +335,7 @@ class DataParallelSync:
                 wait_on_current_stream(event)
 
     def _check_gathers_waited(self, stage: int) -> None:
-        left = [(b.kind, i) for b in self.buffers[stage] for (k, i) in self._gathers
-                if k == id(b)]
+        left = [(b.kind, i) for b in self.buffers[stage] for (k, i) in self._gathers if k == id(b)]
         if left:
             raise RuntimeError(
                 f"stage {stage} ran its forwards with parameter all-gathers never waited for "
@@ -340,15 +353,18 @@ class DataParallelSync:
     def _name(self, buffer: FlatBuffer, bucket: Bucket) -> str:
         """``s2 dense bucket 0 (1.2 MB)``: stage, kind, index, gradient bytes."""
         megabytes = (bucket.end - bucket.start) * buffer.grad.element_size() / 1e6
-        return (f"s{self._stage_of[id(buffer)]} {buffer.kind} bucket {bucket.index} "
-                f"({megabytes:.3g} MB)")
+        return (
+            f"s{self._stage_of[id(buffer)]} {buffer.kind} bucket {bucket.index} "
+            f"({megabytes:.3g} MB)"
+        )
 
     def _span(self, label: str, direction: str, wait: bool = False) -> Any:
         if self.trace is None:
             return nullcontext()
         stream = self.streams.compute if wait else self.streams.comm
-        return self.trace.span(None, -1, label, direction, stream,
-                               DP_WAIT_KIND if wait else DP_KIND)
+        return self.trace.span(
+            None, -1, label, direction, stream, DP_WAIT_KIND if wait else DP_KIND
+        )
 
     def close(self) -> None:
         """Remove the hooks and stop the stream's thread. The compute stream first waits for

@@ -80,19 +80,27 @@ class FlatAdamW:
                     model = self._model_view(buffer, piece)
                     main = model.detach().float() if mixed_precision else model
                     counts = stage in counted and not getattr(piece.param, "shared", False)
-                    self.slots.append(_Slot(piece, buffer, main, buffer.grad[piece.start:piece.end],
-                                            model, counts))
-        self.optimizer = adamw([s.main for s in self.slots],
-                               [s.piece.param.ndim for s in self.slots],
-                               lr, weight_decay, betas, eps)
+                    self.slots.append(
+                        _Slot(
+                            piece, buffer, main, buffer.grad[piece.start : piece.end], model, counts
+                        )
+                    )
+        self.optimizer = adamw(
+            [s.main for s in self.slots],
+            [s.piece.param.ndim for s in self.slots],
+            lr,
+            weight_decay,
+            betas,
+            eps,
+        )
         fused = any(group.get("fused") for group in self.optimizer.param_groups)
         for slot in self.slots:
             self.optimizer.state[slot.main] = self._fresh_state(slot.main, fused)
 
     def _model_view(self, buffer: FlatBuffer, piece: Piece) -> torch.Tensor:
         if buffer.data is not None:
-            return buffer.data[piece.start:piece.end]
-        return piece.param.detach().view(-1)[piece.lo:piece.hi]
+            return buffer.data[piece.start : piece.end]
+        return piece.param.detach().view(-1)[piece.lo : piece.hi]
 
     def _fresh_state(self, main: torch.Tensor, fused: bool) -> dict[str, torch.Tensor]:
         state = {
@@ -140,18 +148,29 @@ class FlatAdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (moments, step counters, main weights)."""
-        return sum(t.numel() * t.element_size() for _, state in self.state_pieces()
-                   for t in state.values())
+        return sum(
+            t.numel() * t.element_size() for _, state in self.state_pieces() for t in state.values()
+        )
 
     # ------------------------------------------------------------- norm and clipping
-    def grad_norm(self, pp_group: dist.ProcessGroup | None, ep_group: dist.ProcessGroup | None,
-                  device: torch.device) -> float:
+    def grad_norm(
+        self,
+        pp_group: dist.ProcessGroup | None,
+        ep_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> float:
         """The global L2 norm of the gradients, each parameter counted once (module docstring);
         one host read."""
         sums = []
         for expert in (False, True):
-            total = sum_of_squares((s.grad for s in self.slots if s.counts_in_norm
-                                    and is_expert_param(s.piece.param) == expert), device)
+            total = sum_of_squares(
+                (
+                    s.grad
+                    for s in self.slots
+                    if s.counts_in_norm and is_expert_param(s.piece.param) == expert
+                ),
+                device,
+            )
             if self.sharded:
                 total = self.sync.run_collective(_sum_over, total, self._group(expert))
             sums.append(total)
@@ -173,4 +192,3 @@ def _sum_over(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Ten
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total
-

@@ -75,8 +75,9 @@ def assign_buckets(
             buckets.append(Bucket(len(buckets), bucket_start, end, tuple(members)))
             bucket_start, members, position = end, [], end
     if members:
-        buckets.append(Bucket(len(buckets), bucket_start, _pad(position, ALIGN * shards),
-                              tuple(members)))
+        buckets.append(
+            Bucket(len(buckets), bucket_start, _pad(position, ALIGN * shards), tuple(members))
+        )
     return starts, buckets
 
 
@@ -121,8 +122,9 @@ class FlatBuffer:
         self.sharded = sharded
         self.shards = self.group_size if sharded else 1
         self.params = list(reversed(params))  # buffer order: roughly the backward's
-        starts, self.buckets = assign_buckets([p.numel() for p in self.params], bucket_size,
-                                           self.shards)
+        starts, self.buckets = assign_buckets(
+            [p.numel() for p in self.params], bucket_size, self.shards
+        )
         self.starts = starts
         self.numel = self.buckets[-1].end
         first = self.params[0]
@@ -145,7 +147,7 @@ class FlatBuffer:
 
     @staticmethod
     def view(flat: torch.Tensor, param: torch.Tensor, start: int) -> torch.Tensor:
-        return flat[start:start + param.numel()].view(param.shape)
+        return flat[start : start + param.numel()].view(param.shape)
 
     def bucket_params(self, bucket: Bucket) -> list[nn.Parameter]:
         return [self.params[i] for i in bucket.params]
@@ -161,8 +163,7 @@ class FlatBuffer:
         buffer order; unsharded, every whole parameter."""
         rank = self.group_rank if rank is None else rank
         for bucket in self.buckets:
-            lo, hi = bucket.shard(rank, self.shards) if self.sharded else (bucket.start,
-                                                                          bucket.end)
+            lo, hi = bucket.shard(rank, self.shards) if self.sharded else (bucket.start, bucket.end)
             for index in bucket.params:
                 param, start = self.params[index], self.starts[index]
                 first, last = max(lo, start), min(hi, start + param.numel())

@@ -108,9 +108,11 @@ class MixedPrecisionAdamW:
     def copy_main_to_model(self) -> None:
         """Every model parameter := its main weight rounded to the parameter's dtype."""
         if self.model_params:
-            # torch's stub asks for a list[Tensor] (invariant): a list of Parameters is one
-            torch._foreach_copy_(self.model_params,  # type: ignore[arg-type]
-                                 list(self._main.values()))
+            torch._foreach_copy_(
+                # torch's stub asks for a list[Tensor] (invariant): a list of Parameters is one
+                self.model_params,  # type: ignore[arg-type]
+                list(self._main.values()),
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW's state dict of the main copies (each state holds its ``main_param``)."""

@@ -23,17 +23,28 @@ from megapipe.train.config.flags.parallelism import DataParallelFlags, ParallelF
 from megapipe.train.config.flags.performance import GraphFlags, ProfilingFlags
 from megapipe.train.config.flags.training import PrecisionFlags, RecomputeFlags, TrainingFlags
 
-DESCRIPTION = ("Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "
-               "small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes.")
+DESCRIPTION = (
+    "Pretrain an MoE GPT with pipeline x expert x data parallelism. With no flags: a "
+    "small model on CPU, pp=2 vpp=2 ep=2, overlap on, 4 processes."
+)
 
 
 # A dataclass takes its bases' fields from the last base to the first: the groups are listed
 # in reverse, so that the model's flags come first, in the record and in --help.
 @dataclass(frozen=True)
 class PretrainFlags(
-    ProfilingFlags, GraphFlags, FailureFlags, InputOutputFlags, RecomputeFlags,
-    DataParallelFlags, ParallelFlags, TrainingFlags, PrecisionFlags, DataFlags,
-    ArchitectureFlags, ModelFlags,
+    ProfilingFlags,
+    GraphFlags,
+    FailureFlags,
+    InputOutputFlags,
+    RecomputeFlags,
+    DataParallelFlags,
+    ParallelFlags,
+    TrainingFlags,
+    PrecisionFlags,
+    DataFlags,
+    ArchitectureFlags,
+    ModelFlags,
 ):
     """Every ``megapipe pretrain`` flag, parsed and checked one by one (module docstring)."""
 

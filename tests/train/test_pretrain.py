@@ -53,11 +53,21 @@ def test_default_shape_trains_and_loss_falls(rank_pools):
                for line in lines)
 
 
+def _files(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def test_resume_gives_the_same_losses_bitwise(rank_pools, tmp_path):
     save = str(tmp_path / "ckpt")
     common = TINY + ["--train-iters", "6", "--eval-interval", "0"]
     full = rank_pools(4).run(_train, common + ["--save", save, "--save-interval", "3"])[0]
     assert full.saved[0].endswith("iter_0000003")
+    # the same run saved again to the same folder writes the same bytes, every file
+    (tmp_path / "ckpt").rename(tmp_path / "first")
+    again = rank_pools(4).run(_train, common + ["--save", save, "--save-interval", "3"])[0]
+    assert again.losses == full.losses
+    assert _files(tmp_path / "ckpt") == _files(tmp_path / "first")
+    shutil.rmtree(tmp_path / "first")
     resumed = rank_pools(4).run(_train, common + ["--load", save])[0]
     assert resumed.first_iteration == 6  # the latest checkpoint is the final one
     # resume from iteration 3: point the loader at a copy holding only that checkpoint

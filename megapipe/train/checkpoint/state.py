@@ -24,6 +24,7 @@ de-duplication). ``files`` makes the folder whole-or-nothing and verifies it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from megapipe.moe.experts import GroupedExperts
 from megapipe.train.checkpoint.files import (
@@ -191,6 +193,19 @@ def _checksums(directory: Path) -> dict[str, dict[str, int]]:
     return {name: digest for table in tables if table for name, digest in table.items()}
 
 
+class _SameBytesWriter(dcp.FileSystemWriter):
+    """torch's file writer with the save's id named by the iteration, not a random uuid: the
+    same run saved to the same folder writes the same bytes, ``.metadata`` included."""
+
+    def __init__(self, path: Path, iteration: int) -> None:
+        super().__init__(str(path))
+        self._save_id = f"iteration {iteration}"
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        return None if meta is None else dataclasses.replace(meta, save_id=self._save_id)
+
+
 def save_checkpoint(
     save: str | Path,
     iteration: int,
@@ -213,6 +228,7 @@ def save_checkpoint(
     dist.barrier()
     dcp.save(
         _flat(checkpoint_entries(stages, optimizer), extra, f"rng/rank{rank}"),
+        storage_writer=_SameBytesWriter(tmp, iteration),
         checkpoint_id=str(tmp),
     )
     dist.barrier()

@@ -157,11 +157,11 @@ class McoreGPTStage(nn.Module):
         if self.config.num_moe_experts is not None:
             from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-            MoEAuxLossAutoScaler.set_loss_scale(value)
+            MoEAuxLossAutoScaler.set_loss_scale(_shaped_as(value, MoEAuxLossAutoScaler))
         if self.config.mtp_num_layers is not None:
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
-            MTPLossAutoScaler.set_loss_scale(value)
+            MTPLossAutoScaler.set_loss_scale(_shaped_as(value, MTPLossAutoScaler))
 
     def check_stage(self, stage: int, first: bool, last: bool) -> None:
         """The chunk must have the embedding exactly when its stage is the first, and the
@@ -342,3 +342,11 @@ def as_stage_module(chunk: nn.Module) -> nn.Module:
     if isinstance(chunk, McoreGPTStage) or find_megatron_model(chunk) is None:
         return chunk
     return McoreGPTStage(chunk)
+
+
+def _shaped_as(value: torch.Tensor, scaler: Any) -> torch.Tensor:
+    """``value`` in the shape of the scale ``scaler`` holds already: Megatron's releases copy a
+    new scale into the one they hold, which its own schedules may have made of shape [] or [1]
+    earlier in the process."""
+    held = getattr(scaler, "main_loss_backward_scale", None)
+    return value.reshape(held.shape) if isinstance(held, torch.Tensor) else value

@@ -41,8 +41,10 @@ fi
 # The adapter's tests also run against the other supported releases (0.17.1, 0.18.2, 0.19.2:
 # cp312/cp313 wheels only, whose Python sources run on 3.11): fetched once into
 # .venv/mcore-releases/ (the tests fetch them too, and skip a release only without a network).
+# It also builds the C++ extension 0.17.1 compiles with torch at first use (about 25 s), once per
+# machine, as pip builds a wheel's, instead of inside the first test that reaches it.
 .venv/bin/python tests/support/mcore_releases.py || \
-  echo "setup.sh: could not fetch every megatron-core release; the tests say which they skip" >&2
+  echo "setup.sh: could not fetch every megatron-core release or build its extension; the tests say which they skip" >&2
 # Byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set, every process (a run's ranks,
 # the tests' process pools and subprocesses) would otherwise compile megapipe and the fetched
 # Megatron-Core releases from source again (0.2 to 0.5 s each).

@@ -18,23 +18,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "heavy: a sweep of minutes, run with MEGAPIPE_HEAVY=1")
 
 
-def pytest_collection_finish(session):
-    """The mypy test's run starts now, beside the first tests (``support.early_mypy``)."""
-    from support import early_mypy
-
-    if any(item.nodeid.endswith(early_mypy.TEST) for item in session.items):
-        session.config.stash[early_mypy.STARTED] = early_mypy.start()
-
-
-def pytest_unconfigure(config):
-    from support import early_mypy
-
-    process = config.stash.get(early_mypy.STARTED, None)
-    if process is not None and process.poll() is None:  # its test did not run (-x, a stop)
-        process.kill()
-        process.communicate()
-
-
 def pytest_collection_modifyitems(config, items):
     if HEAVY:
         return

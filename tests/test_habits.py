@@ -6,8 +6,7 @@ ignore naming its error code and its reason. ``tests/test_sizes.py`` counts the 
 The rules live in ``pyproject.toml`` (``[tool.ruff]``, ``[tool.mypy]``); the tools are pinned in
 its ``test`` extra, which ``scripts/setup.sh`` installs. mypy keeps its cache in the checkout's
 ``.mypy_cache`` (ignored by git): cold it reads torch's types too (about 30 s of CPU), warm a
-few seconds. Its run starts when the tests are collected, beside the first tests, which leave
-the second core idle (``support.early_mypy``); the test waits for it.
+few seconds; the suite's other worker keeps the second core busy meanwhile.
 """
 
 import re
@@ -16,8 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from support import early_mypy
 
 REPO = Path(__file__).resolve().parent.parent
 LINTED = ["megapipe", "tests", "benchmarks", "scripts"]
@@ -53,9 +50,8 @@ def test_the_format_check_finds_an_unformatted_module(tmp_path):
     assert done.returncode == 1 and "m.py" in done.stdout, done.stdout + done.stderr
 
 
-def test_mypy_finds_nothing_in_the_library(request):
-    # started at collection, beside the first tests (support.early_mypy)
-    _clean(early_mypy.result(request.config, timeout=540), "mypy")
+def test_mypy_finds_nothing_in_the_library():
+    _clean(_run("mypy", "--cache-dir", str(REPO / ".mypy_cache")), "mypy")
 
 
 def test_no_module_is_left_out_of_the_type_check():

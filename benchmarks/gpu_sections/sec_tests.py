@@ -45,11 +45,16 @@ def skip_reason(what: str) -> str:
     return match.group(3) if match else what
 
 
+# one process, without pyproject.toml's two workers (its addopts): a lent machine may lack
+# pytest-xdist, and the GPU tests share one device
+PYTEST_OPTIONS = ("-rA", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", "no:xdist")
+
+
 def run(ctx, result) -> None:  # noqa: ANN001
     if importlib.util.find_spec("pytest") is None:
         result.skip_section(f"pytest is not installed for {sys.executable}")
         return
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-rA", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", *PYTEST_OPTIONS]
     try:
         done = subprocess.run(cmd, cwd=ctx.repo, capture_output=True, text=True,
                               timeout=max(ctx.time_left() - 3, 5))

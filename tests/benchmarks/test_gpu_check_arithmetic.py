@@ -3,6 +3,7 @@ budget, the sync-site parser, the profiler-trace reader, pytest's summary, the r
 
 import gzip
 import json
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -19,7 +20,7 @@ from gpu_sections.gpu_timing import node_spans  # noqa: E402
 from gpu_sections.registry import CHECK_S, GUARANTEED, SECTIONS, SETUP_S  # noqa: E402
 from gpu_sections.result import FAILED, PASSED, SKIPPED, SectionResult, clean, status_of  # noqa: E402
 from gpu_sections.sec_pretrain import tokens_per_second  # noqa: E402
-from gpu_sections.sec_tests import parse_outcomes, skip_reason, tally  # noqa: E402
+from gpu_sections.sec_tests import PYTEST_OPTIONS, parse_outcomes, skip_reason, tally  # noqa: E402
 from gpu_sections.sync_sites import SYNC_MESSAGE, SyncLog, capture_syncs, site_of  # noqa: E402
 from gpu_sections.timeline import Span  # noqa: E402
 from megapipe.overlap.node_trace import NodeTrace  # noqa: E402
@@ -327,3 +328,18 @@ def test_report_ends_with_the_summary_table_and_the_counts_line(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert (data["passed"], data["failed"], data["skipped"]) == (1, 1, 1)
     assert report.text_table(results).splitlines()[1].startswith("env")
+
+
+def test_the_gpu_tests_run_where_pytest_xdist_is_missing():
+    """The section's pytest ignores pyproject.toml's ``-n 2``: with xdist unloadable (as on a
+    lent machine without it) it still collects tests/gpu; the suite's own options would not."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def collect(options):
+        return subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "--collect-only",
+                               *options], cwd=repo, capture_output=True, text=True, timeout=120)
+
+    done = collect(PYTEST_OPTIONS)
+    assert done.returncode == 0 and "tests/gpu" in done.stdout, done.stdout + done.stderr
+    refused = collect(("-p", "no:xdist"))  # pyproject's -n 2 with no xdist to take it
+    assert refused.returncode != 0 and "-n" in refused.stderr, refused.stdout + refused.stderr

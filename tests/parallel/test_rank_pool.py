@@ -1,3 +1,10 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -74,3 +81,46 @@ def test_a_rank_that_dies_is_named_at_once_and_the_pool_starts_afresh(rank_pools
     finally:
         pool.timeout = limit
     assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_pool_is_stopped_between_tasks_and_runs_the_next(rank_pools):
+    """Idle ranks take no CPU: each gloo group's event loop wakes every 10 ms, so a pool with
+    many groups, kept for the session, would tax every test that runs meanwhile."""
+    pool = rank_pools(2)
+    pool.run(_allreduce_rank)
+    deadline = time.monotonic() + 30  # a signal takes effect when the kernel next runs the rank
+    while {_state(p.pid) for p in pool._procs} != {"T"} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [_state(p.pid) for p in pool._procs] == ["T", "T"]  # stopped
+    assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_stopped_pool_ends_with_its_test_process(tmp_path):
+    """A stopped rank cannot notice that the process that made its pool died (a killed test
+    run): the kernel kills it then, so no stopped rank outlives the run."""
+    tests = Path(__file__).resolve().parents[1]
+    code = ("import os, sys, torch.distributed as dist\n"
+            "from support.rank_pool import RankPool\n"
+            "pool = RankPool(1)\n"
+            "pool.run(dist.get_rank)\n"
+            "print(pool._procs[0].pid, flush=True)\n"
+            "sys.stdin.read()\n")
+    paths = [str(tests), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+    rank = int(child.stdout.readline())
+    deadline = time.monotonic() + 30
+    while _state(rank) != "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(rank) == "T"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    while os.path.exists(f"/proc/{rank}") and _state(rank) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{rank}") or _state(rank) == "Z", _state(rank)

@@ -9,7 +9,8 @@ its ``megatron/`` package into a cache (``.venv/mcore-releases/<version>/``, or
 ``sys.path`` before it imports Megatron (``use_release``). Without a network the release is
 skipped, saying why; any other failure is an error.
 
-``python tests/support/mcore_releases.py`` fetches them all (``scripts/setup.sh`` runs it).
+``python tests/support/mcore_releases.py`` fetches them all and builds the C++ extension a
+release compiles at first use (``build_extensions``; ``scripts/setup.sh`` runs it).
 """
 
 from __future__ import annotations
@@ -104,9 +105,29 @@ def use_release(version: str, directory: str | None) -> None:
                            f"{megatron.core.__file__}")
 
 
+# 0.17.1's checkpointing (selective recompute) compiles a small C++ extension with torch's
+# ``load_inline`` the first time it runs (about 25 s of one core), into torch's extensions
+# cache (``~/.cache/torch_extensions``, or ``$TORCH_EXTENSIONS_DIR``); later processes load it.
+_EXTENSION_BUILDERS = {"0.17.1": "from megatron.core.tensor_parallel import random\n"
+                                 "random._get_share_storage()\n"}
+
+
+def build_extensions(version: str, directory: Path | None) -> None:
+    """Build, once per machine, the extension ``version`` would compile in a test's first
+    run, so the tests load it instead; done at installation, as pip builds a wheel's."""
+    code = _EXTENSION_BUILDERS.get(version)
+    if code is None:
+        return
+    path = f"import sys\nsys.path.insert(0, {str(directory)!r})\n" if directory else ""
+    subprocess.run([sys.executable, "-W", "ignore", "-c", path + code], check=True, cwd=ROOT)
+
+
 if __name__ == "__main__":
     for release in RELEASES:
         try:
-            print(release, release_dir(release) or "(installed)")
+            directory = release_dir(release)
         except ReleaseUnavailable as missing:
             print(f"{release}: {missing}", file=sys.stderr)
+            continue
+        print(release, directory or "(installed)")
+        build_extensions(release, directory)

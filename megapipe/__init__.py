@@ -19,6 +19,7 @@ _RUNTIME_EXPORTS = {
     # process groups, MoE layer, reference model, overlap engine
     "ParallelConfig": "megapipe.parallel",
     "create_groups": "megapipe.parallel",
+    "release_groups": "megapipe.parallel",
     "init_distributed": "megapipe.parallel",
     "MoEConfig": "megapipe.moe",
     "MoELayer": "megapipe.moe",

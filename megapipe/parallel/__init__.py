@@ -7,6 +7,7 @@ from megapipe.parallel.groups import (
     RankGrid,
     create_groups,
     rank_grid,
+    release_groups,
 )
 from megapipe.parallel.launch import (
     LaunchInfo,
@@ -31,5 +32,6 @@ __all__ = [
     "expand_hostlist",
     "init_distributed",
     "rank_grid",
+    "release_groups",
     "resolve_launch",
 ]

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from megapipe.parallel.groups import release_groups
 from megapipe.parallel.launch import init_distributed
 from megapipe.train.checkpoint.files import CheckpointError
 from megapipe.train.checkpoint.resume import ResumeChoice, choose_resume, descriptor_parts
@@ -157,6 +158,9 @@ def _train(
             _run(job, result, exits, collector, say, on_iteration)
     finally:
         job.close()  # the communication streams' threads
+    # a finished run's groups; after a failure they stay (a peer may still be in a collective
+    # on them) and the process ends with them
+    release_groups(job.groups)
     return result
 
 

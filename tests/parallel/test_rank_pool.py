@@ -124,3 +124,21 @@ def test_a_stopped_pool_ends_with_its_test_process(tmp_path):
     while os.path.exists(f"/proc/{rank}") and _state(rank) != "Z" and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not os.path.exists(f"/proc/{rank}") or _state(rank) == "Z", _state(rank)
+
+
+def _segfault_on_rank_one():
+    import ctypes
+
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash in C++ code would
+    dist.barrier()
+
+
+def test_a_rank_that_crashes_is_named_with_its_python_stack(rank_pools):
+    """A segfault names the rank, its signal and where its threads were (faulthandler)."""
+    pool = rank_pools(2)
+    crash = (r"(?s)ranks \[1\] died \(exit codes \[-11\].*"
+             r"rank 1 crashed:.*Segmentation fault.*_segfault_on_rank_one")
+    with pytest.raises(RankError, match=crash):
+        pool.run(_segfault_on_rank_one)
+    assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]

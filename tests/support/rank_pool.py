@@ -11,6 +11,7 @@ kills the pool and says so, so nothing hangs silently.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import queue
 import shutil
@@ -40,6 +41,8 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
     tasks = task_queues[rank]
     parent = os.getppid()
     _die_with_parent()
+    # a crash (a segfault, an abort) leaves every thread's Python stack where the pool reads it
+    faulthandler.enable(open(_fault_file(store_file, rank), "w"))  # noqa: SIM115 (kept open)
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=len(task_queues))
@@ -56,6 +59,10 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report every failure, including assertion errors
             results.put((rank, False, traceback.format_exc()))
+
+
+def _fault_file(store_file: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_file), f"fault_{rank}.txt")
 
 
 def _die_with_parent() -> None:
@@ -162,10 +169,11 @@ class RankPool:
                 dead = {r: self._procs[r].exitcode for r in missing
                         if not self._procs[r].is_alive()}
                 if dead:
+                    crashes = self._crash_reports(sorted(dead))
                     self.close()
                     raise RankError(f"{name}: ranks {sorted(dead)} died (exit codes "
                                     f"{list(dead.values())}; a negative code is a signal)"
-                                    + _format_failures(failures)) from None
+                                    + _format_failures(failures) + crashes) from None
                 if time.monotonic() > deadline:
                     self.close()
                     raise RankError(f"{name} did not finish within {self.timeout:.0f}s "
@@ -176,6 +184,19 @@ class RankPool:
         if failures:
             raise RankError(f"{name} failed" + _format_failures(failures))
         return [results[r] for r in range(self.world_size)]
+
+    def _crash_reports(self, ranks: list[int]) -> str:
+        """What faulthandler wrote for ``ranks`` as they died (nothing for a SIGKILL)."""
+        reports = []
+        for rank in ranks:
+            try:
+                with open(_fault_file(os.path.join(self._store_dir, "store"), rank)) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text:
+                reports.append(f"\nrank {rank} crashed:\n{text}")
+        return "".join(reports)
 
     def _signal(self, number: int) -> None:
         for p in self._procs:

@@ -200,3 +200,23 @@ def test_grad_norm_matches_the_unsharded_model(rank_pools):
     for run in (whole, experts_only):
         assert run.losses == pytest.approx(sharded.losses, rel=1e-6)
         assert run.grad_norms == pytest.approx(sharded.grad_norms, rel=1e-5)
+
+
+def _threads_around_a_run(argv):
+    import os
+
+    def threads():
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+    _train(argv)  # the pool's warm-up: torch's lazily made threads exist from here
+    before = threads()
+    _train(argv)
+    return before, threads()
+
+
+def test_a_finished_run_ends_its_process_groups(rank_pools):
+    """A process that runs job after job (a sweep, a notebook, these tests) does not gather
+    the jobs' groups: each gloo group keeps three threads until it is ended (each NCCL group
+    its communicator's buffers), and a run makes five or so per rank."""
+    for before, after in rank_pools(4).run(_threads_around_a_run, TINY + ["--train-iters", "1"]):
+        assert after <= before, (before, after)

@@ -76,8 +76,9 @@ def _die_with_parent() -> None:
 
 # Between tasks a pool's ranks are stopped (SIGSTOP) and continued (SIGCONT) when the next task
 # comes: each gloo group keeps an event loop that wakes every 10 ms, and the idle ranks of the
-# pools a session keeps took 15-35 % of a core from the tests that ran meanwhile. Nothing of
-# gloo's is in flight between tasks (every rank returned), so a stopped rank loses nothing.
+# pools a session keeps took 15-35 % of a core from the tests that ran meanwhile. Every rank
+# has returned from the task, so none is inside a collective its peers wait on; a stopped
+# process resumes where it stopped.
 
 # gloo keeps about three threads per process group until its process ends (cases build their
 # own groups), and idle ones still cost CPU: 450 threads on each of 4 ranks kept 0.65 of a core

@@ -84,8 +84,20 @@ def test_a_rank_that_dies_is_named_at_once_and_the_pool_starts_afresh(rank_pools
 
 
 def _state(pid):
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0]
+    """A process's state letter (T: stopped, Z: exited, not yet reaped); "gone" once reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def _wait_until(done, seconds=30.0):
+    """Poll ``done()`` until true or ``seconds`` pass (a signal takes effect when the kernel
+    next runs the process)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_a_pool_is_stopped_between_tasks_and_runs_the_next(rank_pools):
@@ -93,9 +105,7 @@ def test_a_pool_is_stopped_between_tasks_and_runs_the_next(rank_pools):
     many groups, kept for the session, would tax every test that runs meanwhile."""
     pool = rank_pools(2)
     pool.run(_allreduce_rank)
-    deadline = time.monotonic() + 30  # a signal takes effect when the kernel next runs the rank
-    while {_state(p.pid) for p in pool._procs} != {"T"} and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_until(lambda: {_state(p.pid) for p in pool._procs} == {"T"})
     assert [_state(p.pid) for p in pool._procs] == ["T", "T"]  # stopped
     assert pool.run(_allreduce_rank) == [(0, 1.0), (1, 1.0)]
 
@@ -115,15 +125,12 @@ def test_a_stopped_pool_ends_with_its_test_process(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
     rank = int(child.stdout.readline())
-    deadline = time.monotonic() + 30
-    while _state(rank) != "T" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_until(lambda: _state(rank) == "T")
     assert _state(rank) == "T"
     child.send_signal(signal.SIGKILL)
     child.wait()
-    while os.path.exists(f"/proc/{rank}") and _state(rank) != "Z" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not os.path.exists(f"/proc/{rank}") or _state(rank) == "Z", _state(rank)
+    _wait_until(lambda: _state(rank) in ("Z", "gone"))
+    assert _state(rank) in ("Z", "gone")
 
 
 def _segfault_on_rank_one():

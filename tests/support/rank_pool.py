@@ -42,7 +42,7 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
     parent = os.getppid()
     _die_with_parent()
     # a crash (a segfault, an abort) leaves every thread's Python stack where the pool reads it
-    faulthandler.enable(open(_fault_file(store_file, rank), "w"))  # noqa: SIM115 (kept open)
+    faulthandler.enable(open(_fault_file(os.path.dirname(store_file), rank), "w"))  # noqa: SIM115
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=len(task_queues))
@@ -61,8 +61,10 @@ def _serve(rank: int, task_queues: list[Any], results: Any, store_file: str) -> 
             results.put((rank, False, traceback.format_exc()))
 
 
-def _fault_file(store_file: str, rank: int) -> str:
-    return os.path.join(os.path.dirname(store_file), f"fault_{rank}.txt")
+def _fault_file(folder: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose store lives in ``folder`` writes a crash's stacks
+    (the file stays open for the rank's life)."""
+    return os.path.join(folder, f"fault_{rank}.txt")
 
 
 def _die_with_parent() -> None:
@@ -191,7 +193,7 @@ class RankPool:
         reports = []
         for rank in ranks:
             try:
-                with open(_fault_file(os.path.join(self._store_dir, "store"), rank)) as f:
+                with open(_fault_file(self._store_dir, rank)) as f:
                     text = f.read().strip()
             except OSError:
                 continue
@@ -201,7 +203,7 @@ class RankPool:
 
     def _signal(self, number: int) -> None:
         for p in self._procs:
-            if p.pid is not None and p.is_alive():
+            if p.is_alive():
                 os.kill(p.pid, number)
 
     def close(self) -> None:
